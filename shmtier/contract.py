@@ -1,0 +1,234 @@
+"""Plain value types of the offloading contract (vLLM 0.33 ``v1/kv_offload/base.py``).
+
+Every process imports these: the scheduler (managers, policies), GPU workers
+(copy worker) and the vLLM adapter, which converts them to vLLM's own classes at
+the boundary. They are plain, picklable and import neither torch nor vLLM.
+
+Keys: an :data:`OffloadKey` is raw ``bytes`` = block hash || uint32 big-endian
+KV-cache group index. Bytes rather than tuples keep the per-key cost low (no GC
+tracking); the helpers below are the only code that knows the layout.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, NamedTuple, TypeVar
+
+import numpy as np
+
+OffloadKey = bytes
+GROUP_SUFFIX_LEN = 4
+
+_T = TypeVar("_T")
+
+
+def make_offload_key(block_hash: bytes, group_idx: int) -> OffloadKey:
+    """Pack ``block_hash`` and ``group_idx`` into one key."""
+    return block_hash + group_idx.to_bytes(GROUP_SUFFIX_LEN, "big", signed=False)
+
+
+def get_offload_block_hash(key: OffloadKey) -> bytes:
+    """The block hash part of ``key`` (all but the last four bytes)."""
+    return key[:-GROUP_SUFFIX_LEN]
+
+
+def get_offload_group_idx(key: OffloadKey) -> int:
+    """The KV-cache group index of ``key`` (its last four bytes, big-endian)."""
+    return int.from_bytes(key[-GROUP_SUFFIX_LEN:], "big", signed=False)
+
+
+class Medium(enum.Enum):
+    """Storage medium of a tier, as reported in events and tier filters."""
+
+    CPU = "CPU"
+    STORAGE = "STORAGE"
+
+
+class Locality(enum.Enum):
+    """Where a tier's storage lives relative to this instance."""
+
+    LOCAL = "LOCAL"
+    REMOTE = "REMOTE"
+
+
+class CacheHitSource(enum.Enum):
+    """Where a hit was served from; ordered from nearest to outermost."""
+
+    DEVICE = "device"
+    HOST = "host"
+    P2P = "p2p"
+    DISK = "disk"
+    EXTERNAL_UNSPECIFIED = "external_unspecified"
+
+
+class TierMatcher(NamedTuple):
+    """Matches a tier when each field is a wildcard (None) on either side or equal."""
+
+    medium: Medium | None = None
+    locality: Locality | None = None
+
+    def matches(self, medium: Medium | None, locality: Locality | None) -> bool:
+        return (self.medium is None or medium is None or self.medium == medium) and (
+            self.locality is None or locality is None or self.locality == locality
+        )
+
+
+@dataclass(frozen=True)
+class TierFilter:
+    """Which secondary tiers may serve loads for a request (``ALL``: any)."""
+
+    matchers: tuple[TierMatcher, ...] = ()
+    ALL: ClassVar["TierFilter"]
+
+    def allows(self, medium: Medium | None, locality: Locality | None) -> bool:
+        if self is TierFilter.ALL:
+            return True
+        return any(m.matches(medium, locality) for m in self.matchers)
+
+
+TierFilter.ALL = TierFilter(matchers=(TierMatcher(),))
+
+
+@dataclass
+class ReqContext:
+    """One request as the managers see it; the same object for every call.
+
+    Two private maps ride along: typed scratch state (``set_state`` stores an
+    object under its type, so a manager or policy can cache per-request data)
+    and the end-token position of every key the scheduler derived, from which
+    head-to-tail order is recovered when stores arrive out of order.
+    """
+
+    req_id: str
+    kv_transfer_params: dict[str, Any] | None = None
+    kv_hints: Any = None
+    load_tier_filter: TierFilter = TierFilter.ALL
+    _state: dict[type, Any] = field(default_factory=dict, repr=False, init=False)
+    _offload_key_positions: dict[OffloadKey, int] = field(
+        default_factory=dict, repr=False, init=False
+    )
+
+    def set_state(self, val: Any) -> None:
+        self._state[type(val)] = val
+
+    def get_state(self, cls: type[_T]) -> _T | None:
+        return self._state.get(cls)
+
+    def set_offload_key_position(self, key: OffloadKey, end_token: int) -> None:
+        self._offload_key_positions[key] = end_token
+
+    def get_offload_key_position(self, key: OffloadKey) -> int | None:
+        return self._offload_key_positions.get(key)
+
+
+class LookupResult(enum.Enum):
+    """``HIT``: readable now. ``HIT_PENDING``: present, not yet readable (ask
+    again). ``RETRY``: location not known yet (ask again). ``MISS``: absent."""
+
+    MISS = enum.auto()
+    HIT = enum.auto()
+    HIT_PENDING = enum.auto()
+    RETRY = enum.auto()
+
+
+class OffloadPolicy(enum.Enum):
+    """Per-request offload scope."""
+
+    CHUNK_LEVEL = "chunk_level"
+    REQUEST_LEVEL = "request_level"
+
+
+@dataclass
+class RequestOffloadingContext:
+    """What ``on_new_request`` returns."""
+
+    policy: OffloadPolicy = OffloadPolicy.CHUNK_LEVEL
+
+
+class ScheduleEndContext(NamedTuple):
+    """Argument of ``on_schedule_end``: requests new and preempted this step."""
+
+    new_req_ids: Any
+    preempted_req_ids: Any
+
+
+class LoadStoreSpec:
+    """Opaque description of where a transfer reads or writes."""
+
+
+class BlockIDsLoadStoreSpec(LoadStoreSpec):
+    """A spec addressing blocks by integer id (kept as an ``np.int32`` array)."""
+
+    def __init__(self, block_ids: Any):
+        self.block_ids = np.asarray(block_ids, dtype=np.int32)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.block_ids.tolist()})"
+
+
+class GPULoadStoreSpec(BlockIDsLoadStoreSpec):
+    """GPU side of a transfer: block ids ordered by KV group.
+
+    ``group_sizes[g]`` blocks belong to group ``g`` (they sum to
+    ``len(block_ids)``); ``block_indices[g]`` is the logical index, within the
+    request and counted in GPU blocks, of group ``g``'s first block, so the
+    copier can skip the leading part of a chunk that starts mid-chunk.
+    """
+
+    def __init__(self, block_ids: Any, group_sizes: Any, block_indices: Any):
+        super().__init__(block_ids)
+        self.group_sizes = tuple(int(s) for s in group_sizes)
+        self.block_indices = tuple(int(i) for i in block_indices)
+        if sum(self.group_sizes) != len(self.block_ids):
+            raise ValueError(
+                f"group_sizes {self.group_sizes} sum to {sum(self.group_sizes)}, "
+                f"but there are {len(self.block_ids)} block ids"
+            )
+        if len(self.block_indices) != len(self.group_sizes):
+            raise ValueError(
+                f"block_indices has {len(self.block_indices)} entries, "
+                f"group_sizes has {len(self.group_sizes)}: need one per group"
+            )
+
+
+class CPULoadStoreSpec(BlockIDsLoadStoreSpec):
+    """CPU side of a transfer: ids are arena row (chunk slot) indices."""
+
+    @property
+    def chunk_ids(self) -> np.ndarray:
+        return self.block_ids
+
+
+@dataclass
+class PrepareStoreOutput:
+    keys_to_store: list[OffloadKey]
+    store_spec: LoadStoreSpec
+    evicted_keys: list[OffloadKey]
+
+
+@dataclass
+class OffloadingEvent:
+    """Keys stored in or removed from one tier.
+
+    ``ownership`` names the secondary tier (None for the primary);
+    ``metadata_only`` marks clean-up after a failed store, not a public eviction.
+    """
+
+    keys: list[OffloadKey]
+    medium: Medium
+    removed: bool
+    locality: Locality | None = None
+    ownership: str | None = None
+    removal_expected: bool = False
+    metadata_only: bool = False
+
+
+@dataclass
+class TransferResult:
+    """One finished copy job as a GPU worker reports it."""
+
+    job_id: int
+    success: bool
+    transfer_size: int | None = None
+    transfer_time: float | None = None

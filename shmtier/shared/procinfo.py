@@ -1,0 +1,50 @@
+"""Process identity that survives pid reuse: (pid, start time, boot id)."""
+
+from __future__ import annotations
+
+import os
+import uuid
+
+_BOOT_ID_PATH = "/proc/sys/kernel/random/boot_id"
+
+
+def boot_id() -> bytes:
+    """16 bytes identifying this boot of the machine (zeros if unknown)."""
+    try:
+        with open(_BOOT_ID_PATH) as f:
+            return uuid.UUID(f.read().strip()).bytes
+    except (OSError, ValueError):
+        return bytes(16)
+
+
+def start_time(pid: int) -> int | None:
+    """Start time of ``pid`` in clock ticks since boot, or None if it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    # The command name may contain spaces and parentheses: split after the last ')'.
+    fields = stat[stat.rindex(b")") + 2 :].split()
+    return int(fields[19])  # field 22 of stat(5); fields[0] is field 3
+
+
+def is_alive(pid: int, started: int, boot: bytes) -> bool:
+    """True if the process recorded as (pid, started, boot) is still running."""
+    if pid <= 0 or boot != boot_id():
+        return False
+    now = start_time(pid)
+    if now is None or now != started:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            state = f.read().rsplit(b")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state not in (b"Z", b"X")  # a zombie holds no mapping any more
+
+
+def me() -> tuple[int, int]:
+    """(pid, start time) of the calling process."""
+    pid = os.getpid()
+    return pid, start_time(pid) or 0

@@ -1,0 +1,510 @@
+"""One POSIX shared-memory segment per engine: create, join, claim, close.
+
+Who calls: the scheduler process opens the segment as its *owner*; GPU worker
+processes and tier workers open it as *members*. Any of them may arrive first.
+
+Join protocol (all roles)::
+
+    shm_open(O_CREAT | O_EXCL, 0600) ── wins ──▶ creator: ftruncate, write header
+            │                                    and chunk table, pre-fault,
+            │ exists                             then set state READY (last)
+            ▼
+    shm_open(existing) ──▶ wait (poll 5 ms, bounded) until state == READY,
+                           creator died or gave up (state FAILED / name unlinked)
+                           ──▶ check geometry + fingerprint (mismatch names both)
+
+A segment whose owner (or, before any owner claimed it, whose creator) is dead
+is *stale*. Opening a stale segment replaces it with a fresh one; an owner
+opening with ``warm_restart=True`` re-attaches to it instead when geometry and
+fingerprint match, so a restarted scheduler finds what the old one stored.
+
+Lifetime: the owner unlinks the name on ``close()``; a member that created the
+segment and closes before any owner claimed it unlinks too. Mappings stay valid
+in processes that still hold them. ``clean_stale_segments()`` (``shmtier
+clean``) removes what crashed processes left behind.
+
+May block: ``open_segment`` waits up to ``timeout_s`` for a creator; nothing else
+blocks.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import mmap
+import os
+import re
+import struct
+import time
+from dataclasses import dataclass
+
+import posix_ipc
+
+from shmtier.shared import procinfo
+from shmtier.shared.chunk_table import GENERATION, ChunkTable
+from shmtier.shared.layout import HEADER_SIZE, PAGE_SIZE, ArenaGeometry, SegmentLayout
+
+logger = logging.getLogger(__name__)
+
+MAGIC = b"SHMTIER\x00"
+LAYOUT_VERSION = 1
+NAME_PREFIX = "shmtier_"
+SHM_DIR = "/dev/shm"
+MADV_POPULATE_WRITE = 23  # Linux >= 5.14
+
+INITIALISING, READY, FAILED = 0, 1, 2
+
+# magic, version, state | geometry | layout offsets | creator, owner | boot, fingerprint
+_HEADER = struct.Struct("<8sII" "QQQII" "QQQQQQQ" "IQIQQ" "16s32sH")
+_STATE_OFFSET = 12
+_FINGERPRINT_TEXT_OFFSET = _HEADER.size
+_FINGERPRINT_TEXT_MAX = HEADER_SIZE - _FINGERPRINT_TEXT_OFFSET
+_OWNER = struct.Struct("<IQ")  # owner pid, owner start time
+_OWNER_OFFSET = struct.calcsize("<8sII" "QQQII" "QQQQQQQ" "IQ")
+_GENERATION = struct.Struct("<Q")
+_GENERATION_OFFSET = _OWNER_OFFSET + _OWNER.size
+
+
+class SegmentError(RuntimeError):
+    """Base class of every segment failure."""
+
+
+class SegmentMismatchError(SegmentError):
+    """The segment exists with another geometry or fingerprint than this process expects."""
+
+
+class SegmentTimeoutError(SegmentError):
+    """The creator did not finish initialising the segment in time."""
+
+
+class SegmentOwnedError(SegmentError):
+    """Another live scheduler owns the segment of this engine id."""
+
+
+def segment_name(engine_id: str) -> str:
+    """The POSIX shm name of ``engine_id``'s segment (with leading slash)."""
+    safe = re.sub(r"[^A-Za-z0-9_.-]", "_", engine_id)
+    if safe != engine_id or len(safe) > 180:
+        digest = hashlib.sha256(engine_id.encode()).hexdigest()[:12]
+        safe = f"{safe[:160]}-{digest}"
+    return f"/{NAME_PREFIX}{safe}"
+
+
+def fingerprint_digest(fingerprint: str) -> bytes:
+    return hashlib.sha256(fingerprint.encode()).digest()
+
+
+@dataclass(frozen=True)
+class SegmentHeader:
+    """Decoded header of a segment."""
+
+    magic: bytes
+    layout_version: int
+    state: int
+    geometry: ArenaGeometry | None
+    control_off: int
+    control_len: int
+    rings_off: int
+    rings_len: int
+    arena_off: int
+    arena_len: int
+    total_len: int
+    creator_pid: int
+    creator_start: int
+    owner_pid: int
+    owner_start: int
+    generation: int
+    boot_id: bytes
+    fingerprint_digest: bytes
+    fingerprint: str
+
+    @classmethod
+    def decode(cls, buf) -> "SegmentHeader":
+        (
+            magic, version, state,
+            num_chunks, row_stride, page_size, world_size, key_width,
+            control_off, control_len, rings_off, rings_len, arena_off, arena_len, total_len,
+            creator_pid, creator_start, owner_pid, owner_start, generation,
+            boot, digest, fp_len,
+        ) = _HEADER.unpack_from(buf, 0)
+        text = bytes(buf[_FINGERPRINT_TEXT_OFFSET : _FINGERPRINT_TEXT_OFFSET + fp_len])
+        try:
+            geometry = ArenaGeometry(num_chunks, row_stride, page_size, world_size, key_width)
+        except ValueError:
+            geometry = None
+        return cls(
+            magic, version, state, geometry,
+            control_off, control_len, rings_off, rings_len, arena_off, arena_len, total_len,
+            creator_pid, creator_start, owner_pid, owner_start, generation,
+            boot, digest, text.decode(errors="replace"),
+        )
+
+    def owner_alive(self) -> bool:
+        if self.owner_pid:
+            return procinfo.is_alive(self.owner_pid, self.owner_start, self.boot_id)
+        return procinfo.is_alive(self.creator_pid, self.creator_start, self.boot_id)
+
+
+def _encode_header(layout: SegmentLayout, fingerprint: str) -> bytes:
+    g = layout.geometry
+    pid, started = procinfo.me()
+    text = fingerprint.encode()[:_FINGERPRINT_TEXT_MAX]
+    head = _HEADER.pack(
+        MAGIC, LAYOUT_VERSION, INITIALISING,
+        g.num_chunks, g.row_stride, g.page_size_per_worker, g.world_size, g.key_width,
+        layout.control_off, layout.control_len, layout.rings_off, layout.rings_len,
+        layout.arena_off, layout.arena_len, layout.total_len,
+        pid, started, 0, 0, 0,
+        procinfo.boot_id(), fingerprint_digest(fingerprint), len(text),
+    )
+    return head + text
+
+
+def _prefault(buf: mmap.mmap, start: int, length: int) -> None:
+    """Fault in [start, start+length) for writing, keeping existing bytes."""
+    if length <= 0:
+        return
+    start_aligned = start - start % PAGE_SIZE
+    length = length + (start - start_aligned)
+    try:
+        buf.madvise(MADV_POPULATE_WRITE, start_aligned, length)
+        return
+    except (OSError, ValueError, AttributeError):
+        pass
+    # Older kernels: touch one byte per page, OR-ing 0 so a peer's data survives.
+    view = memoryview(buf)[start_aligned : start_aligned + length]
+    try:
+        for offset in range(0, length, PAGE_SIZE):
+            view[offset] |= 0
+    finally:
+        view.release()
+
+
+class Segment:
+    """An open mapping of one engine's segment.
+
+    Attributes: ``name``, ``layout`` (areas and geometry), ``is_creator``,
+    ``is_owner``, ``table`` (the :class:`ChunkTable` over the control area),
+    ``arena`` (a flat writable memoryview of all rows), ``rings`` (memoryview
+    of the ring area), ``header()`` for a fresh decode. Close with ``close()``
+    or use as a context manager.
+    """
+
+    def __init__(self, name: str, buf: mmap.mmap, inode: int, layout: SegmentLayout,
+                 *, is_creator: bool, is_owner: bool):
+        self.name = name
+        self.layout = layout
+        self.is_creator = is_creator
+        self.is_owner = is_owner
+        self._buf = buf
+        self._inode = inode
+        self._view = memoryview(buf)
+        g = layout.geometry
+        self.table = ChunkTable(
+            self._view[layout.control_off : layout.control_off + layout.control_len],
+            g.num_chunks, g.key_width,
+        )
+        self.arena = self._view[layout.arena_off : layout.arena_off + layout.arena_len]
+        self.rings = self._view[layout.rings_off : layout.rings_off + layout.rings_len]
+        self.closed = False
+
+    @property
+    def geometry(self) -> ArenaGeometry:
+        return self.layout.geometry
+
+    @property
+    def path(self) -> str:
+        return os.path.join(SHM_DIR, self.name.lstrip("/"))
+
+    def header(self) -> SegmentHeader:
+        return SegmentHeader.decode(self._view)
+
+    def arena_rows(self) -> memoryview:
+        """Zero-copy 2-D byte view ``(num_chunks, row_stride)`` of the arena."""
+        g = self.geometry
+        return self.arena.cast("B", (g.num_chunks, g.row_stride)) if g.num_chunks else self.arena
+
+    def prefault(self, rank: int | None = None) -> None:
+        """Fault in the arena: all of it (rank None) or only ``rank``'s slot of every row."""
+        g, off = self.geometry, self.layout.arena_off
+        if rank is None or g.world_size == 1 and g.page_size_per_worker >= g.row_stride - PAGE_SIZE:
+            _prefault(self._buf, off, self.layout.arena_len)
+            return
+        slot = g.page_size_per_worker
+        for row in range(g.num_chunks):
+            _prefault(self._buf, off + row * g.row_stride + rank * slot, slot)
+
+    def claim_ownership(self) -> None:
+        """Record this process as owner; bumps the generation (scheduler only)."""
+        pid, started = procinfo.me()
+        _OWNER.pack_into(self._view, _OWNER_OFFSET, pid, started)
+        generation = self.header().generation + 1
+        _GENERATION.pack_into(self._view, _GENERATION_OFFSET, generation)
+        self.table.counters[GENERATION] = generation
+        self.is_owner = True
+
+    def _unclaimed(self) -> bool:
+        return self.header().owner_pid == 0
+
+    def unlink(self) -> None:
+        """Remove the name if it still refers to this segment (never a newer one)."""
+        try:
+            if os.stat(self.path).st_ino != self._inode:
+                return
+            posix_ipc.unlink_shared_memory(self.name)
+        except (FileNotFoundError, posix_ipc.ExistentialError):
+            pass
+
+    def close(self) -> None:
+        """Unmap; the owner (or an unclaimed creator) also unlinks the name.
+
+        If something outside this object still exports the mapping (a torch
+        tensor over the arena), the mapping stays until that is released.
+        """
+        if self.closed:
+            return
+        self.closed = True
+        if self.is_owner or (self.is_creator and self._unclaimed()):
+            self.unlink()
+        self.table.release()
+        for view in (self.arena, self.rings, self._view):
+            try:
+                view.release()
+            except BufferError:
+                pass
+        try:
+            self._buf.close()
+        except BufferError:
+            logger.debug("segment %s still exported; unmapped when released", self.name)
+
+    def __enter__(self) -> "Segment":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _check_compatible(name: str, header: SegmentHeader, layout: SegmentLayout,
+                      fingerprint: str) -> None:
+    """Raise SegmentMismatchError naming each field that differs (both values)."""
+    if header.magic != MAGIC:
+        raise SegmentMismatchError(f"segment {name} is not a shmtier segment (magic {header.magic!r})")
+    if header.layout_version != LAYOUT_VERSION:
+        raise SegmentMismatchError(
+            f"segment {name}: layout version is {header.layout_version} in the segment, "
+            f"{LAYOUT_VERSION} expected by this process"
+        )
+    mine, theirs = layout.geometry, header.geometry
+    diffs = []
+    for field in ("num_chunks", "row_stride", "page_size_per_worker", "world_size", "key_width"):
+        have = getattr(theirs, field, None) if theirs else None
+        want = getattr(mine, field)
+        if have != want:
+            diffs.append(f"{field} is {have} in the segment, {want} expected by this process")
+    if header.fingerprint_digest != fingerprint_digest(fingerprint):
+        diffs.append(
+            f"layout fingerprint is {header.fingerprint!r} in the segment, "
+            f"{fingerprint!r} expected by this process"
+        )
+    if diffs:
+        raise SegmentMismatchError(f"segment {name}: " + "; ".join(diffs))
+
+
+def _create(name: str, shm: posix_ipc.SharedMemory, layout: SegmentLayout, fingerprint: str,
+            prefault_rank: int | None, prefault: bool) -> Segment:
+    buf = None
+    try:
+        os.ftruncate(shm.fd, layout.total_len)
+        inode = os.fstat(shm.fd).st_ino
+        buf = mmap.mmap(shm.fd, layout.total_len)
+        buf[0 : HEADER_SIZE] = _encode_header(layout, fingerprint).ljust(HEADER_SIZE, b"\0")
+        segment = Segment(name, buf, inode, layout, is_creator=True, is_owner=False)
+        if prefault:
+            segment.prefault(prefault_rank)
+        struct.pack_into("<I", buf, _STATE_OFFSET, READY)  # last: joiners wait on it
+        return segment
+    except BaseException:
+        if buf is not None:
+            try:
+                struct.pack_into("<I", buf, _STATE_OFFSET, FAILED)
+                buf.close()
+            except (BufferError, ValueError):
+                pass
+        try:
+            posix_ipc.unlink_shared_memory(name)
+        except posix_ipc.ExistentialError:
+            pass
+        raise
+    finally:
+        shm.close_fd()
+
+
+def _read_header(fd: int) -> SegmentHeader | None:
+    if os.fstat(fd).st_size < HEADER_SIZE:
+        return None
+    return SegmentHeader.decode(os.pread(fd, HEADER_SIZE, 0))
+
+
+def open_segment(
+    engine_id: str,
+    geometry: ArenaGeometry,
+    fingerprint: str,
+    *,
+    owner: bool,
+    rank: int | None = None,
+    warm_restart: bool = False,
+    prefault: bool = True,
+    timeout_s: float = 30.0,
+) -> Segment:
+    """Create or join the segment of ``engine_id`` (see the module docstring).
+
+    ``owner=True`` for the scheduler (claims ownership, unlinks on close);
+    members pass their GPU ``rank`` so only their slot of each row is
+    pre-faulted. Raises :class:`SegmentMismatchError`, :class:`SegmentOwnedError`
+    or :class:`SegmentTimeoutError` with a message naming the segment and values.
+    """
+    name = segment_name(engine_id)
+    layout = SegmentLayout.for_geometry(geometry)
+    deadline = time.monotonic() + timeout_s
+    prefault_rank = None if owner else rank
+    while True:
+        try:
+            shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=0o600, size=0)
+        except posix_ipc.ExistentialError:
+            pass
+        else:
+            segment = _create(name, shm, layout, fingerprint, prefault_rank, prefault)
+            if owner:
+                segment.claim_ownership()
+            return segment
+        try:
+            shm = posix_ipc.SharedMemory(name)
+        except posix_ipc.ExistentialError:
+            continue  # unlinked between our two opens: race again for creation
+        try:
+            outcome = _join(name, shm.fd, layout, fingerprint, owner=owner,
+                            warm_restart=warm_restart, deadline=deadline, timeout_s=timeout_s)
+            if outcome is None:
+                continue  # stale or abandoned segment was removed: start over
+            buf, inode = outcome
+        finally:
+            shm.close_fd()
+        segment = Segment(name, buf, inode, layout, is_creator=False, is_owner=False)
+        if owner:
+            segment.claim_ownership()
+        if prefault and not owner:
+            segment.prefault(rank)
+        return segment
+
+
+def _join(name: str, fd: int, layout: SegmentLayout, fingerprint: str, *, owner: bool,
+          warm_restart: bool, deadline: float, timeout_s: float):
+    """Wait for the segment behind ``fd`` to be ready and map it.
+
+    Returns (mmap, inode), or None when the segment was stale/abandoned and its
+    name has been removed (the caller retries creation).
+    """
+    while True:
+        st = os.fstat(fd)
+        if st.st_nlink == 0:
+            return None  # creator gave up and unlinked it
+        header = _read_header(fd)
+        if header is not None and header.state == FAILED:
+            _unlink_if_same(name, st.st_ino)
+            return None
+        if header is not None and header.state == READY:
+            break
+        if header is not None and not procinfo.is_alive(
+            header.creator_pid, header.creator_start, header.boot_id
+        ):
+            logger.warning("segment %s: creator pid %d died while initialising; replacing it",
+                           name, header.creator_pid)
+            _unlink_if_same(name, st.st_ino)
+            return None
+        if time.monotonic() > deadline:
+            creator = f"creator pid {header.creator_pid}" if header else "its creator"
+            raise SegmentTimeoutError(
+                f"segment {name}: {creator} did not finish initialising it within "
+                f"{timeout_s:g} s (raise the timeout or remove it with `shmtier clean`)"
+            )
+        time.sleep(0.005)
+
+    if not header.owner_alive():
+        if owner and warm_restart:
+            _check_compatible(name, header, layout, fingerprint)
+            logger.info("segment %s: re-attaching after owner pid %d died (warm restart)",
+                        name, header.owner_pid)
+        else:
+            logger.info("segment %s is stale (owner pid %d dead); replacing it",
+                        name, header.owner_pid or header.creator_pid)
+            _unlink_if_same(name, st.st_ino)
+            return None
+    elif owner and header.owner_pid and header.owner_pid != os.getpid():
+        raise SegmentOwnedError(
+            f"segment {name} is owned by live scheduler pid {header.owner_pid}; "
+            f"is another engine running with the same engine id?"
+        )
+    _check_compatible(name, header, layout, fingerprint)
+    if st.st_size < layout.total_len:
+        raise SegmentMismatchError(
+            f"segment {name}: size is {st.st_size} bytes, {layout.total_len} expected"
+        )
+    return mmap.mmap(fd, layout.total_len), st.st_ino
+
+
+def _unlink_if_same(name: str, inode: int) -> None:
+    try:
+        if os.stat(os.path.join(SHM_DIR, name.lstrip("/"))).st_ino == inode:
+            posix_ipc.unlink_shared_memory(name)
+    except (FileNotFoundError, posix_ipc.ExistentialError):
+        pass
+
+
+@dataclass(frozen=True)
+class SegmentStatus:
+    name: str
+    size: int
+    owner_pid: int
+    creator_pid: int
+    alive: bool
+    fingerprint: str
+
+
+def list_segments() -> list[SegmentStatus]:
+    """Every shmtier segment on this host, with whether its owner still runs."""
+    found = []
+    try:
+        entries = sorted(os.listdir(SHM_DIR))
+    except FileNotFoundError:
+        return found
+    for entry in entries:
+        if not entry.startswith(NAME_PREFIX):
+            continue
+        path = os.path.join(SHM_DIR, entry)
+        try:
+            with open(path, "rb") as f:
+                raw = f.read(HEADER_SIZE)
+                size = os.fstat(f.fileno()).st_size
+        except OSError:
+            continue
+        if len(raw) < HEADER_SIZE:
+            found.append(SegmentStatus("/" + entry, size, 0, 0, False, ""))
+            continue
+        header = SegmentHeader.decode(raw)
+        found.append(SegmentStatus("/" + entry, size, header.owner_pid, header.creator_pid,
+                                   header.owner_alive(), header.fingerprint))
+    return found
+
+
+def clean_stale_segments() -> list[str]:
+    """Unlink every shmtier segment whose owner (or creator) is dead; returns their names."""
+    removed = []
+    for status in list_segments():
+        if status.alive:
+            continue
+        try:
+            posix_ipc.unlink_shared_memory(status.name)
+            removed.append(status.name)
+        except posix_ipc.ExistentialError:
+            pass
+    return removed
