@@ -96,6 +96,12 @@ class ChunkTable:
             setattr(self, name, view)
             offset += _round_up(nbytes)
 
+    @classmethod
+    def private(cls, num_chunks: int, key_width: int) -> "ChunkTable":
+        """A table in process memory (a CPU tier without a shared segment)."""
+        return cls(memoryview(bytearray(control_nbytes(num_chunks, key_width))),
+                   num_chunks, key_width)
+
     # --- keys ---
 
     def write_key(self, row: int, key: bytes) -> None:

@@ -1,0 +1,1 @@
+"""Code that runs in the scheduler process (vLLM's EngineCore): managers and policies."""

@@ -1,0 +1,198 @@
+"""LRU with logical recency independent of pinning (vLLM 0.33 ``lru`` behaviour).
+
+Every resident chunk has a rank ``(major, minor)``; the smallest rank is
+evicted first. A request gets one *request rank* (major) the first time the
+policy needs it; its keys with a known end position rank ``(request_rank,
+-position)``, so within a request tail chunks are older than head chunks.
+Finishing a request gives all its keys fresh ranks tail -> head (the head
+becomes the most recent). ``touch`` gives fresh ranks in reverse order.
+
+State in the segment: ``rank_major``/``rank_minor`` per row and the ``NEXT_RANK``
+counter. In process: the evictable set and a lazy min-heap of (rank, key)
+whose stale entries are skipped at pop time and compacted when the heap grows
+past twice the evictable set.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from shmtier.contract import OffloadKey, ReqContext
+from shmtier.scheduler.policies.base import ChunkStatus, SegmentBackedPolicy, order_request_keys
+from shmtier.shared.chunk_table import NEXT_RANK
+
+_MIN_REBUILD = 64
+
+
+@dataclass(slots=True)
+class _RequestRank:
+    owner: object
+    cache_generation: int
+    rank: int
+
+
+class LRUCachePolicy(SegmentBackedPolicy):
+    def __init__(self, cache_capacity: int):
+        super().__init__(cache_capacity)
+        self._evictable: set[OffloadKey] = set()
+        self._heap: list[tuple[tuple[int, int], OffloadKey]] = []
+        self._cache_generation = 0
+
+    def bind(self, table, rows) -> None:
+        super().bind(table, rows)
+        self._major = table.rank_major
+        self._minor = table.rank_minor
+        self._counters = table.counters
+
+    # --- ranks ---
+
+    def _fresh_rank(self) -> int:
+        counters = self._counters
+        counters[NEXT_RANK] += 1
+        return counters[NEXT_RANK]
+
+    def _rank(self, row: int) -> tuple[int, int]:
+        return (self._major[row], self._minor[row])
+
+    def _request_rank(self, req_context: ReqContext) -> int:
+        state = req_context.get_state(_RequestRank)
+        if state is None or state.owner is not self or state.cache_generation != self._cache_generation:
+            state = _RequestRank(self, self._cache_generation, self._fresh_rank())
+            req_context.set_state(state)
+        return state.rank
+
+    def _update_recency(self, keys: Iterable[OffloadKey]) -> None:
+        rows, major, minor, evictable = self.rows, self._major, self._minor, self._evictable
+        updated = []
+        for key in keys:
+            row = rows.get(key)
+            if row is None:
+                continue
+            major[row] = self._fresh_rank()
+            minor[row] = 0
+            if key in evictable:
+                updated.append(key)
+        self._update_heap(updated)
+
+    def _update_heap(self, updated: Sequence[OffloadKey]) -> None:
+        if not updated:
+            return
+        # A heapify is linear: cheaper than many pushes for a long prefix.
+        if len(updated) >= max(_MIN_REBUILD, len(self._evictable) // 4):
+            self._rebuild_heap()
+        else:
+            rows = self.rows
+            for key in updated:
+                heapq.heappush(self._heap, (self._rank(rows[key]), key))
+            self._maybe_compact_heap()
+
+    def _rebuild_heap(self) -> None:
+        rows = self.rows
+        self._heap = [(self._rank(rows[key]), key) for key in self._evictable]
+        heapq.heapify(self._heap)
+
+    def _maybe_compact_heap(self) -> None:
+        if len(self._heap) >= max(_MIN_REBUILD, 2 * len(self._evictable)):
+            self._rebuild_heap()
+
+    def _is_current(self, entry: tuple[tuple[int, int], OffloadKey]) -> bool:
+        rank, key = entry
+        if key not in self._evictable:
+            return False
+        return self._rank(self.rows[key]) == rank
+
+    # --- CachePolicy ---
+
+    def insert(self, key: OffloadKey, chunk: ChunkStatus, req_context: ReqContext) -> None:
+        row = chunk.chunk_id
+        position = req_context.get_offload_key_position(key)
+        if position is None:
+            self._major[row] = self._fresh_rank()
+            self._minor[row] = 0
+        else:
+            self._major[row] = self._request_rank(req_context)
+            self._minor[row] = -position
+        if chunk.ref_cnt == 0:
+            self._evictable.add(key)
+            heapq.heappush(self._heap, (self._rank(row), key))
+
+    def remove(self, key: OffloadKey) -> None:
+        self._evictable.discard(key)
+
+    def touch(self, keys: Iterable[OffloadKey], req_context: ReqContext) -> None:
+        self._update_recency(reversed(list(keys)))
+
+    def on_request_access(self, keys: Iterable[OffloadKey], req_context: ReqContext) -> None:
+        request_rank = self._request_rank(req_context)
+        rows, major, minor, evictable = self.rows, self._major, self._minor, self._evictable
+        updated = []
+        for key in keys:
+            position = req_context.get_offload_key_position(key)
+            if position is None:
+                continue
+            row = rows.get(key)
+            if row is None:
+                continue
+            if (major[row], minor[row]) >= (request_rank, -position):
+                continue
+            major[row] = request_rank
+            minor[row] = -position
+            if key in evictable:
+                updated.append(key)
+        self._update_heap(updated)
+
+    def on_request_finished(self, key_groups, insertion_only_keys, reused_keys, req_context) -> None:
+        self._update_recency(reversed(order_request_keys(key_groups, req_context)))
+
+    def clear(self) -> None:
+        self._evictable.clear()
+        self._heap.clear()
+        self._counters[NEXT_RANK] = 0
+        self._cache_generation += 1
+
+    def evict(self, n: int, protected: set[OffloadKey]) -> list[tuple[OffloadKey, ChunkStatus]] | None:
+        if n == 0:
+            return []
+        heap, rows = self._heap, self.rows
+        selected: list[tuple[tuple[int, int], OffloadKey]] = []
+        selected_keys: set[OffloadKey] = set()
+        deferred = []
+        while heap and len(selected) < n:
+            entry = heapq.heappop(heap)
+            if not self._is_current(entry):
+                continue
+            key = entry[1]
+            if key in selected_keys:  # a re-pin without rank change leaves a twin entry
+                continue
+            if key in protected:
+                deferred.append(entry)
+                continue
+            selected.append(entry)
+            selected_keys.add(key)
+        if len(selected) < n:
+            for entry in selected:
+                heapq.heappush(heap, entry)
+            for entry in deferred:
+                heapq.heappush(heap, entry)
+            return None
+        for entry in deferred:
+            heapq.heappush(heap, entry)
+        self._evictable.difference_update(selected_keys)
+        victims = [(key, ChunkStatus(rows[key], self._refcnt)) for _, key in selected]
+        self._maybe_compact_heap()
+        return victims
+
+    def mark_evictable(self, key: OffloadKey) -> None:
+        self._evictable.add(key)
+        heapq.heappush(self._heap, (self._rank(self.rows[key]), key))
+        self._maybe_compact_heap()
+
+    def mark_non_evictable(self, key: OffloadKey) -> None:
+        self._evictable.remove(key)
+
+    def rebuild(self) -> None:
+        refcnt = self._refcnt
+        self._evictable = {key for key, row in self.rows.items() if refcnt[row] == 0}
+        self._rebuild_heap()

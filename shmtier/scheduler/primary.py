@@ -1,0 +1,475 @@
+"""The CPU primary tier: chunk slots in the segment arena, ref counts, eviction.
+
+Who calls: the scheduler process only (vLLM's connector scheduler half, or the
+tiering manager), holding the manager's lock as the offloading contract
+requires (contract §1.4). No method blocks or does I/O.
+
+Semantics are vLLM 0.33's ``CPUOffloadingManager`` (contract §3.2): ref counts
+-1 (write pending) / 0 (ready, evictable) / n (pinned by n readers); fresh
+slots before reused ones (LIFO free list); ``prepare_store`` returns None when
+eviction cannot free enough and never evicts a key of the current offer;
+events for stores and evictions (metadata-only on a failed store, none on
+reset).
+
+State: the chunk table in the segment (key, ref count, policy state per row,
+the high-water mark of allocated rows) is the source of truth. In process
+memory live only accelerators, rebuilt from the table by ``attach=True``: the
+``key -> row`` dict, the free list, counters, and the policy's heaps/lists.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Collection, Iterable, Iterator, Sequence
+from contextlib import nullcontext
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+
+from shmtier import metrics
+from shmtier.contract import (
+    CacheHitSource,
+    CPULoadStoreSpec,
+    LookupResult,
+    Medium,
+    OffloadingEvent,
+    OffloadKey,
+    PrepareStoreOutput,
+    ReqContext,
+    RequestOffloadingContext,
+    ScheduleEndContext,
+    get_offload_group_idx,
+)
+from shmtier.scheduler.policies.base import ChunkStatus, SegmentBackedPolicy
+from shmtier.scheduler.policies.factory import CachePolicyFactory
+from shmtier.shared.chunk_table import NUM_ALLOCATED, ChunkTable, KeyTooLongError
+from shmtier.shared.segment import Segment
+
+_EMPTY_SPEC_IDS: list[int] = []
+
+
+@dataclass(slots=True)
+class _RequestCacheAccess:
+    """Keys one request touched in this cache generation, for the policy's
+    end-of-request hook. A key this request inserted and later re-read (a
+    cascade or promotion) is not a reuse."""
+
+    owner: object
+    cache_generation: int
+    key_groups: dict[int, list[OffloadKey]] = field(default_factory=dict)
+    seen_keys: set[OffloadKey] = field(default_factory=set)
+    inserted_keys: set[OffloadKey] = field(default_factory=set)
+    reused_keys: set[OffloadKey] = field(default_factory=set)
+    store_miss_keys: set[OffloadKey] = field(default_factory=set)
+    finished: bool = False
+
+
+class CPUOffloadingManager:
+    """CPU tier manager over a chunk table (in a segment, or private).
+
+    ``cache_policy`` names a registered policy (``lru``, ``arc``) or, with
+    ``cache_policy_module_path``, an out-of-tree class. ``store_threshold`` >= 2
+    stores a chunk only after that many offers (tracked for up to
+    ``max_tracker_size`` keys). ``attach=True`` adopts what the table already
+    holds instead of clearing it (see ``_adopt_table``).
+    """
+
+    medium = Medium.CPU
+
+    def __init__(
+        self,
+        table: ChunkTable,
+        cache_policy: str = "lru",
+        cache_policy_module_path: str | None = None,
+        enable_events: bool = False,
+        store_threshold: int = 1,
+        max_tracker_size: int = 64_000,
+        info: metrics.ConfigInfo | None = None,
+        *,
+        attach: bool = False,
+    ):
+        policy_cls = CachePolicyFactory.get_cache_policy_cls(cache_policy, cache_policy_module_path)
+        self._table = table
+        self._num_chunks = table.num_chunks
+        self._key_width = table.key_width
+        self._refcnt = table.refcnt
+        self._counters = table.counters
+        self._rows: dict[OffloadKey, int] = {}
+        self._free_list: list[int] = []
+        self._config_info = info.as_config_info() if info is not None else {}
+        self.events: list[OffloadingEvent] | None = [] if enable_events else None
+        self._policy = policy_cls(cache_capacity=self._num_chunks)
+        if isinstance(self._policy, SegmentBackedPolicy):
+            self._policy.bind(table, self._rows)
+        self._num_evictable = 0
+        self._num_write_pending = 0
+        self._cache_generation = 0
+        self.store_threshold = store_threshold
+        self.max_tracker_size = max_tracker_size
+        self.stores_skipped_in_current_batch = 0
+        self.allocation_sizes_in_current_batch: list[int] = []
+        self.counts: OrderedDict[OffloadKey, int] | None = (
+            OrderedDict() if store_threshold >= 2 else None
+        )
+        if attach:
+            self._adopt_table()
+        else:
+            table.clear()
+
+    @property
+    def lock(self):
+        """No-op: a plain CPU manager is driven from one thread (contract §1.4)."""
+        return nullcontext()
+
+    # --- rows ---
+
+    def _adopt_table(self) -> None:
+        """Rebuild the accelerators from a table written by an earlier owner.
+
+        Writes that were pending when that owner died will never complete, so
+        their rows are freed; pins held by its jobs are dropped.
+        """
+        table, refcnt = self._table, self._refcnt
+        key_len = table.numpy("key_len")
+        for row in np.flatnonzero(key_len).tolist():
+            if refcnt[row] < 0:
+                key_len[row] = 0
+                continue
+            refcnt[row] = 0
+            self._rows[table.read_key(row)] = row
+        del key_len
+        allocated = self._counters[NUM_ALLOCATED]
+        used = set(self._rows.values())
+        self._free_list = [row for row in range(allocated) if row not in used]
+        self._num_evictable = len(self._rows)
+        policy = self._policy
+        if isinstance(policy, SegmentBackedPolicy):
+            policy.rebuild()
+        else:
+            adopt_ctx = ReqContext(req_id="shmtier-attach")
+            for key, row in sorted(self._rows.items(), key=lambda kr: kr[1]):
+                policy.insert(key, ChunkStatus(row, refcnt), adopt_ctx)
+
+    def _allocate(self, keys: list[OffloadKey], req_context: ReqContext) -> list[int]:
+        """Give each key a row (fresh rows first, then the free list) and insert it pending."""
+        counters, num_chunks = self._counters, self._num_chunks
+        allocated = counters[NUM_ALLOCATED]
+        fresh = min(len(keys), num_chunks - allocated)
+        rows = list(range(allocated, allocated + fresh))
+        counters[NUM_ALLOCATED] = allocated + fresh
+        free_list = self._free_list
+        for _ in range(len(keys) - fresh):
+            rows.append(free_list.pop())
+        table, refcnt, index, policy = self._table, self._refcnt, self._rows, self._policy
+        for key, row in zip(keys, rows):
+            table.write_key(row, key)
+            refcnt[row] = -1
+            index[key] = row
+            policy.insert(key, ChunkStatus(row, refcnt), req_context)
+        return rows
+
+    def _release(self, key: OffloadKey, row: int) -> None:
+        del self._rows[key]
+        self._table.key_len[row] = 0
+        self._table.tiers[row] = 0
+        self._free_list.append(row)
+
+    # --- request access record ---
+
+    def _request_access(self, req_context: ReqContext) -> _RequestCacheAccess:
+        state = req_context.get_state(_RequestCacheAccess)
+        if state is None or state.owner is not self or state.cache_generation != self._cache_generation:
+            state = _RequestCacheAccess(owner=self, cache_generation=self._cache_generation)
+            req_context.set_state(state)
+        return state
+
+    def _record_access(self, keys: Iterable[OffloadKey], req_context: ReqContext,
+                       reused_keys: Iterable[OffloadKey] = ()) -> None:
+        state = self._request_access(req_context)
+        seen, groups = state.seen_keys, state.key_groups
+        new_keys = []
+        for key in keys:
+            if key in seen:
+                continue
+            if state.finished:
+                raise RuntimeError(
+                    f"request {req_context.req_id!r} offered new keys after on_request_finished"
+                )
+            groups.setdefault(get_offload_group_idx(key), []).append(key)
+            seen.add(key)
+            new_keys.append(key)
+        if new_keys:
+            self._policy.on_request_access(new_keys, req_context)
+        inserted = state.inserted_keys
+        state.reused_keys.update(key for key in reused_keys if key not in inserted)
+
+    def _record_offer(self, keys: list[OffloadKey]) -> None:
+        """store_threshold: count this offer without aging out its own tracked keys."""
+        counts = self.counts
+        assert counts is not None
+        protected = set()
+        for key in keys:
+            if key in counts:
+                counts.move_to_end(key)
+                counts[key] += 1
+                protected.add(key)
+        unprotected = len(counts) - len(protected)
+        for key in keys:
+            if key in counts:
+                continue
+            if len(counts) >= self.max_tracker_size:
+                if unprotected == 0:
+                    continue
+                counts.popitem(last=False)
+                unprotected -= 1
+            counts[key] = 1
+
+    # --- OffloadingManager interface ---
+
+    def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        self._request_access(req_context)
+        return RequestOffloadingContext()
+
+    def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
+        row = self._rows.get(key)
+        if row is None:
+            return LookupResult.MISS
+        return LookupResult.HIT if self._refcnt[row] >= 0 else LookupResult.HIT_PENDING
+
+    def get_load_source(self, key: OffloadKey, req_context: ReqContext) -> CacheHitSource:
+        return CacheHitSource.HOST
+
+    def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> CPULoadStoreSpec:
+        """Pin ``keys`` (all must be HIT) until ``complete_load``; rows in key order."""
+        spec = self._pin(keys)
+        self._record_access(keys, req_context, reused_keys=keys)
+        return spec
+
+    def _pin(self, keys: Collection[OffloadKey]) -> CPULoadStoreSpec:
+        rows, refcnt, policy = self._rows, self._refcnt, self._policy
+        ids = []
+        for key in keys:
+            row = rows.get(key)
+            if row is None:
+                raise KeyError(f"cannot load key {key.hex()}: it is not in the CPU tier")
+            count = refcnt[row]
+            if count < 0:
+                raise KeyError(f"cannot load key {key.hex()}: its store has not completed")
+            if count == 0:
+                policy.mark_non_evictable(key)
+                self._num_evictable -= 1
+            refcnt[row] = count + 1
+            ids.append(row)
+        return CPULoadStoreSpec(ids)
+
+    def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
+        self._policy.touch(keys, req_context)
+
+    def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
+        rows, refcnt, policy = self._rows, self._refcnt, self._policy
+        for key in keys:
+            row = rows.get(key)
+            if row is None or refcnt[row] <= 0:
+                raise KeyError(f"complete_load for key {key.hex()} that is not pinned")
+            count = refcnt[row] - 1
+            refcnt[row] = count
+            if count == 0:
+                self._num_evictable += 1
+                policy.mark_evictable(key)
+
+    def prepare_store(self, keys: Collection[OffloadKey], req_context: ReqContext) -> PrepareStoreOutput | None:
+        keys = list(keys)
+        if self.counts is not None:
+            self._record_offer(keys)
+        rows, refcnt = self._rows, self._refcnt
+        to_store: list[OffloadKey] = []
+        ready_existing: list[OffloadKey] = []
+        for key in keys:
+            row = rows.get(key)
+            if row is None:
+                to_store.append(key)
+            elif refcnt[row] >= 0:
+                ready_existing.append(key)
+        if to_store and max(map(len, to_store)) > self._key_width:
+            longest = max(to_store, key=len)
+            raise KeyTooLongError(
+                f"offload key of {len(longest)} bytes does not fit the CPU tier's key width "
+                f"of {self._key_width} bytes (set key_width to at least {len(longest)})"
+            )
+        if self.counts is not None:
+            candidates = len(to_store)
+            to_store = [key for key in to_store if self.counts.get(key, 0) >= self.store_threshold]
+            self.stores_skipped_in_current_batch += candidates - len(to_store)
+
+        state = self._request_access(req_context)
+        missed = state.store_miss_keys
+        new_misses = [key for key in to_store if key not in missed]
+        if new_misses:
+            # ARC learns from its ghost lists before insert() drops the ghost entry.
+            self._policy.on_store_miss(new_misses, req_context)
+            missed.update(new_misses)
+        recorded = set(to_store)
+        recorded.update(ready_existing)
+        self._record_access((key for key in keys if key in recorded), req_context,
+                            reused_keys=ready_existing)
+        if not to_store:
+            return PrepareStoreOutput([], CPULoadStoreSpec(_EMPTY_SPEC_IDS), [])
+
+        self.allocation_sizes_in_current_batch.append(len(to_store))
+        need = len(to_store) - (len(self._free_list) + self._num_chunks - self._counters[NUM_ALLOCATED])
+        evicted: list[OffloadKey] = []
+        if need > 0:
+            if need > self._num_evictable:
+                return None
+            victims = self._policy.evict(need, set(keys))
+            if victims is None:
+                return None
+            self._num_evictable -= len(victims)
+            for key, chunk in victims:
+                self._release(key, chunk.chunk_id)
+                evicted.append(key)
+            if self.events is not None:
+                self.events.append(OffloadingEvent(keys=evicted, medium=self.medium, removed=True))
+        new_rows = self._allocate(to_store, req_context)
+        self._num_write_pending += len(to_store)
+        state.inserted_keys.update(to_store)
+        return PrepareStoreOutput(to_store, CPULoadStoreSpec(new_rows), evicted)
+
+    def complete_store(self, keys: Collection[OffloadKey], req_context: ReqContext,
+                       success: bool = True) -> None:
+        """Pending keys become ready (success) or are dropped (failure); others are ignored."""
+        rows, refcnt, policy = self._rows, self._refcnt, self._policy
+        done: list[OffloadKey] = []
+        for key in keys:
+            row = rows.get(key)
+            if row is None or refcnt[row] >= 0:
+                continue
+            self._num_write_pending -= 1
+            if success:
+                refcnt[row] = 0
+                self._num_evictable += 1
+                policy.mark_evictable(key)
+            else:
+                policy.remove(key)
+                self._release(key, row)
+            done.append(key)
+        if done and self.events is not None:
+            self.events.append(OffloadingEvent(
+                keys=done, medium=self.medium, removed=not success, metadata_only=not success,
+            ))
+
+    def on_request_finished(self, req_context: ReqContext) -> None:
+        state = req_context.get_state(_RequestCacheAccess)
+        if (state is None or state.owner is not self
+                or state.cache_generation != self._cache_generation or state.finished):
+            return
+        state.finished = True
+        key_groups = []
+        for group_idx in sorted(state.key_groups):
+            keys = state.key_groups[group_idx]
+            positions = [req_context.get_offload_key_position(key) for key in keys]
+            if None not in positions:
+                keys = [key for _, key in sorted(zip(positions, keys), key=lambda pk: pk[0])]
+            key_groups.append(tuple(keys))
+        self._policy.on_request_finished(
+            tuple(key_groups), state.inserted_keys - state.reused_keys, state.reused_keys, req_context
+        )
+
+    def on_schedule_end(self, context: ScheduleEndContext) -> None:
+        return
+
+    def has_pending_work(self) -> bool:
+        return False
+
+    def reset_cache(self) -> None:
+        """Forget every chunk (no removal events); the caller fences in-flight jobs."""
+        self._policy.clear()
+        self._table.clear()
+        self._rows.clear()
+        self._free_list.clear()
+        self._cache_generation += 1
+        self._num_evictable = 0
+        self._num_write_pending = 0
+
+    def on_reset_flushed(self) -> None:
+        return
+
+    def take_events(self) -> Iterator[OffloadingEvent]:
+        if self.events is None:
+            return
+        # Detach first so a partly consumed drain cannot replay stale clean-up.
+        events, self.events = self.events, []
+        for event in events:
+            if event.metadata_only:
+                keys = [key for key in event.keys if key not in self._rows]
+                if not keys:
+                    continue  # a retry already re-allocated them
+                event = replace(event, keys=keys)
+            yield event
+
+    def config_info(self) -> Sequence[dict]:
+        return [self._config_info]
+
+    def get_stats(self) -> metrics.OffloadingStats:
+        stats = metrics.OffloadingStats()
+        n = self._num_chunks
+        used = self._counters[NUM_ALLOCATED] - len(self._free_list) - self._num_evictable
+        usage = used / n if n else 0.0
+        write_usage = self._num_write_pending / n if n else 0.0
+        stats.set_gauge(metrics.CPU_CACHE_USAGE_PERC, usage)
+        for size in self.allocation_sizes_in_current_batch:
+            stats.observe_histogram(metrics.CPU_ALLOCATION_SIZE, size)
+        self.allocation_sizes_in_current_batch.clear()
+        stats.set_gauge(metrics.CPU_CACHE_WRITE_USAGE_PERC, write_usage)
+        stats.set_gauge(metrics.CPU_CACHE_READ_USAGE_PERC, max(usage - write_usage, 0.0))
+        if self.store_threshold >= 2:
+            stats.increase_counter(metrics.STORES_SKIPPED, self.stores_skipped_in_current_batch)
+            self.stores_skipped_in_current_batch = 0
+        return stats
+
+    def shutdown(self) -> None:
+        return
+
+    # --- introspection (tests, bench, demo) ---
+
+    def resident_keys(self) -> dict[OffloadKey, int]:
+        """A copy of ``key -> row`` for every resident chunk."""
+        return dict(self._rows)
+
+
+class CPUPrimaryTierOffloadingManager(CPUOffloadingManager):
+    """The CPU tier as the primary of a tiering manager, over the engine's segment.
+
+    Adds the secondary tiers' view: ``prepare_read`` pins like ``prepare_load``
+    without recording a request access (cascades do not change recency);
+    ``prepare_write``/``complete_write``/``complete_read`` alias the store/load
+    calls; ``get_kv_memoryview()`` is the zero-copy ``(num_chunks, row_stride)``
+    view of the arena (row c = chunk slot c). ``shutdown`` closes the segment
+    (the owner unlinks it). ``store_threshold`` is not supported.
+    """
+
+    def __init__(self, segment: Segment, cache_policy: str = "lru",
+                 cache_policy_module_path: str | None = None, enable_events: bool = False,
+                 info: metrics.ConfigInfo | None = None, *, attach: bool = False):
+        super().__init__(segment.table, cache_policy, cache_policy_module_path, enable_events,
+                         store_threshold=0, info=info, attach=attach)
+        self.segment = segment
+
+    def prepare_read(self, keys: Collection[OffloadKey], req_context: ReqContext) -> CPULoadStoreSpec:
+        return self._pin(keys)
+
+    def complete_read(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
+        self.complete_load(keys, req_context)
+
+    def prepare_write(self, keys: Collection[OffloadKey], req_context: ReqContext):
+        return self.prepare_store(keys, req_context)
+
+    def complete_write(self, keys: Collection[OffloadKey], req_context: ReqContext,
+                       success: bool = True) -> None:
+        self.complete_store(keys, req_context, success)
+
+    def get_kv_memoryview(self) -> memoryview:
+        return self.segment.arena_rows()
+
+    def shutdown(self) -> None:
+        self.segment.close()
