@@ -1,0 +1,423 @@
+"""Block copy worker: byte-exact round trips through a real segment, the vLLM
+row layout at exact offsets, two ranks in two processes, queue independence,
+descriptor errors.
+
+The "GPU" KV caches are CPU tensors here (what runs everywhere); the copy
+semantics are the ones the CUDA path uses.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import queue as queue_mod
+import threading
+import traceback
+import uuid
+from contextlib import contextmanager
+
+import numpy as np
+import pytest
+import torch
+
+from shmtier.contract import CPULoadStoreSpec, GPULoadStoreSpec
+from shmtier.gpu import (
+    BlockCopyWorker,
+    CanonicalKVCacheRef,
+    CanonicalKVCaches,
+    CanonicalKVCacheTensor,
+)
+from shmtier.shared.layout import ArenaGeometry
+from shmtier.shared.segment import open_segment
+
+CTX = mp.get_context("spawn")
+FP = "test-copy-worker"
+
+
+@pytest.fixture
+def eid() -> str:
+    return f"cw-{uuid.uuid4().hex[:12]}"
+
+
+def geometry_for(pages: list[int], bpc: int, world_size: int, num_chunks: int) -> ArenaGeometry:
+    per_row = ArenaGeometry.for_kv(cpu_bytes_to_use=1 << 40, worker_kv_bytes_per_block=sum(pages),
+                                   blocks_per_chunk=bpc, world_size=world_size).row_stride
+    return ArenaGeometry.for_kv(cpu_bytes_to_use=num_chunks * per_row,
+                                worker_kv_bytes_per_block=sum(pages), blocks_per_chunk=bpc,
+                                world_size=world_size)
+
+
+@contextmanager
+def opened(engine_id: str, geometry: ArenaGeometry, rank: int = 0):
+    segment = open_segment(engine_id, geometry, FP, owner=True, rank=rank)
+    try:
+        yield segment
+    finally:
+        segment.close()
+
+
+def random_caches(pages, num_blocks, refs, seed):
+    """Source caches with random bytes, in vLLM's CanonicalKVCacheTensor form."""
+    gen = torch.Generator().manual_seed(seed)
+    tensors = [
+        CanonicalKVCacheTensor(
+            torch.randint(-128, 128, (num_blocks, page), dtype=torch.int8, generator=gen), page)
+        for page in pages
+    ]
+    return CanonicalKVCaches(tensors, refs)
+
+
+def zero_caches(pages, num_blocks, refs):
+    """Destination caches as bare (num_blocks, page) int8 tensors (the shorthand form)."""
+    return CanonicalKVCaches([torch.zeros((num_blocks, p), dtype=torch.int8) for p in pages], refs)
+
+
+def expected_placement(pages, refs, bpc, geometry, rank, gpu_ids, chunk_ids, sizes, indices):
+    """Independent model of the layout: yields (tensor, nbytes, gpu block, arena offset)."""
+    tensor_off = np.concatenate([[0], np.cumsum([p * bpc for p in pages])[:-1]])
+    gpos = cpos = 0
+    for g, (size, first) in enumerate(zip(sizes, indices)):
+        if size == 0:
+            continue
+        skip = first % bpc
+        for k in range(size):
+            chunk = chunk_ids[cpos + (skip + k) // bpc]
+            j = (skip + k) % bpc
+            for ref in refs[g]:
+                t = ref.tensor_idx
+                offset = (chunk * geometry.row_stride + rank * geometry.page_size_per_worker
+                          + tensor_off[t] + j * pages[t])
+                yield t, ref.page_size_bytes, gpu_ids[gpos + k], offset
+        gpos += size
+        cpos += -(-(size + skip) // bpc)
+
+
+def arena_array(segment) -> np.ndarray:
+    return np.frombuffer(segment.arena_rows(), dtype=np.uint8).reshape(-1)
+
+
+def check_store_and_round_trip(segment, pages, refs, bpc, rank, sizes, indices, chunk_ids,
+                               num_blocks=64, seed=0, threads=True, check_whole_arena=True):
+    """Store, verify the arena byte-exactly, load into fresh caches, verify."""
+    geometry = segment.geometry
+    rng = np.random.default_rng(seed)
+    src = random_caches(pages, num_blocks, refs, seed)
+    dst = zero_caches(pages, num_blocks, refs)
+    total = sum(sizes)
+    gpu_ids = rng.permutation(num_blocks)[:total].tolist()
+    load_ids = rng.permutation(num_blocks)[:total].tolist()
+    src_spec = GPULoadStoreSpec(gpu_ids, sizes, indices)
+    dst_spec = GPULoadStoreSpec(load_ids, sizes, indices)
+    cpu_spec = CPULoadStoreSpec(chunk_ids)
+    placement = list(expected_placement(pages, refs, bpc, geometry, rank,
+                                         gpu_ids, chunk_ids, sizes, indices))
+    expected_bytes = sum(n for _, n, _, _ in placement)
+
+    before = arena_array(segment).copy()
+    with BlockCopyWorker(src, segment, bpc, rank, threads=threads) as storer:
+        assert storer.submit_store(7, src_spec, cpu_spec) is True
+        storer.wait({7})
+        results = storer.get_finished()
+    assert [(r.job_id, r.success, r.transfer_size) for r in results] == [(7, True, expected_bytes)]
+    assert results[0].transfer_time >= 0
+
+    arena = arena_array(segment)
+    want = before.copy()
+    for t, nbytes, block, offset in placement:
+        block_bytes = src.tensors[t].tensor[block, :nbytes].numpy().view(np.uint8)
+        np.testing.assert_array_equal(arena[offset:offset + nbytes], block_bytes)
+        want[offset:offset + nbytes] = block_bytes
+    if check_whole_arena:  # nothing else written: padding, other slots, other rows
+        assert np.array_equal(arena, want)
+
+    with BlockCopyWorker(dst, segment, bpc, rank, threads=threads) as loader:
+        assert loader.submit_load(8, cpu_spec, dst_spec) is True
+        loader.wait({8})
+        results = loader.get_finished()
+    assert [(r.job_id, r.success, r.transfer_size) for r in results] == [(8, True, expected_bytes)]
+
+    want_dst = [torch.zeros_like(t) for t in dst.tensors]
+    moved = dict(zip(gpu_ids, load_ids))
+    for t, nbytes, block, _ in placement:
+        want_dst[t][moved[block], :nbytes] = src.tensors[t].tensor[block, :nbytes]
+    for t in range(len(pages)):
+        assert torch.equal(dst.tensors[t], want_dst[t]), f"tensor {t} differs after load"
+    return arena
+
+
+@pytest.mark.parametrize("threads", [True, False])
+def test_round_trip_one_block_per_chunk(eid, threads):
+    pages = [8192]
+    refs = [[CanonicalKVCacheRef(0, 8192)]]
+    geometry = geometry_for(pages, 1, 1, 16)
+    with opened(eid, geometry) as segment:
+        check_store_and_round_trip(segment, pages, refs, bpc=1, rank=0, sizes=[5],
+                                   indices=[3], chunk_ids=[9, 2, 3, 4, 15], threads=threads)
+
+
+def test_round_trip_four_blocks_per_chunk(eid):
+    pages = [4096]
+    refs = [[CanonicalKVCacheRef(0, 4096)]]
+    geometry = geometry_for(pages, 4, 1, 12)
+    with opened(eid, geometry) as segment:
+        # consecutive chunks: whole rows are contiguous (one tensor fills the row)
+        check_store_and_round_trip(segment, pages, refs, bpc=4, rank=0, sizes=[16],
+                                   indices=[8], chunk_ids=[4, 5, 6, 11])
+
+
+def test_unaligned_first_block_partial_chunks(eid):
+    pages = [3072]  # not a multiple of the OS page: rows carry tail padding
+    refs = [[CanonicalKVCacheRef(0, 3072)]]
+    geometry = geometry_for(pages, 4, 1, 8)
+    with opened(eid, geometry) as segment:
+        # logical blocks 6..14: skip 2 of chunk 0, chunks 1 full, chunk 2 has 3
+        arena = check_store_and_round_trip(segment, pages, refs, bpc=4, rank=0, sizes=[9],
+                                           indices=[6], chunk_ids=[3, 0, 5])
+        row3 = arena[3 * geometry.row_stride:3 * geometry.row_stride + 2 * 3072]
+        assert not row3.any(), "skipped sub-blocks of the first chunk were written"
+
+
+def test_two_groups_two_tensors_unpadded_pages(eid):
+    pages = [6144, 2048]
+    refs = [
+        [CanonicalKVCacheRef(0, 5000), CanonicalKVCacheRef(1, 2048)],
+        [CanonicalKVCacheRef(1, 1500)],  # a second group sharing tensor 1
+    ]
+    geometry = geometry_for(pages, 2, 1, 10)
+    with opened(eid, geometry) as segment:
+        check_store_and_round_trip(segment, pages, refs, bpc=2, rank=0, sizes=[5, 3],
+                                   indices=[4, 3], chunk_ids=[7, 1, 0, 8, 2])
+
+
+def test_empty_group_and_vllm_specs(eid):
+    """A zero-size group consumes nothing; vLLM's own spec/cache objects work too."""
+    base = pytest.importorskip("vllm.v1.kv_offload.base")
+    cpu_common = pytest.importorskip("vllm.v1.kv_offload.cpu.common")
+    pages = [4096, 4096]
+    refs = [[base.CanonicalKVCacheRef(0, 4096)], [base.CanonicalKVCacheRef(1, 4000)]]
+    geometry = geometry_for(pages, 2, 1, 6)
+    with opened(eid, geometry) as segment:
+        gen = torch.Generator().manual_seed(3)
+        caches = base.CanonicalKVCaches(
+            [base.CanonicalKVCacheTensor(
+                torch.randint(-128, 128, (8, p), dtype=torch.int8, generator=gen), p)
+             for p in pages], refs)
+        out = [torch.zeros(8, p, dtype=torch.int8) for p in pages]
+        dst = base.CanonicalKVCaches([base.CanonicalKVCacheTensor(t, p)
+                                      for t, p in zip(out, pages)], refs)
+        with BlockCopyWorker(caches, segment, 2, 0) as storer, \
+                BlockCopyWorker(dst, segment, 2, 0) as loader:
+            storer.submit_store(1, base.GPULoadStoreSpec([5, 6, 1], [0, 3], [0, 1]),
+                                cpu_common.CPULoadStoreSpec([4, 2]))
+            storer.wait({1})
+            loader.submit_load(2, cpu_common.CPULoadStoreSpec([4, 2]),
+                               base.GPULoadStoreSpec([0, 2, 4], [0, 3], [0, 1]))
+            loader.wait({2})
+            assert [r.transfer_size for r in storer.get_finished()] == [3 * 4000]
+            assert [r.transfer_size for r in loader.get_finished()] == [3 * 4000]
+        src = caches.tensors[1].tensor
+        for a, b in zip([5, 6, 1], [0, 2, 4]):
+            assert torch.equal(out[1][b, :4000], src[a, :4000])
+            assert not out[1][b, 4000:].any()
+        assert not out[0].any()
+
+
+def test_cpu_views_follow_vllm_worker_view_layout(eid):
+    pages = [4096, 1024]
+    geometry = geometry_for(pages, 3, 2, 4)
+    refs = [[CanonicalKVCacheRef(0, 4096), CanonicalKVCacheRef(1, 1024)]]
+    with opened(eid, geometry, rank=1) as segment:
+        caches = zero_caches(pages, 4, refs)
+        with BlockCopyWorker(caches, segment, 3, 1) as worker:
+            assert worker.tensor_offsets == [0, 3 * 4096]
+            slot = geometry.page_size_per_worker
+            for view, page, off in zip(worker.cpu_views, pages, worker.tensor_offsets):
+                assert view.shape == (4, page * 3)
+                assert view.stride() == (geometry.row_stride, 1)
+                assert view.storage_offset() == slot + off
+                assert view.data_ptr() == worker.cpu_views[0].data_ptr() - 0 + off
+        with pytest.raises(ValueError, match="page_size_per_worker"):
+            BlockCopyWorker(zero_caches([8192, 1024], 4, refs), segment, 3, 1)
+        with pytest.raises(ValueError, match="world_size"):
+            BlockCopyWorker(caches, segment, 3, 2)
+
+
+def test_expedited_load_not_behind_regular_load(eid):
+    pages = [4096]
+    refs = [[CanonicalKVCacheRef(0, 4096)]]
+    geometry = geometry_for(pages, 1, 1, 8)
+    with opened(eid, geometry) as segment:
+        src = random_caches(pages, 8, refs, seed=5)
+        dst = zero_caches(pages, 8, refs)
+        with BlockCopyWorker(src, segment, 1, 0) as storer:
+            storer.submit_store(1, GPULoadStoreSpec([0, 1], [2], [0]), CPULoadStoreSpec([0, 1]))
+            storer.wait({1})
+        worker = BlockCopyWorker(dst, segment, 1, 0)
+        release = threading.Event()
+        entered = threading.Event()
+        regular = worker._load_queue
+        run_regular = regular._execute
+
+        def blocked(job):  # the regular load queue is stuck on a long copy
+            entered.set()
+            release.wait(10)
+            run_regular(job)
+
+        regular._execute = blocked
+        try:
+            worker.submit_load(10, CPULoadStoreSpec([0]), GPULoadStoreSpec([3], [1], [0]))
+            worker.submit_load(11, CPULoadStoreSpec([1]), GPULoadStoreSpec([4], [1], [0]))
+            assert entered.wait(10)
+            worker.submit_load(12, CPULoadStoreSpec([1]), GPULoadStoreSpec([5], [1], [0]),
+                               expedited=True)
+            worker.wait({12})
+            done = worker.get_finished()
+            assert [r.job_id for r in done] == [12]
+            assert torch.equal(dst.tensors[0][5], src.tensors[0].tensor[1])
+            assert not dst.tensors[0][3].any()  # the regular load has not run
+            release.set()
+            worker.wait({10, 11, 999})  # unknown ids are ignored
+            assert [r.job_id for r in worker.get_finished()] == [10, 11]
+            assert torch.equal(dst.tensors[0][3], src.tensors[0].tensor[0])
+            assert worker.get_finished() == []
+        finally:
+            release.set()
+            worker.shutdown()
+
+
+def test_get_finished_reports_only_completed_jobs(eid):
+    pages = [4096]
+    refs = [[CanonicalKVCacheRef(0, 4096)]]
+    geometry = geometry_for(pages, 1, 1, 4)
+    with opened(eid, geometry) as segment:
+        worker = BlockCopyWorker(random_caches(pages, 4, refs, 1), segment, 1, 0)
+        gate = threading.Event()
+        store_queue = worker._store_queue
+        run = store_queue._execute
+        store_queue._execute = lambda job: (gate.wait(10), run(job))
+        try:
+            worker.submit_store(1, GPULoadStoreSpec([0], [1], [0]), CPULoadStoreSpec([0]))
+            worker.submit_store(2, GPULoadStoreSpec([1], [1], [0]), CPULoadStoreSpec([1]))
+            assert worker.get_finished() == []
+            gate.set()
+            worker.wait({2})
+            assert [r.job_id for r in worker.get_finished()] == [1, 2]
+        finally:
+            gate.set()
+            worker.shutdown()
+        with pytest.raises(RuntimeError, match="shut down"):
+            worker.submit_store(3, GPULoadStoreSpec([0], [1], [0]), CPULoadStoreSpec([0]))
+
+
+@pytest.mark.parametrize(
+    "gpu, sizes, indices, chunks, message",
+    [
+        ([0, 1, 2], [3], [0], [0], "not consumed exactly"),  # one chunk too few
+        ([0, 1, 2], [3], [0], [0, 1, 2], "not consumed exactly"),  # one chunk too many
+        ([0, 1, 2], [3], [1], [0], "needs 3 GPU block ids and 2 chunk ids"),  # skip spills over
+        ([0, 1], [1], [0], [0], "1 GPU block ids and 1 chunk ids"),  # GPU ids left over
+        ([0, 1], [1, 1], [0, 0], [0, 1], "2 group sizes .* 1 groups"),
+        ([0, 99], [2], [0], [0], "GPU block ids must lie in 0..15"),
+        ([0, 1], [2], [0], [6], "chunk ids must lie in 0..5"),
+    ],
+)
+def test_wrong_descriptors_raise_clear_errors(eid, gpu, sizes, indices, chunks, message):
+    pages = [4096]
+    refs = [[CanonicalKVCacheRef(0, 4096)]]
+    geometry = geometry_for(pages, 2, 1, 6)
+    with opened(eid, geometry) as segment:
+        with BlockCopyWorker(zero_caches(pages, 16, refs), segment, 2, 0) as worker:
+            spec = GPULoadStoreSpec.__new__(GPULoadStoreSpec)  # bypass its own checks
+            spec.block_ids, spec.group_sizes, spec.block_indices = (
+                np.asarray(gpu, dtype=np.int32), tuple(sizes), tuple(indices))
+            with pytest.raises(ValueError, match=message):
+                worker.submit_store(1, spec, CPULoadStoreSpec(chunks))
+            with pytest.raises(ValueError, match=message):
+                worker.submit_load(2, CPULoadStoreSpec(chunks), spec)
+            assert worker.get_finished() == []
+            with pytest.raises(ValueError, match="GPULoadStoreSpec"):
+                worker.submit_store(3, CPULoadStoreSpec([0]), CPULoadStoreSpec([0]))
+
+
+# ----------------------------------------------------------------------------- two ranks
+
+MP_PAGES = [8192, 2048]
+MP_REFS = [[CanonicalKVCacheRef(0, 8192), CanonicalKVCacheRef(1, 2000)]]
+MP_BPC = 2
+MP_SIZES, MP_INDICES = [7], [1]
+MP_CHUNKS = [5, 0, 3, 6]
+MP_NUM_BLOCKS = 16
+
+
+def mp_gpu_ids(rank: int) -> list[int]:
+    return np.random.default_rng(100 + rank).permutation(MP_NUM_BLOCKS)[:7].tolist()
+
+
+def _rank_main(engine_id, geometry, rank, barrier, results):
+    """Child process = one GPU worker: join, store its blocks, load them back."""
+    try:
+        segment = open_segment(engine_id, geometry, FP, owner=False, rank=rank, timeout_s=20)
+        try:
+            src = random_caches(MP_PAGES, MP_NUM_BLOCKS, MP_REFS, seed=rank)
+            dst = zero_caches(MP_PAGES, MP_NUM_BLOCKS, MP_REFS)
+            ids = mp_gpu_ids(rank)
+            with BlockCopyWorker(src, segment, MP_BPC, rank) as storer, \
+                    BlockCopyWorker(dst, segment, MP_BPC, rank) as loader:
+                barrier.wait(20)  # both ranks write the same rows at the same time
+                storer.submit_store(1, GPULoadStoreSpec(ids, MP_SIZES, MP_INDICES),
+                                    CPULoadStoreSpec(MP_CHUNKS))
+                storer.wait({1})
+                barrier.wait(20)  # both slots complete before anyone reads back
+                loader.submit_load(2, CPULoadStoreSpec(MP_CHUNKS),
+                                   GPULoadStoreSpec(ids, MP_SIZES, MP_INDICES))
+                loader.wait({2})
+                sizes = [r.transfer_size for r in storer.get_finished() + loader.get_finished()]
+            for t, ref in enumerate(MP_REFS[0]):
+                n = ref.page_size_bytes
+                assert torch.equal(dst.tensors[t][ids, :n], src.tensors[t].tensor[ids, :n]), t
+            results.put((rank, "ok", sizes + [segment.is_creator, segment.header().owner_pid]))
+        finally:
+            segment.close()
+    except BaseException:  # noqa: BLE001 - reported to the parent
+        results.put((rank, "error", traceback.format_exc()))
+
+
+def test_two_ranks_two_processes_share_one_segment(eid):
+    geometry = geometry_for(MP_PAGES, MP_BPC, 2, 8)
+    with opened(eid, geometry) as segment:
+        barrier, results = CTX.Barrier(2), CTX.Queue()
+        procs = [CTX.Process(target=_rank_main, args=(eid, geometry, r, barrier, results))
+                 for r in range(2)]
+        try:
+            for p in procs:
+                p.start()
+            got = {}
+            for _ in procs:
+                try:
+                    rank, status, detail = results.get(timeout=60)
+                except queue_mod.Empty:
+                    pytest.fail("a rank process did not report within 60 s")
+                assert status == "ok", f"rank {rank} failed:\n{detail}"
+                got[rank] = detail
+            for p in procs:
+                p.join(20)
+                assert p.exitcode == 0
+        finally:
+            for p in procs:
+                if p.is_alive():
+                    p.kill()
+                    p.join(5)
+        nbytes = 7 * (8192 + 2000)
+        assert got == {0: [nbytes, nbytes], 1: [nbytes, nbytes]}
+
+        # The parent checks both slots byte-exactly, and that nothing else changed.
+        arena = arena_array(segment)
+        want = np.zeros_like(arena)
+        for rank in range(2):
+            src = random_caches(MP_PAGES, MP_NUM_BLOCKS, MP_REFS, seed=rank)
+            for t, n, block, off in expected_placement(
+                    MP_PAGES, MP_REFS, MP_BPC, geometry, rank, mp_gpu_ids(rank),
+                    MP_CHUNKS, MP_SIZES, MP_INDICES):
+                want[off:off + n] = src.tensors[t].tensor[block, :n].numpy().view(np.uint8)
+                lo = rank * geometry.page_size_per_worker
+                assert lo <= off % geometry.row_stride < lo + geometry.page_size_per_worker
+        assert np.array_equal(arena, want)
