@@ -1,0 +1,5 @@
+import sys
+
+from shmtier.cli import main
+
+sys.exit(main())

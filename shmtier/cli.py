@@ -1,0 +1,41 @@
+"""The ``shmtier`` command: ``demo``, ``segments``, ``clean``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="shmtier", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    demo = sub.add_parser("demo", help="offload and reload chunks through the CPU tier")
+    demo.add_argument("--requests", type=int, default=12)
+    demo.add_argument("--chunks-per-request", type=int, default=8)
+    demo.add_argument("--cpu-mib", type=int, default=8, help="CPU tier size (MiB)")
+    demo.add_argument("--blocks-per-chunk", type=int, default=4)
+    demo.add_argument("--policy", default="lru")
+    sub.add_parser("segments", help="list shmtier segments on this host")
+    sub.add_parser("clean", help="remove segments whose owner process is dead")
+    args = parser.parse_args(argv)
+
+    if args.command == "demo":
+        from shmtier.demo import run_demo
+
+        return run_demo(args.requests, args.chunks_per_request, args.cpu_mib,
+                        args.blocks_per_chunk, args.policy)
+    from shmtier.shared.segment import clean_stale_segments, list_segments
+
+    if args.command == "segments":
+        for s in list_segments():
+            state = "live" if s.alive else "STALE"
+            print(f"{s.name}  {s.size >> 20} MiB  owner {s.owner_pid or '-'}  "
+                  f"creator {s.creator_pid}  {state}  {s.fingerprint}")
+        return 0
+    removed = clean_stale_segments()
+    print("\n".join(f"removed {name}" for name in removed) or "nothing stale")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
