@@ -1,0 +1,85 @@
+"""Keys and plain contract types: layout of keys, picklability, declared metrics."""
+
+from __future__ import annotations
+
+import pickle
+
+import pytest
+
+from shmtier import metrics
+from shmtier.contract import (
+    CPULoadStoreSpec,
+    GPULoadStoreSpec,
+    LookupResult,
+    Medium,
+    OffloadingEvent,
+    ReqContext,
+    TierFilter,
+    TierMatcher,
+    Locality,
+    get_offload_block_hash,
+    get_offload_group_idx,
+    make_offload_key,
+)
+from shmtier.scheduler.primary import CPUOffloadingManager
+from shmtier.shared.chunk_table import ChunkTable
+
+
+def test_key_is_hash_then_big_endian_group():
+    key = make_offload_key(b"\xab" * 32, 258)
+    assert key == b"\xab" * 32 + b"\x00\x00\x01\x02"
+    assert get_offload_block_hash(key) == b"\xab" * 32
+    assert get_offload_group_idx(key) == 258
+
+
+def test_types_pickle_round_trip():
+    ctx = ReqContext("r1", {"kv_load_tiers": []})
+    ctx.set_offload_key_position(b"k" * 36, 64)
+    values = [ctx, LookupResult.HIT_PENDING, CPULoadStoreSpec([3, 1]),
+              GPULoadStoreSpec([5, 6, 7], [2, 1], [0, 4]),
+              OffloadingEvent([b"k" * 36], Medium.CPU, removed=True), TierFilter.ALL]
+    for value in values:
+        back = pickle.loads(pickle.dumps(value))
+        assert type(back) is type(value)
+    assert pickle.loads(pickle.dumps(ctx)).get_offload_key_position(b"k" * 36) == 64
+    spec = pickle.loads(pickle.dumps(GPULoadStoreSpec([5, 6, 7], [2, 1], [0, 4])))
+    assert spec.block_ids.tolist() == [5, 6, 7] and spec.group_sizes == (2, 1)
+
+
+def test_gpu_spec_checks_group_sizes():
+    with pytest.raises(ValueError, match=r"sum to 3, but there are 2 block ids"):
+        GPULoadStoreSpec([1, 2], [3], [0])
+    with pytest.raises(ValueError, match="need one per group"):
+        GPULoadStoreSpec([1, 2], [2], [0, 0])
+
+
+def test_tier_filter_wildcards_on_both_sides():
+    storage_local = TierFilter((TierMatcher(Medium.STORAGE, Locality.LOCAL),))
+    assert storage_local.allows(Medium.STORAGE, None)
+    assert not storage_local.allows(Medium.STORAGE, Locality.REMOTE)
+    assert not TierFilter(()).allows(Medium.STORAGE, None)
+    assert TierFilter.ALL.allows(Medium.CPU, Locality.REMOTE)
+
+
+@pytest.mark.parametrize("threshold", [0, 2])
+def test_every_emitted_metric_is_declared(threshold):
+    m = CPUOffloadingManager(ChunkTable.private(4, 40), store_threshold=threshold)
+    ctx = ReqContext("r")
+    m.prepare_store([b"a" * 36], ctx)
+    data = m.get_stats().data
+    declared = metrics.cpu_metric_definitions(threshold)
+    assert set(data["types"]) <= set(declared)
+    for name, kind in data["types"].items():
+        expected = {metrics.CounterMetadata: "counter", metrics.GaugeMetadata: "gauge",
+                    metrics.HistogramMetadata: "histogram"}[type(declared[name])]
+        assert kind == expected
+
+
+def test_config_info_series():
+    info = metrics.CPUTierInfo(cpu_num_chunks=8, cpu_blocks_per_chunk=4,
+                               cpu_kv_cache_size_bytes=8 * 4096, cpu_kv_cache_size_tokens=None)
+    m = CPUOffloadingManager(ChunkTable.private(8, 40), info=info)
+    assert m.config_info() == [{"cpu_num_chunks": 8, "cpu_blocks_per_chunk": 4,
+                                "cpu_kv_cache_size_bytes": 32768, "cpu_kv_cache_size_tokens": "None"}]
+    assert metrics.CPUTierInfo.config_info_keys() == (
+        "cpu_num_chunks", "cpu_blocks_per_chunk", "cpu_kv_cache_size_bytes", "cpu_kv_cache_size_tokens")
