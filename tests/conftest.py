@@ -7,6 +7,8 @@ import uuid
 
 import pytest
 
+from shmtier.shared.segment import list_segments
+
 SHM_DIR = "/dev/shm"
 
 
@@ -17,12 +19,25 @@ def _shmtier_entries() -> set[str]:
         return set()
 
 
+def _foreign(entries: set[str]) -> set[str]:
+    """Segments held by another live process (a concurrent test run), not ours to judge."""
+    me = os.getpid()
+    return {
+        s.name.lstrip("/") for s in list_segments()
+        if s.name.lstrip("/") in entries and s.alive and me not in (s.owner_pid, s.creator_pid)
+    }
+
+
 @pytest.fixture(autouse=True)
 def no_shm_leak():
-    """Fail the test that leaves a shmtier segment or semaphore behind (and remove it)."""
+    """Fail the test that leaves a shmtier segment or semaphore behind (and remove it).
+
+    A new entry counts as this test's leak when this process holds it or its
+    holder is dead (a killed child, a crashed worker)."""
     before = _shmtier_entries()
     yield
-    leaked = _shmtier_entries() - before
+    new = _shmtier_entries() - before
+    leaked = new - _foreign(new)
     for entry in leaked:
         try:
             os.unlink(os.path.join(SHM_DIR, entry))

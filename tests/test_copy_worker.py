@@ -8,16 +8,23 @@ semantics are the ones the CUDA path uses.
 
 from __future__ import annotations
 
+import ast
+import dataclasses
+import importlib.util
 import multiprocessing as mp
+import pathlib
 import queue as queue_mod
 import threading
 import traceback
+import types
 import uuid
 from contextlib import contextmanager
 
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from shmtier.contract import CPULoadStoreSpec, GPULoadStoreSpec
 from shmtier.gpu import (
@@ -34,8 +41,9 @@ FP = "test-copy-worker"
 
 
 @pytest.fixture
-def eid() -> str:
-    return f"cw-{uuid.uuid4().hex[:12]}"
+def engine_id() -> str:
+    """A unique engine id (tests/conftest.py may provide its own)."""
+    return f"test-cw-{uuid.uuid4().hex[:12]}"
 
 
 def geometry_for(pages: list[int], bpc: int, world_size: int, num_chunks: int) -> ArenaGeometry:
@@ -96,8 +104,12 @@ def arena_array(segment) -> np.ndarray:
 
 
 def check_store_and_round_trip(segment, pages, refs, bpc, rank, sizes, indices, chunk_ids,
-                               num_blocks=64, seed=0, threads=True, check_whole_arena=True):
-    """Store, verify the arena byte-exactly, load into fresh caches, verify."""
+                               num_blocks=64, seed=0, threads=True, check_whole_arena=True,
+                               consecutive=False, patch=None):
+    """Store, verify the arena byte-exactly, load into fresh caches, verify.
+
+    GPU block ids are scattered, or (``consecutive``) runs of ascending ids.
+    """
     geometry = segment.geometry
     rng = np.random.default_rng(seed)
     src = random_caches(pages, num_blocks, refs, seed)
@@ -105,6 +117,9 @@ def check_store_and_round_trip(segment, pages, refs, bpc, rank, sizes, indices, 
     total = sum(sizes)
     gpu_ids = rng.permutation(num_blocks)[:total].tolist()
     load_ids = rng.permutation(num_blocks)[:total].tolist()
+    if consecutive:
+        gpu_ids = list(range(1, 1 + total))
+        load_ids = list(range(num_blocks - total, num_blocks))
     src_spec = GPULoadStoreSpec(gpu_ids, sizes, indices)
     dst_spec = GPULoadStoreSpec(load_ids, sizes, indices)
     cpu_spec = CPULoadStoreSpec(chunk_ids)
@@ -114,6 +129,8 @@ def check_store_and_round_trip(segment, pages, refs, bpc, rank, sizes, indices, 
 
     before = arena_array(segment).copy()
     with BlockCopyWorker(src, segment, bpc, rank, threads=threads) as storer:
+        if patch:
+            patch(storer)
         assert storer.submit_store(7, src_spec, cpu_spec) is True
         storer.wait({7})
         results = storer.get_finished()
@@ -130,6 +147,8 @@ def check_store_and_round_trip(segment, pages, refs, bpc, rank, sizes, indices, 
         assert np.array_equal(arena, want)
 
     with BlockCopyWorker(dst, segment, bpc, rank, threads=threads) as loader:
+        if patch:
+            patch(loader)
         assert loader.submit_load(8, cpu_spec, dst_spec) is True
         loader.wait({8})
         results = loader.get_finished()
@@ -145,30 +164,32 @@ def check_store_and_round_trip(segment, pages, refs, bpc, rank, sizes, indices, 
 
 
 @pytest.mark.parametrize("threads", [True, False])
-def test_round_trip_one_block_per_chunk(eid, threads):
+def test_round_trip_one_block_per_chunk(engine_id, threads):
     pages = [8192]
     refs = [[CanonicalKVCacheRef(0, 8192)]]
     geometry = geometry_for(pages, 1, 1, 16)
-    with opened(eid, geometry) as segment:
+    with opened(engine_id, geometry) as segment:
         check_store_and_round_trip(segment, pages, refs, bpc=1, rank=0, sizes=[5],
                                    indices=[3], chunk_ids=[9, 2, 3, 4, 15], threads=threads)
 
 
-def test_round_trip_four_blocks_per_chunk(eid):
+@pytest.mark.parametrize("consecutive", [False, True])
+def test_round_trip_four_blocks_per_chunk(engine_id, consecutive):
     pages = [4096]
     refs = [[CanonicalKVCacheRef(0, 4096)]]
     geometry = geometry_for(pages, 4, 1, 12)
-    with opened(eid, geometry) as segment:
+    with opened(engine_id, geometry) as segment:
         # consecutive chunks: whole rows are contiguous (one tensor fills the row)
         check_store_and_round_trip(segment, pages, refs, bpc=4, rank=0, sizes=[16],
-                                   indices=[8], chunk_ids=[4, 5, 6, 11])
+                                   indices=[8], chunk_ids=[4, 5, 6, 11],
+                                   consecutive=consecutive)
 
 
-def test_unaligned_first_block_partial_chunks(eid):
+def test_unaligned_first_block_partial_chunks(engine_id):
     pages = [3072]  # not a multiple of the OS page: rows carry tail padding
     refs = [[CanonicalKVCacheRef(0, 3072)]]
     geometry = geometry_for(pages, 4, 1, 8)
-    with opened(eid, geometry) as segment:
+    with opened(engine_id, geometry) as segment:
         # logical blocks 6..14: skip 2 of chunk 0, chunks 1 full, chunk 2 has 3
         arena = check_store_and_round_trip(segment, pages, refs, bpc=4, rank=0, sizes=[9],
                                            indices=[6], chunk_ids=[3, 0, 5])
@@ -176,56 +197,114 @@ def test_unaligned_first_block_partial_chunks(eid):
         assert not row3.any(), "skipped sub-blocks of the first chunk were written"
 
 
-def test_two_groups_two_tensors_unpadded_pages(eid):
+def test_two_groups_two_tensors_unpadded_pages(engine_id):
     pages = [6144, 2048]
     refs = [
         [CanonicalKVCacheRef(0, 5000), CanonicalKVCacheRef(1, 2048)],
         [CanonicalKVCacheRef(1, 1500)],  # a second group sharing tensor 1
     ]
     geometry = geometry_for(pages, 2, 1, 10)
-    with opened(eid, geometry) as segment:
+    with opened(engine_id, geometry) as segment:
         check_store_and_round_trip(segment, pages, refs, bpc=2, rank=0, sizes=[5, 3],
                                    indices=[4, 3], chunk_ids=[7, 1, 0, 8, 2])
+        check_store_and_round_trip(segment, pages, refs, bpc=2, rank=0, sizes=[5, 3],
+                                   indices=[4, 3], chunk_ids=[3, 4, 5, 6, 9],
+                                   consecutive=True, check_whole_arena=False)
 
 
-def test_empty_group_and_vllm_specs(eid):
-    """A zero-size group consumes nothing; vLLM's own spec/cache objects work too."""
-    base = pytest.importorskip("vllm.v1.kv_offload.base")
-    cpu_common = pytest.importorskip("vllm.v1.kv_offload.cpu.common")
+def use_cuda_copy_plan(worker):
+    """Run the CUDA path's copy decomposition (runs, device staging) on CPU tensors."""
+    worker._store_queue._execute = worker._cuda_store
+    worker._load_queue._execute = worker._cuda_load
+    worker._expedited_queue._execute = worker._cuda_load
+
+
+@pytest.mark.parametrize("consecutive", [False, True])
+def test_cuda_copy_plan_on_cpu_tensors(engine_id, consecutive):
+    pages = [6144, 2048]
+    refs = [
+        [CanonicalKVCacheRef(0, 6144), CanonicalKVCacheRef(1, 2048)],
+        [CanonicalKVCacheRef(1, 1500)],
+    ]
+    geometry = geometry_for(pages, 3, 2, 10)
+    with opened(engine_id, geometry, rank=1) as segment:
+        check_store_and_round_trip(segment, pages, refs, bpc=3, rank=1, sizes=[8, 4],
+                                   indices=[2, 4], chunk_ids=[7, 1, 0, 8, 2, 3],
+                                   consecutive=consecutive, patch=use_cuda_copy_plan)
+
+
+def _vllm_attribute_names() -> dict[str, set[str]]:
+    """Field/attribute names of vLLM 0.33's classes, read from its source (no import:
+    importing vLLM costs seconds)."""
+    spec = importlib.util.find_spec("vllm")
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip("vLLM is not installed")
+    path = pathlib.Path(list(spec.submodule_search_locations)[0]) / "v1/kv_offload/base.py"
+    names: dict[str, set[str]] = {}
+    for node in ast.parse(path.read_text()).body:
+        if not isinstance(node, ast.ClassDef):
+            continue
+        found = names.setdefault(node.name, set())
+        for item in ast.walk(node):
+            if isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name):
+                found.add(item.target.id)
+            targets = item.targets if isinstance(item, ast.Assign) else (
+                [item.target] if isinstance(item, ast.AnnAssign) else [])
+            for target in targets:
+                if isinstance(target, ast.Attribute) and isinstance(target.value, ast.Name) \
+                        and target.value.id == "self":
+                    found.add(target.attr)
+    return names
+
+
+def test_duck_typed_foreign_objects_with_vllm_attribute_names(engine_id):
+    """Objects that merely carry vLLM's attribute names work (a vLLM
+    CanonicalKVCaches and its specs pass straight in); a zero-size group
+    consumes no ids."""
+    vllm_names = _vllm_attribute_names()
+    for ours in (CanonicalKVCacheTensor, CanonicalKVCacheRef, CanonicalKVCaches):
+        theirs = vllm_names[ours.__name__] - {"ALL"}
+        assert {f.name for f in dataclasses.fields(ours)} == theirs, ours.__name__
+    assert {"block_ids", "group_sizes", "block_indices"} <= (
+        vllm_names["GPULoadStoreSpec"] | vllm_names["BlockIDsLoadStoreSpec"])
+
+    ns = types.SimpleNamespace
     pages = [4096, 4096]
-    refs = [[base.CanonicalKVCacheRef(0, 4096)], [base.CanonicalKVCacheRef(1, 4000)]]
+    refs = [[ns(tensor_idx=0, page_size_bytes=4096, mapping=None)],
+            [ns(tensor_idx=1, page_size_bytes=4000, mapping=None)]]
     geometry = geometry_for(pages, 2, 1, 6)
-    with opened(eid, geometry) as segment:
+    with opened(engine_id, geometry) as segment:
         gen = torch.Generator().manual_seed(3)
-        caches = base.CanonicalKVCaches(
-            [base.CanonicalKVCacheTensor(
-                torch.randint(-128, 128, (8, p), dtype=torch.int8, generator=gen), p)
-             for p in pages], refs)
+        src = [torch.randint(-128, 128, (8, p), dtype=torch.int8, generator=gen) for p in pages]
         out = [torch.zeros(8, p, dtype=torch.int8) for p in pages]
-        dst = base.CanonicalKVCaches([base.CanonicalKVCacheTensor(t, p)
-                                      for t, p in zip(out, pages)], refs)
+        caches = ns(tensors=[ns(tensor=t, page_size_bytes=p) for t, p in zip(src, pages)],
+                    group_data_refs=refs)
+        dst = ns(tensors=[ns(tensor=t.view(8, 2, p // 2), page_size_bytes=p)
+                          for t, p in zip(out, pages)], group_data_refs=refs)
+        ids = np.array([4, 2], dtype=np.int32)
         with BlockCopyWorker(caches, segment, 2, 0) as storer, \
                 BlockCopyWorker(dst, segment, 2, 0) as loader:
-            storer.submit_store(1, base.GPULoadStoreSpec([5, 6, 1], [0, 3], [0, 1]),
-                                cpu_common.CPULoadStoreSpec([4, 2]))
+            storer.submit_store(1, ns(block_ids=np.array([5, 6, 1], dtype=np.int32),
+                                      group_sizes=[0, 3], block_indices=[0, 1]),
+                                ns(block_ids=ids))
             storer.wait({1})
-            loader.submit_load(2, cpu_common.CPULoadStoreSpec([4, 2]),
-                               base.GPULoadStoreSpec([0, 2, 4], [0, 3], [0, 1]))
+            loader.submit_load(2, ns(block_ids=ids),
+                               ns(block_ids=np.array([0, 2, 4], dtype=np.int32),
+                                  group_sizes=[0, 3], block_indices=[0, 1]))
             loader.wait({2})
             assert [r.transfer_size for r in storer.get_finished()] == [3 * 4000]
             assert [r.transfer_size for r in loader.get_finished()] == [3 * 4000]
-        src = caches.tensors[1].tensor
         for a, b in zip([5, 6, 1], [0, 2, 4]):
-            assert torch.equal(out[1][b, :4000], src[a, :4000])
+            assert torch.equal(out[1][b, :4000], src[1][a, :4000])
             assert not out[1][b, 4000:].any()
         assert not out[0].any()
 
 
-def test_cpu_views_follow_vllm_worker_view_layout(eid):
+def test_cpu_views_follow_vllm_worker_view_layout(engine_id):
     pages = [4096, 1024]
     geometry = geometry_for(pages, 3, 2, 4)
     refs = [[CanonicalKVCacheRef(0, 4096), CanonicalKVCacheRef(1, 1024)]]
-    with opened(eid, geometry, rank=1) as segment:
+    with opened(engine_id, geometry, rank=1) as segment:
         caches = zero_caches(pages, 4, refs)
         with BlockCopyWorker(caches, segment, 3, 1) as worker:
             assert worker.tensor_offsets == [0, 3 * 4096]
@@ -234,18 +313,18 @@ def test_cpu_views_follow_vllm_worker_view_layout(eid):
                 assert view.shape == (4, page * 3)
                 assert view.stride() == (geometry.row_stride, 1)
                 assert view.storage_offset() == slot + off
-                assert view.data_ptr() == worker.cpu_views[0].data_ptr() - 0 + off
+                assert view.data_ptr() == worker.cpu_views[0].data_ptr() + off
         with pytest.raises(ValueError, match="page_size_per_worker"):
             BlockCopyWorker(zero_caches([8192, 1024], 4, refs), segment, 3, 1)
         with pytest.raises(ValueError, match="world_size"):
             BlockCopyWorker(caches, segment, 3, 2)
 
 
-def test_expedited_load_not_behind_regular_load(eid):
+def test_expedited_load_not_behind_regular_load(engine_id):
     pages = [4096]
     refs = [[CanonicalKVCacheRef(0, 4096)]]
     geometry = geometry_for(pages, 1, 1, 8)
-    with opened(eid, geometry) as segment:
+    with opened(engine_id, geometry) as segment:
         src = random_caches(pages, 8, refs, seed=5)
         dst = zero_caches(pages, 8, refs)
         with BlockCopyWorker(src, segment, 1, 0) as storer:
@@ -284,11 +363,11 @@ def test_expedited_load_not_behind_regular_load(eid):
             worker.shutdown()
 
 
-def test_get_finished_reports_only_completed_jobs(eid):
+def test_get_finished_reports_only_completed_jobs(engine_id):
     pages = [4096]
     refs = [[CanonicalKVCacheRef(0, 4096)]]
     geometry = geometry_for(pages, 1, 1, 4)
-    with opened(eid, geometry) as segment:
+    with opened(engine_id, geometry) as segment:
         worker = BlockCopyWorker(random_caches(pages, 4, refs, 1), segment, 1, 0)
         gate = threading.Event()
         store_queue = worker._store_queue
@@ -308,10 +387,53 @@ def test_get_finished_reports_only_completed_jobs(eid):
             worker.submit_store(3, GPULoadStoreSpec([0], [1], [0]), CPULoadStoreSpec([0]))
 
 
+@settings(max_examples=30, deadline=None)
+@given(data=st.data())
+def test_random_descriptors_match_layout_model(data):
+    """Random tensors, refs, groups, offsets and ranks against the independent model."""
+    bpc = data.draw(st.integers(1, 5), label="bpc")
+    pages = data.draw(st.lists(st.sampled_from([512, 1000, 1536, 4096]), min_size=1,
+                               max_size=3), label="pages")
+    refs = [
+        [CanonicalKVCacheRef(t, data.draw(st.integers(1, pages[t])))
+         for t in data.draw(st.lists(st.integers(0, len(pages) - 1), max_size=3))]
+        for _ in range(data.draw(st.integers(1, 3), label="groups"))
+    ]
+    sizes = [data.draw(st.integers(0, 7)) for _ in refs]
+    indices = [data.draw(st.integers(0, 20)) for _ in refs]
+    rows = sum(-(-(n + i % bpc) // bpc) for n, i in zip(sizes, indices) if n)
+    world_size = data.draw(st.integers(1, 2), label="world_size")
+    rank = data.draw(st.integers(0, world_size - 1), label="rank")
+    num_chunks = rows + data.draw(st.integers(1, 3))
+    chunk_ids = data.draw(st.permutations(range(num_chunks)))[:rows]
+    geometry = geometry_for(pages, bpc, world_size, num_chunks)
+    with opened(f"test-cw-{uuid.uuid4().hex[:12]}", geometry, rank=rank) as segment:
+        check_store_and_round_trip(segment, pages, refs, bpc, rank, sizes, indices, chunk_ids,
+                                   num_blocks=sum(sizes) + 3, seed=rows)
+
+
+def test_failed_copy_is_reported_not_raised(engine_id):
+    pages = [4096]
+    refs = [[CanonicalKVCacheRef(0, 4096)]]
+    geometry = geometry_for(pages, 1, 1, 4)
+    with opened(engine_id, geometry) as segment:
+        with BlockCopyWorker(zero_caches(pages, 4, refs), segment, 1, 0) as worker:
+            def boom(job):
+                raise RuntimeError("injected copy failure")
+
+            worker._store_queue._execute = boom
+            worker.submit_store(1, GPULoadStoreSpec([0], [1], [0]), CPULoadStoreSpec([0]))
+            worker.submit_load(2, CPULoadStoreSpec([0]), GPULoadStoreSpec([1], [1], [0]))
+            worker.wait({1, 2})
+            results = {r.job_id: r for r in worker.get_finished()}
+            assert not results[1].success and results[1].transfer_size == 0
+            assert results[2].success and results[2].transfer_size == 4096
+
+
 @pytest.mark.parametrize(
     "gpu, sizes, indices, chunks, message",
     [
-        ([0, 1, 2], [3], [0], [0], "not consumed exactly"),  # one chunk too few
+        ([0, 1, 2], [3], [0], [0], "needs 3 GPU block ids and 2 chunk ids"),  # a chunk short
         ([0, 1, 2], [3], [0], [0, 1, 2], "not consumed exactly"),  # one chunk too many
         ([0, 1, 2], [3], [1], [0], "needs 3 GPU block ids and 2 chunk ids"),  # skip spills over
         ([0, 1], [1], [0], [0], "1 GPU block ids and 1 chunk ids"),  # GPU ids left over
@@ -320,11 +442,11 @@ def test_get_finished_reports_only_completed_jobs(eid):
         ([0, 1], [2], [0], [6], "chunk ids must lie in 0..5"),
     ],
 )
-def test_wrong_descriptors_raise_clear_errors(eid, gpu, sizes, indices, chunks, message):
+def test_wrong_descriptors_raise_clear_errors(engine_id, gpu, sizes, indices, chunks, message):
     pages = [4096]
     refs = [[CanonicalKVCacheRef(0, 4096)]]
     geometry = geometry_for(pages, 2, 1, 6)
-    with opened(eid, geometry) as segment:
+    with opened(engine_id, geometry) as segment:
         with BlockCopyWorker(zero_caches(pages, 16, refs), segment, 2, 0) as worker:
             spec = GPULoadStoreSpec.__new__(GPULoadStoreSpec)  # bypass its own checks
             spec.block_ids, spec.group_sizes, spec.block_indices = (
@@ -374,18 +496,18 @@ def _rank_main(engine_id, geometry, rank, barrier, results):
             for t, ref in enumerate(MP_REFS[0]):
                 n = ref.page_size_bytes
                 assert torch.equal(dst.tensors[t][ids, :n], src.tensors[t].tensor[ids, :n]), t
-            results.put((rank, "ok", sizes + [segment.is_creator, segment.header().owner_pid]))
+            results.put((rank, "ok", sizes))
         finally:
             segment.close()
     except BaseException:  # noqa: BLE001 - reported to the parent
         results.put((rank, "error", traceback.format_exc()))
 
 
-def test_two_ranks_two_processes_share_one_segment(eid):
+def test_two_ranks_two_processes_share_one_segment(engine_id):
     geometry = geometry_for(MP_PAGES, MP_BPC, 2, 8)
-    with opened(eid, geometry) as segment:
+    with opened(engine_id, geometry) as segment:
         barrier, results = CTX.Barrier(2), CTX.Queue()
-        procs = [CTX.Process(target=_rank_main, args=(eid, geometry, r, barrier, results))
+        procs = [CTX.Process(target=_rank_main, args=(engine_id, geometry, r, barrier, results))
                  for r in range(2)]
         try:
             for p in procs:
