@@ -40,7 +40,7 @@ from shmtier.contract import (
     ScheduleEndContext,
     get_offload_group_idx,
 )
-from shmtier.scheduler.policies.base import ChunkStatus, SegmentBackedPolicy
+from shmtier.scheduler.policies.base import ChunkStatus, SegmentBackedPolicy, sort_by_position
 from shmtier.scheduler.policies.factory import CachePolicyFactory
 from shmtier.shared.chunk_table import NUM_ALLOCATED, ChunkTable, KeyTooLongError
 from shmtier.shared.segment import Segment
@@ -366,11 +366,7 @@ class CPUOffloadingManager:
         state.finished = True
         key_groups = []
         for group_idx in sorted(state.key_groups):
-            keys = state.key_groups[group_idx]
-            positions = [req_context.get_offload_key_position(key) for key in keys]
-            if None not in positions:
-                keys = [key for _, key in sorted(zip(positions, keys), key=lambda pk: pk[0])]
-            key_groups.append(tuple(keys))
+            key_groups.append(tuple(sort_by_position(list(state.key_groups[group_idx]), req_context)))
         self._policy.on_request_finished(
             tuple(key_groups), state.inserted_keys - state.reused_keys, state.reused_keys, req_context
         )

@@ -314,10 +314,12 @@ def _create(name: str, shm: posix_ipc.SharedMemory, layout: SegmentLayout, finge
             prefault_rank: int | None, prefault: bool) -> Segment:
     buf = None
     try:
+        # The header goes in with one write *before* the object grows: a joiner that
+        # sees HEADER_SIZE bytes sees who the creator is (state still INITIALISING).
+        os.pwrite(shm.fd, _encode_header(layout, fingerprint).ljust(HEADER_SIZE, b"\0"), 0)
         os.ftruncate(shm.fd, layout.total_len)
         inode = os.fstat(shm.fd).st_ino
         buf = mmap.mmap(shm.fd, layout.total_len)
-        buf[0 : HEADER_SIZE] = _encode_header(layout, fingerprint).ljust(HEADER_SIZE, b"\0")
         segment = Segment(name, buf, inode, layout, is_creator=True, is_owner=False)
         if prefault:
             segment.prefault(prefault_rank)
@@ -414,7 +416,7 @@ def _join(name: str, fd: int, layout: SegmentLayout, fingerprint: str, *, owner:
             return None
         if header is not None and header.state == READY:
             break
-        if header is not None and not procinfo.is_alive(
+        if header is not None and header.magic == MAGIC and not procinfo.is_alive(
             header.creator_pid, header.creator_start, header.boot_id
         ):
             logger.warning("segment %s: creator pid %d died while initialising; replacing it",
@@ -488,7 +490,10 @@ def list_segments() -> list[SegmentStatus]:
         except OSError:
             continue
         if len(raw) < HEADER_SIZE:
-            found.append(SegmentStatus("/" + entry, size, 0, 0, False, ""))
+            # no header yet: a creator is between shm_open and its first write,
+            # or died there; only the latter is stale (give it a few seconds)
+            young = time.time() - os.stat(path).st_mtime < 5.0
+            found.append(SegmentStatus("/" + entry, size, 0, 0, young, ""))
             continue
         header = SegmentHeader.decode(raw)
         found.append(SegmentStatus("/" + entry, size, header.owner_pid, header.creator_pid,

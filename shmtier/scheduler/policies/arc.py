@@ -122,18 +122,35 @@ class ARCCachePolicy(SegmentBackedPolicy):
                 self._adapt_to_ghost_hit(key)
 
     def on_request_finished(self, key_groups, insertion_only_keys, reused_keys, req_context) -> None:
-        t1, t2 = self.t1, self.t2
+        # Hot per request: the stamp counter lives in a local for the whole walk.
+        t1, t2, stamp, plist = self.t1, self.t2, self._stamp, self._plist
+        counters = self._counters
+        next_stamp = counters[NEXT_STAMP]
         for key in reversed(order_request_keys(key_groups, req_context)):
             if key in insertion_only_keys:  # a store is not a frequency hit
-                if key in t1:
-                    self._to_mru(t1, key, t1[key], T1)
-                elif key in t2:
-                    self._to_mru(t2, key, t2[key], T2)
+                row = t1.get(key)
+                if row is not None:
+                    t1.move_to_end(key)
+                else:
+                    row = t2.get(key)
+                    if row is None:
+                        continue
+                    t2.move_to_end(key)
             elif key in reused_keys:
-                if key in t1:
-                    self._to_mru(t2, key, t1.pop(key), T2)
-                elif key in t2:
-                    self._to_mru(t2, key, t2[key], T2)
+                row = t1.pop(key, None)
+                if row is not None:
+                    t2[key] = row  # T1 -> T2 MRU
+                    plist[row] = T2
+                else:
+                    row = t2.get(key)
+                    if row is None:
+                        continue
+                    t2.move_to_end(key)
+            else:
+                continue
+            next_stamp += 1
+            stamp[row] = next_stamp
+        counters[NEXT_STAMP] = next_stamp
 
     def clear(self) -> None:
         self.t1.clear()

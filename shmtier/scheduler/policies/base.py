@@ -59,15 +59,26 @@ class ChunkStatus:
         return f"ChunkStatus(chunk_id={self.chunk_id}, ref_cnt={self.ref_cnt})"
 
 
+def sort_by_position(keys: list[OffloadKey], req_context: ReqContext) -> list[OffloadKey]:
+    """Sort ``keys`` in place head-to-tail by recorded end position, if every
+    key has one (otherwise keep the given order); returns ``keys``."""
+    positions = getattr(req_context, "_offload_key_positions", None)
+    if positions is None:  # a foreign context type: use the public accessor
+        positions = {}
+        for key in keys:
+            position = req_context.get_offload_key_position(key)
+            if position is not None:
+                positions[key] = position
+    if all(key in positions for key in keys):
+        keys.sort(key=positions.__getitem__)
+    return keys
+
+
 def order_request_keys(
     key_groups: Sequence[Sequence[OffloadKey]], req_context: ReqContext
 ) -> list[OffloadKey]:
     """Flatten ``key_groups`` head-to-tail; sort by recorded positions if all are known."""
-    keys = [key for group in key_groups for key in group]
-    positions = [req_context.get_offload_key_position(key) for key in keys]
-    if None not in positions:
-        keys = [key for _, key in sorted(zip(positions, keys), key=lambda pk: pk[0])]
-    return keys
+    return sort_by_position([key for group in key_groups for key in group], req_context)
 
 
 class CachePolicy(ABC):

@@ -25,6 +25,8 @@ from shmtier.shared.chunk_table import NEXT_RANK
 
 _MIN_REBUILD = 64
 
+_Entry = tuple[tuple[int, int], OffloadKey]
+
 
 @dataclass(slots=True)
 class _RequestRank:
@@ -37,7 +39,10 @@ class LRUCachePolicy(SegmentBackedPolicy):
     def __init__(self, cache_capacity: int):
         super().__init__(cache_capacity)
         self._evictable: set[OffloadKey] = set()
-        self._heap: list[tuple[tuple[int, int], OffloadKey]] = []
+        self._heap: list[_Entry] = []
+        # The current heap entry of every resident key: rebuilding the heap reuses
+        # these tuples, and a popped entry is current iff it *is* the key's entry.
+        self._entries: dict[OffloadKey, _Entry] = {}
         self._cache_generation = 0
 
     def bind(self, table, rows) -> None:
@@ -46,62 +51,57 @@ class LRUCachePolicy(SegmentBackedPolicy):
         self._minor = table.rank_minor
         self._counters = table.counters
 
-    # --- ranks ---
+    # --- ranks: the table holds them, ``_entries`` mirrors them ---
 
-    def _fresh_rank(self) -> int:
-        counters = self._counters
-        counters[NEXT_RANK] += 1
-        return counters[NEXT_RANK]
-
-    def _rank(self, row: int) -> tuple[int, int]:
-        return (self._major[row], self._minor[row])
+    def _set_rank(self, key: OffloadKey, row: int, major: int, minor: int) -> _Entry:
+        self._major[row] = major
+        self._minor[row] = minor
+        entry = self._entries[key] = ((major, minor), key)
+        return entry
 
     def _request_rank(self, req_context: ReqContext) -> int:
         state = req_context.get_state(_RequestRank)
         if state is None or state.owner is not self or state.cache_generation != self._cache_generation:
-            state = _RequestRank(self, self._cache_generation, self._fresh_rank())
+            self._counters[NEXT_RANK] += 1
+            state = _RequestRank(self, self._cache_generation, self._counters[NEXT_RANK])
             req_context.set_state(state)
         return state.rank
 
     def _update_recency(self, keys: Iterable[OffloadKey]) -> None:
-        rows, major, minor, evictable = self.rows, self._major, self._minor, self._evictable
+        """Fresh ranks in iteration order (the last key becomes the most recent)."""
+        rows, evictable = self.rows, self._evictable
+        next_rank = self._counters[NEXT_RANK]
         updated = []
         for key in keys:
             row = rows.get(key)
             if row is None:
                 continue
-            major[row] = self._fresh_rank()
-            minor[row] = 0
+            next_rank += 1
+            entry = self._set_rank(key, row, next_rank, 0)
             if key in evictable:
-                updated.append(key)
+                updated.append(entry)
+        self._counters[NEXT_RANK] = next_rank
         self._update_heap(updated)
 
-    def _update_heap(self, updated: Sequence[OffloadKey]) -> None:
+    def _update_heap(self, updated: Sequence[_Entry]) -> None:
         if not updated:
             return
         # A heapify is linear: cheaper than many pushes for a long prefix.
         if len(updated) >= max(_MIN_REBUILD, len(self._evictable) // 4):
             self._rebuild_heap()
         else:
-            rows = self.rows
-            for key in updated:
-                heapq.heappush(self._heap, (self._rank(rows[key]), key))
+            for entry in updated:
+                heapq.heappush(self._heap, entry)
             self._maybe_compact_heap()
 
     def _rebuild_heap(self) -> None:
-        rows = self.rows
-        self._heap = [(self._rank(rows[key]), key) for key in self._evictable]
+        entries = self._entries
+        self._heap = [entries[key] for key in self._evictable]
         heapq.heapify(self._heap)
 
     def _maybe_compact_heap(self) -> None:
         if len(self._heap) >= max(_MIN_REBUILD, 2 * len(self._evictable)):
             self._rebuild_heap()
-
-    def _is_current(self, entry: tuple[tuple[int, int], OffloadKey]) -> bool:
-        rank, key = entry
-        if key not in self._evictable:
-            return False
-        return self._rank(self.rows[key]) == rank
 
     # --- CachePolicy ---
 
@@ -109,38 +109,36 @@ class LRUCachePolicy(SegmentBackedPolicy):
         row = chunk.chunk_id
         position = req_context.get_offload_key_position(key)
         if position is None:
-            self._major[row] = self._fresh_rank()
-            self._minor[row] = 0
+            self._counters[NEXT_RANK] += 1
+            entry = self._set_rank(key, row, self._counters[NEXT_RANK], 0)
         else:
-            self._major[row] = self._request_rank(req_context)
-            self._minor[row] = -position
+            entry = self._set_rank(key, row, self._request_rank(req_context), -position)
         if chunk.ref_cnt == 0:
             self._evictable.add(key)
-            heapq.heappush(self._heap, (self._rank(row), key))
+            heapq.heappush(self._heap, entry)
 
     def remove(self, key: OffloadKey) -> None:
         self._evictable.discard(key)
+        self._entries.pop(key, None)
 
     def touch(self, keys: Iterable[OffloadKey], req_context: ReqContext) -> None:
         self._update_recency(reversed(list(keys)))
 
     def on_request_access(self, keys: Iterable[OffloadKey], req_context: ReqContext) -> None:
+        """Raise resident keys to ``(request_rank, -position)`` if that is newer."""
         request_rank = self._request_rank(req_context)
-        rows, major, minor, evictable = self.rows, self._major, self._minor, self._evictable
+        rows, entries, evictable = self.rows, self._entries, self._evictable
         updated = []
         for key in keys:
             position = req_context.get_offload_key_position(key)
             if position is None:
                 continue
             row = rows.get(key)
-            if row is None:
+            if row is None or entries[key][0] >= (request_rank, -position):
                 continue
-            if (major[row], minor[row]) >= (request_rank, -position):
-                continue
-            major[row] = request_rank
-            minor[row] = -position
+            entry = self._set_rank(key, row, request_rank, -position)
             if key in evictable:
-                updated.append(key)
+                updated.append(entry)
         self._update_heap(updated)
 
     def on_request_finished(self, key_groups, insertion_only_keys, reused_keys, req_context) -> None:
@@ -149,21 +147,22 @@ class LRUCachePolicy(SegmentBackedPolicy):
     def clear(self) -> None:
         self._evictable.clear()
         self._heap.clear()
+        self._entries.clear()
         self._counters[NEXT_RANK] = 0
         self._cache_generation += 1
 
     def evict(self, n: int, protected: set[OffloadKey]) -> list[tuple[OffloadKey, ChunkStatus]] | None:
         if n == 0:
             return []
-        heap, rows = self._heap, self.rows
-        selected: list[tuple[tuple[int, int], OffloadKey]] = []
+        heap, entries, evictable = self._heap, self._entries, self._evictable
+        selected: list[_Entry] = []
         selected_keys: set[OffloadKey] = set()
         deferred = []
         while heap and len(selected) < n:
             entry = heapq.heappop(heap)
-            if not self._is_current(entry):
-                continue
             key = entry[1]
+            if key not in evictable or entries.get(key) is not entry:
+                continue  # stale: pinned since, or re-ranked
             if key in selected_keys:  # a re-pin without rank change leaves a twin entry
                 continue
             if key in protected:
@@ -179,20 +178,25 @@ class LRUCachePolicy(SegmentBackedPolicy):
             return None
         for entry in deferred:
             heapq.heappush(heap, entry)
-        self._evictable.difference_update(selected_keys)
-        victims = [(key, ChunkStatus(rows[key], self._refcnt)) for _, key in selected]
+        evictable.difference_update(selected_keys)
+        rows, refcnt = self.rows, self._refcnt
+        victims = []
+        for _, key in selected:
+            del entries[key]
+            victims.append((key, ChunkStatus(rows[key], refcnt)))
         self._maybe_compact_heap()
         return victims
 
     def mark_evictable(self, key: OffloadKey) -> None:
         self._evictable.add(key)
-        heapq.heappush(self._heap, (self._rank(self.rows[key]), key))
+        heapq.heappush(self._heap, self._entries[key])
         self._maybe_compact_heap()
 
     def mark_non_evictable(self, key: OffloadKey) -> None:
         self._evictable.remove(key)
 
     def rebuild(self) -> None:
-        refcnt = self._refcnt
+        refcnt, major, minor = self._refcnt, self._major, self._minor
+        self._entries = {key: ((major[row], minor[row]), key) for key, row in self.rows.items()}
         self._evictable = {key for key, row in self.rows.items() if refcnt[row] == 0}
         self._rebuild_heap()

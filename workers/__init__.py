@@ -1,0 +1,1 @@
+"""Tier worker processes (job loop, pool supervisor, tier backends)."""
