@@ -241,3 +241,11 @@ def test_vllm_row_geometry():
                                blocks_per_chunk=3, world_size=2)
     assert odd.row_stride == 8192 and odd.page_size_per_worker == 3000
     assert odd.num_chunks == (1 << 20) // 8192
+
+
+def test_ring_area_is_reserved_and_checked(engine_id):
+    with open_segment(engine_id, GEOMETRY, FP, owner=True, rings_len=5000) as s:
+        assert len(s.rings) == 8192  # page rounded
+        assert s.layout.arena_off >= s.layout.rings_off + 8192
+        with pytest.raises(SegmentMismatchError, match="ring area is 8192 bytes in the segment, 0 expected"):
+            open_segment(engine_id, GEOMETRY, FP, owner=False, rank=0)

@@ -301,6 +301,9 @@ def _check_compatible(name: str, header: SegmentHeader, layout: SegmentLayout,
         want = getattr(mine, field)
         if have != want:
             diffs.append(f"{field} is {have} in the segment, {want} expected by this process")
+    if header.rings_len != layout.rings_len:
+        diffs.append(f"ring area is {header.rings_len} bytes in the segment, "
+                     f"{layout.rings_len} expected by this process")
     if header.fingerprint_digest != fingerprint_digest(fingerprint):
         diffs.append(
             f"layout fingerprint is {header.fingerprint!r} in the segment, "
@@ -357,16 +360,18 @@ def open_segment(
     warm_restart: bool = False,
     prefault: bool = True,
     timeout_s: float = 30.0,
+    rings_len: int = 0,
 ) -> Segment:
     """Create or join the segment of ``engine_id`` (see the module docstring).
 
     ``owner=True`` for the scheduler (claims ownership, unlinks on close);
     members pass their GPU ``rank`` so only their slot of each row is
-    pre-faulted. Raises :class:`SegmentMismatchError`, :class:`SegmentOwnedError`
+    pre-faulted. ``rings_len`` reserves that many bytes (page rounded) for the
+    tier workers' rings; every opener must pass the same value. Raises :class:`SegmentMismatchError`, :class:`SegmentOwnedError`
     or :class:`SegmentTimeoutError` with a message naming the segment and values.
     """
     name = segment_name(engine_id)
-    layout = SegmentLayout.for_geometry(geometry)
+    layout = SegmentLayout.for_geometry(geometry, rings_len)
     deadline = time.monotonic() + timeout_s
     prefault_rank = None if owner else rank
     while True:
