@@ -133,3 +133,83 @@ class CPUTierInfo(ConfigInfo):
     cpu_blocks_per_chunk: int
     cpu_kv_cache_size_bytes: int
     cpu_kv_cache_size_tokens: int | None
+
+
+# --- tiering (contract §11.3; label "tier" = "0:primary" or "{i+1}:{type}") ---
+
+TIER = "tier"
+LOOKUP_SYNC_DELAY = "vllm:kv_offload_tiering_lookup_sync_delay_seconds"
+LOOKUP_ASYNC_DELAY = "vllm:kv_offload_tiering_lookup_async_delay_seconds"
+CHUNK_QUERIES = "vllm:kv_offload_tiering_chunk_queries"
+CHUNK_HITS = "vllm:kv_offload_tiering_chunk_hits"
+READ_BYTES = "vllm:kv_offload_tiering_read_bytes"
+READ_TIME = "vllm:kv_offload_tiering_read_time"
+WRITE_BYTES = "vllm:kv_offload_tiering_write_bytes"
+WRITE_TIME = "vllm:kv_offload_tiering_write_time"
+PROMOTION_JOB_FAILURES = "vllm:kv_offload_tiering_promotion_job_failures"
+CASCADE_JOB_FAILURES = "vllm:kv_offload_tiering_cascade_job_failures"
+PROMOTION_ALLOCATION_FAILURES = "vllm:kv_offload_tiering_promotion_allocation_failures"
+PRIMARY_WRITE_USAGE_PERC = "vllm:kv_offload_tiering_primary_write_usage_perc"
+PRIMARY_READ_USAGE_PERC = "vllm:kv_offload_tiering_primary_read_usage_perc"
+ACTIVE_PROMOTION_JOBS = "vllm:kv_offload_tiering_active_promotion_jobs"
+ACTIVE_CASCADE_JOBS = "vllm:kv_offload_tiering_active_cascade_jobs"
+PROMOTION_LATENCY = "vllm:kv_offload_tiering_promotion_latency_seconds"
+BACKPRESSURE_STORE_LATENCY_EMA = "vllm:kv_offload_tiering_backpressure_store_latency_ema"
+BACKPRESSURE_STORES_DROPPED = "vllm:kv_offload_tiering_backpressure_stores_dropped"
+BACKPRESSURE_BLOCKS_DROPPED = "vllm:kv_offload_tiering_backpressure_blocks_dropped"
+
+LOOKUP_SYNC_BUCKETS = (1e-5, 5e-5, 1e-4, 5e-4, 1e-3, 5e-3, 1e-2, 5e-2, 0.1, 0.5, 1.0)
+LOOKUP_ASYNC_BUCKETS = (1e-4, 5e-4, 1e-3, 5e-3, 1e-2, 5e-2, 0.1, 0.5, 1.0, 5.0, 10.0)
+PROMOTION_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+def tiering_metric_definitions() -> dict[str, MetricMetadata]:
+    """Every series the tiering manager emits, with its meaning."""
+    t = (TIER,)
+    return {
+        LOOKUP_SYNC_DELAY: HistogramMetadata(
+            "Blocking time of a per-chunk tier lookup that resolved to HIT or MISS.", t,
+            LOOKUP_SYNC_BUCKETS),
+        LOOKUP_ASYNC_DELAY: HistogramMetadata(
+            "Time from a chunk's first RETRY to its HIT/MISS resolution, per request.", t,
+            LOOKUP_ASYNC_BUCKETS),
+        CHUNK_QUERIES: CounterMetadata("Resolved chunk lookups per tier (once per request and key).", t),
+        CHUNK_HITS: CounterMetadata("HITs among the resolved chunk lookups per tier.", t),
+        READ_BYTES: CounterMetadata("Bytes promoted from the tier into the primary tier.", t),
+        READ_TIME: CounterMetadata("Seconds the tier reported for promotions.", t),
+        WRITE_BYTES: CounterMetadata("Bytes cascaded from the primary tier into the tier.", t),
+        WRITE_TIME: CounterMetadata("Seconds the tier reported for cascades.", t),
+        PROMOTION_JOB_FAILURES: CounterMetadata("Promotion jobs that failed (partly or wholly).", t),
+        CASCADE_JOB_FAILURES: CounterMetadata("Cascade jobs that failed.", t),
+        PROMOTION_ALLOCATION_FAILURES: CounterMetadata(
+            "Promotions not started because the primary tier had no free row."),
+        PRIMARY_WRITE_USAGE_PERC: GaugeMetadata(
+            "Fraction of primary rows reserved by in-flight promotions from the tier.", t),
+        PRIMARY_READ_USAGE_PERC: GaugeMetadata(
+            "Fraction of primary rows pinned by in-flight cascades to the tier.", t),
+        ACTIVE_PROMOTION_JOBS: GaugeMetadata("In-flight promotion jobs.", t),
+        ACTIVE_CASCADE_JOBS: GaugeMetadata("In-flight cascade jobs.", t),
+        PROMOTION_LATENCY: HistogramMetadata(
+            "Promotion job creation to observed completion (includes queueing).", (TIER, "result"),
+            PROMOTION_LATENCY_BUCKETS),
+        BACKPRESSURE_STORE_LATENCY_EMA: GaugeMetadata("Backpressure EMA of store latency (s/MiB).", t),
+        BACKPRESSURE_STORES_DROPPED: CounterMetadata("Cascade jobs dropped by backpressure.", t),
+        BACKPRESSURE_BLOCKS_DROPPED: CounterMetadata("Chunks of cascade jobs dropped by backpressure.", t),
+    }
+
+
+def merge_stats(into: OffloadingStats, other: Any) -> None:
+    """Add ``other``'s payload (an OffloadingStats or vLLM's stats object) into ``into``."""
+    data = getattr(other, "data", None)
+    if not data or not data.get("data"):
+        return
+    for name, series in data["data"].items():
+        kind = data["types"][name]
+        for labels, value in series.items():
+            if kind == COUNTER:
+                into.increase_counter(name, value, labels)
+            elif kind == GAUGE:
+                into.set_gauge(name, value, labels)
+            else:
+                for sample in value:
+                    into.observe_histogram(name, sample, labels)

@@ -1,0 +1,1 @@
+"""Secondary tiers as the scheduler sees them: interface, factory, tiering manager."""

@@ -1,0 +1,174 @@
+"""The secondary-tier interface, signature-compatible with vLLM 0.33's (contract §7).
+
+Who calls: the tiering manager, in the scheduler process, always under its
+lock (never concurrently, not always from the same thread). Every method must
+be non-blocking except ``drain_jobs``. Data moves only through the primary
+tier: a cascade reads pinned primary rows (``job.chunk_ids``), a promotion
+writes reserved primary rows.
+
+A tier written against vLLM's ``SecondaryTierManager`` runs unchanged: the
+manager only uses the attributes and methods below (duck typing), and
+:class:`TransferJob`/:class:`JobResult` carry vLLM's field names.
+"""
+
+from __future__ import annotations
+
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Collection, Iterable
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import numpy as np
+
+from shmtier.contract import (
+    CacheHitSource,
+    Locality,
+    LookupResult,
+    Medium,
+    OffloadingEvent,
+    OffloadKey,
+    ReqContext,
+    RequestOffloadingContext,
+    ScheduleEndContext,
+)
+
+JobId = int
+TIER_LABEL = "tier"
+
+
+@dataclass
+class TransferJob:
+    """An in-flight cascade (``is_promotion=False``: read ``chunk_ids``) or
+    promotion (write ``chunk_ids``); ``keys`` and ``chunk_ids`` are parallel."""
+
+    job_id: JobId
+    keys: Collection[OffloadKey]
+    chunk_ids: np.ndarray
+    is_promotion: bool
+    req_context: ReqContext
+    submit_time: float = field(default_factory=time.monotonic)
+
+
+@dataclass
+class JobResult:
+    """The one report of a submitted job. ``successful_keys`` (promotions only)
+    lists the keys that did land when ``success`` is False; None means none."""
+
+    job_id: JobId
+    success: bool
+    successful_keys: Collection[OffloadKey] | None = None
+    transfer_time: float | None = None
+    transfer_bytes: int | None = None
+
+
+class ParentManager(ABC):
+    """What a tier may call back during ``serve_external_requests`` (valid only
+    during that call). Per remote request: ``on_new_request`` -> ``lookup`` /
+    ``create_store_job`` (interleaved) -> ``on_request_finished`` (always)."""
+
+    @abstractmethod
+    def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext: ...
+
+    @abstractmethod
+    def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult: ...
+
+    @abstractmethod
+    def create_store_job(self, keys: Collection[OffloadKey], req_context: ReqContext) -> TransferJob: ...
+
+    @abstractmethod
+    def on_request_finished(self, req_context: ReqContext) -> None: ...
+
+
+_HIT_SOURCE = {Medium.CPU: CacheHitSource.HOST, Medium.STORAGE: CacheHitSource.DISK}
+
+
+class SecondaryTierManager(ABC):
+    """One tier below the primary. Subclasses set ``medium`` (which derives
+    ``cache_hit_source``) and implement the abstract methods.
+
+    ``lookup`` answers HIT (present now), MISS, or RETRY (not known yet: ask
+    again next step). Every submitted job is reported exactly once by
+    ``get_finished_jobs``. ``drain_jobs`` blocks until every submitted job has
+    completed or failed, without aborting a copy in flight.
+    """
+
+    medium: ClassVar[Medium | None] = None
+    cache_hit_source: ClassVar[CacheHitSource] = CacheHitSource.EXTERNAL_UNSPECIFIED
+    tolerates_off_thread_polling: ClassVar[bool] = False
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "cache_hit_source" not in cls.__dict__ and cls.medium is not None:
+            cls.cache_hit_source = _HIT_SOURCE[cls.medium]
+
+    def __init__(self, offloading_spec: Any, primary_kv_view: memoryview, tier_type: str,
+                 backpressure_detector: Any = None) -> None:
+        self._offloading_spec = offloading_spec
+        self._primary_kv_view = primary_kv_view
+        self._block_size_bytes: int = primary_kv_view.strides[0]
+        self.tier_type = tier_type
+        self.locality: Locality | None = None
+        self._bp_detector = backpressure_detector
+
+    @property
+    def block_size_bytes(self) -> int:
+        """Bytes of one padded primary row (what one chunk occupies)."""
+        return self._block_size_bytes
+
+    @property
+    def backpressure_detector(self) -> Any:
+        return self._bp_detector
+
+    @abstractmethod
+    def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult: ...
+
+    @abstractmethod
+    def submit_store(self, job: TransferJob) -> None: ...
+
+    @abstractmethod
+    def submit_load(self, job: TransferJob) -> None: ...
+
+    @abstractmethod
+    def get_finished_jobs(self) -> Iterable[JobResult]: ...
+
+    @abstractmethod
+    def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext: ...
+
+    @abstractmethod
+    def drain_jobs(self) -> None: ...
+
+    def has_pending_work(self) -> bool:
+        return False
+
+    def take_events(self) -> Iterable[OffloadingEvent]:
+        return ()
+
+    def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
+        return
+
+    def on_request_finished(self, req_context: ReqContext) -> None:
+        return
+
+    def serve_external_requests(self, parent: ParentManager) -> None:
+        return
+
+    def on_schedule_end(self, context: ScheduleEndContext) -> None:
+        return
+
+    def shutdown(self) -> None:
+        return
+
+    @classmethod
+    def build_metric_definitions(cls, tier_config: dict[str, Any]) -> dict[str, Any]:
+        return {}
+
+    def get_stats(self) -> Any:
+        return None
+
+    @classmethod
+    def config_info_keys(cls, tier_config: dict[str, Any]) -> tuple[str, ...]:
+        return ()
+
+    def config_info(self) -> dict[str, Any]:
+        return {}

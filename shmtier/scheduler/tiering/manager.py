@@ -1,0 +1,529 @@
+"""TieringOffloadingManager: the CPU primary tier plus secondary tiers (contract §6).
+
+Who calls: vLLM's connector scheduler half (or any driver), in the scheduler
+process, holding ``manager.lock`` — a real, non-reentrant ``threading.Lock``
+covering the primary and every tier — for every method except ``shutdown``.
+Nothing here blocks except ``reset_cache`` (it drains the tiers' jobs).
+
+Data flow::
+
+    lookup ──primary HIT/HIT_PENDING──▶ answer
+       │ primary MISS: ask tiers in order (first HIT wins; RETRY = ask again)
+       └─tier HIT──▶ reserve a primary row now (HIT_PENDING) ──on_schedule_end──▶
+                     one promotion job per (tier, request) ─▶ tier.submit_load
+    complete_store(success) ──▶ one cascade job per tier (backpressure permitting):
+                                pin rows (prepare_read) ─▶ tier.submit_store
+    tier.get_finished_jobs ──(polled once per step, and always in prepare_store)──▶
+         promotion: rows become ready (or are freed: MISS next time)
+         cascade:   rows unpinned, backpressure detector updated
+
+Requests finish in two stages: ``on_request_finished`` tells the primary at
+once, but the tiers hear of it only after the request's last pending primary
+store has completed (a cascade for it may still follow until then).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Collection, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from shmtier import metrics
+from shmtier.contract import (
+    CacheHitSource,
+    CPULoadStoreSpec,
+    Locality,
+    LookupResult,
+    Medium,
+    OffloadingEvent,
+    OffloadKey,
+    OffloadPolicy,
+    PrepareStoreOutput,
+    ReqContext,
+    RequestOffloadingContext,
+    ScheduleEndContext,
+)
+from shmtier.scheduler.primary import CPUPrimaryTierOffloadingManager
+from shmtier.scheduler.tiering.base import JobResult, ParentManager, TransferJob
+
+HIT, MISS, RETRY, HIT_PENDING = (LookupResult.HIT, LookupResult.MISS, LookupResult.RETRY,
+                                 LookupResult.HIT_PENDING)
+PRIMARY_LABEL = "0:primary"
+
+
+def _same_enum(enum_cls, value):
+    return None if value is None else enum_cls[value.name] if hasattr(value, "name") else enum_cls(value)
+
+
+@dataclass
+class _RequestState:
+    ctx: ReqContext
+    pending_primary_stores: int = 0
+    finished: bool = False
+    excluded_tier: int | None = None
+    request_level_tiers: set[int] = field(default_factory=set)
+    parked_cascade_keys: list[OffloadKey] = field(default_factory=list)
+
+
+class _LookupTracker:
+    """Per (request, tier, key): queries/hits counted once, sync and async delays.
+
+    A request stops contributing once it is scheduled (``new_req_ids``) and is
+    forgotten when it finishes, so nothing grows with requests served."""
+
+    def __init__(self, labels: Sequence[str]):
+        self.labels = labels
+        self._resolved: dict[str, set] = {}
+        self._retry_since: dict[str, dict] = {}
+        self._stopped: set[str] = set()
+        self.stats = metrics.OffloadingStats()
+
+    def record(self, req_id: str, tier: int, key: OffloadKey, result: LookupResult,
+               sync_s: float, now: float) -> None:
+        if req_id in self._stopped or result is HIT_PENDING:
+            return
+        if result is RETRY:
+            self._retry_since.setdefault(req_id, {}).setdefault((tier, key), now)
+            return
+        resolved = self._resolved.setdefault(req_id, set())
+        if (tier, key) in resolved:
+            return
+        resolved.add((tier, key))
+        label = (self.labels[tier],)
+        stats = self.stats
+        stats.increase_counter(metrics.CHUNK_QUERIES, 1, label)
+        if result is HIT:
+            stats.increase_counter(metrics.CHUNK_HITS, 1, label)
+        stats.observe_histogram(metrics.LOOKUP_SYNC_DELAY, sync_s, label)
+        started = self._retry_since.get(req_id, {}).pop((tier, key), None)
+        if started is not None:
+            stats.observe_histogram(metrics.LOOKUP_ASYNC_DELAY, now - started, label)
+
+    def stop(self, req_ids: Iterable[str]) -> None:
+        for req_id in req_ids:
+            self._stopped.add(req_id)
+            self._resolved.pop(req_id, None)
+            self._retry_since.pop(req_id, None)
+
+    def forget(self, req_id: str) -> None:
+        self._stopped.discard(req_id)
+        self._resolved.pop(req_id, None)
+        self._retry_since.pop(req_id, None)
+
+    def take(self) -> metrics.OffloadingStats:
+        stats, self.stats = self.stats, metrics.OffloadingStats()
+        return stats
+
+
+class _TierFacingParent(ParentManager):
+    """The manager as seen by tier ``origin`` in ``serve_external_requests``:
+    every fan-out skips the origin tier; store jobs it creates are its own."""
+
+    def __init__(self, manager: "TieringOffloadingManager", origin: int):
+        self._manager = manager
+        self._origin = origin
+
+    def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        return self._manager.on_new_request(req_context, exclude_tier_idx=self._origin)
+
+    def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
+        return self._manager.lookup(key, req_context, exclude_tier_idx=self._origin)
+
+    def create_store_job(self, keys: Collection[OffloadKey], req_context: ReqContext) -> TransferJob:
+        return self._manager._create_store_job(keys, req_context, self._origin)
+
+    def on_request_finished(self, req_context: ReqContext) -> None:
+        self._manager.on_request_finished(req_context, exclude_tier_idx=self._origin)
+
+
+class TieringOffloadingManager:
+    """The primary tier plus ``tiers`` (secondary, in priority order)."""
+
+    def __init__(self, primary: CPUPrimaryTierOffloadingManager, tiers: Sequence[Any]):
+        self._lock = threading.Lock()
+        self.primary = primary
+        self.tiers = list(tiers)
+        self.labels = [PRIMARY_LABEL] + [f"{i + 1}:{t.tier_type}" for i, t in enumerate(self.tiers)]
+        self._row_bytes = primary.get_kv_memoryview().strides[0] if primary._num_chunks else 0
+        self._num_chunks = max(primary._num_chunks, 1)
+        self._next_job_id = 0
+        self._jobs: dict[int, tuple[TransferJob, int]] = {}
+        self._pending_promotions: list[dict[str, tuple[ReqContext, list, list]]] = [
+            {} for _ in self.tiers]
+        self._polled_this_step = False
+        self._requests: dict[str, _RequestState] = {}
+        self._load_sources: dict[str, dict[OffloadKey, CacheHitSource]] = {}
+        self._promotions_held = False
+        self._parents = [_TierFacingParent(self, i) for i in range(len(self.tiers))]
+        self._tracker = _LookupTracker(self.labels)
+        self._stats = metrics.OffloadingStats()
+        # A tier written for vLLM speaks vLLM's enums: map them to ours once, by name.
+        self._tier_kind = [
+            (_same_enum(Medium, t.medium), _same_enum(Locality, getattr(t, "locality", None)))
+            for t in self.tiers]
+        self._hit_source = [CacheHitSource(t.cache_hit_source.value) for t in self.tiers]
+
+    @property
+    def lock(self) -> threading.Lock:
+        """Hold across every call (except ``shutdown``); never re-enter it."""
+        return self._lock
+
+    # --- jobs ---
+
+    def _new_job(self, keys: Collection[OffloadKey], chunk_ids: Any, is_promotion: bool,
+                 ctx: ReqContext, tier_idx: int) -> TransferJob:
+        self._next_job_id += 1
+        job = TransferJob(self._next_job_id, list(keys), np.asarray(chunk_ids, dtype=np.int32),
+                          is_promotion, ctx)
+        self._jobs[job.job_id] = (job, tier_idx)
+        return job
+
+    def _create_store_job(self, keys: Collection[OffloadKey], ctx: ReqContext, tier_idx: int) -> TransferJob:
+        """Pin ``keys`` in the primary and register a cascade job owned by ``tier_idx``."""
+        spec: CPULoadStoreSpec = self.primary.prepare_read(keys, ctx)
+        return self._new_job(keys, spec.chunk_ids, False, ctx, tier_idx)
+
+    def _maybe_process_finished_jobs(self) -> None:
+        if not self._polled_this_step:
+            self._polled_this_step = True
+            self._process_finished_jobs()
+
+    def _process_finished_jobs(self) -> None:
+        for tier_idx, tier in enumerate(self.tiers):
+            for result in tier.get_finished_jobs():
+                entry = self._jobs.pop(result.job_id, None)
+                if entry is None or entry[1] != tier_idx:
+                    raise RuntimeError(
+                        f"tier {self.labels[tier_idx + 1]} reported job {result.job_id}, "
+                        f"which it does not own"
+                    )
+                job = entry[0]
+                if job.is_promotion:
+                    self._complete_promotion(job, tier_idx, result)
+                else:
+                    self._complete_cascade(job, tier_idx, result)
+
+    def _complete_promotion(self, job: TransferJob, tier_idx: int, result: JobResult) -> None:
+        label = (self.labels[tier_idx + 1],)
+        ctx = job.req_context
+        if result.success:
+            landed, failed = list(job.keys), []
+        else:
+            ok = set(result.successful_keys or ())
+            landed = [k for k in job.keys if k in ok]
+            failed = [k for k in job.keys if k not in ok]
+        if landed:
+            self.primary.complete_write(landed, ctx, True)
+        if failed:
+            self.primary.complete_write(failed, ctx, False)
+            sources = self._load_sources.get(ctx.req_id)
+            if sources:
+                mine = self._hit_source[tier_idx]
+                for key in failed:
+                    if sources.get(key) == mine:
+                        del sources[key]
+            self._stats.increase_counter(metrics.PROMOTION_JOB_FAILURES, 1, label)
+        stats = self._stats
+        stats.increase_counter(metrics.READ_BYTES, len(landed) * self._row_bytes, label)
+        if result.transfer_time:
+            stats.increase_counter(metrics.READ_TIME, result.transfer_time, label)
+        stats.observe_histogram(metrics.PROMOTION_LATENCY, time.monotonic() - job.submit_time,
+                                (label[0], "success" if result.success else "failure"))
+
+    def _complete_cascade(self, job: TransferJob, tier_idx: int, result: JobResult) -> None:
+        label = (self.labels[tier_idx + 1],)
+        self.primary.complete_read(job.keys, job.req_context)
+        detector = getattr(self.tiers[tier_idx], "_bp_detector", None)
+        if result.success:
+            nbytes = result.transfer_bytes or len(job.keys) * self._row_bytes
+            self._stats.increase_counter(metrics.WRITE_BYTES, len(job.keys) * self._row_bytes, label)
+            if result.transfer_time:
+                self._stats.increase_counter(metrics.WRITE_TIME, result.transfer_time, label)
+            if detector is not None:
+                detector.update(job.submit_time, nbytes)
+        else:
+            self._stats.increase_counter(metrics.CASCADE_JOB_FAILURES, 1, label)
+            if detector is not None:
+                detector.on_store_failed()
+
+    def _cascade(self, keys: list[OffloadKey], ctx: ReqContext, tier_indices: Iterable[int]) -> None:
+        for tier_idx in tier_indices:
+            tier = self.tiers[tier_idx]
+            detector = getattr(tier, "_bp_detector", None)
+            if detector is not None and not detector.should_store(len(keys)):
+                continue  # counted by the detector's policy
+            tier.submit_store(self._create_store_job(keys, ctx, tier_idx))
+
+    # --- lookups and promotions ---
+
+    def lookup(self, key: OffloadKey, req_context: ReqContext,
+               exclude_tier_idx: int | None = None) -> LookupResult:
+        self._maybe_process_finished_jobs()
+        result = self.primary.lookup(key, req_context)
+        if result is not MISS or self._promotions_held or not self.tiers:
+            return result
+        retry = False
+        allowed = req_context.load_tier_filter
+        tracker, req_id = self._tracker, req_context.req_id
+        for tier_idx, tier in enumerate(self.tiers):
+            if tier_idx == exclude_tier_idx or not allowed.allows(*self._tier_kind[tier_idx]):
+                continue
+            started = time.perf_counter()
+            answer = tier.lookup(key, req_context)
+            now = time.perf_counter()
+            if answer.__class__ is not LookupResult:
+                answer = LookupResult[answer.name]
+            tracker.record(req_id, tier_idx + 1, key, answer, now - started, now)
+            if answer is HIT:
+                return HIT_PENDING if self._initiate_promotion(tier_idx, key, req_context) else MISS
+            if answer is RETRY:
+                retry = True
+        return RETRY if retry else MISS
+
+    def _initiate_promotion(self, tier_idx: int, key: OffloadKey, ctx: ReqContext) -> bool:
+        out = self.primary.prepare_write([key], ctx)
+        if out is None or not out.keys_to_store:
+            self._stats.increase_counter(metrics.PROMOTION_ALLOCATION_FAILURES, 1)
+            return False
+        self._load_sources.setdefault(ctx.req_id, {})[key] = self._hit_source[tier_idx]
+        pending = self._pending_promotions[tier_idx].get(ctx.req_id)
+        if pending is None:
+            pending = self._pending_promotions[tier_idx][ctx.req_id] = (ctx, [], [])
+        pending[1].append(key)
+        pending[2].append(int(out.store_spec.chunk_ids[0]))
+        return True
+
+    def _flush_pending_promotions(self) -> None:
+        for tier_idx, per_request in enumerate(self._pending_promotions):
+            if not per_request:
+                continue
+            self._pending_promotions[tier_idx] = {}
+            for ctx, keys, rows in per_request.values():
+                self.tiers[tier_idx].submit_load(self._new_job(keys, rows, True, ctx, tier_idx))
+
+    def get_load_source(self, key: OffloadKey, req_context: ReqContext) -> CacheHitSource:
+        sources = self._load_sources.get(req_context.req_id)
+        if sources:
+            source = sources.get(key)
+            if source is not None:
+                return source
+        return CacheHitSource.HOST
+
+    # --- stores and cascades ---
+
+    def prepare_store(self, keys: Collection[OffloadKey], req_context: ReqContext) -> PrepareStoreOutput | None:
+        # Always poll first: eviction must see the freshest unpins and promotions.
+        self._polled_this_step = True
+        self._process_finished_jobs()
+        state = self._state(req_context)
+        keys = list(keys)
+        out = self.primary.prepare_store(keys, req_context)
+        if out is None:
+            return None
+        if out.keys_to_store:
+            state.pending_primary_stores += 1
+        if state.request_level_tiers:
+            new = set(out.keys_to_store)
+            self._cascade_present(state, [k for k in keys if k not in new])
+        return out
+
+    def _cascade_present(self, state: _RequestState, keys: list[OffloadKey]) -> None:
+        """Request-level tiers also get chunks already in the primary; pending ones wait."""
+        ready = []
+        for key in keys:
+            result = self.primary.lookup(key, state.ctx)
+            if result is HIT:
+                ready.append(key)
+            elif result is HIT_PENDING:
+                state.parked_cascade_keys.append(key)
+        if ready:
+            self._cascade(ready, state.ctx, sorted(state.request_level_tiers))
+
+    def complete_store(self, keys: Collection[OffloadKey], req_context: ReqContext,
+                       success: bool = True) -> None:
+        self.primary.complete_store(keys, req_context, success)
+        if success and self.tiers:
+            stored = [k for k in keys if self.primary.lookup(k, req_context) is HIT]
+            if stored:
+                self._cascade(stored, req_context, range(len(self.tiers)))
+        state = self._requests.get(req_context.req_id)
+        if state is not None:
+            state.pending_primary_stores = max(0, state.pending_primary_stores - 1)
+            self._maybe_finalize(state)
+
+    def _flush_parked_cascades(self) -> None:
+        for state in list(self._requests.values()):
+            if state.parked_cascade_keys:
+                keys, state.parked_cascade_keys = state.parked_cascade_keys, []
+                self._cascade_present(state, keys)
+                self._maybe_finalize(state)
+
+    # --- pass-through to the primary ---
+
+    def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> CPULoadStoreSpec:
+        return self.primary.prepare_load(keys, req_context)
+
+    def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
+        self.primary.complete_load(keys, req_context)
+
+    def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
+        self.primary.touch(keys, req_context)
+        for tier in self.tiers:
+            tier.touch(keys, req_context)
+
+    # --- request lifecycle ---
+
+    def _state(self, ctx: ReqContext) -> _RequestState:
+        state = self._requests.get(ctx.req_id)
+        if state is None:
+            self.on_new_request(ctx)
+            state = self._requests[ctx.req_id]
+        return state
+
+    def on_new_request(self, req_context: ReqContext,
+                       exclude_tier_idx: int | None = None) -> RequestOffloadingContext:
+        state = _RequestState(req_context, excluded_tier=exclude_tier_idx)
+        self._requests[req_context.req_id] = state
+        self.primary.on_new_request(req_context)
+        for tier_idx, tier in enumerate(self.tiers):
+            if tier_idx == exclude_tier_idx:
+                continue
+            answer = tier.on_new_request(req_context)
+            if getattr(answer, "policy", None) is not None and answer.policy.value == "request_level":
+                state.request_level_tiers.add(tier_idx)
+        policy = OffloadPolicy.REQUEST_LEVEL if state.request_level_tiers else OffloadPolicy.CHUNK_LEVEL
+        return RequestOffloadingContext(policy)
+
+    def on_request_finished(self, req_context: ReqContext,
+                            exclude_tier_idx: int | None = None) -> None:
+        state = self._state(req_context)
+        self.primary.on_request_finished(req_context)
+        state.finished = True
+        self._maybe_finalize(state)
+
+    def _maybe_finalize(self, state: _RequestState) -> None:
+        if not state.finished or state.pending_primary_stores or state.parked_cascade_keys:
+            return
+        req_id = state.ctx.req_id
+        if self._requests.get(req_id) is not state:
+            return
+        del self._requests[req_id]
+        for tier_idx, tier in enumerate(self.tiers):
+            if tier_idx != state.excluded_tier:
+                tier.on_request_finished(state.ctx)
+        self._tracker.forget(req_id)
+        self._load_sources.pop(req_id, None)
+
+    # --- per step ---
+
+    def on_schedule_end(self, context: ScheduleEndContext) -> None:
+        self._maybe_process_finished_jobs()
+        for tier_idx, tier in enumerate(self.tiers):
+            tier.serve_external_requests(self._parents[tier_idx])
+        self._polled_this_step = False
+        self._flush_pending_promotions()
+        self._flush_parked_cascades()
+        for tier in self.tiers:
+            tier.on_schedule_end(context)
+        self._tracker.stop(context.new_req_ids)
+
+    def has_pending_work(self) -> bool:
+        return (bool(self._jobs) or any(s.parked_cascade_keys for s in self._requests.values())
+                or any(tier.has_pending_work() for tier in self.tiers))
+
+    def take_events(self) -> Iterable[OffloadingEvent]:
+        events = list(self.primary.take_events())
+        for tier in self.tiers:
+            events.extend(tier.take_events())
+        return events
+
+    def get_stats(self) -> metrics.OffloadingStats:
+        stats = self.primary.get_stats()
+        metrics.merge_stats(stats, self._stats)
+        self._stats = metrics.OffloadingStats()
+        metrics.merge_stats(stats, self._tracker.take())
+        promotions = [0] * len(self.tiers)
+        cascades = [0] * len(self.tiers)
+        promo_rows = [0] * len(self.tiers)
+        cascade_rows = [0] * len(self.tiers)
+        for job, tier_idx in self._jobs.values():
+            if job.is_promotion:
+                promotions[tier_idx] += 1
+                promo_rows[tier_idx] += len(job.keys)
+            else:
+                cascades[tier_idx] += 1
+                cascade_rows[tier_idx] += len(job.keys)
+        for tier_idx, tier in enumerate(self.tiers):
+            label = (self.labels[tier_idx + 1],)
+            stats.set_gauge(metrics.ACTIVE_PROMOTION_JOBS, promotions[tier_idx], label)
+            stats.set_gauge(metrics.ACTIVE_CASCADE_JOBS, cascades[tier_idx], label)
+            stats.set_gauge(metrics.PRIMARY_WRITE_USAGE_PERC, promo_rows[tier_idx] / self._num_chunks, label)
+            stats.set_gauge(metrics.PRIMARY_READ_USAGE_PERC, cascade_rows[tier_idx] / self._num_chunks, label)
+            detector = getattr(tier, "_bp_detector", None)
+            if detector is not None:
+                self._detector_stats(stats, detector, label)
+            metrics.merge_stats(stats, tier.get_stats())
+        return stats
+
+    @staticmethod
+    def _detector_stats(stats: metrics.OffloadingStats, detector: Any, label: tuple) -> None:
+        ema = detector.stats.get("store_latency_ema")
+        if ema is not None:
+            stats.set_gauge(metrics.BACKPRESSURE_STORE_LATENCY_EMA, ema, label)
+        policy = getattr(detector, "policy", None) or getattr(detector, "_policy", None)
+        if policy is not None and hasattr(policy, "pop_stores_dropped"):
+            dropped, blocks = policy.pop_stores_dropped()
+            stats.increase_counter(metrics.BACKPRESSURE_STORES_DROPPED, dropped, label)
+            stats.increase_counter(metrics.BACKPRESSURE_BLOCKS_DROPPED, blocks, label)
+
+    def config_info(self) -> list[dict[str, Any]]:
+        info = [{**(self.primary.config_info()[0] or {}), "tier": PRIMARY_LABEL}]
+        for tier_idx, tier in enumerate(self.tiers):
+            info.append({**tier.config_info(), "tier": self.labels[tier_idx + 1]})
+        return info
+
+    # --- reset and shutdown ---
+
+    def reset_cache(self) -> None:
+        """Drain every tier, drop all primary state (tiers keep their data) and
+        hold promotions until ``on_reset_flushed``."""
+        for tier in self.tiers:
+            tier.drain_jobs()
+        self._process_finished_jobs()
+        if self._jobs:
+            owners = sorted({self.labels[t + 1] for _, t in self._jobs.values()})
+            raise RuntimeError(f"reset_cache: tiers {owners} still hold jobs after drain_jobs()")
+        self._pending_promotions = [{} for _ in self.tiers]
+        self._load_sources.clear()
+        for state in list(self._requests.values()):
+            state.pending_primary_stores = 0
+            state.parked_cascade_keys.clear()
+            self._maybe_finalize(state)
+        self.primary.reset_cache()
+        self._polled_this_step = False
+        for tier in self.tiers:
+            detector = getattr(tier, "_bp_detector", None)
+            if detector is not None:
+                detector.reset()
+        self._promotions_held = bool(self.tiers)
+
+    def on_reset_flushed(self) -> None:
+        self._promotions_held = False
+
+    def shutdown(self) -> None:
+        """Shut every tier down, then the primary (not if a tier failed: it may
+        still use the primary's rows). Called without the lock."""
+        errors = []
+        for tier in reversed(self.tiers):
+            try:
+                tier.shutdown()
+            except Exception as e:  # keep shutting the others down
+                errors.append((tier, e))
+        if errors:
+            tier, error = errors[0]
+            raise RuntimeError(f"tier {tier.tier_type} failed to shut down: {error}") from error
+        self.primary.shutdown()

@@ -1,0 +1,327 @@
+"""TieringOffloadingManager over a real segment, with real copies and in-process tiers."""
+
+from __future__ import annotations
+
+import textwrap
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from shmtier import metrics
+from shmtier.contract import (
+    CacheHitSource,
+    CPULoadStoreSpec,
+    GPULoadStoreSpec,
+    LookupResult,
+    ReqContext,
+    ScheduleEndContext,
+)
+from shmtier.gpu.canonical import CanonicalKVCacheRef, CanonicalKVCaches
+from shmtier.gpu.copy_worker import BlockCopyWorker
+from shmtier.scheduler.primary import CPUPrimaryTierOffloadingManager
+from shmtier.scheduler.tiering.factory import SecondaryTierFactory
+from shmtier.scheduler.tiering.manager import TieringOffloadingManager
+from shmtier.shared.layout import ArenaGeometry
+from shmtier.shared.segment import open_segment
+
+HIT, MISS, PENDING, RETRY = (LookupResult.HIT, LookupResult.MISS, LookupResult.HIT_PENDING,
+                             LookupResult.RETRY)
+PAGE = 4096
+END = ScheduleEndContext((), ())
+
+
+def key(i: int) -> bytes:
+    return i.to_bytes(32, "big") + b"\0\0\0\0"
+
+
+class Rig:
+    """One engine in one process: segment, tiering manager, a copy worker over
+    a CPU "GPU" cache of 64 blocks (1 block per chunk)."""
+
+    def __init__(self, engine_id: str, num_chunks: int, tier_configs: list[dict]):
+        geometry = ArenaGeometry(num_chunks=num_chunks, row_stride=PAGE,
+                                 page_size_per_worker=PAGE, world_size=1)
+        self.segment = open_segment(engine_id, geometry, "fp", owner=True)
+        primary = CPUPrimaryTierOffloadingManager(self.segment, "lru", enable_events=True)
+        view = primary.get_kv_memoryview()
+        try:
+            tiers = [SecondaryTierFactory.create_secondary_tier(cfg, view, None,
+                                                                where=f"secondary_tiers[{i}]")
+                     for i, cfg in enumerate(tier_configs)]
+        except Exception:
+            del view
+            primary.shutdown()
+            raise
+        self.manager = TieringOffloadingManager(primary, tiers)
+        self.cache = torch.randint(-128, 128, (64, PAGE), dtype=torch.int8)
+        self.original = self.cache.clone()
+        self.member = open_segment(engine_id, geometry, "fp", owner=False, rank=0)
+        kv = CanonicalKVCaches([self.cache], [[CanonicalKVCacheRef(0, PAGE)]])
+        self.worker = BlockCopyWorker(kv, self.member, 1, 0, threads=False, close_segment=True)
+        self.jobs = 0
+
+    def offload(self, keys, blocks, ctx):
+        """The connector's store path: prepare_store, GPU->arena copy, complete_store."""
+        m = self.manager
+        with m.lock:
+            out = m.prepare_store(keys, ctx)
+        assert out is not None
+        if out.keys_to_store:
+            gpu = [blocks[keys.index(k)] for k in out.keys_to_store]
+            self.jobs += 1
+            self.worker.submit_store(self.jobs, GPULoadStoreSpec(gpu, [len(gpu)], [0]), out.store_spec)
+            self.worker.wait({self.jobs})
+            assert all(r.success for r in self.worker.get_finished())
+            with m.lock:
+                m.complete_store(out.keys_to_store, ctx)
+        return out
+
+    def load(self, keys, blocks, ctx):
+        m = self.manager
+        with m.lock:
+            spec = m.prepare_load(keys, ctx)
+        self.cache[blocks] = 0
+        self.jobs += 1
+        self.worker.submit_load(self.jobs, spec, GPULoadStoreSpec(blocks, [len(blocks)], [0]))
+        self.worker.wait({self.jobs})
+        assert all(r.success for r in self.worker.get_finished())
+        with m.lock:
+            m.complete_load(keys, ctx)
+
+    def step(self):
+        with self.manager.lock:
+            self.manager.on_schedule_end(END)
+
+    def close(self):
+        self.worker.shutdown()
+        self.manager.shutdown()
+
+
+@pytest.fixture
+def rig_factory(engine_id):
+    rigs = []
+
+    def make(num_chunks=8, tiers=({"type": "example"},)):
+        rig = Rig(f"{engine_id}-{len(rigs)}", num_chunks, [dict(t) for t in tiers])
+        rigs.append(rig)
+        return rig
+
+    yield make
+    for rig in rigs:
+        rig.close()
+
+
+def wait_for_hit(rig, keys, ctx, max_steps=5):
+    """Ask like the connector until every key is HIT; returns the answers seen."""
+    seen = []
+    for _ in range(max_steps):
+        with rig.manager.lock:
+            answers = [rig.manager.lookup(k, ctx) for k in keys]
+        seen.append(answers)
+        if all(a is HIT for a in answers):
+            return seen
+        rig.step()
+    raise AssertionError(f"never all HIT: {seen}")
+
+
+def test_bytes_round_trip_through_a_secondary_tier(rig_factory):
+    rig = rig_factory(num_chunks=8)
+    m = rig.manager
+    first = [key(i) for i in range(8)]
+    ctx = ReqContext("a")
+    with m.lock:
+        m.on_new_request(ctx)
+    rig.offload(first, list(range(8)), ctx)  # cascades all 8 to the example tier
+    with m.lock:
+        m.on_request_finished(ctx)
+    rig.step()  # as in vLLM, a job finished after this step's poll is seen next step
+    assert m.has_pending_work()
+    rig.step()
+    assert not m.has_pending_work()
+    other = ReqContext("b")
+    with m.lock:
+        m.on_new_request(other)
+    rig.offload([key(100 + i) for i in range(8)], list(range(8, 16)), other)  # evicts all of "a"
+    rig.step()
+    rig.step()  # b's cascades done: its rows are unpinned and evictable again
+    reader = ReqContext("c")
+    with m.lock:
+        m.on_new_request(reader)
+        assert m.primary.lookup(first[0], reader) is MISS
+    seen = wait_for_hit(rig, first[:4], reader)
+    assert seen[0] == [PENDING] * 4 and seen[-1] == [HIT] * 4  # promoted, then readable
+    with m.lock:
+        assert m.get_load_source(first[0], reader) is CacheHitSource.HOST  # example medium = CPU
+    rig.load(first[:4], [40, 41, 42, 43], reader)
+    assert torch.equal(rig.cache[40:44], rig.original[0:4])
+    stats = m.get_stats().data["data"]
+    assert stats[metrics.READ_BYTES][("1:example",)] == 4 * PAGE
+    assert stats[metrics.WRITE_BYTES][("1:example",)] == 16 * PAGE
+    assert stats[metrics.CHUNK_HITS][("1:example",)] == 4
+
+
+SCRIPTED = textwrap.dedent('''
+    from shmtier.contract import LookupResult, Medium, RequestOffloadingContext
+    from shmtier.scheduler.tiering.base import JobResult, SecondaryTierManager
+
+    class ScriptedTier(SecondaryTierManager):
+        medium = Medium.STORAGE
+        def __init__(self, answers=(), fail_keys=(), **kw):
+            super().__init__(**kw)
+            self.answers = list(answers)
+            self.fail_keys = set(bytes.fromhex(k) for k in fail_keys)
+            self.finished, self.stores, self.finished_requests = [], [], []
+        def lookup(self, key, ctx):
+            return LookupResult[self.answers.pop(0)] if self.answers else LookupResult.MISS
+        def submit_store(self, job):
+            self.stores.append(list(job.keys))
+            self.finished.append(JobResult(job.job_id, True))
+        def submit_load(self, job):
+            ok = [k for k in job.keys if k not in self.fail_keys]
+            self.finished.append(JobResult(job.job_id, len(ok) == len(job.keys), ok))
+        def get_finished_jobs(self):
+            out, self.finished = self.finished, []
+            return out
+        def on_new_request(self, ctx):
+            return RequestOffloadingContext()
+        def on_request_finished(self, ctx):
+            self.finished_requests.append(ctx.req_id)
+        def drain_jobs(self):
+            pass
+''')
+
+
+@pytest.fixture
+def scripted_module(tmp_path, monkeypatch):
+    (tmp_path / "scripted_tier.py").write_text(SCRIPTED)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return "scripted_tier"
+
+
+def test_retry_does_not_stop_the_scan_and_first_hit_wins(rig_factory, scripted_module):
+    rig = rig_factory(tiers=[
+        {"type": "ScriptedTier", "module_path": scripted_module, "answers": ["RETRY", "MISS"]},
+        {"type": "ScriptedTier", "module_path": scripted_module, "answers": ["HIT", "MISS"]},
+    ])
+    m = rig.manager
+    ctx = ReqContext("r")
+    with m.lock:
+        m.on_new_request(ctx)
+        assert m.lookup(key(1), ctx) is PENDING  # tier 1 said RETRY, tier 2 HIT: promote
+        assert m.lookup(key(1), ctx) is PENDING  # the reserved row answers now
+        assert m.get_load_source(key(1), ctx) is CacheHitSource.DISK
+        assert m.lookup(key(2), ctx) is MISS
+    data = m.get_stats().data["data"]
+    # RETRY is not a resolved query; key 2 was a MISS in both tiers
+    assert data[metrics.CHUNK_QUERIES] == {("1:ScriptedTier",): 1, ("2:ScriptedTier",): 2}
+    assert data[metrics.CHUNK_HITS] == {("2:ScriptedTier",): 1}
+
+
+def test_partial_promotion_failure_frees_failed_rows(rig_factory, scripted_module):
+    rig = rig_factory(tiers=[{"type": "ScriptedTier", "module_path": scripted_module,
+                              "answers": ["HIT", "HIT"], "fail_keys": [key(2).hex()]}])
+    m = rig.manager
+    ctx = ReqContext("r")
+    with m.lock:
+        m.on_new_request(ctx)
+        assert [m.lookup(k, ctx) for k in (key(1), key(2))] == [PENDING, PENDING]
+    rig.step()  # submits one promotion job for (tier, request)
+    with m.lock:
+        assert m.lookup(key(1), ctx) is HIT
+        assert m.lookup(key(2), ctx) is MISS  # failed row freed, tier answers MISS now
+        events = [(e.removed, e.metadata_only) for e in m.take_events()]
+    assert (True, True) in events and (False, False) in events
+    data = m.get_stats().data["data"]
+    assert data[metrics.PROMOTION_JOB_FAILURES][("1:ScriptedTier",)] == 1
+    assert data[metrics.PROMOTION_LATENCY][("1:ScriptedTier", "failure")]
+
+
+def test_promotion_needs_a_free_primary_row(rig_factory, scripted_module):
+    rig = rig_factory(num_chunks=2, tiers=[{"type": "ScriptedTier", "module_path": scripted_module,
+                                            "answers": ["HIT"]}])
+    m = rig.manager
+    ctx = ReqContext("r")
+    with m.lock:
+        m.on_new_request(ctx)
+    rig.offload([key(1), key(2)], [0, 1], ctx)
+    with m.lock:
+        m.prepare_load([key(1), key(2)], ctx)  # both rows pinned
+        assert m.lookup(key(3), ctx) is MISS
+        data = m.get_stats().data["data"]
+        assert data[metrics.PROMOTION_ALLOCATION_FAILURES][()] == 1
+
+
+def test_tiers_hear_of_a_finished_request_after_its_last_store(rig_factory, scripted_module):
+    rig = rig_factory(tiers=[{"type": "ScriptedTier", "module_path": scripted_module}])
+    m, tier = rig.manager, rig.manager.tiers[0]
+    ctx = ReqContext("r")
+    with m.lock:
+        m.on_new_request(ctx)
+        out = m.prepare_store([key(1)], ctx)
+        m.on_request_finished(ctx)
+        assert tier.finished_requests == []  # a cascade may still follow
+        m.complete_store(out.keys_to_store, ctx)
+        assert tier.stores == [[key(1)]] and tier.finished_requests == ["r"]
+
+
+def test_reset_holds_promotions_until_flushed(rig_factory):
+    rig = rig_factory()
+    m = rig.manager
+    ctx = ReqContext("a")
+    with m.lock:
+        m.on_new_request(ctx)
+    rig.offload([key(1)], [0], ctx)
+    rig.step()
+    with m.lock:
+        m.reset_cache()
+        assert m.lookup(key(1), ctx) is MISS  # held: recompute instead of stalling
+        m.on_reset_flushed()
+        assert m.lookup(key(1), ctx) is PENDING
+    wait_for_hit(rig, [key(1)], ctx)
+
+
+def test_lock_is_real_and_not_reentrant(rig_factory):
+    m = rig_factory().manager
+    assert isinstance(m.lock, type(threading.Lock()))
+    with m.lock:
+        assert not m.lock.acquire(blocking=False)
+
+
+def test_stats_and_config_info_are_declared(rig_factory):
+    rig = rig_factory()
+    m = rig.manager
+    ctx = ReqContext("a")
+    with m.lock:
+        m.on_new_request(ctx)
+    rig.offload([key(1)], [0], ctx)
+    rig.step()
+    declared = {**metrics.cpu_metric_definitions(), **metrics.tiering_metric_definitions()}
+    data = m.get_stats().data
+    assert set(data["types"]) <= set(declared)
+    assert m.config_info() == [{"tier": "0:primary"}, {"example_info": 0, "tier": "1:example"}]
+
+
+def test_a_tier_written_for_vllm_loads_and_runs(rig_factory):
+    pytest.importorskip("vllm.v1.kv_offload.tiering.example.manager")
+    rig = rig_factory(tiers=[{"type": "ExampleSecondaryTierManager",
+                              "module_path": "vllm.v1.kv_offload.tiering.example.manager"}])
+    m = rig.manager
+    ctx = ReqContext("a")
+    with m.lock:
+        m.on_new_request(ctx)
+    rig.offload([key(1)], [0], ctx)
+    rig.step()
+    with m.lock:
+        m.reset_cache()
+        m.on_reset_flushed()
+        assert m.lookup(key(1), ctx) is PENDING  # vLLM's tier answered HIT (its own enum)
+    wait_for_hit(rig, [key(1)], ctx)
+
+
+def test_unknown_tier_type_and_bad_options_are_clear_errors(rig_factory):
+    with pytest.raises(ValueError, match=r"type = 'nfs' is not a known tier type; accepted: \['example'"):
+        SecondaryTierFactory.get_tier_class({"type": "nfs"}, "secondary_tiers[0]")
+    with pytest.raises(ValueError, match=r"secondary_tiers\[0\] \(example\): invalid tier option"):
+        rig_factory(tiers=[{"type": "example", "locality": "LOCAL"}])
