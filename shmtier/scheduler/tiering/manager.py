@@ -47,6 +47,7 @@ from shmtier.contract import (
     RequestOffloadingContext,
     ScheduleEndContext,
 )
+from shmtier.scheduler.backpressure import record_backpressure_metrics
 from shmtier.scheduler.primary import CPUPrimaryTierOffloadingManager
 from shmtier.scheduler.tiering.base import JobResult, ParentManager, TransferJob
 
@@ -465,20 +466,9 @@ class TieringOffloadingManager:
             stats.set_gauge(metrics.PRIMARY_READ_USAGE_PERC, cascade_rows[tier_idx] / self._num_chunks, label)
             detector = getattr(tier, "_bp_detector", None)
             if detector is not None:
-                self._detector_stats(stats, detector, label)
+                record_backpressure_metrics(stats, detector, label[0])
             metrics.merge_stats(stats, tier.get_stats())
         return stats
-
-    @staticmethod
-    def _detector_stats(stats: metrics.OffloadingStats, detector: Any, label: tuple) -> None:
-        ema = detector.stats.get("store_latency_ema")
-        if ema is not None:
-            stats.set_gauge(metrics.BACKPRESSURE_STORE_LATENCY_EMA, ema, label)
-        policy = getattr(detector, "policy", None) or getattr(detector, "_policy", None)
-        if policy is not None and hasattr(policy, "pop_stores_dropped"):
-            dropped, blocks = policy.pop_stores_dropped()
-            stats.increase_counter(metrics.BACKPRESSURE_STORES_DROPPED, dropped, label)
-            stats.increase_counter(metrics.BACKPRESSURE_BLOCKS_DROPPED, blocks, label)
 
     def config_info(self) -> list[dict[str, Any]]:
         info = [{**(self.primary.config_info()[0] or {}), "tier": PRIMARY_LABEL}]
