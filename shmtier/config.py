@@ -33,7 +33,12 @@ PRIMARY_KEYS = frozenset({
     "cache_policy_module_path", "store_threshold", "max_tracker_size", "key_width",
     "warm_restart",
 })
-KNOWN_KEYS = PASSTHROUGH_KEYS | PRIMARY_KEYS
+TIERING_KEYS = frozenset({
+    "secondary_tiers", "tier_poll_interval_s", "backpressure", "num_tier_workers", "workers",
+    "compression",
+})
+KNOWN_KEYS = PASSTHROUGH_KEYS | PRIMARY_KEYS | TIERING_KEYS
+WORKER_MODES = ("spawn", "external")
 
 
 def _int(extra: Mapping[str, Any], key: str, default: int | None, *, minimum: int,
@@ -195,3 +200,74 @@ def _blocks_per_chunk(extra: Mapping[str, Any], gpu_block_size: int) -> int:
             )
         return block_size // gpu_block_size
     return _int(extra, "blocks_per_chunk", 1, minimum=1)
+
+
+@dataclass(frozen=True)
+class TieringConfig:
+    """The validated secondary-tier part of ``kv_connector_extra_config``.
+
+    ``secondary_tiers`` keeps each tier dict as given (the factory validates
+    ``type``/``module_path`` and the tier's own options at construction);
+    ``detectors`` holds each tier's backpressure detector (or None), built
+    from the top-level ``backpressure`` merged field by field under the tier's.
+    """
+
+    secondary_tiers: tuple[dict, ...] = ()
+    detectors: tuple[Any, ...] = ()
+    tier_poll_interval_s: float = 0.001
+    num_tier_workers: int = 2
+    workers: str = "spawn"
+    compression: Any = None
+
+    @classmethod
+    def from_extra_config(cls, extra: Mapping[str, Any]) -> "TieringConfig":
+        from shmtier.scheduler.backpressure import build_detector
+        from shmtier.shared.codec import CompressionConfig
+
+        tiers = extra.get("secondary_tiers", [])
+        if tiers is None:
+            tiers = []
+        if not isinstance(tiers, (list, tuple)) or not all(isinstance(t, Mapping) for t in tiers):
+            raise ConfigError(
+                f"kv_connector_extra_config['secondary_tiers'] = {tiers!r} is invalid: "
+                f"expected a list of dicts, each with a 'type'"
+            )
+        top = extra.get("backpressure")
+        detectors = []
+        for i, tier in enumerate(tiers):
+            tier_type = tier.get("type")
+            if not isinstance(tier_type, str) or not tier_type:
+                raise ConfigError(
+                    f"secondary_tiers[{i}].type = {tier_type!r} is invalid: expected a tier "
+                    f"type name (e.g. 'fs', 'example') or an out-of-tree class name"
+                )
+            try:
+                detectors.append(build_detector(
+                    tier_type, tier.get("locality"), top, tier.get("backpressure"),
+                    where=f"secondary_tiers[{i}].backpressure"))
+            except ValueError as e:
+                raise ConfigError(str(e)) from e
+        interval = extra.get("tier_poll_interval_s", 0.001)
+        if isinstance(interval, bool) or not isinstance(interval, (int, float)):
+            raise ConfigError(
+                f"kv_connector_extra_config['tier_poll_interval_s'] = {interval!r} is invalid: "
+                f"expected a number of seconds (<= 0 disables polling between steps)"
+            )
+        workers = extra.get("workers", "spawn")
+        if workers not in WORKER_MODES:
+            raise ConfigError(
+                f"kv_connector_extra_config['workers'] = {workers!r} is invalid: expected one "
+                f"of {list(WORKER_MODES)}"
+            )
+        try:
+            compression = CompressionConfig.from_config(extra.get("compression", "auto"))
+        except ValueError as e:
+            raise ConfigError(str(e)) from e
+        return cls(
+            secondary_tiers=tuple(dict(t) for t in tiers),
+            detectors=tuple(detectors),
+            tier_poll_interval_s=float(interval),
+            num_tier_workers=_int(extra, "num_tier_workers", 2, minimum=1),
+            workers=workers,
+            compression=compression,
+        )

@@ -1,0 +1,360 @@
+#!/usr/bin/env python
+"""Chunk codec: compression ratio and single-thread speed of shmtier's frame codec.
+
+Run from a checkout::
+
+    .venv/bin/python bench/codec.py                  # 3 data sets x 3 sizes, 7 repeats (~25 s)
+    .venv/bin/python bench/codec.py --quick          # smoke test: 3 repeats, fewer chunks
+    .venv/bin/python bench/codec.py --breakdown      # also time each step of the auto path
+    .venv/bin/python bench/codec.py --json bench/results/codec.json
+
+What is measured, per data set and chunk size, single thread (= per core):
+
+* ``auto``, ``zstd`` and ``none``: ``ChunkEncoder.encode`` / ``ChunkDecoder.decode_into``
+  in that mode -- the whole frame path a tier worker runs: byte split, zstd,
+  both CRC-32s, header; decode verifies and writes into a preallocated,
+  page-aligned, pre-touched destination (an arena row stand-in). Ratio is raw bytes
+  over frame bytes (header included).
+* ``zstd-l1 whole`` (reference): plain ``zstandard`` level 1 on the whole chunk, no
+  frame, no checksum, decompressing to a new bytes object.
+* ``crc32`` (reference): ``zlib.crc32`` over the chunk alone.
+
+Data (real, generated with numpy, distinct values in every chunk): ``bf16 normal`` (float32
+standard normal, top 16 bits), ``bf16 ln-scale`` (the same with a log-normal scale per
+channel of 128, like K/V heads with uneven channel magnitudes), ``fp16 normal``.
+
+Method: per repeat, every method encodes then decodes each of the data set's
+distinct chunks (about 24 MiB per size, at least 8 chunks, so a chunk is not in cache
+when its turn comes, as an arena row would not be) once; each call is timed with
+``thread_time`` (CPU seconds of this thread: the per-core figure) and ``perf_counter``
+(wall). A repeat's figure is total bytes / total time. Methods run interleaved, their
+order rotated each repeat, ``gc`` off while timing. The table shows the median over
+repeats and [min-max] per CPU second, and the wall-clock median. This machine has 2
+shared cores that other work keeps busy: wall figures include time descheduled and
+read lower; CPU figures still feel cache and memory contention. Read medians, mind
+spreads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+import zlib
+
+import numpy as np
+import zstandard
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO_ROOT not in sys.path:
+    sys.path.insert(0, REPO_ROOT)
+
+from shmtier.shared import codec as C  # noqa: E402
+from shmtier.shared.codec import (  # noqa: E402
+    ChunkDecoder,
+    ChunkEncoder,
+    CompressionConfig,
+)
+
+KIB, MIB = 1 << 10, 1 << 20
+SIZES = (256 * KIB, MIB, 2 * MIB)
+KEY = bytes(range(32)) + b"\x00\x00\x00\x01"
+TARGET_RATIO, TARGET_GBPS = 1.4, 1.0
+CHANNELS = 128
+
+
+def bf16_normal(nbytes: int, rng: np.random.Generator) -> np.ndarray:
+    f = rng.standard_normal(nbytes // 2, dtype=np.float32)
+    return (f.view(np.uint32) >> 16).astype("<u2").view(np.uint8)
+
+
+def bf16_lognormal_scales(nbytes: int, rng: np.random.Generator) -> np.ndarray:
+    scales = np.exp(rng.standard_normal(CHANNELS)).astype(np.float32)
+    f = rng.standard_normal((nbytes // 2 // CHANNELS, CHANNELS), dtype=np.float32) * scales
+    return (f.ravel().view(np.uint32) >> 16).astype("<u2").view(np.uint8)
+
+
+def fp16_normal(nbytes: int, rng: np.random.Generator) -> np.ndarray:
+    return rng.standard_normal(nbytes // 2).astype("<f2").view(np.uint8)
+
+
+DATASETS = {
+    "bf16 normal": bf16_normal,
+    "bf16 ln-scale": bf16_lognormal_scales,
+    "fp16 normal": fp16_normal,
+}
+
+
+def aligned_empty(nbytes: int) -> np.ndarray:
+    """A page-aligned, pre-touched uint8 buffer (like an arena row after MADV_POPULATE)."""
+    buf = np.empty(nbytes + 4096, dtype=np.uint8)
+    off = (-buf.ctypes.data) % 4096
+    out = buf[off:off + nbytes]
+    out.fill(0)
+    return out
+
+
+class FrameMethod:
+    """shmtier's encoder/decoder in one mode."""
+
+    def __init__(self, mode: str) -> None:
+        self.name = mode
+        self.enc = ChunkEncoder(CompressionConfig(mode=mode))
+        self.dec = ChunkDecoder()
+
+    def compress(self, chunk):
+        parts, stats = self.enc.encode(chunk, KEY, 2)
+        return parts, stats.stored_bytes
+
+    def materialise(self, parts):  # outside the timed region: what a tier would have stored
+        return memoryview(b"".join(bytes(p) for p in parts))
+
+    def decompress(self, frame, out):
+        self.dec.decode_into(frame, KEY, out)
+
+    def codec_of(self, frame) -> str:
+        return C.parse_frame_header(frame).codec
+
+
+class PlainZstd:
+    """Reference: zstd level 1 on the whole chunk, no framing, no checksum."""
+
+    name = "zstd-l1 whole"
+
+    def __init__(self) -> None:
+        self.cctx = zstandard.ZstdCompressor(level=1)
+        self.dctx = zstandard.ZstdDecompressor()
+
+    def compress(self, chunk):
+        comp = self.cctx.compress(chunk)
+        return comp, len(comp)
+
+    def materialise(self, comp):
+        return comp
+
+    def decompress(self, frame, out):
+        self.dctx.decompress(frame)
+
+    def codec_of(self, frame) -> str:
+        return "zstd"
+
+
+class Crc32Only:
+    """Reference: the checksum alone (same figure in both columns)."""
+
+    name = "crc32"
+
+    def compress(self, chunk):
+        zlib.crc32(chunk)
+        return None, None
+
+    def materialise(self, _):
+        return None
+
+    def decompress(self, frame, out):
+        zlib.crc32(out)
+
+    def codec_of(self, frame) -> str:
+        return "-"
+
+
+def run_one(method, chunks, frames, outs) -> dict:
+    """One repeat: compress every chunk, then decompress every frame.
+
+    Returns GB/s both ways, per CPU second of this thread (``thread_time``: time the
+    thread was descheduled by other work on the 2 shared cores does not count) and
+    per wall second (``perf_counter``)."""
+    nbytes = sum(c.nbytes for c in chunks)
+    cpu_c = wall_c = cpu_d = wall_d = 0.0
+    for chunk in chunks:
+        c0, w0 = time.thread_time(), time.perf_counter()
+        method.compress(chunk)
+        w1, c1 = time.perf_counter(), time.thread_time()
+        cpu_c += c1 - c0
+        wall_c += w1 - w0
+    for frame, out in zip(frames, outs):
+        c0, w0 = time.thread_time(), time.perf_counter()
+        method.decompress(frame, out)
+        w1, c1 = time.perf_counter(), time.thread_time()
+        cpu_d += c1 - c0
+        wall_d += w1 - w0
+    g = nbytes / 1e9
+    return {"compress_cpu": g / cpu_c, "compress_wall": g / wall_c,
+            "decompress_cpu": g / cpu_d, "decompress_wall": g / wall_d}
+
+
+def breakdown(chunks, outs, repeats: int) -> list[tuple[str, float, float, float]]:
+    """Time each step of the auto path separately: GB/s of raw chunk bytes per CPU
+    second, median [min-max] over repeats, every chunk once per repeat."""
+    n = chunks[0].nbytes
+    cctx = zstandard.ZstdCompressor(compression_params=zstandard.ZstdCompressionParameters(
+        write_content_size=True, **C._AUTO_PARAMS))
+    dctx = zstandard.ZstdDecompressor()
+    hi, lo = aligned_empty(n // 2), aligned_empty(n // 2)
+    his, los = [], []
+    for c in chunks:
+        h, l_ = aligned_empty(n // 2), aligned_empty(n // 2)
+        C._split_planes(memoryview(c), h, l_)
+        his.append(h)
+        los.append(l_)
+    comps = [cctx.compress(h) for h in his]
+
+    def readinto(i):
+        with dctx.stream_reader(comps[i], read_across_frames=False) as r:
+            r.readinto(hi)
+
+    steps = {
+        "split + crc32 (tiled, as encode)":
+            lambda i: C._split_planes(memoryview(chunks[i]), hi, lo),
+        "  crc32 alone, chunk not in cache": lambda i: zlib.crc32(chunks[i]),
+        "  crc32 alone, same chunk again": lambda i: zlib.crc32(chunks[0]),
+        "zstd high plane, compress": lambda i: cctx.compress(his[i]),
+        "crc32 of compressed plane": lambda i: zlib.crc32(comps[i]),
+        "zstd high plane, decompress": readinto,
+        "merge + crc32 (tiled, as decode)":
+            lambda i: C._merge_planes(his[i], los[i], memoryview(outs[i])),
+    }
+    rows = []
+    for name, fn in steps.items():
+        figs = []
+        for _ in range(repeats):
+            t = 0.0
+            for i in range(len(chunks)):
+                t0 = time.thread_time()
+                fn(i)
+                t += time.thread_time() - t0
+            figs.append(n * len(chunks) / t / 1e9)
+        rows.append((name, statistics.median(figs), min(figs), max(figs)))
+    return rows
+
+
+def _fmt(figs: list[float]) -> str:
+    return f"{statistics.median(figs):5.2f} [{min(figs):5.2f}-{max(figs):5.2f}]"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--repeats", type=int, default=7,
+                    help="repeats per method (>= 5 for the report)")
+    ap.add_argument("--mib-per-size", type=int, default=24, help="data per (data set, size), MiB")
+    ap.add_argument("--quick", action="store_true", help="3 repeats, 8 MiB per size")
+    ap.add_argument("--breakdown", action="store_true", help="also time each step of the auto path")
+    ap.add_argument("--json", help="write the figures to this file")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.repeats, args.mib_per_size = 3, 8
+
+    print(__doc__.split("Method:")[0].strip().splitlines()[0])
+    print(f"host: {platform.node()} {platform.processor() or platform.machine()}, "
+          f"{os.cpu_count()} CPUs; python {platform.python_version()}, numpy {np.__version__}, "
+          f"zstandard {zstandard.__version__} "
+          f"(libzstd {'.'.join(map(str, zstandard.ZSTD_VERSION))}), "
+          f"zlib {zlib.ZLIB_RUNTIME_VERSION}")
+    print(f"method: single thread; per repeat each method encodes then decodes every chunk once "
+          f"({args.mib_per_size} MiB per data set and size, >= 8 distinct chunks), "
+          f"methods interleaved with rotated order; median of {args.repeats} repeats "
+          f"[min-max]; GB/s = raw bytes / thread CPU time (per core), 'wall' = median "
+          f"by wall clock; ratio = raw / stored bytes (frame header "
+          f"included). auto = split_zstd fast strategy, min_match 7, hash_log 6; zstd = "
+          f"split_zstd at level 1; none = raw frame (CRC + copy).")
+    print()
+
+    results = []
+    hdr = (f"{'data':14s} {'chunk':>7s} {'method':14s} {'codec':10s} {'ratio':>6s}  "
+           f"{'compress GB/s cpu':>19s} {'wall':>5s}  {'decompress GB/s cpu':>19s} {'wall':>5s}")
+    print(hdr)
+    print("-" * len(hdr))
+    gc_was = gc.isenabled()
+    for ds_name, gen in DATASETS.items():
+        for size in SIZES:
+            count = max(8, args.mib_per_size * MIB // size)
+            rng = np.random.default_rng(zlib.crc32(f"{ds_name}|{size}".encode()))
+            chunks = []
+            for _ in range(count):
+                c = aligned_empty(size)
+                c[:] = gen(size, rng)
+                chunks.append(c)
+            outs = [aligned_empty(size) for _ in range(count)]
+            methods = [FrameMethod("auto"), FrameMethod("zstd"), FrameMethod("none"),
+                       PlainZstd(), Crc32Only()]
+            prepared = {}
+            for m in methods:
+                frames, stored, codecs = [], 0, set()
+                for c, o in zip(chunks, outs):
+                    parts, nstored = m.compress(c)
+                    frame = m.materialise(parts)
+                    frames.append(frame)
+                    if frame is not None:
+                        stored += nstored
+                        codecs.add(m.codec_of(frame))
+                        m.decompress(frame, o)
+                        if isinstance(m, FrameMethod):
+                            assert np.array_equal(o, c), f"{m.name}: round trip differs"
+                prepared[m.name] = (frames, stored, ",".join(sorted(codecs)))
+            figs = {m.name: {} for m in methods}
+            gc.disable()
+            try:
+                for r in range(args.repeats):
+                    order = methods[r % len(methods):] + methods[:r % len(methods)]
+                    for m in order:
+                        one = run_one(m, chunks, prepared[m.name][0], outs)
+                        for k, v in one.items():
+                            figs[m.name].setdefault(k, []).append(v)
+            finally:
+                if gc_was:
+                    gc.enable()
+            nbytes = size * count
+            for m in methods:
+                frames, stored, codecs = prepared[m.name]
+                f = figs[m.name]
+                ratio = nbytes / stored if stored else None
+                row = {"data": ds_name, "chunk_bytes": size, "chunks": count, "method": m.name,
+                       "codec": codecs, "ratio": ratio}
+                for k, v in f.items():
+                    row[k + "_gbps"] = {"median": statistics.median(v), "min": min(v),
+                                        "max": max(v), "all": v}
+                results.append(row)
+                rs = f"{ratio:6.3f}" if ratio else f"{'-':>6s}"
+                label = f"{size // KIB} KiB" if size < MIB else f"{size // MIB} MiB"
+                print(f"{ds_name:14s} {label:>7s} {m.name:14s} {codecs:10s} {rs}  "
+                      f"{_fmt(f['compress_cpu'])} {statistics.median(f['compress_wall']):5.2f}  "
+                      f"{_fmt(f['decompress_cpu'])} {statistics.median(f['decompress_wall']):5.2f}",
+                      flush=True)
+            print()
+            if args.breakdown and ds_name == "bf16 normal":
+                print(f"  breakdown of auto, bf16 normal, {size // KIB} KiB chunks "
+                      f"(GB/s of raw chunk bytes per CPU second, median [min-max]):")
+                for name, med, lo_, hi_ in breakdown(chunks, outs, args.repeats):
+                    print(f"    {name:30s} {med:6.2f} [{lo_:5.2f}-{hi_:5.2f}]")
+                print()
+
+    print(f"target (issue): ratio >= {TARGET_RATIO} on random-normal bf16 at >= {TARGET_GBPS} "
+          f"GB/s compress per core (GB/s per CPU second, median), mode auto:")
+    all_met = True
+    for row in results:
+        if row["data"] == "bf16 normal" and row["method"] == "auto":
+            cpu = row["compress_cpu_gbps"]
+            ok_r = row["ratio"] >= TARGET_RATIO
+            ok_s = cpu["median"] >= TARGET_GBPS
+            all_met &= ok_r and ok_s
+            print(f"  {row['chunk_bytes'] // KIB:5d} KiB: ratio {row['ratio']:.3f} "
+                  f"({'met' if ok_r else 'NOT met'}); compress {cpu['median']:.2f} GB/s "
+                  f"[{cpu['min']:.2f}-{cpu['max']:.2f}] ({'met' if ok_s else 'NOT met'}); "
+                  f"wall-clock median {row['compress_wall_gbps']['median']:.2f}")
+    print(f"  => {'met' if all_met else 'NOT met'} at every chunk size")
+    print(f"load average at the end: {os.getloadavg()[0]:.2f} (1 min)")
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump({"repeats": args.repeats, "results": results}, f, indent=1)
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,571 @@
+"""Chunk frames: the byte format every secondary tier stores, and its codec.
+
+A *frame* is one offloaded chunk as a tier stores it (a file of the ``fs``
+tier, an object of ``obj``, a message of ``p2p``): a self-describing header
+followed by the payload. The header names everything needed to check the frame
+before a single byte of it reaches an arena row: magic, format version, codec,
+element size, raw and stored lengths, the full key and a CRC-32 of the *raw*
+chunk bytes, plus two CRC-32s of its own (of the header and of the compressed
+payload), so that every flipped bit, truncation, stale or misplaced frame is
+detected and reported as :class:`CorruptChunkError` -- wrong KV is never served
+(DESIGN §5 "fs format", §8).
+
+Layout (all integers little-endian; ``K`` = key length)::
+
+    offset  size  field
+         0     4  magic            FRAME_MAGIC = b"SMTK"
+         4     1  version          FRAME_VERSION = 1
+         5     1  codec id         0 raw, 1 zstd, 2 split_zstd
+         6     1  element size     bytes per element of the chunk (1..255)
+         7     1  flags            0 (reserved; non-zero means a newer writer)
+         8     2  key length K
+        10     2  reserved         0
+        12     4  checksum         CRC-32 of the raw chunk bytes
+        16     8  raw length       bytes of the decoded chunk
+        24     8  stored length    bytes of payload after the header
+        32     4  payload CRC      CRC-32 of the zstd-compressed payload bytes (0 for raw)
+        36     4  header CRC       CRC-32 of bytes [0, 36) followed by the key
+        40     K  key
+      40+K        payload (stored length bytes)
+
+Payload per codec:
+
+* ``raw`` (0): the chunk bytes as they are (stored length = raw length); the
+  checksum covers them directly.
+* ``zstd`` (1): one zstd frame of the whole chunk (used for element sizes
+  other than 2, and for 2-byte chunks of odd length).
+* ``split_zstd`` (2): for 2-byte elements (bf16/fp16): each little-endian
+  element is split into its high byte (sign and exponent: low entropy) and its
+  low byte (mantissa: near random); the payload is one zstd frame of the
+  high-byte plane (``stored_len - raw_len // 2`` bytes) followed by the
+  low-byte plane kept raw (``raw_len // 2`` bytes).
+
+Why these choices (measured in ``bench/codec.py``, DESIGN §5/§11): bf16 KV
+compresses poorly as a whole (plain zstd level 1: ratio ~1.29) but its
+high-byte plane is near its order-0 entropy bound with zstd's *fast*
+strategy, min match 7 and hash log 6 -- finding matches in near-random data is
+wasted work, Huffman coding of the literals is what pays -- giving ratio ~1.50
+on random-normal bf16 at about twice the speed of level 1. Splitting uses a
+``uint16`` view and shifts (no transpose copy). A chunk is stored raw when
+compression saves less than ``min_gain`` of its size. The checksum is
+``zlib.crc32`` (no new dependency; measured here per core: ~4.7 GB/s on data in
+cache, ~2 GB/s on data that is not, hence the tiled split/merge below); it is
+verified over the bytes actually written to the destination, so a decoder or
+merge error is caught too, and the payload CRC is checked *before* anything is
+written, so a corrupt stored frame never touches the destination at all.
+
+Who uses this module: tier worker processes (their backends encode on a
+cascade and decode on a promotion), the bench, and tests. It imports neither
+torch nor vLLM (tier workers stay under 100 MiB private RSS). Nothing here does
+I/O, takes a lock or blocks on anything but the CPU; zstd, ``zlib.crc32`` and
+the numpy ufuncs release the GIL on large buffers. An encoder or decoder is not
+thread-safe: make one per thread (each holds a zstd context and scratch
+buffers sized to the largest chunk it has seen: about 1x the chunk size plus
+~2 MiB of zstd state).
+"""
+
+from __future__ import annotations
+
+import struct
+import time
+import zlib
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import zstandard
+
+__all__ = [
+    "FRAME_MAGIC", "FRAME_VERSION", "CODECS", "CorruptChunkError", "CompressionConfig",
+    "ChunkEncoder", "ChunkDecoder", "EncodeStats", "DecodeStats", "FrameHeader",
+    "frame_header_size", "parse_frame_header",
+]
+
+FRAME_MAGIC = b"SMTK"
+FRAME_VERSION = 1
+
+CODEC_RAW = 0
+CODEC_ZSTD = 1
+CODEC_SPLIT_ZSTD = 2
+CODECS = {CODEC_RAW: "raw", CODEC_ZSTD: "zstd", CODEC_SPLIT_ZSTD: "split_zstd"}
+
+MODES = ("auto", "zstd", "none")
+MAX_KEY_LEN = 0xFFFF
+
+# Fixed part of the header up to (not including) the header CRC; see the layout above.
+_HEAD = struct.Struct("<4sBBBBHHIQQI")
+_HCRC = struct.Struct("<I")
+_FIXED_SIZE = _HEAD.size + _HCRC.size  # 40
+assert _HEAD.size == 36 and _FIXED_SIZE == 40
+
+# zstd parameters of the "auto" mode, tuned on random-normal bf16 high-byte planes
+# (bench/codec.py): fast strategy, min match 7 (its maximum), hash log 6 (its minimum).
+# A smaller hash table means fewer useless match probes in near-random data: faster
+# and, measured, a slightly better ratio than hash log 8 (1.498 vs 1.496).
+_AUTO_PARAMS = dict(strategy=zstandard.STRATEGY_FAST, min_match=7, hash_log=6)
+
+
+class CorruptChunkError(Exception):
+    """A frame failed a check; its bytes must not be served.
+
+    ``reason`` is one of:
+
+    * ``"magic"``    -- not a shmtier frame (or its first bytes are damaged);
+    * ``"version"``  -- a format version (or flags) this code does not read;
+    * ``"length"``   -- truncated or over-long frame, lengths that contradict each
+      other, or a destination whose size is not the frame's raw length;
+    * ``"key"``      -- an intact frame of another key;
+    * ``"checksum"`` -- a header, payload or raw-bytes CRC mismatch (bit rot, torn write);
+    * ``"codec"``    -- an unknown codec id, parameters the codec cannot have, or a
+      payload zstd refuses or that decodes to the wrong size.
+
+    Raised by :func:`parse_frame_header` and :meth:`ChunkDecoder.decode_into`; a tier
+    backend turns it into a MISS, removes the stored frame and counts it.
+    """
+
+    REASONS = ("magic", "version", "length", "key", "checksum", "codec")
+
+    def __init__(self, reason: str, detail: str = "") -> None:
+        if reason not in self.REASONS:
+            raise ValueError(
+                f"unknown CorruptChunkError reason {reason!r}; one of {self.REASONS}")
+        self.reason = reason
+        self.detail = detail
+        super().__init__(f"corrupt chunk frame ({reason})" + (f": {detail}" if detail else ""))
+
+    def __reduce__(self):  # picklable with its reason (results cross process boundaries)
+        return (type(self), (self.reason, self.detail))
+
+
+def _config_error(value: Any, problem: str) -> ValueError:
+    return ValueError(
+        f"kv_connector_extra_config['compression'] = {value!r} is invalid: {problem}; "
+        f"accepted: one of {list(MODES)}, or a mapping with keys 'mode' (one of {list(MODES)}), "
+        f"'level' (an integer 1..{zstandard.MAX_COMPRESSION_LEVEL}) and 'min_gain' "
+        f"(a number in [0, 1))"
+    )
+
+
+@dataclass(frozen=True)
+class CompressionConfig:
+    """How tier workers compress chunks (the config key ``compression``).
+
+    * ``mode="auto"`` (default): byte-split + zstd with fast parameters tuned for KV
+      (see the module docstring) for 2-byte elements, plain zstd with the same
+      parameters otherwise; raw when the gain is below ``min_gain``.
+    * ``mode="zstd"``: zstd at ``level`` with its standard parameters (still
+      byte-split for 2-byte elements, which beats whole-chunk zstd at every level
+      on bf16/fp16); raw when the gain is below ``min_gain``.
+    * ``mode="none"``: every chunk stored raw (still framed and checksummed).
+
+    ``min_gain``: a chunk is stored compressed only if that saves at least this
+    fraction of its raw size (and at least one byte).
+    Constructing an invalid config raises ``ValueError`` naming the key
+    ``compression``, the value and what is accepted.
+    """
+
+    mode: str = "auto"
+    level: int = 1
+    min_gain: float = 0.05
+
+    def __post_init__(self) -> None:
+        problem = _config_problem(self.mode, self.level, self.min_gain)
+        if problem:
+            raise _config_error(
+                {"mode": self.mode, "level": self.level, "min_gain": self.min_gain}, problem)
+
+    @classmethod
+    def from_config(cls, value: Any) -> "CompressionConfig":
+        """Parse the config value of ``compression``.
+
+        Accepts ``None`` (key absent: defaults), a mode string (``"auto"``, ``"zstd"``,
+        ``"none"``), a mapping with any of ``mode``, ``level``, ``min_gain``, or a
+        ``CompressionConfig``. Anything else raises ``ValueError`` naming the key
+        ``compression``, the value and what is accepted. Called at construction time,
+        in any process, before anything is created; pure, never blocks.
+        """
+        if value is None:
+            return cls()
+        if isinstance(value, CompressionConfig):
+            return value
+        if isinstance(value, str):
+            if value not in MODES:
+                raise _config_error(value, f"unknown mode {value!r}")
+            return cls(mode=value)
+        if isinstance(value, Mapping):
+            unknown = sorted(repr(k) for k in value if k not in ("mode", "level", "min_gain"))
+            if unknown:
+                raise _config_error(value, f"unknown field(s) {', '.join(unknown)}")
+            default = cls()
+            mode = value.get("mode", default.mode)
+            level = value.get("level", default.level)
+            min_gain = value.get("min_gain", default.min_gain)
+            if isinstance(level, float) and level.is_integer():
+                level = int(level)
+            problem = _config_problem(mode, level, min_gain)
+            if problem:
+                raise _config_error(value, problem)
+            return cls(mode=mode, level=level, min_gain=float(min_gain))
+        raise _config_error(value, f"expected a string or a mapping, got {type(value).__name__}")
+
+
+def _config_problem(mode: Any, level: Any, min_gain: Any) -> str | None:
+    if not isinstance(mode, str) or mode not in MODES:
+        return f"mode {mode!r} is not one of {list(MODES)}"
+    if (isinstance(level, bool) or not isinstance(level, int)
+            or not 1 <= level <= zstandard.MAX_COMPRESSION_LEVEL):
+        return f"level {level!r} is not an integer in 1..{zstandard.MAX_COMPRESSION_LEVEL}"
+    if (isinstance(min_gain, bool) or not isinstance(min_gain, (int, float))
+            or not 0.0 <= min_gain < 1.0):
+        return f"min_gain {min_gain!r} is not a number in [0, 1)"
+    return None
+
+
+@dataclass(frozen=True)
+class EncodeStats:
+    """What one :meth:`ChunkEncoder.encode` did.
+
+    ``raw_bytes``: chunk size; ``stored_bytes``: whole frame size (header + payload,
+    what the tier writes); ``seconds``: CPU wall time of the encode (split, zstd,
+    checksums); ``codec``: the codec chosen (``"raw"``, ``"zstd"``, ``"split_zstd"``).
+    """
+
+    raw_bytes: int
+    stored_bytes: int
+    seconds: float
+    codec: str = "raw"
+
+
+@dataclass(frozen=True)
+class DecodeStats:
+    """What one :meth:`ChunkDecoder.decode_into` did: ``raw_bytes`` written to the
+    destination, ``stored_bytes`` of the frame read, ``seconds`` spent, ``codec``."""
+
+    raw_bytes: int
+    stored_bytes: int
+    seconds: float
+    codec: str = "raw"
+
+
+@dataclass(frozen=True)
+class FrameHeader:
+    """A parsed and verified frame header (header CRC, magic, version, codec checked).
+
+    ``stored_len`` is the payload size; ``header_size + stored_len`` (``frame_size``)
+    is the whole frame. ``checksum`` is the CRC-32 of the raw bytes, ``payload_crc``
+    that of the compressed payload (0 for raw frames).
+    """
+
+    magic: bytes
+    version: int
+    codec: str
+    element_size: int
+    raw_len: int
+    stored_len: int
+    key: bytes
+    checksum: int
+    payload_crc: int = 0
+
+    @property
+    def header_size(self) -> int:
+        return _FIXED_SIZE + len(self.key)
+
+    @property
+    def frame_size(self) -> int:
+        return _FIXED_SIZE + len(self.key) + self.stored_len
+
+
+def frame_header_size(key_len: int) -> int:
+    """Bytes of the header of a frame whose key is ``key_len`` bytes long (40 + key_len).
+
+    A backend that reads a frame in two steps reads this many bytes first, parses
+    them with :func:`parse_frame_header`, then reads ``stored_len`` more."""
+    if not 0 <= key_len <= MAX_KEY_LEN:
+        raise ValueError(f"key length {key_len} out of range 0..{MAX_KEY_LEN}")
+    return _FIXED_SIZE + key_len
+
+
+def _byte_view(buf: Any, *, writable: bool = False, what: str = "buffer") -> memoryview:
+    mv = buf if isinstance(buf, memoryview) else memoryview(buf)
+    if writable and mv.readonly:
+        raise ValueError(f"{what} must be writable")
+    if not mv.c_contiguous:
+        raise ValueError(f"{what} must be C-contiguous")
+    if mv.ndim != 1 or mv.format != "B":
+        mv = mv.cast("B")
+    return mv
+
+
+def parse_frame_header(buf: memoryview) -> FrameHeader:
+    """Parse and verify the header at the start of ``buf`` (the whole frame or at
+    least :func:`frame_header_size` bytes of it).
+
+    Checks, in order: enough bytes for the fixed part (``"length"``), magic
+    (``"magic"``), version (``"version"``), enough bytes for the key (``"length"``),
+    header CRC over the fixed part and the key (``"checksum"``), reserved fields
+    (``"version"``), codec id and its parameters (``"codec"``), and lengths
+    consistent with the codec (``"length"``). Does not look at the payload.
+    Callable from any process and thread; pure, never blocks.
+    """
+    mv = _byte_view(buf, what="frame")
+    if mv.nbytes < _FIXED_SIZE:
+        raise CorruptChunkError("length", f"{mv.nbytes} bytes, shorter than a frame header")
+    (magic, version, codec_id, element_size, flags, key_len, reserved, checksum,
+     raw_len, stored_len, payload_crc) = _HEAD.unpack_from(mv, 0)
+    if magic != FRAME_MAGIC:
+        raise CorruptChunkError("magic", f"magic {magic!r}, expected {FRAME_MAGIC!r}")
+    if version != FRAME_VERSION:
+        raise CorruptChunkError(
+            "version", f"format version {version}, this code reads {FRAME_VERSION}")
+    end = _FIXED_SIZE + key_len
+    if mv.nbytes < end:
+        raise CorruptChunkError("length", f"{mv.nbytes} bytes, header with its key needs {end}")
+    (header_crc,) = _HCRC.unpack_from(mv, _HEAD.size)
+    key = bytes(mv[_FIXED_SIZE:end])
+    if zlib.crc32(key, zlib.crc32(mv[:_HEAD.size])) != header_crc:
+        raise CorruptChunkError("checksum", "header CRC mismatch")
+    if flags or reserved:
+        raise CorruptChunkError(
+            "version", f"flags {flags:#x} / reserved {reserved:#x} not understood")
+    codec = CODECS.get(codec_id)
+    if codec is None:
+        raise CorruptChunkError("codec", f"unknown codec id {codec_id}")
+    if element_size < 1:
+        raise CorruptChunkError("codec", "element size 0")
+    if codec_id == CODEC_RAW:
+        if stored_len != raw_len:
+            raise CorruptChunkError("length", f"raw frame stores {stored_len} bytes for {raw_len}")
+    elif codec_id == CODEC_SPLIT_ZSTD:
+        if element_size != 2 or raw_len % 2:
+            raise CorruptChunkError(
+                "codec", f"split_zstd with element size {element_size} and raw length {raw_len}")
+        if stored_len <= raw_len // 2:
+            raise CorruptChunkError(
+                "length", f"split_zstd payload of {stored_len} bytes for {raw_len}")
+    elif stored_len == 0:
+        raise CorruptChunkError("length", "empty zstd payload")
+    return FrameHeader(magic, version, codec, element_size, raw_len, stored_len, key,
+                       checksum, payload_crc)
+
+
+# Split, merge and CRC go tile by tile so each tile of the chunk is read from memory
+# once and checksummed while it is in cache: zlib.crc32 runs at ~2 GB/s on data that
+# is not in cache here and ~4.7 GB/s on data that is (bench/codec.py --breakdown).
+_TILE = 256 << 10  # bytes of raw chunk per tile
+
+
+def _split_planes(raw: memoryview, hi: np.ndarray, lo: np.ndarray) -> int:
+    """Write the high and low bytes of the little-endian uint16 elements of ``raw``
+    into ``hi`` and ``lo``; return the CRC-32 of ``raw``."""
+    u16 = np.frombuffer(raw, dtype="<u2")
+    crc = 0
+    step = _TILE // 2
+    for s in range(0, u16.size, step):
+        e = s + step
+        u = u16[s:e]
+        np.right_shift(u, 8, out=hi[s:e], casting="unsafe")
+        np.copyto(lo[s:e], u, casting="unsafe")  # uint16 -> uint8 keeps the low byte
+        crc = zlib.crc32(raw[2 * s:2 * e], crc)
+    return crc
+
+
+def _merge_planes(hi: np.ndarray, lo: np.ndarray, out: memoryview) -> int:
+    """Write ``hi << 8 | lo`` as little-endian uint16 into ``out``; return the CRC-32
+    of the bytes written."""
+    o16 = np.frombuffer(out, dtype="<u2")
+    crc = 0
+    step = _TILE // 2
+    for s in range(0, o16.size, step):
+        e = s + step
+        o = o16[s:e]
+        np.left_shift(hi[s:e], 8, out=o, dtype=np.uint16)
+        np.bitwise_or(o, lo[s:e], out=o)
+        crc = zlib.crc32(out[2 * s:2 * e], crc)
+    return crc
+
+
+class _Scratch:
+    """Reusable uint8 arrays, grown (never shrunk) to the largest size requested."""
+
+    def __init__(self) -> None:
+        self._arrays: dict[str, np.ndarray] = {}
+
+    def get(self, name: str, n: int) -> np.ndarray:
+        a = self._arrays.get(name)
+        if a is None or a.size < n:
+            a = np.empty(n, dtype=np.uint8)
+            self._arrays[name] = a
+        return a[:n]
+
+
+class ChunkEncoder:
+    """Encodes chunks into frames. One per worker thread (not thread-safe).
+
+    Called by tier-worker backends (cascade/store path) in the tier worker process,
+    and by the bench. CPU-bound: never does I/O, never waits on anything else.
+    """
+
+    def __init__(self, config: CompressionConfig | None = None) -> None:
+        self.config = config if config is not None else CompressionConfig()
+        if not isinstance(self.config, CompressionConfig):
+            raise TypeError(
+                "config must be a CompressionConfig (use CompressionConfig.from_config)")
+        mode = self.config.mode
+        if mode == "auto":
+            params = zstandard.ZstdCompressionParameters(
+                write_content_size=True, write_checksum=False, write_dict_id=False,
+                **_AUTO_PARAMS)
+            self._cctx = zstandard.ZstdCompressor(compression_params=params)
+        elif mode == "zstd":
+            self._cctx = zstandard.ZstdCompressor(
+                level=self.config.level, write_content_size=True, write_checksum=False,
+                write_dict_id=False)
+        else:
+            self._cctx = None
+        # A compressed payload is kept when stored <= raw * (1 - min_gain).
+        self._keep_factor = 1.0 - self.config.min_gain
+        self._scratch = _Scratch()
+
+    def _keep(self, stored: int, raw: int) -> bool:
+        return stored < raw and stored <= raw * self._keep_factor
+
+    def encode(self, raw: memoryview, key: bytes, element_size: int) -> tuple[list, EncodeStats]:
+        """Frame ``raw`` (one chunk, e.g. an arena row slice) under ``key``.
+
+        ``element_size``: bytes per element of the KV dtype (2 for bf16/fp16, 1 for
+        fp8/int8, 4 for fp32); 2 enables the byte-split codec.
+
+        Returns ``(parts, stats)``: ``parts`` is the frame as a list of bytes-like
+        objects, header first, to write in order (``os.writev``, ``sock.sendmsg``, or
+        ``b"".join`` for an object store). A part may be a view of ``raw`` (raw frames)
+        or of this encoder's scratch buffer (the low-byte plane): the parts are valid
+        until the next ``encode`` on this encoder and as long as ``raw`` is unchanged.
+        ``raw`` is only read. Raises ``ValueError`` on a bad key or element size.
+        """
+        t0 = time.perf_counter()
+        mv = _byte_view(raw, what="raw")
+        key = bytes(key)
+        if len(key) > MAX_KEY_LEN:
+            raise ValueError(f"key of {len(key)} bytes; at most {MAX_KEY_LEN}")
+        if isinstance(element_size, bool) or not isinstance(element_size, int) \
+                or not 1 <= element_size <= 255:
+            raise ValueError(f"element_size={element_size!r}: expected an integer in 1..255")
+        n = mv.nbytes
+        codec_id = CODEC_RAW
+        payload: list = [mv] if n else []
+        payload_crc = 0
+        stored = n
+        if self._cctx is not None and n and element_size == 2 and n % 2 == 0:
+            half = n // 2
+            hi = self._scratch.get("hi", half)
+            lo = self._scratch.get("lo", half)
+            checksum = _split_planes(mv, hi, lo)
+            comp = self._cctx.compress(hi)
+            if self._keep(len(comp) + half, n):
+                codec_id, stored = CODEC_SPLIT_ZSTD, len(comp) + half
+                payload = [comp, memoryview(lo)]
+                payload_crc = zlib.crc32(comp)
+        elif self._cctx is not None and n:
+            comp = self._cctx.compress(mv)
+            checksum = zlib.crc32(mv)  # after zstd: the chunk's tail is still in cache
+            if self._keep(len(comp), n):
+                codec_id, stored = CODEC_ZSTD, len(comp)
+                payload = [comp]
+                payload_crc = zlib.crc32(comp)
+        else:
+            checksum = zlib.crc32(mv)
+        head = _HEAD.pack(FRAME_MAGIC, FRAME_VERSION, codec_id, element_size, 0, len(key), 0,
+                          checksum, n, stored, payload_crc)
+        header = head + _HCRC.pack(zlib.crc32(key, zlib.crc32(head))) + key
+        stats = EncodeStats(n, len(header) + stored, time.perf_counter() - t0, CODECS[codec_id])
+        return [header, *payload], stats
+
+
+class ChunkDecoder:
+    """Verifies frames and decodes them into destination buffers (arena rows).
+    One per worker thread (not thread-safe).
+
+    Called by tier-worker backends (promotion/load path) in the tier worker
+    process, and by the bench. CPU-bound: never does I/O, never waits.
+    """
+
+    def __init__(self) -> None:
+        self._dctx = zstandard.ZstdDecompressor()
+        self._scratch = _Scratch()
+
+    def decode_into(self, frame: memoryview, key: bytes, out: memoryview) -> DecodeStats:
+        """Verify ``frame`` (exactly one whole frame) as the frame of ``key`` and write
+        its raw bytes into ``out`` (writable, ``len(out)`` == the frame's raw length).
+
+        Order: header (see :func:`parse_frame_header`), key (``"key"``), frame length
+        (``"length"``), destination length (``"length"``), then the payload CRC (the
+        raw bytes' CRC for raw frames) -- all before ``out`` is written, so a corrupt
+        stored frame leaves ``out`` untouched. Then it decodes into ``out`` and checks
+        the CRC of the bytes written (``"checksum"``); that last check can only fail
+        on a decoder fault, and then ``out`` holds garbage: on any
+        :class:`CorruptChunkError` the caller must not publish ``out``.
+        """
+        t0 = time.perf_counter()
+        fmv = _byte_view(frame, what="frame")
+        omv = _byte_view(out, writable=True, what="out")
+        h = parse_frame_header(fmv)
+        key = bytes(key)
+        if h.key != key:
+            raise CorruptChunkError("key", f"frame holds key {h.key.hex()}, expected {key.hex()}")
+        hs = h.header_size
+        if fmv.nbytes != hs + h.stored_len:
+            raise CorruptChunkError(
+                "length", f"frame has {fmv.nbytes} bytes, header says {hs + h.stored_len}")
+        if omv.nbytes != h.raw_len:
+            raise CorruptChunkError(
+                "length", f"destination has {omv.nbytes} bytes, frame holds {h.raw_len}")
+        payload = fmv[hs:]
+        if h.codec == "raw":
+            if zlib.crc32(payload) != h.checksum:
+                raise CorruptChunkError("checksum", "raw bytes CRC mismatch")
+            omv[:] = payload  # only once the CRC passed: a corrupt frame writes nothing
+        else:
+            if h.codec == "zstd":
+                comp = payload
+            else:
+                half = h.raw_len // 2
+                comp = payload[:h.stored_len - half]
+            if zlib.crc32(comp) != h.payload_crc:
+                raise CorruptChunkError("checksum", "payload CRC mismatch")
+            if h.codec == "zstd":
+                self._decompress(comp, omv)
+                crc = zlib.crc32(omv)
+            else:
+                hi = self._scratch.get("hi", half)
+                self._decompress(comp, memoryview(hi))
+                lo = np.frombuffer(payload, dtype=np.uint8, offset=h.stored_len - half)
+                crc = _merge_planes(hi, lo, omv)
+            if crc != h.checksum:
+                raise CorruptChunkError("checksum", "decoded bytes CRC mismatch")
+        return DecodeStats(h.raw_len, fmv.nbytes, time.perf_counter() - t0, h.codec)
+
+    def _decompress(self, comp: memoryview, dst: memoryview) -> None:
+        """Decompress the single zstd frame ``comp`` into all of ``dst``, exactly."""
+        expected = dst.nbytes
+        try:
+            declared = zstandard.frame_content_size(comp)
+        except zstandard.ZstdError as e:
+            raise CorruptChunkError("codec", f"bad zstd frame header: {e}") from None
+        if declared != expected:
+            raise CorruptChunkError(
+                "codec", f"zstd frame declares {declared} bytes, need {expected}")
+        got = 0
+        try:
+            with self._dctx.stream_reader(comp, read_across_frames=False) as reader:
+                while got < expected:
+                    k = reader.readinto(dst[got:])
+                    if not k:
+                        break
+                    got += k
+                extra = reader.read(1)
+        except zstandard.ZstdError as e:
+            raise CorruptChunkError("codec", f"zstd: {e}") from None
+        if got != expected or extra:
+            raise CorruptChunkError(
+                "codec", f"zstd frame decoded to the wrong size ({got}, need {expected})")

@@ -1,0 +1,591 @@
+"""Chunk frame codec (shmtier.shared.codec): exact round trips, format, and that
+every kind of corruption is detected with the right reason and never served.
+
+All data is real: random-normal float32 turned into bf16 (top 16 bits) or fp16,
+float32, int8, zeros and incompressible bytes generated with numpy.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import struct
+import subprocess
+import sys
+import tempfile
+import zlib
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from shmtier.shared.codec import (
+    FRAME_MAGIC,
+    FRAME_VERSION,
+    ChunkDecoder,
+    ChunkEncoder,
+    CompressionConfig,
+    CorruptChunkError,
+    DecodeStats,
+    EncodeStats,
+    frame_header_size,
+    parse_frame_header,
+)
+
+KEY = bytes(range(32)) + b"\x00\x00\x00\x07"  # a 32-byte block hash + group index
+MODES = ("auto", "zstd", "none")
+KIB = 1024
+MIB = 1 << 20
+
+# The documented header layout (module docstring), re-stated independently here.
+HEAD = struct.Struct("<4sBBBBHHIQQI")
+FIELDS = ("magic", "version", "codec_id", "element_size", "flags", "key_len", "reserved",
+          "checksum", "raw_len", "stored_len", "payload_crc")
+
+
+# ---------------------------------------------------------------- real data
+
+
+def bf16_normal(nbytes: int, seed: int = 0) -> bytes:
+    """Random-normal float32 -> bf16 by keeping the top 16 bits."""
+    n = (nbytes + 1) // 2
+    f = np.random.default_rng(seed).standard_normal(n, dtype=np.float32)
+    return (f.view(np.uint32) >> 16).astype("<u2").tobytes()[:nbytes]
+
+
+def fp16_normal(nbytes: int, seed: int = 0) -> bytes:
+    n = (nbytes + 1) // 2
+    return np.random.default_rng(seed).standard_normal(n).astype("<f2").tobytes()[:nbytes]
+
+
+def f32_normal(nbytes: int, seed: int = 0) -> bytes:
+    n = (nbytes + 3) // 4
+    return np.random.default_rng(seed).standard_normal(n, dtype=np.float32).tobytes()[:nbytes]
+
+
+def int8_normal(nbytes: int, seed: int = 0) -> bytes:
+    x = np.random.default_rng(seed).standard_normal(nbytes) * 20
+    return np.clip(np.round(x), -128, 127).astype(np.int8).tobytes()
+
+
+def zeros(nbytes: int, seed: int = 0) -> bytes:
+    return bytes(nbytes)
+
+
+def random_bytes(nbytes: int, seed: int = 0) -> bytes:
+    return np.random.default_rng(seed).bytes(nbytes)
+
+
+DATASETS = {  # name -> (generator, element size)
+    "bf16": (bf16_normal, 2),
+    "fp16": (fp16_normal, 2),
+    "float32": (f32_normal, 4),
+    "int8": (int8_normal, 1),
+    "zeros": (zeros, 2),
+    "random": (random_bytes, 2),
+}
+SIZES = (0, 1, 3, 1001, 4097, 256 * KIB, 300 * KIB + 6, 2 * MIB)
+
+
+# ---------------------------------------------------------------- helpers
+
+
+def encode(raw: bytes, mode: str = "auto", key: bytes = KEY, element_size: int = 2,
+           encoder: ChunkEncoder | None = None) -> tuple[bytes, EncodeStats]:
+    enc = encoder or ChunkEncoder(CompressionConfig(mode=mode))
+    parts, stats = enc.encode(memoryview(raw), key, element_size)
+    frame = b"".join(bytes(p) for p in parts)
+    assert len(parts[0]) == frame_header_size(len(key))
+    assert len(frame) == stats.stored_bytes
+    return frame, stats
+
+
+def decode(frame: bytes | bytearray, key: bytes = KEY, nbytes: int | None = None,
+           decoder: ChunkDecoder | None = None) -> bytes:
+    if nbytes is None:
+        nbytes = parse_frame_header(memoryview(frame)).raw_len
+    out = bytearray(nbytes)
+    (decoder or ChunkDecoder()).decode_into(memoryview(frame), key, memoryview(out))
+    return bytes(out)
+
+
+def header_fields(frame: bytes) -> dict:
+    return dict(zip(FIELDS, HEAD.unpack_from(frame, 0)))
+
+
+def forge(frame: bytes, **changes) -> bytes:
+    """Rewrite header fields and recompute the header CRC: a well-formed header that
+    says something else (what a buggy or future writer would produce)."""
+    fields = header_fields(frame)
+    key_len = fields["key_len"]
+    key = changes.pop("key", frame[40:40 + key_len])
+    fields.update(changes)
+    fields["key_len"] = len(key)
+    head = HEAD.pack(*(fields[f] for f in FIELDS))
+    hcrc = struct.pack("<I", zlib.crc32(key, zlib.crc32(head)))
+    return head + hcrc + key + frame[40 + key_len:]
+
+
+def flip(frame: bytes, pos: int, bit: int = 0) -> bytes:
+    b = bytearray(frame)
+    b[pos] ^= 1 << bit
+    return bytes(b)
+
+
+def reason_of(frame, key=KEY, nbytes=None, out=None) -> str:
+    if out is None:
+        n = nbytes if nbytes is not None else header_fields(frame)["raw_len"] \
+            if len(frame) >= 40 else 0
+        out = bytearray(n)
+    with pytest.raises(CorruptChunkError) as ei:
+        ChunkDecoder().decode_into(memoryview(frame), key, memoryview(out))
+    return ei.value.reason
+
+
+# ---------------------------------------------------------------- round trips
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("size", SIZES)
+@pytest.mark.parametrize("dataset", sorted(DATASETS))
+def test_round_trip_is_byte_exact(dataset, size, mode):
+    gen, element_size = DATASETS[dataset]
+    raw = gen(size, seed=size)
+    frame, stats = encode(raw, mode, element_size=element_size)
+    assert decode(frame) == raw
+    h = parse_frame_header(memoryview(frame))
+    assert (h.magic, h.version, h.key, h.element_size) == (FRAME_MAGIC, FRAME_VERSION, KEY,
+                                                            element_size)
+    assert h.raw_len == size == stats.raw_bytes
+    assert h.frame_size == len(frame) == stats.stored_bytes
+    assert h.checksum == zlib.crc32(raw)
+    assert stats.codec == h.codec and stats.seconds >= 0
+    if mode == "none" or size == 0:
+        assert h.codec == "raw"
+    if h.codec == "raw":
+        assert h.stored_len == size
+    elif element_size == 2 and size % 2 == 0:
+        assert h.codec == "split_zstd"
+    else:
+        assert h.codec == "zstd"
+
+
+@pytest.mark.parametrize("mode", ("auto", "zstd"))
+def test_codec_choice_by_data(mode):
+    cases = [  # (data, element size, expected codec at 256 KiB)
+        (bf16_normal, 2, "split_zstd"),
+        (fp16_normal, 2, "split_zstd"),
+        (zeros, 2, "split_zstd"),
+        (int8_normal, 1, "zstd"),
+        (f32_normal, 4, "zstd"),  # ratio ~1.08: above the default 5% threshold
+        (random_bytes, 2, "raw"),
+        (random_bytes, 1, "raw"),
+    ]
+    for gen, es, expected in cases:
+        raw = gen(256 * KIB, seed=3)
+        frame, stats = encode(raw, mode, element_size=es)
+        assert stats.codec == expected, (gen.__name__, es, stats)
+        assert decode(frame) == raw
+
+
+def test_incompressible_falls_back_to_raw_with_no_copy():
+    raw = random_bytes(MIB, seed=11)
+    mv = memoryview(raw)
+    parts, stats = ChunkEncoder(CompressionConfig()).encode(mv, KEY, 2)
+    assert stats.codec == "raw"
+    assert len(parts) == 2 and parts[1].obj is raw  # the payload is a view of the input
+    assert stats.stored_bytes == len(raw) + frame_header_size(len(KEY))
+
+
+def test_min_gain_threshold_decides_raw_fallback():
+    raw = f32_normal(256 * KIB, seed=5)  # zstd saves ~7.6% on float32 normal
+    _, s = encode(raw, element_size=4)
+    assert s.codec == "zstd"
+    enc = ChunkEncoder(CompressionConfig(min_gain=0.2))
+    _, s = encode(raw, element_size=4, encoder=enc)
+    assert s.codec == "raw"
+    # bf16 saves ~33%: kept at min_gain 0.3, stored raw at 0.4
+    raw = bf16_normal(256 * KIB, seed=5)
+    keep = ChunkEncoder(CompressionConfig(min_gain=0.3))
+    assert encode(raw, encoder=keep)[1].codec == "split_zstd"
+    assert encode(raw, encoder=ChunkEncoder(CompressionConfig(min_gain=0.4)))[1].codec == "raw"
+
+
+@pytest.mark.parametrize("size", (MIB, 2 * MIB))
+def test_bf16_random_normal_ratio_at_least_1_4_in_auto_mode(size):
+    raw = bf16_normal(size, seed=size)
+    frame, stats = encode(raw, "auto")
+    ratio = stats.raw_bytes / stats.stored_bytes  # whole frame, header included
+    assert stats.codec == "split_zstd"
+    assert ratio >= 1.4, ratio
+    assert decode(frame) == raw
+
+
+def test_zstd_mode_level_is_used():
+    raw = bf16_normal(256 * KIB, seed=9)
+    s1 = encode(raw, encoder=ChunkEncoder(CompressionConfig(mode="zstd", level=1)))[1]
+    s19 = encode(raw, encoder=ChunkEncoder(CompressionConfig(mode="zstd", level=19)))[1]
+    assert s19.stored_bytes < s1.stored_bytes
+
+
+def test_parts_write_with_os_writev_and_read_back():
+    raw = bf16_normal(2 * MIB, seed=21)
+    enc = ChunkEncoder(CompressionConfig())
+    parts, stats = enc.encode(memoryview(raw), KEY, 2)
+    assert len(parts) == 3  # header, zstd high plane, raw low plane
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "chunk")
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            assert os.writev(fd, parts) == stats.stored_bytes
+        finally:
+            os.close(fd)
+        with open(path, "rb") as f:
+            frame = f.read()
+    assert decode(frame) == raw
+
+
+def test_encoder_and_decoder_are_reusable_across_sizes():
+    enc, dec = ChunkEncoder(CompressionConfig()), ChunkDecoder()
+    for i, size in enumerate((4 * KIB, 2 * MIB, 6, 256 * KIB, 2 * MIB, 0, 130)):
+        raw = bf16_normal(size, seed=100 + i)
+        frame, _ = encode(raw, encoder=enc)  # parts consumed before the next encode
+        assert decode(frame, decoder=dec) == raw
+
+
+def test_decode_into_typed_and_numpy_destinations():
+    raw = bf16_normal(64 * KIB, seed=4)
+    frame, _ = encode(raw)
+    dec = ChunkDecoder()
+    out16 = np.zeros(len(raw) // 2, dtype=np.uint16)
+    dec.decode_into(memoryview(frame), KEY, memoryview(out16))  # format 'H' view
+    assert out16.tobytes() == raw
+    row = np.zeros((4, len(raw)), dtype=np.uint8)  # a slice of an arena-like 2-D array
+    st_ = dec.decode_into(memoryview(frame), KEY, row[2])
+    assert row[2].tobytes() == raw and not row[1].any() and not row[3].any()
+    assert isinstance(st_, DecodeStats) and st_.raw_bytes == len(raw)
+    assert st_.stored_bytes == len(frame)
+    with pytest.raises(ValueError):
+        dec.decode_into(memoryview(frame), KEY, memoryview(bytes(len(raw))))  # read-only
+
+
+def test_encode_rejects_bad_arguments():
+    enc = ChunkEncoder(CompressionConfig())
+    with pytest.raises(ValueError):
+        enc.encode(memoryview(b"abcd"), KEY, 0)
+    with pytest.raises(ValueError):
+        enc.encode(memoryview(b"abcd"), KEY, 256)
+    with pytest.raises(ValueError):
+        enc.encode(memoryview(b"abcd"), b"k" * 70000, 2)
+    with pytest.raises(ValueError):
+        frame_header_size(-1)
+
+
+# ---------------------------------------------------------------- the format
+
+
+def test_header_layout_matches_documentation():
+    raw = bf16_normal(256 * KIB, seed=1)
+    frame, stats = encode(raw)
+    f = header_fields(frame)
+    assert f["magic"] == FRAME_MAGIC == b"SMTK" and f["version"] == FRAME_VERSION == 1
+    assert f["codec_id"] == 2 and f["element_size"] == 2 and f["flags"] == 0
+    assert f["key_len"] == len(KEY) and f["reserved"] == 0
+    assert f["raw_len"] == len(raw) and f["checksum"] == zlib.crc32(raw)
+    assert f["stored_len"] == len(frame) - 40 - len(KEY)
+    (hcrc,) = struct.unpack_from("<I", frame, 36)
+    assert hcrc == zlib.crc32(frame[40:40 + len(KEY)], zlib.crc32(frame[:36]))
+    assert frame[40:40 + len(KEY)] == KEY
+    # split_zstd payload: zstd frame of the high plane, then the low plane raw
+    payload = frame[40 + len(KEY):]
+    half = len(raw) // 2
+    u16 = np.frombuffer(raw, dtype="<u2")
+    assert payload[-half:] == (u16 & 0xFF).astype(np.uint8).tobytes()
+    assert payload[:4] == b"\x28\xb5\x2f\xfd"  # zstd frame magic
+    assert f["payload_crc"] == zlib.crc32(payload[:-half])
+    assert frame_header_size(len(KEY)) == 40 + len(KEY)
+    assert frame_header_size(0) == 40
+
+
+def test_parse_frame_header_on_header_prefix_only():
+    raw = bf16_normal(256 * KIB, seed=2)
+    frame, _ = encode(raw)
+    hs = frame_header_size(len(KEY))
+    h = parse_frame_header(memoryview(frame)[:hs])
+    assert h.header_size == hs and h.frame_size == len(frame)
+    with pytest.raises(CorruptChunkError) as ei:
+        parse_frame_header(memoryview(frame)[:hs - 1])
+    assert ei.value.reason == "length"
+
+
+# ---------------------------------------------------------------- corruption
+
+
+@pytest.fixture(scope="module")
+def frames():
+    """One frame per codec, with their raw bytes."""
+    out = {}
+    for name, gen, es, mode in (("split_zstd", bf16_normal, 2, "auto"),
+                                ("zstd", int8_normal, 1, "auto"),
+                                ("raw", bf16_normal, 2, "none")):
+        raw = gen(256 * KIB, seed=7)
+        frame, stats = encode(raw, mode, element_size=es)
+        assert stats.codec == name
+        out[name] = (frame, raw)
+    return out
+
+
+@pytest.mark.parametrize("codec", ("split_zstd", "zstd", "raw"))
+def test_every_header_bit_flip_is_detected(frames, codec):
+    frame, raw = frames[codec]
+    hs = frame_header_size(len(KEY))
+    dec = ChunkDecoder()
+    for pos in range(hs):
+        for bit in range(8):
+            bad = flip(frame, pos, bit)
+            out = bytearray(b"\xaa" * len(raw))
+            with pytest.raises(CorruptChunkError) as ei:
+                dec.decode_into(memoryview(bad), KEY, memoryview(out))
+            expected = "magic" if pos < 4 else "version" if pos == 4 else "checksum"
+            assert ei.value.reason == expected, (pos, bit, ei.value)
+            assert out == b"\xaa" * len(raw)  # nothing written
+
+
+def _payload_positions(n: int, count: int = 200, seed: int = 0) -> list[int]:
+    rng = np.random.default_rng(seed)
+    picks = set(range(min(n, 64))) | set(range(max(0, n - 64), n))
+    picks |= set(rng.integers(0, n, size=count).tolist())
+    return sorted(picks)
+
+
+def test_flips_in_high_plane_are_detected_before_writing(frames):
+    frame, raw = frames["split_zstd"]
+    hs = frame_header_size(len(KEY))
+    clen = header_fields(frame)["stored_len"] - len(raw) // 2
+    dec = ChunkDecoder()
+    for i, pos in enumerate(_payload_positions(clen)):
+        bad = flip(frame, hs + pos, i % 8)
+        out = bytearray(b"\x55" * len(raw))
+        with pytest.raises(CorruptChunkError) as ei:
+            dec.decode_into(memoryview(bad), KEY, memoryview(out))
+        assert ei.value.reason == "checksum"
+        assert out == b"\x55" * len(raw)
+
+
+def test_flips_in_low_plane_are_detected(frames):
+    frame, raw = frames["split_zstd"]
+    half = len(raw) // 2
+    start = len(frame) - half
+    dec = ChunkDecoder()
+    for i, pos in enumerate(_payload_positions(half, seed=1)):
+        bad = flip(frame, start + pos, i % 8)
+        out = bytearray(len(raw))
+        with pytest.raises(CorruptChunkError) as ei:
+            dec.decode_into(memoryview(bad), KEY, memoryview(out))
+        assert ei.value.reason == "checksum"
+
+
+@pytest.mark.parametrize("codec", ("zstd", "raw"))
+def test_payload_flips_are_detected_before_writing(frames, codec):
+    frame, raw = frames[codec]
+    hs = frame_header_size(len(KEY))
+    dec = ChunkDecoder()
+    for i, pos in enumerate(_payload_positions(len(frame) - hs, seed=2)):
+        bad = flip(frame, hs + pos, i % 8)
+        out = bytearray(b"\x33" * len(raw))
+        with pytest.raises(CorruptChunkError) as ei:
+            dec.decode_into(memoryview(bad), KEY, memoryview(out))
+        assert ei.value.reason == "checksum"
+        assert out == b"\x33" * len(raw)
+
+
+@pytest.mark.parametrize("codec", ("split_zstd", "zstd", "raw"))
+def test_truncated_or_overlong_frame_is_length(frames, codec):
+    frame, raw = frames[codec]
+    hs = frame_header_size(len(KEY))
+    for cut in (0, 1, 3, 4, 39, 40, hs - 1, hs, hs + 1, len(frame) // 2, len(frame) - 1):
+        assert reason_of(frame[:cut], nbytes=len(raw)) == "length", cut
+    assert reason_of(frame + b"\x00", nbytes=len(raw)) == "length"
+    with pytest.raises(CorruptChunkError) as ei:
+        parse_frame_header(memoryview(frame[:39]))
+    assert ei.value.reason == "length"
+
+
+def test_wrong_key_is_key(frames):
+    frame, raw = frames["split_zstd"]
+    assert reason_of(frame, key=KEY[:-1] + b"\x08") == "key"
+    assert reason_of(frame, key=KEY[:-1]) == "key"
+    assert reason_of(frame, key=b"") == "key"
+    # an intact frame of another key (e.g. a misplaced file) is "key", not "checksum"
+    other = encode(raw, key=b"other-key")[0]
+    assert reason_of(other, key=KEY) == "key"
+    assert decode(other, key=b"other-key") == raw
+
+
+def test_wrong_version_and_flags_are_version(frames):
+    frame, _ = frames["split_zstd"]
+    for v in (0, 2, 255):
+        assert reason_of(forge(frame, version=v)) == "version"
+    assert reason_of(forge(frame, flags=1)) == "version"
+    assert reason_of(forge(frame, reserved=1)) == "version"
+
+
+def test_bad_magic_is_magic(frames):
+    frame, _ = frames["raw"]
+    assert reason_of(b"XXXX" + frame[4:]) == "magic"
+    assert reason_of(b"\x00" * len(frame)) == "magic"
+    assert reason_of(random_bytes(4096, seed=1), nbytes=10) == "magic"
+
+
+@pytest.mark.parametrize("codec", ("split_zstd", "zstd", "raw"))
+def test_wrong_destination_length_is_length_and_untouched(frames, codec):
+    frame, raw = frames[codec]
+    for n in (0, len(raw) - 1, len(raw) + 1, 2 * len(raw)):
+        out = bytearray(b"\x77" * n)
+        assert reason_of(frame, out=out) == "length"
+        assert out == b"\x77" * n
+
+
+def test_inconsistent_codec_fields_are_detected(frames):
+    split, raw = frames["split_zstd"]
+    zframe, _ = frames["zstd"]
+    rframe, _ = frames["raw"]
+    assert reason_of(forge(split, codec_id=3)) == "codec"
+    assert reason_of(forge(split, codec_id=255)) == "codec"
+    assert reason_of(forge(split, element_size=4)) == "codec"
+    assert reason_of(forge(split, element_size=0)) == "codec"
+    assert reason_of(forge(rframe, stored_len=len(raw) - 1)) == "length"
+    # the header says zstd but the payload is a raw chunk (with a valid payload CRC):
+    # zstd refuses it
+    payload = rframe[frame_header_size(len(KEY)):]
+    assert reason_of(forge(rframe, codec_id=1, payload_crc=zlib.crc32(payload))) == "codec"
+    # a zstd payload that declares another size than the header's raw length
+    assert reason_of(forge(zframe, raw_len=len(raw) - 1), nbytes=len(raw) - 1) == "codec"
+
+
+def test_decoded_bytes_checksum_catches_a_decode_that_differs(frames):
+    """A well-formed frame whose raw checksum disagrees with what the payload decodes
+    to (what a decoder or merge fault would look like) is refused after decoding."""
+    for codec in ("split_zstd", "zstd", "raw"):
+        frame, raw = frames[codec]
+        bad = forge(frame, checksum=zlib.crc32(raw) ^ 1)
+        assert reason_of(bad) == "checksum"
+
+
+def test_corrupt_chunk_error_pickles_with_reason():
+    e = CorruptChunkError("key", "frame holds key 00")
+    e2 = pickle.loads(pickle.dumps(e))
+    assert (e2.reason, e2.detail, str(e2)) == ("key", "frame holds key 00", str(e))
+    with pytest.raises(ValueError):
+        CorruptChunkError("bogus")
+
+
+# ---------------------------------------------------------------- properties
+
+
+def _chunk_data():
+    """Random bytes, low-entropy bytes, and bf16 random-normal arrays of any size."""
+    return st.one_of(
+        st.binary(max_size=3000),
+        st.lists(st.sampled_from(b"\x00\x01\x3f\x80\xbf"), max_size=3000).map(bytes),
+        st.tuples(st.integers(0, 2**32 - 1), st.integers(0, 6000)).map(
+            lambda t: bf16_normal(t[1], seed=t[0])),
+    )
+
+
+PROPERTY = settings(max_examples=150, deadline=None,
+                    suppress_health_check=[HealthCheck.too_slow])
+
+
+@PROPERTY
+@given(raw=_chunk_data(), mode=st.sampled_from(MODES), element_size=st.sampled_from([1, 2, 4, 8]),
+       key=st.binary(max_size=80), min_gain=st.sampled_from([0.0, 0.05, 0.5]))
+def test_property_round_trip(raw, mode, element_size, key, min_gain):
+    enc = ChunkEncoder(CompressionConfig(mode=mode, min_gain=min_gain))
+    frame, stats = encode(raw, key=key, element_size=element_size, encoder=enc)
+    assert decode(frame, key=key) == raw
+    assert stats.raw_bytes == len(raw)
+
+
+@PROPERTY
+@given(raw=_chunk_data(), mode=st.sampled_from(MODES), element_size=st.sampled_from([1, 2, 4]),
+       data=st.data())
+def test_property_single_byte_corruption_never_decodes(raw, mode, element_size, data):
+    frame, _ = encode(raw, mode, element_size=element_size)
+    pos = data.draw(st.integers(0, len(frame) - 1), label="pos")
+    xor = data.draw(st.integers(1, 255), label="xor")
+    bad = bytearray(frame)
+    bad[pos] ^= xor
+    out = bytearray(len(raw))
+    with pytest.raises(CorruptChunkError) as ei:
+        ChunkDecoder().decode_into(memoryview(bad), KEY, memoryview(out))
+    assert ei.value.reason in CorruptChunkError.REASONS
+
+
+@PROPERTY
+@given(raw=_chunk_data(), mode=st.sampled_from(MODES), data=st.data())
+def test_property_truncation_never_decodes(raw, mode, data):
+    frame, _ = encode(raw, mode)
+    cut = data.draw(st.integers(0, len(frame) - 1), label="cut")
+    assert reason_of(frame[:cut], nbytes=len(raw)) == "length"
+
+
+# ---------------------------------------------------------------- configuration
+
+
+def test_compression_config_parsing():
+    assert CompressionConfig.from_config(None) == CompressionConfig()
+    assert CompressionConfig() == CompressionConfig("auto", 1, 0.05)
+    for m in MODES:
+        assert CompressionConfig.from_config(m).mode == m
+    c = CompressionConfig.from_config({"mode": "zstd", "level": 3, "min_gain": 0.1})
+    assert c == CompressionConfig("zstd", 3, 0.1)
+    assert CompressionConfig.from_config({"level": 5.0}).level == 5
+    assert CompressionConfig.from_config({"min_gain": 0}).min_gain == 0.0
+    assert CompressionConfig.from_config(c) is c
+
+
+@pytest.mark.parametrize("value, mentions", [
+    ("fast", "'fast'"),
+    ("", "''"),
+    ("AUTO", "'AUTO'"),
+    (3, "3"),
+    (True, "True"),
+    (["auto"], "['auto']"),
+    ({"mode": "gzip"}, "'gzip'"),
+    ({"level": 0}, "level 0"),
+    ({"level": 23}, "level 23"),
+    ({"level": "1"}, "level '1'"),
+    ({"level": True}, "level True"),
+    ({"level": 1.5}, "level 1.5"),
+    ({"min_gain": -0.1}, "min_gain -0.1"),
+    ({"min_gain": 1}, "min_gain 1"),
+    ({"min_gain": "0.1"}, "min_gain '0.1'"),
+    ({"mode": "auto", "levle": 1}, "'levle'"),
+])
+def test_compression_config_errors_name_key_value_and_accepted(value, mentions):
+    with pytest.raises(ValueError) as ei:
+        CompressionConfig.from_config(value)
+    msg = str(ei.value)
+    assert "'compression'" in msg
+    assert repr(value) in msg and mentions in msg
+    assert "'auto', 'zstd', 'none'" in msg and "level" in msg and "min_gain" in msg
+
+
+def test_compression_config_direct_construction_validates():
+    with pytest.raises(ValueError, match="'compression'"):
+        CompressionConfig(mode="lz4")
+    with pytest.raises(ValueError, match="'compression'"):
+        CompressionConfig(level=0)
+    with pytest.raises(ValueError, match="'compression'"):
+        CompressionConfig(min_gain=1.0)
+
+
+# ---------------------------------------------------------------- process rules
+
+
+def test_codec_imports_neither_torch_nor_vllm():
+    code = ("import sys, shmtier.shared.codec; "
+            "bad = {'torch', 'vllm'} & set(sys.modules); assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
