@@ -1,0 +1,127 @@
+"""TieringOffloadingSpec (vLLM-free core): config in, manager and copy worker out.
+
+Who calls: every process role of one engine builds a spec from the same
+``kv_connector_extra_config`` and KV layout. The scheduler process calls
+``get_manager()`` (it owns the segment: creates or claims it, and unlinks it
+at shutdown); each GPU worker process calls ``get_worker(kv_caches, rank)``
+(it joins the segment as a member). The vLLM adapter wraps this class.
+
+Construction order of ``get_manager`` (reverse order on failure, so nothing
+is left half-built): segment -> primary tier -> tier worker pool (only when a
+built-in worker-backed tier is configured) -> secondary tiers -> manager.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from shmtier import metrics
+from shmtier.config import KVLayout, PrimaryTierConfig, TieringConfig
+from shmtier.scheduler.primary import CPUPrimaryTierOffloadingManager
+from shmtier.scheduler.tiering.factory import SecondaryTierFactory
+from shmtier.scheduler.tiering.manager import TieringOffloadingManager
+from shmtier.shared.segment import Segment, open_segment
+
+
+class TieringOffloadingSpec:
+    """``extra_config`` is ``kv_connector_extra_config``; ``layout`` the engine's
+    KV layout; ``engine_id`` names the segment (one per engine / DP replica)."""
+
+    def __init__(self, extra_config: Mapping[str, Any], layout: KVLayout, engine_id: str, *,
+                 enable_events: bool = False, max_model_len: int | None = None):
+        self.extra_config = dict(extra_config)
+        self.layout = layout
+        self.engine_id = engine_id
+        self.enable_events = enable_events
+        self.max_model_len = max_model_len
+        self.primary_config = PrimaryTierConfig.from_extra_config(extra_config, layout)
+        self.tiering_config = TieringConfig.from_extra_config(extra_config)
+        self.geometry = self.primary_config.geometry(layout)
+        self.fingerprint = self.primary_config.fingerprint(layout)
+        self.blocks_per_chunk = self.primary_config.blocks_per_chunk
+        self._manager: TieringOffloadingManager | None = None
+
+    # --- front end (no instance needed) ---
+
+    @classmethod
+    def build_metric_definitions(cls, extra_config: Mapping[str, Any]) -> dict[str, metrics.MetricMetadata]:
+        definitions = {**metrics.cpu_metric_definitions(), **metrics.tiering_metric_definitions()}
+        for i, tier in enumerate(extra_config.get("secondary_tiers") or []):
+            tier_cls = SecondaryTierFactory.get_tier_class(dict(tier), f"secondary_tiers[{i}]")
+            definitions.update(tier_cls.build_metric_definitions(dict(tier)))
+        return definitions
+
+    @classmethod
+    def config_info_keys(cls, extra_config: Mapping[str, Any]) -> tuple[str, ...]:
+        keys = list(metrics.CPUTierInfo.config_info_keys()) + ["tier"]
+        for i, tier in enumerate(extra_config.get("secondary_tiers") or []):
+            tier_cls = SecondaryTierFactory.get_tier_class(dict(tier), f"secondary_tiers[{i}]")
+            for key in tier_cls.config_info_keys(dict(tier)):
+                if key == "tier":
+                    raise ValueError(f"secondary_tiers[{i}] ({tier['type']}) declares the "
+                                     f"reserved info key 'tier'")
+                if key not in keys:
+                    keys.append(key)
+        return tuple(keys)
+
+    # --- scheduler process ---
+
+    def _tier_info(self) -> metrics.CPUTierInfo:
+        g = self.geometry
+        tokens = None
+        if self.max_model_len:
+            chunk_tokens = self.layout.gpu_block_size * self.blocks_per_chunk
+            chunks_per_request = -(-self.max_model_len // chunk_tokens)
+            tokens = g.num_chunks * self.max_model_len // chunks_per_request
+        return metrics.CPUTierInfo(g.num_chunks, self.blocks_per_chunk,
+                                   g.num_chunks * g.row_stride, tokens)
+
+    def get_manager(self) -> TieringOffloadingManager:
+        """Build (once) and return the tiering manager; scheduler process only."""
+        if self._manager is not None:
+            return self._manager
+        cleanup: list = []
+        try:
+            segment: Segment = open_segment(self.engine_id, self.geometry, self.fingerprint,
+                                            owner=True,
+                                            warm_restart=self.primary_config.warm_restart)
+            cleanup.append(segment.close)
+            primary = CPUPrimaryTierOffloadingManager(
+                segment, self.primary_config.eviction_policy,
+                self.primary_config.cache_policy_module_path, self.enable_events,
+                info=self._tier_info(), attach=not segment.is_creator)
+            view = primary.get_kv_memoryview()
+            tiers = []
+            for i, (tier_config, detector) in enumerate(
+                    zip(self.tiering_config.secondary_tiers, self.tiering_config.detectors)):
+                tier = SecondaryTierFactory.create_secondary_tier(
+                    tier_config, view, self, detector=detector, where=f"secondary_tiers[{i}]")
+                tiers.append(tier)
+                cleanup.append(tier.shutdown)
+            del view
+            self._manager = TieringOffloadingManager(primary, tiers)
+            return self._manager
+        except BaseException:
+            for undo in reversed(cleanup):
+                try:
+                    undo()
+                except Exception:  # keep undoing the rest
+                    pass
+            raise
+
+    # --- GPU worker processes ---
+
+    def get_worker(self, kv_caches: Any, rank: int = 0):
+        """Join the segment as GPU rank ``rank`` and return its block copy worker."""
+        from shmtier.gpu.copy_worker import BlockCopyWorker
+
+        segment = open_segment(self.engine_id, self.geometry, self.fingerprint, owner=False,
+                               rank=0 if self.layout.replicated_layout else rank)
+        try:
+            return BlockCopyWorker(kv_caches, segment, self.blocks_per_chunk,
+                                   0 if self.layout.replicated_layout else rank,
+                                   close_segment=True)
+        except BaseException:
+            segment.close()
+            raise

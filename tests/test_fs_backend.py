@@ -1,0 +1,812 @@
+"""The fs tier's worker half (workers/backends/fs.py) against real files and processes.
+
+Everything here uses real directories under tmp_path, real tmpfs mounts (skipped when
+mounting is not permitted) and real child processes; nothing is mocked. Corruption is
+made by editing files on disk exactly as a torn write, bit rot or a misplaced file would.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import stat
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from contextlib import contextmanager
+
+import msgpack
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as hs
+
+from shmtier.shared.codec import CompressionConfig, frame_header_size
+from shmtier.workers.backends import BatchResult, outcome_kind
+from shmtier.workers.backends.fs import (
+    CHUNK_SUFFIX,
+    TEMP_SUFFIX,
+    FsBackend,
+    choose_fanout_bits,
+    namespace_dir_name,
+)
+
+FP = "model=test-model|dtype=bfloat16|block=16x4|tp=1|codec=1"
+PAD = 0xA5  # bytes past chunk_bytes in every row
+EMPTY = 0x5A  # rows of the destination arena before a load
+
+
+def bf16_normal(rng: np.random.Generator, nbytes: int) -> np.ndarray:
+    """Random-normal bf16 values as bytes (the top 16 bits of float32 normals)."""
+    f = rng.standard_normal(nbytes // 2, dtype=np.float32)
+    return (f.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8)
+
+
+def make_arena(num_rows: int, row_stride: int, chunk_bytes: int, kind: str, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    arena = np.full((num_rows, row_stride), PAD, dtype=np.uint8)
+    for r in range(num_rows):
+        if kind == "bf16":
+            arena[r, :chunk_bytes - chunk_bytes % 2] = bf16_normal(rng, chunk_bytes - chunk_bytes % 2)
+            if chunk_bytes % 2:
+                arena[r, chunk_bytes - 1] = 7
+        else:
+            arena[r, :chunk_bytes] = rng.integers(0, 256, chunk_bytes, dtype=np.uint8)
+    return arena
+
+
+def keys_for(n: int, tag: int = 0) -> list[bytes]:
+    """vLLM-shaped keys: a 32-byte block hash + uint32_be group index."""
+    rng = np.random.default_rng(1000 + tag)
+    return [rng.bytes(32) + (i % 3).to_bytes(4, "big") for i in range(n)]
+
+
+def backend(root, fp: str = FP, **kw) -> FsBackend:
+    kw.setdefault("min_free_bytes", 0)
+    return FsBackend(str(root), fp, **kw)
+
+
+def chunk_files(b: FsBackend) -> list[str]:
+    out = []
+    for dirpath, _dirs, files in os.walk(b.namespace_dir):
+        out += [os.path.join(dirpath, f) for f in files if f.endswith(CHUNK_SUFFIX)]
+    return out
+
+
+def temp_files(root) -> list[str]:
+    out = []
+    for dirpath, _dirs, files in os.walk(root):
+        out += [os.path.join(dirpath, f) for f in files if f.endswith(TEMP_SUFFIX)]
+    return out
+
+
+@contextmanager
+def tmpfs(size: str):
+    """A real tmpfs of ``size`` mounted on a fresh directory; skips if not permitted."""
+    d = tempfile.mkdtemp(prefix="shmtier-fs-test-")
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0755", "tmpfs", d],
+                       capture_output=True, text=True)
+    if r.returncode != 0:
+        os.rmdir(d)
+        pytest.skip(f"mounting a tmpfs is not permitted here: {r.stderr.strip() or r.returncode}")
+    try:
+        yield d
+    finally:
+        if subprocess.run(["umount", d], capture_output=True).returncode != 0:
+            subprocess.run(["umount", "-l", d], capture_output=True)
+        os.rmdir(d)
+
+
+def remount_ro(d: str) -> None:
+    subprocess.run(["mount", "-o", "remount,ro", d], check=True, capture_output=True)
+
+
+# --------------------------------------------------------------------------- round trip
+
+
+@pytest.mark.parametrize("mode", ["auto", "none", "zstd"])
+@pytest.mark.parametrize("kind", ["bf16", "bytes"])
+@pytest.mark.parametrize("chunk_bytes,row_stride,n", [
+    (4096, 8192, 24),
+    (4097, 8192, 12),  # odd: plain zstd for 2-byte elements, tests the tail byte
+    (40_000, 40_960, 16),
+    (256 << 10, (256 << 10) + 4096, 6),
+    ((1 << 20) + 6, (1 << 20) + 8192, 3),
+])
+def test_round_trip_is_byte_exact(tmp_path, mode, kind, chunk_bytes, row_stride, n):
+    b = backend(tmp_path, codec_config=CompressionConfig(mode=mode))
+    src = make_arena(n, row_stride, chunk_bytes, kind, seed=chunk_bytes)
+    keys = keys_for(n)
+    r = b.store(keys, list(range(n)), src, chunk_bytes)
+    assert r.outcomes == ["ok"] * n, r.outcomes
+    assert r.logical_bytes == [chunk_bytes] * n
+    assert r.io_seconds > 0 and r.codec_seconds > 0
+    for key, size in zip(keys, r.stored_bytes):
+        assert os.path.getsize(b.path_for(key)) == size
+    if mode == "none" or kind == "bytes":
+        assert r.total_stored >= r.total_logical  # random bytes are stored raw
+    elif chunk_bytes % 2 == 0:
+        assert r.total_stored < 0.75 * r.total_logical  # split + zstd on bf16
+
+    # Load into a second arena at other rows, leaving some rows unused.
+    dst = np.full((n + 3, row_stride), EMPTY, dtype=np.uint8)
+    dst[:, chunk_bytes:] = PAD
+    rows = list(range(n + 2, 2, -1))[:n]
+    before = dst.copy()
+    lr = b.load(keys, rows, dst, chunk_bytes)
+    assert lr.outcomes == ["ok"] * n, lr.outcomes
+    assert lr.stored_bytes == r.stored_bytes and lr.logical_bytes == [chunk_bytes] * n
+    for i, row in enumerate(rows):
+        assert np.array_equal(dst[row, :chunk_bytes], src[i, :chunk_bytes])
+    assert (dst[:, chunk_bytes:] == PAD).all(), "bytes past chunk_bytes were written"
+    for row in set(range(n + 3)) - set(rows):
+        assert np.array_equal(dst[row], before[row])
+    assert (src[:, chunk_bytes:] == PAD).all()
+    assert b.counters.files_written == n and b.counters.files_read == n
+    assert not temp_files(tmp_path)
+
+
+def test_fsync_round_trip_and_permissions(tmp_path):
+    b = backend(tmp_path, fsync=True)
+    src = make_arena(5, 8192, 8000, "bf16")
+    keys = keys_for(5)
+    assert b.store(keys, range(5), src, 8000).all_ok
+    dst = np.zeros_like(src)
+    assert b.load(keys, range(5), dst, 8000).all_ok
+    assert np.array_equal(dst[:, :8000], src[:, :8000])
+    ns = b.namespace_dir
+    assert os.path.basename(ns) == namespace_dir_name(FP)
+    assert stat.S_IMODE(os.stat(ns).st_mode) == 0o700
+    assert stat.S_IMODE(os.stat(os.path.join(ns, "config.json")).st_mode) == 0o600
+    for path in chunk_files(b):
+        assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+        assert stat.S_IMODE(os.stat(os.path.dirname(path)).st_mode) == 0o700
+        assert stat.S_IMODE(os.stat(os.path.dirname(os.path.dirname(path))).st_mode) == 0o700
+    cfg = json.load(open(os.path.join(ns, "config.json")))
+    assert cfg["fingerprint"] == FP and cfg["format"] == "shmtier-fs"
+
+
+def test_store_skips_existing_unless_asked(tmp_path):
+    b = backend(tmp_path)
+    a = make_arena(2, 8192, 8192, "bf16")
+    k = keys_for(1)
+    first = b.store(k, [0], a, 8192)
+    assert first.outcomes == ["ok"]
+    again = b.store(k, [1], a, 8192)
+    assert again.outcomes == ["exists"] and again.ok(0)
+    assert again.stored_bytes == first.stored_bytes and again.logical_bytes == [0]
+    dst = np.zeros_like(a)
+    b.load(k, [0], dst, 8192)
+    assert np.array_equal(dst[0], a[0])  # not overwritten by row 1
+    assert b.store(k, [1], a, 8192, skip_existing=False).outcomes == ["ok"]
+    b.load(k, [0], dst, 8192)
+    assert np.array_equal(dst[0], a[1])
+
+
+def test_delete_probe_missing_and_result_message(tmp_path):
+    b = backend(tmp_path)
+    a = make_arena(4, 8192, 6000, "bytes")
+    keys = keys_for(4)
+    st = b.store(keys[:3], [0, 1, 2], a, 6000)
+    p = b.probe(keys)
+    assert p.outcomes == ["ok", "ok", "ok", "missing"]
+    assert p.stored_bytes[:3] == st.stored_bytes
+    lr = b.load(keys[3:], [3], a, 6000)
+    assert lr.outcomes == ["missing"] and not lr.ok(0)
+    d = b.delete([keys[0], keys[3]])
+    assert d.outcomes == ["ok", "missing"] and d.all_ok
+    assert d.stored_bytes == [st.stored_bytes[0], 0]
+    assert b.probe(keys[:1]).outcomes == ["missing"]
+    assert b.counters.bytes_on_disk == sum(st.stored_bytes[1:])
+    msg = msgpack.unpackb(msgpack.packb(d.to_msg()))
+    assert msg["outcomes"] == ["ok", "missing"] and msg["op"] == "delete"
+
+
+def test_invalid_requests_are_per_key_or_whole_job(tmp_path):
+    b = backend(tmp_path)
+    a = make_arena(2, 8192, 8192, "bytes")
+    good = keys_for(1)[0]
+    r = b.store([b"", b"k" * 101, good, good], [0, 0, 5, 1], a, 8192)
+    assert [outcome_kind(o) for o in r.outcomes] == ["invalid", "invalid", "invalid", "ok"]
+    assert "row 5 out of range" in r.outcomes[2]
+    lr = b.load([good, good], [-1, 0], a, 8192)
+    assert outcome_kind(lr.outcomes[0]) == "invalid" and lr.outcomes[1] == "ok"
+    with pytest.raises(ValueError, match="differ in length"):
+        b.store([good], [0, 1], a, 8192)
+    with pytest.raises(ValueError, match="chunk_bytes"):
+        b.load([good], [0], a, 8193)
+    with pytest.raises(ValueError, match="2-D uint8"):
+        b.load([good], [0], a.view(np.uint16), 4096)
+
+
+# --------------------------------------------------------------------------- corruption
+
+
+def _flip(path: str, offset: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)[0]
+        f.seek(offset)
+        f.write(bytes([byte ^ 0x10]))
+
+
+def _truncate(path: str, size: int) -> None:
+    os.truncate(path, size)
+
+
+CORRUPTIONS = {
+    # name: (mode, how to damage the file of key 0 (path, header size, other path), reason)
+    "torn_half": ("auto", lambda p, hs, q: _truncate(p, os.path.getsize(p) // 2), "length"),
+    "header_only": ("none", lambda p, hs, q: _truncate(p, hs), "length"),
+    "short_header": ("none", lambda p, hs, q: _truncate(p, 20), "length"),
+    "empty": ("auto", lambda p, hs, q: _truncate(p, 0), "length"),
+    "appended": ("none", lambda p, hs, q: open(p, "ab").write(b"\0"), "length"),
+    "magic": ("auto", lambda p, hs, q: _flip(p, 0), "magic"),
+    "header_field": ("none", lambda p, hs, q: _flip(p, 17), "checksum"),  # raw length byte
+    "key_bytes": ("none", lambda p, hs, q: _flip(p, 45), "checksum"),  # inside the key
+    "payload_raw": ("none", lambda p, hs, q: _flip(p, hs + 3000), "checksum"),
+    "payload_zstd": ("auto", lambda p, hs, q: _flip(p, hs + 10), "checksum"),
+    "low_plane": ("auto", lambda p, hs, q: _flip(p, os.path.getsize(p) - 5), "checksum"),
+    "wrong_key": ("auto", lambda p, hs, q: os.replace(q, p), "key"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CORRUPTIONS))
+def test_corrupt_file_is_reported_removed_and_counted(tmp_path, name):
+    mode, damage, reason = CORRUPTIONS[name]
+    cb = 64 << 10
+    b = backend(tmp_path, codec_config=CompressionConfig(mode=mode))
+    src = make_arena(4, cb + 4096, cb, "bf16")
+    keys = keys_for(4)
+    assert b.store(keys, range(4), src, cb).all_ok
+    path = b.path_for(keys[0])
+    hs = frame_header_size(len(keys[0]))
+    damage(path, hs, b.path_for(keys[3]))
+
+    fresh = backend(tmp_path, codec_config=CompressionConfig(mode=mode))  # a new reader process
+    dst = np.full_like(src, EMPTY)
+    lr = fresh.load(keys[:3], [0, 1, 2], dst, cb)
+    assert lr.outcomes[0] == f"corrupt:{reason}", lr.outcomes
+    assert not lr.ok(0) and lr.logical_bytes[0] == 0
+    assert lr.outcomes[1:] == ["ok", "ok"]
+    assert np.array_equal(dst[1:3, :cb], src[1:3, :cb])
+    assert (dst[:, cb:] == EMPTY).all()
+    assert not os.path.exists(path), "corrupt file was not removed"
+    c = fresh.counters
+    assert c.corrupt_files_detected == 1 and c.corrupt_files_removed == 1
+    assert c.corrupt_by_reason == {reason: 1}
+    assert fresh.load(keys[:1], [0], dst, cb).outcomes == ["missing"]
+    assert fresh.probe(keys[:1]).outcomes == ["missing"]
+
+
+def test_every_flipped_bit_position_is_caught_or_harmless(tmp_path):
+    """Flip each header byte and a spread of payload bytes: a load either reports
+    corrupt (and removes the file) or returns the exact bytes; it never serves others."""
+    cb = 16 << 10
+    for mode in ("none", "auto"):
+        (tmp_path / mode).mkdir()
+        b = backend(tmp_path / mode, codec_config=CompressionConfig(mode=mode))
+        src = make_arena(1, cb, cb, "bf16", seed=3)
+        key = keys_for(1)[0]
+        assert b.store([key], [0], src, cb).all_ok
+        good = open(b.path_for(key), "rb").read()
+        hs = frame_header_size(len(key))
+        offsets = list(range(hs)) + list(range(hs, len(good), max(1, (len(good) - hs) // 97)))
+        for off in offsets:
+            damaged = bytearray(good)
+            damaged[off] ^= 0x01
+            with open(b.path_for(key), "wb") as f:
+                f.write(damaged)
+            dst = np.full_like(src, EMPTY)
+            out = b.load([key], [0], dst, cb).outcomes[0]
+            if out == "ok":
+                assert np.array_equal(dst, src), f"wrong bytes served after a flip at {off}"
+            else:
+                assert outcome_kind(out) == "corrupt", out
+                assert not os.path.exists(b.path_for(key))
+        assert b.counters.corrupt_files_removed == len(offsets)  # all caught: CRCs cover all
+
+
+def test_frame_sized_for_another_chunk_size_is_corrupt(tmp_path):
+    b = backend(tmp_path)
+    src = make_arena(1, 8192, 8192, "bytes")
+    key = keys_for(1)[0]
+    b.store([key], [0], src, 8192)
+    assert b.load([key], [0], src.copy(), 4096).outcomes == ["corrupt:length"]
+
+
+def test_scan_removes_misplaced_files(tmp_path):
+    b = backend(tmp_path, max_bytes=1 << 40, chunk_bytes_hint=1 << 20)
+    src = make_arena(8, 4096, 4096, "bytes")
+    keys = keys_for(8)
+    b.store(keys, range(8), src, 4096)
+    p0 = b.path_for(keys[0])
+    other = next(os.path.dirname(b.path_for(k)) for k in keys
+                 if os.path.dirname(b.path_for(k)) != os.path.dirname(p0))
+    os.rename(p0, os.path.join(other, os.path.basename(p0)))
+    found = {e.key for e in b.scan()}
+    assert found == set(keys[1:])
+    assert b.counters.misplaced_files_removed == 1
+
+
+# --------------------------------------------------------------------------- capacity
+
+
+def test_max_bytes_refuses_before_writing_and_delete_makes_room(tmp_path):
+    cb = 64 << 10
+    frame = frame_header_size(36) + cb
+    b = backend(tmp_path, codec_config=CompressionConfig(mode="none"), max_bytes=3 * frame + 10)
+    src = make_arena(5, cb, cb, "bytes")
+    keys = keys_for(5)
+    r = b.store(keys, range(5), src, cb)
+    assert r.outcomes == ["ok"] * 3 + ["full:max_bytes"] * 2
+    assert not r.ok(3) and r.stored_bytes[3:] == [0, 0]
+    assert b.probe(keys).outcomes == ["ok"] * 3 + ["missing"] * 2
+    assert not temp_files(tmp_path)
+    assert b.counters.bytes_on_disk == 3 * frame and b.counters.store_full == 2
+    assert b.delete(keys[:1]).all_ok
+    assert b.store(keys[3:4], [3], src, cb).outcomes == ["ok"]
+    # The scheduler's own count overrides this process's:
+    assert b.store(keys[4:], [4], src, cb, bytes_in_use=0).outcomes == ["ok"]
+    assert b.store(keys[:1], [0], src, cb, bytes_in_use=3 * frame).outcomes == ["full:max_bytes"]
+
+
+def test_free_space_floor(tmp_path):
+    b = backend(tmp_path, min_free_bytes=1 << 62)
+    src = make_arena(1, 4096, 4096, "bytes")
+    assert b.store(keys_for(1), [0], src, 4096).outcomes == ["full:min_free"]
+    assert not chunk_files(b) and not temp_files(tmp_path)
+
+
+def test_real_enospc_on_a_small_tmpfs():
+    cb = 256 << 10
+    with tmpfs("1m") as root:
+        # Floor disabled, so the write itself hits ENOSPC part-way through a file.
+        b = backend(root, codec_config=CompressionConfig(mode="none"), min_free_bytes=None)
+        src = make_arena(6, cb, cb, "bytes")
+        keys = keys_for(6)
+        r = b.store(keys, range(6), src, cb)
+        kinds = [outcome_kind(o) for o in r.outcomes]
+        n_ok = kinds.count("ok")
+        assert 1 <= n_ok < 6 and kinds == ["ok"] * n_ok + ["full"] * (6 - n_ok), r.outcomes
+        assert "ENOSPC" in r.outcomes[n_ok] and "No space left" in r.outcomes[n_ok]
+        assert not temp_files(root), "a partial temp file was left behind"
+        assert len(chunk_files(b)) == n_ok
+        dst = np.zeros_like(src)
+        assert b.load(keys[:n_ok], range(n_ok), dst, cb).all_ok
+        assert np.array_equal(dst[:n_ok], src[:n_ok])
+        # With the floor on, the same situation is refused before writing anything.
+        b2 = backend(root, codec_config=CompressionConfig(mode="none"), min_free_bytes=0)
+        assert b2.store(keys[n_ok:n_ok + 1], [0], src, cb).outcomes == ["full:min_free"]
+        # Deleting makes room again.
+        assert b.delete(keys[:1]).all_ok
+        assert b.store(keys[n_ok:n_ok + 1], [n_ok], src, cb).outcomes == ["ok"]
+
+
+def test_fanout_is_proportional_and_recorded(tmp_path):
+    assert choose_fanout_bits(1 << 30, 1 << 20) == (1, 1)  # 1024 files: 4 leaf dirs
+    assert choose_fanout_bits(100 << 30, 1 << 20) == (4, 4)  # 102400 files: 256 leaf dirs
+    assert choose_fanout_bits(1 << 40, 1 << 20) == (6, 5)  # 1M files: 2048 leaf dirs
+    assert choose_fanout_bits(1 << 60, 4096) == (8, 8)
+    cb = 4096
+    small = backend(tmp_path, max_bytes=300 * (cb + 200), chunk_bytes_hint=cb)
+    src = make_arena(300, cb, cb, "bytes")
+    assert small.store(keys_for(300), range(300), src, cb).all_ok
+    leaves = {os.path.dirname(p) for p in chunk_files(small)}
+    assert len(leaves) <= 4 < 300, "more directories than a 300-file tier needs"
+    # A later open with another capacity keeps the recorded fan-out (paths must not move).
+    big = backend(tmp_path, max_bytes=1 << 50, chunk_bytes_hint=cb)
+    assert big.fanout_bits == small.fanout_bits
+    assert big.probe(keys_for(300)).all_ok
+
+
+# --------------------------------------------------------------------------- errno paths
+
+
+def test_read_only_root_fails_stores_per_key_and_still_serves_loads():
+    cb = 32 << 10
+    with tmpfs("4m") as root:
+        b = backend(root)
+        src = make_arena(6, cb, cb, "bf16")
+        keys = keys_for(6)
+        assert b.store(keys[:3], range(3), src, cb).all_ok
+        _flip(b.path_for(keys[2]), 0)
+        remount_ro(root)
+        r = b.store(keys[3:], [3, 4, 5], src, cb)
+        assert [outcome_kind(o) for o in r.outcomes] == ["error"] * 3
+        assert all("EROFS" in o and "Read-only file system" in o for o in r.outcomes), r.outcomes
+        d = b.delete(keys[:1])
+        assert outcome_kind(d.outcomes[0]) == "error" and "EROFS" in d.outcomes[0]
+        # A new worker attaches to the existing namespace and reads.
+        b2 = backend(root)
+        dst = np.zeros_like(src)
+        lr = b2.load(keys[:3], range(3), dst, cb)
+        assert lr.outcomes == ["ok", "ok", "corrupt:magic"]
+        assert np.array_equal(dst[:2], src[:2])
+        assert b2.counters.corrupt_files_detected == 1 and b2.counters.corrupt_remove_failed == 1
+        assert {e.key for e in b2.scan()} == set(keys[:3])
+        with pytest.raises(OSError, match="Read-only"):
+            backend(root, fp="another fingerprint")  # cannot create its namespace
+
+
+CHILD_EACCES = textwrap.dedent("""
+    import json, os, sys
+    import numpy as np
+    from shmtier.workers.backends.fs import FsBackend
+    os.setgid(65534); os.setuid(65534)  # after the imports: the venv may be root's only
+    root = sys.argv[1]
+    b = FsBackend(root, "eacces-fp", min_free_bytes=0)
+    arena = np.arange(4 * 8192, dtype=np.uint32).astype(np.uint8).reshape(4, 8192)
+    keys = [bytes([i]) * 36 for i in range(4)]
+    first = b.store(keys[:2], [0, 1], arena, 8192).outcomes
+    for dirpath, dirs, files in os.walk(b.namespace_dir):
+        os.chmod(dirpath, 0o500)
+    second = b.store(keys[2:], [2, 3], arena, 8192).outcomes
+    out = np.zeros_like(arena)
+    third = b.load(keys[:2], [0, 1], out, 8192).outcomes
+    same = bool((out[:2] == arena[:2]).all())
+    print(json.dumps([first, second, third, same]))
+""")
+
+
+def test_permission_denied_for_an_unprivileged_worker():
+    root = tempfile.mkdtemp(prefix="shmtier-fs-eacces-")
+    try:
+        os.chmod(root, 0o755)
+        os.chown(root, 65534, 65534)
+        r = subprocess.run([sys.executable, "-c", CHILD_EACCES, root],
+                           capture_output=True, text=True, timeout=60)
+        if r.returncode != 0 and "Operation not permitted" in r.stderr:
+            pytest.skip("cannot switch to an unprivileged user here")
+        assert r.returncode == 0, r.stderr
+        first, second, third, same = json.loads(r.stdout)
+        assert first == ["ok", "ok"]
+        assert [outcome_kind(o) for o in second] == ["error", "error"], second
+        assert all("EACCES" in o and "Permission denied" in o for o in second)
+        assert third == ["ok", "ok"] and same
+    finally:
+        subprocess.run(["rm", "-rf", root])
+
+
+@contextmanager
+def failing_disk(tmp_path, size_mib: int = 32):
+    """A real ext4 on a loop device over a file; yields (mount dir, cut) where ``cut()``
+    truncates the backing file so reads of blocks past the cut fail with EIO."""
+    img, mnt = tmp_path / "disk.img", tmp_path / "mnt"
+    mnt.mkdir()
+    with open(img, "wb") as f:
+        f.truncate(size_mib << 20)
+    if subprocess.run(["mkfs.ext4", "-q", "-F", str(img)], capture_output=True).returncode:
+        pytest.skip("mkfs.ext4 is not available")
+    r = subprocess.run(["losetup", "-f", "--show", str(img)], capture_output=True, text=True)
+    if r.returncode:
+        pytest.skip(f"no loop device here: {r.stderr.strip()}")
+    dev = r.stdout.strip()
+    try:
+        r = subprocess.run(["mount", dev, str(mnt)], capture_output=True, text=True)
+        if r.returncode:
+            pytest.skip(f"cannot mount a loop device here: {r.stderr.strip()}")
+        try:
+            yield str(mnt), lambda: os.truncate(img, 2 << 20)
+        finally:
+            subprocess.run(["umount", str(mnt)], capture_output=True)
+    finally:
+        subprocess.run(["losetup", "-d", dev], capture_output=True)
+
+
+def test_device_read_errors_are_eio_outcomes_and_keep_the_file(tmp_path):
+    cb = 1 << 20
+    with failing_disk(tmp_path) as (root, cut):
+        b = backend(root, codec_config=CompressionConfig(mode="none"))
+        src = make_arena(12, cb, cb, "bytes")
+        keys = keys_for(12)
+        assert b.store(keys, range(12), src, cb).all_ok
+        os.sync()
+        for k in keys:  # the next reads must go to the device
+            fd = os.open(b.path_for(k), os.O_RDONLY)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            os.close(fd)
+        cut()
+        dst = np.full_like(src, EMPTY)
+        r = b.load(keys, range(12), dst, cb)
+        kinds = {outcome_kind(o) for o in r.outcomes}
+        assert "error" in kinds and kinds <= {"ok", "error"}, r.outcomes
+        for i, o in enumerate(r.outcomes):
+            if o == "ok":
+                assert np.array_equal(dst[i], src[i])
+            else:
+                assert o == "error:EIO Input/output error (read)"
+                assert os.path.exists(b.path_for(keys[i])), "an unreadable file is not corrupt"
+        assert b.counters.corrupt_files_detected == 0
+        assert b.counters.load_errors == r.count("error")
+
+
+def test_directory_in_the_way_is_an_errno_outcome(tmp_path):
+    b = backend(tmp_path)
+    src = make_arena(2, 4096, 4096, "bytes")
+    key = keys_for(1)[0]
+    os.makedirs(b.path_for(key))
+    r = b.store([key], [0], src, 4096, skip_existing=False)
+    assert r.outcomes[0].startswith("error:EISDIR"), r.outcomes
+    assert not temp_files(tmp_path)
+    assert b.load([key], [1], src, 4096).outcomes[0].startswith("error:EISDIR")
+    assert b.probe([key]).outcomes == ["missing"]
+    assert outcome_kind(b.delete([key]).outcomes[0]) == "error"
+
+
+# --------------------------------------------------------------------------- namespaces
+
+
+def test_warm_restart_sees_what_the_previous_process_wrote(tmp_path):
+    cb = 16 << 10
+    src = make_arena(20, cb, cb, "bf16")
+    keys = keys_for(20)
+    writer = subprocess.run([sys.executable, "-c", textwrap.dedent("""
+        import sys, numpy as np
+        from shmtier.workers.backends.fs import FsBackend
+        b = FsBackend(sys.argv[1], sys.argv[2], min_free_bytes=0)
+        arena = np.load(sys.argv[3]); keys = [bytes.fromhex(k) for k in sys.argv[4:]]
+        r = b.store(keys, list(range(len(keys))), arena, arena.shape[1])
+        print(" ".join(map(str, r.stored_bytes)) if r.all_ok else r.outcomes)
+    """), str(tmp_path), FP, _save(tmp_path, src)] + [k.hex() for k in keys],
+        capture_output=True, text=True, timeout=60)
+    assert writer.returncode == 0, writer.stderr
+    sizes = list(map(int, writer.stdout.split()))
+
+    b = backend(tmp_path)
+    found = {e.key: e for e in b.scan()}
+    assert set(found) == set(keys)
+    assert [found[k].stored_bytes for k in keys] == sizes
+    assert all(abs(found[k].mtime - time.time()) < 120 for k in keys)
+    assert b.counters.bytes_on_disk == sum(sizes)
+    assert b.probe(keys).all_ok
+    dst = np.zeros_like(src)
+    assert b.load(keys, range(20), dst, cb).all_ok
+    assert np.array_equal(dst, src)
+
+
+def _save(tmp_path, arena) -> str:
+    path = str(tmp_path / f"arena-{id(arena)}.npy")
+    np.save(path, arena)
+    return path
+
+
+def test_fingerprints_get_separate_namespaces_and_foreign_ones_are_refused(tmp_path):
+    a = backend(tmp_path, fp="fingerprint A")
+    b = backend(tmp_path, fp="fingerprint B")
+    assert a.namespace_dir != b.namespace_dir
+    src = make_arena(3, 4096, 4096, "bytes")
+    keys = keys_for(3)
+    assert a.store(keys, range(3), src, 4096).all_ok
+    assert b.probe(keys).outcomes == ["missing"] * 3
+    assert list(b.scan()) == []
+    # A namespace directory whose config names another fingerprint is not used.
+    cfg_path = os.path.join(b.namespace_dir, "config.json")
+    cfg = json.load(open(cfg_path))
+    cfg["fingerprint"] = "fingerprint C"
+    with open(cfg_path, "w") as f:
+        json.dump(cfg, f)
+    with pytest.raises(ValueError, match="another layout fingerprint"):
+        backend(tmp_path, fp="fingerprint B")
+    with open(cfg_path, "w") as f:
+        f.write("{not json")
+    with pytest.raises(ValueError, match="not valid JSON"):
+        backend(tmp_path, fp="fingerprint B")
+
+
+def test_missing_or_bad_root_is_a_clear_error(tmp_path):
+    with pytest.raises(FileNotFoundError, match="root_dir does not exist"):
+        FsBackend(str(tmp_path / "nope"), FP)
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(NotADirectoryError, match="not a directory"):
+        FsBackend(str(tmp_path / "file"), FP)
+    with pytest.raises(ValueError, match="max_bytes"):
+        FsBackend(str(tmp_path), FP, max_bytes=0)
+    with pytest.raises(ValueError, match="namespace"):
+        FsBackend(str(tmp_path), "")
+    assert os.listdir(tmp_path) == ["file"]  # nothing half-created
+
+
+# --------------------------------------------------------------------------- processes
+
+CHILD_STORE_LOOP = textwrap.dedent("""
+    import sys, numpy as np
+    from shmtier.shared.codec import CompressionConfig
+    from shmtier.workers.backends.fs import FsBackend
+    root, fp, cb = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    b = FsBackend(root, fp, min_free_bytes=0, fsync=True,
+                  codec_config=CompressionConfig(mode="none"))
+    arena = np.random.default_rng(5).integers(0, 256, (2, cb), dtype=np.uint8)
+    i = 0
+    while True:
+        key = i.to_bytes(36, "big")
+        arena[i % 2, :8] = np.frombuffer(key[-8:], dtype=np.uint8)
+        r = b.store([key], [i % 2], arena, cb)
+        assert r.all_ok, r.outcomes
+        print(i, flush=True)
+        i += 1
+""")
+
+
+def test_killed_writer_leaves_no_visible_partial_chunk_and_temps_are_cleaned(tmp_path):
+    cb = 8 << 20
+    leftovers = []
+    for attempt in range(8):
+        child = subprocess.Popen([sys.executable, "-c", CHILD_STORE_LOOP, str(tmp_path), FP,
+                                  str(cb)], stdout=subprocess.PIPE, text=True)
+        try:
+            child.stdout.readline()  # one chunk published: the loop is running
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline and not temp_files(tmp_path):
+                pass
+            child.send_signal(signal.SIGKILL)
+        finally:
+            child.kill()
+            child.wait()
+        leftovers = temp_files(tmp_path)
+        if leftovers:
+            break
+    assert leftovers, "never caught the writer mid-store (8 tries)"
+
+    b = backend(tmp_path)
+    entries = list(b.scan())
+    assert entries and all(len(e.key) == 36 for e in entries)
+    assert not temp_files(tmp_path), "scan did not clean the dead writer's temp files"
+    assert b.counters.temp_files_removed == len(leftovers)
+    dst = np.zeros((len(entries), cb), dtype=np.uint8)
+    r = b.load([e.key for e in entries], range(len(entries)), dst, cb)
+    assert r.all_ok, r.outcomes
+    for row, e in enumerate(entries):
+        assert bytes(dst[row, :8]) == e.key[-8:]
+
+
+def test_temp_files_of_live_or_unknown_writers_are_kept_until_stale(tmp_path):
+    b = backend(tmp_path, stale_temp_age_s=60)
+    src = make_arena(1, 4096, 4096, "bytes")
+    key = keys_for(1)[0]
+    b.store([key], [0], src, 4096)
+    leaf = os.path.dirname(b.path_for(key))
+    mine = os.path.join(leaf, b._temp_name(key.hex()))  # this (live) process is writing
+    foreign = os.path.join(leaf, f".{key.hex()[:16]}.ffffffff-1-1-1{TEMP_SUFFIX}")  # other boot/host
+    foreign_old = os.path.join(leaf, f".{key.hex()[:16]}.eeeeeeee-1-1-1{TEMP_SUFFIX}")
+    for p in (mine, foreign, foreign_old):
+        open(p, "wb").close()
+    old = time.time() - 3600
+    os.utime(foreign_old, (old, old))
+    assert [e.key for e in b.scan()] == [key]
+    assert os.path.exists(mine) and os.path.exists(foreign) and not os.path.exists(foreign_old)
+    assert b.counters.temp_files_removed == 1
+
+
+CHILD_SAME_KEYS = textwrap.dedent("""
+    import os, sys, time, numpy as np
+    from shmtier.workers.backends.fs import FsBackend
+    root, fp, go, rounds = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+    b = FsBackend(root, fp, min_free_bytes=0)
+    arena = np.load(sys.argv[5])
+    keys = [bytes([k]) * 36 for k in range(arena.shape[0])]
+    bad = []
+    print("ready", flush=True)
+    while not os.path.exists(go):  # both writers start together
+        time.sleep(0.001)
+    t0 = time.time()
+    for _ in range(rounds):
+        r = b.store(keys, list(range(len(keys))), arena, arena.shape[1], skip_existing=False)
+        bad += [o for o in r.outcomes if o != "ok"]
+    print(t0, time.time(), len(bad), bad[:3])
+""")
+
+
+def test_concurrent_stores_of_the_same_keys_end_with_one_valid_file(tmp_path):
+    cb, n = 96 << 10, 8
+    arenas = [make_arena(n, cb, cb, "bf16", seed=s) for s in (11, 22)]
+    paths = [_save(tmp_path, a) for a in arenas]
+    root = tmp_path / "root"
+    root.mkdir()
+    go = tmp_path / "go"
+    procs = [subprocess.Popen([sys.executable, "-c", CHILD_SAME_KEYS, str(root), FP,
+                               str(go), "100", p], stdout=subprocess.PIPE, text=True)
+             for p in paths]
+    for p in procs:
+        assert p.stdout.readline().strip() == "ready"
+    go.touch()
+    # Meanwhile this process reads the keys as they are being replaced: every load is
+    # either a MISS (not yet written) or one writer's exact chunk, never a mix.
+    b = backend(root)
+    keys = [bytes([k]) * 36 for k in range(n)]
+    dst = np.zeros_like(arenas[0])
+    reads = 0
+    while any(p.poll() is None for p in procs):
+        r = b.load(keys, range(n), dst, cb)
+        for i, o in enumerate(r.outcomes):
+            assert o in ("ok", "missing"), o
+            if o == "ok":
+                reads += 1
+                assert any(np.array_equal(dst[i], a[i]) for a in arenas)
+    outs = [p.communicate(timeout=120)[0].split(maxsplit=3) for p in procs]  # after "ready"
+    assert all(p.returncode == 0 for p in procs)
+    assert all(o[2] == "0" for o in outs), outs
+    (a0, a1), (b0, b1) = [(float(o[0]), float(o[1])) for o in outs]
+    assert max(a0, b0) < min(a1, b1), "the two writers did not overlap in time"
+    assert reads > 0
+    names = sorted(os.path.basename(p) for p in chunk_files(b))
+    assert names == sorted(k.hex() + CHUNK_SUFFIX for k in keys)
+    assert not temp_files(root)
+    dst = np.zeros_like(arenas[0])
+    assert b.load(keys, range(n), dst, cb).all_ok
+    for r in range(n):
+        assert any(np.array_equal(dst[r], a[r]) for a in arenas), "a mixed chunk was published"
+
+
+CHILD_OPEN = textwrap.dedent("""
+    import sys, time
+    from shmtier.workers.backends.fs import FsBackend
+    root, fp, start, max_bytes = sys.argv[1], sys.argv[2], float(sys.argv[3]), int(sys.argv[4])
+    time.sleep(max(0.0, start - time.time()))
+    b = FsBackend(root, fp, max_bytes=max_bytes, chunk_bytes_hint=1 << 20, min_free_bytes=0)
+    print(*b.fanout_bits)
+""")
+
+
+def test_workers_starting_together_agree_on_one_namespace(tmp_path):
+    start = time.time() + 0.6  # after the interpreters have started
+    procs = [subprocess.Popen([sys.executable, "-c", CHILD_OPEN, str(tmp_path), FP, str(start),
+                               str(mb)], stdout=subprocess.PIPE, text=True)
+             for mb in (1 << 30, 1 << 36, 1 << 40, 1 << 44)]
+    outs = {p.communicate(timeout=60)[0].strip() for p in procs}
+    assert all(p.returncode == 0 for p in procs)
+    assert len(outs) == 1, f"workers disagree on the fan-out: {outs}"
+    ns = os.path.join(tmp_path, namespace_dir_name(FP))
+    assert sorted(os.listdir(ns)) == ["config.json"]  # no config temp files left
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(ops=hs.lists(hs.tuples(hs.sampled_from(["store", "overwrite", "load", "delete", "probe"]),
+                              hs.lists(hs.integers(0, 5), min_size=1, max_size=4),
+                              hs.integers(0, 3)), max_size=25))
+def test_operations_match_a_dict_model(tmp_path_factory, ops):
+    root = tmp_path_factory.mktemp("model")
+    cb = 3000
+    src = make_arena(4, 4096, cb, "bf16", seed=9)
+    keys = keys_for(6, tag=7)
+    b = backend(root)
+    model: dict[bytes, int] = {}  # key -> source row stored
+    for op, idx, row in ops:
+        ks = [keys[i] for i in idx]
+        if op in ("store", "overwrite"):
+            r = b.store(ks, [row] * len(ks), src, cb, skip_existing=(op == "store"))
+            for k, o in zip(ks, r.outcomes):
+                if o == "ok":
+                    model[k] = row
+                else:
+                    assert o == "exists" and op == "store" and k in model
+        elif op == "load":
+            dst = np.full((len(ks), 4096), EMPTY, dtype=np.uint8)
+            r = b.load(ks, range(len(ks)), dst, cb)
+            for j, (k, o) in enumerate(zip(ks, r.outcomes)):
+                if k in model:
+                    assert o == "ok" and np.array_equal(dst[j, :cb], src[model[k], :cb])
+                else:
+                    assert o == "missing"
+            assert (dst[:, cb:] == EMPTY).all()
+        elif op == "delete":
+            r = b.delete(ks)
+            for k, o in zip(ks, r.outcomes):
+                assert o == ("ok" if k in model else "missing")
+                model.pop(k, None)
+        else:
+            r = b.probe(ks)
+            assert r.outcomes == ["ok" if k in model else "missing" for k in ks]
+    assert {e.key for e in b.scan()} == set(model)
+    assert b.counters.bytes_on_disk == sum(os.path.getsize(b.path_for(k)) for k in model)
+    assert not temp_files(root)
+
+
+def test_batch_result_helpers():
+    r = BatchResult("store", ["ok", "exists", "full:max_bytes", "error:EIO x (write)"],
+                    [1, 0, 0, 0], [2, 3, 0, 0])
+    assert r.succeeded == [True, True, False, False] and not r.all_ok
+    assert r.count("full") == 1 and r.total_stored == 5
