@@ -518,3 +518,42 @@ def clean_stale_segments() -> list[str]:
         except posix_ipc.ExistentialError:
             pass
     return removed
+
+
+def join_existing(engine_id: str, *, timeout_s: float = 30.0) -> Segment:
+    """Join a running engine's segment without knowing its geometry (tier workers).
+
+    Geometry, ring area and fingerprint are taken from the segment's header;
+    waits up to ``timeout_s`` for the segment to exist and be ready. Raises
+    :class:`SegmentTimeoutError` naming the segment when it never appears,
+    and :class:`SegmentError` when its owner is dead (nothing to serve).
+    """
+    name = segment_name(engine_id)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            shm = posix_ipc.SharedMemory(name)
+        except posix_ipc.ExistentialError:
+            if time.monotonic() > deadline:
+                raise SegmentTimeoutError(
+                    f"segment {name} of engine {engine_id!r} does not exist after {timeout_s:g} s "
+                    f"(is the engine running? `shmtier segments` lists what exists)"
+                ) from None
+            time.sleep(0.02)
+            continue
+        try:
+            header = _read_header(shm.fd)
+            if header is None or header.magic != MAGIC or header.state != READY:
+                if time.monotonic() > deadline:
+                    raise SegmentTimeoutError(f"segment {name} is not ready after {timeout_s:g} s")
+                time.sleep(0.02)
+                continue
+            if not header.owner_alive():
+                raise SegmentError(f"segment {name}: its owner pid "
+                                   f"{header.owner_pid or header.creator_pid} is not running")
+            layout = SegmentLayout.for_geometry(header.geometry, header.rings_len)
+            buf = mmap.mmap(shm.fd, layout.total_len)
+            return Segment(name, buf, os.fstat(shm.fd).st_ino, layout, is_creator=False,
+                           is_owner=False)
+        finally:
+            shm.close_fd()

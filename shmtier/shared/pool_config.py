@@ -1,0 +1,51 @@
+"""What every tier worker needs to know, published by the scheduler in the segment.
+
+The scheduler writes one msgpack blob at the end of the segment's ring area
+before any worker starts; spawned workers and an external pool (``shmtier
+workers --engine-id``) read the same blob, so both modes start from one source
+of truth. Layout: ``u32 length`` + msgpack map, in the last ``CONFIG_BYTES``
+of the ring area. Imports neither torch nor vLLM.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import msgpack
+
+CONFIG_BYTES = 64 << 10
+_LEN = struct.Struct("<I")
+
+
+@dataclass
+class PoolConfig:
+    """``tiers[i]`` is None for a tier that has no worker half, else
+    ``{"kind": "fs", "kwargs": {...}}`` (the backend and its constructor args)."""
+
+    num_workers: int
+    slots: int
+    slot_size: int
+    chunk_bytes: int
+    element_size: int = 2
+    heartbeat_interval_s: float = 0.25
+    tiers: list[Any] = field(default_factory=list)
+
+    def write(self, rings_area: memoryview) -> None:
+        blob = msgpack.packb(asdict(self), use_bin_type=True)
+        if len(blob) + _LEN.size > CONFIG_BYTES:
+            raise ValueError(f"tier worker config is {len(blob)} bytes; at most "
+                             f"{CONFIG_BYTES - _LEN.size} fit in the segment")
+        start = len(rings_area) - CONFIG_BYTES
+        rings_area[start + _LEN.size : start + _LEN.size + len(blob)] = blob
+        _LEN.pack_into(rings_area, start, len(blob))
+
+    @classmethod
+    def read(cls, rings_area: memoryview) -> "PoolConfig":
+        start = len(rings_area) - CONFIG_BYTES
+        (length,) = _LEN.unpack_from(rings_area, start)
+        if not 0 < length <= CONFIG_BYTES - _LEN.size:
+            raise ValueError("the segment holds no tier worker config (no tiers with workers?)")
+        return cls(**msgpack.unpackb(bytes(rings_area[start + _LEN.size : start + _LEN.size + length]),
+                                     raw=False))

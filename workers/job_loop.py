@@ -1,0 +1,167 @@
+"""The tier worker process: take jobs from its ring, run them, answer results.
+
+Runs in: one tier worker process (spawned by the pool, or started by
+``shmtier workers``). Imports neither torch nor vLLM.
+
+::
+
+    join segment (geometry from its header) ─▶ attach rings of worker i ─▶ claim slot i
+    loop: jobs.get_many(≤ 32, timeout = heartbeat interval)   (sleeps when idle)
+          beat()
+          for each job: decode (malformed → error result, keep running)
+                        backend[tier].store/load/delete/probe/scan
+                        results.try_put(encoded result)
+          every few seconds: owner (scheduler) alive? else exit
+
+A job for a tier that has no worker half, or an unknown op, is answered with
+an error result. The loop never raises for a job; it exits on ``stop``, when
+the owner dies, or on SIGTERM (after finishing the job in hand).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import time
+
+import numpy as np
+
+from shmtier.shared import jobs
+from shmtier.shared.pool_config import PoolConfig
+from shmtier.shared.ring import RingSet
+from shmtier.shared.segment import join_existing
+from shmtier.workers.backends.base import outcome_kind
+
+logger = logging.getLogger(__name__)
+
+_OWNER_CHECK_S = 1.0
+_KIND_CODE = {"ok": jobs.OK, "exists": jobs.OK, "missing": jobs.MISS, "corrupt": jobs.CORRUPT,
+              "full": jobs.REJECTED, "error": jobs.ERROR, "invalid": jobs.ERROR}
+
+
+def _make_backend(spec, fingerprint: str, config: PoolConfig):
+    if spec is None:
+        return None
+    kind, kwargs = spec["kind"], dict(spec.get("kwargs", {}))
+    if kind == "fs":
+        from shmtier.shared.codec import CompressionConfig
+        from shmtier.workers.backends.fs import FsBackend
+
+        if "codec_config" in kwargs:
+            kwargs["codec_config"] = CompressionConfig.from_config(kwargs["codec_config"])
+        return FsBackend(namespace=fingerprint, element_size=config.element_size, **kwargs)
+    raise ValueError(f"unknown tier backend kind {kind!r}")
+
+
+class _Stop(Exception):
+    pass
+
+
+class JobRunner:
+    """Runs decoded jobs against the backends; one per worker process."""
+
+    def __init__(self, backends: list, arena: np.ndarray, chunk_bytes: int, slot_size: int):
+        self.backends = backends
+        self.arena = arena
+        self.chunk_bytes = chunk_bytes
+        self.max_result = slot_size - 8
+
+    def run(self, raw: bytes) -> list[jobs.Result]:
+        try:
+            job = jobs.decode_job(raw)
+        except jobs.MalformedJob as e:
+            return [jobs.Result.failed(e.job_id, f"malformed job: {e}")]
+        if job.op == "stop":
+            raise _Stop()
+        backend = self.backends[job.tier] if 0 <= job.tier < len(self.backends) else None
+        if backend is None:
+            return [jobs.Result.failed(job.job_id, f"tier {job.tier} has no worker backend",
+                                       len(job.keys))]
+        try:
+            if job.op == "scan":
+                return self._scan(job, backend)
+            op = getattr(backend, job.op)
+            if job.op in ("store", "load"):
+                batch = op(job.keys, job.rows, self.arena, self.chunk_bytes)
+            else:
+                batch = op(job.keys)
+        except Exception as e:  # a backend bug must not take the worker down
+            logger.exception("tier worker: job %d (%s) failed", job.job_id, job.op)
+            return [jobs.Result.failed(job.job_id, f"{type(e).__name__}: {e}", len(job.keys))]
+        outcomes = [_KIND_CODE.get(outcome_kind(o), jobs.ERROR) for o in batch.outcomes]
+        errors = sorted({o for o in batch.outcomes if outcome_kind(o) not in ("ok", "exists", "missing")})
+        return [jobs.Result(job.job_id, outcomes, sum(batch.logical_bytes), sum(batch.stored_bytes),
+                            batch.io_seconds, batch.codec_seconds, "; ".join(errors)[:500])]
+
+    def _scan(self, job: jobs.Job, backend) -> list[jobs.Result]:
+        keys, stored = [], 0
+        for entry in backend.scan():
+            keys.append(entry.key)
+            stored += entry.stored_bytes
+        result = jobs.Result(job.job_id, [], 0, stored, keys=keys)
+        return jobs.split_result(result, self.max_result)
+
+
+def run_worker(engine_id: str, index: int) -> int:
+    """Serve worker slot ``index`` of ``engine_id`` until stopped; returns an exit code."""
+    stopping = []
+    signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
+    segment = join_existing(engine_id)
+    rings = runner = None
+    try:
+        config = PoolConfig.read(segment.rings)
+        rings = RingSet.attach(segment.name, segment.rings, worker=index)
+        me = rings.worker(index)
+        me.claim()
+        g = segment.geometry
+        arena = np.frombuffer(segment.arena, dtype=np.uint8).reshape(g.num_chunks, g.row_stride)
+        backends = [_make_backend(spec, segment.header().fingerprint, config) for spec in config.tiers]
+        runner = JobRunner(backends, arena, config.chunk_bytes, config.slot_size)
+        next_owner_check = time.monotonic() + _OWNER_CHECK_S
+        while not stopping:
+            batch = me.jobs.get_many(32, timeout_s=config.heartbeat_interval_s)
+            me.beat()
+            for raw in batch:
+                for result in runner.run(raw):
+                    _answer(me, result, segment)
+                me.beat()
+            if time.monotonic() >= next_owner_check:
+                next_owner_check = time.monotonic() + _OWNER_CHECK_S
+                if not segment.header().owner_alive():
+                    logger.warning("tier worker %d: scheduler is gone; exiting", index)
+                    return 3
+        return 0
+    except _Stop:
+        return 0
+    finally:
+        if rings is not None:
+            try:
+                rings.worker(index).unclaim()
+            except Exception:
+                pass
+            rings.close()
+        arena = runner = None
+        segment.close()
+
+
+def _answer(me, result: jobs.Result, segment) -> None:
+    """Put ``result``; a full result ring means the scheduler lags: wait, but not forever."""
+    payload = jobs.encode_result(result)
+    while not me.results.try_put(payload):
+        me.beat()
+        if not segment.header().owner_alive():
+            raise _Stop()
+        time.sleep(0.001)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of a spawned worker: ``main([engine_id, index])``."""
+    argv = sys.argv[1:] if argv is None else argv
+    logging.basicConfig(level=os.environ.get("SHMTIER_LOG", "WARNING"))
+    return run_worker(argv[0], int(argv[1]))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
