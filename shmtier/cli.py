@@ -1,4 +1,4 @@
-"""The ``shmtier`` command: ``demo``, ``segments``, ``clean``."""
+"""The ``shmtier`` command: ``demo``, ``workers``, ``segments``, ``clean``."""
 
 from __future__ import annotations
 
@@ -15,6 +15,11 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--cpu-mib", type=int, default=8, help="CPU tier size (MiB)")
     demo.add_argument("--blocks-per-chunk", type=int, default=4)
     demo.add_argument("--policy", default="lru")
+    workers = sub.add_parser("workers", help="run the tier worker pool of a running engine "
+                             "(its config sets \"workers\": \"external\")")
+    workers.add_argument("--engine-id", required=True)
+    workers.add_argument("--num-workers", type=int, default=None,
+                         help="must match the engine's num_tier_workers (default: read it)")
     sub.add_parser("segments", help="list shmtier segments on this host")
     sub.add_parser("clean", help="remove segments whose owner process is dead")
     args = parser.parse_args(argv)
@@ -24,6 +29,11 @@ def main(argv: list[str] | None = None) -> int:
 
         return run_demo(args.requests, args.chunks_per_request, args.cpu_mib,
                         args.blocks_per_chunk, args.policy)
+    if args.command == "workers":
+        from shmtier.workers.external import run_external_pool
+
+        return run_external_pool(args.engine_id, args.num_workers)
+    from shmtier.shared.ring import clean_stale_ring_semaphores
     from shmtier.shared.segment import clean_stale_segments, list_segments
 
     if args.command == "segments":
@@ -32,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{s.name}  {s.size >> 20} MiB  owner {s.owner_pid or '-'}  "
                   f"creator {s.creator_pid}  {state}  {s.fingerprint}")
         return 0
-    removed = clean_stale_segments()
+    removed = clean_stale_segments() + clean_stale_ring_semaphores()
     print("\n".join(f"removed {name}" for name in removed) or "nothing stale")
     return 0
 

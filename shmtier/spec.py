@@ -19,7 +19,8 @@ from typing import Any
 from shmtier import metrics
 from shmtier.config import KVLayout, PrimaryTierConfig, TieringConfig
 from shmtier.scheduler.primary import CPUPrimaryTierOffloadingManager
-from shmtier.scheduler.tiering.factory import SecondaryTierFactory
+from shmtier.scheduler.tiering.factory import WORKER_BACKED, SecondaryTierFactory
+from shmtier.shared.pool_config import PoolConfig
 from shmtier.scheduler.tiering.manager import TieringOffloadingManager
 from shmtier.shared.segment import Segment, open_segment
 
@@ -40,7 +41,33 @@ class TieringOffloadingSpec:
         self.geometry = self.primary_config.geometry(layout)
         self.fingerprint = self.primary_config.fingerprint(layout)
         self.blocks_per_chunk = self.primary_config.blocks_per_chunk
+        # bytes of a row that hold KV (all ranks' slots, without the page padding)
+        self.chunk_payload_bytes = self.geometry.page_size_per_worker * self.geometry.world_size
+        self.pool_config = self._pool_config()
+        # set while get_manager builds tiers: worker-backed tiers find their pool here
+        self.worker_pool = None
+        self.tier_index_being_built: int | None = None
         self._manager: TieringOffloadingManager | None = None
+
+    def _pool_config(self) -> PoolConfig | None:
+        """What the tier workers run, or None when no configured tier needs workers."""
+        specs = []
+        for tier in self.tiering_config.secondary_tiers:
+            kind = WORKER_BACKED.get(tier["type"]) if "module_path" not in tier else None
+            if kind is None:
+                specs.append(None)
+                continue
+            kwargs = {"root_dir": tier.get("root_dir"), "fsync": bool(tier.get("fsync", False)),
+                      "min_free_bytes": tier.get("min_free_bytes", 1 << 30),
+                      "codec_config": {"mode": self.tiering_config.compression.mode,
+                                       "level": self.tiering_config.compression.level,
+                                       "min_gain": self.tiering_config.compression.min_gain}}
+            specs.append({"kind": kind, "kwargs": kwargs})
+        if not any(specs):
+            return None
+        return PoolConfig(num_workers=self.tiering_config.num_tier_workers, slots=128,
+                          slot_size=8 << 10, chunk_bytes=self.chunk_payload_bytes,
+                          element_size=_element_size(self.layout.dtype), tiers=specs)
 
     # --- front end (no instance needed) ---
 
@@ -83,24 +110,35 @@ class TieringOffloadingSpec:
             return self._manager
         cleanup: list = []
         try:
+            from shmtier.workers.pool import WorkerPool, rings_len_for
+
+            rings_len = rings_len_for(self.pool_config) if self.pool_config else 0
             segment: Segment = open_segment(self.engine_id, self.geometry, self.fingerprint,
-                                            owner=True,
+                                            owner=True, rings_len=rings_len,
                                             warm_restart=self.primary_config.warm_restart)
             cleanup.append(segment.close)
             primary = CPUPrimaryTierOffloadingManager(
                 segment, self.primary_config.eviction_policy,
                 self.primary_config.cache_policy_module_path, self.enable_events,
                 info=self._tier_info(), attach=not segment.is_creator)
+            stop_pool = []
+            if self.pool_config is not None:
+                self.worker_pool = WorkerPool(self.engine_id, segment, self.pool_config,
+                                              mode=self.tiering_config.workers)
+                cleanup.append(self.worker_pool.shutdown)
+                stop_pool.append(self.worker_pool.shutdown)
             view = primary.get_kv_memoryview()
             tiers = []
             for i, (tier_config, detector) in enumerate(
                     zip(self.tiering_config.secondary_tiers, self.tiering_config.detectors)):
+                self.tier_index_being_built = i
                 tier = SecondaryTierFactory.create_secondary_tier(
                     tier_config, view, self, detector=detector, where=f"secondary_tiers[{i}]")
                 tiers.append(tier)
                 cleanup.append(tier.shutdown)
+            self.tier_index_being_built = None
             del view
-            self._manager = TieringOffloadingManager(primary, tiers)
+            self._manager = TieringOffloadingManager(primary, tiers, stop_pool)
             return self._manager
         except BaseException:
             for undo in reversed(cleanup):
@@ -116,8 +154,11 @@ class TieringOffloadingSpec:
         """Join the segment as GPU rank ``rank`` and return its block copy worker."""
         from shmtier.gpu.copy_worker import BlockCopyWorker
 
+        from shmtier.workers.pool import rings_len_for
+
         segment = open_segment(self.engine_id, self.geometry, self.fingerprint, owner=False,
-                               rank=0 if self.layout.replicated_layout else rank)
+                               rank=0 if self.layout.replicated_layout else rank,
+                               rings_len=rings_len_for(self.pool_config) if self.pool_config else 0)
         try:
             return BlockCopyWorker(kv_caches, segment, self.blocks_per_chunk,
                                    0 if self.layout.replicated_layout else rank,
@@ -125,3 +166,13 @@ class TieringOffloadingSpec:
         except BaseException:
             segment.close()
             raise
+
+
+def _element_size(dtype: str) -> int:
+    """Bytes per KV element of ``dtype`` (the codec splits 2-byte elements)."""
+    name = dtype.replace("torch.", "").lower()
+    if "8" in name and ("fp8" in name or "float8" in name or name in ("int8", "uint8")):
+        return 1
+    if name in ("float32", "fp32", "float"):
+        return 4
+    return 2

@@ -92,3 +92,7 @@ class SecondaryTierFactory:
 
 SecondaryTierFactory.register_tier("example", "shmtier.scheduler.tiering.example",
                                    "ExampleSecondaryTierManager")
+SecondaryTierFactory.register_tier("fs", "shmtier.scheduler.tiering.fs", "FsTierManager")
+
+#: Built-in tier types whose I/O runs in tier worker processes (the backend kind each uses).
+WORKER_BACKED = {"fs": "fs"}

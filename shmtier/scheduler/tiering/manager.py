@@ -144,8 +144,12 @@ class _TierFacingParent(ParentManager):
 class TieringOffloadingManager:
     """The primary tier plus ``tiers`` (secondary, in priority order)."""
 
-    def __init__(self, primary: CPUPrimaryTierOffloadingManager, tiers: Sequence[Any]):
+    def __init__(self, primary: CPUPrimaryTierOffloadingManager, tiers: Sequence[Any],
+                 before_primary_shutdown: Sequence[Any] = ()):
+        """``before_primary_shutdown``: callables run after the tiers shut down and
+        before the primary releases the segment (the spec passes the worker pool's)."""
         self._lock = threading.Lock()
+        self._before_primary_shutdown = list(before_primary_shutdown)
         self.primary = primary
         self.tiers = list(tiers)
         self.labels = [PRIMARY_LABEL] + [f"{i + 1}:{t.tier_type}" for i, t in enumerate(self.tiers)]
@@ -516,4 +520,6 @@ class TieringOffloadingManager:
         if errors:
             tier, error = errors[0]
             raise RuntimeError(f"tier {tier.tier_type} failed to shut down: {error}") from error
+        for stop in self._before_primary_shutdown:
+            stop()
         self.primary.shutdown()

@@ -1,0 +1,282 @@
+"""``fs``: the scheduler half of the filesystem tier (the worker half is
+``shmtier.workers.backends.fs``).
+
+Who calls: the tiering manager, in the scheduler process, under its lock.
+Nothing here touches a file: every byte moves in tier worker processes, via
+the shared :class:`~shmtier.workers.pool.WorkerPool`. Never blocks except
+``drain_jobs``.
+
+What the scheduler half keeps: an index ``key -> stored bytes`` in recency
+order (the tier's own LRU), the bytes in use, and which keys have a store or
+load in flight. At start it asks a worker to ``scan`` the root (warm restart);
+until that listing arrives a key it does not know answers RETRY, afterwards
+lookups answer HIT or MISS at once (no probe round trip per miss, DESIGN §10).
+
+Capacity: ``max_bytes`` (None = unbounded; the workers also keep a free-space
+floor). Before a store the LRU keys not being loaded are evicted, and one
+``delete`` job removes their files. A full job ring fails the cascade at once
+and tells the backpressure detector.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Iterable
+from typing import Any
+
+from shmtier import metrics
+from shmtier.contract import (
+    Locality,
+    LookupResult,
+    Medium,
+    OffloadingEvent,
+    OffloadKey,
+    ReqContext,
+    RequestOffloadingContext,
+)
+from shmtier.scheduler.tiering.base import JobResult, SecondaryTierManager, TransferJob
+from shmtier.shared import jobs
+
+logger = logging.getLogger(__name__)
+
+BYTES_ON_DISK = "vllm:kv_offload_shmtier_fs_bytes_on_disk"
+CORRUPT_CHUNKS = "vllm:kv_offload_shmtier_checksum_failures"
+STORED_RATIO = "vllm:kv_offload_shmtier_codec_stored_bytes"
+CODEC_SECONDS = "vllm:kv_offload_shmtier_codec_seconds"
+WORKER_RESTARTS = "vllm:kv_offload_shmtier_worker_restarts"
+EVICTED_CHUNKS = "vllm:kv_offload_shmtier_fs_evicted_chunks"
+
+
+class FsTierManager(SecondaryTierManager):
+    """Options (per-tier config keys): ``root_dir`` (required, must exist),
+    ``max_bytes`` (None), ``min_free_bytes`` (1 GiB), ``fsync`` (False),
+    ``locality`` ("LOCAL"/"REMOTE"), ``enable_kv_events`` (False). vLLM's
+    ``n_read_threads``/``n_write_threads`` are accepted and ignored: the tier
+    worker processes (``num_tier_workers``) do the I/O."""
+
+    medium = Medium.STORAGE
+
+    def __init__(self, offloading_spec: Any, primary_kv_view: memoryview, tier_type: str,
+                 backpressure_detector: Any = None, *, root_dir: str, max_bytes: int | None = None,
+                 min_free_bytes: int | None = 1 << 30, fsync: bool = False,
+                 locality: str | None = None, enable_kv_events: bool = False,
+                 n_read_threads: int | None = None, n_write_threads: int | None = None):
+        super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
+        del n_read_threads, n_write_threads, root_dir, min_free_bytes, fsync  # the workers' business
+        if locality is not None:
+            try:
+                self.locality = Locality[str(locality).upper()]
+            except KeyError:
+                raise ValueError(f"locality = {locality!r} is invalid: expected 'LOCAL' or 'REMOTE'") from None
+        if max_bytes is not None and (isinstance(max_bytes, bool) or not isinstance(max_bytes, int)
+                                      or max_bytes <= 0):
+            raise ValueError(f"max_bytes = {max_bytes!r} is invalid: expected a positive integer or null")
+        self._pool = offloading_spec.worker_pool
+        self._tier = offloading_spec.tier_index_being_built
+        self._label = f"{self._tier + 1}:{tier_type}"
+        self._chunk_bytes = offloading_spec.chunk_payload_bytes
+        self._max_bytes = max_bytes
+        self._events_on = enable_kv_events and getattr(offloading_spec, "enable_events", False)
+        self._index: OrderedDict[OffloadKey, int] = OrderedDict()
+        self._bytes_in_use = 0
+        self._storing: set[OffloadKey] = set()
+        self._loading: dict[OffloadKey, int] = {}
+        self._jobs: dict[int, tuple[TransferJob | None, list[OffloadKey]]] = {}
+        self._finished: list[JobResult] = []
+        self._events: list[OffloadingEvent] = []
+        self._stats = metrics.OffloadingStats()
+        self._restarts_seen = self._pool.restarts_total
+        self._scan_id = self._pool.submit("scan", self._tier, [])
+        self._index_complete = False
+
+    # --- lookups ---
+
+    def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
+        if key in self._index:
+            self._index.move_to_end(key)
+            return LookupResult.HIT
+        if key in self._storing or self._index_complete:
+            return LookupResult.MISS
+        return LookupResult.RETRY  # still listing the root (warm restart)
+
+    def touch(self, keys, req_context: ReqContext) -> None:
+        index = self._index
+        for key in keys:
+            if key in index:
+                index.move_to_end(key)
+
+    # --- jobs ---
+
+    def submit_store(self, job: TransferJob) -> None:
+        keys, rows = [], []
+        for key, row in zip(job.keys, job.chunk_ids.tolist()):
+            if key not in self._index and key not in self._storing:
+                keys.append(key)
+                rows.append(row)
+        if not keys:
+            self._finished.append(JobResult(job.job_id, True, transfer_time=0.0, transfer_bytes=0))
+            return
+        self._make_room(len(keys) * self._chunk_bytes)
+        pool_id = self._pool.submit("store", self._tier, keys, rows)
+        if pool_id is None:
+            if self._bp_detector is not None:
+                self._bp_detector.note_ring_full()
+            self._finished.append(JobResult(job.job_id, False))
+            return
+        self._storing.update(keys)
+        self._jobs[pool_id] = (job, keys)
+
+    def submit_load(self, job: TransferJob) -> None:
+        keys = list(job.keys)
+        pool_id = self._pool.submit("load", self._tier, keys, job.chunk_ids.tolist())
+        if pool_id is None:
+            self._finished.append(JobResult(job.job_id, False, successful_keys=[]))
+            return
+        for key in keys:
+            self._loading[key] = self._loading.get(key, 0) + 1
+        self._jobs[pool_id] = (job, keys)
+
+    def _make_room(self, need: int) -> None:
+        """Evict LRU chunks (not being loaded) until ``need`` more bytes fit."""
+        if self._max_bytes is None or self._bytes_in_use + need <= self._max_bytes:
+            return
+        victims = []
+        for key in self._index:
+            if self._bytes_in_use + need <= self._max_bytes:
+                break
+            if key in self._loading:
+                continue
+            victims.append(key)
+            self._bytes_in_use -= self._index[key]
+        for key in victims:
+            del self._index[key]
+        if victims:
+            self._stats.increase_counter(EVICTED_CHUNKS, len(victims), (self._label,))
+            if self._events_on:
+                self._events.append(OffloadingEvent(victims, Medium.STORAGE, removed=True,
+                                                    locality=self.locality, ownership=self._label))
+            pool_id = self._pool.submit("delete", self._tier, victims)
+            if pool_id is not None:
+                self._jobs[pool_id] = (None, victims)
+            else:
+                logger.warning("fs tier %s: job ring full, %d evicted files stay on disk until "
+                               "the next scan", self._label, len(victims))
+
+    def get_finished_jobs(self) -> Iterable[JobResult]:
+        self._pool.poll()
+        for res in self._pool.take(self._tier):
+            if res.job_id == self._scan_id:
+                self._adopt_scan(res)
+                continue
+            entry = self._jobs.pop(res.job_id, None)
+            if entry is None:
+                continue
+            job, keys = entry
+            if res.op == "store":
+                self._finish_store(job, keys, res)
+            elif res.op == "load":
+                self._finish_load(job, keys, res)
+        self._note_pool_health()
+        finished, self._finished = self._finished, []
+        return finished
+
+    def _finish_store(self, job: TransferJob, keys: list[OffloadKey], res) -> None:
+        ok = [k for k, code in zip(keys, res.outcomes) if code == jobs.OK]
+        each = res.stored_bytes // len(ok) if ok else 0
+        for key in keys:
+            self._storing.discard(key)
+        for key in ok:
+            self._index[key] = each
+        self._bytes_in_use += each * len(ok)
+        label = (self._label,)
+        self._stats.increase_counter(STORED_RATIO, res.stored_bytes, label)
+        self._stats.increase_counter(CODEC_SECONDS, res.codec_s, label)
+        if ok and self._events_on:
+            self._events.append(OffloadingEvent(ok, Medium.STORAGE, removed=False,
+                                                locality=self.locality, ownership=self._label))
+        if len(ok) < len(keys):
+            logger.warning("fs tier %s: %d of %d chunks not stored: %s", self._label,
+                           len(keys) - len(ok), len(keys), res.error)
+        self._finished.append(JobResult(job.job_id, len(ok) == len(keys),
+                                        transfer_time=res.io_s + res.codec_s,
+                                        transfer_bytes=res.logical_bytes))
+
+    def _finish_load(self, job: TransferJob, keys: list[OffloadKey], res) -> None:
+        ok = []
+        for key, code in zip(keys, res.outcomes):
+            count = self._loading.get(key, 0) - 1
+            if count > 0:
+                self._loading[key] = count
+            else:
+                self._loading.pop(key, None)
+            if code == jobs.OK:
+                ok.append(key)
+                continue
+            # missing, corrupt (removed by the worker) or unreadable: never a HIT again
+            size = self._index.pop(key, None)
+            if size is not None:
+                self._bytes_in_use -= size
+            if code == jobs.CORRUPT:
+                self._stats.increase_counter(CORRUPT_CHUNKS, 1, (self._label,))
+        self._finished.append(JobResult(job.job_id, len(ok) == len(keys), successful_keys=ok,
+                                        transfer_time=res.io_s + res.codec_s,
+                                        transfer_bytes=res.logical_bytes))
+
+    def _adopt_scan(self, res) -> None:
+        each = res.stored_bytes // len(res.scan_keys) if res.scan_keys else 0
+        for key in res.scan_keys:
+            if key not in self._index:
+                self._index[key] = each
+                self._index.move_to_end(key, last=False)  # older than anything stored since
+                self._bytes_in_use += each
+        self._index_complete = True
+        logger.info("fs tier %s: %d chunks found on disk (%d bytes)", self._label,
+                    len(res.scan_keys), res.stored_bytes)
+
+    def _note_pool_health(self) -> None:
+        restarts = self._pool.restarts_total
+        if restarts != self._restarts_seen:
+            self._stats.increase_counter(WORKER_RESTARTS, restarts - self._restarts_seen, (self._label,))
+            self._restarts_seen = restarts
+        if self._scan_id is None and not self._index_complete:
+            self._scan_id = self._pool.submit("scan", self._tier, [])  # ring was full at start
+
+    def drain_jobs(self) -> None:
+        self._pool.drain()
+
+    def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        return RequestOffloadingContext()
+
+    def has_pending_work(self) -> bool:
+        return bool(self._jobs) or not self._index_complete
+
+    def take_events(self) -> Iterable[OffloadingEvent]:
+        events, self._events = self._events, []
+        return events
+
+    def get_stats(self) -> metrics.OffloadingStats:
+        stats, self._stats = self._stats, metrics.OffloadingStats()
+        stats.set_gauge(BYTES_ON_DISK, self._bytes_in_use, (self._label,))
+        return stats
+
+    @classmethod
+    def build_metric_definitions(cls, tier_config: dict[str, Any]) -> dict[str, Any]:
+        t = (metrics.TIER,)
+        return {
+            BYTES_ON_DISK: metrics.GaugeMetadata("Bytes the fs tier holds on disk (frames).", t),
+            CORRUPT_CHUNKS: metrics.CounterMetadata(
+                "Chunk files that failed verification on read (removed, served as a miss).", t),
+            STORED_RATIO: metrics.CounterMetadata("Bytes written to the tier after compression.", t),
+            CODEC_SECONDS: metrics.CounterMetadata("Seconds tier workers spent compressing.", t),
+            WORKER_RESTARTS: metrics.CounterMetadata("Tier worker processes restarted.", t),
+            EVICTED_CHUNKS: metrics.CounterMetadata("Chunks evicted from the tier for capacity.", t),
+        }
+
+    @classmethod
+    def config_info_keys(cls, tier_config: dict[str, Any]) -> tuple[str, ...]:
+        return ("fs_max_bytes",)
+
+    def config_info(self) -> dict[str, Any]:
+        return {"fs_max_bytes": self._max_bytes if self._max_bytes is not None else "None"}

@@ -1,0 +1,66 @@
+"""``shmtier workers --engine-id ID``: run an engine's tier workers from outside.
+
+Runs in: a standalone supervisor process (not the engine). It reads the pool
+config the engine published in its segment, starts one worker process per slot
+(``python -m shmtier.workers.job_loop ID i``), and restarts a worker that
+died — but only after the engine's pool has recovered its slot (the holder
+is cleared), so every job the dead worker held is failed exactly once by the
+engine before a replacement takes new ones. Exits when the engine's segment
+owner is gone or on SIGINT/SIGTERM (stopping its workers).
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+
+from shmtier.shared.pool_config import PoolConfig
+from shmtier.shared.ring import RingSet
+from shmtier.shared.segment import join_existing
+
+
+def run_external_pool(engine_id: str, num_workers: int | None = None) -> int:
+    segment = join_existing(engine_id)
+    rings = None
+    procs: list[subprocess.Popen | None] = []
+    stopping: list[bool] = []
+    signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
+    try:
+        config = PoolConfig.read(segment.rings)
+        if num_workers is not None and num_workers != config.num_workers:
+            print(f"shmtier workers: --num-workers {num_workers} does not match the engine's "
+                  f"num_tier_workers {config.num_workers}", file=sys.stderr)
+            return 2
+        rings = RingSet.attach(segment.name, segment.rings)
+
+        def start(i: int) -> subprocess.Popen:
+            return subprocess.Popen([sys.executable, "-m", "shmtier.workers.job_loop", engine_id, str(i)],
+                                    stdin=subprocess.DEVNULL)
+
+        procs = [start(i) for i in range(config.num_workers)]
+        print(f"shmtier workers: {config.num_workers} tier workers serving {segment.name}")
+        while not stopping and segment.header().owner_alive():
+            for i, proc in enumerate(procs):
+                if proc is not None and proc.poll() is not None:
+                    procs[i] = None  # dead: wait for the engine to recover its slot
+                if procs[i] is None and rings.worker(i).last_beat().pid == 0:
+                    procs[i] = start(i)
+            time.sleep(0.1)
+        return 0
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        for proc in procs:
+            if proc is not None and proc.poll() is None:
+                proc.terminate()
+        for proc in procs:
+            if proc is not None:
+                try:
+                    proc.wait(5)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+        if rings is not None:
+            rings.close()
+        segment.close()
