@@ -1,0 +1,330 @@
+"""Job and result descriptors: round trips, malformed input, splitting (with hypothesis)."""
+
+from __future__ import annotations
+
+import itertools
+
+import msgpack
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from shmtier.shared import jobs as jobs_mod
+from shmtier.shared.jobs import (
+    CORRUPT,
+    ERROR,
+    MISS,
+    OK,
+    OPS,
+    REJECTED,
+    SCHEMA_VERSION,
+    Job,
+    MalformedJob,
+    MalformedResult,
+    Result,
+    decode_job,
+    decode_result,
+    encode_job,
+    encode_result,
+    pack_job,
+    split_job,
+    split_result,
+)
+
+KEYS = [bytes([i]) * 36 + i.to_bytes(4, "little") for i in range(3)]
+
+EXAMPLES = [
+    Job(1, "store", 0, KEYS, [5, 6, 7], {"nbytes": 4096, "codec": "zstd", "level": 1}),
+    Job(2, "load", 1, KEYS[:2], [0, 1 << 40], {"nbytes": 8192, "offset": 0}),
+    Job(3, "delete", 2, KEYS),
+    Job(4, "probe", 0, KEYS[:1], [], {"deadline_ns": 123}),
+    Job(5, "scan", 3, [], [], {"cursor": b"\x00\x01", "limit": 1000}),
+    Job((1 << 64) - 1, "stop", 0),
+]
+
+
+@pytest.mark.parametrize("job", EXAMPLES, ids=lambda j: j.op)
+def test_every_op_round_trips(job):
+    raw = encode_job(job)
+    assert decode_job(raw) == job
+    assert pack_job(job.job_id, job.op, job.tier, job.keys, job.rows, job.args) == raw
+    assert decode_job(memoryview(raw)) == job  # straight from a ring slot view too
+
+
+def test_result_round_trips():
+    for result in [
+        Result(7, [OK, MISS, ERROR, CORRUPT, REJECTED], 5 << 20, 3 << 20, 0.0125, 0.5, ""),
+        Result(8, [], error="disk full: /data/x"),
+        Result(9, [], keys=KEYS, more=True),
+        Result.failed(10, "boom", 3),
+    ]:
+        assert decode_result(encode_result(result)) == result
+    assert Result.failed(None, "x", 1) == Result(0, [ERROR], error="x")
+    with pytest.raises(ValueError, match="outcomes must be codes"):
+        encode_result(Result(1, [300]))
+
+
+def test_unknown_op_is_rejected_at_encode():
+    with pytest.raises(ValueError, match=r"unknown job op 'copy' \(accepted: store, load"):
+        pack_job(1, "copy", 0, [])
+
+
+def _raw(*fields):
+    return msgpack.packb(list(fields), use_bin_type=True)
+
+
+def _job(**over):
+    fields = dict(v=SCHEMA_VERSION, kind=0, id=42, op=OPS["store"], tier=0, keys=[b"k1", b"k2"],
+                  rows=[1, 2], args={})
+    fields.update(over)
+    return _raw(*fields.values())
+
+
+MALFORMED_JOBS = [
+    (b"\xc1", None, "not a msgpack message"),
+    (_job()[:-4], None, "not a msgpack message"),
+    (_job() + b"\x00", None, "not a msgpack message"),
+    (msgpack.packb({"v": 1}), None, "expected a msgpack array, got dict"),
+    (msgpack.packb(17), None, "expected a msgpack array, got int"),
+    (_raw(), None, "no schema version"),
+    (_job(v="1"), 42, "no schema version"),
+    (_job(v=2), 42, "schema version 2, this process speaks version 1"),
+    (_job(kind=1), 42, "message kind is result, expected job"),
+    (_raw(SCHEMA_VERSION, 0, 42, 1), 42, "4 fields, 8 expected"),
+    (_job(id="42"), None, "job_id must be an unsigned 64-bit int, got '42'"),
+    (_job(id=-1), None, "job_id must be an unsigned 64-bit int, got -1"),
+    (_job(id=True), None, "job_id must be an unsigned 64-bit int, got True"),
+    (_job(op=99), 42, "op must be one of the codes"),
+    (_job(op="store"), 42, "op must be one of the codes"),
+    (_job(tier=-1), 42, "tier must be an int >= 0"),
+    (_job(tier=1.0), 42, "tier must be an int >= 0"),
+    (_job(keys=b"k1k2"), 42, "keys must be a list of bytes, got bytes"),
+    (_job(keys=["k1", "k2"]), 42, "each of keys must be bytes, got str 'k1'"),
+    (_job(rows={}), 42, "rows must be a list of ints"),
+    (_job(rows=[1, -2]), 42, "each row must be an int >= 0, got int -2"),
+    (_job(rows=[1, "2"]), 42, "each row must be an int >= 0, got str"),
+    (_job(rows=[1]), 42, "store needs one row per key, got 2 keys and 1 rows"),
+    (_job(op=OPS["delete"]), 42, "delete takes no rows, got 2"),
+    (_job(op=OPS["stop"], rows=[]), 42, "stop takes no keys, got 2"),
+    (_job(args=[]), 42, "args must be a map, got list"),
+    (_job(args={1: 2}), 42, "each args key must be a str, got int"),
+    (_job(args={"nbytes": "4096"}), 42, r"args\['nbytes'\] must be int \(>= 0\), got str"),
+    (_job(args={"nbytes": -1}), 42, r"args\['nbytes'\] must be int \(>= 0\)"),
+    (_job(args={"codec": 1}), 42, r"args\['codec'\] must be str, got int"),
+    (_job(args={"cursor": "x"}), 42, r"args\['cursor'\] must be bytes"),
+]
+
+
+@pytest.mark.parametrize("raw,job_id,message", MALFORMED_JOBS,
+                         ids=[m for _, _, m in MALFORMED_JOBS])
+def test_malformed_job_raises_a_clear_error(raw, job_id, message):
+    with pytest.raises(MalformedJob, match=message) as info:
+        decode_job(raw)
+    assert info.value.job_id == job_id
+    assert isinstance(info.value, ValueError)
+    # what a worker does: answer an error result, keep going
+    answer = Result.failed(info.value.job_id, str(info.value))
+    assert decode_result(encode_result(answer)).error.startswith("malformed job")
+
+
+def test_unknown_args_pass_through():
+    job = Job(1, "store", 0, [b"k"], [0], {"my_tier_option": [1, "x"]})
+    assert decode_job(encode_job(job)).args == {"my_tier_option": [1, "x"]}
+
+
+def _res(**over):
+    fields = dict(v=SCHEMA_VERSION, kind=1, id=7, outcomes=b"\x00\x01", logical=10, stored=5,
+                  io=0.5, codec=0.25, error="", keys=[], more=False)
+    fields.update(over)
+    return _raw(*fields.values())
+
+
+MALFORMED_RESULTS = [
+    (_res(kind=0), "message kind is job, expected result"),
+    (_res(v=3), "schema version 3"),
+    (_res(outcomes=[0, 1]), "outcomes must be bytes, got list"),
+    (_res(outcomes=b"\x09"), "unknown outcome code 9"),
+    (_res(logical=-5), "logical_bytes must be an int >= 0"),
+    (_res(stored=1.5), "stored_bytes must be an int >= 0"),
+    (_res(io=1), "io_s must be a float >= 0, got int"),
+    (_res(codec=-0.1), "codec_s must be a float >= 0"),
+    (_res(codec=float("nan")), "codec_s must be a float >= 0"),
+    (_res(error=None), "error must be a str, got NoneType"),
+    (_res(keys=[1]), "each of keys must be bytes"),
+    (_res(more=0), "more must be a bool, got int"),
+]
+
+
+@pytest.mark.parametrize("raw,message", MALFORMED_RESULTS, ids=[m for _, m in MALFORMED_RESULTS])
+def test_malformed_result_raises_a_clear_error(raw, message):
+    with pytest.raises(MalformedResult, match=message) as info:
+        decode_result(raw)
+    assert info.value.job_id == 7
+
+
+def test_split_keeps_every_key_once_and_each_part_fits():
+    keys = [i.to_bytes(2, "big") * 20 for i in range(1000)]
+    job = Job(77, "store", 2, keys, list(range(0, 3000, 3)), {"nbytes": 1 << 20, "codec": "auto"})
+    ids = itertools.count(1000)
+    parts = split_job(job, 1024, ids.__next__)
+    assert len(parts) > 40
+    assert [p.job_id for p in parts] == list(range(1000, 1000 + len(parts)))
+    assert [k for p in parts for k in p.keys] == keys
+    assert [r for p in parts for r in p.rows] == job.rows
+    for part in parts:
+        raw = encode_job(part)
+        assert len(raw) <= 1024
+        assert decode_job(raw) == part
+        assert (part.op, part.tier, part.args) == (job.op, job.tier, job.args)
+        assert part.args is not job.args
+
+
+def test_split_of_a_job_that_fits_returns_it_unchanged():
+    job = EXAMPLES[0]
+    assert split_job(job, 10_000, itertools.count().__next__) == [job]
+    assert split_job(job, 10_000, itertools.count().__next__)[0] is job
+
+
+def test_split_refuses_what_cannot_fit():
+    with pytest.raises(ValueError, match="key 1 .300 bytes. does not fit 200 bytes even alone"):
+        split_job(Job(1, "probe", 0, [b"a", b"b" * 300, b"c"]), 200, itertools.count().__next__)
+    with pytest.raises(ValueError, match="has no keys to split by"):
+        split_job(Job(1, "scan", 0, [], [], {"cursor": b"x" * 500}), 200,
+                  itertools.count().__next__)
+
+
+def test_split_result_of_a_scan_listing():
+    keys = [i.to_bytes(4, "big") * 10 for i in range(500)]
+    result = Result(3, [], 0, 0, 0.1, 0.0, "", keys)
+    parts = split_result(result, 512)
+    assert all(len(encode_result(p)) <= 512 for p in parts)
+    assert [k for p in parts for k in p.keys] == keys
+    assert [p.more for p in parts] == [True] * (len(parts) - 1) + [False]
+    assert {p.job_id for p in parts} == {3} and parts[0].io_s == 0.1
+    long_error = Result(4, [ERROR], error="x" * 5000)
+    (short,) = split_result(long_error, 512)
+    assert len(encode_result(short)) <= 512 and short.error.endswith("[truncated]")
+
+
+# --- properties ---
+
+keys_st = st.lists(st.binary(max_size=8) | st.binary(max_size=120), max_size=80)
+
+
+@st.composite
+def jobs(draw):
+    op = draw(st.sampled_from(sorted(OPS)))
+    keys = [] if op in ("scan", "stop") else draw(keys_st)
+    rows = draw(st.lists(st.integers(0, (1 << 64) - 1), min_size=len(keys),
+                         max_size=len(keys))) if op in ("store", "load") else []
+    args = draw(st.fixed_dictionaries({}, optional={
+        "nbytes": st.integers(0, 1 << 40), "codec": st.sampled_from(["auto", "zstd", "none"]),
+        "cursor": st.binary(max_size=20), "x_custom": st.text(max_size=10)}))
+    return Job(draw(st.integers(0, (1 << 64) - 1)), op, draw(st.integers(0, 300)), keys, rows,
+               args)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(job=jobs(), fraction=st.floats(0.02, 1.2), first_id=st.integers(0, (1 << 64) - 5000))
+def test_split_and_round_trip_property(job, fraction, first_id):
+    assert decode_job(encode_job(job)) == job
+    max_bytes = max(30, int(len(encode_job(job)) * fraction))
+    try:
+        parts = split_job(job, max_bytes, itertools.count(first_id).__next__)
+    except ValueError:
+        # only when a lone key (or a keyless job) really cannot fit a part
+        assert len(encode_job(job)) > max_bytes
+        worst = Job((1 << 64) - 1, job.op, job.tier, [], [], job.args)
+        if job.keys:
+            assert any(len(encode_job(Job(first_id + 1000, job.op, job.tier, [k],
+                                          [r] if job.rows else [], job.args))) > max_bytes
+                       or len(encode_job(worst)) > max_bytes
+                       for k, r in zip(job.keys, job.rows or [0] * len(job.keys)))
+        return
+    assert [k for p in parts for k in p.keys] == job.keys
+    assert [r for p in parts for r in p.rows] == job.rows
+    if len(parts) > 1:
+        assert len({p.job_id for p in parts}) == len(parts)
+    for part in parts:
+        raw = encode_job(part)
+        assert len(raw) <= max_bytes
+        assert decode_job(raw) == part
+
+
+@settings(max_examples=200, deadline=None)
+@given(keys=keys_st, max_bytes=st.integers(200, 2000), error=st.text(max_size=300))
+def test_split_result_property(keys, max_bytes, error):
+    result = Result(5, [OK, MISS], 1, 2, 0.5, 0.25, error, keys)
+    try:
+        parts = split_result(result, max_bytes)
+    except ValueError:
+        assert any(len(k) + 60 > max_bytes for k in keys)
+        return
+    assert [k for p in parts for k in p.keys] == keys
+    assert all(len(encode_result(p)) <= max_bytes for p in parts)
+    assert all(decode_result(encode_result(p)) == p for p in parts)
+    assert [p.more for p in parts][-1] is False
+
+
+values = st.recursive(
+    st.none() | st.booleans() | st.integers(-(1 << 63), (1 << 64) - 1) | st.binary(max_size=8)
+    | st.text(max_size=8) | st.floats(),
+    lambda inner: st.lists(inner, max_size=9) | st.dictionaries(st.text(max_size=4), inner,
+                                                                max_size=3),
+    max_leaves=20)
+
+
+@st.composite
+def near_valid(draw):
+    """A valid job or result message with one field (or element of a list field) replaced."""
+    if draw(st.booleans()):
+        msg = msgpack.unpackb(encode_job(draw(jobs())), strict_map_key=False)
+    else:
+        result = Result(draw(st.integers(0, (1 << 64) - 1)), draw(st.lists(st.integers(0, 4))),
+                        keys=draw(st.lists(st.binary(max_size=8), max_size=3)))
+        msg = msgpack.unpackb(encode_result(result), strict_map_key=False)
+    i = draw(st.integers(0, len(msg) - 1))
+    if type(msg[i]) is list and msg[i] and draw(st.booleans()):
+        msg[i][draw(st.integers(0, len(msg[i]) - 1))] = draw(values)
+    elif type(msg[i]) is dict and msg[i] and draw(st.booleans()):
+        msg[i][draw(st.sampled_from(sorted(msg[i])))] = draw(values)
+    else:
+        msg[i] = draw(values)
+    return msgpack.packb(msg, use_bin_type=True)
+
+
+@settings(max_examples=600, deadline=None)
+@given(raw=st.one_of(st.binary(max_size=64),
+                     values.map(lambda v: msgpack.packb(v, use_bin_type=True)),
+                     near_valid()))
+def test_decode_raises_only_malformed_and_fast_path_agrees(raw):
+    """Garbage never escapes as another exception; what the fast path accepts the
+    thorough checks accept, and what it rejects they reject with a precise message."""
+    for decode, diagnose in ((decode_job, jobs_mod._diagnose_job),
+                             (decode_result, jobs_mod._diagnose_result)):
+        try:
+            decoded = decode(raw)
+        except MalformedJob as exc:
+            assert "fast path only" not in str(exc)
+        else:
+            diagnose(msgpack.unpackb(raw, strict_map_key=False))  # must not raise
+            assert type(decoded) in (Job, Result)
+
+
+def test_split_is_exact_around_array_header_sizes():
+    """msgpack array headers grow at 16 elements: sweep every budget around that."""
+    for n, rows in ((40, True), (40, False), (20, True)):
+        keys = [bytes([i]) for i in range(n)]
+        job = Job(1, "store" if rows else "delete", 0, keys, list(range(100, 100 + n)) if rows
+                  else [])
+        full = len(encode_job(job))
+        for max_bytes in range(full - 60, full + 1):
+            parts = split_job(job, max_bytes, itertools.count(2).__next__)
+            assert [k for p in parts for k in p.keys] == keys
+            sizes = [len(encode_job(p)) for p in parts]
+            assert max(sizes) <= max_bytes
+            # greedy and tight: each part but the last could not take the next key
+            for p, nxt in zip(parts, parts[1:]):
+                bigger = Job(p.job_id, p.op, p.tier, p.keys + nxt.keys[:1],
+                             p.rows + nxt.rows[:1], p.args)
+                assert len(encode_job(bigger)) > max_bytes

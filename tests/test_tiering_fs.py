@@ -1,0 +1,234 @@
+"""The whole pipeline through the spec: GPU tensor -> primary -> fs tier (tier
+worker processes, real files) -> primary -> GPU tensor."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+
+from shmtier.config import ConfigError, KVLayout
+from shmtier.contract import GPULoadStoreSpec, LookupResult, ReqContext, ScheduleEndContext
+from shmtier.gpu.canonical import CanonicalKVCacheRef, CanonicalKVCaches
+from shmtier.scheduler.tiering import fs as fs_tier
+from shmtier.spec import TieringOffloadingSpec
+
+HIT, MISS, PENDING, RETRY = (LookupResult.HIT, LookupResult.MISS, LookupResult.HIT_PENDING,
+                             LookupResult.RETRY)
+END = ScheduleEndContext((), ())
+GPU_BLOCKS = 96
+
+
+def key(i: int) -> bytes:
+    return i.to_bytes(32, "big") + b"\0\0\0\0"
+
+
+class Engine:
+    """Scheduler (spec manager) and ``world_size`` GPU ranks (copy workers) in one process."""
+
+    def __init__(self, engine_id, root, *, page=8192, world_size=1, bpc=1, chunks=16, **tier):
+        self.layout = KVLayout("m", "bfloat16", 16, page, world_size)
+        row = -(-page * world_size * bpc // 4096) * 4096
+        extra = {"cpu_bytes_to_use": chunks * row, "blocks_per_chunk": bpc,
+                 "secondary_tiers": [{"type": "fs", "root_dir": str(root), "min_free_bytes": None,
+                                      **tier}]}
+        self.spec = TieringOffloadingSpec(extra, self.layout, engine_id)
+        self.manager = self.spec.get_manager()
+        self.bpc = bpc
+        self.caches, self.originals, self.workers = [], [], []
+        try:
+            for rank in range(world_size):
+                cache = torch.randint(-128, 128, (GPU_BLOCKS, page), dtype=torch.int8)
+                self.caches.append(cache)
+                self.originals.append(cache.clone())
+                kv = CanonicalKVCaches([cache], [[CanonicalKVCacheRef(0, page)]])
+                self.workers.append(self.spec.get_worker(kv, rank))
+        except BaseException:
+            self.close()
+            raise
+        self.job = 0
+
+    def copy(self, kind, cpu_spec, gpu_blocks):
+        self.job += 1
+        gpu = GPULoadStoreSpec(gpu_blocks, [len(gpu_blocks)], [0])
+        for w in self.workers:
+            if kind == "store":
+                w.submit_store(self.job, gpu, cpu_spec)
+            else:
+                w.submit_load(self.job, cpu_spec, gpu)
+            w.wait({self.job})
+            assert all(r.success for r in w.get_finished())
+
+    def offload(self, keys, first_block, ctx):
+        m = self.manager
+        with m.lock:
+            out = m.prepare_store(keys, ctx)
+        assert out is not None
+        if out.keys_to_store:
+            blocks = [first_block + keys.index(k) * self.bpc + j
+                      for k in out.keys_to_store for j in range(self.bpc)]
+            self.copy("store", out.store_spec, blocks)
+            with m.lock:
+                m.complete_store(out.keys_to_store, ctx)
+        return out
+
+    def settle(self, timeout_s=20.0):
+        deadline = time.monotonic() + timeout_s
+        while True:
+            with self.manager.lock:
+                self.manager.on_schedule_end(END)
+                if not self.manager.has_pending_work():
+                    return
+            assert time.monotonic() < deadline, "tier jobs did not finish"
+            time.sleep(0.005)
+
+    def until_hit(self, keys, ctx, timeout_s=20.0):
+        """Look up like the connector (one pass per step) until all HIT; returns answers seen."""
+        deadline, seen = time.monotonic() + timeout_s, []
+        while True:
+            with self.manager.lock:
+                answers = [self.manager.lookup(k, ctx) for k in keys]
+                self.manager.on_schedule_end(END)
+            seen.append(answers)
+            if all(a is HIT for a in answers):
+                return seen
+            assert MISS not in answers, f"a key was lost: {seen}"
+            assert time.monotonic() < deadline, f"never all HIT: {seen[-3:]}"
+            time.sleep(0.005)
+
+    def close(self):
+        for w in self.workers:
+            w.shutdown()
+        self.manager.shutdown()
+
+
+@pytest.fixture
+def engines(engine_id):
+    made = []
+
+    def make(root, **kw):
+        engine = Engine(f"{engine_id}-{len(made)}", root, **kw)
+        made.append(engine)
+        return engine
+
+    yield make
+    for engine in reversed(made):
+        engine.close()
+
+
+@pytest.mark.parametrize("world_size, bpc, page", [(1, 1, 8192), (2, 4, 4096), (1, 2, 6000)])
+def test_bytes_round_trip_through_fs_and_back(engines, tmp_path, world_size, bpc, page):
+    e = engines(tmp_path, world_size=world_size, bpc=bpc, page=page, chunks=8)
+    first = [key(i) for i in range(8)]
+    a = ReqContext("a")
+    e.offload(first, 0, a)
+    with e.manager.lock:
+        e.manager.on_request_finished(a)
+    e.settle()  # cascades written by the workers
+    b = ReqContext("b")
+    e.offload([key(100 + i) for i in range(8)], 8 * bpc, b)  # evicts "a" from the CPU tier
+    e.settle()
+    reader = ReqContext("r")
+    seen = e.until_hit(first, reader)
+    assert PENDING in seen[0]
+    with e.manager.lock:
+        spec = e.manager.prepare_load(first, reader)
+    dst = list(range(GPU_BLOCKS - 8 * bpc, GPU_BLOCKS))
+    for cache in e.caches:
+        cache[dst] = 0
+    e.copy("load", spec, dst)
+    with e.manager.lock:
+        e.manager.complete_load(first, reader)
+    for cache, original in zip(e.caches, e.originals):
+        assert torch.equal(cache[dst], original[: 8 * bpc])
+    data = e.manager.get_stats().data["data"]
+    assert data["vllm:kv_offload_tiering_read_bytes"][("1:fs",)] > 0
+    assert data[fs_tier.BYTES_ON_DISK][("1:fs",)] > 0
+
+
+def test_warm_restart_serves_what_the_previous_engine_wrote(engines, tmp_path):
+    e = engines(tmp_path)
+    keys = [key(i) for i in range(6)]
+    e.offload(keys, 0, ReqContext("a"))
+    e.settle()
+    expected = e.originals[0][:6].clone()
+    e.close()
+    engines_left = engines(tmp_path)  # a new engine, same root and layout
+    ctx = ReqContext("again")
+    seen = engines_left.until_hit(keys, ctx)
+    assert seen[0][0] in (RETRY, PENDING)  # unknown until the scan lands, then promoted
+    with engines_left.manager.lock:
+        spec = engines_left.manager.prepare_load(keys, ctx)
+    engines_left.copy("load", spec, list(range(50, 56)))
+    assert torch.equal(engines_left.caches[0][50:56], expected)
+
+
+def test_a_corrupt_file_is_a_miss_and_counted(engines, tmp_path):
+    e = engines(tmp_path, chunks=4)
+    keys = [key(i) for i in range(4)]
+    e.offload(keys, 0, ReqContext("a"))
+    e.settle()
+    files = sorted(p for p in tmp_path.rglob("*.kv"))
+    assert len(files) == 4
+    victim = files[0]
+    data = bytearray(victim.read_bytes())
+    data[-10] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    e.offload([key(10 + i) for i in range(4)], 4, ReqContext("b"))  # evict all four
+    e.settle()
+    ctx = ReqContext("r")
+    deadline, answers = time.monotonic() + 20, []
+    while time.monotonic() < deadline:
+        with e.manager.lock:
+            answers = [e.manager.lookup(k, ctx) for k in keys]
+            e.manager.on_schedule_end(END)
+        if PENDING not in answers and RETRY not in answers:
+            break
+        time.sleep(0.005)
+    assert answers.count(HIT) == 3 and answers.count(MISS) == 1
+    assert not victim.exists()
+    data = e.manager.get_stats().data["data"]
+    assert data[fs_tier.CORRUPT_CHUNKS][("1:fs",)] == 1
+    assert data["vllm:kv_offload_tiering_promotion_job_failures"][("1:fs",)] == 1
+
+
+def test_max_bytes_evicts_by_tier_recency(engines, tmp_path):
+    e = engines(tmp_path, chunks=4, max_bytes=5 * 8192, **{})
+    for batch in range(4):
+        e.offload([key(batch * 4 + i) for i in range(4)], batch * 4, ReqContext(f"r{batch}"))
+        e.settle()
+    on_disk = sum(p.stat().st_size for p in tmp_path.rglob("*.kv"))
+    assert on_disk <= 5 * 8192
+    data = e.manager.get_stats().data["data"]
+    assert data[fs_tier.EVICTED_CHUNKS][("1:fs",)] > 0
+
+
+def test_a_killed_tier_worker_fails_its_jobs_and_is_replaced(engines, tmp_path):
+    e = engines(tmp_path)
+    pool = e.spec.worker_pool
+    keys = [key(i) for i in range(8)]
+    e.offload(keys, 0, ReqContext("a"))
+    for proc in pool._procs:
+        os.kill(proc.pid, 9)  # mid-cascade, or just after
+    e.settle()
+    deadline = time.monotonic() + 20
+    while pool.restarts_total < 2 or any(p is None or p.poll() is not None for p in pool._procs):
+        with e.manager.lock:
+            e.manager.on_schedule_end(END)
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    with e.manager.lock:  # the primary copy is intact whatever the cascade did
+        assert all(e.manager.lookup(k, ReqContext("x")) is HIT for k in keys)
+    e.offload([key(50 + i) for i in range(4)], 20, ReqContext("b"))
+    e.settle()
+    assert len(list(tmp_path.rglob("*.kv"))) >= 4  # the replacements work
+
+
+def test_fs_tier_config_errors(tmp_path):
+    layout = KVLayout("m", "bfloat16", 16, 8192, 1)
+    with pytest.raises(ConfigError, match=r"secondary_tiers\[0\].type = None"):
+        TieringOffloadingSpec({"cpu_bytes_to_use": 1 << 20, "secondary_tiers": [{}]}, layout, "x")
+    with pytest.raises(ConfigError, match=r"'workers'\] = 'fork' is invalid"):
+        TieringOffloadingSpec({"cpu_bytes_to_use": 1 << 20, "workers": "fork"}, layout, "x")
