@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import textwrap
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -325,3 +326,66 @@ def test_unknown_tier_type_and_bad_options_are_clear_errors(rig_factory):
         SecondaryTierFactory.get_tier_class({"type": "nfs"}, "secondary_tiers[0]")
     with pytest.raises(ValueError, match=r"secondary_tiers\[0\] \(example\): invalid tier option"):
         rig_factory(tiers=[{"type": "example", "locality": "LOCAL"}])
+
+
+SLOW = textwrap.dedent('''
+    import time
+    from shmtier.contract import LookupResult, Medium, RequestOffloadingContext
+    from shmtier.scheduler.tiering.base import JobResult, SecondaryTierManager
+
+    class SlowTier(SecondaryTierManager):
+        """Finishes each job only ``delay_s`` after it was submitted."""
+        medium = Medium.STORAGE
+        def __init__(self, delay_s=0.003, **kw):
+            super().__init__(**kw)
+            self.delay_s, self.pending, self.stores = delay_s, [], 0
+        def lookup(self, key, ctx):
+            return LookupResult.MISS
+        def submit_store(self, job):
+            self.stores += 1
+            self.pending.append(job)
+        def submit_load(self, job):
+            self.pending.append(job)
+        def get_finished_jobs(self):
+            now = time.monotonic()
+            done = [j for j in self.pending if now - j.submit_time >= self.delay_s]
+            self.pending = [j for j in self.pending if j not in done]
+            return [JobResult(j.job_id, True) for j in done]
+        def on_new_request(self, ctx):
+            return RequestOffloadingContext()
+        def drain_jobs(self):
+            time.sleep(self.delay_s)
+''')
+
+
+def test_a_slow_tier_makes_backpressure_drop_cascades(engine_id, tmp_path, monkeypatch):
+    (tmp_path / "slow_tier.py").write_text(SLOW)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    from shmtier.config import TieringConfig
+
+    extra = {"secondary_tiers": [{"type": "SlowTier", "module_path": "slow_tier",
+                                  "backpressure": {"warmup_completions": 3}}]}
+    (detector,) = TieringConfig.from_extra_config(extra).detectors
+    geometry = ArenaGeometry(num_chunks=64, row_stride=PAGE, page_size_per_worker=PAGE, world_size=1)
+    with open_segment(engine_id, geometry, "fp", owner=True) as segment:
+        primary = CPUPrimaryTierOffloadingManager(segment, "lru")
+        tier = SecondaryTierFactory.create_secondary_tier(
+            extra["secondary_tiers"][0], primary.get_kv_memoryview(), None, detector=detector)
+        m = TieringOffloadingManager(primary, [tier])
+        offered = 0
+        for i in range(60):
+            ctx = ReqContext(f"r{i}")
+            with m.lock:
+                out = m.prepare_store([key(i)], ctx)
+                m.complete_store(out.keys_to_store, ctx)  # cascade offered (or dropped)
+                offered += 1
+                m.on_request_finished(ctx)
+                m.on_schedule_end(END)
+            time.sleep(0.004)
+        data = m.get_stats().data["data"]
+        dropped = data["vllm:kv_offload_tiering_backpressure_stores_dropped"][("1:SlowTier",)]
+        assert dropped > 0 and tier.stores == offered - dropped
+        assert data["vllm:kv_offload_tiering_backpressure_store_latency_ema"][("1:SlowTier",)] > 0.01
+        with m.lock:
+            m.reset_cache()
+        m.shutdown()
