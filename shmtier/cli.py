@@ -1,4 +1,4 @@
-"""The ``shmtier`` command: ``demo``, ``workers``, ``segments``, ``clean``."""
+"""The ``shmtier`` command: ``run``, ``demo``, ``workers``, ``segments``, ``clean``."""
 
 from __future__ import annotations
 
@@ -9,6 +9,12 @@ import sys
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="shmtier", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run", help="short multi-turn stress run: CPU tier + fs tier + workers")
+    run.add_argument("--conversations", type=int, default=24)
+    run.add_argument("--turns", type=int, default=4)
+    run.add_argument("--chunks-per-turn", type=int, default=4)
+    run.add_argument("--cpu-chunks", type=int, default=48)
+    run.add_argument("--workers", type=int, default=2)
     demo = sub.add_parser("demo", help="offload and reload chunks through the CPU tier")
     demo.add_argument("--requests", type=int, default=12)
     demo.add_argument("--chunks-per-request", type=int, default=8)
@@ -24,6 +30,11 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("clean", help="remove segments whose owner process is dead")
     args = parser.parse_args(argv)
 
+    if args.command == "run":
+        from shmtier.stress import run_stress
+
+        return run_stress(args.conversations, args.turns, args.chunks_per_turn, args.cpu_chunks,
+                          args.workers)
     if args.command == "demo":
         from shmtier.demo import run_demo
 

@@ -16,3 +16,12 @@ def test_demo_round_trips_bytes_and_reports(capsys):
 def test_segments_and_clean_commands(capsys):
     assert main(["segments"]) == 0
     assert main(["clean"]) == 0
+
+
+def test_stress_run_promotes_from_fs_byte_exactly(capsys):
+    assert main(["run", "--conversations", "6", "--turns", "3", "--cpu-chunks", "12"]) == 0
+    out = capsys.readouterr().out
+    assert "loaded chunks identical to what was offloaded: yes" in out
+    assert "segment and ring semaphores removed on shutdown: yes" in out
+    promoted = int(out.split("  fs tier")[1].split()[0])
+    assert promoted > 0
