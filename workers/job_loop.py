@@ -37,6 +37,7 @@ from shmtier.workers.backends.base import outcome_kind
 logger = logging.getLogger(__name__)
 
 _OWNER_CHECK_S = 1.0
+_NICENESS = 10
 _KIND_CODE = {"ok": jobs.OK, "exists": jobs.OK, "missing": jobs.MISS, "corrupt": jobs.CORRUPT,
               "full": jobs.REJECTED, "error": jobs.ERROR, "invalid": jobs.ERROR}
 
@@ -108,6 +109,9 @@ def run_worker(engine_id: str, index: int) -> int:
     """Serve worker slot ``index`` of ``engine_id`` until stopped; returns an exit code."""
     stopping = []
     signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
+    # Background work: a worker woken by a job must not preempt the scheduler thread
+    # that posted it (the scheduler's per-step time is the product's first number).
+    os.nice(_NICENESS)
     segment = join_existing(engine_id)
     rings = runner = None
     try:
