@@ -6,14 +6,12 @@ import textwrap
 import threading
 import time
 
-import numpy as np
 import pytest
 import torch
 
 from shmtier import metrics
 from shmtier.contract import (
     CacheHitSource,
-    CPULoadStoreSpec,
     GPULoadStoreSpec,
     LookupResult,
     ReqContext,
@@ -322,7 +320,7 @@ def test_a_tier_written_for_vllm_loads_and_runs(rig_factory):
 
 
 def test_unknown_tier_type_and_bad_options_are_clear_errors(rig_factory):
-    with pytest.raises(ValueError, match=r"type = 'nfs' is not a known tier type; accepted: \['example'"):
+    with pytest.raises(ValueError, match=r"type='nfs' is not a known tier type; accepted: \['example'"):
         SecondaryTierFactory.get_tier_class({"type": "nfs"}, "secondary_tiers[0]")
     with pytest.raises(ValueError, match=r"secondary_tiers\[0\] \(example\): invalid tier option"):
         rig_factory(tiers=[{"type": "example", "locality": "LOCAL"}])

@@ -9,37 +9,23 @@ key is passed to the tier's constructor as a keyword argument.
 
 from __future__ import annotations
 
-import importlib
-import logging
-from collections.abc import Callable
 from typing import Any
 
+from shmtier.plugins import LazyRegistry, with_vllm_base
 from shmtier.scheduler.tiering.base import SecondaryTierManager
-
-logger = logging.getLogger(__name__)
-
-
-def _tier_bases() -> tuple[type, ...]:
-    try:
-        from vllm.v1.kv_offload.tiering.base import SecondaryTierManager as VllmTier
-    except Exception:  # vLLM absent or not importable: shmtier's interface only
-        return (SecondaryTierManager,)
-    return (SecondaryTierManager, VllmTier)
 
 
 class SecondaryTierFactory:
-    _registry: dict[str, Callable[[], type]] = {}
+    _registry = LazyRegistry("tier type")
 
     @classmethod
     def register_tier(cls, tier_type: str, module_path: str, class_name: str) -> None:
         """Register ``tier_type`` -> ``module_path.class_name`` (imported lazily)."""
-        if tier_type in cls._registry:
-            raise ValueError(f"Secondary tier type '{tier_type}' is already registered.")
-        cls._registry[tier_type] = lambda: getattr(importlib.import_module(module_path), class_name)
+        cls._registry.register(tier_type, module_path, class_name)
 
     @classmethod
     def registered(cls) -> list[str]:
-        return list(cls._registry)
+        return cls._registry.names()
 
     @classmethod
     def get_tier_class(cls, config: dict[str, Any], where: str = "secondary_tiers[?]") -> type:
@@ -51,27 +37,10 @@ class SecondaryTierFactory:
                 f"{where}.type = {tier_type!r} is invalid: expected one of {cls.registered()} "
                 f"or an out-of-tree class name with module_path"
             )
-        if tier_type in cls._registry:
-            return cls._registry[tier_type]()
-        module_path = config.get("module_path")
-        if not module_path:
-            raise ValueError(
-                f"{where}.type = {tier_type!r} is not a known tier type; accepted: "
-                f"{cls.registered()}, or an out-of-tree class name together with module_path"
-            )
-        logger.warning("Loading out-of-tree secondary tier %r from %r (experimental API).",
-                       tier_type, module_path)
-        try:
-            module = importlib.import_module(module_path)
-        except ImportError as e:
-            raise ValueError(f"{where}.module_path = {module_path!r} cannot be imported: {e}") from e
-        tier_cls = getattr(module, tier_type, None)
-        if not (isinstance(tier_cls, type) and issubclass(tier_cls, _tier_bases())):
-            raise ValueError(
-                f"{where}.type = {tier_type!r}: {module_path!r} has no SecondaryTierManager "
-                f"subclass of that name (found {tier_cls!r})"
-            )
-        return tier_cls
+        bases = with_vllm_base(SecondaryTierManager, "vllm.v1.kv_offload.tiering.base",
+                               "SecondaryTierManager")
+        return cls._registry.resolve(tier_type, config.get("module_path"), bases,
+                                     key=f"{where}.type", module_key=f"{where}.module_path")
 
     @classmethod
     def create_secondary_tier(cls, config: dict[str, Any], primary_kv_view: memoryview,

@@ -21,7 +21,6 @@ and tells the backpressure detector.
 from __future__ import annotations
 
 import logging
-import time
 from collections import OrderedDict
 from collections.abc import Iterable
 from typing import Any

@@ -1,0 +1,67 @@
+"""Name -> class registries with out-of-tree loading (cache policies, secondary tiers).
+
+Both follow vLLM 0.33's factories: built-in names are registered lazily
+(module imported on first use); an unregistered name is taken as a class name
+in ``module_path`` (experimental), which must subclass one of ``bases``.
+Every failure is a ValueError naming the config key, the value and what is
+accepted. Runs wherever configs are resolved (scheduler, front end).
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+from collections.abc import Callable
+
+logger = logging.getLogger(__name__)
+
+
+class LazyRegistry:
+    """``what`` names the kind of thing in messages (e.g. "cache policy")."""
+
+    def __init__(self, what: str):
+        self.what = what
+        self._loaders: dict[str, Callable[[], type]] = {}
+
+    def register(self, name: str, module_path: str, class_name: str) -> None:
+        if name in self._loaders:
+            raise ValueError(f"{self.what.capitalize()} '{name}' is already registered.")
+        self._loaders[name] = lambda: getattr(importlib.import_module(module_path), class_name)
+
+    def names(self) -> list[str]:
+        return list(self._loaders)
+
+    def resolve(self, name: str, module_path: str | None, bases: tuple[type, ...], *,
+                key: str, module_key: str) -> type:
+        """The class for ``name`` (from the registry, else from ``module_path``)."""
+        if name in self._loaders:
+            return self._loaders[name]()
+        if not module_path:
+            raise ValueError(
+                f"{key}={name!r} is not a known {self.what}; accepted: {self.names()}, or the "
+                f"class name of an out-of-tree {self.what} together with {module_key}"
+            )
+        logger.warning("Loading out-of-tree %s %r from %r (experimental API).",
+                       self.what, name, module_path)
+        try:
+            module = importlib.import_module(module_path)
+        except ImportError as e:
+            raise ValueError(f"{module_key}={module_path!r} cannot be imported: {e}") from e
+        cls = getattr(module, name, None)
+        if cls is None:
+            raise ValueError(f"{key}={name!r}: module {module_path!r} has no attribute {name!r}")
+        if not (isinstance(cls, type) and issubclass(cls, bases)):
+            raise ValueError(
+                f"{key}={name!r} from {module_path!r} is {cls!r}, not a "
+                f"{' or '.join(b.__qualname__ for b in bases[:1])} subclass"
+            )
+        return cls
+
+
+def with_vllm_base(own: type, vllm_module: str, vllm_name: str) -> tuple[type, ...]:
+    """``(own,)`` plus vLLM's class of the same role when vLLM is importable here,
+    so a plugin written against vLLM's interface loads unchanged."""
+    try:
+        return (own, getattr(importlib.import_module(vllm_module), vllm_name))
+    except Exception:  # vLLM absent or not importable: shmtier's interface only
+        return (own,)
