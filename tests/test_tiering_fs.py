@@ -4,7 +4,11 @@ worker processes, real files) -> primary -> GPU tensor."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import time
+
+import numpy as np
 
 import pytest
 import torch
@@ -232,3 +236,40 @@ def test_fs_tier_config_errors(tmp_path):
         TieringOffloadingSpec({"cpu_bytes_to_use": 1 << 20, "secondary_tiers": [{}]}, layout, "x")
     with pytest.raises(ConfigError, match=r"'workers'\] = 'fork' is invalid"):
         TieringOffloadingSpec({"cpu_bytes_to_use": 1 << 20, "workers": "fork"}, layout, "x")
+
+
+def test_external_worker_pool_serves_the_engine(engine_id, tmp_path):
+    """``"workers": "external"`` + ``shmtier workers --engine-id``: the engine's
+    cascades are written by workers it did not start."""
+    layout = KVLayout("m", "bfloat16", 16, 8192, 1)
+    extra = {"cpu_bytes_to_use": 8 * 8192, "workers": "external", "num_tier_workers": 2,
+             "secondary_tiers": [{"type": "fs", "root_dir": str(tmp_path), "min_free_bytes": None}]}
+    spec = TieringOffloadingSpec(extra, layout, engine_id)
+    manager = spec.get_manager()
+    supervisor = subprocess.Popen([sys.executable, "-m", "shmtier", "workers", "--engine-id",
+                                   engine_id, "--num-workers", "2"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert "2 tier workers" in supervisor.stdout.readline()
+        arena = manager.primary.get_kv_memoryview()
+        rows = np.asarray(arena)
+        ctx = ReqContext("a")
+        keys = [key(i) for i in range(8)]
+        with manager.lock:
+            out = manager.prepare_store(keys, ctx)
+        rows[out.store_spec.chunk_ids] = np.arange(8, dtype=np.uint8)[:, None]
+        with manager.lock:
+            manager.complete_store(keys, ctx)
+        deadline = time.monotonic() + 20
+        while True:
+            with manager.lock:
+                manager.on_schedule_end(END)
+                if not manager.has_pending_work():
+                    break
+            assert time.monotonic() < deadline, "external workers did not serve the jobs"
+            time.sleep(0.01)
+        assert len(list(tmp_path.rglob("*.kv"))) == 8
+        del rows, arena
+    finally:
+        supervisor.terminate()
+        supervisor.wait(10)
+        manager.shutdown()
