@@ -20,12 +20,12 @@ def _shmtier_entries() -> set[str]:
 
 
 def _foreign(entries: set[str]) -> set[str]:
-    """Segments held by another live process (a concurrent test run), not ours to judge."""
+    """Segments held by another live process (a concurrent test run), and their ring
+    semaphores: not ours to judge."""
     me = os.getpid()
-    return {
-        s.name.lstrip("/") for s in list_segments()
-        if s.name.lstrip("/") in entries and s.alive and me not in (s.owner_pid, s.creator_pid)
-    }
+    live = {s.name.lstrip("/") for s in list_segments()
+            if s.alive and me not in (s.owner_pid, s.creator_pid)}
+    return {e for e in entries if e in live or any(e.startswith(f"sem.{seg}.") for seg in live)}
 
 
 @pytest.fixture(autouse=True)

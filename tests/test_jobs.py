@@ -328,3 +328,15 @@ def test_split_is_exact_around_array_header_sizes():
                 bigger = Job(p.job_id, p.op, p.tier, p.keys + nxt.keys[:1],
                              p.rows + nxt.rows[:1], p.args)
                 assert len(encode_job(bigger)) > max_bytes
+
+
+def test_ring_and_jobs_import_neither_torch_nor_vllm():
+    """Tier workers import these modules: they must stay free of torch and vLLM."""
+    import subprocess
+    import sys
+
+    code = ("import sys, shmtier.shared.ring, shmtier.shared.jobs; "
+            "print(sorted(m for m in ('torch', 'vllm') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, timeout=60)
+    assert out.stdout.strip() == "[]"
