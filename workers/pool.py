@@ -204,6 +204,10 @@ class WorkerPool:
     def outstanding(self) -> int:
         return len(self._parents)
 
+    def queued_jobs(self) -> int:
+        """Jobs put in the job rings and not yet taken by a worker."""
+        return sum(self.rings.worker(w).jobs.depth() for w in range(self.n))
+
     def _drain_results(self, w: int) -> None:
         ring = self.rings.worker(w).results
         while True:

@@ -46,6 +46,7 @@ STORED_RATIO = "vllm:kv_offload_shmtier_codec_stored_bytes"
 CODEC_SECONDS = "vllm:kv_offload_shmtier_codec_seconds"
 WORKER_RESTARTS = "vllm:kv_offload_shmtier_worker_restarts"
 EVICTED_CHUNKS = "vllm:kv_offload_shmtier_fs_evicted_chunks"
+RING_DEPTH = "vllm:kv_offload_shmtier_ring_depth"
 
 
 class FsTierManager(SecondaryTierManager):
@@ -258,6 +259,7 @@ class FsTierManager(SecondaryTierManager):
     def get_stats(self) -> metrics.OffloadingStats:
         stats, self._stats = self._stats, metrics.OffloadingStats()
         stats.set_gauge(BYTES_ON_DISK, self._bytes_in_use, (self._label,))
+        stats.set_gauge(RING_DEPTH, self._pool.queued_jobs(), (self._label,))
         return stats
 
     @classmethod
@@ -271,6 +273,8 @@ class FsTierManager(SecondaryTierManager):
             CODEC_SECONDS: metrics.CounterMetadata("Seconds tier workers spent compressing.", t),
             WORKER_RESTARTS: metrics.CounterMetadata("Tier worker processes restarted.", t),
             EVICTED_CHUNKS: metrics.CounterMetadata("Chunks evicted from the tier for capacity.", t),
+            RING_DEPTH: metrics.GaugeMetadata(
+                "Jobs waiting in the tier workers' job rings (all tiers share the pool).", t),
         }
 
     @classmethod
