@@ -15,6 +15,8 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--chunks-per-turn", type=int, default=4)
     run.add_argument("--cpu-chunks", type=int, default=48)
     run.add_argument("--workers", type=int, default=2)
+    run.add_argument("--settle-each", action="store_true",
+                     help="wait for the tiers after every request (deterministic counts)")
     demo = sub.add_parser("demo", help="offload and reload chunks through the CPU tier")
     demo.add_argument("--requests", type=int, default=12)
     demo.add_argument("--chunks-per-request", type=int, default=8)
@@ -34,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
         from shmtier.stress import run_stress
 
         return run_stress(args.conversations, args.turns, args.chunks_per_turn, args.cpu_chunks,
-                          args.workers)
+                          args.workers, settle_each=args.settle_each)
     if args.command == "demo":
         from shmtier.demo import run_demo
 

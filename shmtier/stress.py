@@ -66,7 +66,10 @@ def _content(key: bytes) -> np.ndarray:
 
 
 def run_stress(conversations: int = 24, turns: int = 4, chunks_per_turn: int = 4,
-               cpu_chunks: int = 48, workers: int = 2, seed: int = 0) -> int:
+               cpu_chunks: int = 48, workers: int = 2, seed: int = 0,
+               settle_each: bool = False) -> int:
+    """``settle_each``: after every request wait until the tiers are idle (each
+    cascade written before the next request: deterministic hit counts, for tests)."""
     import torch
 
     from shmtier.gpu.canonical import CanonicalKVCacheRef, CanonicalKVCaches
@@ -156,13 +159,9 @@ def run_stress(conversations: int = 24, turns: int = 4, chunks_per_turn: int = 4
             timer.close_step()
             _accumulate(totals, stats)
             conv.chunks += chunks_per_turn
-        settle_deadline = time.monotonic() + 30
-        while time.monotonic() < settle_deadline:
-            with manager.lock:
-                manager.on_schedule_end(end)
-                if not manager.has_pending_work():
-                    break
-            time.sleep(0.005)
+            if settle_each:
+                _settle(manager, end)
+        _settle(manager, end)
         with manager.lock:
             _accumulate(totals, manager.get_stats())
         _report(totals, time.monotonic() - started)
@@ -174,6 +173,16 @@ def run_stress(conversations: int = 24, turns: int = 4, chunks_per_turn: int = 4
     left = [e for e in os.listdir("/dev/shm") if engine_id in e]
     print(f"segment and ring semaphores removed on shutdown: {'yes' if not left else left}")
     return 0 if totals.exact and not left else 1
+
+
+def _settle(manager, end, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with manager.lock:
+            manager.on_schedule_end(end)
+            if not manager.has_pending_work():
+                return
+        time.sleep(0.002)
 
 
 class _StepTimer:

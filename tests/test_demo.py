@@ -19,7 +19,8 @@ def test_segments_and_clean_commands(capsys):
 
 
 def test_stress_run_promotes_from_fs_byte_exactly(capsys):
-    assert main(["run", "--conversations", "6", "--turns", "3", "--cpu-chunks", "12"]) == 0
+    assert main(["run", "--conversations", "6", "--turns", "3", "--cpu-chunks", "12",
+                 "--settle-each"]) == 0
     out = capsys.readouterr().out
     assert "loaded chunks identical to what was offloaded: yes" in out
     assert "segment and ring semaphores removed on shutdown: yes" in out

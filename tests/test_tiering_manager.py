@@ -214,7 +214,8 @@ def test_retry_does_not_stop_the_scan_and_first_hit_wins(rig_factory, scripted_m
         assert m.lookup(key(2), ctx) is MISS
     data = m.get_stats().data["data"]
     # RETRY is not a resolved query; key 2 was a MISS in both tiers
-    assert data[metrics.CHUNK_QUERIES] == {("1:ScriptedTier",): 1, ("2:ScriptedTier",): 2}
+    assert data[metrics.CHUNK_QUERIES] == {("0:primary",): 2, ("1:ScriptedTier",): 1,
+                                           ("2:ScriptedTier",): 2}
     assert data[metrics.CHUNK_HITS] == {("2:ScriptedTier",): 1}
 
 

@@ -30,7 +30,7 @@ class ArenaGeometry:
     num_chunks: int
     row_stride: int  # bytes per row, a multiple of PAGE_SIZE
     page_size_per_worker: int  # bytes of one GPU rank's slot in a row
-    world_size: int
+    world_size: int  # slots per row (GPU ranks, or 1 with a replicated layout)
     key_width: int = DEFAULT_KEY_WIDTH
 
     def __post_init__(self) -> None:
@@ -68,13 +68,13 @@ class ArenaGeometry:
         num_copies = 1 if replicated_layout else world_size
         raw_bytes_per_chunk = worker_kv_bytes_per_block * num_copies * blocks_per_chunk
         if raw_bytes_per_chunk == 0:
-            return cls(0, 0, 0, world_size, key_width)
+            return cls(0, 0, 0, num_copies, key_width)
         row_stride = round_up(raw_bytes_per_chunk, PAGE_SIZE)
         return cls(
             num_chunks=cpu_bytes_to_use // row_stride,
             row_stride=row_stride,
             page_size_per_worker=raw_bytes_per_chunk // num_copies,
-            world_size=world_size,
+            world_size=num_copies,  # slots per row: one when every rank holds the same KV
             key_width=key_width,
         )
 

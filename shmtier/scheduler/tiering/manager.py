@@ -234,7 +234,7 @@ class TieringOffloadingManager:
             self._stats.increase_counter(metrics.PROMOTION_JOB_FAILURES, 1, label)
         stats = self._stats
         stats.increase_counter(metrics.READ_BYTES, len(landed) * self._row_bytes, label)
-        if result.transfer_time:
+        if result.transfer_time is not None:
             stats.increase_counter(metrics.READ_TIME, result.transfer_time, label)
         stats.observe_histogram(metrics.PROMOTION_LATENCY, time.monotonic() - job.submit_time,
                                 (label[0], "success" if result.success else "failure"))
@@ -246,7 +246,7 @@ class TieringOffloadingManager:
         if result.success:
             nbytes = result.transfer_bytes or len(job.keys) * self._row_bytes
             self._stats.increase_counter(metrics.WRITE_BYTES, len(job.keys) * self._row_bytes, label)
-            if result.transfer_time:
+            if result.transfer_time is not None:
                 self._stats.increase_counter(metrics.WRITE_TIME, result.transfer_time, label)
             if detector is not None:
                 detector.update(job.submit_time, nbytes)
@@ -268,12 +268,15 @@ class TieringOffloadingManager:
     def lookup(self, key: OffloadKey, req_context: ReqContext,
                exclude_tier_idx: int | None = None) -> LookupResult:
         self._maybe_process_finished_jobs()
+        tracker, req_id = self._tracker, req_context.req_id
+        started = time.perf_counter()
         result = self.primary.lookup(key, req_context)
+        now = time.perf_counter()
+        tracker.record(req_id, 0, key, result, now - started, now)
         if result is not MISS or self._promotions_held or not self.tiers:
             return result
         retry = False
         allowed = req_context.load_tier_filter
-        tracker, req_id = self._tracker, req_context.req_id
         for tier_idx, tier in enumerate(self.tiers):
             if tier_idx == exclude_tier_idx or not allowed.allows(*self._tier_kind[tier_idx]):
                 continue
