@@ -32,12 +32,13 @@ from shmtier.shared import jobs
 from shmtier.shared.pool_config import PoolConfig
 from shmtier.shared.ring import RingSet
 from shmtier.shared.segment import join_existing
-from shmtier.workers.backends.base import outcome_kind
+from shmtier.workers.backends.base import BatchResult, outcome_kind
 
 logger = logging.getLogger(__name__)
 
 _OWNER_CHECK_S = 1.0
 _NICENESS = 10
+_KEYS_PER_BEAT = 8
 _KIND_CODE = {"ok": jobs.OK, "exists": jobs.OK, "missing": jobs.MISS, "corrupt": jobs.CORRUPT,
               "full": jobs.REJECTED, "error": jobs.ERROR, "invalid": jobs.ERROR}
 
@@ -63,11 +64,13 @@ class _Stop(Exception):
 class JobRunner:
     """Runs decoded jobs against the backends; one per worker process."""
 
-    def __init__(self, backends: list, arena: np.ndarray, chunk_bytes: int, slot_size: int):
+    def __init__(self, backends: list, arena: np.ndarray, chunk_bytes: int, slot_size: int,
+                 beat=lambda: None):
         self.backends = backends
         self.arena = arena
         self.chunk_bytes = chunk_bytes
         self.max_result = slot_size - 8
+        self.beat = beat
 
     def run(self, raw: bytes) -> list[jobs.Result]:
         try:
@@ -83,11 +86,7 @@ class JobRunner:
         try:
             if job.op == "scan":
                 return self._scan(job, backend)
-            op = getattr(backend, job.op)
-            if job.op in ("store", "load"):
-                batch = op(job.keys, job.rows, self.arena, self.chunk_bytes)
-            else:
-                batch = op(job.keys)
+            batch = self._in_slices(getattr(backend, job.op), job)
         except Exception as e:  # a backend bug must not take the worker down
             logger.exception("tier worker: job %d (%s) failed", job.job_id, job.op)
             return [jobs.Result.failed(job.job_id, f"{type(e).__name__}: {e}", len(job.keys))]
@@ -95,6 +94,24 @@ class JobRunner:
         errors = sorted({o for o in batch.outcomes if outcome_kind(o) not in ("ok", "exists", "missing")})
         return [jobs.Result(job.job_id, outcomes, sum(batch.logical_bytes), sum(batch.stored_bytes),
                             batch.io_seconds, batch.codec_seconds, "; ".join(errors)[:500])]
+
+    def _in_slices(self, op, job: jobs.Job):
+        """Run ``op`` over the job's keys in slices, beating between them, so a long
+        job on a slow medium is not mistaken for a hung worker."""
+        outcomes, logical, stored, io_s, codec_s = [], [], [], 0.0, 0.0
+        for start in range(0, max(len(job.keys), 1), _KEYS_PER_BEAT):
+            keys = job.keys[start:start + _KEYS_PER_BEAT]
+            if job.op in ("store", "load"):
+                part = op(keys, job.rows[start:start + _KEYS_PER_BEAT], self.arena, self.chunk_bytes)
+            else:
+                part = op(keys)
+            outcomes += part.outcomes
+            logical += part.logical_bytes
+            stored += part.stored_bytes
+            io_s += part.io_seconds
+            codec_s += part.codec_seconds
+            self.beat()
+        return BatchResult(job.op, outcomes, logical, stored, io_s, codec_s)
 
     def _scan(self, job: jobs.Job, backend) -> list[jobs.Result]:
         keys, stored = [], 0
@@ -122,7 +139,7 @@ def run_worker(engine_id: str, index: int) -> int:
         g = segment.geometry
         arena = np.frombuffer(segment.arena, dtype=np.uint8).reshape(g.num_chunks, g.row_stride)
         backends = [_make_backend(spec, segment.header().fingerprint, config) for spec in config.tiers]
-        runner = JobRunner(backends, arena, config.chunk_bytes, config.slot_size)
+        runner = JobRunner(backends, arena, config.chunk_bytes, config.slot_size, me.beat)
         next_owner_check = time.monotonic() + _OWNER_CHECK_S
         while not stopping:
             batch = me.jobs.get_many(32, timeout_s=config.heartbeat_interval_s)

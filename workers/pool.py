@@ -46,6 +46,7 @@ from shmtier.shared.ring import RingSet, ring_area_nbytes
 logger = logging.getLogger(__name__)
 
 _HEALTH_EVERY_S = 0.05
+_HEALTHY_RESET_S = 10.0
 _SPREAD_MIN_KEYS = 8
 
 
@@ -106,6 +107,7 @@ class WorkerPool:
         self._procs: list[Any] = [None] * self.n
         self._restart_at: list[float | None] = [None] * self.n
         self._restarts = [0] * self.n
+        self._started_ns = [0] * self.n
         self._next_health = 0.0
         self.restarts_total = 0
         self.failed_parts_total = 0
@@ -123,6 +125,7 @@ class WorkerPool:
         self._procs[w] = subprocess.Popen(
             [sys.executable, "-m", "shmtier.workers.job_loop", self.engine_id, str(w)],
             stdin=subprocess.DEVNULL)
+        self._started_ns[w] = time.monotonic_ns()
         self._restart_at[w] = None
 
     def _alive(self, w: int) -> bool:
@@ -167,7 +170,12 @@ class WorkerPool:
             need[w] += 1
         for w in range(self.n):
             ring = self.rings.worker(w).jobs
-            if need[w] and ring.slots - ring.depth() < need[w]:
+            if need[w] > ring.slots:
+                raise ValueError(
+                    f"{op} job of {len(keys)} keys needs {need[w]} ring slots on worker {w}, "
+                    f"more than its ring holds ({ring.slots}): submit fewer keys per job"
+                )
+            if need[w] and ring.free_slots() < need[w]:
                 return None
         for w, part, positions in planned:
             if not self.rings.worker(w).jobs.try_put(jobs.encode_job(part)):
@@ -266,8 +274,14 @@ class WorkerPool:
                 continue
             dead = not self._alive(w)
             beat = self.rings.worker(w).last_beat()
-            hung = (not dead and self._load[w] > 0 and beat.beat_ns
+            # Judge a worker by its own beats only: a replacement that has not beaten yet
+            # (still starting) is not hung, whatever its predecessor last wrote.
+            own_beat = beat.beat_ns and beat.beat_ns >= self._started_ns[w]
+            hung = (not dead and self._load[w] > 0 and own_beat
                     and beat.age_s() > self.heartbeat_timeout_s)
+            if (not dead and not hung and self._restarts[w] and own_beat
+                    and now - self._started_ns[w] / 1e9 > _HEALTHY_RESET_S):
+                self._restarts[w] = 0  # healthy for a while: the next failure backs off anew
             if dead or hung:
                 self._bury(w, "hung (no heartbeat for %.1f s)" % beat.age_s() if hung else "died")
 
@@ -317,8 +331,9 @@ class WorkerPool:
         """Stop the workers (spawn mode), fail what is left, remove the rings."""
         stop = jobs.encode_job(jobs.Job(0, "stop", 0))
         for w in range(self.n):
-            if self._procs[w] is not None:
-                self.rings.worker(w).jobs.try_put(stop)
+            proc = self._procs[w]
+            if proc is not None and not self.rings.worker(w).jobs.try_put(stop):
+                proc.terminate()  # ring full: SIGTERM makes it exit after its current batch
         deadline = time.monotonic() + timeout_s
         for w, proc in enumerate(self._procs):
             if proc is None:
@@ -329,4 +344,7 @@ class WorkerPool:
                 proc.kill()
                 proc.wait(5)
             self._procs[w] = None
+        for part_id in list(self._parts):
+            self._complete_part(jobs.Result.failed(part_id, "tier worker pool shut down",
+                                                   len(self._parts[part_id].positions)))
         self.rings.close()

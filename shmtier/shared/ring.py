@@ -365,6 +365,13 @@ class Ring:
         """Items ever taken (read from the segment; the consumer's commit counter)."""
         return self._ctr[_TAIL]
 
+    def free_slots(self) -> int:
+        """Slots a ``try_put`` can take right now (the spaces semaphore's value).
+
+        Exact for the producer: only it lowers the value; the consumer may
+        raise it meanwhile (a slot handed back), never lower it."""
+        return self._spaces.value
+
     def depth(self) -> int:
         """Items put and not yet taken (a snapshot; either end, any process)."""
         return max(0, self._ctr[_HEAD] - self._ctr[_TAIL])

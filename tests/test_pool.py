@@ -1,0 +1,796 @@
+"""The tier worker pool end to end: ``workers/pool.py`` driving real ``job_loop`` processes.
+
+Every test runs real worker processes (``python -m shmtier.workers.job_loop``) over a real
+POSIX segment, real ring semaphores and a real fs tier under ``tmp_path``; nothing is
+mocked. Faults are real signals: SIGKILL (a crash), SIGSTOP (a hang), a SIGKILLed
+scheduler (owner death). The ``pools`` fixture always shuts the pool down, kills any
+worker still running and closes (unlinks) the segment, also when a test fails; the
+suite-wide guard in conftest.py then checks that /dev/shm is as it was.
+
+Tests that touch pool internals (``pool._procs`` for worker pids, ``pool._parts`` for
+which worker holds a part) do so read-only, to observe, never to steer.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import multiprocessing as mp
+import os
+import random
+import re
+import signal
+import time
+from pathlib import Path
+
+import numpy as np
+import posix_ipc
+import pytest
+
+from shmtier.shared import jobs, procinfo
+from shmtier.shared.layout import ArenaGeometry
+from shmtier.shared.pool_config import PoolConfig
+from shmtier.shared.ring import (
+    RingSet,
+    clean_stale_ring_semaphores,
+    list_ring_semaphores,
+    ring_semaphore_segment,
+    semaphore_name,
+)
+from shmtier.shared.segment import (
+    clean_stale_segments,
+    list_segments,
+    open_segment,
+    segment_name,
+)
+from shmtier.workers.pool import WorkerPool, rings_len_for
+
+CTX = mp.get_context("spawn")
+SHM_DIR = "/dev/shm"
+KEY_BYTES = 36  # a 32-byte block hash + a 4-byte group index, as the scheduler sends
+_DIED = re.compile(r"tier worker (\d+) \(pid (\d+)\) died")
+_HUNG = re.compile(r"tier worker (\d+) \(pid (\d+)\) hung")
+
+
+# --- helpers ---------------------------------------------------------------------------
+
+
+def _key(i: int, tag: bytes = b"k") -> bytes:
+    return hashlib.sha256(tag + i.to_bytes(8, "big")).digest() + i.to_bytes(4, "big")
+
+
+def _bf16_rows(rng: np.random.Generator, n: int, nbytes: int) -> np.ndarray:
+    """``n`` rows of ``nbytes`` bf16-like bytes (the high halves of normal float32s)."""
+    f = rng.standard_normal(n * nbytes // 2, dtype=np.float32)
+    return (f.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8).reshape(n, nbytes)
+
+
+def _fs_tier(root: str) -> dict:
+    return {"kind": "fs", "kwargs": {"root_dir": root, "min_free_bytes": None}}
+
+
+def _kv_files(root: str | Path) -> list[Path]:
+    return sorted(Path(root).rglob("*.kv"))
+
+
+def _our_shm_entries(engine_id: str) -> list[str]:
+    base = segment_name(engine_id).lstrip("/")
+    try:
+        entries = os.listdir(SHM_DIR)
+    except FileNotFoundError:
+        return []
+    return sorted(e for e in entries if e == base or e.startswith(f"sem.{base}."))
+
+
+def _unlink_ours(engine_id: str) -> None:
+    """Last-resort cleanup of one engine's segment and ring semaphores (by exact name)."""
+    name = segment_name(engine_id)
+    try:
+        posix_ipc.unlink_shared_memory(name)
+    except posix_ipc.ExistentialError:
+        pass
+    base = name.lstrip("/")
+    for sem in list_ring_semaphores():
+        if ring_semaphore_segment("sem." + sem[1:]) == base:
+            try:
+                posix_ipc.unlink_semaphore(sem)
+            except posix_ipc.ExistentialError:
+                pass
+
+
+class PoolEnv:
+    """One segment (owned here) + a WorkerPool with an fs tier, and the arena as rows."""
+
+    def __init__(self, engine_id: str, root: str, *, num_workers: int = 2, slots: int = 64,
+                 slot_size: int = 4096, chunk_bytes: int = 4096, num_chunks: int = 64,
+                 heartbeat_interval_s: float = 0.25, heartbeat_timeout_s: float = 2.0,
+                 extra_tiers: tuple = (), mode: str = "spawn"):
+        assert chunk_bytes % 4096 == 0
+        self.engine_id = engine_id
+        self.root = root
+        self.closed = False
+        self.pool = None
+        self.cfg = PoolConfig(num_workers=num_workers, slots=slots, slot_size=slot_size,
+                              chunk_bytes=chunk_bytes, heartbeat_interval_s=heartbeat_interval_s,
+                              tiers=[_fs_tier(root), *extra_tiers])
+        geometry = ArenaGeometry(num_chunks=num_chunks, row_stride=chunk_bytes,
+                                 page_size_per_worker=chunk_bytes, world_size=1)
+        self.seg = open_segment(engine_id, geometry, f"fp-{engine_id}", owner=True,
+                                rings_len=rings_len_for(self.cfg))
+        try:
+            self.pool = WorkerPool(engine_id, self.seg, self.cfg, mode=mode,
+                                   heartbeat_timeout_s=heartbeat_timeout_s)
+        except BaseException:
+            self.seg.close()
+            self.closed = True
+            raise
+        self.arena = np.frombuffer(self.seg.arena, dtype=np.uint8).reshape(num_chunks, chunk_bytes)
+
+    def procs(self) -> list:
+        return [p for p in self.pool._procs if p is not None]
+
+    def close(self, timeout_s: float = 2.0) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        running = self.procs()
+        try:
+            self.pool.shutdown(timeout_s)
+        finally:
+            for proc in running + self.procs():
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait(5)
+            if not self.pool.rings.closed:
+                self.pool.rings.close()
+            self.arena = None
+            self.seg.close()
+
+
+@pytest.fixture
+def pools(engine_id, tmp_path):
+    """``pools(**kw) -> PoolEnv``; every pool made is shut down and its segment closed."""
+    made: list[PoolEnv] = []
+
+    def make(**kw) -> PoolEnv:
+        root = tmp_path / f"fs{len(made)}"
+        root.mkdir()
+        env = PoolEnv(f"{engine_id}-p{len(made)}", str(root), **kw)
+        made.append(env)
+        return env
+
+    yield make
+    errors: list[BaseException] = []
+    for env in reversed(made):
+        try:
+            env.close()
+        except Exception as e:  # close every pool even if one fails
+            errors.append(e)
+        left = _our_shm_entries(env.engine_id)
+        if left:  # a leak of the code under test: remove it, then report it
+            _unlink_ours(env.engine_id)
+            errors.append(AssertionError(f"pool {env.engine_id} left {left} behind"))
+    if errors:
+        raise errors[0]
+
+
+def wait_up(env: PoolEnv, timeout_s: float = 20.0) -> list[int]:
+    """Wait until every worker process runs and has claimed its slot; return their pids."""
+    pool = env.pool
+    deadline = time.monotonic() + timeout_s
+    while True:
+        pool.poll()
+        procs = pool._procs
+        if all(p is not None and p.poll() is None
+               and pool.rings.worker(w).last_beat().pid == p.pid for w, p in enumerate(procs)):
+            return [p.pid for p in procs]
+        assert time.monotonic() < deadline, "tier workers did not come up"
+        time.sleep(0.01)
+
+
+def submit(pool: WorkerPool, *args, timeout_s: float = 30.0, **kw) -> int:
+    """``pool.submit``, retrying (with polls) while the rings are full."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        jid = pool.submit(*args, **kw)
+        if jid is not None:
+            return jid
+        assert time.monotonic() < deadline, "rings stayed full"
+        pool.poll()
+        time.sleep(0.001)
+
+
+def collect(pool: WorkerPool, ids, tier: int = 0, timeout_s: float = 30.0) -> dict:
+    """Drain and take; every id in ``ids`` reported exactly once, nothing else."""
+    pool.drain(timeout_s)
+    got: dict[int, object] = {}
+    for r in pool.take(tier):
+        assert r.job_id not in got, f"job {r.job_id} reported twice"
+        got[r.job_id] = r
+    assert set(got) == set(ids), f"missing {set(ids) - set(got)}, unknown {set(got) - set(ids)}"
+    return got
+
+
+def run(pool: WorkerPool, op: str, tier: int, keys, rows=None, timeout_s: float = 30.0):
+    jid = submit(pool, op, tier, list(keys), rows)
+    return collect(pool, [jid], tier, timeout_s)[jid]
+
+
+def _alive(pid: int, start: int) -> bool:
+    return procinfo.is_alive(pid, start, procinfo.boot_id())
+
+
+# --- 1. byte-exact round trip ----------------------------------------------------------
+
+
+def test_round_trip_many_chunks_split_over_slots_and_workers(pools):
+    n, chunk = 200, 16 << 10
+    env = pools(num_workers=2, slots=64, slot_size=1024, chunk_bytes=chunk, num_chunks=2 * n)
+    pool, arena = env.pool, env.arena
+    rng = np.random.default_rng(1)
+    arena[:n] = _bf16_rows(rng, n, chunk)
+    arena[n:] = rng.integers(0, 256, (n, chunk), dtype=np.uint8)  # not the source bytes
+    source = arena[:n].copy()
+    keys = [_key(i) for i in range(n)]
+    wait_up(env)
+
+    heads = [pool.rings.worker(w).jobs.head for w in range(2)]
+    jid = submit(pool, "store", 0, keys, list(range(n)))
+    puts = [pool.rings.worker(w).jobs.head - heads[w] for w in range(2)]
+    # the 7+ KiB descriptor was split into slot-sized parts, and spread over both workers
+    assert all(p >= 2 for p in puts), puts
+    assert sum(puts) >= 200 * (KEY_BYTES + 2) // 1016
+    stored = collect(pool, [jid])[jid]
+    assert stored.outcomes == [jobs.OK] * n, stored.error
+    assert stored.error == ""
+    assert stored.logical_bytes == n * chunk
+    assert 0 < stored.stored_bytes < n * chunk  # bf16 compresses (byte-split + zstd)
+    files = _kv_files(env.root)
+    assert len(files) == n
+    assert sum(f.stat().st_size for f in files) == stored.stored_bytes
+
+    loaded = run(pool, "load", 0, keys, list(range(n, 2 * n)))
+    assert loaded.outcomes == [jobs.OK] * n, loaded.error
+    assert loaded.logical_bytes == n * chunk
+    assert np.array_equal(arena[n:], source), "loaded rows differ from the stored rows"
+    assert np.array_equal(arena[:n], source), "a store or load wrote to the source rows"
+
+    scan = run(pool, "scan", 0, [])
+    assert scan.error == ""
+    assert len(scan.scan_keys) == n  # listed once each, across several result slots
+    assert set(scan.scan_keys) == set(keys)
+    assert scan.stored_bytes == stored.stored_bytes
+    assert run(pool, "probe", 0, keys).outcomes == [jobs.OK] * n
+
+    deleted = run(pool, "delete", 0, keys)
+    assert deleted.outcomes == [jobs.OK] * n, deleted.error
+    assert _kv_files(env.root) == []
+    again = run(pool, "load", 0, keys, list(range(n, 2 * n)))
+    assert again.outcomes == [jobs.MISS] * n
+    assert run(pool, "scan", 0, []).scan_keys == []
+    assert run(pool, "delete", 0, keys).outcomes == [jobs.MISS] * n
+    assert pool.restarts_total == 0 and pool.failed_parts_total == 0
+
+
+# --- 2. exactly once under random SIGKILLs ---------------------------------------------
+
+STRESS_JOBS = 100_000
+STRESS_MAX_S = 15.0  # stop submitting after this long (a slow machine checks fewer jobs)
+STRESS_STORE_EVERY = 50
+STRESS_IN_FLIGHT = 64
+
+
+def test_exactly_once_under_random_sigkills(pools):
+    """10^5 one-key jobs (probes, every 50th a store) with a worker SIGKILLed every
+    0.2-0.5 s: each pool job id is reported exactly once, failures name the killed
+    worker, and every store that reported OK loads back byte-exactly.
+
+    Kills only hit a pool whose two workers both run: the pool's restart backoff
+    doubles per restart and never resets (0.1 s ... 5 s), so killing the only live
+    worker would leave the pool idle for seconds. Hang detection is out of the way
+    (heartbeat timeout 30 s): only death is tested here.
+
+    At most 64 jobs are in flight against 128-slot rings, so a ring never fills, even
+    with the up to 32 space tokens a worker killed inside ``get_many`` takes with it
+    (see test_submit_reports_backpressure_while_a_space_is_not_yet_returned for what
+    ``submit`` does when the counters and the semaphore disagree).
+    """
+    chunk = 4096
+    n_store = STRESS_JOBS // STRESS_STORE_EVERY
+    env = pools(num_workers=2, slots=128, slot_size=1024, chunk_bytes=chunk,
+                num_chunks=2 * n_store, heartbeat_timeout_s=30.0)
+    pool, arena = env.pool, env.arena
+    rng = random.Random(2)
+    arena[:n_store] = np.random.default_rng(2).integers(0, 256, (n_store, chunk), dtype=np.uint8)
+    wait_up(env)
+
+    submitted: dict[int, tuple[str, int]] = {}
+    seen: dict[int, object] = {}
+    killed: set[tuple[int, int]] = set()  # (worker index, pid)
+    nones = 0
+
+    def take_all() -> None:
+        for r in pool.take(0):
+            assert r.job_id in submitted, f"unknown pool job id {r.job_id}"
+            assert r.job_id not in seen, f"pool job {r.job_id} reported twice"
+            seen[r.job_id] = r
+
+    t0 = time.monotonic()
+    next_kill = t0 + rng.uniform(0.2, 0.5)
+    i = 0
+    target = STRESS_JOBS
+    while i < target or pool.outstanding():
+        now = time.monotonic()
+        if now >= next_kill:
+            procs = list(pool._procs)
+            if all(p is not None and p.poll() is None for p in procs):
+                w = rng.randrange(len(procs))
+                procs[w].send_signal(signal.SIGKILL)
+                killed.add((w, procs[w].pid))
+            next_kill = now + rng.uniform(0.2, 0.5)
+        if i < target and now - t0 > STRESS_MAX_S:
+            target = i
+        while i < target and pool.outstanding() < STRESS_IN_FLIGHT:
+            if i % STRESS_STORE_EVERY == 0:
+                s = i // STRESS_STORE_EVERY
+                jid = pool.submit("store", 0, [_key(s, b"s")], [s])
+                meta = ("store", s)
+            else:
+                jid = pool.submit("probe", 0, [_key(i % 4096, b"p")])
+                meta = ("probe", -1)
+            if jid is None:  # rings full: poll and retry later
+                nones += 1
+                break
+            assert jid not in submitted
+            submitted[jid] = meta
+            i += 1
+        pool.poll()
+        take_all()
+        if pool.outstanding() >= STRESS_IN_FLIGHT:
+            time.sleep(0.0002)
+    elapsed = time.monotonic() - t0
+    # the last kill is noticed by the next health check
+    deadline = time.monotonic() + 5
+    while pool.restarts_total < len(killed) and time.monotonic() < deadline:
+        pool.poll()
+        time.sleep(0.01)
+    settle = time.monotonic() + 0.3  # nothing reported late or twice
+    while time.monotonic() < settle:
+        pool.poll()
+        take_all()
+        time.sleep(0.01)
+    print(f"\nexactly-once stress: {i} jobs in {elapsed:.1f} s = {i / elapsed:.0f} jobs/s, "
+          f"{len(killed)} SIGKILLs, {pool.restarts_total} restarts, "
+          f"{pool.failed_parts_total} failed parts, {nones} full-ring retries")
+
+    assert i >= 20_000, f"only {i} jobs in {STRESS_MAX_S} s"
+    assert len(killed) >= 3
+    assert pool.outstanding() == 0
+    assert set(seen) == set(submitted), (
+        f"{len(set(submitted) - set(seen))} jobs never reported")
+    assert pool.restarts_total == len(killed) > 0
+
+    failed = 0
+    ok_stores = []
+    for jid, (op, s) in submitted.items():
+        r = seen[jid]
+        (code,) = r.outcomes
+        if code == jobs.ERROR:
+            failed += 1
+            m = _DIED.search(r.error)
+            assert m, f"job {jid} ({op}) failed without naming a dead worker: {r.error!r}"
+            assert (int(m.group(1)), int(m.group(2))) in killed, r.error
+        elif op == "probe":
+            assert code == jobs.MISS, (jid, r.outcomes, r.error)
+        else:
+            assert code == jobs.OK, (jid, r.outcomes, r.error)
+            ok_stores.append(s)
+    assert failed == pool.failed_parts_total  # one part per job
+    assert failed > 0, "no kill caught a job in flight"
+    assert len(ok_stores) > 0.5 * (target // STRESS_STORE_EVERY)
+
+    # stores that reported OK are on disk, intact (no kill left a torn file behind)
+    for start in range(0, len(ok_stores), 256):
+        batch = ok_stores[start:start + 256]
+        r = run(pool, "load", 0, [_key(s, b"s") for s in batch], [n_store + s for s in batch])
+        assert r.outcomes == [jobs.OK] * len(batch), r.error
+    ok = np.array(ok_stores)
+    assert np.array_equal(arena[n_store + ok], arena[ok])
+
+
+# --- 3. a hung worker ------------------------------------------------------------------
+
+
+def test_hung_worker_is_detected_failed_and_replaced(pools):
+    timeout = 1.0
+    env = pools(num_workers=2, heartbeat_interval_s=0.1, heartbeat_timeout_s=timeout,
+                num_chunks=64)
+    pool, arena = env.pool, env.arena
+    arena[:32] = np.random.default_rng(3).integers(0, 256, (32, 4096), dtype=np.uint8)
+    wait_up(env)
+    hung = pool._procs[0]
+    try:
+        hung.send_signal(signal.SIGSTOP)
+        t0 = time.monotonic()
+        key = _key(1, b"hung")
+        jid = submit(pool, "probe", 0, [key])
+        assert pool.rings.worker(0).jobs.depth() == 1, "the job should wait for worker 0"
+        r = collect(pool, [jid], timeout_s=timeout + 5)[jid]
+        detected = time.monotonic() - t0
+        assert r.outcomes == [jobs.ERROR]
+        m = _HUNG.search(r.error)
+        assert m and m.group(1) == "0" and int(m.group(2)) == hung.pid, r.error
+        # the beat age counts from the last beat (every 0.1 s, later on a busy machine)
+        assert timeout - 0.5 <= detected <= timeout + 1.5, detected
+        assert hung.poll() == -signal.SIGKILL  # the pool killed (and reaped) it
+        assert pool.restarts_total == 1 and pool.failed_parts_total == 1
+
+        new_pids = wait_up(env, timeout_s=10)
+        assert new_pids[0] != hung.pid
+        keys = [_key(i, b"after") for i in range(32)]
+        stored = run(pool, "store", 0, keys, list(range(32)))
+        assert stored.outcomes == [jobs.OK] * 32, stored.error
+        loaded = run(pool, "load", 0, keys, list(range(32, 64)))
+        assert loaded.outcomes == [jobs.OK] * 32, loaded.error
+        assert np.array_equal(arena[32:64], arena[:32])
+        assert run(pool, "probe", 0, [key]).outcomes == [jobs.MISS]
+        assert pool.restarts_total == 1
+    finally:
+        if hung.poll() is None:
+            hung.send_signal(signal.SIGCONT)
+            hung.kill()
+            hung.wait(5)
+
+
+def test_replacement_is_not_judged_by_its_predecessors_heartbeat(pools):
+    env = pools(num_workers=1, heartbeat_interval_s=0.1, heartbeat_timeout_s=0.6)
+    pool = env.pool
+    wait_up(env)
+    hung = pool._procs[0]
+    hung.send_signal(signal.SIGSTOP)
+    try:
+        first = run(pool, "probe", 0, [_key(1, b"x")], timeout_s=5)
+        assert first.outcomes == [jobs.ERROR] and "hung" in first.error
+        assert pool.restarts_total == 1
+        # The worker is down (restart backoff, 0.1 s): the next job waits in its ring for
+        # the replacement, which must be given the time to start and beat.
+        second = run(pool, "probe", 0, [_key(2, b"x")], timeout_s=10)
+        assert second.outcomes == [jobs.MISS], second.error
+        assert pool.restarts_total == 1
+    finally:
+        if hung.poll() is None:
+            hung.kill()
+            hung.wait(5)
+
+
+# --- 4. malformed descriptors ----------------------------------------------------------
+
+
+def test_malformed_descriptors_and_backendless_tiers_get_error_results(pools, caplog):
+    # tier 0: fs; tier 1: a tier without a worker half (its scheduler half does its own I/O)
+    env = pools(num_workers=1, num_chunks=8, extra_tiers=(None,))
+    pool, arena = env.pool, env.arena
+    [pid] = wait_up(env)
+    arena[:4] = np.random.default_rng(4).integers(0, 256, (4, 4096), dtype=np.uint8)
+    garbage = [
+        b"\xc1garbage",  # 0xc1 is never valid msgpack
+        b"",
+        jobs.encode_job(jobs.Job(900_001, "probe", 0, [b"k" * 36]))[:-5],  # truncated
+        b"\x98\x07\x00\xce" + (900_002).to_bytes(4, "big") + b"\x04\x00\x90\x90\x80",  # v7
+        b"\x98\x01\x00\xce" + (900_003).to_bytes(4, "big") + b"\x63\x00\x90\x90\x80",  # op 99
+    ]
+    for raw in garbage:
+        with pytest.raises(jobs.MalformedJob):
+            jobs.decode_job(raw)
+    results = pool.rings.worker(0).results
+    answered_before = results.head
+    with caplog.at_level(logging.ERROR, logger="shmtier.workers.pool"):
+        for raw in garbage:
+            assert pool.rings.worker(0).jobs.try_put(raw)
+        deadline = time.monotonic() + 10
+        while results.head - answered_before < len(garbage):
+            assert time.monotonic() < deadline, "the worker did not answer every malformed job"
+            time.sleep(0.01)
+        pool.poll()
+    # one error result each (job id 0 when none could be read); the pool ignores
+    # results for ids it never issued
+    unknown = [r.getMessage() for r in caplog.records if "unknown job" in r.getMessage()]
+    assert len(unknown) == len(garbage), unknown
+    assert any("900003" in m for m in unknown) and any("job 0 " in m for m in unknown), unknown
+    assert pool.take(0) == [] and pool.outstanding() == 0
+
+    no_backend = run(pool, "probe", 1, [_key(1, b"t1")])
+    assert no_backend.outcomes == [jobs.ERROR]
+    assert "tier 1 has no worker backend" in no_backend.error
+    no_tier = pool.submit("store", 7, [_key(1, b"t7")], [0])
+    got = collect(pool, [no_tier], tier=7)[no_tier]
+    assert got.outcomes == [jobs.ERROR] and "tier 7 has no worker backend" in got.error
+    with pytest.raises(ValueError, match="frobnicate"):
+        pool.submit("frobnicate", 0, [_key(1, b"op")])
+    assert pool.outstanding() == 0
+
+    # the same worker process still serves normal jobs
+    assert env.procs()[0].pid == pid and env.procs()[0].poll() is None
+    keys = [_key(i, b"m") for i in range(4)]
+    assert run(pool, "store", 0, keys, [0, 1, 2, 3]).outcomes == [jobs.OK] * 4
+    assert run(pool, "load", 0, keys, [4, 5, 6, 7]).outcomes == [jobs.OK] * 4
+    assert np.array_equal(arena[4:8], arena[:4])
+    assert pool.restarts_total == 0 and pool.failed_parts_total == 0
+
+
+# --- 5. owner death ----------------------------------------------------------------------
+
+
+def _owner_child(engine_id: str, root: str, conn) -> None:
+    """A scheduler stand-in: own the segment, run a pool, report worker pids, then wait."""
+    cfg = PoolConfig(num_workers=2, slots=16, slot_size=1024, chunk_bytes=4096,
+                     heartbeat_interval_s=0.1, tiers=[_fs_tier(root)])
+    geometry = ArenaGeometry(num_chunks=8, row_stride=4096, page_size_per_worker=4096,
+                             world_size=1)
+    seg = open_segment(engine_id, geometry, "fp-owner-death", owner=True,
+                       rings_len=rings_len_for(cfg))
+    pool = WorkerPool(engine_id, seg, cfg)
+    deadline = time.monotonic() + 20
+    while not all(pool.rings.worker(w).last_beat().pid == p.pid
+                  for w, p in enumerate(pool._procs)):
+        if time.monotonic() > deadline:
+            break
+        pool.poll()
+        time.sleep(0.01)
+    jid = pool.submit("probe", 0, [b"k" * 36])
+    pool.drain(10)
+    conn.send({"segment": seg.name, "ok": [r.job_id for r in pool.take(0)] == [jid],
+               "workers": [(p.pid, procinfo.start_time(p.pid)) for p in pool._procs]})
+    time.sleep(120)  # killed by the test long before
+
+
+def test_workers_exit_when_the_scheduler_dies_and_clean_removes_the_rest(engine_id, tmp_path):
+    eid = f"{engine_id}-owner"
+    parent_conn, child_conn = CTX.Pipe()
+    child = CTX.Process(target=_owner_child, args=(eid, str(tmp_path), child_conn))
+    workers: list[tuple[int, int]] = []
+    child.start()
+    try:
+        assert parent_conn.poll(30), "the scheduler child did not start its pool"
+        info = parent_conn.recv()
+        workers = info["workers"]
+        assert info["ok"] and info["segment"] == segment_name(eid)
+        assert len(workers) == 2 and all(_alive(pid, st) for pid, st in workers)
+
+        os.kill(child.pid, signal.SIGKILL)
+        child.join(10)
+        t0 = time.monotonic()
+        while any(_alive(pid, st) for pid, st in workers):
+            assert time.monotonic() - t0 < 5, "tier workers outlived their scheduler by 5 s"
+            time.sleep(0.02)
+        print(f"\nworkers exited {time.monotonic() - t0:.2f} s after the scheduler died")
+
+        # What the dead scheduler left: a stale segment and its 8 ring semaphores. /dev/shm
+        # is host-wide: a `shmtier clean` or a leak guard of another run on this host may
+        # remove them first, so the exact checks apply to what is still there.
+        seg_entry = segment_name(eid).lstrip("/")
+        ours = {semaphore_name(segment_name(eid), w, kind, which)
+                for w in range(2) for kind in ("job", "res") for which in ("items", "spaces")}
+        left = set(_our_shm_entries(eid))
+        assert left <= {seg_entry} | {"sem." + n[1:] for n in ours}, left
+        statuses = [s for s in list_segments() if s.name == segment_name(eid)]
+        assert not any(s.alive for s in statuses), "the dead scheduler's segment counts as alive"
+        removed = set(clean_stale_segments()) | set(clean_stale_ring_semaphores())
+        if len(left) == 9:  # the usual case: nobody else removed them first
+            assert {segment_name(eid)} | ours <= removed, removed
+        assert _our_shm_entries(eid) == []
+    finally:
+        if child.is_alive():
+            child.kill()
+        child.join(10)
+        for pid, st in workers:
+            if _alive(pid, st):
+                os.kill(pid, signal.SIGKILL)
+        _unlink_ours(eid)
+
+
+# --- 6. per-key ordering -----------------------------------------------------------------
+
+
+def test_store_load_delete_of_the_same_keys_run_in_submit_order(pools):
+    n, chunk = 24, 256 << 10  # big chunks: a store takes long enough to be overtaken
+    env = pools(num_workers=2, slots=64, slot_size=1024, chunk_bytes=chunk, num_chunks=4 * n)
+    pool, arena = env.pool, env.arena
+    rng = np.random.default_rng(6)
+    arena[:] = rng.integers(0, 256, arena.shape, dtype=np.uint8)
+    src_a, dst_a, src_b, dst_b = (list(range(k * n, (k + 1) * n)) for k in range(4))
+    keys = [_key(i, b"order") for i in range(n)]
+    wait_up(env)
+
+    plan = [("store", src_a), ("load", dst_a), ("delete", None), ("load", dst_b),
+            ("store", src_b), ("load", dst_b), ("probe", None)]
+    ids, owner = [], {}
+    for op, rows in plan:  # back to back, no poll in between
+        before = set(pool._parts)
+        jid = pool.submit(op, 0, keys, rows)
+        assert jid is not None
+        ids.append(jid)
+        for part_id in set(pool._parts) - before:
+            part = pool._parts[part_id]
+            for pos in part.positions:
+                owner.setdefault(pos, set()).add(part.worker)
+    assert all(len(ws) == 1 for ws in owner.values()), owner  # one worker per key
+    assert set().union(*owner.values()) == {0, 1}  # the keys were spread over both
+    got = collect(pool, ids, timeout_s=60)
+    outcomes = [got[j].outcomes for j in ids]
+    expect = [jobs.OK, jobs.OK, jobs.OK, jobs.MISS, jobs.OK, jobs.OK, jobs.OK]
+    for (op, _), want, have, j in zip(plan, expect, outcomes, ids):
+        assert have == [want] * n, (op, have, got[j].error)
+    assert np.array_equal(arena[dst_b[0]:dst_b[-1] + 1], arena[src_b[0]:src_b[-1] + 1])
+    assert not np.array_equal(arena[src_a[0]:src_a[-1] + 1], arena[src_b[0]:src_b[-1] + 1])
+    # dst_a was overwritten by nothing after the first load: it holds src_a's bytes
+    assert np.array_equal(arena[dst_a[0]:dst_a[-1] + 1], arena[src_a[0]:src_a[-1] + 1])
+
+
+# --- 7. backpressure -------------------------------------------------------------------
+
+
+def test_full_rings_make_submit_return_none_without_side_effects(pools):
+    chunk = 1 << 20
+    env = pools(num_workers=1, slots=2, slot_size=512, chunk_bytes=chunk, num_chunks=16,
+                heartbeat_timeout_s=30.0)
+    pool, arena = env.pool, env.arena
+    arena[:] = np.random.default_rng(7).integers(0, 256, arena.shape, dtype=np.uint8)
+    wait_up(env)
+    ring = pool.rings.worker(0).jobs
+
+    # a slow stream (two 1 MiB chunks per job) into a two-slot ring
+    accepted, rejected, worst = {}, [], 0.0
+    i = 0
+    deadline = time.monotonic() + 30
+    while len(accepted) < 12 or not rejected:
+        assert time.monotonic() < deadline, (len(accepted), len(rejected))
+        keys = [_key(2 * i, b"bp"), _key(2 * i + 1, b"bp")]
+        rows = [(2 * i) % 16, (2 * i + 1) % 16]
+        state = (pool.outstanding(), ring.head)
+        t = time.perf_counter()
+        jid = pool.submit("store", 0, keys, rows)
+        worst = max(worst, time.perf_counter() - t)
+        if jid is None:
+            assert (pool.outstanding(), ring.head) == state
+            rejected.append(keys)
+        else:
+            accepted[jid] = keys
+        pool.poll()
+        i += 1
+        time.sleep(0.001)  # a job takes ~10 ms: offer one every millisecond
+    assert worst < 0.05, f"submit took {worst * 1e3:.1f} ms: it must never block"
+    got = collect(pool, accepted, timeout_s=30)
+    assert all(r.outcomes == [jobs.OK, jobs.OK] for r in got.values())
+    refused = [k for keys in rejected for k in keys]
+    for start in range(0, len(refused), 8):  # 8 keys fit one slot
+        batch = refused[start:start + 8]
+        assert run(pool, "probe", 0, batch).outcomes == [jobs.MISS] * len(batch)
+
+    # deterministic: a stopped worker, one slot taken, a two-part job does not fit
+    proc = env.procs()[0]
+    proc.send_signal(signal.SIGSTOP)
+    try:
+        one = pool.submit("probe", 0, [_key(1, b"one")])
+        assert one is not None and ring.depth() == 1
+        big = [_key(i, b"big") for i in range(20)]  # ~800 B: two parts of a 504 B payload
+        assert len(jobs.split_job(jobs.Job(1, "store", 0, big, list(range(20))),
+                                  ring.max_payload, iter(range(2, 99)).__next__)) == 2
+        head, outstanding = ring.head, pool.outstanding()
+        assert pool.submit("store", 0, big, [i % 16 for i in range(20)]) is None
+        assert (ring.head, ring.depth(), pool.outstanding()) == (head, 1, outstanding)
+        two = pool.submit("probe", 0, [_key(2, b"one")])
+        assert two is not None and ring.depth() == 2
+        assert pool.submit("probe", 0, [_key(3, b"one")]) is None
+        assert ring.depth() == 2 and pool.outstanding() == outstanding + 1
+    finally:
+        proc.send_signal(signal.SIGCONT)
+    got = collect(pool, [one, two], timeout_s=30)
+    assert [got[one].outcomes, got[two].outcomes] == [[jobs.MISS], [jobs.MISS]]
+    assert run(pool, "probe", 0, big).outcomes == [jobs.MISS] * 20  # never stored
+    assert pool.restarts_total == 0
+
+
+def test_submit_reports_backpressure_while_a_space_is_not_yet_returned(pools):
+    # external mode: this test is the worker (the job ring's one consumer)
+    env = pools(num_workers=1, slots=4, slot_size=512, mode="external", num_chunks=8)
+    pool = env.pool
+    consumer = RingSet.attach(env.seg.name, env.seg.rings, worker=0)
+    spaces = posix_ipc.Semaphore(semaphore_name(env.seg.name, 0, "job", "spaces"))
+    try:
+        ids = [pool.submit("probe", 0, [_key(i, b"ext")]) for i in range(4)]
+        assert None not in ids
+        assert pool.submit("probe", 0, [_key(9, b"ext")]) is None  # full
+        # The consumer takes one job. Its space token is taken back at once: the state
+        # inside Ring.get_many after `tail` is committed and before spaces.release() (and
+        # the state a worker SIGKILLed right there leaves until the pool resyncs).
+        assert len(consumer.worker(0).jobs.get_many(1, timeout_s=0)) == 1
+        spaces.acquire(0)
+        outstanding = pool.outstanding()
+        assert pool.submit("probe", 0, [_key(10, b"ext")]) is None
+        assert pool.outstanding() == outstanding
+    finally:
+        spaces.close()
+        consumer.close()
+
+
+def test_submit_rejects_a_job_that_can_never_fit_the_rings(pools):
+    env = pools(num_workers=1, slots=2, slot_size=512, num_chunks=64)
+    keys = [_key(i, b"huge") for i in range(60)]  # ~2.4 KB: five parts of a 504 B payload
+    with pytest.raises(ValueError):
+        env.pool.submit("store", 0, keys, list(range(60)))
+
+
+# --- 8. shutdown -------------------------------------------------------------------------
+
+
+def test_shutdown_with_jobs_in_flight_leaves_no_process_and_no_shm(pools):
+    chunk = 256 << 10
+    env = pools(num_workers=2, slots=64, slot_size=1024, chunk_bytes=chunk, num_chunks=32)
+    pool, arena = env.pool, env.arena
+    arena[:] = np.random.default_rng(8).integers(0, 256, arena.shape, dtype=np.uint8)
+    pids = wait_up(env)
+    starts = [procinfo.start_time(pid) for pid in pids]
+    procs = env.procs()
+    for j in range(16):
+        submit(pool, "store", 0, [_key(4 * j + k, b"sd") for k in range(4)],
+               [(4 * j + k) % 32 for k in range(4)])
+    assert pool.outstanding() > 0
+    t = time.monotonic()
+    env.close(timeout_s=10)
+    took = time.monotonic() - t
+    assert took < 5, took
+    # the stop queued behind the jobs: each worker finished its jobs and exited cleanly
+    assert [p.returncode for p in procs] == [0, 0]
+    assert not any(_alive(pid, st) for pid, st in zip(pids, starts))
+    assert _our_shm_entries(env.engine_id) == []
+    assert list(Path(env.root).rglob("*.tmp")) == []  # no half-written chunk left behind
+
+
+def test_shutdown_kills_a_stopped_worker_and_leaves_nothing(pools):
+    env = pools(num_workers=2, heartbeat_timeout_s=30.0)
+    pool = env.pool
+    pids = wait_up(env)
+    starts = [procinfo.start_time(pid) for pid in pids]
+    procs = env.procs()
+    procs[1].send_signal(signal.SIGSTOP)
+    for i in range(8):
+        submit(pool, "probe", 0, [_key(i, b"stop")])
+    t = time.monotonic()
+    env.close(timeout_s=1.0)
+    assert time.monotonic() - t < 4
+    assert procs[1].returncode == -signal.SIGKILL
+    assert not any(_alive(pid, st) for pid, st in zip(pids, starts))
+    assert _our_shm_entries(env.engine_id) == []
+
+
+def test_shutdown_with_full_job_rings_stops_workers_cleanly(pools):
+    chunk = 256 << 10
+    env = pools(num_workers=1, slots=4, slot_size=512, chunk_bytes=chunk, num_chunks=16)
+    pool, arena = env.pool, env.arena
+    arena[:] = np.random.default_rng(9).integers(0, 256, arena.shape, dtype=np.uint8)
+    wait_up(env)
+    proc = env.procs()[0]
+    j = 0
+    while pool.submit("store", 0, [_key(j, b"full")], [j % 16]) is not None:
+        j += 1
+        assert j < 1000
+    assert j >= 4
+    t = time.monotonic()
+    env.close(timeout_s=1.5)  # the backlog (4-5 small stores) takes milliseconds
+    took = time.monotonic() - t
+    assert proc.returncode == 0, f"worker exit code {proc.returncode} after {took:.1f} s"
+    assert took < 1.0
+
+
+def test_shutdown_fails_the_jobs_left_in_flight(pools):
+    env = pools(num_workers=1, heartbeat_timeout_s=30.0)
+    pool = env.pool
+    wait_up(env)
+    env.procs()[0].send_signal(signal.SIGSTOP)
+    ids = [submit(pool, "probe", 0, [_key(i, b"left")]) for i in range(3)]
+    pool.shutdown(timeout_s=0.5)
+    assert pool.outstanding() == 0
+    results = pool.take(0)
+    assert sorted(r.job_id for r in results) == sorted(ids)
+    assert all(r.outcomes == [jobs.ERROR] and r.error for r in results)
