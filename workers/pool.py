@@ -328,7 +328,13 @@ class WorkerPool:
             time.sleep(0.001)
 
     def shutdown(self, timeout_s: float = 5.0) -> None:
-        """Stop the workers (spawn mode), fail what is left, remove the rings."""
+        """Let queued jobs finish (up to ``timeout_s``), stop the workers (spawn mode),
+        fail what is left, remove the rings."""
+        if self._parents and any(self._alive(w) for w in range(self.n)):
+            try:
+                self.drain(timeout_s)
+            except TimeoutError:
+                logger.warning("tier worker pool: %d jobs unfinished at shutdown", len(self._parents))
         stop = jobs.encode_job(jobs.Job(0, "stop", 0))
         for w in range(self.n):
             proc = self._procs[w]
