@@ -108,6 +108,7 @@ class WorkerPool:
         self._restart_at: list[float | None] = [None] * self.n
         self._restarts = [0] * self.n
         self._started_ns = [0] * self.n
+        self._live: list[int] = []  # refreshed by the health check (submit must not poll pids)
         self._next_health = 0.0
         self.restarts_total = 0
         self.failed_parts_total = 0
@@ -115,6 +116,7 @@ class WorkerPool:
             try:
                 for w in range(self.n):
                     self._start(w)
+                self._live = list(range(self.n))
             except BaseException:
                 self.shutdown()
                 raise
@@ -139,7 +141,7 @@ class WorkerPool:
     def submit(self, op: str, tier: int, keys: list[bytes], rows: list[int] | None = None,
                args: dict | None = None) -> int | None:
         """Queue one job; returns its pool job id, or None if the rings are full."""
-        live = [w for w in range(self.n) if self._alive(w)] or list(range(self.n))
+        live = self._live or list(range(self.n))
         groups: dict[int, list[int]] = {}
         unbound: list[int] = []
         for pos, key in enumerate(keys):
@@ -157,16 +159,23 @@ class WorkerPool:
                 if chunk or not keys:
                     groups.setdefault(w, []).extend(chunk)
         parent_id = next(self._ids)
-        planned: list[tuple[int, jobs.Job, list[int]]] = []
+        planned: list[tuple[int, int, bytes, list[bytes], list[int]]] = []
         for w, positions in groups.items():
-            job = jobs.Job(next(self._ids), op, tier, [keys[p] for p in positions],
-                           [rows[p] for p in positions] if rows else [], dict(args or {}))
+            part_keys = [keys[p] for p in positions]
+            part_rows = [rows[p] for p in positions] if rows else []
+            job_id = next(self._ids)
+            payload = jobs.pack_job(job_id, op, tier, part_keys, part_rows, args)
+            if len(payload) <= self._max_payload:  # the common case: encoded once
+                planned.append((w, job_id, payload, part_keys, positions))
+                continue
+            job = jobs.Job(job_id, op, tier, part_keys, part_rows, dict(args or {}))
             offset = 0
             for part in jobs.split_job(job, self._max_payload, self._ids.__next__):
-                planned.append((w, part, positions[offset:offset + len(part.keys)]))
+                planned.append((w, part.job_id, jobs.encode_job(part), part.keys,
+                                positions[offset:offset + len(part.keys)]))
                 offset += len(part.keys)
         need = [0] * self.n
-        for w, _, _ in planned:
+        for w, *_ in planned:
             need[w] += 1
         for w in range(self.n):
             ring = self.rings.worker(w).jobs
@@ -177,12 +186,12 @@ class WorkerPool:
                 )
             if need[w] and ring.free_slots() < need[w]:
                 return None
-        for w, part, positions in planned:
-            if not self.rings.worker(w).jobs.try_put(jobs.encode_job(part)):
+        for w, part_id, payload, part_keys, positions in planned:
+            if not self.rings.worker(w).jobs.try_put(payload):
                 raise RuntimeError(f"job ring of worker {w} refused a job after a capacity check")
-            self._parts[part.job_id] = _Part(parent_id, w, positions)
+            self._parts[part_id] = _Part(parent_id, w, positions)
             self._load[w] += 1
-            for key in part.keys:
+            for key in part_keys:
                 binding = self._bound.get(key)
                 if binding is None:
                     self._bound[key] = [w, 1]
@@ -218,6 +227,8 @@ class WorkerPool:
 
     def _drain_results(self, w: int) -> None:
         ring = self.rings.worker(w).results
+        if not ring.depth():
+            return  # two loads from the segment; no semaphore syscall on an empty ring
         while True:
             batch = ring.get_many(256, timeout_s=0)
             if not batch:
@@ -265,6 +276,7 @@ class WorkerPool:
     # --- failure handling ---
 
     def _check_health(self, now: float) -> None:
+        self._live = [w for w in range(self.n) if self._alive(w)]
         for w in range(self.n):
             if self._restart_at[w] is not None:
                 if now >= self._restart_at[w]:

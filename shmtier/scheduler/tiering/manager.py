@@ -157,6 +157,8 @@ class TieringOffloadingManager:
         self._num_chunks = max(primary._num_chunks, 1)
         self._next_job_id = 0
         self._jobs: dict[int, tuple[TransferJob, int]] = {}
+        # in-flight [jobs, rows] per tier, kept as jobs come and go (get_stats runs every step)
+        self._active = {True: [[0, 0] for _ in tiers], False: [[0, 0] for _ in tiers]}
         self._pending_promotions: list[dict[str, tuple[ReqContext, list, list]]] = [
             {} for _ in self.tiers]
         self._polled_this_step = False
@@ -185,6 +187,9 @@ class TieringOffloadingManager:
         job = TransferJob(self._next_job_id, list(keys), np.asarray(chunk_ids, dtype=np.int32),
                           is_promotion, ctx)
         self._jobs[job.job_id] = (job, tier_idx)
+        active = self._active[is_promotion][tier_idx]
+        active[0] += 1
+        active[1] += len(job.keys)
         return job
 
     def _create_store_job(self, keys: Collection[OffloadKey], ctx: ReqContext, tier_idx: int) -> TransferJob:
@@ -207,6 +212,9 @@ class TieringOffloadingManager:
                         f"which it does not own"
                     )
                 job = entry[0]
+                active = self._active[job.is_promotion][tier_idx]
+                active[0] -= 1
+                active[1] -= len(job.keys)
                 if job.is_promotion:
                     self._complete_promotion(job, tier_idx, result)
                 else:
@@ -454,23 +462,14 @@ class TieringOffloadingManager:
         metrics.merge_stats(stats, self._stats)
         self._stats = metrics.OffloadingStats()
         metrics.merge_stats(stats, self._tracker.take())
-        promotions = [0] * len(self.tiers)
-        cascades = [0] * len(self.tiers)
-        promo_rows = [0] * len(self.tiers)
-        cascade_rows = [0] * len(self.tiers)
-        for job, tier_idx in self._jobs.values():
-            if job.is_promotion:
-                promotions[tier_idx] += 1
-                promo_rows[tier_idx] += len(job.keys)
-            else:
-                cascades[tier_idx] += 1
-                cascade_rows[tier_idx] += len(job.keys)
         for tier_idx, tier in enumerate(self.tiers):
             label = (self.labels[tier_idx + 1],)
-            stats.set_gauge(metrics.ACTIVE_PROMOTION_JOBS, promotions[tier_idx], label)
-            stats.set_gauge(metrics.ACTIVE_CASCADE_JOBS, cascades[tier_idx], label)
-            stats.set_gauge(metrics.PRIMARY_WRITE_USAGE_PERC, promo_rows[tier_idx] / self._num_chunks, label)
-            stats.set_gauge(metrics.PRIMARY_READ_USAGE_PERC, cascade_rows[tier_idx] / self._num_chunks, label)
+            promotions, promo_rows = self._active[True][tier_idx]
+            cascades, cascade_rows = self._active[False][tier_idx]
+            stats.set_gauge(metrics.ACTIVE_PROMOTION_JOBS, promotions, label)
+            stats.set_gauge(metrics.ACTIVE_CASCADE_JOBS, cascades, label)
+            stats.set_gauge(metrics.PRIMARY_WRITE_USAGE_PERC, promo_rows / self._num_chunks, label)
+            stats.set_gauge(metrics.PRIMARY_READ_USAGE_PERC, cascade_rows / self._num_chunks, label)
             detector = getattr(tier, "_bp_detector", None)
             if detector is not None:
                 record_backpressure_metrics(stats, detector, label[0])
