@@ -295,9 +295,12 @@ class WorkerPool:
                     and now - self._started_ns[w] / 1e9 > _HEALTHY_RESET_S):
                 self._restarts[w] = 0  # healthy for a while: the next failure backs off anew
             if dead or hung:
-                self._bury(w, "hung (no heartbeat for %.1f s)" % beat.age_s() if hung else "died")
+                self._bury(w, "hung (no heartbeat for %.1f s)" % beat.age_s() if hung else "died",
+                           kill=bool(hung))
 
-    def _bury(self, w: int, why: str) -> None:
+    def _bury(self, w: int, why: str, kill: bool = False) -> None:
+        """Fail worker ``w``'s jobs and schedule its replacement; ``kill`` a hung one first
+        (an external worker is killed only when hung: a dead one's pid may be reused)."""
         proc = self._procs[w]
         pid = proc.pid if proc is not None else self.rings.worker(w).last_beat().pid
         logger.warning("tier worker %d (pid %s) %s; failing its jobs and restarting it", w, pid, why)
@@ -305,7 +308,7 @@ class WorkerPool:
             if proc.poll() is None:
                 proc.kill()
             proc.wait(5)
-        elif pid and self.mode == "external":
+        elif pid and kill and self.mode == "external":
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:

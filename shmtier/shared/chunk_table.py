@@ -144,5 +144,8 @@ class ChunkTable:
     def release(self) -> None:
         """Drop every view so the segment mapping can be closed."""
         for view in self._views:
-            view.release()
+            try:
+                view.release()
+            except BufferError:  # a numpy array still looks at it; freed with the mapping
+                pass
         self._views.clear()
