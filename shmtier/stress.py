@@ -47,6 +47,7 @@ class _Totals:
     lookups_promoted: int = 0
     chunks_computed: int = 0
     chunks_loaded: int = 0
+    store_refused: int = 0
     exact: bool = True
 
 
@@ -90,6 +91,7 @@ def run_stress(conversations: int = 24, turns: int = 4, chunks_per_turn: int = 4
     jobs = iter(range(1, 1 << 30))
     try:
         worker = spec.get_worker(CanonicalKVCaches([gpu], [[CanonicalKVCacheRef(0, PAGE)]]), 0)
+        _settle(manager, end)  # tier workers up and the (empty) fs root listed
         started = time.monotonic()
         print(f"shmtier run: engine {engine_id}, CPU tier {cpu_chunks} chunks x {PAGE >> 10} KiB, "
               f"fs tier in {root}, {workers} tier workers")
@@ -134,6 +136,8 @@ def run_stress(conversations: int = 24, turns: int = 4, chunks_per_turn: int = 4
                     load = timer(manager.prepare_load, hit_keys, ctx)
                 new = keys[hits:]
                 out = timer(manager.prepare_store, keys, ctx)
+                if out is None:
+                    totals.store_refused += len(new)
             if hit_keys:
                 blocks = list(range(len(hit_keys)))
                 gpu[blocks] = 0
@@ -238,7 +242,8 @@ def _report(t: _Totals, elapsed: float) -> None:
     print("hit rates (chunks of the prompts)")
     print(f"  CPU tier   {t.lookups_hit_cpu:6d}  ({t.lookups_hit_cpu / max(lookups, 1):.0%})")
     print(f"  fs tier    {t.lookups_promoted:6d}  ({t.lookups_promoted / max(lookups, 1):.0%}, promoted)")
-    print(f"  computed   {t.chunks_computed:6d}  ({t.chunks_computed / max(lookups, 1):.0%})")
+    print(f"  computed   {t.chunks_computed:6d}  ({t.chunks_computed / max(lookups, 1):.0%}; "
+          f"{t.store_refused} of them not offloaded: no free CPU row)")
     print("bytes moved")
     print(f"  CPU -> fs (cascades)   {written / 2**20:8.1f} MiB logical, {stored / 2**20:.1f} MiB on disk"
           f" (compression {written / stored if stored else 1:.2f}x)")
