@@ -4,6 +4,7 @@ worker processes, real files) -> primary -> GPU tensor."""
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -273,3 +274,26 @@ def test_external_worker_pool_serves_the_engine(engine_id, tmp_path):
         supervisor.terminate()
         supervisor.wait(10)
         manager.shutdown()
+
+
+def test_a_stalled_tier_cannot_starve_the_cpu_tier(engines, tmp_path):
+    """Cascades waiting for stalled workers pin at most max_pinned_fraction of the CPU
+    rows; beyond it they are dropped (counted as backpressure) and CPU stores go on."""
+    import signal
+
+    e = engines(tmp_path, chunks=16, max_pinned_fraction=0.25)
+    pids = [p.pid for p in e.spec.worker_pool._procs]
+    for pid in pids:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        for batch in range(6):  # 12 chunks offered while nothing is written
+            out = e.offload([key(batch * 2), key(batch * 2 + 1)], batch * 2, ReqContext(f"r{batch}"))
+            assert out.keys_to_store  # the CPU tier always had room
+    finally:
+        for pid in pids:
+            os.kill(pid, signal.SIGCONT)
+    e.settle()
+    data = e.manager.get_stats().data["data"]
+    dropped = data["vllm:kv_offload_tiering_backpressure_blocks_dropped"][("1:fs",)]
+    assert dropped == 12 - 4  # 16 rows x 0.25 = 4 rows may wait for the tier
+    assert len(list(tmp_path.rglob("*.kv"))) == 4

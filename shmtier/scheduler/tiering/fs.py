@@ -52,7 +52,10 @@ RING_DEPTH = "vllm:kv_offload_shmtier_ring_depth"
 class FsTierManager(SecondaryTierManager):
     """Options (per-tier config keys): ``root_dir`` (required, must exist),
     ``max_bytes`` (None), ``min_free_bytes`` (1 GiB), ``fsync`` (False),
-    ``locality`` ("LOCAL"/"REMOTE"), ``enable_kv_events`` (False). vLLM's
+    ``locality`` ("LOCAL"/"REMOTE"), ``enable_kv_events`` (False),
+    ``max_pinned_fraction`` (0.5: at most this share of the CPU tier's rows may
+    wait for this tier's cascades; beyond it cascades are dropped and counted as
+    backpressure, so a lagging tier never starves the CPU tier). vLLM's
     ``n_read_threads``/``n_write_threads`` are accepted and ignored: the tier
     worker processes (``num_tier_workers``) do the I/O."""
 
@@ -62,6 +65,7 @@ class FsTierManager(SecondaryTierManager):
                  backpressure_detector: Any = None, *, root_dir: str, max_bytes: int | None = None,
                  min_free_bytes: int | None = 1 << 30, fsync: bool = False,
                  locality: str | None = None, enable_kv_events: bool = False,
+                 max_pinned_fraction: float = 0.5,
                  n_read_threads: int | None = None, n_write_threads: int | None = None):
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
         del n_read_threads, n_write_threads, root_dir, min_free_bytes, fsync  # the workers' business
@@ -73,6 +77,13 @@ class FsTierManager(SecondaryTierManager):
         if max_bytes is not None and (isinstance(max_bytes, bool) or not isinstance(max_bytes, int)
                                       or max_bytes <= 0):
             raise ValueError(f"max_bytes = {max_bytes!r} is invalid: expected a positive integer or null")
+        if (isinstance(max_pinned_fraction, bool) or not isinstance(max_pinned_fraction, (int, float))
+                or not 0 < max_pinned_fraction <= 1):
+            raise ValueError(f"max_pinned_fraction = {max_pinned_fraction!r} is invalid: expected "
+                             f"a number in (0, 1]")
+        num_rows = primary_kv_view.shape[0] if primary_kv_view.ndim == 2 else 0
+        # the manager drops cascades (counted as backpressure) beyond this many pinned rows
+        self.max_pinned_rows = max(1, int(num_rows * max_pinned_fraction))
         self._pool = offloading_spec.worker_pool
         self._tier = offloading_spec.tier_index_being_built
         self._label = f"{self._tier + 1}:{tier_type}"

@@ -269,6 +269,16 @@ class TieringOffloadingManager:
             detector = getattr(tier, "_bp_detector", None)
             if detector is not None and not detector.should_store(len(keys)):
                 continue  # counted by the detector's policy
+            # A tier that falls behind must not starve the primary tier: rows pinned by its
+            # queued cascades are capped (tiers opt in with ``max_pinned_rows``); one
+            # cascade alone always goes, however large.
+            cap = getattr(tier, "max_pinned_rows", None)
+            pinned = self._active[False][tier_idx][1]
+            if cap is not None and pinned and pinned + len(keys) > cap:
+                label = (self.labels[tier_idx + 1],)
+                self._stats.increase_counter(metrics.BACKPRESSURE_STORES_DROPPED, 1, label)
+                self._stats.increase_counter(metrics.BACKPRESSURE_BLOCKS_DROPPED, len(keys), label)
+                continue
             tier.submit_store(self._create_store_job(keys, ctx, tier_idx))
 
     # --- lookups and promotions ---
