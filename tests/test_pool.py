@@ -794,3 +794,17 @@ def test_shutdown_fails_the_jobs_left_in_flight(pools):
     results = pool.take(0)
     assert sorted(r.job_id for r in results) == sorted(ids)
     assert all(r.outcomes == [jobs.ERROR] and r.error for r in results)
+
+
+def test_loads_overtake_queued_stores_but_not_a_store_of_the_same_key():
+    from shmtier.shared import jobs
+    from shmtier.workers.job_loop import loads_first
+
+    batch = [jobs.pack_job(1, "store", 0, [b"a" * 36], [0]),
+             jobs.pack_job(2, "load", 0, [b"b" * 36], [1]),
+             b"\xc1garbage",
+             jobs.pack_job(3, "load", 0, [b"a" * 36], [2]),
+             jobs.pack_job(4, "delete", 0, [b"c" * 36]),
+             jobs.pack_job(5, "load", 0, [b"d" * 36], [3])]
+    order = [j.job_id if isinstance(j, jobs.Job) else "bad" for j in loads_first(batch)]
+    assert order == [2, 5, 1, "bad", 3, 4]
