@@ -86,6 +86,13 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from shmtier.metrics import (
+    BACKPRESSURE_BLOCKS_DROPPED,
+    BACKPRESSURE_STORE_LATENCY_EMA,
+    BACKPRESSURE_STORES_DROPPED,
+)
+from shmtier.metrics import TIER as TIER_LABEL
+
 __all__ = [
     "BackpressurePolicy",
     "DropAccountingPolicy",
@@ -105,14 +112,7 @@ __all__ = [
 
 Clock = Callable[[], float]
 
-# --- metrics (names, types and labels exactly as vLLM 0.33's tiering emits them) ---
-
-from shmtier.metrics import (  # noqa: E402  one source of truth for metric names
-    BACKPRESSURE_BLOCKS_DROPPED,
-    BACKPRESSURE_STORE_LATENCY_EMA,
-    BACKPRESSURE_STORES_DROPPED,
-)
-from shmtier.metrics import TIER as TIER_LABEL  # noqa: E402
+# --- metrics: names, types and labels are defined once, in shmtier.metrics ---
 
 
 # ============================================================================ policies
