@@ -62,6 +62,12 @@ class CacheHitSource(enum.Enum):
     EXTERNAL_UNSPECIFIED = "external_unspecified"
 
 
+def _same(a: Any, b: Any) -> bool:
+    """Wildcard (None) on either side, or equal enum *values* (so vLLM's enum
+    members match shmtier's)."""
+    return a is None or b is None or a.value == b.value
+
+
 class TierMatcher(NamedTuple):
     """Matches a tier when each field is a wildcard (None) on either side or equal."""
 
@@ -69,9 +75,19 @@ class TierMatcher(NamedTuple):
     locality: Locality | None = None
 
     def matches(self, medium: Medium | None, locality: Locality | None) -> bool:
-        return (self.medium is None or medium is None or self.medium == medium) and (
-            self.locality is None or locality is None or self.locality == locality
-        )
+        return _same(self.medium, medium) and _same(self.locality, locality)
+
+
+def tier_filter_allows(tier_filter: Any, medium: Medium | None, locality: Locality | None) -> bool:
+    """Whether ``tier_filter`` lets a tier of (``medium``, ``locality``) serve loads.
+
+    Accepts shmtier's :class:`TierFilter` and vLLM's (same shape, other enum
+    classes): its ``ALL`` allows everything, otherwise any matcher must match
+    by value. The one place where tier filters are evaluated."""
+    if tier_filter is getattr(type(tier_filter), "ALL", None):
+        return True
+    return any(_same(m.medium, medium) and _same(m.locality, locality)
+               for m in tier_filter.matchers)
 
 
 @dataclass(frozen=True)
@@ -82,9 +98,7 @@ class TierFilter:
     ALL: ClassVar["TierFilter"]
 
     def allows(self, medium: Medium | None, locality: Locality | None) -> bool:
-        if self is TierFilter.ALL:
-            return True
-        return any(m.matches(medium, locality) for m in self.matchers)
+        return tier_filter_allows(self, medium, locality)
 
 
 TierFilter.ALL = TierFilter(matchers=(TierMatcher(),))

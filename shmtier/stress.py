@@ -49,6 +49,7 @@ class _Totals:
     chunks_loaded: int = 0
     store_refused: int = 0
     exact: bool = True
+    counters: dict = field(default_factory=dict)  # totals of _COUNTED over the run
 
 
 def _keys(cid: int, n: int) -> list[bytes]:
@@ -214,7 +215,7 @@ _COUNTED = ("vllm:kv_offload_tiering_write_bytes", "vllm:kv_offload_tiering_read
 
 def _accumulate(totals: _Totals, stats) -> None:
     data = stats.data["data"]
-    sums = totals.__dict__.setdefault("counters", {})
+    sums = totals.counters
     for name in _COUNTED:
         for value in data.get(name, {}).values():
             sums[name] = sums.get(name, 0) + value
@@ -233,7 +234,7 @@ def _copy(worker, kind: str, job_id: int, cpu_spec, blocks: list[int]) -> None:
 
 
 def _report(t: _Totals, elapsed: float) -> None:
-    c = getattr(t, "counters", {})
+    c = t.counters
     lookups = t.chunks_loaded + t.chunks_computed
     written = c.get("vllm:kv_offload_tiering_write_bytes", 0)
     stored = c.get(fs_tier.STORED_RATIO, 0)

@@ -27,8 +27,7 @@ dicts built once, chunk id arrays are wrapped (not copied) into vLLM's
 ``CPULoadStoreSpec``, key lists are handed over as they are, and the stats
 payload dict (already in vLLM's shape) is wrapped, not rebuilt. vLLM's
 ``ReqContext`` objects go to the core as they are (the same object on every
-call); only a restricted ``load_tier_filter`` is swapped, at ``on_new_request``,
-for shmtier's equal filter, because the core matches tiers with its own enums.
+call); the core evaluates their ``load_tier_filter`` by enum value.
 
 Importing ``shmtier`` never imports vLLM; importing ``shmtier.vllm`` checks the
 installed vLLM (:data:`SUPPORTED_VLLM`) and every interface used here, and
@@ -238,14 +237,11 @@ _POLICY = _enum_map(_c.OffloadPolicy, _vb.OffloadPolicy)
 _MEDIUM = _enum_map(_c.Medium, _vb.Medium)
 _LOCALITY = {None: None, **_enum_map(_c.Locality, _vb.Locality)}
 _HIT_SOURCE = _enum_map(_c.CacheHitSource, _VllmCacheHitSource)
-_CORE_MEDIUM = {**_enum_map(_vb.Medium, _c.Medium), None: None}
-_CORE_LOCALITY = {**_enum_map(_vb.Locality, _c.Locality), None: None}
 
 _VllmEvent = _vb.OffloadingEvent
 _VllmPrepareStoreOutput = _vb.PrepareStoreOutput
 _VllmROC = _vb.RequestOffloadingContext
 _VllmTransferResult = _vb.TransferResult
-_VllmTierFilter = _vb.TierFilter
 
 
 def _wrap_cpu_spec(spec: Any) -> _VllmCPULoadStoreSpec:
@@ -264,28 +260,6 @@ def _to_vllm_event(event: Any) -> Any:
                       locality=_LOCALITY[event.locality], ownership=event.ownership,
                       removal_expected=event.removal_expected,
                       metadata_only=event.metadata_only)
-
-
-_FILTERS: dict[Any, _c.TierFilter] = {}
-
-
-def _core_tier_filter(tier_filter: Any) -> Any:
-    """shmtier's TierFilter equal to vLLM's ``tier_filter`` (cached per distinct filter).
-
-    vLLM's ``TierFilter.allows`` compares vLLM's enums, the core passes its own,
-    so a restricted vLLM filter would allow no tier. ``TierFilter.ALL`` needs no
-    translation (it allows everything by identity).
-    """
-    if tier_filter is _VllmTierFilter.ALL or not isinstance(tier_filter, _VllmTierFilter):
-        return tier_filter
-    core = _FILTERS.get(tier_filter)
-    if core is None:
-        core = _c.TierFilter(tuple(
-            _c.TierMatcher(_CORE_MEDIUM[m.medium], _CORE_LOCALITY[m.locality])
-            for m in tier_filter.matchers))
-        if len(_FILTERS) < 1024:
-            _FILTERS[tier_filter] = core
-    return core
 
 
 def to_vllm_metric_metadata(metadata: Any) -> _vb.OffloadingMetricMetadata:
@@ -389,9 +363,6 @@ class ShmTierOffloadingManager(_vb.OffloadingManager):
     # --- request lifecycle ---
 
     def on_new_request(self, req_context):
-        tier_filter = req_context.load_tier_filter
-        if tier_filter is not _VllmTierFilter.ALL:
-            req_context.load_tier_filter = _core_tier_filter(tier_filter)
         out = self.core.on_new_request(req_context)
         return _VllmROC(_POLICY[out.policy])
 

@@ -83,3 +83,26 @@ def test_config_info_series():
                                 "cpu_kv_cache_size_bytes": 32768, "cpu_kv_cache_size_tokens": "None"}]
     assert metrics.CPUTierInfo.config_info_keys() == (
         "cpu_num_chunks", "cpu_blocks_per_chunk", "cpu_kv_cache_size_bytes", "cpu_kv_cache_size_tokens")
+
+
+def test_tier_filters_match_by_value_across_enum_classes():
+    """A filter built with another library's enums of the same values (vLLM's) is
+    evaluated the same way as shmtier's own."""
+    import enum
+
+    from shmtier.contract import tier_filter_allows
+
+    class OtherMedium(enum.Enum):
+        CPU = "CPU"
+        STORAGE = "STORAGE"
+
+    class OtherFilter:
+        def __init__(self, matchers):
+            self.matchers = matchers
+
+    OtherFilter.ALL = OtherFilter(())
+    storage = OtherFilter((TierMatcher(OtherMedium.STORAGE, None),))
+    assert tier_filter_allows(storage, Medium.STORAGE, Locality.LOCAL)
+    assert not tier_filter_allows(storage, Medium.CPU, None)
+    assert tier_filter_allows(OtherFilter.ALL, Medium.CPU, None)
+    assert not tier_filter_allows(OtherFilter(()), Medium.CPU, None)

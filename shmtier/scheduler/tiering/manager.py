@@ -46,6 +46,7 @@ from shmtier.contract import (
     ReqContext,
     RequestOffloadingContext,
     ScheduleEndContext,
+    tier_filter_allows,
 )
 from shmtier.scheduler.backpressure import record_backpressure_metrics
 from shmtier.scheduler.primary import CPUPrimaryTierOffloadingManager
@@ -296,7 +297,7 @@ class TieringOffloadingManager:
         retry = False
         allowed = req_context.load_tier_filter
         for tier_idx, tier in enumerate(self.tiers):
-            if tier_idx == exclude_tier_idx or not allowed.allows(*self._tier_kind[tier_idx]):
+            if tier_idx == exclude_tier_idx or not tier_filter_allows(allowed, *self._tier_kind[tier_idx]):
                 continue
             started = time.perf_counter()
             answer = tier.lookup(key, req_context)
