@@ -17,6 +17,7 @@ import zlib
 
 import numpy as np
 import pytest
+import zstandard
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -159,7 +160,12 @@ def test_round_trip_is_byte_exact(dataset, size, mode):
                                                             element_size)
     assert h.raw_len == size == stats.raw_bytes
     assert h.frame_size == len(frame) == stats.stored_bytes
-    assert h.checksum == zlib.crc32(raw)
+    if h.codec == "split_zstd":
+        lo_plane = (np.frombuffer(raw, dtype="<u2") & 0xFF).astype(np.uint8).tobytes()
+        comp = frame[h.header_size:h.frame_size - size // 2]
+        assert h.checksum == zlib.crc32(lo_plane) and h.payload_crc == zlib.crc32(comp)
+    else:
+        assert h.checksum == zlib.crc32(raw)
     assert stats.codec == h.codec and stats.seconds >= 0
     if mode == "none" or size == 0:
         assert h.codec == "raw"
@@ -289,10 +295,10 @@ def test_header_layout_matches_documentation():
     raw = bf16_normal(256 * KIB, seed=1)
     frame, stats = encode(raw)
     f = header_fields(frame)
-    assert f["magic"] == FRAME_MAGIC == b"SMTK" and f["version"] == FRAME_VERSION == 1
+    assert f["magic"] == FRAME_MAGIC == b"SMTK" and f["version"] == FRAME_VERSION == 2
     assert f["codec_id"] == 2 and f["element_size"] == 2 and f["flags"] == 0
     assert f["key_len"] == len(KEY) and f["reserved"] == 0
-    assert f["raw_len"] == len(raw) and f["checksum"] == zlib.crc32(raw)
+    assert f["raw_len"] == len(raw)
     assert f["stored_len"] == len(frame) - 40 - len(KEY)
     (hcrc,) = struct.unpack_from("<I", frame, 36)
     assert hcrc == zlib.crc32(frame[40:40 + len(KEY)], zlib.crc32(frame[:36]))
@@ -301,8 +307,11 @@ def test_header_layout_matches_documentation():
     payload = frame[40 + len(KEY):]
     half = len(raw) // 2
     u16 = np.frombuffer(raw, dtype="<u2")
-    assert payload[-half:] == (u16 & 0xFF).astype(np.uint8).tobytes()
+    lo_plane = (u16 & 0xFF).astype(np.uint8).tobytes()
+    assert payload[-half:] == lo_plane and f["checksum"] == zlib.crc32(lo_plane)
     assert payload[:4] == b"\x28\xb5\x2f\xfd"  # zstd frame magic
+    params = zstandard.get_frame_parameters(payload[:-half])
+    assert params.has_checksum and params.content_size == half  # covers the high plane
     assert f["payload_crc"] == zlib.crc32(payload[:-half])
     assert frame_header_size(len(KEY)) == 40 + len(KEY)
     assert frame_header_size(0) == 40
@@ -373,6 +382,43 @@ def test_flips_in_high_plane_are_detected_before_writing(frames):
         assert out == b"\x55" * len(raw)
 
 
+def test_high_plane_content_checksum_catches_a_decode_that_differs(frames):
+    """A compressed high plane that passes the payload CRC but decodes to other bytes
+    (what a decoder fault would look like, forged here as a frame that re-compresses a
+    changed plane under a correct CRC) is refused by the zstd content checksum."""
+    frame, raw = frames["split_zstd"]
+    hs = frame_header_size(len(KEY))
+    half = len(raw) // 2
+    comp = bytearray(frame[hs:len(frame) - half])
+    # the 4 bytes before the end of the zstd frame are its content checksum
+    comp[-1] ^= 0x10
+    forged = forge(frame[:hs] + bytes(comp) + frame[-half:], payload_crc=zlib.crc32(comp))
+    out = bytearray(b"\x55" * len(raw))
+    with pytest.raises(CorruptChunkError) as ei:
+        ChunkDecoder().decode_into(memoryview(forged), KEY, memoryview(out))
+    assert ei.value.reason == "checksum" and "checksum" in str(ei.value)
+    assert out == b"\x55" * len(raw)
+
+
+def test_high_plane_frame_without_content_checksum_is_refused(frames):
+    """A split frame whose zstd frame carries no content checksum (an older or foreign
+    writer) would leave the high plane unchecked: refused as "codec", before writing."""
+    frame, raw = frames["split_zstd"]
+    hs = frame_header_size(len(KEY))
+    half = len(raw) // 2
+    u16 = np.frombuffer(raw, dtype="<u2")
+    hi = (u16 >> 8).astype(np.uint8).tobytes()
+    bare = zstandard.ZstdCompressor(write_checksum=False).compress(hi)
+    payload = frame[hs:]
+    forged = forge(frame[:hs] + bare + payload[-half:], stored_len=len(bare) + half,
+                   payload_crc=zlib.crc32(bare))
+    out = bytearray(b"\x66" * len(raw))
+    with pytest.raises(CorruptChunkError) as ei:
+        ChunkDecoder().decode_into(memoryview(forged), KEY, memoryview(out))
+    assert ei.value.reason == "codec" and "checksum" in str(ei.value)
+    assert out == b"\x66" * len(raw)
+
+
 def test_flips_in_low_plane_are_detected(frames):
     frame, raw = frames["split_zstd"]
     half = len(raw) // 2
@@ -425,7 +471,7 @@ def test_wrong_key_is_key(frames):
 
 def test_wrong_version_and_flags_are_version(frames):
     frame, _ = frames["split_zstd"]
-    for v in (0, 2, 255):
+    for v in (0, 1, 3, 255):  # 1: the format before the split codec's XXH64
         assert reason_of(forge(frame, version=v)) == "version"
     assert reason_of(forge(frame, flags=1)) == "version"
     assert reason_of(forge(frame, reserved=1)) == "version"
@@ -464,12 +510,12 @@ def test_inconsistent_codec_fields_are_detected(frames):
     assert reason_of(forge(zframe, raw_len=len(raw) - 1), nbytes=len(raw) - 1) == "codec"
 
 
-def test_decoded_bytes_checksum_catches_a_decode_that_differs(frames):
-    """A well-formed frame whose raw checksum disagrees with what the payload decodes
-    to (what a decoder or merge fault would look like) is refused after decoding."""
+def test_header_checksum_that_disagrees_with_the_payload_is_refused(frames):
+    """A well-formed frame whose raw checksum disagrees with its payload (for zstd:
+    with what the payload decodes to, as a decoder fault would look) is refused."""
     for codec in ("split_zstd", "zstd", "raw"):
         frame, raw = frames[codec]
-        bad = forge(frame, checksum=zlib.crc32(raw) ^ 1)
+        bad = forge(frame, checksum=header_fields(frame)["checksum"] ^ 1)
         assert reason_of(bad) == "checksum"
 
 

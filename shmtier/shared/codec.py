@@ -4,41 +4,49 @@ A *frame* is one offloaded chunk as a tier stores it (a file of the ``fs``
 tier, an object of ``obj``, a message of ``p2p``): a self-describing header
 followed by the payload. The header names everything needed to check the frame
 before a single byte of it reaches an arena row: magic, format version, codec,
-element size, raw and stored lengths, the full key and a CRC-32 of the *raw*
-chunk bytes, plus two CRC-32s of its own (of the header and of the compressed
-payload), so that every flipped bit, truncation, stale or misplaced frame is
-detected and reported as :class:`CorruptChunkError` -- wrong KV is never served
-(DESIGN §5 "fs format", §8).
+element size, raw and stored lengths, the full key and a checksum of the raw
+chunk bytes, plus a CRC-32 of its own, so that every flipped bit, truncation,
+stale or misplaced frame is detected and reported as
+:class:`CorruptChunkError` -- wrong KV is never served (DESIGN §5 "fs format",
+§8).
 
 Layout (all integers little-endian; ``K`` = key length)::
 
     offset  size  field
          0     4  magic            FRAME_MAGIC = b"SMTK"
-         4     1  version          FRAME_VERSION = 1
+         4     1  version          FRAME_VERSION = 2
          5     1  codec id         0 raw, 1 zstd, 2 split_zstd
          6     1  element size     bytes per element of the chunk (1..255)
          7     1  flags            0 (reserved; non-zero means a newer writer)
          8     2  key length K
         10     2  reserved         0
-        12     4  checksum         CRC-32 of the raw chunk bytes
+        12     4  checksum         CRC-32 of the raw bytes stored raw (see below)
         16     8  raw length       bytes of the decoded chunk
         24     8  stored length    bytes of payload after the header
-        32     4  payload CRC      CRC-32 of the zstd-compressed payload bytes (0 for raw)
+        32     4  payload CRC      CRC-32 of the payload's zstd frame (0 for raw)
         36     4  header CRC       CRC-32 of bytes [0, 36) followed by the key
         40     K  key
       40+K        payload (stored length bytes)
 
-Payload per codec:
+Payload per codec, and what covers each raw byte:
 
-* ``raw`` (0): the chunk bytes as they are (stored length = raw length); the
-  checksum covers them directly.
+* ``raw`` (0): the chunk bytes as they are (stored length = raw length);
+  ``checksum`` is their CRC-32.
 * ``zstd`` (1): one zstd frame of the whole chunk (used for element sizes
-  other than 2, and for 2-byte chunks of odd length).
+  other than 2, and for 2-byte chunks of odd length); ``checksum`` is the
+  CRC-32 of the raw chunk, verified over the bytes decoded into the
+  destination, and ``payload CRC`` that of the zstd frame, verified before.
 * ``split_zstd`` (2): for 2-byte elements (bf16/fp16): each little-endian
   element is split into its high byte (sign and exponent: low entropy) and its
   low byte (mantissa: near random); the payload is one zstd frame of the
   high-byte plane (``stored_len - raw_len // 2`` bytes) followed by the
-  low-byte plane kept raw (``raw_len // 2`` bytes).
+  low-byte plane kept raw (``raw_len // 2`` bytes). ``checksum`` is the CRC-32
+  of the low-byte plane and ``payload CRC`` that of the zstd frame, so every
+  stored bit is under a CRC; the decoded high-byte plane is checked by the zstd
+  frame's own content checksum (the low 32 bits of XXH64, computed by libzstd
+  while it compresses and verified by it while it decompresses, into scratch
+  memory; a frame without one is refused). All are checked before the
+  destination is written.
 
 Why these choices (measured in ``bench/codec.py``, DESIGN §5/§11): bf16 KV
 compresses poorly as a whole (plain zstd level 1: ratio ~1.29) but its
@@ -47,12 +55,13 @@ strategy, min match 7 and hash log 6 -- finding matches in near-random data is
 wasted work, Huffman coding of the literals is what pays -- giving ratio ~1.50
 on random-normal bf16 at about twice the speed of level 1. Splitting uses a
 ``uint16`` view and shifts (no transpose copy). A chunk is stored raw when
-compression saves less than ``min_gain`` of its size. The checksum is
-``zlib.crc32`` (no new dependency; measured here per core: ~4.7 GB/s on data in
-cache, ~2 GB/s on data that is not, hence the tiled split/merge below); it is
-verified over the bytes actually written to the destination, so a decoder or
-merge error is caught too, and the payload CRC is checked *before* anything is
-written, so a corrupt stored frame never touches the destination at all.
+compression saves less than ``min_gain`` of its size. Checksums: ``zlib.crc32``
+runs at ~4-5 GB/s per core here (no new dependency) while libzstd's XXH64 is
+nearly free, so the split codec CRCs only what it stores (the low plane and
+the compressed high plane, ~0.67 of the raw size) and lets libzstd check the
+decoded high plane; format version 1, which CRC'd the whole raw chunk as well,
+spent ~25% of its encode time in CRCs. Version 1 frames are refused as
+``"version"`` (a tier treats them as misses and removes them).
 
 Who uses this module: tier worker processes (their backends encode on a
 cascade and decode on a promotion), the bench, and tests. It imports neither
@@ -83,7 +92,7 @@ __all__ = [
 ]
 
 FRAME_MAGIC = b"SMTK"
-FRAME_VERSION = 1
+FRAME_VERSION = 2
 
 CODEC_RAW = 0
 CODEC_ZSTD = 1
@@ -253,8 +262,10 @@ class FrameHeader:
     """A parsed and verified frame header (header CRC, magic, version, codec checked).
 
     ``stored_len`` is the payload size; ``header_size + stored_len`` (``frame_size``)
-    is the whole frame. ``checksum`` is the CRC-32 of the raw bytes, ``payload_crc``
-    that of the compressed payload (0 for raw frames).
+    is the whole frame. ``checksum`` is the CRC-32 of the raw bytes the codec stores
+    raw (the whole chunk for ``raw`` and ``zstd``, the low-byte plane for
+    ``split_zstd``), ``payload_crc`` that of the zstd payload (codec ``zstd`` only; 0
+    otherwise). See the module docstring.
     """
 
     magic: bytes
@@ -349,15 +360,15 @@ def parse_frame_header(buf: memoryview) -> FrameHeader:
                        checksum, payload_crc)
 
 
-# Split, merge and CRC go tile by tile so each tile of the chunk is read from memory
-# once and checksummed while it is in cache: zlib.crc32 runs at ~2 GB/s on data that
-# is not in cache here and ~4.7 GB/s on data that is (bench/codec.py --breakdown).
+# Split and CRC go tile by tile so each tile of the low-byte plane is checksummed
+# while it is in cache: zlib.crc32 runs at ~2 GB/s on data that is not in cache here
+# and ~4.7 GB/s on data that is (bench/codec.py --breakdown).
 _TILE = 256 << 10  # bytes of raw chunk per tile
 
 
 def _split_planes(raw: memoryview, hi: np.ndarray, lo: np.ndarray) -> int:
     """Write the high and low bytes of the little-endian uint16 elements of ``raw``
-    into ``hi`` and ``lo``; return the CRC-32 of ``raw``."""
+    into ``hi`` and ``lo``; return the CRC-32 of ``lo``."""
     u16 = np.frombuffer(raw, dtype="<u2")
     crc = 0
     step = _TILE // 2
@@ -366,23 +377,15 @@ def _split_planes(raw: memoryview, hi: np.ndarray, lo: np.ndarray) -> int:
         u = u16[s:e]
         np.right_shift(u, 8, out=hi[s:e], casting="unsafe")
         np.copyto(lo[s:e], u, casting="unsafe")  # uint16 -> uint8 keeps the low byte
-        crc = zlib.crc32(raw[2 * s:2 * e], crc)
+        crc = zlib.crc32(lo[s:e], crc)
     return crc
 
 
-def _merge_planes(hi: np.ndarray, lo: np.ndarray, out: memoryview) -> int:
-    """Write ``hi << 8 | lo`` as little-endian uint16 into ``out``; return the CRC-32
-    of the bytes written."""
+def _merge_planes(hi: np.ndarray, lo: np.ndarray, out: memoryview) -> None:
+    """Write ``hi << 8 | lo`` as little-endian uint16 into ``out``."""
     o16 = np.frombuffer(out, dtype="<u2")
-    crc = 0
-    step = _TILE // 2
-    for s in range(0, o16.size, step):
-        e = s + step
-        o = o16[s:e]
-        np.left_shift(hi[s:e], 8, out=o, dtype=np.uint16)
-        np.bitwise_or(o, lo[s:e], out=o)
-        crc = zlib.crc32(out[2 * s:2 * e], crc)
-    return crc
+    np.left_shift(hi, 8, out=o16, dtype=np.uint16)
+    np.bitwise_or(o16, lo, out=o16)
 
 
 class _Scratch:
@@ -411,21 +414,23 @@ class ChunkEncoder:
         if not isinstance(self.config, CompressionConfig):
             raise TypeError(
                 "config must be a CompressionConfig (use CompressionConfig.from_config)")
-        mode = self.config.mode
-        if mode == "auto":
-            params = zstandard.ZstdCompressionParameters(
-                write_content_size=True, write_checksum=False, write_dict_id=False,
-                **_AUTO_PARAMS)
-            self._cctx = zstandard.ZstdCompressor(compression_params=params)
-        elif mode == "zstd":
-            self._cctx = zstandard.ZstdCompressor(
-                level=self.config.level, write_content_size=True, write_checksum=False,
-                write_dict_id=False)
-        else:
-            self._cctx = None
+        # Two compressors that differ only in the zstd content checksum: the split
+        # codec's high plane relies on it; whole-chunk zstd has CRC-32s of its own.
+        self._cctx = self._cctx_split = None
+        if self.config.mode != "none":
+            self._cctx = self._compressor(write_checksum=False)
+            self._cctx_split = self._compressor(write_checksum=True)
         # A compressed payload is kept when stored <= raw * (1 - min_gain).
         self._keep_factor = 1.0 - self.config.min_gain
         self._scratch = _Scratch()
+
+    def _compressor(self, *, write_checksum: bool) -> zstandard.ZstdCompressor:
+        common = dict(write_content_size=True, write_checksum=write_checksum,
+                      write_dict_id=False)
+        if self.config.mode == "auto":
+            return zstandard.ZstdCompressor(
+                compression_params=zstandard.ZstdCompressionParameters(**common, **_AUTO_PARAMS))
+        return zstandard.ZstdCompressor(level=self.config.level, **common)
 
     def _keep(self, stored: int, raw: int) -> bool:
         return stored < raw and stored <= raw * self._keep_factor
@@ -460,12 +465,14 @@ class ChunkEncoder:
             half = n // 2
             hi = self._scratch.get("hi", half)
             lo = self._scratch.get("lo", half)
-            checksum = _split_planes(mv, hi, lo)
-            comp = self._cctx.compress(hi)
+            lo_crc = _split_planes(mv, hi, lo)
+            comp = self._cctx_split.compress(hi)
             if self._keep(len(comp) + half, n):
                 codec_id, stored = CODEC_SPLIT_ZSTD, len(comp) + half
                 payload = [comp, memoryview(lo)]
-                payload_crc = zlib.crc32(comp)
+                checksum, payload_crc = lo_crc, zlib.crc32(comp)
+            else:
+                checksum = zlib.crc32(mv)
         elif self._cctx is not None and n:
             comp = self._cctx.compress(mv)
             checksum = zlib.crc32(mv)  # after zstd: the chunk's tail is still in cache
@@ -499,12 +506,15 @@ class ChunkDecoder:
         its raw bytes into ``out`` (writable, ``len(out)`` == the frame's raw length).
 
         Order: header (see :func:`parse_frame_header`), key (``"key"``), frame length
-        (``"length"``), destination length (``"length"``), then the payload CRC (the
-        raw bytes' CRC for raw frames) -- all before ``out`` is written, so a corrupt
-        stored frame leaves ``out`` untouched. Then it decodes into ``out`` and checks
-        the CRC of the bytes written (``"checksum"``); that last check can only fail
-        on a decoder fault, and then ``out`` holds garbage: on any
-        :class:`CorruptChunkError` the caller must not publish ``out``.
+        (``"length"``), destination length (``"length"``), then the payload's checks --
+        the raw bytes' CRC (``raw``), the payload CRC (``zstd``), the low plane's CRC
+        and the high plane's zstd content checksum, decoded into scratch memory
+        (``split_zstd``) -- all before ``out`` is written, so a corrupt stored frame
+        leaves ``out`` untouched. A payload zstd refuses is ``"codec"``, a content
+        checksum mismatch ``"checksum"``. For ``zstd`` it then checks the CRC of the
+        bytes decoded into ``out`` (``"checksum"``); that can only fail on a decoder
+        fault, and then ``out`` holds garbage: on any :class:`CorruptChunkError` the
+        caller must not publish ``out``.
         """
         t0 = time.perf_counter()
         fmv = _byte_view(frame, what="frame")
@@ -525,36 +535,41 @@ class ChunkDecoder:
             if zlib.crc32(payload) != h.checksum:
                 raise CorruptChunkError("checksum", "raw bytes CRC mismatch")
             omv[:] = payload  # only once the CRC passed: a corrupt frame writes nothing
+        elif h.codec == "zstd":
+            if zlib.crc32(payload) != h.payload_crc:
+                raise CorruptChunkError("checksum", "payload CRC mismatch")
+            self._decompress(payload, omv)
+            if zlib.crc32(omv) != h.checksum:
+                raise CorruptChunkError("checksum", "decoded bytes CRC mismatch")
         else:
-            if h.codec == "zstd":
-                comp = payload
-            else:
-                half = h.raw_len // 2
-                comp = payload[:h.stored_len - half]
+            half = h.raw_len // 2
+            comp = payload[:h.stored_len - half]
             if zlib.crc32(comp) != h.payload_crc:
                 raise CorruptChunkError("checksum", "payload CRC mismatch")
-            if h.codec == "zstd":
-                self._decompress(comp, omv)
-                crc = zlib.crc32(omv)
-            else:
-                hi = self._scratch.get("hi", half)
-                self._decompress(comp, memoryview(hi))
-                lo = np.frombuffer(payload, dtype=np.uint8, offset=h.stored_len - half)
-                crc = _merge_planes(hi, lo, omv)
-            if crc != h.checksum:
-                raise CorruptChunkError("checksum", "decoded bytes CRC mismatch")
+            lo = np.frombuffer(payload, dtype=np.uint8, offset=h.stored_len - half)
+            if zlib.crc32(lo) != h.checksum:
+                raise CorruptChunkError("checksum", "low-byte plane CRC mismatch")
+            hi = self._scratch.get("hi", half)
+            self._decompress(comp, memoryview(hi), checksummed=True)
+            _merge_planes(hi, lo, omv)
         return DecodeStats(h.raw_len, fmv.nbytes, time.perf_counter() - t0, h.codec)
 
-    def _decompress(self, comp: memoryview, dst: memoryview) -> None:
-        """Decompress the single zstd frame ``comp`` into all of ``dst``, exactly."""
+    def _decompress(self, comp: memoryview, dst: memoryview, *,
+                    checksummed: bool = False) -> None:
+        """Decompress the single zstd frame ``comp`` into all of ``dst``, exactly.
+        ``checksummed``: the frame must carry a content checksum (libzstd verifies
+        it at the end of the frame; a mismatch is ``"checksum"``)."""
         expected = dst.nbytes
         try:
-            declared = zstandard.frame_content_size(comp)
+            params = zstandard.get_frame_parameters(comp)
         except zstandard.ZstdError as e:
             raise CorruptChunkError("codec", f"bad zstd frame header: {e}") from None
+        declared = params.content_size
         if declared != expected:
             raise CorruptChunkError(
                 "codec", f"zstd frame declares {declared} bytes, need {expected}")
+        if checksummed and not params.has_checksum:
+            raise CorruptChunkError("codec", "zstd frame without its content checksum")
         got = 0
         try:
             with self._dctx.stream_reader(comp, read_across_frames=False) as reader:
@@ -565,7 +580,8 @@ class ChunkDecoder:
                     got += k
                 extra = reader.read(1)
         except zstandard.ZstdError as e:
-            raise CorruptChunkError("codec", f"zstd: {e}") from None
+            reason = "checksum" if "checksum" in str(e).lower() else "codec"
+            raise CorruptChunkError(reason, f"zstd: {e}") from None
         if got != expected or extra:
             raise CorruptChunkError(
                 "codec", f"zstd frame decoded to the wrong size ({got}, need {expected})")
