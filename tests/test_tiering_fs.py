@@ -297,3 +297,47 @@ def test_a_stalled_tier_cannot_starve_the_cpu_tier(engines, tmp_path):
     dropped = data["vllm:kv_offload_tiering_backpressure_blocks_dropped"][("1:fs",)]
     assert dropped == 12 - 4  # 16 rows x 0.25 = 4 rows may wait for the tier
     assert len(list(tmp_path.rglob("*.kv"))) == 4
+
+
+def test_one_step_of_promotions_is_one_pool_job_and_each_request_gets_its_outcomes(
+        engines, tmp_path):
+    """Promotions of several requests queued in one step reach the workers as one
+    pool job (one ring put and wake-up per worker), yet each request's job is
+    reported on its own: a corrupt file fails only the job of the request that
+    asked for it."""
+    e = engines(tmp_path, chunks=4)
+    keys = [key(i) for i in range(4)]
+    e.offload(keys, 0, ReqContext("a"))
+    e.settle()
+    victim = next(p for p in tmp_path.rglob("*.kv") if keys[3].hex() in p.name)
+    data = bytearray(victim.read_bytes())
+    data[-10] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    e.offload([key(10 + i) for i in range(4)], 4, ReqContext("b"))  # evict all four
+    e.settle()
+    pool = e.spec.worker_pool
+    submitted = []
+    real_submit = pool.submit
+
+    def counting_submit(op, tier, job_keys, *args, **kw):
+        submitted.append((op, list(job_keys)))
+        return real_submit(op, tier, job_keys, *args, **kw)
+
+    pool.submit = counting_submit
+    try:
+        r1, r2 = ReqContext("r1"), ReqContext("r2")
+        m = e.manager
+        with m.lock:
+            assert [m.lookup(k, r1) for k in keys[:2]] == [PENDING, PENDING]
+            assert [m.lookup(k, r2) for k in keys[2:]] == [PENDING, PENDING]
+            m.on_schedule_end(END)
+        assert [(op, sorted(ks)) for op, ks in submitted] == [("load", sorted(keys))]
+        e.settle()
+    finally:
+        pool.submit = real_submit
+    with m.lock:
+        assert [m.lookup(k, r1) for k in keys[:2]] == [HIT, HIT]
+        assert [m.lookup(k, r2) for k in keys[2:]] == [HIT, MISS]
+    data = m.get_stats().data["data"]
+    assert data["vllm:kv_offload_tiering_promotion_job_failures"][("1:fs",)] == 1
+    assert data[fs_tier.CORRUPT_CHUNKS][("1:fs",)] == 1
