@@ -17,7 +17,8 @@ What is measured, per data set and chunk size, single thread (= per core):
   over frame bytes (header included).
 * ``zstd-l1 whole`` (reference): plain ``zstandard`` level 1 on the whole chunk, no
   frame, no checksum, decompressing to a new bytes object.
-* ``crc32`` (reference): ``zlib.crc32`` over the chunk alone.
+* ``crc32c`` (reference): the codec's CRC-32C (``shmtier.shared._planes``) over the
+  chunk alone; ``zlib crc32`` (reference): zlib's CRC-32, which format version 1 used.
 
 Data (real, generated with numpy, distinct values in every chunk): ``bf16 normal`` (float32
 standard normal, top 16 bits), ``bf16 ln-scale`` (the same with a log-normal scale per
@@ -54,6 +55,7 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO_ROOT not in sys.path:
     sys.path.insert(0, REPO_ROOT)
 
+from shmtier.shared._planes import CRC32C_IMPL, crc32c, merge, split  # noqa: E402
 from shmtier.shared import codec as C  # noqa: E402
 from shmtier.shared.codec import (  # noqa: E402
     ChunkDecoder,
@@ -147,17 +149,20 @@ class PlainZstd:
 class Crc32Only:
     """Reference: the checksum alone (same figure in both columns)."""
 
-    name = "crc32"
+    name = "crc32c"
+
+    def __init__(self, fn=crc32c, name: str = "crc32c") -> None:
+        self.fn, self.name = fn, name
 
     def compress(self, chunk):
-        zlib.crc32(chunk)
+        self.fn(chunk)
         return None, None
 
     def materialise(self, _):
         return None
 
     def decompress(self, frame, out):
-        zlib.crc32(out)
+        self.fn(out)
 
     def codec_of(self, frame) -> str:
         return "-"
@@ -199,7 +204,7 @@ def breakdown(chunks, outs, repeats: int) -> list[tuple[str, float, float, float
     his, los = [], []
     for c in chunks:
         h, l_ = aligned_empty(n // 2), aligned_empty(n // 2)
-        C._split_planes(memoryview(c), h, l_)
+        split(memoryview(c), h, l_)
         his.append(h)
         los.append(l_)
     comps = [cctx.compress(h) for h in his]
@@ -209,16 +214,16 @@ def breakdown(chunks, outs, repeats: int) -> list[tuple[str, float, float, float
             r.readinto(hi)
 
     steps = {
-        "split + crc32 of low plane (tiled, as encode)":
-            lambda i: C._split_planes(memoryview(chunks[i]), hi, lo),
-        "  crc32 alone, chunk not in cache": lambda i: zlib.crc32(chunks[i]),
-        "  crc32 alone, same chunk again": lambda i: zlib.crc32(chunks[0]),
+        "split + crc32c of low plane (as encode)":
+            lambda i: split(memoryview(chunks[i]), hi, lo),
+        "  crc32c alone, chunk not in cache": lambda i: crc32c(chunks[i]),
+        "  zlib crc32 alone, chunk not in cache": lambda i: zlib.crc32(chunks[i]),
         "zstd high plane, compress": lambda i: cctx.compress(his[i]),
-        "crc32 of compressed plane": lambda i: zlib.crc32(comps[i]),
-        "  crc32 of low plane": lambda i: zlib.crc32(los[i]),
+        "crc32c of compressed plane": lambda i: crc32c(comps[i]),
+        "  crc32c of low plane": lambda i: crc32c(los[i]),
         "zstd high plane, decompress": readinto,
         "merge (as decode)":
-            lambda i: C._merge_planes(his[i], los[i], memoryview(outs[i])),
+            lambda i: merge(his[i], los[i], memoryview(outs[i])),
     }
     rows = []
     for name, fn in steps.items():
@@ -255,7 +260,7 @@ def main(argv=None) -> int:
           f"{os.cpu_count()} CPUs; python {platform.python_version()}, numpy {np.__version__}, "
           f"zstandard {zstandard.__version__} "
           f"(libzstd {'.'.join(map(str, zstandard.ZSTD_VERSION))}), "
-          f"zlib {zlib.ZLIB_RUNTIME_VERSION}")
+          f"zlib {zlib.ZLIB_RUNTIME_VERSION}, CRC-32C {CRC32C_IMPL}")
     print(f"method: single thread; per repeat each method encodes then decodes every chunk once "
           f"({args.mib_per_size} MiB per data set and size, >= 8 distinct chunks), "
           f"methods interleaved with rotated order; median of {args.repeats} repeats "
@@ -282,7 +287,7 @@ def main(argv=None) -> int:
                 chunks.append(c)
             outs = [aligned_empty(size) for _ in range(count)]
             methods = [FrameMethod("auto"), FrameMethod("zstd"), FrameMethod("none"),
-                       PlainZstd(), Crc32Only()]
+                       PlainZstd(), Crc32Only(), Crc32Only(zlib.crc32, "zlib crc32")]
             prepared = {}
             for m in methods:
                 frames, stored, codecs = [], 0, set()

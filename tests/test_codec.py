@@ -13,7 +13,6 @@ import struct
 import subprocess
 import sys
 import tempfile
-import zlib
 
 import numpy as np
 import pytest
@@ -21,6 +20,7 @@ import zstandard
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from shmtier.shared._planes import crc32c
 from shmtier.shared.codec import (
     FRAME_MAGIC,
     FRAME_VERSION,
@@ -124,7 +124,7 @@ def forge(frame: bytes, **changes) -> bytes:
     fields.update(changes)
     fields["key_len"] = len(key)
     head = HEAD.pack(*(fields[f] for f in FIELDS))
-    hcrc = struct.pack("<I", zlib.crc32(key, zlib.crc32(head)))
+    hcrc = struct.pack("<I", crc32c(key, crc32c(head)))
     return head + hcrc + key + frame[40 + key_len:]
 
 
@@ -163,9 +163,9 @@ def test_round_trip_is_byte_exact(dataset, size, mode):
     if h.codec == "split_zstd":
         lo_plane = (np.frombuffer(raw, dtype="<u2") & 0xFF).astype(np.uint8).tobytes()
         comp = frame[h.header_size:h.frame_size - size // 2]
-        assert h.checksum == zlib.crc32(lo_plane) and h.payload_crc == zlib.crc32(comp)
+        assert h.checksum == crc32c(lo_plane) and h.payload_crc == crc32c(comp)
     else:
-        assert h.checksum == zlib.crc32(raw)
+        assert h.checksum == crc32c(raw)
     assert stats.codec == h.codec and stats.seconds >= 0
     if mode == "none" or size == 0:
         assert h.codec == "raw"
@@ -301,18 +301,18 @@ def test_header_layout_matches_documentation():
     assert f["raw_len"] == len(raw)
     assert f["stored_len"] == len(frame) - 40 - len(KEY)
     (hcrc,) = struct.unpack_from("<I", frame, 36)
-    assert hcrc == zlib.crc32(frame[40:40 + len(KEY)], zlib.crc32(frame[:36]))
+    assert hcrc == crc32c(frame[40:40 + len(KEY)], crc32c(frame[:36]))
     assert frame[40:40 + len(KEY)] == KEY
     # split_zstd payload: zstd frame of the high plane, then the low plane raw
     payload = frame[40 + len(KEY):]
     half = len(raw) // 2
     u16 = np.frombuffer(raw, dtype="<u2")
     lo_plane = (u16 & 0xFF).astype(np.uint8).tobytes()
-    assert payload[-half:] == lo_plane and f["checksum"] == zlib.crc32(lo_plane)
+    assert payload[-half:] == lo_plane and f["checksum"] == crc32c(lo_plane)
     assert payload[:4] == b"\x28\xb5\x2f\xfd"  # zstd frame magic
     params = zstandard.get_frame_parameters(payload[:-half])
     assert params.has_checksum and params.content_size == half  # covers the high plane
-    assert f["payload_crc"] == zlib.crc32(payload[:-half])
+    assert f["payload_crc"] == crc32c(payload[:-half])
     assert frame_header_size(len(KEY)) == 40 + len(KEY)
     assert frame_header_size(0) == 40
 
@@ -392,7 +392,7 @@ def test_high_plane_content_checksum_catches_a_decode_that_differs(frames):
     comp = bytearray(frame[hs:len(frame) - half])
     # the 4 bytes before the end of the zstd frame are its content checksum
     comp[-1] ^= 0x10
-    forged = forge(frame[:hs] + bytes(comp) + frame[-half:], payload_crc=zlib.crc32(comp))
+    forged = forge(frame[:hs] + bytes(comp) + frame[-half:], payload_crc=crc32c(comp))
     out = bytearray(b"\x55" * len(raw))
     with pytest.raises(CorruptChunkError) as ei:
         ChunkDecoder().decode_into(memoryview(forged), KEY, memoryview(out))
@@ -411,7 +411,7 @@ def test_high_plane_frame_without_content_checksum_is_refused(frames):
     bare = zstandard.ZstdCompressor(write_checksum=False).compress(hi)
     payload = frame[hs:]
     forged = forge(frame[:hs] + bare + payload[-half:], stored_len=len(bare) + half,
-                   payload_crc=zlib.crc32(bare))
+                   payload_crc=crc32c(bare))
     out = bytearray(b"\x66" * len(raw))
     with pytest.raises(CorruptChunkError) as ei:
         ChunkDecoder().decode_into(memoryview(forged), KEY, memoryview(out))
@@ -505,7 +505,7 @@ def test_inconsistent_codec_fields_are_detected(frames):
     # the header says zstd but the payload is a raw chunk (with a valid payload CRC):
     # zstd refuses it
     payload = rframe[frame_header_size(len(KEY)):]
-    assert reason_of(forge(rframe, codec_id=1, payload_crc=zlib.crc32(payload))) == "codec"
+    assert reason_of(forge(rframe, codec_id=1, payload_crc=crc32c(payload))) == "codec"
     # a zstd payload that declares another size than the header's raw length
     assert reason_of(forge(zframe, raw_len=len(raw) - 1), nbytes=len(raw) - 1) == "codec"
 

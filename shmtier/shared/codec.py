@@ -5,7 +5,7 @@ tier, an object of ``obj``, a message of ``p2p``): a self-describing header
 followed by the payload. The header names everything needed to check the frame
 before a single byte of it reaches an arena row: magic, format version, codec,
 element size, raw and stored lengths, the full key and a checksum of the raw
-chunk bytes, plus a CRC-32 of its own, so that every flipped bit, truncation,
+chunk bytes, plus a CRC-32C of its own, so that every flipped bit, truncation,
 stale or misplaced frame is detected and reported as
 :class:`CorruptChunkError` -- wrong KV is never served (DESIGN §5 "fs format",
 §8).
@@ -20,27 +20,27 @@ Layout (all integers little-endian; ``K`` = key length)::
          7     1  flags            0 (reserved; non-zero means a newer writer)
          8     2  key length K
         10     2  reserved         0
-        12     4  checksum         CRC-32 of the raw bytes stored raw (see below)
+        12     4  checksum         CRC-32C of the raw bytes stored raw (see below)
         16     8  raw length       bytes of the decoded chunk
         24     8  stored length    bytes of payload after the header
-        32     4  payload CRC      CRC-32 of the payload's zstd frame (0 for raw)
-        36     4  header CRC       CRC-32 of bytes [0, 36) followed by the key
+        32     4  payload CRC      CRC-32C of the payload's zstd frame (0 for raw)
+        36     4  header CRC       CRC-32C of bytes [0, 36) followed by the key
         40     K  key
       40+K        payload (stored length bytes)
 
 Payload per codec, and what covers each raw byte:
 
 * ``raw`` (0): the chunk bytes as they are (stored length = raw length);
-  ``checksum`` is their CRC-32.
+  ``checksum`` is their CRC-32C.
 * ``zstd`` (1): one zstd frame of the whole chunk (used for element sizes
   other than 2, and for 2-byte chunks of odd length); ``checksum`` is the
-  CRC-32 of the raw chunk, verified over the bytes decoded into the
+  CRC-32C of the raw chunk, verified over the bytes decoded into the
   destination, and ``payload CRC`` that of the zstd frame, verified before.
 * ``split_zstd`` (2): for 2-byte elements (bf16/fp16): each little-endian
   element is split into its high byte (sign and exponent: low entropy) and its
   low byte (mantissa: near random); the payload is one zstd frame of the
   high-byte plane (``stored_len - raw_len // 2`` bytes) followed by the
-  low-byte plane kept raw (``raw_len // 2`` bytes). ``checksum`` is the CRC-32
+  low-byte plane kept raw (``raw_len // 2`` bytes). ``checksum`` is the CRC-32C
   of the low-byte plane and ``payload CRC`` that of the zstd frame, so every
   stored bit is under a CRC; the decoded high-byte plane is checked by the zstd
   frame's own content checksum (the low 32 bits of XXH64, computed by libzstd
@@ -53,21 +53,22 @@ compresses poorly as a whole (plain zstd level 1: ratio ~1.29) but its
 high-byte plane is near its order-0 entropy bound with zstd's *fast*
 strategy, min match 7 and hash log 6 -- finding matches in near-random data is
 wasted work, Huffman coding of the literals is what pays -- giving ratio ~1.50
-on random-normal bf16 at about twice the speed of level 1. Splitting uses a
-``uint16`` view and shifts (no transpose copy). A chunk is stored raw when
-compression saves less than ``min_gain`` of its size. Checksums: ``zlib.crc32``
-runs at ~4-5 GB/s per core here (no new dependency) while libzstd's XXH64 is
-nearly free, so the split codec CRCs only what it stores (the low plane and
-the compressed high plane, ~0.67 of the raw size) and lets libzstd check the
-decoded high plane; format version 1, which CRC'd the whole raw chunk as well,
-spent ~25% of its encode time in CRCs. Version 1 frames are refused as
-``"version"`` (a tier treats them as misses and removes them).
+on random-normal bf16 at about twice the speed of level 1. A chunk is stored
+raw when compression saves less than ``min_gain`` of its size. The split, the
+merge and CRC-32C are the C extension ``_planes`` (one pass that splits a tile
+and checksums its low plane while it is in cache; the SSE4.2 crc32
+instruction); the split codec CRCs only what it stores (the low plane and the
+compressed high plane, ~0.67 of the raw size) and lets libzstd, whose XXH64 is
+nearly free, check the decoded high plane. Format version 1 (numpy split,
+zlib's CRC-32 over the whole raw chunk as well) spent ~55% of its encode time
+outside zstd; version 1 frames are refused as ``"version"`` (a tier treats
+them as misses and removes them).
 
 Who uses this module: tier worker processes (their backends encode on a
 cascade and decode on a promotion), the bench, and tests. It imports neither
 torch nor vLLM (tier workers stay under 100 MiB private RSS). Nothing here does
-I/O, takes a lock or blocks on anything but the CPU; zstd, ``zlib.crc32`` and
-the numpy ufuncs release the GIL on large buffers. An encoder or decoder is not
+I/O, takes a lock or blocks on anything but the CPU; zstd and ``_planes``
+release the GIL. An encoder or decoder is not
 thread-safe: make one per thread (each holds a zstd context and scratch
 buffers sized to the largest chunk it has seen: about 1x the chunk size plus
 ~2 MiB of zstd state).
@@ -77,13 +78,14 @@ from __future__ import annotations
 
 import struct
 import time
-import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import zstandard
+
+from shmtier.shared._planes import crc32c, merge, split
 
 __all__ = [
     "FRAME_MAGIC", "FRAME_VERSION", "CODECS", "CorruptChunkError", "CompressionConfig",
@@ -262,7 +264,7 @@ class FrameHeader:
     """A parsed and verified frame header (header CRC, magic, version, codec checked).
 
     ``stored_len`` is the payload size; ``header_size + stored_len`` (``frame_size``)
-    is the whole frame. ``checksum`` is the CRC-32 of the raw bytes the codec stores
+    is the whole frame. ``checksum`` is the CRC-32C of the raw bytes the codec stores
     raw (the whole chunk for ``raw`` and ``zstd``, the low-byte plane for
     ``split_zstd``), ``payload_crc`` that of the zstd payload (codec ``zstd`` only; 0
     otherwise). See the module docstring.
@@ -334,7 +336,7 @@ def parse_frame_header(buf: memoryview) -> FrameHeader:
         raise CorruptChunkError("length", f"{mv.nbytes} bytes, header with its key needs {end}")
     (header_crc,) = _HCRC.unpack_from(mv, _HEAD.size)
     key = bytes(mv[_FIXED_SIZE:end])
-    if zlib.crc32(key, zlib.crc32(mv[:_HEAD.size])) != header_crc:
+    if crc32c(key, crc32c(mv[:_HEAD.size])) != header_crc:
         raise CorruptChunkError("checksum", "header CRC mismatch")
     if flags or reserved:
         raise CorruptChunkError(
@@ -358,34 +360,6 @@ def parse_frame_header(buf: memoryview) -> FrameHeader:
         raise CorruptChunkError("length", "empty zstd payload")
     return FrameHeader(magic, version, codec, element_size, raw_len, stored_len, key,
                        checksum, payload_crc)
-
-
-# Split and CRC go tile by tile so each tile of the low-byte plane is checksummed
-# while it is in cache: zlib.crc32 runs at ~2 GB/s on data that is not in cache here
-# and ~4.7 GB/s on data that is (bench/codec.py --breakdown).
-_TILE = 256 << 10  # bytes of raw chunk per tile
-
-
-def _split_planes(raw: memoryview, hi: np.ndarray, lo: np.ndarray) -> int:
-    """Write the high and low bytes of the little-endian uint16 elements of ``raw``
-    into ``hi`` and ``lo``; return the CRC-32 of ``lo``."""
-    u16 = np.frombuffer(raw, dtype="<u2")
-    crc = 0
-    step = _TILE // 2
-    for s in range(0, u16.size, step):
-        e = s + step
-        u = u16[s:e]
-        np.right_shift(u, 8, out=hi[s:e], casting="unsafe")
-        np.copyto(lo[s:e], u, casting="unsafe")  # uint16 -> uint8 keeps the low byte
-        crc = zlib.crc32(lo[s:e], crc)
-    return crc
-
-
-def _merge_planes(hi: np.ndarray, lo: np.ndarray, out: memoryview) -> None:
-    """Write ``hi << 8 | lo`` as little-endian uint16 into ``out``."""
-    o16 = np.frombuffer(out, dtype="<u2")
-    np.left_shift(hi, 8, out=o16, dtype=np.uint16)
-    np.bitwise_or(o16, lo, out=o16)
 
 
 class _Scratch:
@@ -415,7 +389,7 @@ class ChunkEncoder:
             raise TypeError(
                 "config must be a CompressionConfig (use CompressionConfig.from_config)")
         # Two compressors that differ only in the zstd content checksum: the split
-        # codec's high plane relies on it; whole-chunk zstd has CRC-32s of its own.
+        # codec's high plane relies on it; whole-chunk zstd has CRC-32Cs of its own.
         self._cctx = self._cctx_split = None
         if self.config.mode != "none":
             self._cctx = self._compressor(write_checksum=False)
@@ -465,26 +439,26 @@ class ChunkEncoder:
             half = n // 2
             hi = self._scratch.get("hi", half)
             lo = self._scratch.get("lo", half)
-            lo_crc = _split_planes(mv, hi, lo)
+            lo_crc = split(mv, hi, lo)
             comp = self._cctx_split.compress(hi)
             if self._keep(len(comp) + half, n):
                 codec_id, stored = CODEC_SPLIT_ZSTD, len(comp) + half
                 payload = [comp, memoryview(lo)]
-                checksum, payload_crc = lo_crc, zlib.crc32(comp)
+                checksum, payload_crc = lo_crc, crc32c(comp)
             else:
-                checksum = zlib.crc32(mv)
+                checksum = crc32c(mv)
         elif self._cctx is not None and n:
             comp = self._cctx.compress(mv)
-            checksum = zlib.crc32(mv)  # after zstd: the chunk's tail is still in cache
+            checksum = crc32c(mv)  # after zstd: the chunk's tail is still in cache
             if self._keep(len(comp), n):
                 codec_id, stored = CODEC_ZSTD, len(comp)
                 payload = [comp]
-                payload_crc = zlib.crc32(comp)
+                payload_crc = crc32c(comp)
         else:
-            checksum = zlib.crc32(mv)
+            checksum = crc32c(mv)
         head = _HEAD.pack(FRAME_MAGIC, FRAME_VERSION, codec_id, element_size, 0, len(key), 0,
                           checksum, n, stored, payload_crc)
-        header = head + _HCRC.pack(zlib.crc32(key, zlib.crc32(head))) + key
+        header = head + _HCRC.pack(crc32c(key, crc32c(head))) + key
         stats = EncodeStats(n, len(header) + stored, time.perf_counter() - t0, CODECS[codec_id])
         return [header, *payload], stats
 
@@ -532,26 +506,26 @@ class ChunkDecoder:
                 "length", f"destination has {omv.nbytes} bytes, frame holds {h.raw_len}")
         payload = fmv[hs:]
         if h.codec == "raw":
-            if zlib.crc32(payload) != h.checksum:
+            if crc32c(payload) != h.checksum:
                 raise CorruptChunkError("checksum", "raw bytes CRC mismatch")
             omv[:] = payload  # only once the CRC passed: a corrupt frame writes nothing
         elif h.codec == "zstd":
-            if zlib.crc32(payload) != h.payload_crc:
+            if crc32c(payload) != h.payload_crc:
                 raise CorruptChunkError("checksum", "payload CRC mismatch")
             self._decompress(payload, omv)
-            if zlib.crc32(omv) != h.checksum:
+            if crc32c(omv) != h.checksum:
                 raise CorruptChunkError("checksum", "decoded bytes CRC mismatch")
         else:
             half = h.raw_len // 2
             comp = payload[:h.stored_len - half]
-            if zlib.crc32(comp) != h.payload_crc:
+            if crc32c(comp) != h.payload_crc:
                 raise CorruptChunkError("checksum", "payload CRC mismatch")
-            lo = np.frombuffer(payload, dtype=np.uint8, offset=h.stored_len - half)
-            if zlib.crc32(lo) != h.checksum:
+            lo = payload[h.stored_len - half:]
+            if crc32c(lo) != h.checksum:
                 raise CorruptChunkError("checksum", "low-byte plane CRC mismatch")
             hi = self._scratch.get("hi", half)
             self._decompress(comp, memoryview(hi), checksummed=True)
-            _merge_planes(hi, lo, omv)
+            merge(hi, lo, omv)
         return DecodeStats(h.raw_len, fmv.nbytes, time.perf_counter() - t0, h.codec)
 
     def _decompress(self, comp: memoryview, dst: memoryview, *,
