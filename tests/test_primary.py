@@ -381,3 +381,64 @@ def test_registering_a_name_twice_is_an_error():
     with pytest.raises(ValueError, match="already registered"):
         CachePolicyFactory.register_cache_policy("lru", "x", "y")
     assert issubclass(CachePolicyFactory.get_cache_policy_cls("arc"), CachePolicy)
+
+
+# --- reserve_rows: the tiering manager's batched promotion reservations ---
+
+
+def _state_of(m: CPUOffloadingManager, ctx: ReqContext) -> tuple:
+    return (m.resident_keys(), [(e.keys, e.removed) for e in m.take_events()],
+            m.get_stats().data["data"], [m.lookup(key(i), ctx) for i in range(40)])
+
+
+@settings(max_examples=150, deadline=None)
+@given(capacity=st.integers(1, 8), history=st.lists(st.tuples(
+    st.sampled_from(["store", "pin", "fail"]), st.lists(st.integers(0, 15), min_size=1,
+                                                        max_size=4)), max_size=12),
+       wanted=st.lists(st.integers(16, 30), min_size=1, max_size=8, unique=True),
+       protected=st.lists(st.integers(0, 15), max_size=4))
+def test_reserve_rows_matches_prepare_store_key_by_key(capacity, history, wanted, protected):
+    """reserve_rows(keys) gives the rows, victims, events and stats of one
+    prepare_store([key]) per key in order (LRU), keeps ``protected`` from eviction and
+    fails a suffix of keys when room runs out."""
+    batched, per_key = manager(capacity), manager(capacity)
+    for m in (batched, per_key):
+        ctx = request("history", [key(i) for i in range(16)])
+        for op, idx in history:
+            keys = [key(i) for i in idx]
+            out = m.prepare_store(keys, ctx)
+            if out is None:
+                continue
+            m.complete_store(out.keys_to_store, ctx, success=op != "fail")
+            if op == "pin":
+                m.prepare_load([k for k in keys if m.lookup(k, ctx) == HIT], ctx)
+        list(m.take_events())
+        m.get_stats()
+    ctx_b = request("r", [key(i) for i in wanted])
+    ctx_p = request("r", [key(i) for i in wanted])
+    keys = [key(i) for i in wanted]
+    kept = {key(i) for i in protected} & set(per_key.resident_keys())
+    # per key, with the protected keys made un-evictable for the duration (pinned)
+    hold = request("hold")
+    held = [k for k in kept if per_key.lookup(k, hold) == HIT]
+    per_key.prepare_load(held, hold)
+    expected = []
+    for k in keys:
+        out = per_key.prepare_store([k], ctx_p)
+        expected.append(None if out is None else int(out.store_spec.chunk_ids[0]))
+    per_key.complete_load(held, hold)
+    obtainable = batched.rows_obtainable(kept)
+    got = batched.reserve_rows(keys, ctx_b, kept)
+    assert got == expected
+    granted = [row for row in got if row is not None]
+    assert len(granted) == min(len(keys), obtainable)
+    assert got == granted + [None] * (len(keys) - len(granted))  # failures are a suffix
+    assert all(k in batched.resident_keys() for k in kept)
+    assert _state_of(batched, ctx_b) == _state_of(per_key, ctx_p)
+
+
+def test_reserve_rows_refuses_keys_longer_than_the_key_width():
+    m = manager(2)
+    with pytest.raises(KeyTooLongError):
+        m.reserve_rows([b"x" * 41], request("r"))
+    assert m.resident_keys() == {}

@@ -388,3 +388,69 @@ def test_a_slow_tier_makes_backpressure_drop_cascades(engine_id, tmp_path, monke
         with m.lock:
             m.reset_cache()
         m.shutdown()
+
+
+def test_a_scans_promotions_are_reserved_together_when_the_scan_ends(rig_factory, scripted_module):
+    """A request's consecutive lookups promote without touching the primary; its rows
+    are reserved in one call when another call comes, before anyone can see them,
+    and another request's lookup then finds the keys pending."""
+    rig = rig_factory(num_chunks=4, tiers=[{"type": "ScriptedTier", "module_path": scripted_module,
+                                            "answers": ["HIT", "HIT", "HIT"]}])
+    m = rig.manager
+    calls = []
+    real_reserve = m.primary.reserve_rows
+
+    def counting_reserve(keys, ctx, protected=()):
+        calls.append(list(keys))
+        return real_reserve(keys, ctx, protected)
+
+    m.primary.reserve_rows = counting_reserve
+    a, b = ReqContext("a"), ReqContext("b")
+    with m.lock:
+        assert [m.lookup(key(i), a) for i in (1, 2, 3)] == [PENDING] * 3
+        assert m.lookup(key(2), a) is PENDING  # asked twice in one scan: one promotion
+        assert calls == [] and m.primary.lookup(key(1), a) is MISS
+        assert m.lookup(key(1), b) is PENDING  # b's scan starts: a's rows reserved first
+        assert calls == [[key(1), key(2), key(3)]]
+        assert [m.primary.lookup(key(i), a) for i in (1, 2, 3)] == [PENDING] * 3
+    rig.step()
+    with m.lock:
+        assert [m.lookup(key(i), a) for i in (1, 2, 3)] == [HIT] * 3
+    assert calls == [[key(1), key(2), key(3)]]
+
+
+def test_a_scans_promotions_never_evict_a_chunk_the_scan_answered_hit(rig_factory,
+                                                                        scripted_module):
+    """Per key, promoting key 3 would evict key 1 -- the least recent chunk, which the
+    same scan had just answered HIT -- and the request's load of key 1 would fail."""
+    rig = rig_factory(num_chunks=2, tiers=[{"type": "ScriptedTier", "module_path": scripted_module,
+                                            "answers": ["HIT"]}])
+    m = rig.manager
+    old = ReqContext("old")
+    rig.offload([key(1), key(2)], [0, 1], old)  # key 1 is the LRU victim
+    rig.step()
+    reader = ReqContext("reader")
+    with m.lock:
+        assert m.lookup(key(1), reader) is HIT
+        assert m.lookup(key(3), reader) is PENDING
+        spec = m.prepare_load([key(1)], reader)  # ends the scan: key 3 takes key 2's row
+        assert spec.chunk_ids.tolist() == [0]
+        assert m.primary.lookup(key(2), reader) is MISS
+        evicted = [e.keys for e in m.take_events() if e.removed]
+    assert evicted == [[key(2)]]
+    rig.load([key(1)], [10], reader)
+    assert torch.equal(rig.cache[10], rig.original[0])
+
+
+def test_no_room_for_a_scans_next_promotion_is_a_miss_at_once(rig_factory, scripted_module):
+    """The room check at lookup counts the scan's unreserved promotions: with one free
+    row the second promotion of the scan answers MISS, as per-key reservation would."""
+    rig = rig_factory(num_chunks=1, tiers=[{"type": "ScriptedTier", "module_path": scripted_module,
+                                            "answers": ["HIT", "HIT"]}])
+    m = rig.manager
+    ctx = ReqContext("r")
+    with m.lock:
+        assert [m.lookup(key(1), ctx), m.lookup(key(2), ctx)] == [PENDING, MISS]
+        data = m.get_stats().data["data"]
+    assert data[metrics.PROMOTION_ALLOCATION_FAILURES][()] == 1
+    assert m.primary.lookup(key(1), ctx) is PENDING

@@ -290,24 +290,14 @@ class CPUOffloadingManager:
                 to_store.append(key)
             elif refcnt[row] >= 0:
                 ready_existing.append(key)
-        if to_store and max(map(len, to_store)) > self._key_width:
-            longest = max(to_store, key=len)
-            raise KeyTooLongError(
-                f"offload key of {len(longest)} bytes does not fit the CPU tier's key width "
-                f"of {self._key_width} bytes (set key_width to at least {len(longest)})"
-            )
+        self._check_key_width(to_store)
         if self.counts is not None:
             candidates = len(to_store)
             to_store = [key for key in to_store if self.counts.get(key, 0) >= self.store_threshold]
             self.stores_skipped_in_current_batch += candidates - len(to_store)
 
         state = self._request_access(req_context)
-        missed = state.store_miss_keys
-        new_misses = [key for key in to_store if key not in missed]
-        if new_misses:
-            # ARC learns from its ghost lists before insert() drops the ghost entry.
-            self._policy.on_store_miss(new_misses, req_context)
-            missed.update(new_misses)
+        self._note_store_misses(state, to_store, req_context)
         recorded = set(to_store)
         recorded.update(ready_existing)
         self._record_access((key for key in keys if key in recorded), req_context,
@@ -334,6 +324,80 @@ class CPUOffloadingManager:
         self._num_write_pending += len(to_store)
         state.inserted_keys.update(to_store)
         return PrepareStoreOutput(to_store, CPULoadStoreSpec(new_rows), evicted)
+
+    def _check_key_width(self, keys: list[OffloadKey]) -> None:
+        if keys and max(map(len, keys)) > self._key_width:
+            longest = max(keys, key=len)
+            raise KeyTooLongError(
+                f"offload key of {len(longest)} bytes does not fit the CPU tier's key width "
+                f"of {self._key_width} bytes (set key_width to at least {len(longest)})"
+            )
+
+    def _note_store_misses(self, state: _RequestCacheAccess, keys: list[OffloadKey],
+                           req_context: ReqContext) -> None:
+        missed = state.store_miss_keys
+        new_misses = [key for key in keys if key not in missed]
+        if new_misses:
+            # ARC learns from its ghost lists before insert() drops the ghost entry.
+            self._policy.on_store_miss(new_misses, req_context)
+            missed.update(new_misses)
+
+    def rows_obtainable(self, protected: Collection[OffloadKey] = ()) -> int:
+        """Rows a reservation could get now: free and fresh rows plus evictable chunks,
+        not counting the evictable ones among ``protected``."""
+        return (len(self._free_list) + self._num_chunks - self._counters[NUM_ALLOCATED]
+                + self._evictable_except(protected))
+
+    def _evictable_except(self, protected: Collection[OffloadKey]) -> int:
+        held = sum(1 for key in protected
+                   if (row := self._rows.get(key)) is not None and self._refcnt[row] == 0)
+        return self._num_evictable - held
+
+    def reserve_rows(self, keys: list[OffloadKey], req_context: ReqContext,
+                     protected: Collection[OffloadKey] = ()) -> list[int | None]:
+        """Pending rows for ``keys`` (none of them resident), as one ``prepare_store([key])``
+        per key in order would give them -- the same rows, victims, eviction events
+        (one per victim) and allocation-size samples (one per key) -- but in one pass,
+        with ``protected`` (e.g. chunks the same request was just told are HITs) kept
+        from eviction too. Returns each key's row, or None for the keys (a suffix) that
+        found no room. Scheduler process, under the manager's lock; never blocks.
+
+        Exact for recency policies (LRU); a policy whose victim choice depends on the
+        pending inserts in between (ARC's list sizes) may pick other victims than the
+        per-key sequence would."""
+        if not keys:
+            return []
+        self._check_key_width(keys)
+        state = self._request_access(req_context)
+        self._note_store_misses(state, keys, req_context)
+        self._record_access(keys, req_context)
+        self.allocation_sizes_in_current_batch.extend([1] * len(keys))
+        free_list = self._free_list
+        spare = len(free_list) + self._num_chunks - self._counters[NUM_ALLOCATED]
+        need = len(keys) - spare
+        victims = []
+        if need > 0:
+            need = min(need, self._evictable_except(protected))
+            victims = self._policy.evict(need, set(keys).union(protected)) if need else []
+            if victims is None:
+                victims = []
+            self._num_evictable -= len(victims)
+            for key, chunk in victims:
+                self._release(key, chunk.chunk_id)
+            if victims:
+                # per key, a victim's row goes to the key that evicted it: fresh rows
+                # first, then the old free rows (from the end), then victims in order
+                released = free_list[-len(victims):]
+                del free_list[-len(victims):]
+                free_list[:0] = released[::-1]
+            if self.events is not None:
+                self.events.extend(OffloadingEvent(keys=[key], medium=self.medium, removed=True)
+                                   for key, _ in victims)
+        granted = keys[:spare + len(victims)]
+        rows: list[int | None] = list(self._allocate(granted, req_context))
+        self._num_write_pending += len(granted)
+        state.inserted_keys.update(granted)
+        return rows + [None] * (len(keys) - len(granted))
 
     def complete_store(self, keys: Collection[OffloadKey], req_context: ReqContext,
                        success: bool = True) -> None:

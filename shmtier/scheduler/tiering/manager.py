@@ -9,13 +9,28 @@ Data flow::
 
     lookup ──primary HIT/HIT_PENDING──▶ answer
        │ primary MISS: ask tiers in order (first HIT wins; RETRY = ask again)
-       └─tier HIT──▶ reserve a primary row now (HIT_PENDING) ──on_schedule_end──▶
-                     one promotion job per (tier, request) ─▶ tier.submit_load
+       └─tier HIT──▶ room for a primary row? HIT_PENDING (else MISS)
+                     ──end of the request's lookup scan──▶ rows reserved, all at once
+                     ──on_schedule_end──▶ one promotion job per (tier, request)
+                                          ─▶ tier.submit_load
     complete_store(success) ──▶ one cascade job per tier (backpressure permitting):
                                 pin rows (prepare_read) ─▶ tier.submit_store
     tier.get_finished_jobs ──(polled once per step, and always in prepare_store)──▶
          promotion: rows become ready (or are freed: MISS next time)
          cascade:   rows unpinned, backpressure detector updated
+
+Promotion rows are reserved per lookup *scan* (contract §6.3 reserves per key):
+the keys a request's consecutive lookups promote get their rows in one
+``primary.reserve_rows`` call when the scan ends -- at the next call that is
+not a lookup of the same request. Nothing but that request's own lookups can
+observe the state in between, and for LRU the rows, victims and events are the
+ones the per-key reservations would give; the room check at lookup keeps the
+answers (HIT_PENDING, or MISS when the primary is full) the same. Measured on
+the bench's multi-turn trace, per-key reservation was the largest cost of the
+slowest steps. Two deliberate differences: chunks the scan already answered
+HIT are kept from eviction (per key, a later promotion of the same scan could
+evict a chunk the request was just told it can load), and ARC, whose victims
+depend on the inserts in between, may choose other victims.
 
 Requests finish in two stages: ``on_request_finished`` tells the primary at
 once, but the tiers hear of it only after the request's last pending primary
@@ -130,6 +145,8 @@ class _TierFacingParent(ParentManager):
         self._origin = origin
 
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        if self._scan_ctx is not None:
+            self._end_scan()
         return self._manager.on_new_request(req_context, exclude_tier_idx=self._origin)
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
@@ -139,6 +156,8 @@ class _TierFacingParent(ParentManager):
         return self._manager._create_store_job(keys, req_context, self._origin)
 
     def on_request_finished(self, req_context: ReqContext) -> None:
+        if self._scan_ctx is not None:
+            self._end_scan()
         self._manager.on_request_finished(req_context, exclude_tier_idx=self._origin)
 
 
@@ -166,6 +185,13 @@ class TieringOffloadingManager:
         self._requests: dict[str, _RequestState] = {}
         self._load_sources: dict[str, dict[OffloadKey, CacheHitSource]] = {}
         self._promotions_held = False
+        # the current lookup scan: its request, the promotions awaiting rows (key ->
+        # tier index, in lookup order) and the keys it answered HIT (kept from eviction)
+        self._scan_ctx: ReqContext | None = None
+        self._scan_promotions: dict[OffloadKey, int] = {}
+        self._scan_hits: set[OffloadKey] = set()
+        # (request, key) whose reservation a policy refused after HIT_PENDING: MISS next
+        self._refused: set[tuple[str, OffloadKey]] = set()
         self._parents = [_TierFacingParent(self, i) for i in range(len(self.tiers))]
         self._tracker = _LookupTracker(self.labels)
         self._stats = metrics.OffloadingStats()
@@ -195,6 +221,8 @@ class TieringOffloadingManager:
 
     def _create_store_job(self, keys: Collection[OffloadKey], ctx: ReqContext, tier_idx: int) -> TransferJob:
         """Pin ``keys`` in the primary and register a cascade job owned by ``tier_idx``."""
+        if self._scan_ctx is not None:
+            self._end_scan()
         spec: CPULoadStoreSpec = self.primary.prepare_read(keys, ctx)
         return self._new_job(keys, spec.chunk_ids, False, ctx, tier_idx)
 
@@ -286,14 +314,26 @@ class TieringOffloadingManager:
 
     def lookup(self, key: OffloadKey, req_context: ReqContext,
                exclude_tier_idx: int | None = None) -> LookupResult:
-        self._maybe_process_finished_jobs()
         tracker, req_id = self._tracker, req_context.req_id
+        scan = self._scan_ctx
+        if scan is None or scan.req_id != req_id:
+            self._end_scan()
+            self._scan_ctx = req_context
+        self._maybe_process_finished_jobs()
         started = time.perf_counter()
         result = self.primary.lookup(key, req_context)
         now = time.perf_counter()
         tracker.record(req_id, 0, key, result, now - started, now)
+        if result is HIT:
+            self._scan_hits.add(key)
+            return result
         if result is not MISS or self._promotions_held or not self.tiers:
             return result
+        if key in self._scan_promotions:
+            return HIT_PENDING
+        if self._refused and (req_id, key) in self._refused:
+            self._refused.discard((req_id, key))
+            return MISS
         retry = False
         allowed = req_context.load_tier_filter
         for tier_idx, tier in enumerate(self.tiers):
@@ -312,17 +352,53 @@ class TieringOffloadingManager:
         return RETRY if retry else MISS
 
     def _initiate_promotion(self, tier_idx: int, key: OffloadKey, ctx: ReqContext) -> bool:
-        out = self.primary.prepare_write([key], ctx)
-        if out is None or not out.keys_to_store:
-            self._stats.increase_counter(metrics.PROMOTION_ALLOCATION_FAILURES, 1)
-            return False
-        self._load_sources.setdefault(ctx.req_id, {})[key] = self._hit_source[tier_idx]
-        pending = self._pending_promotions[tier_idx].get(ctx.req_id)
-        if pending is None:
-            pending = self._pending_promotions[tier_idx][ctx.req_id] = (ctx, [], [])
-        pending[1].append(key)
-        pending[2].append(int(out.store_spec.chunk_ids[0]))
-        return True
+        """Promote ``key`` from tier ``tier_idx`` if a primary row can be had; the row
+        is reserved when the scan ends (``_end_scan``)."""
+        if self.primary.rows_obtainable(self._scan_hits) > len(self._scan_promotions):
+            self._scan_promotions[key] = tier_idx
+            return True
+        # No room: reserve what the scan holds, then try this key alone, as a per-key
+        # reservation would (it fails, and records the attempt the same way).
+        self._reserve_scan_promotions()
+        return self._reserve({key: tier_idx}, ctx, answered=False)
+
+    def _end_scan(self) -> None:
+        """Reserve the current scan's promotions and forget the scan. Called first by
+        every method but a lookup of the scan's own request."""
+        self._reserve_scan_promotions()
+        self._scan_ctx = None
+        if self._scan_hits:
+            self._scan_hits = set()
+
+    def _reserve_scan_promotions(self) -> None:
+        if self._scan_promotions:
+            promotions, self._scan_promotions = self._scan_promotions, {}
+            self._reserve(promotions, self._scan_ctx, answered=True)
+
+    def _reserve(self, promotions: dict[OffloadKey, int], ctx: ReqContext, answered: bool) -> bool:
+        """Reserve rows for ``promotions`` (key -> tier index) in one primary call and
+        queue them for ``on_schedule_end``; True if every key got a row. A key that got
+        none was already answered HIT_PENDING if ``answered``: its next lookup by the
+        same request says MISS."""
+        keys = list(promotions)
+        rows = self.primary.reserve_rows(keys, ctx, self._scan_hits)
+        sources = self._load_sources.setdefault(ctx.req_id, {})
+        reserved_all = True
+        for key, row in zip(keys, rows):
+            if row is None:
+                self._stats.increase_counter(metrics.PROMOTION_ALLOCATION_FAILURES, 1)
+                if answered:  # a policy refused to evict although the room check passed
+                    self._refused.add((ctx.req_id, key))
+                reserved_all = False
+                continue
+            tier_idx = promotions[key]
+            sources[key] = self._hit_source[tier_idx]
+            pending = self._pending_promotions[tier_idx].get(ctx.req_id)
+            if pending is None:
+                pending = self._pending_promotions[tier_idx][ctx.req_id] = (ctx, [], [])
+            pending[1].append(key)
+            pending[2].append(row)
+        return reserved_all
 
     def _flush_pending_promotions(self) -> None:
         for tier_idx, per_request in enumerate(self._pending_promotions):
@@ -333,6 +409,8 @@ class TieringOffloadingManager:
                 self.tiers[tier_idx].submit_load(self._new_job(keys, rows, True, ctx, tier_idx))
 
     def get_load_source(self, key: OffloadKey, req_context: ReqContext) -> CacheHitSource:
+        if self._scan_ctx is not None:
+            self._end_scan()
         sources = self._load_sources.get(req_context.req_id)
         if sources:
             source = sources.get(key)
@@ -343,6 +421,8 @@ class TieringOffloadingManager:
     # --- stores and cascades ---
 
     def prepare_store(self, keys: Collection[OffloadKey], req_context: ReqContext) -> PrepareStoreOutput | None:
+        if self._scan_ctx is not None:
+            self._end_scan()
         # Always poll first: eviction must see the freshest unpins and promotions.
         self._polled_this_step = True
         self._process_finished_jobs()
@@ -372,6 +452,8 @@ class TieringOffloadingManager:
 
     def complete_store(self, keys: Collection[OffloadKey], req_context: ReqContext,
                        success: bool = True) -> None:
+        if self._scan_ctx is not None:
+            self._end_scan()
         self.primary.complete_store(keys, req_context, success)
         if success and self.tiers:
             stored = [k for k in keys if self.primary.lookup(k, req_context) is HIT]
@@ -392,12 +474,18 @@ class TieringOffloadingManager:
     # --- pass-through to the primary ---
 
     def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> CPULoadStoreSpec:
+        if self._scan_ctx is not None:
+            self._end_scan()
         return self.primary.prepare_load(keys, req_context)
 
     def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
+        if self._scan_ctx is not None:
+            self._end_scan()
         self.primary.complete_load(keys, req_context)
 
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
+        if self._scan_ctx is not None:
+            self._end_scan()
         self.primary.touch(keys, req_context)
         for tier in self.tiers:
             tier.touch(keys, req_context)
@@ -448,6 +536,8 @@ class TieringOffloadingManager:
     # --- per step ---
 
     def on_schedule_end(self, context: ScheduleEndContext) -> None:
+        if self._scan_ctx is not None:
+            self._end_scan()
         self._maybe_process_finished_jobs()
         for tier_idx, tier in enumerate(self.tiers):
             tier.serve_external_requests(self._parents[tier_idx])
@@ -459,16 +549,22 @@ class TieringOffloadingManager:
         self._tracker.stop(context.new_req_ids)
 
     def has_pending_work(self) -> bool:
+        if self._scan_ctx is not None:
+            self._end_scan()
         return (bool(self._jobs) or any(s.parked_cascade_keys for s in self._requests.values())
                 or any(tier.has_pending_work() for tier in self.tiers))
 
     def take_events(self) -> Iterable[OffloadingEvent]:
+        if self._scan_ctx is not None:
+            self._end_scan()
         events = list(self.primary.take_events())
         for tier in self.tiers:
             events.extend(tier.take_events())
         return events
 
     def get_stats(self) -> metrics.OffloadingStats:
+        if self._scan_ctx is not None:
+            self._end_scan()
         stats = self.primary.get_stats()
         metrics.merge_stats(stats, self._stats)
         self._stats = metrics.OffloadingStats()
@@ -498,6 +594,8 @@ class TieringOffloadingManager:
     def reset_cache(self) -> None:
         """Drain every tier, drop all primary state (tiers keep their data) and
         hold promotions until ``on_reset_flushed``."""
+        if self._scan_ctx is not None:
+            self._end_scan()
         for tier in self.tiers:
             tier.drain_jobs()
         self._process_finished_jobs()
@@ -519,6 +617,8 @@ class TieringOffloadingManager:
         self._promotions_held = bool(self.tiers)
 
     def on_reset_flushed(self) -> None:
+        if self._scan_ctx is not None:
+            self._end_scan()
         self._promotions_held = False
 
     def shutdown(self) -> None:
