@@ -203,13 +203,20 @@ def merge_stats(into: OffloadingStats, other: Any) -> None:
     data = getattr(other, "data", None)
     if not data or not data.get("data"):
         return
+    types, into_types, into_data = data["types"], into.data["types"], into.data["data"]
     for name, series in data["data"].items():
-        kind = data["types"][name]
+        kind = types[name]
+        kind = COUNTER if kind == COUNTER else GAUGE if kind == GAUGE else HISTOGRAM
+        into_types.setdefault(name, kind)
+        target = into_data.get(name)
+        if target is None:  # a series ``into`` lacks: copied whole (once per step)
+            into_data[name] = {labels: list(value) if kind == HISTOGRAM else value
+                               for labels, value in series.items()}
+            continue
         for labels, value in series.items():
             if kind == COUNTER:
-                into.increase_counter(name, value, labels)
+                target[labels] = target.get(labels, 0) + value
             elif kind == GAUGE:
-                into.set_gauge(name, value, labels)
+                target[labels] = value
             else:
-                for sample in value:
-                    into.observe_histogram(name, sample, labels)
+                target.setdefault(labels, []).extend(value)

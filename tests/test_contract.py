@@ -106,3 +106,24 @@ def test_tier_filters_match_by_value_across_enum_classes():
     assert not tier_filter_allows(storage, Medium.CPU, None)
     assert tier_filter_allows(OtherFilter.ALL, Medium.CPU, None)
     assert not tier_filter_allows(OtherFilter(()), Medium.CPU, None)
+
+
+def test_merge_stats_adds_counters_replaces_gauges_and_extends_histograms():
+    into, other = metrics.OffloadingStats(), metrics.OffloadingStats()
+    into.increase_counter("c", 2, ("t",))
+    into.set_gauge("g", 1.0)
+    into.observe_histogram("h", 0.5, ("t",))
+    other.increase_counter("c", 3, ("t",))
+    other.increase_counter("c", 1, ("u",))
+    other.set_gauge("g", 7.0)
+    other.observe_histogram("h", 0.25, ("t",))
+    other.observe_histogram("new", 1.0)
+    metrics.merge_stats(into, other)
+    assert into.data["data"] == {"c": {("t",): 5, ("u",): 1}, "g": {(): 7.0},
+                                 "h": {("t",): [0.5, 0.25]}, "new": {(): [1.0]}}
+    assert into.data["types"]["new"] == metrics.HISTOGRAM
+    into.observe_histogram("new", 2.0)  # a copied series is not shared with the source
+    assert other.data["data"]["new"] == {(): [1.0]}
+    metrics.merge_stats(into, metrics.OffloadingStats())  # empty: no change
+    metrics.merge_stats(into, None)
+    assert into.data["data"]["c"] == {("t",): 5, ("u",): 1}

@@ -97,28 +97,36 @@ class _LookupTracker:
         self._resolved: dict[str, set] = {}
         self._retry_since: dict[str, dict] = {}
         self._stopped: set[str] = set()
-        self.stats = metrics.OffloadingStats()
+        # per tier index, since the last take(): plain counters and samples (a lookup
+        # records into these; take() builds the stats payload once per step)
+        self._queries = [0] * len(labels)
+        self._hits = [0] * len(labels)
+        self._sync_s: list[list[float]] = [[] for _ in labels]
+        self._async_s: list[list[float]] = [[] for _ in labels]
 
     def record(self, req_id: str, tier: int, key: OffloadKey, result: LookupResult,
                sync_s: float, now: float) -> None:
-        if req_id in self._stopped or result is HIT_PENDING:
+        if result is HIT_PENDING or req_id in self._stopped:
             return
         if result is RETRY:
             self._retry_since.setdefault(req_id, {}).setdefault((tier, key), now)
             return
-        resolved = self._resolved.setdefault(req_id, set())
-        if (tier, key) in resolved:
+        resolved = self._resolved.get(req_id)
+        if resolved is None:
+            resolved = self._resolved[req_id] = set()
+        tier_key = (tier, key)
+        if tier_key in resolved:
             return
-        resolved.add((tier, key))
-        label = (self.labels[tier],)
-        stats = self.stats
-        stats.increase_counter(metrics.CHUNK_QUERIES, 1, label)
+        resolved.add(tier_key)
+        self._queries[tier] += 1
         if result is HIT:
-            stats.increase_counter(metrics.CHUNK_HITS, 1, label)
-        stats.observe_histogram(metrics.LOOKUP_SYNC_DELAY, sync_s, label)
-        started = self._retry_since.get(req_id, {}).pop((tier, key), None)
-        if started is not None:
-            stats.observe_histogram(metrics.LOOKUP_ASYNC_DELAY, now - started, label)
+            self._hits[tier] += 1
+        self._sync_s[tier].append(sync_s)
+        if self._retry_since:
+            waiting = self._retry_since.get(req_id)
+            started = waiting.pop(tier_key, None) if waiting else None
+            if started is not None:
+                self._async_s[tier].append(now - started)
 
     def stop(self, req_ids: Iterable[str]) -> None:
         for req_id in req_ids:
@@ -132,7 +140,22 @@ class _LookupTracker:
         self._retry_since.pop(req_id, None)
 
     def take(self) -> metrics.OffloadingStats:
-        stats, self.stats = self.stats, metrics.OffloadingStats()
+        stats = metrics.OffloadingStats()
+        for tier, label in enumerate(self.labels):
+            if not self._queries[tier]:
+                continue
+            labels = (label,)
+            stats.increase_counter(metrics.CHUNK_QUERIES, self._queries[tier], labels)
+            if self._hits[tier]:
+                stats.increase_counter(metrics.CHUNK_HITS, self._hits[tier], labels)
+            data = stats.data
+            data["types"][metrics.LOOKUP_SYNC_DELAY] = metrics.HISTOGRAM
+            data["data"].setdefault(metrics.LOOKUP_SYNC_DELAY, {})[labels] = self._sync_s[tier]
+            if self._async_s[tier]:
+                data["types"][metrics.LOOKUP_ASYNC_DELAY] = metrics.HISTOGRAM
+                data["data"].setdefault(metrics.LOOKUP_ASYNC_DELAY, {})[labels] = self._async_s[tier]
+            self._queries[tier] = self._hits[tier] = 0
+            self._sync_s[tier], self._async_s[tier] = [], []
         return stats
 
 
