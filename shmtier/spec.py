@@ -59,6 +59,7 @@ class TieringOffloadingSpec:
                 continue
             kwargs = {"root_dir": tier.get("root_dir"), "fsync": bool(tier.get("fsync", False)),
                       "min_free_bytes": tier.get("min_free_bytes", 1 << 30),
+                      "direct_io": tier.get("direct_io"),
                       "codec_config": {"mode": self.tiering_config.compression.mode,
                                        "level": self.tiering_config.compression.level,
                                        "min_gain": self.tiering_config.compression.min_gain}}

@@ -24,7 +24,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as hs
 
-from shmtier.shared.codec import CompressionConfig, frame_header_size
+from shmtier.shared.codec import CompressionConfig, frame_header_size, parse_frame_header
 from shmtier.workers.backends import BatchResult, outcome_kind
 from shmtier.workers.backends.fs import (
     CHUNK_SUFFIX,
@@ -810,3 +810,41 @@ def test_batch_result_helpers():
                     [1, 0, 0, 0], [2, 3, 0, 0])
     assert r.succeeded == [True, True, False, False] and not r.all_ok
     assert r.count("full") == 1 and r.total_stored == 5
+
+
+def test_direct_io_where_the_filesystem_takes_it_and_buffered_otherwise(tmp_path, monkeypatch):
+    """auto: O_DIRECT where the probe succeeds (files are cut back to the frame's exact
+    size); buffered when asked, or where O_DIRECT does not exist; true there is a clear
+    error. Every way round trips the bytes exactly."""
+    from shmtier.workers.backends import fs as fs_backend
+
+    rng = np.random.default_rng(5)
+    src = bf16_normal(rng, 3 * 12288).reshape(3, 12288)
+    keys = keys_for(3)
+
+    def round_trip(b):
+        assert b.store(keys, [0, 1, 2], src, 12288).outcomes == ["ok"] * 3
+        for key in keys:
+            data = open(b.path_for(key), "rb").read()
+            assert len(data) == parse_frame_header(memoryview(data)).frame_size
+        out = np.zeros_like(src)
+        assert b.load(keys, [2, 1, 0], out, 12288).outcomes == ["ok"] * 3
+        assert np.array_equal(out[::-1], src)
+
+    (tmp_path / "auto").mkdir()
+    auto = FsBackend(str(tmp_path / "auto"), "direct-auto", min_free_bytes=0)
+    assert auto.direct_io == fs_backend._probe_says_direct(str(tmp_path / "auto"))
+    round_trip(auto)
+    (tmp_path / "off").mkdir()
+    off = FsBackend(str(tmp_path / "off"), "direct-off", min_free_bytes=0, direct_io=False)
+    assert off.direct_io is False
+    round_trip(off)
+    monkeypatch.setattr(fs_backend, "_O_DIRECT", 0)  # a platform without O_DIRECT
+    (tmp_path / "none").mkdir()
+    none = FsBackend(str(tmp_path / "none"), "direct-none", min_free_bytes=0)
+    assert none.direct_io is False
+    round_trip(none)
+    with pytest.raises(OSError, match="direct_io=true"):
+        FsBackend(str(tmp_path / "none"), "direct-none", min_free_bytes=0, direct_io=True)
+    with pytest.raises(ValueError, match="direct_io='yes'"):
+        FsBackend(str(tmp_path), "bad", direct_io="yes")

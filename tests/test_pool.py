@@ -798,7 +798,7 @@ def test_shutdown_fails_the_jobs_left_in_flight(pools):
 
 def test_loads_overtake_queued_stores_but_not_a_store_of_the_same_key():
     from shmtier.shared import jobs
-    from shmtier.workers.job_loop import loads_first
+    from shmtier.workers.job_loop import decode_all, loads_first
 
     batch = [jobs.pack_job(1, "store", 0, [b"a" * 36], [0]),
              jobs.pack_job(2, "load", 0, [b"b" * 36], [1]),
@@ -806,5 +806,50 @@ def test_loads_overtake_queued_stores_but_not_a_store_of_the_same_key():
              jobs.pack_job(3, "load", 0, [b"a" * 36], [2]),
              jobs.pack_job(4, "delete", 0, [b"c" * 36]),
              jobs.pack_job(5, "load", 0, [b"d" * 36], [3])]
-    order = [j.job_id if isinstance(j, jobs.Job) else "bad" for j in loads_first(batch)]
+    loads, rest = loads_first(decode_all(batch))
+    order = [j.job_id if isinstance(j, jobs.Job) else "bad" for j in loads + rest]
     assert order == [2, 5, 1, "bad", 3, 4]
+    # keys held by jobs already queued or running keep their loads behind too
+    loads, rest = loads_first(decode_all(batch[1:2] + batch[5:]), {b"d" * 36})
+    assert [j.job_id for j in loads] == [2] and [j.job_id for j in rest] == [5]
+
+
+def test_a_store_backlog_lets_new_loads_through_and_goes_raw_while_behind(tmp_path):
+    """Between the slices of a long store, loads that reached the ring run first and
+    are answered before the store; while the store work held exceeds _HURRY_BYTES,
+    codec mode "auto" writes raw frames (read back byte-exact), then compressed again."""
+    from shmtier.shared import jobs
+    from shmtier.shared.codec import parse_frame_header
+    from shmtier.workers import job_loop
+    from shmtier.workers.backends.fs import FsBackend
+
+    chunk = 1 << 20
+    rows = 40
+    rng = np.random.default_rng(3)
+    arena = (rng.standard_normal((rows, chunk // 2), dtype=np.float32).view(np.uint32) >> 16)
+    arena = arena.astype("<u2").view(np.uint8).reshape(rows, chunk)
+    backend = FsBackend(str(tmp_path), "hurry-fp", min_free_bytes=0)
+    keys = [_key(i, b"hurry") for i in range(rows)]
+    ring = [[jobs.pack_job(99, "load", 0, [keys[0]], [rows - 1])]]  # arrives mid-store
+    answered = []
+    runner = job_loop.JobRunner([backend], arena, chunk, 8 << 10,
+                                take_new=lambda: ring.pop() if ring else [],
+                                answer=answered.append)
+    backend.store(keys[:1], [0], arena, chunk)  # key 0 on disk, for the load
+    store = jobs.decode_job(jobs.pack_job(1, "store", 0, keys[1:rows - 1], list(range(1, rows - 1))))
+    assert runner.admit([store]) == []
+    runner.run_queue()
+    assert [r.job_id for r in answered] == [99, 1]
+    assert answered[0].outcomes == [jobs.OK] and np.array_equal(arena[rows - 1], arena[0])
+    assert answered[1].outcomes == [jobs.OK] * (rows - 2)
+    codecs = []
+    for i in range(1, rows - 1):
+        path = next(tmp_path.rglob(keys[i].hex() + "*"))
+        codecs.append(parse_frame_header(memoryview(path.read_bytes())).codec)
+    behind = (rows - 2) * chunk > job_loop._HURRY_BYTES
+    assert behind and codecs[0] == "raw" and codecs[-1] == "split_zstd"
+    assert backend.counters.stores_raw_hurried == codecs.count("raw")
+    out = np.zeros((rows - 2, chunk), dtype=np.uint8)
+    assert backend.load(keys[1:rows - 1], list(range(rows - 2)), out, chunk).outcomes == [
+        "ok"] * (rows - 2)
+    assert np.array_equal(out, arena[1:rows - 1])

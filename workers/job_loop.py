@@ -9,9 +9,13 @@ Runs in: one tier worker process (spawned by the pool, or started by
     loop: jobs.get_many(≤ 128): a non-blocking take every 0.5 ms while jobs came
           in the last 0.25 s, else a sleep in the semaphore (heartbeat timeout)
           beat()
-          decode all (malformed → error result, keep running); loads first
-          for each job:
-                        backend[tier].store/load/delete/probe/scan
+          decode all (malformed → error result, keep running) into the queue, loads first
+          for each queued job:
+                        backend[tier].store/load/delete/probe/scan, 8 keys per slice;
+                        before each slice of a store: take new jobs from the ring, run
+                        their loads at once (a request waits on each), queue the rest;
+                        store raw instead of compressed while the queued store work
+                        exceeds _HURRY_BYTES (codec mode "auto")
                         results.try_put(encoded result)
           every few seconds: owner (scheduler) alive? else exit
 
@@ -27,6 +31,7 @@ import os
 import signal
 import sys
 import time
+from collections import deque
 
 import numpy as np
 
@@ -52,6 +57,13 @@ _BATCH = 128  # jobs taken per wake-up: the whole ring, so a load can overtake t
 # worker sleeps in the semaphore (idle CPU ~0; the next job pays one wake-up).
 _POLL_S = 0.0005
 _POLL_WINDOW_S = 0.25
+# A worker this far behind on stores (chunk bytes of the store jobs it holds, the one
+# in hand included) stores raw frames in codec mode "auto": a cascade that waits only
+# keeps its CPU row pinned, and pinned rows are what promotions need (measured at
+# 1.4 MiB chunks on 2 cores: compressing workers fell seconds behind, promotions
+# waited ~0.8 s and thousands were refused for lack of a free CPU row). ~16 ms of
+# compression per core.
+_HURRY_BYTES = 16 << 20
 _KIND_CODE = {"ok": jobs.OK, "exists": jobs.OK, "missing": jobs.MISS, "corrupt": jobs.CORRUPT,
               "full": jobs.REJECTED, "error": jobs.ERROR, "invalid": jobs.ERROR}
 
@@ -74,22 +86,27 @@ class _Stop(Exception):
     pass
 
 
-def loads_first(batch: list[bytes]) -> list:
-    """Decode a batch of jobs and put the loads first: a request is waiting on each
-    promotion, while a cascade only keeps a CPU row pinned a little longer.
-
-    Per-key order survives: a load of a key that an earlier job of the batch
-    stores or deletes stays behind that job. (The fs tier never has a load and a
-    mutation of one key outstanding together, but the worker does not rely on it.)
-    Malformed entries come back as ``MalformedJob`` in their place.
-    """
+def decode_all(batch: list[bytes]) -> list:
+    """Decode raw job payloads; malformed ones come back as ``MalformedJob`` in place."""
     decoded = []
     for raw in batch:
         try:
             decoded.append(jobs.decode_job(raw))
         except jobs.MalformedJob as e:
             decoded.append(e)
-    first, rest, mutated = [], [], set()
+    return decoded
+
+
+def loads_first(decoded: list, mutated: set | None = None) -> tuple[list, list]:
+    """Split decoded jobs into ``(loads, rest)``: a request is waiting on each
+    promotion, while a cascade only keeps a CPU row pinned a little longer.
+
+    Per-key order survives: a load of a key that an earlier job (of the batch, or in
+    ``mutated``: keys of jobs already held) stores or deletes stays behind that job,
+    in ``rest``. (The fs tier never has a load and a mutation of one key outstanding
+    together, but the worker does not rely on it.)
+    """
+    first, rest, mutated = [], [], set(mutated or ())
     for job in decoded:
         if isinstance(job, jobs.Job) and job.op == "load" and mutated.isdisjoint(job.keys):
             first.append(job)
@@ -97,19 +114,56 @@ def loads_first(batch: list[bytes]) -> list:
         rest.append(job)
         if isinstance(job, jobs.Job) and job.op in ("store", "delete"):
             mutated.update(job.keys)
-    return first + rest
+    return first, rest
 
 
 class JobRunner:
-    """Runs decoded jobs against the backends; one per worker process."""
+    """Runs decoded jobs against the backends; one per worker process.
+
+    ``queue`` holds decoded jobs not yet run (``admit`` fills it, ``run_queue`` empties
+    it). ``take_new`` (non-blocking: raw payloads from the job ring, maybe none) is
+    called between slices of a store job; the loads it brings run at once and their
+    results go to ``answer``; the rest are queued behind."""
 
     def __init__(self, backends: list, arena: np.ndarray, chunk_bytes: int, slot_size: int,
-                 beat=lambda: None):
+                 beat=lambda: None, take_new=lambda: [], answer=lambda result: None):
         self.backends = backends
         self.arena = arena
         self.chunk_bytes = chunk_bytes
         self.max_result = slot_size - 8
         self.beat = beat
+        self.take_new = take_new
+        self.answer = answer
+        self.queue: deque = deque()
+        self._store_keys_queued = 0  # keys of the store jobs in ``queue``
+
+    def admit(self, decoded: list, in_hand: list | None = None) -> list:
+        """Queue ``decoded`` jobs behind those held; returns the loads that may run
+        before everything queued (none of their keys is stored or deleted by a held job,
+        ``in_hand`` being the keys of the job running now)."""
+        held = set(in_hand or ())
+        for job in self.queue:
+            if isinstance(job, jobs.Job) and job.op in ("store", "delete"):
+                held.update(job.keys)
+        loads, rest = loads_first(decoded, held)
+        for job in rest:
+            self.queue.append(job)
+            if isinstance(job, jobs.Job) and job.op == "store":
+                self._store_keys_queued += len(job.keys)
+        return loads
+
+    def run_queue(self) -> None:
+        """Run every queued job in order, answering each."""
+        while self.queue:
+            job = self.queue.popleft()
+            if isinstance(job, jobs.Job) and job.op == "store":
+                self._store_keys_queued -= len(job.keys)
+            self.run_and_answer(job)
+
+    def run_and_answer(self, job) -> None:
+        for result in self.run(job):
+            self.answer(result)
+        self.beat()
 
     def run(self, job: "jobs.Job | jobs.MalformedJob") -> list[jobs.Result]:
         """Run one decoded job (or answer a malformed one); never raises but ``_Stop``."""
@@ -135,11 +189,19 @@ class JobRunner:
 
     def _in_slices(self, op, job: jobs.Job):
         """Run ``op`` over the job's keys in slices, beating between them, so a long
-        job on a slow medium is not mistaken for a hung worker."""
+        job on a slow medium is not mistaken for a hung worker. Before each slice of
+        a store, loads that reached the ring meanwhile run first, and the slice is stored raw
+        (in codec mode "auto") while the store work held exceeds _HURRY_BYTES."""
         outcomes, logical, stored, io_s, codec_s = [], [], [], 0.0, 0.0
-        for start in range(0, max(len(job.keys), 1), _KEYS_PER_BEAT):
+        n = len(job.keys)
+        for start in range(0, max(n, 1), _KEYS_PER_BEAT):
             keys = job.keys[start:start + _KEYS_PER_BEAT]
-            if job.op in ("store", "load"):
+            if job.op == "store":
+                self._serve_new_loads(job.keys)
+                behind = (n - start + self._store_keys_queued) * self.chunk_bytes
+                part = op(keys, job.rows[start:start + _KEYS_PER_BEAT], self.arena,
+                          self.chunk_bytes, hurry=behind > _HURRY_BYTES)
+            elif job.op == "load":
                 part = op(keys, job.rows[start:start + _KEYS_PER_BEAT], self.arena, self.chunk_bytes)
             else:
                 part = op(keys)
@@ -150,6 +212,12 @@ class JobRunner:
             codec_s += part.codec_seconds
             self.beat()
         return BatchResult(job.op, outcomes, logical, stored, io_s, codec_s)
+
+    def _serve_new_loads(self, in_hand: list) -> None:
+        batch = self.take_new()
+        if batch:
+            for load in self.admit(decode_all(batch), in_hand):
+                self.run_and_answer(load)
 
     def _scan(self, job: jobs.Job, backend) -> list[jobs.Result]:
         keys, stored = [], 0
@@ -177,7 +245,9 @@ def run_worker(engine_id: str, index: int) -> int:
         g = segment.geometry
         arena = np.frombuffer(segment.arena, dtype=np.uint8).reshape(g.num_chunks, g.row_stride)
         backends = [_make_backend(spec, segment.header().fingerprint, config) for spec in config.tiers]
-        runner = JobRunner(backends, arena, config.chunk_bytes, config.slot_size, me.beat)
+        runner = JobRunner(backends, arena, config.chunk_bytes, config.slot_size, me.beat,
+                           take_new=lambda: me.jobs.get_many(_BATCH, timeout_s=0),
+                           answer=lambda result: _answer(me, result, segment))
         next_owner_check = time.monotonic() + _OWNER_CHECK_S
         last_job = 0.0
         while not stopping:
@@ -191,10 +261,10 @@ def run_worker(engine_id: str, index: int) -> int:
                 if batch:
                     last_job = time.monotonic()
             me.beat()
-            for job in loads_first(batch):
-                for result in runner.run(job):
-                    _answer(me, result, segment)
-                me.beat()
+            if batch:
+                for load in runner.admit(decode_all(batch)):
+                    runner.run_and_answer(load)
+                runner.run_queue()
             if time.monotonic() >= next_owner_check:
                 next_owner_check = time.monotonic() + _OWNER_CHECK_S
                 if not segment.header().owner_alive():

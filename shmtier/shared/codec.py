@@ -164,7 +164,8 @@ class CompressionConfig:
 
     * ``mode="auto"`` (default): byte-split + zstd with fast parameters tuned for KV
       (see the module docstring) for 2-byte elements, plain zstd with the same
-      parameters otherwise; raw when the gain is below ``min_gain``.
+      parameters otherwise; raw when the gain is below ``min_gain``. A tier worker
+      that is behind on stores also stores raw in this mode (the job loop decides).
     * ``mode="zstd"``: zstd at ``level`` with its standard parameters (still
       byte-split for 2-byte elements, which beats whole-chunk zstd at every level
       on bf16/fp16); raw when the gain is below ``min_gain``.

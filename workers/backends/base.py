@@ -152,7 +152,10 @@ class TierBackend(abc.ABC):
     @abc.abstractmethod
     def store(self, keys: Sequence[bytes], rows: Sequence[int], arena, chunk_bytes: int,
               **kwargs) -> BatchResult:
-        """Persist row ``rows[i]`` (first ``chunk_bytes``) under ``keys[i]``; rows are read only."""
+        """Persist row ``rows[i]`` (first ``chunk_bytes``) under ``keys[i]``; rows are read only.
+
+        The job loop passes ``hurry=True`` when the worker is behind on stores: a
+        backend with an adaptive codec should then take its cheapest path."""
 
     @abc.abstractmethod
     def load(self, keys: Sequence[bytes], rows: Sequence[int], arena,
