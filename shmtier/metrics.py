@@ -82,6 +82,17 @@ class OffloadingStats:
         self.data["types"].setdefault(name, HISTOGRAM)
         self.data["data"].setdefault(name, {}).setdefault(labelvalues, []).append(value)
 
+    def observe_many(self, name: str, values: list, labelvalues: tuple = ()) -> None:
+        """Add the samples ``values`` to a histogram series; the list is adopted (the
+        caller hands it over and keeps no reference)."""
+        self.data["types"].setdefault(name, HISTOGRAM)
+        series = self.data["data"].setdefault(name, {})
+        have = series.get(labelvalues)
+        if have is None:
+            series[labelvalues] = values
+        else:
+            have.extend(values)
+
     def set_info(self, info: Sequence[ConfigInfoMapping]) -> None:
         self.data["info"] = [dict(series) for series in info]
 

@@ -477,9 +477,9 @@ class CPUOffloadingManager:
         usage = used / n if n else 0.0
         write_usage = self._num_write_pending / n if n else 0.0
         stats.set_gauge(metrics.CPU_CACHE_USAGE_PERC, usage)
-        for size in self.allocation_sizes_in_current_batch:
-            stats.observe_histogram(metrics.CPU_ALLOCATION_SIZE, size)
-        self.allocation_sizes_in_current_batch.clear()
+        if self.allocation_sizes_in_current_batch:
+            stats.observe_many(metrics.CPU_ALLOCATION_SIZE, self.allocation_sizes_in_current_batch)
+            self.allocation_sizes_in_current_batch = []
         stats.set_gauge(metrics.CPU_CACHE_WRITE_USAGE_PERC, write_usage)
         stats.set_gauge(metrics.CPU_CACHE_READ_USAGE_PERC, max(usage - write_usage, 0.0))
         if self.store_threshold >= 2:

@@ -148,12 +148,9 @@ class _LookupTracker:
             stats.increase_counter(metrics.CHUNK_QUERIES, self._queries[tier], labels)
             if self._hits[tier]:
                 stats.increase_counter(metrics.CHUNK_HITS, self._hits[tier], labels)
-            data = stats.data
-            data["types"][metrics.LOOKUP_SYNC_DELAY] = metrics.HISTOGRAM
-            data["data"].setdefault(metrics.LOOKUP_SYNC_DELAY, {})[labels] = self._sync_s[tier]
+            stats.observe_many(metrics.LOOKUP_SYNC_DELAY, self._sync_s[tier], labels)
             if self._async_s[tier]:
-                data["types"][metrics.LOOKUP_ASYNC_DELAY] = metrics.HISTOGRAM
-                data["data"].setdefault(metrics.LOOKUP_ASYNC_DELAY, {})[labels] = self._async_s[tier]
+                stats.observe_many(metrics.LOOKUP_ASYNC_DELAY, self._async_s[tier], labels)
             self._queries[tier] = self._hits[tier] = 0
             self._sync_s[tier], self._async_s[tier] = [], []
         return stats
