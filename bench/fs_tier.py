@@ -67,7 +67,7 @@ if REPO_ROOT not in sys.path:
 import numpy as np  # noqa: E402
 
 from shmtier.shared.codec import ChunkDecoder, ChunkEncoder, CompressionConfig  # noqa: E402
-from shmtier.workers.backends.fs import FsBackend  # noqa: E402
+from shmtier.workers.backends.fs import FsBackend, probe_direct_io  # noqa: E402
 
 KIB, MIB, GB = 1 << 10, 1 << 20, 1e9
 PAGE = mmap.PAGESIZE
@@ -253,7 +253,7 @@ def bench_file_create(workdir: str, n: int, reps: int) -> dict[str, list[float]]
 # ---------------------------------------------------------------------------- fs tier
 
 def run_fs(workdir: str, arena: np.ndarray, chunk: int, mode: str, fsync: bool, batch: int,
-           keys, run_id: str, measure_loads: bool) -> dict[str, float]:
+           keys, run_id: str, measure_loads: bool, direct: bool) -> dict[str, float]:
     root = os.path.join(workdir, f"root-{run_id}")
     os.mkdir(root)
     n = arena.shape[0]
@@ -261,13 +261,14 @@ def run_fs(workdir: str, arena: np.ndarray, chunk: int, mode: str, fsync: bool, 
     # full) is what a tier of that size gets, so the run does not pay a mkdir per file.
     b = FsBackend(root, f"bench {chunk} {mode} {run_id}", fsync=fsync,
                   codec_config=CompressionConfig(mode), min_free_bytes=0,
-                  max_bytes=2 * n * (chunk + 4096), chunk_bytes_hint=chunk)
+                  max_bytes=2 * n * (chunk + 4096), chunk_bytes_hint=chunk,
+                  direct_io=True if direct else False)
     batches = [(keys[i:i + batch], list(range(i, min(n, i + batch)))) for i in range(0, n, batch)]
     out: dict[str, float] = {}
     os.sync()
     io_s = codec_s = 0.0
     stored = 0
-    t = time.perf_counter()
+    t, cpu = time.perf_counter(), time.thread_time()
     for ks, rows in batches:
         r = b.store(ks, rows, arena, chunk)
         if not r.all_ok:
@@ -277,6 +278,7 @@ def run_fs(workdir: str, arena: np.ndarray, chunk: int, mode: str, fsync: bool, 
         stored += r.total_stored
     wall = time.perf_counter() - t
     out["store"] = n * chunk / wall / GB
+    out["store_cpu"] = n * chunk / (time.thread_time() - cpu) / GB
     out["store_io_frac"] = io_s / wall
     out["store_codec_frac"] = codec_s / wall
     out["ratio"] = n * chunk / stored
@@ -297,12 +299,13 @@ def run_fs(workdir: str, arena: np.ndarray, chunk: int, mode: str, fsync: bool, 
                 for p in chunk_paths(b, keys):
                     drop_cache(p)
             os.sync()
-            t = time.perf_counter()
+            t, cpu = time.perf_counter(), time.thread_time()
             for ks, rows in batches:
                 r = b.load(ks, rows, dst, chunk)
                 if not r.all_ok:
                     raise RuntimeError(f"load failed: {set(r.outcomes)}")
             out[label] = n * chunk / (time.perf_counter() - t) / GB
+            out[label + "_cpu"] = n * chunk / (time.thread_time() - cpu) / GB
         if not np.array_equal(dst[:, :chunk], arena[:, :chunk]):
             raise RuntimeError("loaded bytes differ from stored bytes")
     os.sync()
@@ -325,6 +328,8 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=8, help="chunks per store/load call (one job)")
     ap.add_argument("--create-files", type=int, default=2000, help="files for the file-create test")
     ap.add_argument("--quick", action="store_true", help="2 sizes, 32 MiB per run, 500 files")
+    ap.add_argument("--io", default="both", choices=("direct", "buffered", "both"),
+                    help="the backend's I/O: O_DIRECT (direct_io=true), buffered, or both")
     ap.add_argument("--json", default=None, help="write all figures to this file")
     args = ap.parse_args(argv)
     if args.quick:
@@ -379,14 +384,20 @@ def _run(args, sizes, reps, total, workdir) -> int:
     results["limits"]["file_create_us"] = create
 
     # --- fs tier, repeat-major, configurations rotated per repeat
-    configs = [(s, m, f) for s in sizes for m in ("none", "auto") for f in (False, True)]
+    ios = {"direct": (True,), "buffered": (False,), "both": (True, False)}[args.io]
+    if True in ios and not probe_direct_io(workdir):
+        print(f"note: {workdir} does not take O_DIRECT; buffered I/O only")
+        ios = (False,)
+    configs = [(s, m, f, d) for s in sizes for m in ("none", "auto") for f in (False, True)
+               for d in ios]
     runs: dict = {c: [] for c in configs}
     for rep in range(reps):
         order = configs[rep % len(configs):] + configs[:rep % len(configs)]
         for c in order:
-            s, m, f = c
+            s, m, f, d = c
             runs[c].append(run_fs(workdir, arenas[s], s, m, f, args.batch, keys[s],
-                                  f"{rep}-{s}-{m}-{int(f)}", measure_loads=not f))
+                                  f"{rep}-{s}-{m}-{int(f)}-{int(d)}", measure_loads=not f,
+                                  direct=d))
     elapsed = time.perf_counter() - t0
 
     # --- report
@@ -403,26 +414,33 @@ def _run(args, sizes, reps, total, workdir) -> int:
         print(f"  {label:<40} {spread(xs, '{:.1f}')}")
 
     print("\n## FsBackend (GB/s of logical bytes; store = cascade, load = promotion)")
-    hdr = (f"{'chunk':>8} {'codec':>5} | {'store':>18} | {'store+fsync':>18} | {'ratio':>5} | "
-           f"{'io/codec %':>10} | {'load warm':>18} | {'load cold':>18}")
+    hdr = (f"{'chunk':>8} {'codec':>5} {'io':>6} | {'store':>18} | {'store CPU':>18} | "
+           f"{'store+fsync':>18} | {'ratio':>5} | {'io/codec %':>10} | {'load warm':>18} | "
+           f"{'load cold':>18} | {'load cold CPU':>18}")
     print(hdr)
     print("-" * len(hdr))
     for s in sizes:
         for m in ("none", "auto"):
-            a, f = runs[(s, m, False)], runs[(s, m, True)]
-            io = med([r["store_io_frac"] for r in a]) * 100
-            cod = med([r["store_codec_frac"] for r in a]) * 100
-            print(f"{s // KIB:>5}KiB {m:>5} | {spread([r['store'] for r in a]):>18} | "
-                  f"{spread([r['store'] for r in f]):>18} | {med([r['ratio'] for r in a]):5.2f} | "
-                  f"{io:4.0f}/{cod:<4.0f}  | {spread([r['load_warm'] for r in a]):>18} | "
-                  f"{spread([r['load_cold'] for r in a]):>18}")
-            results["fs_tier"][f"{s}-{m}"] = {"nofsync": a, "fsync": f}
-    print("(io/codec %: share of store wall time in file syscalls / in the encoder, fsync off)")
+            for d in ios:
+                a, f = runs[(s, m, False, d)], runs[(s, m, True, d)]
+                io = med([r["store_io_frac"] for r in a]) * 100
+                cod = med([r["store_codec_frac"] for r in a]) * 100
+                print(f"{s // KIB:>5}KiB {m:>5} {'direct' if d else 'buffer':>6} | "
+                      f"{spread([r['store'] for r in a]):>18} | "
+                      f"{spread([r['store_cpu'] for r in a]):>18} | "
+                      f"{spread([r['store'] for r in f]):>18} | {med([r['ratio'] for r in a]):5.2f} | "
+                      f"{io:4.0f}/{cod:<4.0f}  | {spread([r['load_warm'] for r in a]):>18} | "
+                      f"{spread([r['load_cold'] for r in a]):>18} | "
+                      f"{spread([r['load_cold_cpu'] for r in a]):>18}")
+                results["fs_tier"][f"{s}-{m}-{'direct' if d else 'buffered'}"] = {
+                    "nofsync": a, "fsync": f}
+    print("(io/codec %: share of store wall time in file syscalls / in the encoder, fsync off;"
+          " CPU columns: GB per CPU second of this thread, kernel time included)")
     print("\nper-chunk metadata calls, µs (scan: per file found, warm dentries; probe: per key;"
           " delete: per file, written back)")
     print(f"{'chunk':>8} | {'scan':>18} | {'probe':>18} | {'delete':>18}")
     for s in sizes:
-        a = runs[(s, "none", False)] + runs[(s, "auto", False)]
+        a = [r for d in ios for m in ("none", "auto") for r in runs[(s, m, False, d)]]
         print(f"{s // KIB:>5}KiB | {spread([r['scan_us'] for r in a], '{:.1f}'):>18} | "
               f"{spread([r['probe_us'] for r in a], '{:.1f}'):>18} | "
               f"{spread([r['delete_us'] for r in a], '{:.0f}'):>18}")

@@ -833,7 +833,7 @@ def test_direct_io_where_the_filesystem_takes_it_and_buffered_otherwise(tmp_path
 
     (tmp_path / "auto").mkdir()
     auto = FsBackend(str(tmp_path / "auto"), "direct-auto", min_free_bytes=0)
-    assert auto.direct_io == fs_backend._probe_says_direct(str(tmp_path / "auto"))
+    assert auto.direct_io == fs_backend.probe_direct_io(str(tmp_path / "auto"))
     round_trip(auto)
     (tmp_path / "off").mkdir()
     off = FsBackend(str(tmp_path / "off"), "direct-off", min_free_bytes=0, direct_io=False)

@@ -242,7 +242,7 @@ class FsBackend(TierBackend):
         self._decoder = ChunkDecoder()
         self._buf: np.ndarray | None = None  # reusable read buffer, page aligned
         self._wbuf: np.ndarray | None = None  # reusable O_DIRECT write buffer, page aligned
-        self.direct_io = direct_io is not False and _probe_says_direct(self.namespace_dir)
+        self.direct_io = direct_io is not False and probe_direct_io(self.namespace_dir)
         if direct_io and not self.direct_io:
             raise OSError(errno.EINVAL, f"fs tier direct_io=true but {self.namespace_dir} does "
                                         f"not support O_DIRECT; set direct_io to "
@@ -965,7 +965,7 @@ def _unlink_quietly(path: str) -> None:
         pass
 
 
-def _probe_says_direct(directory: str) -> bool:
+def probe_direct_io(directory: str) -> bool:
     """Whether ``directory`` takes O_DIRECT: one aligned page written to a probe file
     (as vLLM's fs tier probes). Some network and FUSE filesystems, and tmpfs before
     Linux 6.6, do not."""
