@@ -126,7 +126,8 @@ class JobRunner:
     results go to ``answer``; the rest are queued behind."""
 
     def __init__(self, backends: list, arena: np.ndarray, chunk_bytes: int, slot_size: int,
-                 beat=lambda: None, take_new=lambda: [], answer=lambda result: None):
+                 beat=lambda: None, take_new=lambda: [], answer=lambda result: None,
+                 stop_requested=lambda: False):
         self.backends = backends
         self.arena = arena
         self.chunk_bytes = chunk_bytes
@@ -134,6 +135,7 @@ class JobRunner:
         self.beat = beat
         self.take_new = take_new
         self.answer = answer
+        self.stop_requested = stop_requested
         self.queue: deque = deque()
         self._store_keys_queued = 0  # keys of the store jobs in ``queue``
 
@@ -153,8 +155,9 @@ class JobRunner:
         return loads
 
     def run_queue(self) -> None:
-        """Run every queued job in order, answering each."""
-        while self.queue:
+        """Run the queued jobs in order, answering each, until the queue is empty or a
+        stop is requested (SIGTERM: the job in hand finishes, the rest stay queued)."""
+        while self.queue and not self.stop_requested():
             job = self.queue.popleft()
             if isinstance(job, jobs.Job) and job.op == "store":
                 self._store_keys_queued -= len(job.keys)
@@ -247,7 +250,8 @@ def run_worker(engine_id: str, index: int) -> int:
         backends = [_make_backend(spec, segment.header().fingerprint, config) for spec in config.tiers]
         runner = JobRunner(backends, arena, config.chunk_bytes, config.slot_size, me.beat,
                            take_new=lambda: me.jobs.get_many(_BATCH, timeout_s=0),
-                           answer=lambda result: _answer(me, result, segment))
+                           answer=lambda result: _answer(me, result, segment),
+                           stop_requested=lambda: bool(stopping))
         next_owner_check = time.monotonic() + _OWNER_CHECK_S
         last_job = 0.0
         while not stopping:
