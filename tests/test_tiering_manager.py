@@ -189,6 +189,21 @@ SCRIPTED = textwrap.dedent('''
             self.finished_requests.append(ctx.req_id)
         def drain_jobs(self):
             pass
+
+    class ExternalTier(ScriptedTier):
+        """Serves one external request through its parent at the first on_schedule_end."""
+        def __init__(self, external_keys=(), **kw):
+            super().__init__(**kw)
+            self.external_keys = [bytes.fromhex(k) for k in external_keys]
+            self.external_answers = None
+        def serve_external_requests(self, parent):
+            if self.external_answers is not None:
+                return
+            from shmtier.contract import ReqContext
+            ctx = ReqContext("external")
+            parent.on_new_request(ctx)
+            self.external_answers = [parent.lookup(k, ctx).name for k in self.external_keys]
+            parent.on_request_finished(ctx)
 ''')
 
 
@@ -454,3 +469,27 @@ def test_no_room_for_a_scans_next_promotion_is_a_miss_at_once(rig_factory, scrip
         data = m.get_stats().data["data"]
     assert data[metrics.PROMOTION_ALLOCATION_FAILURES][()] == 1
     assert m.primary.lookup(key(1), ctx) is PENDING
+
+
+def test_external_requests_go_through_the_parent_with_the_origin_tier_left_out(
+        rig_factory, scripted_module):
+    """A tier serving a peer's request (serve_external_requests) uses the manager as its
+    parent: lookups ask the primary and the other tiers, never the origin tier itself;
+    a scan of a local request in progress is reserved first."""
+    ext, other = key(7), key(8)
+    rig = rig_factory(num_chunks=4, tiers=[
+        {"type": "ExternalTier", "module_path": scripted_module,
+         "external_keys": [ext.hex(), other.hex()], "answers": ["HIT"]},
+        {"type": "ScriptedTier", "module_path": scripted_module, "answers": ["HIT", "MISS"]},
+    ])
+    m = rig.manager
+    local = ReqContext("local")
+    with m.lock:
+        assert m.lookup(key(1), local) is PENDING  # tier 1 HIT: a scan with a promotion
+        m.on_schedule_end(END)  # the parent's calls end the scan first
+        assert m.primary.lookup(key(1), local) is PENDING
+    tier = m.tiers[0]
+    # the external lookups skipped tier 1 (its script still holds nothing else) and
+    # tier 2 answered: HIT for the first key (promoted), MISS for the second
+    assert tier.external_answers == ["HIT_PENDING", "MISS"]
+    assert "external" not in tier.finished_requests  # the origin tier is not told

@@ -165,8 +165,6 @@ class _TierFacingParent(ParentManager):
         self._origin = origin
 
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
-        if self._scan_ctx is not None:
-            self._end_scan()
         return self._manager.on_new_request(req_context, exclude_tier_idx=self._origin)
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
@@ -176,8 +174,6 @@ class _TierFacingParent(ParentManager):
         return self._manager._create_store_job(keys, req_context, self._origin)
 
     def on_request_finished(self, req_context: ReqContext) -> None:
-        if self._scan_ctx is not None:
-            self._end_scan()
         self._manager.on_request_finished(req_context, exclude_tier_idx=self._origin)
 
 
@@ -521,6 +517,8 @@ class TieringOffloadingManager:
 
     def on_new_request(self, req_context: ReqContext,
                        exclude_tier_idx: int | None = None) -> RequestOffloadingContext:
+        if self._scan_ctx is not None:
+            self._end_scan()
         state = _RequestState(req_context, excluded_tier=exclude_tier_idx)
         self._requests[req_context.req_id] = state
         self.primary.on_new_request(req_context)
@@ -535,6 +533,8 @@ class TieringOffloadingManager:
 
     def on_request_finished(self, req_context: ReqContext,
                             exclude_tier_idx: int | None = None) -> None:
+        if self._scan_ctx is not None:
+            self._end_scan()
         state = self._state(req_context)
         self.primary.on_request_finished(req_context)
         state.finished = True
