@@ -256,19 +256,17 @@ def run_worker(engine_id: str, index: int) -> int:
         last_job = 0.0
         while not stopping:
             batch = me.jobs.get_many(_BATCH, timeout_s=0)
-            if batch:
-                last_job = time.monotonic()
-            elif time.monotonic() - last_job < _POLL_WINDOW_S:
-                time.sleep(_POLL_S)
-            else:
-                batch = me.jobs.get_many(_BATCH, timeout_s=config.heartbeat_interval_s)
-                if batch:
-                    last_job = time.monotonic()
+            if not batch:
+                if time.monotonic() - last_job < _POLL_WINDOW_S:
+                    time.sleep(_POLL_S)
+                else:
+                    batch = me.jobs.get_many(_BATCH, timeout_s=config.heartbeat_interval_s)
             me.beat()
             if batch:
                 for load in runner.admit(decode_all(batch)):
                     runner.run_and_answer(load)
                 runner.run_queue()
+                last_job = time.monotonic()  # busy until now: keep polling a while
             if time.monotonic() >= next_owner_check:
                 next_owner_check = time.monotonic() + _OWNER_CHECK_S
                 if not segment.header().owner_alive():
