@@ -32,6 +32,14 @@ identity (boot id prefix, pid, process start time); ``scan`` removes those of de
 writers (and any older than ``stale_temp_age_s``), so a writer killed mid-store leaves
 nothing that is ever mistaken for a chunk.
 
+I/O: with ``direct_io`` (default: wherever a probe write in the namespace succeeds, as
+vLLM's fs tier does) files are written and read with ``O_DIRECT``: a frame is gathered
+into a page-aligned buffer, written in whole pages and the file cut back to the frame's
+size; a read takes whole pages into the aligned read buffer. That skips the page-cache
+copy, which on the development VM cost ~2 s of kernel CPU per GB once the cache held a
+few hundred MB of dirty data (the tier workers fell behind on it); warm re-reads then come
+from the device. ``direct_io=False`` uses buffered ``writev``/``preadv``.
+
 Reads are always verified by the codec (magic, version, lengths, key, checksum, and the
 file size against the frame's stored length). A file that fails is reported
 ``corrupt:<reason>``, unlinked (only if the path still names the inode that was read:
