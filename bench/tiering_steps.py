@@ -193,7 +193,8 @@ def make_shmtier(cfg, root: str, engine_id: str, variant: str = "") -> Mut:
 
     layout = KVLayout(MODEL, "bfloat16", TOKENS_PER_CHUNK, cfg.chunk_bytes, 1)
     extra = {"cpu_bytes_to_use": cfg.cpu_bytes,
-             "secondary_tiers": [{"type": "fs", "root_dir": root, "min_free_bytes": None}],
+             "secondary_tiers": [{"type": "fs", "root_dir": root, "min_free_bytes": None,
+                                  "direct_io": cfg.direct_io}],
              "num_tier_workers": cfg.workers, "compression": compression}
     spec = TieringOffloadingSpec(extra, layout, engine_id)
     manager = spec.get_manager()
@@ -967,6 +968,7 @@ class Config:
     dir: str
     worker_sched: str = "default"
     compression: str = "auto"
+    direct_io: bool | None = None
     drain_timeout_s: float = 60.0
     max_extra_steps: int = 20_000
 
@@ -1007,6 +1009,9 @@ def main(argv=None) -> int:
                          "after they start (default: leave them as spawned)")
     ap.add_argument("--compression", default="auto", choices=("auto", "zstd", "none"),
                     help="shmtier's compression mode (default: its default, auto)")
+    ap.add_argument("--fs-direct-io", default="auto", choices=("auto", "on", "off"),
+                    help="shmtier's fs tier direct_io (auto: O_DIRECT where the filesystem "
+                         "takes it; off: buffered)")
     ap.add_argument("--dir", default=None, help="parent of the fs tiers' temp dirs (default: system tmp)")
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--target", type=float, default=0.5,
@@ -1037,7 +1042,8 @@ def main(argv=None) -> int:
     cfg = Config(chunk_bytes=chunk_bytes, cpu_bytes=args.cpu_mib << 20, step_ms=args.step_ms,
                  max_running=args.max_running, batch=args.batch, workers=args.workers,
                  dir=args.dir or tempfile.gettempdir(), worker_sched=args.worker_sched,
-                 compression=args.compression)
+                 compression=args.compression,
+                 direct_io={"auto": None, "on": True, "off": False}[args.fs_direct_io])
 
     def _exit(signum, _frame):
         sys.exit(128 + signum)  # unwinds through the finally blocks: managers, dirs, /dev/shm
@@ -1099,7 +1105,7 @@ def main(argv=None) -> int:
           f"unbounded, fresh temp dir under {cfg.dir} per run (removed after)")
     print(f"  shmtier: TieringOffloadingSpec(...).get_manager(), fs tier, num_tier_workers "
           f"{args.workers} (spawned processes; scheduling {args.worker_sched}: "
-          f"{WORKER_SCHED[args.worker_sched]}), compression {args.compression}, min_free_bytes None;"
+          f"{WORKER_SCHED[args.worker_sched]}), compression {args.compression}, direct_io {args.fs_direct_io}, min_free_bytes None;"
           f" variants shmtier@TOKENS override scheduling / compression (raw = none)")
     print("  vLLM: TieringOffloadingManager(CPUPrimaryTierOffloadingManager(SharedOffloadRegion),"
           " [FileSystemTierManager]) built from its classes, fs tier defaults (16+16 I/O threads,"
