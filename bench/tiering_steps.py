@@ -93,9 +93,9 @@ LABELS = {"shmtier": "shmtier", "vllm": "vLLM 0.33"}
 def label(name: str) -> str:
     """Column label of a manager name: ``vllm``, ``shmtier`` or ``shmtier@<worker-sched>``."""
     return LABELS.get(name, name)
-KINDS = ("on_new_request", "lookup", "prepare_load", "get_load_source", "prepare_store",
-         "on_request_finished", "on_schedule_end", "complete_store", "complete_load",
-         "has_pending_work", "get_stats", "take_events")
+KINDS = ("lock wait", "on_new_request", "lookup", "prepare_load", "get_load_source",
+         "prepare_store", "on_request_finished", "on_schedule_end", "complete_store",
+         "complete_load", "has_pending_work", "get_stats", "take_events")
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
@@ -351,6 +351,26 @@ def drive(mut: Mut, trace, cfg, data_pool: np.ndarray) -> dict:
         cur_kind[0][kind_idx[kind]] += w1 - w0
         return out
 
+    class locked:
+        """``with lock``, the wait for it timed as scheduler-thread time ("lock wait"):
+        a manager's own threads (shmtier's tier-poll thread) may hold it."""
+
+        def __enter__(self):
+            c0 = tt()
+            w0 = pc()
+            lock.acquire()
+            w1 = pc()
+            c1 = tt()
+            ns["lock wait"] += w1 - w0
+            cpu_ns["lock wait"] += c1 - c0
+            calls["lock wait"] += 1
+            acc[0] += w1 - w0
+            acc[1] += c1 - c0
+            cur_kind[0][kind_idx["lock wait"]] += w1 - w0
+
+        def __exit__(self, *exc):
+            lock.release()
+
     step_ns: list[int] = []
     step_cpu_ns: list[int] = []
     step_kinds: list[list[int]] = []  # per step: wall ns per kind
@@ -395,7 +415,7 @@ def drive(mut: Mut, trace, cfg, data_pool: np.ndarray) -> dict:
         lookups_before = calls["lookup"]
         new_jobs = []
         new_ids = []
-        with lock:
+        with locked():
             # -- get_num_new_matched_tokens / update_state_after_alloc
             free = cfg.max_running - len(running)
             skipped = []
@@ -530,7 +550,7 @@ def drive(mut: Mut, trace, cfg, data_pool: np.ndarray) -> dict:
             time.sleep(left)
 
         # -- update_connector_output, engine hooks
-        with lock:
+        with locked():
             for is_store, req, keys in completions:
                 if is_store:
                     timed("complete_store", m.complete_store, keys, req.ctx)
@@ -542,12 +562,12 @@ def drive(mut: Mut, trace, cfg, data_pool: np.ndarray) -> dict:
                     timed("complete_load", m.complete_load, keys, req.ctx)
                     req.waiting_load = False
         completions = new_jobs
-        with lock:
+        with locked():
             timed("has_pending_work", m.has_pending_work)
-        with lock:
+        with locked():
             stats = timed("get_stats", m.get_stats)
         fold_stats(mstats, stats)  # untimed: the manager's own metrics over the run
-        with lock:
+        with locked():
             timed("take_events", lambda: list(m.take_events()))
         step_ns.append(acc[0])
         step_cpu_ns.append(acc[1])
@@ -559,7 +579,7 @@ def drive(mut: Mut, trace, cfg, data_pool: np.ndarray) -> dict:
     drain_steps = 0
     deadline = time.perf_counter() + cfg.drain_timeout_s
     while True:
-        with lock:
+        with locked():
             pending = m.has_pending_work()
             if pending:
                 m.on_schedule_end(SEC((), ()))
@@ -968,7 +988,7 @@ class Config:
     dir: str
     worker_sched: str = "default"
     compression: str = "auto"
-    direct_io: bool | None = None
+    direct_io: bool | str = False
     drain_timeout_s: float = 60.0
     max_extra_steps: int = 20_000
 
@@ -1009,9 +1029,9 @@ def main(argv=None) -> int:
                          "after they start (default: leave them as spawned)")
     ap.add_argument("--compression", default="auto", choices=("auto", "zstd", "none"),
                     help="shmtier's compression mode (default: its default, auto)")
-    ap.add_argument("--fs-direct-io", default="auto", choices=("auto", "on", "off"),
-                    help="shmtier's fs tier direct_io (auto: O_DIRECT where the filesystem "
-                         "takes it; off: buffered)")
+    ap.add_argument("--fs-direct-io", default="off", choices=("auto", "on", "off"),
+                    help="shmtier's fs tier direct_io (off: buffered, the default; on: "
+                         "O_DIRECT; auto: O_DIRECT where the filesystem takes it)")
     ap.add_argument("--dir", default=None, help="parent of the fs tiers' temp dirs (default: system tmp)")
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--target", type=float, default=0.5,
@@ -1043,7 +1063,7 @@ def main(argv=None) -> int:
                  max_running=args.max_running, batch=args.batch, workers=args.workers,
                  dir=args.dir or tempfile.gettempdir(), worker_sched=args.worker_sched,
                  compression=args.compression,
-                 direct_io={"auto": None, "on": True, "off": False}[args.fs_direct_io])
+                 direct_io={"auto": "auto", "on": True, "off": False}[args.fs_direct_io])
 
     def _exit(signum, _frame):
         sys.exit(128 + signum)  # unwinds through the finally blocks: managers, dirs, /dev/shm

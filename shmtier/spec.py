@@ -59,7 +59,7 @@ class TieringOffloadingSpec:
                 continue
             kwargs = {"root_dir": tier.get("root_dir"), "fsync": bool(tier.get("fsync", False)),
                       "min_free_bytes": tier.get("min_free_bytes", 1 << 30),
-                      "direct_io": tier.get("direct_io"),
+                      "direct_io": tier.get("direct_io", False),
                       "codec_config": {"mode": self.tiering_config.compression.mode,
                                        "level": self.tiering_config.compression.level,
                                        "min_gain": self.tiering_config.compression.min_gain}}
@@ -139,7 +139,8 @@ class TieringOffloadingSpec:
                 cleanup.append(tier.shutdown)
             self.tier_index_being_built = None
             del view
-            self._manager = TieringOffloadingManager(primary, tiers, stop_pool)
+            self._manager = TieringOffloadingManager(
+                primary, tiers, stop_pool, self.tiering_config.tier_poll_interval_s)
             return self._manager
         except BaseException:
             for undo in reversed(cleanup):

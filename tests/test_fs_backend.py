@@ -813,8 +813,8 @@ def test_batch_result_helpers():
 
 
 def test_direct_io_where_the_filesystem_takes_it_and_buffered_otherwise(tmp_path, monkeypatch):
-    """auto: O_DIRECT where the probe succeeds (files are cut back to the frame's exact
-    size); buffered when asked, or where O_DIRECT does not exist; true there is a clear
+    """"auto": O_DIRECT where the probe succeeds (files are cut back to the frame's exact
+    size); buffered by default, or where O_DIRECT does not exist; true there is a clear
     error. Every way round trips the bytes exactly."""
     from shmtier.workers.backends import fs as fs_backend
 
@@ -832,16 +832,16 @@ def test_direct_io_where_the_filesystem_takes_it_and_buffered_otherwise(tmp_path
         assert np.array_equal(out[::-1], src)
 
     (tmp_path / "auto").mkdir()
-    auto = FsBackend(str(tmp_path / "auto"), "direct-auto", min_free_bytes=0)
+    auto = FsBackend(str(tmp_path / "auto"), "direct-auto", min_free_bytes=0, direct_io="auto")
     assert auto.direct_io == fs_backend.probe_direct_io(str(tmp_path / "auto"))
     round_trip(auto)
     (tmp_path / "off").mkdir()
-    off = FsBackend(str(tmp_path / "off"), "direct-off", min_free_bytes=0, direct_io=False)
+    off = FsBackend(str(tmp_path / "off"), "direct-off", min_free_bytes=0)  # the default
     assert off.direct_io is False
     round_trip(off)
     monkeypatch.setattr(fs_backend, "_O_DIRECT", 0)  # a platform without O_DIRECT
     (tmp_path / "none").mkdir()
-    none = FsBackend(str(tmp_path / "none"), "direct-none", min_free_bytes=0)
+    none = FsBackend(str(tmp_path / "none"), "direct-none", min_free_bytes=0, direct_io="auto")
     assert none.direct_io is False
     round_trip(none)
     with pytest.raises(OSError, match="direct_io=true"):

@@ -493,3 +493,45 @@ def test_external_requests_go_through_the_parent_with_the_origin_tier_left_out(
     # tier 2 answered: HIT for the first key (promoted), MISS for the second
     assert tier.external_answers == ["HIT_PENDING", "MISS"]
     assert "external" not in tier.finished_requests  # the origin tier is not told
+
+
+def test_the_tier_poll_thread_processes_opted_in_tiers_between_steps(engine_id, scripted_module):
+    """A tier that sets tolerates_off_thread_polling has its finished jobs processed by
+    the tier-poll thread (no scheduler call needed) and serves external requests from
+    it; the thread stops at shutdown. With interval 0 there is no thread."""
+    import importlib
+
+    mod = importlib.import_module(scripted_module)
+
+    class Polled(mod.ScriptedTier):
+        tolerates_off_thread_polling = True
+
+    geometry = ArenaGeometry(num_chunks=4, row_stride=PAGE, page_size_per_worker=PAGE, world_size=1)
+    for interval, expect_thread in ((0.0, False), (0.001, True)):
+        segment = open_segment(f"{engine_id}-poll{int(expect_thread)}", geometry, "fp", owner=True)
+        primary = CPUPrimaryTierOffloadingManager(segment, "lru")
+        tier = Polled(offloading_spec=None, primary_kv_view=primary.get_kv_memoryview(),
+                      tier_type="polled", answers=["HIT"])
+        served = []
+        tier.serve_external_requests = lambda parent: served.append(parent)
+        m = TieringOffloadingManager(primary, [tier], tier_poll_interval_s=interval)
+        try:
+            assert (m._poll_thread is not None) == expect_thread
+            ctx = ReqContext("r")
+            with m.lock:
+                assert m.lookup(key(1), ctx) is PENDING
+                m.on_schedule_end(END)  # submits the promotion; the tier finishes it at once
+                serves_in_step = len(served)
+            deadline = time.monotonic() + 5
+            while expect_thread and m.primary.lookup(key(1), ctx) is not HIT:
+                assert time.monotonic() < deadline, "the poll thread never processed the job"
+                time.sleep(0.002)
+            if not expect_thread:
+                time.sleep(0.05)
+                assert m.primary.lookup(key(1), ctx) is PENDING  # waits for the next step
+            with m.lock:
+                assert (len(served) > serves_in_step) == expect_thread
+        finally:
+            thread = m._poll_thread
+            m.shutdown()
+            assert thread is None or not thread.is_alive()

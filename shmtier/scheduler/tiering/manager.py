@@ -32,6 +32,14 @@ HIT are kept from eviction (per key, a later promotion of the same scan could
 evict a chunk the request was just told it can load), and ARC, whose victims
 depend on the inserts in between, may choose other victims.
 
+Tier-poll thread (contract §6.10): tiers that set ``tolerates_off_thread_polling``
+(peer tiers, whose counterpart the engine does not drive) are also polled every
+``tier_poll_interval_s`` from a daemon thread holding the lock: their finished jobs are
+processed and they serve external requests between steps. It never flushes
+promotions or cascades (per-step batching points) and leaves the once-per-step gate
+as it found it. The thread shares the GIL with the scheduler thread; shmtier's ``fs``
+tier does not opt in (measured: the hand-offs cost more step time than they saved).
+
 Requests finish in two stages: ``on_request_finished`` tells the primary at
 once, but the tiers hear of it only after the request's last pending primary
 store has completed (a cascade for it may still follow until then).
@@ -39,6 +47,7 @@ store has completed (a cascade for it may still follow until then).
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Collection, Iterable, Sequence
@@ -66,6 +75,14 @@ from shmtier.contract import (
 from shmtier.scheduler.backpressure import record_backpressure_metrics
 from shmtier.scheduler.primary import CPUPrimaryTierOffloadingManager
 from shmtier.scheduler.tiering.base import JobResult, ParentManager, TransferJob
+
+logger = logging.getLogger(__name__)
+
+_POLL_LOCK_TIMEOUT_S = 1.0
+_POLL_STALL_WARN_S = 30.0
+_POLL_GIVE_UP_AFTER_S = 30.0
+_POLL_ERROR_LOG_EVERY_S = 1.0
+_POLL_JOIN_TIMEOUT_S = 5.0
 
 HIT, MISS, RETRY, HIT_PENDING = (LookupResult.HIT, LookupResult.MISS, LookupResult.RETRY,
                                  LookupResult.HIT_PENDING)
@@ -181,9 +198,10 @@ class TieringOffloadingManager:
     """The primary tier plus ``tiers`` (secondary, in priority order)."""
 
     def __init__(self, primary: CPUPrimaryTierOffloadingManager, tiers: Sequence[Any],
-                 before_primary_shutdown: Sequence[Any] = ()):
+                 before_primary_shutdown: Sequence[Any] = (), tier_poll_interval_s: float = 0.0):
         """``before_primary_shutdown``: callables run after the tiers shut down and
-        before the primary releases the segment (the spec passes the worker pool's)."""
+        before the primary releases the segment (the spec passes the worker pool's).
+        ``tier_poll_interval_s`` > 0 starts the tier-poll thread if a tier opts in."""
         self._lock = threading.Lock()
         self._before_primary_shutdown = list(before_primary_shutdown)
         self.primary = primary
@@ -216,6 +234,15 @@ class TieringOffloadingManager:
             (_same_enum(Medium, t.medium), _same_enum(Locality, getattr(t, "locality", None)))
             for t in self.tiers]
         self._hit_source = [CacheHitSource(t.cache_hit_source.value) for t in self.tiers]
+        self._polled = [i for i, t in enumerate(self.tiers)
+                        if getattr(t, "tolerates_off_thread_polling", False)]
+        self._poll_stop = threading.Event()
+        self._poll_thread: threading.Thread | None = None
+        if self._polled and tier_poll_interval_s > 0:
+            self._poll_thread = threading.Thread(
+                target=self._poll_loop, args=(tier_poll_interval_s,),
+                name="shmtier_tier_poll", daemon=True)
+            self._poll_thread.start()
 
     @property
     def lock(self) -> threading.Lock:
@@ -247,8 +274,9 @@ class TieringOffloadingManager:
             self._polled_this_step = True
             self._process_finished_jobs()
 
-    def _process_finished_jobs(self) -> None:
-        for tier_idx, tier in enumerate(self.tiers):
+    def _process_finished_jobs(self, tier_indices: Iterable[int] | None = None) -> None:
+        for tier_idx in range(len(self.tiers)) if tier_indices is None else tier_indices:
+            tier = self.tiers[tier_idx]
             for result in tier.get_finished_jobs():
                 entry = self._jobs.pop(result.job_id, None)
                 if entry is None or entry[1] != tier_idx:
@@ -641,9 +669,83 @@ class TieringOffloadingManager:
             self._end_scan()
         self._promotions_held = False
 
+    # --- the tier-poll thread ---
+
+    def poll_tiers(self) -> None:
+        """Process the finished jobs of the tiers that opted in and let them serve
+        external requests. Caller holds the lock (the tier-poll thread). Promotions and
+        cascades are not flushed; the once-per-step gate is left as it was."""
+        if self._scan_ctx is not None:
+            self._end_scan()
+        gate = self._polled_this_step
+        self._polled_this_step = True  # a lookup from serving must not poll every tier
+        try:
+            self._process_finished_jobs(self._polled)
+            for tier_idx in self._polled:
+                self.tiers[tier_idx].serve_external_requests(self._parents[tier_idx])
+        finally:
+            self._polled_this_step = gate
+
+    def _poll_loop(self, interval_s: float) -> None:
+        stalled_since = failing_since = None
+        last_error_log = 0.0
+        while not self._poll_stop.is_set():
+            if not self._lock.acquire(timeout=_POLL_LOCK_TIMEOUT_S):
+                now = time.monotonic()
+                stalled_since = stalled_since or now
+                if now - stalled_since > _POLL_STALL_WARN_S:
+                    logger.warning("tier-poll thread could not take the manager lock for "
+                                   "%.0f s; tiers are polled at step boundaries only",
+                                   now - stalled_since)
+                    stalled_since = None
+                continue
+            stalled_since = None
+            try:
+                self.poll_tiers()
+                failing_since = None
+            except Exception:  # never silently: per-step polling still serves the tiers
+                now = time.monotonic()
+                failing_since = failing_since or now
+                if now - last_error_log >= _POLL_ERROR_LOG_EVERY_S:
+                    last_error_log = now
+                    logger.exception("tier-poll round failed")
+            finally:
+                self._lock.release()
+            if failing_since is not None and time.monotonic() - failing_since >= _POLL_GIVE_UP_AFTER_S:
+                logger.error("tier-poll thread stops after %.0f s of failed rounds; tiers are "
+                             "polled at step boundaries only", _POLL_GIVE_UP_AFTER_S)
+                return
+            # Pause after releasing: the lock is not fair, and this bounds how long the
+            # scheduler thread can wait for it to one round.
+            self._poll_stop.wait(interval_s)
+
+    def _stop_poll_thread(self) -> bool:
+        """Stop and join the tier-poll thread; False if it did not exit in time."""
+        self._poll_stop.set()
+        thread = self._poll_thread
+        if thread is None:
+            return True
+        thread.join(_POLL_JOIN_TIMEOUT_S)
+        if thread.is_alive():
+            logger.error("tier-poll thread did not exit within %.1f s", _POLL_JOIN_TIMEOUT_S)
+            return False
+        self._poll_thread = None
+        return True
+
     def shutdown(self) -> None:
-        """Shut every tier down, then the primary (not if a tier failed: it may
-        still use the primary's rows). Called without the lock."""
+        """Stop the tier-poll thread, shut every tier down, then the primary (not if a
+        tier failed: it may still use the primary's rows). Called without the lock."""
+        if not self._stop_poll_thread():
+            if not self._lock.acquire(timeout=_POLL_JOIN_TIMEOUT_S):
+                raise RuntimeError("shutdown: the tier-poll thread holds the manager lock")
+            try:
+                self._shutdown_tiers()
+            finally:
+                self._lock.release()
+            return
+        self._shutdown_tiers()
+
+    def _shutdown_tiers(self) -> None:
         errors = []
         for tier in reversed(self.tiers):
             try:
