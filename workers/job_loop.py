@@ -11,7 +11,8 @@ Runs in: one tier worker process (spawned by the pool, or started by
           beat()
           decode all (malformed → error result, keep running) into the queue, loads first
           for each queued job:
-                        backend[tier].store/load/delete/probe/scan, 8 keys per slice;
+                        backend[tier].store/load/delete/probe/scan in slices (8 keys;
+                        stores also at most 2 MiB);
                         before each slice of a store: take new jobs from the ring, run
                         their loads at once (a request waits on each), queue the rest;
                         store raw instead of compressed while the queued store work
@@ -46,6 +47,10 @@ logger = logging.getLogger(__name__)
 _OWNER_CHECK_S = 1.0
 _NICENESS = 10
 _KEYS_PER_BEAT = 8
+# A store runs in slices of at most this many chunk bytes (and _KEYS_PER_BEAT keys):
+# the ring is checked for loads before each, so a promotion waits behind at most one
+# slice of a cascade (at 1.4 MiB chunks, one chunk).
+_STORE_SLICE_BYTES = 2 << 20
 _BATCH = 128  # jobs taken per wake-up: the whole ring, so a load can overtake the backlog
 # Waiting for jobs. A worker that had a job recently polls its ring (a non-blocking
 # take every _POLL_S) instead of sleeping in sem_wait: the scheduler's sem_post then
@@ -197,15 +202,18 @@ class JobRunner:
         (in codec mode "auto") while the store work held exceeds _HURRY_BYTES."""
         outcomes, logical, stored, io_s, codec_s = [], [], [], 0.0, 0.0
         n = len(job.keys)
-        for start in range(0, max(n, 1), _KEYS_PER_BEAT):
-            keys = job.keys[start:start + _KEYS_PER_BEAT]
+        step = _KEYS_PER_BEAT
+        if job.op == "store":
+            step = max(1, min(step, _STORE_SLICE_BYTES // max(self.chunk_bytes, 1)))
+        for start in range(0, max(n, 1), step):
+            keys = job.keys[start:start + step]
             if job.op == "store":
                 self._serve_new_loads(job.keys)
                 behind = (n - start + self._store_keys_queued) * self.chunk_bytes
-                part = op(keys, job.rows[start:start + _KEYS_PER_BEAT], self.arena,
+                part = op(keys, job.rows[start:start + step], self.arena,
                           self.chunk_bytes, hurry=behind > _HURRY_BYTES)
             elif job.op == "load":
-                part = op(keys, job.rows[start:start + _KEYS_PER_BEAT], self.arena, self.chunk_bytes)
+                part = op(keys, job.rows[start:start + step], self.arena, self.chunk_bytes)
             else:
                 part = op(keys)
             outcomes += part.outcomes
