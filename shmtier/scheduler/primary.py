@@ -160,12 +160,17 @@ class CPUOffloadingManager:
         free_list = self._free_list
         for _ in range(len(keys) - fresh):
             rows.append(free_list.pop())
-        table, refcnt, index, policy = self._table, self._refcnt, self._rows, self._policy
+        refcnt, index, policy = self._refcnt, self._rows, self._policy
+        self._table.write_keys(rows, keys)
         for key, row in zip(keys, rows):
-            table.write_key(row, key)
             refcnt[row] = -1
             index[key] = row
-            policy.insert(key, ChunkStatus(row, refcnt), req_context)
+        insert_pending = getattr(policy, "insert_pending", None)
+        if insert_pending is not None:
+            insert_pending(keys, rows, req_context)
+        else:
+            for key, row in zip(keys, rows):
+                policy.insert(key, ChunkStatus(row, refcnt), req_context)
         return rows
 
     def _release(self, key: OffloadKey, row: int) -> None:

@@ -105,15 +105,22 @@ class ChunkTable:
     # --- keys ---
 
     def write_key(self, row: int, key: bytes) -> None:
+        self.write_keys([row], [key])
+
+    def write_keys(self, rows: list[int], keys: list[bytes]) -> None:
+        """Store ``keys[i]`` as the key of row ``rows[i]``; all or nothing on a too-long key."""
         width = self.key_width
-        if len(key) > width:
+        longest = max(map(len, keys), default=0)
+        if longest > width:
             raise KeyTooLongError(
-                f"offload key of {len(key)} bytes does not fit the segment's key "
-                f"width of {width} bytes (set key_width to at least {len(key)})"
+                f"offload key of {longest} bytes does not fit the segment's key "
+                f"width of {width} bytes (set key_width to at least {longest})"
             )
-        start = row * width
-        self.keys[start : start + len(key)] = key
-        self.key_len[row] = len(key)
+        key_bytes, key_len = self.keys, self.key_len
+        for row, key in zip(rows, keys):
+            start = row * width
+            key_bytes[start : start + len(key)] = key
+            key_len[row] = len(key)
 
     def read_key(self, row: int) -> bytes:
         start = row * self.key_width

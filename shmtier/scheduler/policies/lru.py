@@ -117,6 +117,25 @@ class LRUCachePolicy(SegmentBackedPolicy):
             self._evictable.add(key)
             heapq.heappush(self._heap, entry)
 
+    def insert_pending(self, keys: list[OffloadKey], rows: list[int],
+                       req_context: ReqContext) -> None:
+        """``insert`` of each (key, row) in order, for chunks whose store is pending
+        (ref count -1: not evictable yet) -- the primary's allocation path, in one call."""
+        request_rank = None
+        counters, major, minor, entries = self._counters, self._major, self._minor, self._entries
+        position_of = req_context.get_offload_key_position
+        for key, row in zip(keys, rows):
+            position = position_of(key)
+            if position is None:
+                counters[NEXT_RANK] += 1
+                rank = (counters[NEXT_RANK], 0)
+            else:
+                if request_rank is None:
+                    request_rank = self._request_rank(req_context)
+                rank = (request_rank, -position)
+            major[row], minor[row] = rank
+            entries[key] = (rank, key)
+
     def remove(self, key: OffloadKey) -> None:
         self._evictable.discard(key)
         self._entries.pop(key, None)
