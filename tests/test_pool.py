@@ -853,3 +853,24 @@ def test_a_store_backlog_lets_new_loads_through_and_goes_raw_while_behind(tmp_pa
     assert backend.load(keys[1:rows - 1], list(range(rows - 2)), out, chunk).outcomes == [
         "ok"] * (rows - 2)
     assert np.array_equal(out, arena[1:rows - 1])
+
+
+def test_a_stop_request_ends_the_job_queue_after_the_job_in_hand(tmp_path):
+    """SIGTERM sets the worker's stop flag: the job in hand finishes and is answered, the
+    rest stay queued and unanswered (the pool fails them exactly once, as for a dead
+    worker)."""
+    from shmtier.shared import jobs
+    from shmtier.workers import job_loop
+    from shmtier.workers.backends.fs import FsBackend
+
+    backend = FsBackend(str(tmp_path), "stop-fp", min_free_bytes=0)
+    answered, stop = [], []
+    runner = job_loop.JobRunner(
+        [backend], np.zeros((1, 4096), dtype=np.uint8), 4096, 8 << 10,
+        answer=lambda result: (answered.append(result), stop.append(True)),
+        stop_requested=lambda: bool(stop))
+    queued = [jobs.decode_job(jobs.pack_job(i, "probe", 0, [_key(i)])) for i in range(1, 4)]
+    assert runner.admit(queued) == []
+    runner.run_queue()
+    assert [r.job_id for r in answered] == [1]
+    assert [j.job_id for j in runner.queue] == [2, 3]
