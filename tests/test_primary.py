@@ -427,7 +427,7 @@ def test_reserve_rows_matches_prepare_store_key_by_key(capacity, history, wanted
         out = per_key.prepare_store([k], ctx_p)
         expected.append(None if out is None else int(out.store_spec.chunk_ids[0]))
     per_key.complete_load(held, hold)
-    obtainable = batched.rows_obtainable(kept)
+    obtainable = batched.rows_obtainable(sum(map(batched.is_evictable, kept)))
     got = batched.reserve_rows(keys, ctx_b, kept)
     assert got == expected
     granted = [row for row in got if row is not None]

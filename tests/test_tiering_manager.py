@@ -535,3 +535,20 @@ def test_the_tier_poll_thread_processes_opted_in_tiers_between_steps(engine_id, 
             thread = m._poll_thread
             m.shutdown()
             assert thread is None or not thread.is_alive()
+
+
+def test_no_room_but_the_scans_own_hits_is_a_miss(rig_factory, scripted_module):
+    """The room check does not count chunks the scan answered HIT: with every row held
+    by those, a promotion in the same scan is a MISS and both HITs stay loadable."""
+    rig = rig_factory(num_chunks=2, tiers=[{"type": "ScriptedTier", "module_path": scripted_module,
+                                            "answers": ["HIT"]}])
+    m = rig.manager
+    rig.offload([key(1), key(2)], [0, 1], ReqContext("old"))
+    rig.step()
+    reader = ReqContext("reader")
+    with m.lock:
+        assert [m.lookup(key(1), reader), m.lookup(key(2), reader)] == [HIT, HIT]
+        assert m.lookup(key(3), reader) is MISS
+        assert m.prepare_load([key(1), key(2)], reader).chunk_ids.tolist() == [0, 1]
+        data = m.get_stats().data["data"]
+    assert data[metrics.PROMOTION_ALLOCATION_FAILURES][()] == 1

@@ -347,16 +347,17 @@ class CPUOffloadingManager:
             self._policy.on_store_miss(new_misses, req_context)
             missed.update(new_misses)
 
-    def rows_obtainable(self, protected: Collection[OffloadKey] = ()) -> int:
+    def rows_obtainable(self, held: int = 0) -> int:
         """Rows a reservation could get now: free and fresh rows plus evictable chunks,
-        not counting the evictable ones among ``protected``."""
+        less ``held`` evictable chunks the caller keeps from eviction (see
+        ``is_evictable``)."""
         return (len(self._free_list) + self._num_chunks - self._counters[NUM_ALLOCATED]
-                + self._evictable_except(protected))
+                + self._num_evictable - held)
 
-    def _evictable_except(self, protected: Collection[OffloadKey]) -> int:
-        held = sum(1 for key in protected
-                   if (row := self._rows.get(key)) is not None and self._refcnt[row] == 0)
-        return self._num_evictable - held
+    def is_evictable(self, key: OffloadKey) -> bool:
+        """Resident, stored and not pinned: a chunk eviction could take now."""
+        row = self._rows.get(key)
+        return row is not None and self._refcnt[row] == 0
 
     def reserve_rows(self, keys: list[OffloadKey], req_context: ReqContext,
                      protected: Collection[OffloadKey] = ()) -> list[int | None]:
@@ -382,7 +383,7 @@ class CPUOffloadingManager:
         need = len(keys) - spare
         victims = []
         if need > 0:
-            need = min(need, self._evictable_except(protected))
+            need = min(need, self._num_evictable - sum(map(self.is_evictable, protected)))
             victims = self._policy.evict(need, set(keys).union(protected)) if need else []
             if victims is None:
                 victims = []

@@ -224,8 +224,9 @@ class TieringOffloadingManager:
         self._scan_ctx: ReqContext | None = None
         self._scan_promotions: dict[OffloadKey, int] = {}
         self._scan_hits: set[OffloadKey] = set()
-        # (request, key) whose reservation a policy refused after HIT_PENDING: MISS next
-        self._refused: set[tuple[str, OffloadKey]] = set()
+        self._scan_hits_evictable = 0  # of _scan_hits, those eviction could take
+        # request -> keys whose reservation a policy refused after HIT_PENDING: MISS next
+        self._refused: dict[str, set[OffloadKey]] = {}
         self._parents = [_TierFacingParent(self, i) for i in range(len(self.tiers))]
         self._tracker = _LookupTracker(self.labels)
         self._stats = metrics.OffloadingStats()
@@ -369,14 +370,17 @@ class TieringOffloadingManager:
         now = time.perf_counter()
         tracker.record(req_id, 0, key, result, now - started, now)
         if result is HIT:
-            self._scan_hits.add(key)
+            if key not in self._scan_hits:
+                self._scan_hits.add(key)
+                self._scan_hits_evictable += self.primary.is_evictable(key)
             return result
         if result is not MISS or self._promotions_held or not self.tiers:
             return result
         if key in self._scan_promotions:
             return HIT_PENDING
-        if self._refused and (req_id, key) in self._refused:
-            self._refused.discard((req_id, key))
+        refused = self._refused.get(req_id) if self._refused else None
+        if refused and key in refused:
+            refused.discard(key)
             return MISS
         retry = False
         allowed = req_context.load_tier_filter
@@ -398,7 +402,7 @@ class TieringOffloadingManager:
     def _initiate_promotion(self, tier_idx: int, key: OffloadKey, ctx: ReqContext) -> bool:
         """Promote ``key`` from tier ``tier_idx`` if a primary row can be had; the row
         is reserved when the scan ends (``_end_scan``)."""
-        if self.primary.rows_obtainable(self._scan_hits) > len(self._scan_promotions):
+        if self.primary.rows_obtainable(self._scan_hits_evictable) > len(self._scan_promotions):
             self._scan_promotions[key] = tier_idx
             return True
         # No room: reserve what the scan holds, then try this key alone, as a per-key
@@ -413,6 +417,7 @@ class TieringOffloadingManager:
         self._scan_ctx = None
         if self._scan_hits:
             self._scan_hits = set()
+            self._scan_hits_evictable = 0
 
     def _reserve_scan_promotions(self) -> None:
         if self._scan_promotions:
@@ -432,7 +437,7 @@ class TieringOffloadingManager:
             if row is None:
                 self._stats.increase_counter(metrics.PROMOTION_ALLOCATION_FAILURES, 1)
                 if answered:  # a policy refused to evict although the room check passed
-                    self._refused.add((ctx.req_id, key))
+                    self._refused.setdefault(ctx.req_id, set()).add(key)
                 reserved_all = False
                 continue
             tier_idx = promotions[key]
@@ -580,6 +585,7 @@ class TieringOffloadingManager:
                 tier.on_request_finished(state.ctx)
         self._tracker.forget(req_id)
         self._load_sources.pop(req_id, None)
+        self._refused.pop(req_id, None)
 
     # --- per step ---
 
@@ -662,6 +668,7 @@ class TieringOffloadingManager:
             detector = getattr(tier, "_bp_detector", None)
             if detector is not None:
                 detector.reset()
+        self._refused.clear()
         self._promotions_held = bool(self.tiers)
 
     def on_reset_flushed(self) -> None:
