@@ -30,6 +30,7 @@ from shmtier import metrics
 from shmtier.contract import (
     CacheHitSource,
     CPULoadStoreSpec,
+    GROUP_SUFFIX_LEN,
     LookupResult,
     Medium,
     OffloadingEvent,
@@ -38,7 +39,6 @@ from shmtier.contract import (
     ReqContext,
     RequestOffloadingContext,
     ScheduleEndContext,
-    get_offload_group_idx,
 )
 from shmtier.scheduler.policies.base import ChunkStatus, SegmentBackedPolicy, sort_by_position
 from shmtier.scheduler.policies.factory import CachePolicyFactory
@@ -56,7 +56,9 @@ class _RequestCacheAccess:
 
     owner: object
     cache_generation: int
-    key_groups: dict[int, list[OffloadKey]] = field(default_factory=dict)
+    # group suffix (the key's last GROUP_SUFFIX_LEN bytes, big-endian: sorts as the
+    # group index does) -> keys of that KV-cache group, first access first
+    key_groups: dict[bytes, list[OffloadKey]] = field(default_factory=dict)
     seen_keys: set[OffloadKey] = field(default_factory=set)
     inserted_keys: set[OffloadKey] = field(default_factory=set)
     reused_keys: set[OffloadKey] = field(default_factory=set)
@@ -192,18 +194,15 @@ class CPUOffloadingManager:
                        reused_keys: Iterable[OffloadKey] = ()) -> None:
         state = self._request_access(req_context)
         seen, groups = state.seen_keys, state.key_groups
-        new_keys = []
-        for key in keys:
-            if key in seen:
-                continue
+        new_keys = [key for key in dict.fromkeys(keys) if key not in seen]
+        if new_keys:
             if state.finished:
                 raise RuntimeError(
                     f"request {req_context.req_id!r} offered new keys after on_request_finished"
                 )
-            groups.setdefault(get_offload_group_idx(key), []).append(key)
-            seen.add(key)
-            new_keys.append(key)
-        if new_keys:
+            seen.update(new_keys)
+            for key in new_keys:
+                groups.setdefault(key[-GROUP_SUFFIX_LEN:], []).append(key)
             self._policy.on_request_access(new_keys, req_context)
         inserted = state.inserted_keys
         state.reused_keys.update(key for key in reused_keys if key not in inserted)

@@ -143,17 +143,22 @@ class LRUCachePolicy(SegmentBackedPolicy):
     def touch(self, keys: Iterable[OffloadKey], req_context: ReqContext) -> None:
         self._update_recency(reversed(list(keys)))
 
+    def on_store_miss(self, keys: Iterable[OffloadKey], req_context: ReqContext) -> None:
+        """Nothing to do: the manager reports only keys that are not resident, and the
+        default (``touch``) re-ranks resident keys only."""
+
     def on_request_access(self, keys: Iterable[OffloadKey], req_context: ReqContext) -> None:
         """Raise resident keys to ``(request_rank, -position)`` if that is newer."""
         request_rank = self._request_rank(req_context)
         rows, entries, evictable = self.rows, self._entries, self._evictable
+        position_of = req_context.get_offload_key_position
         updated = []
         for key in keys:
-            position = req_context.get_offload_key_position(key)
-            if position is None:
-                continue
             row = rows.get(key)
-            if row is None or entries[key][0] >= (request_rank, -position):
+            if row is None:
+                continue  # not resident (e.g. about to be stored): insert ranks it
+            position = position_of(key)
+            if position is None or entries[key][0] >= (request_rank, -position):
                 continue
             entry = self._set_rank(key, row, request_rank, -position)
             if key in evictable:

@@ -83,6 +83,7 @@ _POLL_STALL_WARN_S = 30.0
 _POLL_GIVE_UP_AFTER_S = 30.0
 _POLL_ERROR_LOG_EVERY_S = 1.0
 _POLL_JOIN_TIMEOUT_S = 5.0
+_LOOKUP_TIERS_MEMO_MAX = 64  # distinct (load_tier_filter, excluded tier) pairs remembered
 
 HIT, MISS, RETRY, HIT_PENDING = (LookupResult.HIT, LookupResult.MISS, LookupResult.RETRY,
                                  LookupResult.HIT_PENDING)
@@ -235,6 +236,7 @@ class TieringOffloadingManager:
             (_same_enum(Medium, t.medium), _same_enum(Locality, getattr(t, "locality", None)))
             for t in self.tiers]
         self._hit_source = [CacheHitSource(t.cache_hit_source.value) for t in self.tiers]
+        self._lookup_tiers_memo: dict[tuple[Any, int | None], list[tuple[int, Any]]] = {}
         self._polled = [i for i, t in enumerate(self.tiers)
                         if getattr(t, "tolerates_off_thread_polling", False)]
         self._poll_stop = threading.Event()
@@ -383,10 +385,7 @@ class TieringOffloadingManager:
             refused.discard(key)
             return MISS
         retry = False
-        allowed = req_context.load_tier_filter
-        for tier_idx, tier in enumerate(self.tiers):
-            if tier_idx == exclude_tier_idx or not tier_filter_allows(allowed, *self._tier_kind[tier_idx]):
-                continue
+        for tier_idx, tier in self._lookup_tiers(req_context.load_tier_filter, exclude_tier_idx):
             started = time.perf_counter()
             answer = tier.lookup(key, req_context)
             now = time.perf_counter()
@@ -398,6 +397,26 @@ class TieringOffloadingManager:
             if answer is RETRY:
                 retry = True
         return RETRY if retry else MISS
+
+    def _lookup_tiers(self, allowed: Any, exclude_tier_idx: int | None) -> list[tuple[int, Any]]:
+        """(index, tier) of the tiers a lookup asks, in order: those ``allowed`` (a
+        request's ``load_tier_filter``) lets serve loads, less ``exclude_tier_idx``.
+        Memoised per (filter, excluded tier): a lookup runs per key."""
+        try:
+            return self._lookup_tiers_memo[allowed, exclude_tier_idx]
+        except KeyError:
+            pass
+        except TypeError:  # an unhashable filter: evaluate it every time
+            return self._eval_lookup_tiers(allowed, exclude_tier_idx)
+        if len(self._lookup_tiers_memo) >= _LOOKUP_TIERS_MEMO_MAX:
+            self._lookup_tiers_memo.clear()
+        tiers = self._lookup_tiers_memo[allowed, exclude_tier_idx] = self._eval_lookup_tiers(
+            allowed, exclude_tier_idx)
+        return tiers
+
+    def _eval_lookup_tiers(self, allowed: Any, exclude_tier_idx: int | None) -> list[tuple[int, Any]]:
+        return [(i, tier) for i, tier in enumerate(self.tiers)
+                if i != exclude_tier_idx and tier_filter_allows(allowed, *self._tier_kind[i])]
 
     def _initiate_promotion(self, tier_idx: int, key: OffloadKey, ctx: ReqContext) -> bool:
         """Promote ``key`` from tier ``tier_idx`` if a primary row can be had; the row
