@@ -190,6 +190,9 @@ SCRIPTED = textwrap.dedent('''
         def drain_jobs(self):
             pass
 
+    class HostScriptedTier(ScriptedTier):
+        medium = Medium.CPU
+
     class ExternalTier(ScriptedTier):
         """Serves one external request through its parent at the first on_schedule_end."""
         def __init__(self, external_keys=(), **kw):
@@ -552,3 +555,37 @@ def test_no_room_but_the_scans_own_hits_is_a_miss(rig_factory, scripted_module):
         assert m.prepare_load([key(1), key(2)], reader).chunk_ids.tolist() == [0, 1]
         data = m.get_stats().data["data"]
     assert data[metrics.PROMOTION_ALLOCATION_FAILURES][()] == 1
+
+
+def test_load_tier_filter_decides_which_tiers_a_lookup_asks(rig_factory, scripted_module):
+    from shmtier.contract import Medium, TierFilter, TierMatcher
+    rig = rig_factory(tiers=[
+        {"type": "ScriptedTier", "module_path": scripted_module, "answers": ["HIT", "HIT"]},
+        {"type": "HostScriptedTier", "module_path": scripted_module, "answers": ["HIT", "HIT"]},
+    ])
+    m = rig.manager
+    disk, host = m.tiers
+
+    class ForeignFilter:  # vLLM's shape, unhashable (a list of matchers)
+        ALL = None
+        __hash__ = None
+
+        def __init__(self, matchers):
+            self.matchers = matchers
+
+    host_only = TierFilter((TierMatcher(Medium.CPU),))
+    cases = [(ReqContext("host", load_tier_filter=host_only), CacheHitSource.HOST),
+             (ReqContext("any"), CacheHitSource.DISK),
+             (ReqContext("host-again", load_tier_filter=host_only), CacheHitSource.HOST),
+             (ReqContext("foreign", load_tier_filter=ForeignFilter([TierMatcher(Medium.STORAGE)])),
+              CacheHitSource.DISK)]
+    with m.lock:
+        for i, (ctx, source) in enumerate(cases):
+            m.on_new_request(ctx)
+            assert m.lookup(key(i), ctx) is PENDING
+            assert m.get_load_source(key(i), ctx) is source, ctx.req_id
+        # each tier was asked exactly by the requests its filter lets through
+        assert disk.answers == [] and host.answers == []
+        nothing = ReqContext("nothing", load_tier_filter=TierFilter(()))
+        m.on_new_request(nothing)
+        assert m.lookup(key(9), nothing) is MISS
