@@ -442,3 +442,24 @@ def test_reserve_rows_refuses_keys_longer_than_the_key_width():
     with pytest.raises(KeyTooLongError):
         m.reserve_rows([b"x" * 41], request("r"))
     assert m.resident_keys() == {}
+
+
+def test_lru_orders_positions_across_the_whole_token_range():
+    """Ranks are packed into one int: positions up to 2**48 tokens must order as
+    (request rank, -position) does, and larger ones must not break the cache."""
+    m = manager(4)
+    a = ReqContext("a")  # the older request: its request rank is smaller
+    a.set_offload_key_position(key(0), 5)
+    store(m, [key(0)], a)
+    b = ReqContext("b")
+    for k, position in [(key(1), 7), (key(2), 2**48 - 2), (key(3), 2**48 - 1)]:
+        b.set_offload_key_position(k, position)
+    store(m, [key(1), key(2), key(3)], b)
+    # a's chunk is older than any of b's, however far b's positions reach; then
+    # b's tail goes first
+    assert store(m, [key(4)], request("c")).evicted_keys == [key(0)]
+    assert store(m, [key(5)], request("d")).evicted_keys == [key(3)]
+    huge = ReqContext("huge")
+    huge.set_offload_key_position(key(6), 2**60)
+    assert store(m, [key(6)], huge).evicted_keys == [key(2)]
+    assert m.lookup(key(6), huge) is LookupResult.HIT

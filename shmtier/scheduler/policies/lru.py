@@ -8,8 +8,9 @@ Finishing a request gives all its keys fresh ranks tail -> head (the head
 becomes the most recent). ``touch`` gives fresh ranks in reverse order.
 
 State in the segment: ``rank_major``/``rank_minor`` per row and the ``NEXT_RANK``
-counter. In process: the evictable set and a lazy min-heap of (rank, key)
-whose stale entries are skipped at pop time and compacted when the heap grows
+counter. In process: the evictable set and a lazy min-heap of (rank, key),
+the rank packed into one int (``major * _MINOR_SPAN + minor``: one int
+comparison instead of a tuple's per heap step), whose stale entries are skipped at pop time and compacted when the heap grows
 past twice the evictable set.
 """
 
@@ -24,8 +25,17 @@ from shmtier.scheduler.policies.base import ChunkStatus, SegmentBackedPolicy, or
 from shmtier.shared.chunk_table import NEXT_RANK
 
 _MIN_REBUILD = 64
+# packed rank = major * _MINOR_SPAN + minor orders as (major, minor) for any
+# minor = -position with 0 <= position < _MINOR_SPAN; positions are token counts,
+# and larger ones (2.8e14 tokens) order as equal, their keys breaking the tie
+_MINOR_SPAN = 1 << 48
+_MIN_MINOR = 1 - _MINOR_SPAN
 
-_Entry = tuple[tuple[int, int], OffloadKey]
+_Entry = tuple[int, OffloadKey]
+
+
+def _packed(major: int, minor: int) -> int:
+    return major * _MINOR_SPAN + (minor if minor > _MIN_MINOR else _MIN_MINOR)
 
 
 @dataclass(slots=True)
@@ -56,7 +66,7 @@ class LRUCachePolicy(SegmentBackedPolicy):
     def _set_rank(self, key: OffloadKey, row: int, major: int, minor: int) -> _Entry:
         self._major[row] = major
         self._minor[row] = minor
-        entry = self._entries[key] = ((major, minor), key)
+        entry = self._entries[key] = (_packed(major, minor), key)
         return entry
 
     def _request_rank(self, req_context: ReqContext) -> int:
@@ -69,15 +79,18 @@ class LRUCachePolicy(SegmentBackedPolicy):
 
     def _update_recency(self, keys: Iterable[OffloadKey]) -> None:
         """Fresh ranks in iteration order (the last key becomes the most recent)."""
-        rows, evictable = self.rows, self._evictable
+        rows, evictable, entries = self.rows, self._evictable, self._entries
+        major, minor = self._major, self._minor
         next_rank = self._counters[NEXT_RANK]
         updated = []
-        for key in keys:
+        for key in keys:  # _set_rank(key, row, next_rank, 0), inlined: the hottest loop
             row = rows.get(key)
             if row is None:
                 continue
             next_rank += 1
-            entry = self._set_rank(key, row, next_rank, 0)
+            major[row] = next_rank
+            minor[row] = 0
+            entry = entries[key] = (next_rank * _MINOR_SPAN, key)
             if key in evictable:
                 updated.append(entry)
         self._counters[NEXT_RANK] = next_rank
@@ -128,13 +141,15 @@ class LRUCachePolicy(SegmentBackedPolicy):
             position = position_of(key)
             if position is None:
                 counters[NEXT_RANK] += 1
-                rank = (counters[NEXT_RANK], 0)
+                major[row] = rank = counters[NEXT_RANK]
+                minor[row] = 0
+                entries[key] = (rank * _MINOR_SPAN, key)
             else:
                 if request_rank is None:
                     request_rank = self._request_rank(req_context)
-                rank = (request_rank, -position)
-            major[row], minor[row] = rank
-            entries[key] = (rank, key)
+                major[row] = request_rank
+                minor[row] = -position
+                entries[key] = (_packed(request_rank, -position), key)
 
     def remove(self, key: OffloadKey) -> None:
         self._evictable.discard(key)
@@ -158,7 +173,7 @@ class LRUCachePolicy(SegmentBackedPolicy):
             if row is None:
                 continue  # not resident (e.g. about to be stored): insert ranks it
             position = position_of(key)
-            if position is None or entries[key][0] >= (request_rank, -position):
+            if position is None or entries[key][0] >= _packed(request_rank, -position):
                 continue
             entry = self._set_rank(key, row, request_rank, -position)
             if key in evictable:
@@ -221,6 +236,6 @@ class LRUCachePolicy(SegmentBackedPolicy):
 
     def rebuild(self) -> None:
         refcnt, major, minor = self._refcnt, self._major, self._minor
-        self._entries = {key: ((major[row], minor[row]), key) for key, row in self.rows.items()}
+        self._entries = {key: (_packed(major[row], minor[row]), key) for key, row in self.rows.items()}
         self._evictable = {key for key, row in self.rows.items() if refcnt[row] == 0}
         self._rebuild_heap()
