@@ -175,6 +175,15 @@ class CPUOffloadingManager:
                 policy.insert(key, ChunkStatus(row, refcnt), req_context)
         return rows
 
+    def _evict(self, n: int, protected: set[OffloadKey]) -> list[tuple[OffloadKey, int]] | None:
+        """The policy's ``evict`` as (key, row) pairs (built-in policies skip the
+        ``ChunkStatus`` objects)."""
+        evict_rows = getattr(self._policy, "evict_rows", None)
+        if evict_rows is not None:
+            return evict_rows(n, protected)
+        victims = self._policy.evict(n, protected)
+        return None if victims is None else [(key, chunk.chunk_id) for key, chunk in victims]
+
     def _release(self, key: OffloadKey, row: int) -> None:
         del self._rows[key]
         self._table.key_len[row] = 0
@@ -315,12 +324,12 @@ class CPUOffloadingManager:
         if need > 0:
             if need > self._num_evictable:
                 return None
-            victims = self._policy.evict(need, set(keys))
+            victims = self._evict(need, set(keys))
             if victims is None:
                 return None
             self._num_evictable -= len(victims)
-            for key, chunk in victims:
-                self._release(key, chunk.chunk_id)
+            for key, row in victims:
+                self._release(key, row)
                 evicted.append(key)
             if self.events is not None:
                 self.events.append(OffloadingEvent(keys=evicted, medium=self.medium, removed=True))
@@ -383,12 +392,12 @@ class CPUOffloadingManager:
         victims = []
         if need > 0:
             need = min(need, self._num_evictable - sum(map(self.is_evictable, protected)))
-            victims = self._policy.evict(need, set(keys).union(protected)) if need else []
+            victims = self._evict(need, set(keys).union(protected)) if need else []
             if victims is None:
                 victims = []
             self._num_evictable -= len(victims)
-            for key, chunk in victims:
-                self._release(key, chunk.chunk_id)
+            for key, row in victims:
+                self._release(key, row)
             if victims:
                 # per key, a victim's row goes to the key that evicted it: fresh rows
                 # first, then the old free rows (from the end), then victims in order

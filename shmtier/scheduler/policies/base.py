@@ -19,7 +19,7 @@ holds chunks (warm restart).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from shmtier.contract import OffloadKey, ReqContext
 from shmtier.shared.chunk_table import ChunkTable
@@ -57,6 +57,14 @@ class ChunkStatus:
 
     def __repr__(self) -> str:
         return f"ChunkStatus(chunk_id={self.chunk_id}, ref_cnt={self.ref_cnt})"
+
+
+def position_getter(req_context: ReqContext) -> Callable[[OffloadKey], int | None]:
+    """``req_context.get_offload_key_position``, as the bound ``get`` of its positions
+    dict when the context keeps one (shmtier's and vLLM's do): a lookup per key
+    without a Python call."""
+    positions = getattr(req_context, "_offload_key_positions", None)
+    return positions.get if isinstance(positions, dict) else req_context.get_offload_key_position
 
 
 def sort_by_position(keys: list[OffloadKey], req_context: ReqContext) -> list[OffloadKey]:
@@ -161,6 +169,12 @@ class SegmentBackedPolicy(CachePolicy):
     def get(self, key: OffloadKey) -> ChunkStatus | None:
         row = self.rows.get(key)
         return None if row is None else ChunkStatus(row, self._refcnt)
+
+    def evict_rows(self, n: int, protected: set[OffloadKey]) -> list[tuple[OffloadKey, int]] | None:
+        """``evict`` answered as (key, row) pairs: the manager's path, which needs no
+        ``ChunkStatus`` per victim. Default: from ``evict``."""
+        victims = self.evict(n, protected)
+        return None if victims is None else [(key, chunk.chunk_id) for key, chunk in victims]
 
     @abstractmethod
     def rebuild(self) -> None:

@@ -21,7 +21,12 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from shmtier.contract import OffloadKey, ReqContext
-from shmtier.scheduler.policies.base import ChunkStatus, SegmentBackedPolicy, order_request_keys
+from shmtier.scheduler.policies.base import (
+    ChunkStatus,
+    SegmentBackedPolicy,
+    order_request_keys,
+    position_getter,
+)
 from shmtier.shared.chunk_table import NEXT_RANK
 
 _MIN_REBUILD = 64
@@ -136,7 +141,7 @@ class LRUCachePolicy(SegmentBackedPolicy):
         (ref count -1: not evictable yet) -- the primary's allocation path, in one call."""
         request_rank = None
         counters, major, minor, entries = self._counters, self._major, self._minor, self._entries
-        position_of = req_context.get_offload_key_position
+        position_of = position_getter(req_context)
         for key, row in zip(keys, rows):
             position = position_of(key)
             if position is None:
@@ -147,9 +152,11 @@ class LRUCachePolicy(SegmentBackedPolicy):
             else:
                 if request_rank is None:
                     request_rank = self._request_rank(req_context)
+                    packed_request = request_rank * _MINOR_SPAN
                 major[row] = request_rank
                 minor[row] = -position
-                entries[key] = (_packed(request_rank, -position), key)
+                entries[key] = (packed_request - (position if position < _MINOR_SPAN
+                                                  else -_MIN_MINOR), key)
 
     def remove(self, key: OffloadKey) -> None:
         self._evictable.discard(key)
@@ -166,7 +173,7 @@ class LRUCachePolicy(SegmentBackedPolicy):
         """Raise resident keys to ``(request_rank, -position)`` if that is newer."""
         request_rank = self._request_rank(req_context)
         rows, entries, evictable = self.rows, self._entries, self._evictable
-        position_of = req_context.get_offload_key_position
+        position_of = position_getter(req_context)
         updated = []
         for key in keys:
             row = rows.get(key)
@@ -191,6 +198,13 @@ class LRUCachePolicy(SegmentBackedPolicy):
         self._cache_generation += 1
 
     def evict(self, n: int, protected: set[OffloadKey]) -> list[tuple[OffloadKey, ChunkStatus]] | None:
+        victims = self.evict_rows(n, protected)
+        if victims is None:
+            return None
+        refcnt = self._refcnt
+        return [(key, ChunkStatus(row, refcnt)) for key, row in victims]
+
+    def evict_rows(self, n: int, protected: set[OffloadKey]) -> list[tuple[OffloadKey, int]] | None:
         if n == 0:
             return []
         heap, entries, evictable = self._heap, self._entries, self._evictable
@@ -218,11 +232,11 @@ class LRUCachePolicy(SegmentBackedPolicy):
         for entry in deferred:
             heapq.heappush(heap, entry)
         evictable.difference_update(selected_keys)
-        rows, refcnt = self.rows, self._refcnt
+        rows = self.rows
         victims = []
         for _, key in selected:
             del entries[key]
-            victims.append((key, ChunkStatus(rows[key], refcnt)))
+            victims.append((key, rows[key]))
         self._maybe_compact_heap()
         return victims
 
