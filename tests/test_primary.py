@@ -62,6 +62,28 @@ def test_ref_counts_lookup_states_and_pinning():
         m.complete_load([key(1)], ctx)
 
 
+def test_a_load_that_names_a_bad_key_pins_and_unpins_nothing():
+    m = manager(2)
+    ctx = request("a")
+    store(m, [key(0), key(1)], ctx)
+    m.prepare_store([key(2)], request("b"))  # evicts key 0 (LRU), pending
+    with pytest.raises(KeyError, match="not in the CPU tier"):
+        m.prepare_load([key(1), key(0)], ctx)
+    with pytest.raises(KeyError, match="store has not completed"):
+        m.prepare_load([key(1), key(2)], ctx)
+    m.complete_store([key(2)], request("b"))
+    # key 1 was not left pinned by the refused loads: it is evictable
+    assert m.prepare_store([key(3)], request("c")).evicted_keys == [key(1)]
+    m.complete_store([key(3)], request("c"))
+    m.prepare_load([key(2)], ctx)
+    with pytest.raises(KeyError, match="2 times; it holds 1 pins"):
+        m.complete_load([key(2), key(2)], ctx)
+    # the refused unpin changed nothing: key 2 is still pinned, key 3 is the victim
+    assert m.prepare_store([key(4)], request("d")).evicted_keys == [key(3)]
+    m.complete_load([key(2)], ctx)
+    assert m.prepare_store([key(5)], request("e")) is not None
+
+
 def test_fresh_slots_before_reused_and_lifo_free_list():
     m = manager(4)
     ctx = request("a")

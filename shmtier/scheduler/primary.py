@@ -19,7 +19,7 @@ memory live only accelerators, rebuilt from the table by ``attach=True``: the
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Collection, Iterable, Iterator, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, field, replace
@@ -175,6 +175,22 @@ class CPUOffloadingManager:
                 policy.insert(key, ChunkStatus(row, refcnt), req_context)
         return rows
 
+    def _mark_evictable_many(self, keys: list[OffloadKey]) -> None:
+        many = getattr(self._policy, "mark_evictable_many", None)
+        if many is not None:
+            many(keys)
+        else:
+            for key in keys:
+                self._policy.mark_evictable(key)
+
+    def _mark_non_evictable_many(self, keys: list[OffloadKey]) -> None:
+        many = getattr(self._policy, "mark_non_evictable_many", None)
+        if many is not None:
+            many(keys)
+        else:
+            for key in keys:
+                self._policy.mark_non_evictable(key)
+
     def _evict(self, n: int, protected: set[OffloadKey]) -> list[tuple[OffloadKey, int]] | None:
         """The policy's ``evict`` as (key, row) pairs (built-in policies skip the
         ``ChunkStatus`` objects)."""
@@ -259,36 +275,49 @@ class CPUOffloadingManager:
         return spec
 
     def _pin(self, keys: Collection[OffloadKey]) -> CPULoadStoreSpec:
-        rows, refcnt, policy = self._rows, self._refcnt, self._policy
-        ids = []
-        for key in keys:
-            row = rows.get(key)
+        """Pin every key or, if one is not readable, none (KeyError naming it)."""
+        rows, refcnt = self._rows, self._refcnt
+        ids = [rows.get(key) for key in keys]
+        for key, row in zip(keys, ids):
             if row is None:
                 raise KeyError(f"cannot load key {key.hex()}: it is not in the CPU tier")
-            count = refcnt[row]
-            if count < 0:
+            if refcnt[row] < 0:
                 raise KeyError(f"cannot load key {key.hex()}: its store has not completed")
+        pinned = []
+        for key, row in zip(keys, ids):
+            count = refcnt[row]
             if count == 0:
-                policy.mark_non_evictable(key)
-                self._num_evictable -= 1
+                pinned.append(key)
             refcnt[row] = count + 1
-            ids.append(row)
+        if pinned:
+            self._num_evictable -= len(pinned)
+            self._mark_non_evictable_many(pinned)
         return CPULoadStoreSpec(ids)
 
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
         self._policy.touch(keys, req_context)
 
     def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
-        rows, refcnt, policy = self._rows, self._refcnt, self._policy
-        for key in keys:
-            row = rows.get(key)
+        """Unpin every key or, if one is not pinned, none (KeyError naming it)."""
+        rows, refcnt = self._rows, self._refcnt
+        ids = [rows.get(key) for key in keys]
+        for key, row in zip(keys, ids):
             if row is None or refcnt[row] <= 0:
                 raise KeyError(f"complete_load for key {key.hex()} that is not pinned")
+        if len(set(ids)) < len(ids):  # a key listed n times must hold n pins
+            for key, times in Counter(keys).items():
+                if refcnt[rows[key]] < times:
+                    raise KeyError(f"complete_load lists key {key.hex()} {times} times; "
+                                   f"it holds {refcnt[rows[key]]} pins")
+        unpinned = []
+        for key, row in zip(keys, ids):
             count = refcnt[row] - 1
             refcnt[row] = count
             if count == 0:
-                self._num_evictable += 1
-                policy.mark_evictable(key)
+                unpinned.append(key)
+        if unpinned:
+            self._num_evictable += len(unpinned)
+            self._mark_evictable_many(unpinned)
 
     def prepare_store(self, keys: Collection[OffloadKey], req_context: ReqContext) -> PrepareStoreOutput | None:
         keys = list(keys)
@@ -425,12 +454,13 @@ class CPUOffloadingManager:
             self._num_write_pending -= 1
             if success:
                 refcnt[row] = 0
-                self._num_evictable += 1
-                policy.mark_evictable(key)
             else:
                 policy.remove(key)
                 self._release(key, row)
             done.append(key)
+        if success and done:
+            self._num_evictable += len(done)
+            self._mark_evictable_many(done)
         if done and self.events is not None:
             self.events.append(OffloadingEvent(
                 keys=done, medium=self.medium, removed=not success, metadata_only=not success,

@@ -118,7 +118,8 @@ class LRUCachePolicy(SegmentBackedPolicy):
         heapq.heapify(self._heap)
 
     def _maybe_compact_heap(self) -> None:
-        if len(self._heap) >= max(_MIN_REBUILD, 2 * len(self._evictable)):
+        size = len(self._heap)
+        if size >= _MIN_REBUILD and size >= 2 * len(self._evictable):
             self._rebuild_heap()
 
     # --- CachePolicy ---
@@ -172,7 +173,9 @@ class LRUCachePolicy(SegmentBackedPolicy):
     def on_request_access(self, keys: Iterable[OffloadKey], req_context: ReqContext) -> None:
         """Raise resident keys to ``(request_rank, -position)`` if that is newer."""
         request_rank = self._request_rank(req_context)
+        packed_request = request_rank * _MINOR_SPAN
         rows, entries, evictable = self.rows, self._entries, self._evictable
+        major, minor = self._major, self._minor
         position_of = position_getter(req_context)
         updated = []
         for key in keys:
@@ -180,9 +183,14 @@ class LRUCachePolicy(SegmentBackedPolicy):
             if row is None:
                 continue  # not resident (e.g. about to be stored): insert ranks it
             position = position_of(key)
-            if position is None or entries[key][0] >= _packed(request_rank, -position):
+            if position is None:
                 continue
-            entry = self._set_rank(key, row, request_rank, -position)
+            rank = packed_request - (position if position < _MINOR_SPAN else -_MIN_MINOR)
+            if entries[key][0] >= rank:
+                continue
+            major[row] = request_rank  # _set_rank(key, row, request_rank, -position), inlined
+            minor[row] = -position
+            entry = entries[key] = (rank, key)
             if key in evictable:
                 updated.append(entry)
         self._update_heap(updated)
@@ -247,6 +255,16 @@ class LRUCachePolicy(SegmentBackedPolicy):
 
     def mark_non_evictable(self, key: OffloadKey) -> None:
         self._evictable.remove(key)
+
+    def mark_evictable_many(self, keys: list[OffloadKey]) -> None:
+        self._evictable.update(keys)
+        heap, entries, push = self._heap, self._entries, heapq.heappush
+        for key in keys:
+            push(heap, entries[key])
+        self._maybe_compact_heap()
+
+    def mark_non_evictable_many(self, keys: list[OffloadKey]) -> None:
+        self._evictable.difference_update(keys)
 
     def rebuild(self) -> None:
         refcnt, major, minor = self._refcnt, self._major, self._minor
