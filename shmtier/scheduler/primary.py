@@ -265,17 +265,22 @@ class CPUOffloadingManager:
             return LookupResult.MISS
         return LookupResult.HIT if self._refcnt[row] >= 0 else LookupResult.HIT_PENDING
 
+    def ready_keys(self, keys: Iterable[OffloadKey]) -> list[OffloadKey]:
+        """The keys ``lookup`` would answer HIT (resident and readable), in order."""
+        rows, refcnt = self._rows, self._refcnt
+        return [key for key in keys if (row := rows.get(key)) is not None and refcnt[row] >= 0]
+
     def get_load_source(self, key: OffloadKey, req_context: ReqContext) -> CacheHitSource:
         return CacheHitSource.HOST
 
     def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> CPULoadStoreSpec:
         """Pin ``keys`` (all must be HIT) until ``complete_load``; rows in key order."""
-        spec = self._pin(keys)
+        spec = CPULoadStoreSpec(self._pin(keys))
         self._record_access(keys, req_context, reused_keys=keys)
         return spec
 
-    def _pin(self, keys: Collection[OffloadKey]) -> CPULoadStoreSpec:
-        """Pin every key or, if one is not readable, none (KeyError naming it)."""
+    def _pin(self, keys: Collection[OffloadKey]) -> list[int]:
+        """Pin every key or, if one is not readable, none (KeyError naming it); their rows."""
         rows, refcnt = self._rows, self._refcnt
         ids = [rows.get(key) for key in keys]
         for key, row in zip(keys, ids):
@@ -292,7 +297,7 @@ class CPUOffloadingManager:
         if pinned:
             self._num_evictable -= len(pinned)
             self._mark_non_evictable_many(pinned)
-        return CPULoadStoreSpec(ids)
+        return ids
 
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
         self._policy.touch(keys, req_context)
@@ -560,6 +565,11 @@ class CPUPrimaryTierOffloadingManager(CPUOffloadingManager):
         self.segment = segment
 
     def prepare_read(self, keys: Collection[OffloadKey], req_context: ReqContext) -> CPULoadStoreSpec:
+        return CPULoadStoreSpec(self._pin(keys))
+
+    def pin_rows(self, keys: Collection[OffloadKey]) -> list[int]:
+        """``prepare_read`` answered as the rows (no spec): the tiering manager's cascade
+        path, whose job builds its own chunk-id array."""
         return self._pin(keys)
 
     def complete_read(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:

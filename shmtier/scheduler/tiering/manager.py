@@ -269,8 +269,7 @@ class TieringOffloadingManager:
         """Pin ``keys`` in the primary and register a cascade job owned by ``tier_idx``."""
         if self._scan_ctx is not None:
             self._end_scan()
-        spec: CPULoadStoreSpec = self.primary.prepare_read(keys, ctx)
-        return self._new_job(keys, spec.chunk_ids, False, ctx, tier_idx)
+        return self._new_job(keys, self.primary.pin_rows(keys), False, ctx, tier_idx)
 
     def _maybe_process_finished_jobs(self) -> None:
         if not self._polled_this_step:
@@ -524,7 +523,7 @@ class TieringOffloadingManager:
             self._end_scan()
         self.primary.complete_store(keys, req_context, success)
         if success and self.tiers:
-            stored = [k for k in keys if self.primary.lookup(k, req_context) is HIT]
+            stored = self.primary.ready_keys(keys)
             if stored:
                 self._cascade(stored, req_context, range(len(self.tiers)))
         state = self._requests.get(req_context.req_id)
