@@ -589,3 +589,34 @@ def test_load_tier_filter_decides_which_tiers_a_lookup_asks(rig_factory, scripte
         nothing = ReqContext("nothing", load_tier_filter=TierFilter(()))
         m.on_new_request(nothing)
         assert m.lookup(key(9), nothing) is MISS
+
+
+def test_lookup_metrics_count_each_key_once_and_time_retries(rig_factory, scripted_module):
+    rig = rig_factory(tiers=[{"type": "ScriptedTier", "module_path": scripted_module,
+                              "answers": ["RETRY", "RETRY", "HIT", "MISS", "MISS"]}])
+    m = rig.manager
+    ctx = ReqContext("r")
+    with m.lock:
+        m.on_new_request(ctx)
+        assert m.lookup(key(1), ctx) is RETRY
+        assert m.lookup(key(1), ctx) is RETRY
+        m.get_load_source(key(1), ctx)  # another call between: a new scan, same record
+        assert m.lookup(key(1), ctx) is PENDING
+        assert m.lookup(key(1), ctx) is PENDING  # the reserved row answers: not counted
+        assert m.lookup(key(2), ctx) is MISS
+        assert m.lookup(key(2), ctx) is MISS  # resolved before: not counted again
+        data = m.get_stats().data["data"]
+        assert data[metrics.CHUNK_QUERIES] == {("0:primary",): 2, ("1:ScriptedTier",): 2}
+        assert data[metrics.CHUNK_HITS] == {("1:ScriptedTier",): 1}
+        assert len(data[metrics.LOOKUP_SYNC_DELAY][("1:ScriptedTier",)]) == 2
+        # one RETRY -> HIT resolution, timed from the first RETRY
+        assert len(data[metrics.LOOKUP_ASYNC_DELAY][("1:ScriptedTier",)]) == 1
+        m.on_schedule_end(ScheduleEndContext(("r",), ()))  # scheduled: stops contributing
+        assert m.lookup(key(3), ctx) is MISS
+        data = m.get_stats().data["data"]
+        assert metrics.CHUNK_QUERIES not in data
+        later = ReqContext("later")
+        m.on_new_request(later)
+        assert m.lookup(key(3), later) is MISS
+        assert m.get_stats().data["data"][metrics.CHUNK_QUERIES] == {
+            ("0:primary",): 1, ("1:ScriptedTier",): 1}

@@ -52,6 +52,7 @@ import threading
 import time
 from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, field
+from time import perf_counter
 from typing import Any
 
 import numpy as np
@@ -104,6 +105,39 @@ class _RequestState:
     parked_cascade_keys: list[OffloadKey] = field(default_factory=list)
 
 
+class _RequestLookups:
+    """One request's lookup record: the keys resolved (HIT or MISS) per tier, and
+    when each key's first RETRY came. Held by the scan while it runs."""
+
+    __slots__ = ("tracker", "resolved", "retry_since")
+
+    def __init__(self, tracker: "_LookupTracker"):
+        self.tracker = tracker
+        self.resolved: list[set[OffloadKey]] = [set() for _ in tracker.labels]
+        self.retry_since: dict[tuple[int, OffloadKey], float] = {}
+
+    def record(self, tier: int, key: OffloadKey, result: LookupResult, sync_s: float,
+               now: float) -> None:
+        if result is HIT_PENDING:
+            return
+        if result is RETRY:
+            self.retry_since.setdefault((tier, key), now)
+            return
+        resolved = self.resolved[tier]
+        if key in resolved:
+            return
+        resolved.add(key)
+        tracker = self.tracker
+        tracker.queries[tier] += 1
+        if result is HIT:
+            tracker.hits[tier] += 1
+        tracker.sync_s[tier].append(sync_s)
+        if self.retry_since:
+            started = self.retry_since.pop((tier, key), None)
+            if started is not None:
+                tracker.async_s[tier].append(now - started)
+
+
 class _LookupTracker:
     """Per (request, tier, key): queries/hits counted once, sync and async delays.
 
@@ -112,65 +146,48 @@ class _LookupTracker:
 
     def __init__(self, labels: Sequence[str]):
         self.labels = labels
-        self._resolved: dict[str, set] = {}
-        self._retry_since: dict[str, dict] = {}
+        self._requests: dict[str, _RequestLookups] = {}
         self._stopped: set[str] = set()
         # per tier index, since the last take(): plain counters and samples (a lookup
         # records into these; take() builds the stats payload once per step)
-        self._queries = [0] * len(labels)
-        self._hits = [0] * len(labels)
-        self._sync_s: list[list[float]] = [[] for _ in labels]
-        self._async_s: list[list[float]] = [[] for _ in labels]
+        self.queries = [0] * len(labels)
+        self.hits = [0] * len(labels)
+        self.sync_s: list[list[float]] = [[] for _ in labels]
+        self.async_s: list[list[float]] = [[] for _ in labels]
 
-    def record(self, req_id: str, tier: int, key: OffloadKey, result: LookupResult,
-               sync_s: float, now: float) -> None:
-        if result is HIT_PENDING or req_id in self._stopped:
-            return
-        if result is RETRY:
-            self._retry_since.setdefault(req_id, {}).setdefault((tier, key), now)
-            return
-        resolved = self._resolved.get(req_id)
-        if resolved is None:
-            resolved = self._resolved[req_id] = set()
-        tier_key = (tier, key)
-        if tier_key in resolved:
-            return
-        resolved.add(tier_key)
-        self._queries[tier] += 1
-        if result is HIT:
-            self._hits[tier] += 1
-        self._sync_s[tier].append(sync_s)
-        if self._retry_since:
-            waiting = self._retry_since.get(req_id)
-            started = waiting.pop(tier_key, None) if waiting else None
-            if started is not None:
-                self._async_s[tier].append(now - started)
+    def request(self, req_id: str) -> _RequestLookups | None:
+        """The record a lookup of ``req_id`` goes into; None once the request stopped
+        contributing."""
+        if req_id in self._stopped:
+            return None
+        record = self._requests.get(req_id)
+        if record is None:
+            record = self._requests[req_id] = _RequestLookups(self)
+        return record
 
     def stop(self, req_ids: Iterable[str]) -> None:
         for req_id in req_ids:
             self._stopped.add(req_id)
-            self._resolved.pop(req_id, None)
-            self._retry_since.pop(req_id, None)
+            self._requests.pop(req_id, None)
 
     def forget(self, req_id: str) -> None:
         self._stopped.discard(req_id)
-        self._resolved.pop(req_id, None)
-        self._retry_since.pop(req_id, None)
+        self._requests.pop(req_id, None)
 
     def take(self) -> metrics.OffloadingStats:
         stats = metrics.OffloadingStats()
         for tier, label in enumerate(self.labels):
-            if not self._queries[tier]:
+            if not self.queries[tier]:
                 continue
             labels = (label,)
-            stats.increase_counter(metrics.CHUNK_QUERIES, self._queries[tier], labels)
-            if self._hits[tier]:
-                stats.increase_counter(metrics.CHUNK_HITS, self._hits[tier], labels)
-            stats.observe_many(metrics.LOOKUP_SYNC_DELAY, self._sync_s[tier], labels)
-            if self._async_s[tier]:
-                stats.observe_many(metrics.LOOKUP_ASYNC_DELAY, self._async_s[tier], labels)
-            self._queries[tier] = self._hits[tier] = 0
-            self._sync_s[tier], self._async_s[tier] = [], []
+            stats.increase_counter(metrics.CHUNK_QUERIES, self.queries[tier], labels)
+            if self.hits[tier]:
+                stats.increase_counter(metrics.CHUNK_HITS, self.hits[tier], labels)
+            stats.observe_many(metrics.LOOKUP_SYNC_DELAY, self.sync_s[tier], labels)
+            if self.async_s[tier]:
+                stats.observe_many(metrics.LOOKUP_ASYNC_DELAY, self.async_s[tier], labels)
+            self.queries[tier] = self.hits[tier] = 0
+            self.sync_s[tier], self.async_s[tier] = [], []
         return stats
 
 
@@ -226,6 +243,8 @@ class TieringOffloadingManager:
         self._scan_promotions: dict[OffloadKey, int] = {}
         self._scan_hits: set[OffloadKey] = set()
         self._scan_hits_evictable = 0  # of _scan_hits, those eviction could take
+        self._scan_lookups: _RequestLookups | None = None  # the scan's lookup metrics record
+        self._scan_room: int | None = None  # primary.rows_obtainable() when the scan began promoting
         # request -> keys whose reservation a policy refused after HIT_PENDING: MISS next
         self._refused: dict[str, set[OffloadKey]] = {}
         self._parents = [_TierFacingParent(self, i) for i in range(len(self.tiers))]
@@ -360,16 +379,20 @@ class TieringOffloadingManager:
 
     def lookup(self, key: OffloadKey, req_context: ReqContext,
                exclude_tier_idx: int | None = None) -> LookupResult:
-        tracker, req_id = self._tracker, req_context.req_id
         scan = self._scan_ctx
-        if scan is None or scan.req_id != req_id:
+        if scan is None or scan.req_id != req_context.req_id:
             self._end_scan()
             self._scan_ctx = req_context
-        self._maybe_process_finished_jobs()
-        started = time.perf_counter()
+            self._scan_lookups = self._tracker.request(req_context.req_id)
+        if not self._polled_this_step:  # _maybe_process_finished_jobs, inlined
+            self._polled_this_step = True
+            self._process_finished_jobs()
+        record = self._scan_lookups
+        started = perf_counter()
         result = self.primary.lookup(key, req_context)
-        now = time.perf_counter()
-        tracker.record(req_id, 0, key, result, now - started, now)
+        now = perf_counter()
+        if record is not None:
+            record.record(0, key, result, now - started, now)
         if result is HIT:
             if key not in self._scan_hits:
                 self._scan_hits.add(key)
@@ -379,18 +402,19 @@ class TieringOffloadingManager:
             return result
         if key in self._scan_promotions:
             return HIT_PENDING
-        refused = self._refused.get(req_id) if self._refused else None
+        refused = self._refused.get(req_context.req_id) if self._refused else None
         if refused and key in refused:
             refused.discard(key)
             return MISS
         retry = False
         for tier_idx, tier in self._lookup_tiers(req_context.load_tier_filter, exclude_tier_idx):
-            started = time.perf_counter()
+            started = perf_counter()
             answer = tier.lookup(key, req_context)
-            now = time.perf_counter()
+            now = perf_counter()
             if answer.__class__ is not LookupResult:
                 answer = LookupResult[answer.name]
-            tracker.record(req_id, tier_idx + 1, key, answer, now - started, now)
+            if record is not None:
+                record.record(tier_idx + 1, key, answer, now - started, now)
             if answer is HIT:
                 return HIT_PENDING if self._initiate_promotion(tier_idx, key, req_context) else MISS
             if answer is RETRY:
@@ -420,11 +444,15 @@ class TieringOffloadingManager:
     def _initiate_promotion(self, tier_idx: int, key: OffloadKey, ctx: ReqContext) -> bool:
         """Promote ``key`` from tier ``tier_idx`` if a primary row can be had; the row
         is reserved when the scan ends (``_end_scan``)."""
-        if self.primary.rows_obtainable(self._scan_hits_evictable) > len(self._scan_promotions):
+        room = self._scan_room
+        if room is None:  # the primary does not change during a scan until a reservation
+            room = self._scan_room = self.primary.rows_obtainable()
+        if room - self._scan_hits_evictable > len(self._scan_promotions):
             self._scan_promotions[key] = tier_idx
             return True
         # No room: reserve what the scan holds, then try this key alone, as a per-key
         # reservation would (it fails, and records the attempt the same way).
+        self._scan_room = None
         self._reserve_scan_promotions()
         return self._reserve({key: tier_idx}, ctx, answered=False)
 
@@ -432,7 +460,7 @@ class TieringOffloadingManager:
         """Reserve the current scan's promotions and forget the scan. Called first by
         every method but a lookup of the scan's own request."""
         self._reserve_scan_promotions()
-        self._scan_ctx = None
+        self._scan_ctx = self._scan_lookups = self._scan_room = None
         if self._scan_hits:
             self._scan_hits = set()
             self._scan_hits_evictable = 0
