@@ -1,10 +1,13 @@
-"""Build hook for the one C extension (shmtier.shared._planes); all metadata is in
+"""Build hook for the C extensions (shmtier.shared._planes: the codec's byte planes and
+CRC-32C; shmtier.shared._wire: the ring data path and the job encoder); all metadata is in
 setup.cfg. posix_ipc already needs a C compiler at install time, so this adds no new
 requirement."""
 
 from setuptools import Extension, setup
 
-setup(ext_modules=[Extension(
-    "shmtier.shared._planes", ["shmtier/shared/_planes.c"],
-    extra_compile_args=["-O3", "-std=c11", "-Wall", "-Werror=implicit-function-declaration"],
-)])
+_FLAGS = ["-O3", "-std=c11", "-Wall", "-Werror=implicit-function-declaration"]
+
+setup(ext_modules=[
+    Extension("shmtier.shared._planes", ["shmtier/shared/_planes.c"], extra_compile_args=_FLAGS),
+    Extension("shmtier.shared._wire", ["shmtier/shared/_wire.c"], extra_compile_args=_FLAGS),
+])

@@ -340,3 +340,57 @@ def test_ring_and_jobs_import_neither_torch_nor_vllm():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True, timeout=60)
     assert out.stdout.strip() == "[]"
+
+
+# --- the C encoder of the common job (shmtier.shared._wire.pack_job) ---
+
+_UINTS = st.one_of(st.integers(0, 300), st.sampled_from(
+    [127, 128, 255, 256, 65535, 65536, 2**32 - 1, 2**32, 2**64 - 1]), st.integers(0, 2**64 - 1))
+_KEYS = st.lists(st.one_of(st.binary(max_size=40), st.binary(min_size=250, max_size=300)),
+                 max_size=20)
+
+
+def _msgpack_job(job_id, code, tier, keys, rows):
+    return msgpack.packb([jobs_mod.SCHEMA_VERSION, jobs_mod.KIND_JOB, job_id, code, tier,
+                          keys, rows, {}], use_bin_type=True)
+
+
+@settings(max_examples=300, deadline=None)
+@given(_UINTS, st.sampled_from(sorted(jobs_mod.OPS)), st.integers(0, 200), _KEYS,
+       st.lists(_UINTS, max_size=20), st.booleans())
+def test_c_job_encoding_is_byte_for_byte_msgpack(job_id, op, tier, keys, rows, as_tuples):
+    if as_tuples:
+        keys, rows = tuple(keys), tuple(rows)
+    packed = pack_job(job_id, op, tier, keys, rows)
+    assert packed == _msgpack_job(job_id, jobs_mod.OPS[op], tier, list(keys), list(rows))
+    rows_fit = len(rows) == len(keys) if op in ("store", "load") else not rows
+    if rows_fit and not (keys and op in ("scan", "stop")) and all(r < 2**63 for r in rows):
+        job = decode_job(packed)  # a valid job: the worker reads back what was packed
+        assert (job.job_id, job.op, job.tier, job.keys, job.rows) == (
+            job_id, op, tier, list(keys), list(rows))
+
+
+def test_c_job_encoding_of_long_arrays_and_keys():
+    keys = [bytes([i % 256]) * (70000 if i == 0 else 36) for i in range(70000)]
+    rows = list(range(70000))
+    assert pack_job(7, "store", 1, keys, rows) == _msgpack_job(7, 1, 1, keys, rows)
+
+
+@pytest.mark.parametrize("keys, rows", [
+    (["text key"], [1]),            # str, not bytes
+    ([bytearray(b"k")], [1]),        # not exactly bytes
+    ([b"k"], [True]),                # a bool is not a row
+    ([b"k"], [-1]),                  # negative
+    ([b"k"], [2**64]),               # too large for msgpack
+    ([b"k"], [1.5]),                 # not an int
+])
+def test_c_job_encoding_leaves_other_values_to_msgpack(keys, rows):
+    c_says = jobs_mod._pack_job_c(jobs_mod.SCHEMA_VERSION, jobs_mod.KIND_JOB, 1, 1, 0, keys, rows)
+    assert c_says is NotImplemented
+    try:
+        expected = _msgpack_job(1, 1, 0, keys, rows)
+    except Exception as exc:  # what msgpack refuses, pack_job refuses the same way
+        with pytest.raises(type(exc)):
+            pack_job(1, "store", 0, keys, rows)
+    else:
+        assert pack_job(1, "store", 0, keys, rows) == expected

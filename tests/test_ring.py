@@ -10,6 +10,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import signal
+import struct
 import threading
 import time
 
@@ -22,6 +23,7 @@ from shmtier.shared.layout import ArenaGeometry
 from shmtier.shared.ring import (
     RingAttachError,
     RingBusyError,
+    RingCorruptError,
     RingSet,
     clean_stale_ring_semaphores,
     list_ring_semaphores,
@@ -128,18 +130,21 @@ def _die_mid_write(engine_id, index):
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-class _DieOnRelease:
-    def release(self):
-        os.kill(os.getpid(), signal.SIGKILL)
-
-
 def _die_after_commit(engine_id, index, payload):
-    """Producer killed after committing a slot (head moved) but before posting items."""
+    """Producer killed after committing a slot (head moved) but before posting items.
+
+    The state is made by hand, as try_put leaves it between its commit and its post:
+    try_put is one C call (RingPort), so a kill cannot be aimed between the two."""
     seg, rs = _attach(engine_id, index)
     ring = rs.worker(index).results
-    ring._items = _DieOnRelease()
-    ring.try_put(payload)
-    os._exit(3)
+    ring._spaces.acquire(0)
+    head = ring.head
+    off = ring_mod.RING_HEADER_SIZE + (head % ring.slots) * ring.slot_size
+    struct.pack_into("<II", ring._region, off, len(payload), head & 0xFFFFFFFF)
+    start = off + ring_mod.SLOT_HEADER_SIZE
+    ring._region[start : start + len(payload)] = payload
+    ring._ctr[ring_mod._HEAD] = head + 1  # commit; the item token is never posted
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _beat_worker(engine_id, index, beats, done):
@@ -239,6 +244,43 @@ def test_oversize_payload_names_both_sizes(rings):
     with pytest.raises(ValueError, match=rf"{SLOT_SIZE - 7} bytes.*{SLOT_SIZE - 8} bytes"):
         ring.try_put(bytes(SLOT_SIZE - 7))
     assert ring.depth() == 0 and ring.try_put(bytes(SLOT_SIZE - 8))
+
+
+def test_a_slot_that_is_not_the_expected_item_is_refused(rings):
+    _, rs = rings
+    ring = rs.worker(0).jobs
+    assert ring.try_put(b"first") and ring.try_put(b"second")
+    off = ring_mod.RING_HEADER_SIZE + 1 * ring.slot_size  # item 1's slot
+    struct.pack_into("<I", ring._region, off + 4, 77)  # a foreign sequence number
+    with pytest.raises(RingCorruptError, match=r"slot 1 holds item 77 of 6 bytes where item 1"):
+        ring.get_many(8, 0)
+
+
+def test_tokens_without_items_are_dropped_with_a_warning(rings, caplog):
+    _, rs = rings
+    ring = rs.worker(0).jobs
+    assert ring.try_put(b"only")
+    ring._items.release()  # an over-release: two tokens, one item
+    with caplog.at_level("WARNING", logger="shmtier.shared.ring"):
+        assert ring.get_many(8, 0) == [b"only"]
+    assert "1 item token(s) without an item dropped" in caplog.text
+    assert ring.get_many(8, 0) == [] and ring.try_put(b"next") and ring.get(0) == b"next"
+
+
+def test_max_items_below_one_and_a_closed_ring_are_clear_errors(engine_id):
+    seg = open_segment(engine_id, GEOMETRY, FP, owner=True, rings_len=RINGS_LEN)
+    try:
+        rs = RingSet.for_segment(seg, create=True, num_workers=WORKERS, slots=SLOTS,
+                                 slot_size=SLOT_SIZE)
+        ring = rs.worker(0).jobs
+        for timeout_s in (0, 0.01):
+            with pytest.raises(ValueError, match="max_items must be >= 1, got 0"):
+                ring.get_many(0, timeout_s)
+        rs.close()
+        with pytest.raises(ValueError, match="ring port is closed"):
+            ring.try_put(b"x")
+    finally:
+        seg.close()  # the closed ports hold no view of the segment
 
 
 def test_bad_geometry_and_small_area(engine_id):

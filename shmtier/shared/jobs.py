@@ -38,6 +38,8 @@ from typing import Any, Callable
 
 import msgpack
 
+from shmtier.shared._wire import pack_job as _pack_job_c
+
 SCHEMA_VERSION = 1
 KIND_JOB, KIND_RESULT = 0, 1
 
@@ -134,6 +136,10 @@ def pack_job(job_id: int, op: str, tier: int, keys: list[bytes], rows: list[int]
         code = OPS[op]
     except KeyError:
         raise ValueError(f"unknown job op {op!r} (accepted: {', '.join(OPS)})") from None
+    if not args:  # the common job: encoded in C, byte for byte what msgpack writes
+        packed = _pack_job_c(SCHEMA_VERSION, KIND_JOB, job_id, code, tier, keys, rows)
+        if packed is not NotImplemented:
+            return packed
     try:
         packer = _tls.packer
     except AttributeError:

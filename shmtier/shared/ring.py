@@ -93,6 +93,7 @@ from dataclasses import dataclass
 import posix_ipc
 
 from shmtier.shared import procinfo
+from shmtier.shared._wire import RingPort
 
 logger = logging.getLogger(__name__)
 
@@ -109,7 +110,6 @@ SHM_DIR = "/dev/shm"
 # magic, version, num_workers, slots, slot_size, creator pid, pad, creator start, boot id
 _AREA = struct.Struct("<8sIIIIIIQ16s")
 _RING_STATIC = struct.Struct("<II")  # slots, slot_size (line 0 of a ring header)
-_SLOT = struct.Struct("<II")  # payload length, low 32 bits of the sequence number
 _HEAD = 64 // 8  # index into the ring header cast to uint64
 _TAIL = 128 // 8
 # per-worker control block, as uint64 indexes
@@ -217,7 +217,9 @@ class Ring:
     Built by :class:`RingSet`; a process uses either the producer half
     (``try_put``) or the consumer half (``get``, ``get_many``, ``try_get``),
     from one thread at a time. ``max_payload`` is the largest payload a slot
-    holds.
+    holds. The non-blocking data path (putting, taking what is there) is
+    ``shmtier.shared._wire.RingPort``, in C; waiting for items, counters and
+    recovery are here.
     """
 
     def __init__(self, region: memoryview, items: posix_ipc.Semaphore,
@@ -230,14 +232,19 @@ class Ring:
         self._ctr = region[:RING_HEADER_SIZE].cast("Q")
         self._items = items
         self._spaces = spaces
-        # Each end keeps its own counter privately and publishes it; it is the
-        # only writer of that word, so the private copy is always current.
-        self._head = self._ctr[_HEAD]
-        self._tail = self._ctr[_TAIL]
+        # Each end keeps its own counter privately (the port's head and tail) and
+        # publishes it; it is the only writer of that word, so the private copy is
+        # always current.
+        self._port = RingPort(region, slots, slot_size, items.name, spaces.name, label,
+                              RingCorruptError, self._dropped_tokens)
+        self.try_put = self._port.try_put
+
+    def _dropped_tokens(self, n: int) -> None:
+        logger.warning("%s: %d item token(s) without an item dropped", self.label, n)
 
     def _init_header(self) -> None:
         _RING_STATIC.pack_into(self._region, 0, self.slots, self.slot_size)
-        self._ctr[_HEAD] = self._ctr[_TAIL] = self._head = self._tail = 0
+        self._ctr[_HEAD] = self._ctr[_TAIL] = self._port.head = self._port.tail = 0
 
     # --- producer half ---
 
@@ -246,28 +253,10 @@ class Ring:
 
         Producer only (one thread). ``payload`` is bytes-like. Raises ValueError
         when it is longer than ``max_payload`` (split it first:
-        :func:`shmtier.shared.jobs.split_job`).
+        :func:`shmtier.shared.jobs.split_job`). (The instance attribute set in
+        ``__init__``, the port's ``try_put``, answers; this documents it.)
         """
-        n = len(payload)
-        if n > self.max_payload:
-            raise ValueError(
-                f"{self.label}: payload of {n} bytes exceeds the slot payload of "
-                f"{self.max_payload} bytes (slot_size {self.slot_size})"
-            )
-        try:
-            self._spaces.acquire(0)
-        except posix_ipc.BusyError:
-            return False
-        head = self._head
-        off = RING_HEADER_SIZE + (head % self.slots) * self.slot_size
-        region = self._region
-        _SLOT.pack_into(region, off, n, head & 0xFFFFFFFF)
-        region[off + SLOT_HEADER_SIZE : off + SLOT_HEADER_SIZE + n] = payload
-        head += 1
-        self._head = head
-        self._ctr[_HEAD] = head  # commit
-        self._items.release()
-        return True
+        return self._port.try_put(payload)
 
     # --- consumer half ---
 
@@ -293,56 +282,16 @@ class Ring:
         empty list on timeout. A signal handled by Python does not end the wait
         early (the remaining time is waited); one that raises (SIGINT) does.
         """
+        if timeout_s is not None and timeout_s <= 0:
+            return self._port.take(max_items)  # never blocks
         if max_items < 1:
             raise ValueError(f"{self.label}: max_items must be >= 1, got {max_items}")
-        items = self._items
-        if not self._wait(items, timeout_s):
+        if not self._wait(self._items, timeout_s):
             return []
-        k = 1
-        if max_items > 1:
-            more = min(items.value, max_items - 1)
-            for _ in range(more):
-                try:
-                    items.acquire(0)
-                except posix_ipc.BusyError:
-                    break
-                k += 1
-        tail = self._tail
-        avail = self._ctr[_HEAD] - tail
-        if k > avail:
-            # Tokens without a visible item: an over-release by a resync that
-            # raced with this end (contract violation). Drop them rather than
-            # read a slot that is not there.
-            logger.warning("%s: %d item token(s) without an item dropped", self.label, k - avail)
-            k = avail
-        slots, size, region = self.slots, self.slot_size, self._region
-        unpack = _SLOT.unpack_from
-        out = []
-        for _ in range(k):
-            off = RING_HEADER_SIZE + (tail % slots) * size
-            n, seq = unpack(region, off)
-            if seq != tail & 0xFFFFFFFF or n > size - SLOT_HEADER_SIZE:
-                raise RingCorruptError(
-                    f"{self.label}: slot {tail % slots} holds item {seq} of {n} bytes where "
-                    f"item {tail & 0xFFFFFFFF} was expected (two producers or consumers?)"
-                )
-            start = off + SLOT_HEADER_SIZE
-            out.append(region[start : start + n].tobytes())
-            tail += 1
-        self._tail = tail
-        self._ctr[_TAIL] = tail  # commit: these items are taken
-        release = self._spaces.release
-        for _ in range(k):
-            release()
-        return out
+        return self._port.take(max_items, True)  # the token just taken, and what else is there
 
-    def _wait(self, sem: posix_ipc.Semaphore, timeout_s: float | None) -> bool:
-        if timeout_s is not None and timeout_s <= 0:
-            try:
-                sem.acquire(0)
-                return True
-            except posix_ipc.BusyError:
-                return False
+    def _wait(self, sem: posix_ipc.Semaphore, timeout_s: float) -> bool:
+        """Take one token of ``sem``, sleeping up to ``timeout_s`` (None: forever)."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while True:
             try:
@@ -392,7 +341,7 @@ class Ring:
             )
         if discard_pending:
             self._ctr[_TAIL] = tail = head
-        self._head, self._tail = head, tail
+        self._port.head, self._port.tail = head, tail
         pending = head - tail
         _set_sem(self._items, pending)
         _set_sem(self._spaces, self.slots - pending)
@@ -402,6 +351,7 @@ class Ring:
         return f"<Ring {self.label} head={self.head} tail={self.tail} slots={self.slots}>"
 
     def _release(self) -> None:
+        self._port.close()
         for view in (self._ctr, self._region):
             try:
                 view.release()
@@ -527,6 +477,7 @@ class RingSet:
         self._sems: list[posix_ipc.Semaphore] = []
         self._created_names: list[str] = []
         self._workers: list[WorkerRings | None] = [None] * num_workers
+        self._rings: list[Ring] = []
         self._control = region[AREA_HEADER_SIZE : AREA_HEADER_SIZE + num_workers * CONTROL_SIZE]
         self._views.append(self._control)
 
@@ -674,6 +625,7 @@ class RingSet:
         region = self._region[off : off + ring_nbytes(self.slots, self.slot_size)]
         label = f"{self.segment_name}.w{worker}.{kind}"
         ring = Ring(region, items, spaces, self.slots, self.slot_size, label)
+        self._rings.append(ring)
         self._views.extend((ring._ctr, region))
         return ring
 
@@ -746,6 +698,9 @@ class RingSet:
 
     def _close_handles(self) -> None:
         self.closed = True
+        for ring in self._rings:  # the ports first: they hold the regions and semaphores
+            ring._port.close()
+        self._rings.clear()
         for sem in reversed(self._sems):
             try:
                 sem.close()
