@@ -394,3 +394,42 @@ def test_c_job_encoding_leaves_other_values_to_msgpack(keys, rows):
             pack_job(1, "store", 0, keys, rows)
     else:
         assert pack_job(1, "store", 0, keys, rows) == expected
+
+
+# --- the C decoder of results (shmtier.shared._wire.decode_result) ---
+
+_C_DECODE = jobs_mod._decode_result_c
+
+
+def _python_decode_result(raw):
+    """decode_result without its C fast path (the reference)."""
+    saved, jobs_mod._decode_result_c = jobs_mod._decode_result_c, lambda *a: None
+    try:
+        return decode_result(raw)
+    finally:
+        jobs_mod._decode_result_c = saved
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(0, 2**64 - 1), st.lists(st.integers(0, len(jobs_mod.OUTCOME_NAMES) - 1),
+                                            max_size=40),
+       _UINTS, _UINTS, st.floats(0, 1e6), st.floats(0, 1e6), st.text(max_size=300), _KEYS,
+       st.booleans())
+def test_c_result_decoding_reads_back_what_encode_result_wrote(job_id, outcomes, logical, stored,
+                                                              io_s, codec_s, error, keys, more):
+    result = Result(job_id, outcomes, logical, stored, io_s, codec_s, error, keys, more)
+    raw = encode_result(result)
+    assert _C_DECODE(raw, SCHEMA_VERSION, jobs_mod.KIND_RESULT, len(jobs_mod.OUTCOME_NAMES)) \
+        is not None
+    assert decode_result(raw) == result == _python_decode_result(raw)
+
+
+@settings(max_examples=600, deadline=None)
+@given(raw=st.one_of(st.binary(max_size=64),
+                     values.map(lambda v: msgpack.packb(v, use_bin_type=True)),
+                     near_valid()))
+def test_c_result_decoding_accepts_only_what_python_accepts_alike(raw):
+    fields = _C_DECODE(raw, SCHEMA_VERSION, jobs_mod.KIND_RESULT, len(jobs_mod.OUTCOME_NAMES))
+    if fields is None:
+        return  # left to the Python path (covered by the test above this one's neighbour)
+    assert Result(*fields) == _python_decode_result(raw)

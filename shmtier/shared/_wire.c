@@ -1,9 +1,9 @@
-/* shmtier.shared._wire: the data path of the scheduler <-> tier worker rings, and the
- * encoder of the common job descriptor, in C because each runs a few times per engine
- * step on the scheduler thread.
+/* shmtier.shared._wire: the data path of the scheduler <-> tier worker rings, the encoder
+ * of the common job descriptor and the decoder of results, in C because each runs a few
+ * times per engine step on the scheduler thread.
  *
  * Who calls: shmtier.shared.ring (RingPort, both ends of every ring, every process) and
- * shmtier.shared.jobs (pack_job, the scheduler). Nothing here blocks: a full ring is a
+ * shmtier.shared.jobs (pack_job and decode_result, the scheduler). Nothing here blocks: a full ring is a
  * False, an empty one an empty list; waiting for items stays in ring.py.
  *
  * Why C (measured with bench/tiering_steps.py on the 2-vCPU VM): a step runs each of
@@ -23,7 +23,10 @@
  * pack_job encodes [SCHEMA_VERSION, KIND_JOB, job_id, op, tier, keys, rows, {}] exactly
  * as msgpack.Packer(use_bin_type=True) does (smallest int and bin formats); any value
  * outside that shape (a non-bytes key, a bool, a negative or >64-bit int) returns
- * NotImplemented and the caller uses msgpack itself.
+ * NotImplemented and the caller uses msgpack itself. decode_result is the other way for
+ * results: it reads exactly what jobs.encode_result writes and makes every check of
+ * jobs.decode_result's fast path; anything else is None and jobs.py decodes it (and
+ * names what is wrong). Neither ever accepts what the Python path would refuse.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -402,8 +405,135 @@ static PyObject *pack_job(PyObject *module, PyObject *const *args, Py_ssize_t na
     return result;
 }
 
+/* --- decode_result: the fast path of jobs.decode_result --- */
+
+typedef struct {
+    const uint8_t *p, *end;
+} In;
+
+static int in_take(In *in, size_t n, const uint8_t **at) {
+    if ((size_t)(in->end - in->p) < n) return 0;
+    *at = in->p;
+    in->p += n;
+    return 1;
+}
+
+static uint64_t be(const uint8_t *p, int n) {
+    uint64_t v = 0;
+    for (int i = 0; i < n; i++) v = (v << 8) | p[i];
+    return v;
+}
+
+/* an unsigned int (positive fixint or uint8..64); 1 ok, 0 not one */
+static int in_uint(In *in, uint64_t *v) {
+    const uint8_t *t, *b;
+    if (!in_take(in, 1, &t)) return 0;
+    if (*t < 0x80) { *v = *t; return 1; }
+    int n = *t == 0xcc ? 1 : *t == 0xcd ? 2 : *t == 0xce ? 4 : *t == 0xcf ? 8 : 0;
+    if (n == 0 || !in_take(in, (size_t)n, &b)) return 0;
+    *v = be(b, n);
+    return 1;
+}
+
+/* a length-prefixed item: fix_base/fix_mask for the fix format (0 if none), then the
+ * 8/16/32-bit formats' tags; 1 ok, 0 not one */
+static int in_len(In *in, uint8_t fix_base, uint8_t fix_mask, uint8_t t8, uint8_t t16, uint8_t t32,
+                  size_t *len) {
+    const uint8_t *t, *b;
+    if (!in_take(in, 1, &t)) return 0;
+    if (fix_mask && (*t & (uint8_t)~fix_mask) == fix_base) { *len = *t & fix_mask; return 1; }
+    int n = t8 && *t == t8 ? 1 : *t == t16 ? 2 : *t == t32 ? 4 : 0;
+    if (n == 0 || !in_take(in, (size_t)n, &b)) return 0;
+    *len = (size_t)be(b, n);
+    return 1;
+}
+
+static int in_float64(In *in, double *v) {
+    const uint8_t *t, *b;
+    if (!in_take(in, 1, &t) || *t != 0xcb || !in_take(in, 8, &b)) return 0;
+    uint64_t bits = be(b, 8);
+    memcpy(v, &bits, 8);
+    return 1;
+}
+
+PyDoc_STRVAR(decode_result_doc,
+"decode_result(raw, schema_version, kind, num_outcomes) -> tuple | None\n\n"
+"The fields (job_id, outcomes: list[int], logical, stored, io_s, codec_s, error, keys,\n"
+"more) of a result message that is exactly what jobs.encode_result writes and passes\n"
+"every check of jobs.decode_result's fast path; None for anything else (the caller\n"
+"then decodes it in Python, which names the problem).");
+
+static PyObject *decode_result(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 4) {
+        PyErr_Format(PyExc_TypeError, "decode_result takes 4 arguments (%zd given)", nargs);
+        return NULL;
+    }
+    unsigned long long want_version = PyLong_AsUnsignedLongLong(args[1]);
+    unsigned long long want_kind = PyLong_AsUnsignedLongLong(args[2]);
+    unsigned long long num_outcomes = PyLong_AsUnsignedLongLong(args[3]);
+    if (PyErr_Occurred()) return NULL;
+    Py_buffer raw;
+    if (PyObject_GetBuffer(args[0], &raw, PyBUF_SIMPLE) < 0) return NULL;
+    In in = {(const uint8_t *)raw.buf, (const uint8_t *)raw.buf + raw.len};
+    PyObject *outcomes = NULL, *error = NULL, *keys = NULL, *result = NULL;
+    const uint8_t *t, *b;
+    size_t n, out_len, err_len, num_keys;
+    uint64_t version, kind, job_id, logical, stored;
+    double io_s, codec_s;
+    if (!in_len(&in, 0x90, 0x0f, 0, 0xdc, 0xdd, &n) || n != 11) goto fallback;
+    if (!in_uint(&in, &version) || version != want_version) goto fallback;
+    if (!in_uint(&in, &kind) || kind != want_kind) goto fallback;
+    if (!in_uint(&in, &job_id)) goto fallback;
+    if (!in_len(&in, 0, 0, 0xc4, 0xc5, 0xc6, &out_len) || !in_take(&in, out_len, &b)) goto fallback;
+    for (size_t i = 0; i < out_len; i++)
+        if (b[i] >= num_outcomes) goto fallback;
+    outcomes = PyList_New((Py_ssize_t)out_len);
+    if (outcomes == NULL) goto done;
+    for (size_t i = 0; i < out_len; i++) {
+        PyObject *code = PyLong_FromLong(b[i]); /* small ints: cached, never fails */
+        PyList_SET_ITEM(outcomes, (Py_ssize_t)i, code);
+    }
+    if (!in_uint(&in, &logical) || !in_uint(&in, &stored)) goto fallback;
+    if (!in_float64(&in, &io_s) || !(io_s >= 0.0)) goto fallback;
+    if (!in_float64(&in, &codec_s) || !(codec_s >= 0.0)) goto fallback;
+    if (!in_len(&in, 0xa0, 0x1f, 0xd9, 0xda, 0xdb, &err_len) || !in_take(&in, err_len, &b))
+        goto fallback;
+    error = PyUnicode_DecodeUTF8((const char *)b, (Py_ssize_t)err_len, "strict");
+    if (error == NULL) {
+        PyErr_Clear();
+        goto fallback;
+    }
+    if (!in_len(&in, 0x90, 0x0f, 0, 0xdc, 0xdd, &num_keys)) goto fallback;
+    if (num_keys > (size_t)(in.end - in.p)) goto fallback; /* each key takes >= 2 bytes */
+    keys = PyList_New((Py_ssize_t)num_keys);
+    if (keys == NULL) goto done;
+    for (size_t i = 0; i < num_keys; i++) {
+        size_t klen;
+        if (!in_len(&in, 0, 0, 0xc4, 0xc5, 0xc6, &klen) || !in_take(&in, klen, &b)) goto fallback;
+        PyObject *key = PyBytes_FromStringAndSize((const char *)b, (Py_ssize_t)klen);
+        if (key == NULL) goto done;
+        PyList_SET_ITEM(keys, (Py_ssize_t)i, key);
+    }
+    if (!in_take(&in, 1, &t) || (*t != 0xc2 && *t != 0xc3)) goto fallback;
+    if (in.p != in.end) goto fallback; /* trailing bytes */
+    result = Py_BuildValue("(KNKKddOOO)", (unsigned long long)job_id, outcomes,
+                           (unsigned long long)logical, (unsigned long long)stored, io_s, codec_s,
+                           error, keys, *t == 0xc3 ? Py_True : Py_False);
+    outcomes = NULL; /* "N" stole it, also on failure */
+    goto done;
+fallback:
+    result = Py_NewRef(Py_None);
+done:
+    Py_XDECREF(outcomes);
+    Py_XDECREF(error);
+    Py_XDECREF(keys);
+    PyBuffer_Release(&raw);
+    return result;
+}
+
 static PyMethodDef module_methods[] = {
     {"pack_job", (PyCFunction)(void (*)(void))pack_job, METH_FASTCALL, pack_job_doc},
+    {"decode_result", (PyCFunction)(void (*)(void))decode_result, METH_FASTCALL, decode_result_doc},
     {NULL},
 };
 

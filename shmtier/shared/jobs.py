@@ -38,6 +38,7 @@ from typing import Any, Callable
 
 import msgpack
 
+from shmtier.shared._wire import decode_result as _decode_result_c
 from shmtier.shared._wire import pack_job as _pack_job_c
 
 SCHEMA_VERSION = 1
@@ -312,6 +313,9 @@ _OUTCOME_BYTES = bytes(range(_NUM_OUTCOMES))
 
 def decode_result(raw) -> Result:
     """Decode one result (scheduler). Raises :class:`MalformedResult` naming the problem."""
+    fields = _decode_result_c(raw, SCHEMA_VERSION, KIND_RESULT, _NUM_OUTCOMES)
+    if fields is not None:  # exactly what encode_result writes, every check passed (in C)
+        return Result(*fields)
     msg = _unpack(raw, "result", MalformedResult)
     if type(msg) is list and len(msg) == 11:
         v, kind, job_id, outcomes, logical, stored, io_s, codec_s, error, keys, more = msg

@@ -225,7 +225,10 @@ class Segment:
         return self.arena.cast("B", (g.num_chunks, g.row_stride)) if g.num_chunks else self.arena
 
     def prefault(self, rank: int | None = None) -> None:
-        """Fault in the arena: all of it (rank None) or only ``rank``'s slot of every row."""
+        """Fault in the ring area and the arena: all of it (rank None) or only ``rank``'s
+        slot of every row. (A ring slot's first use must not pay a page fault on the
+        scheduler thread: ~130 of them per ring, in the engine's first steps.)"""
+        _prefault(self._buf, self.layout.rings_off, self.layout.rings_len)
         g, off = self.geometry, self.layout.arena_off
         if rank is None or g.world_size == 1 and g.page_size_per_worker >= g.row_stride - PAGE_SIZE:
             _prefault(self._buf, off, self.layout.arena_len)
