@@ -229,8 +229,9 @@ class CPUOffloadingManager:
             for key in new_keys:
                 groups.setdefault(key[-GROUP_SUFFIX_LEN:], []).append(key)
             self._policy.on_request_access(new_keys, req_context)
-        inserted = state.inserted_keys
-        state.reused_keys.update(key for key in reused_keys if key not in inserted)
+        if reused_keys:
+            inserted = state.inserted_keys
+            state.reused_keys.update(key for key in reused_keys if key not in inserted)
 
     def _record_offer(self, keys: list[OffloadKey]) -> None:
         """store_threshold: count this offer without aging out its own tracked keys."""

@@ -172,9 +172,14 @@ class LRUCachePolicy(SegmentBackedPolicy):
 
     def on_request_access(self, keys: Iterable[OffloadKey], req_context: ReqContext) -> None:
         """Raise resident keys to ``(request_rank, -position)`` if that is newer."""
-        request_rank = self._request_rank(req_context)
+        request_rank = self._request_rank(req_context)  # assigned now, even if nothing is resident
+        rows = self.rows
+        if not isinstance(keys, (list, tuple)):
+            keys = list(keys)  # read twice below
+        if rows.keys().isdisjoint(keys):  # e.g. a promotion's keys, about to be inserted
+            return
         packed_request = request_rank * _MINOR_SPAN
-        rows, entries, evictable = self.rows, self._entries, self._evictable
+        entries, evictable = self._entries, self._evictable
         major, minor = self._major, self._minor
         position_of = position_getter(req_context)
         updated = []
