@@ -49,11 +49,12 @@ def test_ref_counts_lookup_states_and_pinning():
     ctx = request("a")
     out = m.prepare_store([key(0), key(1)], ctx)
     assert out.store_spec.chunk_ids.tolist() == [0, 1]
-    assert m.lookup(key(0), ctx) == PENDING
+    assert m.lookup(key(0), ctx) == PENDING and m.ref_count(key(0)) == -1
     assert m.prepare_store([key(2)], ctx) is None  # pending rows are not evictable
     m.complete_store([key(0), key(1)], ctx)
     assert m.lookup(key(0), ctx) == HIT
     m.prepare_load([key(0), key(1)], ctx)
+    assert [m.ref_count(k) for k in (key(0), key(1), key(2))] == [1, 1, None]
     assert m.prepare_store([key(2)], ctx) is None  # pinned by readers
     m.complete_load([key(1)], ctx)
     out = m.prepare_store([key(2)], ctx)

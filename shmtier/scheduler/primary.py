@@ -266,6 +266,13 @@ class CPUOffloadingManager:
             return LookupResult.MISS
         return LookupResult.HIT if self._refcnt[row] >= 0 else LookupResult.HIT_PENDING
 
+    def ref_count(self, key: OffloadKey) -> int | None:
+        """``key``'s reference count: None if not resident, -1 while its write is
+        pending (``lookup``: HIT_PENDING), 0 ready and evictable (HIT), n > 0 ready and
+        pinned by n readers (HIT). One answer for ``lookup`` and ``is_evictable``."""
+        row = self._rows.get(key)
+        return None if row is None else self._refcnt[row]
+
     def ready_keys(self, keys: Iterable[OffloadKey]) -> list[OffloadKey]:
         """The keys ``lookup`` would answer HIT (resident and readable), in order."""
         rows, refcnt = self._rows, self._refcnt

@@ -148,8 +148,8 @@ class _LookupTracker:
         self.labels = labels
         self._requests: dict[str, _RequestLookups] = {}
         self._stopped: set[str] = set()
-        # per tier index, since the last take(): plain counters and samples (a lookup
-        # records into these; take() builds the stats payload once per step)
+        # per tier index, since the last take_into(): plain counters and samples (a lookup
+        # records into these; take_into() adds them to the step's stats payload)
         self.queries = [0] * len(labels)
         self.hits = [0] * len(labels)
         self.sync_s: list[list[float]] = [[] for _ in labels]
@@ -174,8 +174,8 @@ class _LookupTracker:
         self._stopped.discard(req_id)
         self._requests.pop(req_id, None)
 
-    def take(self) -> metrics.OffloadingStats:
-        stats = metrics.OffloadingStats()
+    def take_into(self, stats: metrics.OffloadingStats) -> None:
+        """Add the series since the last call to ``stats`` and start afresh."""
         for tier, label in enumerate(self.labels):
             if not self.queries[tier]:
                 continue
@@ -188,7 +188,6 @@ class _LookupTracker:
                 stats.observe_many(metrics.LOOKUP_ASYNC_DELAY, self.async_s[tier], labels)
             self.queries[tier] = self.hits[tier] = 0
             self.sync_s[tier], self.async_s[tier] = [], []
-        return stats
 
 
 class _TierFacingParent(ParentManager):
@@ -389,14 +388,15 @@ class TieringOffloadingManager:
             self._process_finished_jobs()
         record = self._scan_lookups
         started = perf_counter()
-        result = self.primary.lookup(key, req_context)
+        count = self.primary.ref_count(key)  # the primary's lookup and is_evictable in one
+        result = MISS if count is None else HIT if count >= 0 else HIT_PENDING
         now = perf_counter()
         if record is not None:
             record.record(0, key, result, now - started, now)
         if result is HIT:
             if key not in self._scan_hits:
                 self._scan_hits.add(key)
-                self._scan_hits_evictable += self.primary.is_evictable(key)
+                self._scan_hits_evictable += count == 0
             return result
         if result is not MISS or self._promotions_held or not self.tiers:
             return result
@@ -668,7 +668,7 @@ class TieringOffloadingManager:
         stats = self.primary.get_stats()
         metrics.merge_stats(stats, self._stats)
         self._stats = metrics.OffloadingStats()
-        metrics.merge_stats(stats, self._tracker.take())
+        self._tracker.take_into(stats)
         for tier_idx, tier in enumerate(self.tiers):
             label = (self.labels[tier_idx + 1],)
             promotions, promo_rows = self._active[True][tier_idx]
