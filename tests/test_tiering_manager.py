@@ -620,3 +620,14 @@ def test_lookup_metrics_count_each_key_once_and_time_retries(rig_factory, script
         assert m.lookup(key(3), later) is MISS
         assert m.get_stats().data["data"][metrics.CHUNK_QUERIES] == {
             ("0:primary",): 1, ("1:ScriptedTier",): 1}
+
+
+def test_a_jobs_chunk_ids_are_an_int32_array_parallel_to_its_keys():
+    from shmtier.scheduler.tiering.base import TransferJob
+    job = TransferJob(1, [key(1), key(2)], [7, 3], True, ReqContext("r"))
+    assert job.rows == [7, 3]
+    assert job.chunk_ids.dtype.name == "int32" and job.chunk_ids.tolist() == [7, 3]
+    assert job.chunk_ids is job.chunk_ids  # built once
+    import numpy as np
+    from_array = TransferJob(2, [key(1)], np.array([5], dtype=np.int64), False, ReqContext("r"))
+    assert from_array.chunk_ids.dtype.name == "int32" and from_array.rows == [5]

@@ -34,7 +34,7 @@ class ExampleSecondaryTierManager(SecondaryTierManager):
         return LookupResult.HIT if key in self._data else LookupResult.MISS
 
     def submit_store(self, job: TransferJob) -> None:
-        for key, row in zip(job.keys, job.chunk_ids.tolist()):
+        for key, row in zip(job.keys, job.rows):
             if key not in self._data:
                 self._data[key] = self._rows[row].tobytes()
         self._finished.append(JobResult(job.job_id, True, transfer_time=0.0,
@@ -42,7 +42,7 @@ class ExampleSecondaryTierManager(SecondaryTierManager):
 
     def submit_load(self, job: TransferJob) -> None:
         loaded = []
-        for key, row in zip(job.keys, job.chunk_ids.tolist()):
+        for key, row in zip(job.keys, job.rows):
             data = self._data.get(key)
             if data is None:
                 break

@@ -151,7 +151,7 @@ class FsTierManager(SecondaryTierManager):
 
     def submit_store(self, job: TransferJob) -> None:
         keys, rows = [], []
-        for key, row in zip(job.keys, job.chunk_ids.tolist()):
+        for key, row in zip(job.keys, job.rows):
             if key not in self._index and key not in self._storing:
                 keys.append(key)
                 rows.append(row)
@@ -166,7 +166,7 @@ class FsTierManager(SecondaryTierManager):
         keys = list(job.keys)
         for key in keys:
             self._loading[key] = self._loading.get(key, 0) + 1
-        self._queued["load"].append((job, keys, job.chunk_ids.tolist()))
+        self._queued["load"].append((job, keys, job.rows))
 
     def _submit_queued(self) -> None:
         """Hand every queued job to the pool, combined: one pool job per operation
