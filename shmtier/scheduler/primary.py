@@ -159,14 +159,16 @@ class CPUOffloadingManager:
         fresh = min(len(keys), num_chunks - allocated)
         rows = list(range(allocated, allocated + fresh))
         counters[NUM_ALLOCATED] = allocated + fresh
-        free_list = self._free_list
-        for _ in range(len(keys) - fresh):
-            rows.append(free_list.pop())
-        refcnt, index, policy = self._refcnt, self._rows, self._policy
+        reused = len(keys) - fresh
+        if reused:  # from the end of the free list, last first (as pop() would)
+            free_list = self._free_list
+            rows += free_list[:-reused - 1:-1]
+            del free_list[-reused:]
+        refcnt, policy = self._refcnt, self._policy
         self._table.write_keys(rows, keys)
-        for key, row in zip(keys, rows):
+        for row in rows:
             refcnt[row] = -1
-            index[key] = row
+        self._rows.update(zip(keys, rows))
         insert_pending = getattr(policy, "insert_pending", None)
         if insert_pending is not None:
             insert_pending(keys, rows, req_context)

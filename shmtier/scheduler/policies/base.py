@@ -77,7 +77,7 @@ def sort_by_position(keys: list[OffloadKey], req_context: ReqContext) -> list[Of
             position = req_context.get_offload_key_position(key)
             if position is not None:
                 positions[key] = position
-    if all(key in positions for key in keys):
+    if all(map(positions.__contains__, keys)):
         keys.sort(key=positions.__getitem__)
     return keys
 
