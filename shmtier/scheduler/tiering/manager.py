@@ -474,23 +474,32 @@ class TieringOffloadingManager:
         same request says MISS."""
         keys = list(promotions)
         rows = self.primary.reserve_rows(keys, ctx, self._scan_hits)
+        granted = len(keys) - rows.count(None)  # the keys without a row are a suffix
+        if granted < len(keys):
+            failed = keys[granted:]
+            self._stats.increase_counter(metrics.PROMOTION_ALLOCATION_FAILURES, len(failed))
+            if answered:  # a policy refused to evict although the room check passed
+                self._refused.setdefault(ctx.req_id, set()).update(failed)
+            keys, rows = keys[:granted], rows[:granted]
+        if not keys:
+            return False
         sources = self._load_sources.setdefault(ctx.req_id, {})
-        reserved_all = True
-        for key, row in zip(keys, rows):
-            if row is None:
-                self._stats.increase_counter(metrics.PROMOTION_ALLOCATION_FAILURES, 1)
-                if answered:  # a policy refused to evict although the room check passed
-                    self._refused.setdefault(ctx.req_id, set()).add(key)
-                reserved_all = False
-                continue
-            tier_idx = promotions[key]
-            sources[key] = self._hit_source[tier_idx]
+        by_tier: dict[int, tuple[list, list]] = {}
+        if len(self.tiers) == 1:  # every promotion is from tier 0
+            by_tier[0] = (keys, rows)
+        else:
+            for key, row in zip(keys, rows):
+                tier_keys, tier_rows = by_tier.setdefault(promotions[key], ([], []))
+                tier_keys.append(key)
+                tier_rows.append(row)
+        for tier_idx, (tier_keys, tier_rows) in by_tier.items():
+            sources.update(dict.fromkeys(tier_keys, self._hit_source[tier_idx]))
             pending = self._pending_promotions[tier_idx].get(ctx.req_id)
             if pending is None:
                 pending = self._pending_promotions[tier_idx][ctx.req_id] = (ctx, [], [])
-            pending[1].append(key)
-            pending[2].append(row)
-        return reserved_all
+            pending[1].extend(tier_keys)
+            pending[2].extend(tier_rows)
+        return granted == len(promotions)
 
     def _flush_pending_promotions(self) -> None:
         for tier_idx, per_request in enumerate(self._pending_promotions):
