@@ -177,21 +177,16 @@ class CPUOffloadingManager:
                 policy.insert(key, ChunkStatus(row, refcnt), req_context)
         return rows
 
-    def _mark_evictable_many(self, keys: list[OffloadKey]) -> None:
-        many = getattr(self._policy, "mark_evictable_many", None)
+    def _tell_policy(self, hook: str, keys: list[OffloadKey]) -> None:
+        """The policy's ``<hook>_many(keys)`` (built-in policies), else ``<hook>(key)``
+        per key (a policy written for vLLM)."""
+        many = getattr(self._policy, hook + "_many", None)
         if many is not None:
             many(keys)
         else:
+            one = getattr(self._policy, hook)
             for key in keys:
-                self._policy.mark_evictable(key)
-
-    def _mark_non_evictable_many(self, keys: list[OffloadKey]) -> None:
-        many = getattr(self._policy, "mark_non_evictable_many", None)
-        if many is not None:
-            many(keys)
-        else:
-            for key in keys:
-                self._policy.mark_non_evictable(key)
+                one(key)
 
     def _evict(self, n: int, protected: set[OffloadKey]) -> list[tuple[OffloadKey, int]] | None:
         """The policy's ``evict`` as (key, row) pairs (built-in policies skip the
@@ -306,7 +301,7 @@ class CPUOffloadingManager:
             refcnt[row] = count + 1
         if pinned:
             self._num_evictable -= len(pinned)
-            self._mark_non_evictable_many(pinned)
+            self._tell_policy("mark_non_evictable", pinned)
         return ids
 
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
@@ -332,7 +327,7 @@ class CPUOffloadingManager:
                 unpinned.append(key)
         if unpinned:
             self._num_evictable += len(unpinned)
-            self._mark_evictable_many(unpinned)
+            self._tell_policy("mark_evictable", unpinned)
 
     def prepare_store(self, keys: Collection[OffloadKey], req_context: ReqContext) -> PrepareStoreOutput | None:
         keys = list(keys)
@@ -475,7 +470,7 @@ class CPUOffloadingManager:
             done.append(key)
         if success and done:
             self._num_evictable += len(done)
-            self._mark_evictable_many(done)
+            self._tell_policy("mark_evictable", done)
         if done and self.events is not None:
             self.events.append(OffloadingEvent(
                 keys=done, medium=self.medium, removed=not success, metadata_only=not success,
