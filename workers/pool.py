@@ -174,21 +174,27 @@ class WorkerPool:
                 planned.append((w, part.job_id, jobs.encode_job(part), part.keys,
                                 positions[offset:offset + len(part.keys)]))
                 offset += len(part.keys)
-        need = [0] * self.n
-        for w, *_ in planned:
-            need[w] += 1
-        for w in range(self.n):
-            ring = self.rings.worker(w).jobs
-            if need[w] > ring.slots:
-                raise ValueError(
-                    f"{op} job of {len(keys)} keys needs {need[w]} ring slots on worker {w}, "
-                    f"more than its ring holds ({ring.slots}): submit fewer keys per job"
-                )
-            if need[w] and ring.free_slots() < need[w]:
-                return None
-        for w, part_id, payload, part_keys, positions in planned:
+        if len(planned) == 1:  # the common case: one slot, so try_put alone decides
+            w, _, payload, _, _ = planned[0]
             if not self.rings.worker(w).jobs.try_put(payload):
-                raise RuntimeError(f"job ring of worker {w} refused a job after a capacity check")
+                return None
+        else:  # every part fits, or none is put
+            need = [0] * self.n
+            for w, *_ in planned:
+                need[w] += 1
+            for w in range(self.n):
+                ring = self.rings.worker(w).jobs
+                if need[w] > ring.slots:
+                    raise ValueError(
+                        f"{op} job of {len(keys)} keys needs {need[w]} ring slots on worker {w}, "
+                        f"more than its ring holds ({ring.slots}): submit fewer keys per job"
+                    )
+                if need[w] and ring.free_slots() < need[w]:
+                    return None
+            for w, _, payload, _, _ in planned:
+                if not self.rings.worker(w).jobs.try_put(payload):
+                    raise RuntimeError(f"job ring of worker {w} refused a job after a capacity check")
+        for w, part_id, _, part_keys, positions in planned:
             self._parts[part_id] = _Part(parent_id, w, positions)
             self._load[w] += 1
             for key in part_keys:
