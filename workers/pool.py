@@ -282,7 +282,8 @@ class WorkerPool:
     # --- failure handling ---
 
     def _check_health(self, now: float) -> None:
-        self._live = [w for w in range(self.n) if self._alive(w)]
+        alive = [self._alive(w) for w in range(self.n)]
+        self._live = [w for w in range(self.n) if alive[w]]
         for w in range(self.n):
             if self._restart_at[w] is not None:
                 if now >= self._restart_at[w]:
@@ -290,7 +291,7 @@ class WorkerPool:
                 continue
             if self.mode == "spawn" and self._procs[w] is None:
                 continue
-            dead = not self._alive(w)
+            dead = not alive[w]
             beat = self.rings.worker(w).last_beat()
             # Judge a worker by its own beats only: a replacement that has not beaten yet
             # (still starting) is not hung, whatever its predecessor last wrote.
