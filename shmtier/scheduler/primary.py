@@ -101,6 +101,8 @@ class CPUOffloadingManager:
         self._config_info = info.as_config_info() if info is not None else {}
         self.events: list[OffloadingEvent] | None = [] if enable_events else None
         self._policy = policy_cls(cache_capacity=self._num_chunks)
+        # a policy that ignores store misses (LRU) saves the per-request bookkeeping
+        self._observes_store_misses = getattr(self._policy, "observes_store_misses", True)
         if isinstance(self._policy, SegmentBackedPolicy):
             self._policy.bind(table, self._rows)
         self._num_evictable = 0
@@ -213,8 +215,12 @@ class CPUOffloadingManager:
         return state
 
     def _record_access(self, keys: Iterable[OffloadKey], req_context: ReqContext,
-                       reused_keys: Iterable[OffloadKey] = ()) -> None:
-        state = self._request_access(req_context)
+                       reused_keys: Iterable[OffloadKey] = (),
+                       state: _RequestCacheAccess | None = None) -> None:
+        """Record the request's first accesses to ``keys`` (``state``: its record, when the
+        caller has it already)."""
+        if state is None:
+            state = self._request_access(req_context)
         seen, groups = state.seen_keys, state.key_groups
         new_keys = [key for key in dict.fromkeys(keys) if key not in seen]
         if new_keys:
@@ -353,7 +359,7 @@ class CPUOffloadingManager:
         recorded = set(to_store)
         recorded.update(ready_existing)
         self._record_access((key for key in keys if key in recorded), req_context,
-                            reused_keys=ready_existing)
+                            reused_keys=ready_existing, state=state)
         if not to_store:
             return PrepareStoreOutput([], CPULoadStoreSpec(_EMPTY_SPEC_IDS), [])
 
@@ -387,6 +393,8 @@ class CPUOffloadingManager:
 
     def _note_store_misses(self, state: _RequestCacheAccess, keys: list[OffloadKey],
                            req_context: ReqContext) -> None:
+        if not self._observes_store_misses:
+            return
         missed = state.store_miss_keys
         new_misses = [key for key in keys if key not in missed]
         if new_misses:
@@ -423,7 +431,7 @@ class CPUOffloadingManager:
         self._check_key_width(keys)
         state = self._request_access(req_context)
         self._note_store_misses(state, keys, req_context)
-        self._record_access(keys, req_context)
+        self._record_access(keys, req_context, state=state)
         self.allocation_sizes_in_current_batch.extend([1] * len(keys))
         free_list = self._free_list
         spare = len(free_list) + self._num_chunks - self._counters[NUM_ALLOCATED]

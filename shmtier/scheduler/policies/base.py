@@ -90,7 +90,12 @@ def order_request_keys(
 
 
 class CachePolicy(ABC):
-    """Chunk organisation and replacement decisions (vLLM 0.33 interface)."""
+    """Chunk organisation and replacement decisions (vLLM 0.33 interface).
+
+    ``observes_store_misses`` (shmtier's, optional): False when ``on_store_miss`` does
+    nothing, so the manager need not call it."""
+
+    observes_store_misses: bool = True
 
     def __init__(self, cache_capacity: int) -> None:
         self.cache_capacity = cache_capacity

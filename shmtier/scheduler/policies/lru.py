@@ -51,6 +51,8 @@ class _RequestRank:
 
 
 class LRUCachePolicy(SegmentBackedPolicy):
+    observes_store_misses = False  # on_store_miss is a no-op (see there)
+
     def __init__(self, cache_capacity: int):
         super().__init__(cache_capacity)
         self._evictable: set[OffloadKey] = set()
