@@ -193,6 +193,12 @@ SCRIPTED = textwrap.dedent('''
     class HostScriptedTier(ScriptedTier):
         medium = Medium.CPU
 
+    class RequestLevelTier(ScriptedTier):
+        """Asks for every chunk of a request, also those already in the primary."""
+        def on_new_request(self, ctx):
+            from shmtier.contract import OffloadPolicy
+            return RequestOffloadingContext(OffloadPolicy.REQUEST_LEVEL)
+
     class ExternalTier(ScriptedTier):
         """Serves one external request through its parent at the first on_schedule_end."""
         def __init__(self, external_keys=(), **kw):
@@ -631,3 +637,34 @@ def test_a_jobs_chunk_ids_are_an_int32_array_parallel_to_its_keys():
     import numpy as np
     from_array = TransferJob(2, [key(1)], np.array([5], dtype=np.int64), False, ReqContext("r"))
     assert from_array.chunk_ids.dtype.name == "int32" and from_array.rows == [5]
+
+
+def test_request_level_tiers_get_present_chunks_and_pending_ones_once_stored(
+        rig_factory, scripted_module):
+    from shmtier.contract import OffloadPolicy
+    rig = rig_factory(tiers=[{"type": "RequestLevelTier", "module_path": scripted_module}])
+    m = rig.manager
+    tier = m.tiers[0]
+    writer, reader = ReqContext("writer"), ReqContext("reader")
+    with m.lock:
+        m.on_new_request(writer)
+    rig.offload([key(1)], [1], writer)  # stored and cascaded: chunk-level for the writer too
+    with m.lock:
+        assert tier.stores == [[key(1)]]
+        assert m.prepare_store([key(2)], writer).keys_to_store == [key(2)]  # pending
+        assert m.on_new_request(reader).policy is OffloadPolicy.REQUEST_LEVEL
+        # the reader offers a present chunk (cascaded now) and a pending one (parked)
+        assert m.prepare_store([key(1), key(2)], reader).keys_to_store == []
+        assert tier.stores == [[key(1)], [key(1)]]
+        m.on_request_finished(reader)
+        assert m.has_pending_work()  # the parked key
+        m.on_schedule_end(END)  # still pending: parked again
+        assert tier.stores == [[key(1)], [key(1)]] and m.has_pending_work()
+        m.complete_store([key(2)], writer)  # the writer's own cascade, then the parked one
+        assert tier.stores == [[key(1)], [key(1)], [key(2)]]
+        m.on_schedule_end(END)
+        assert tier.stores == [[key(1)], [key(1)], [key(2)], [key(2)]]
+    assert "reader" in tier.finished_requests  # once nothing of it was parked any more
+    rig.step()  # the last cascade's result
+    with m.lock:
+        assert not m.has_pending_work()

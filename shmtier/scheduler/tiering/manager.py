@@ -232,6 +232,7 @@ class TieringOffloadingManager:
             {} for _ in self.tiers]
         self._polled_this_step = False
         self._requests: dict[str, _RequestState] = {}
+        self._parked: dict[str, _RequestState] = {}  # requests with parked cascade keys
         self._load_sources: dict[str, dict[OffloadKey, CacheHitSource]] = {}
         self._promotions_held = False
         # the current lookup scan: its request, the promotions awaiting rows (key ->
@@ -548,6 +549,7 @@ class TieringOffloadingManager:
                 ready.append(key)
             elif result is HIT_PENDING:
                 state.parked_cascade_keys.append(key)
+                self._parked[state.ctx.req_id] = state
         if ready:
             self._cascade(ready, state.ctx, sorted(state.request_level_tiers))
 
@@ -566,11 +568,13 @@ class TieringOffloadingManager:
             self._maybe_finalize(state)
 
     def _flush_parked_cascades(self) -> None:
-        for state in list(self._requests.values()):
-            if state.parked_cascade_keys:
-                keys, state.parked_cascade_keys = state.parked_cascade_keys, []
-                self._cascade_present(state, keys)
-                self._maybe_finalize(state)
+        if not self._parked:
+            return
+        parked, self._parked = self._parked, {}
+        for state in parked.values():
+            keys, state.parked_cascade_keys = state.parked_cascade_keys, []
+            self._cascade_present(state, keys)  # parks the still-pending ones again
+            self._maybe_finalize(state)
 
     # --- pass-through to the primary ---
 
@@ -657,7 +661,7 @@ class TieringOffloadingManager:
     def has_pending_work(self) -> bool:
         if self._scan_ctx is not None:
             self._end_scan()
-        return (bool(self._jobs) or any(s.parked_cascade_keys for s in self._requests.values())
+        return (bool(self._jobs) or bool(self._parked)
                 or any(tier.has_pending_work() for tier in self.tiers))
 
     def take_events(self) -> Iterable[OffloadingEvent]:
@@ -710,6 +714,7 @@ class TieringOffloadingManager:
             raise RuntimeError(f"reset_cache: tiers {owners} still hold jobs after drain_jobs()")
         self._pending_promotions = [{} for _ in self.tiers]
         self._load_sources.clear()
+        self._parked.clear()
         for state in list(self._requests.values()):
             state.pending_primary_stores = 0
             state.parked_cascade_keys.clear()
