@@ -98,6 +98,7 @@ class WorkerPool:
         self.rings = RingSet.create(segment.name, segment.rings, config.num_workers,
                                     config.slots, config.slot_size)
         self._max_payload = config.slot_size - 8
+        self._job_rings = [self.rings.worker(w).jobs for w in range(self.n)]
         self._ids = itertools.count(1)
         self._parents: dict[int, _Parent] = {}
         self._parts: dict[int, _Part] = {}
@@ -229,7 +230,7 @@ class WorkerPool:
 
     def queued_jobs(self) -> int:
         """Jobs put in the job rings and not yet taken by a worker."""
-        return sum(self.rings.worker(w).jobs.depth() for w in range(self.n))
+        return sum([ring.depth() for ring in self._job_rings])
 
     def _drain_results(self, w: int) -> None:
         ring = self.rings.worker(w).results
