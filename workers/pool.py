@@ -177,14 +177,14 @@ class WorkerPool:
                 offset += len(part.keys)
         if len(planned) == 1:  # the common case: one slot, so try_put alone decides
             w, _, payload, _, _ = planned[0]
-            if not self.rings.worker(w).jobs.try_put(payload):
+            if not self._job_rings[w].try_put(payload):
                 return None
         else:  # every part fits, or none is put
             need = [0] * self.n
             for w, *_ in planned:
                 need[w] += 1
             for w in range(self.n):
-                ring = self.rings.worker(w).jobs
+                ring = self._job_rings[w]
                 if need[w] > ring.slots:
                     raise ValueError(
                         f"{op} job of {len(keys)} keys needs {need[w]} ring slots on worker {w}, "
@@ -193,7 +193,7 @@ class WorkerPool:
                 if need[w] and ring.free_slots() < need[w]:
                     return None
             for w, _, payload, _, _ in planned:
-                if not self.rings.worker(w).jobs.try_put(payload):
+                if not self._job_rings[w].try_put(payload):
                     raise RuntimeError(f"job ring of worker {w} refused a job after a capacity check")
         for w, part_id, _, part_keys, positions in planned:
             self._parts[part_id] = _Part(parent_id, w, positions)
@@ -361,7 +361,7 @@ class WorkerPool:
         stop = jobs.encode_job(jobs.Job(0, "stop", 0))
         for w in range(self.n):
             proc = self._procs[w]
-            if proc is not None and not self.rings.worker(w).jobs.try_put(stop):
+            if proc is not None and not self._job_rings[w].try_put(stop):
                 proc.terminate()  # ring full: SIGTERM makes it exit after its current batch
         deadline = time.monotonic() + timeout_s
         for w, proc in enumerate(self._procs):

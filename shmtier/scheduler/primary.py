@@ -180,8 +180,8 @@ class CPUOffloadingManager:
         return rows
 
     def _tell_policy(self, hook: str, keys: list[OffloadKey]) -> None:
-        """The policy's ``<hook>_many(keys)`` (built-in policies), else ``<hook>(key)``
-        per key (a policy written for vLLM)."""
+        """The policy's ``<hook>_many(keys)`` where it has one (LRU), else ``<hook>(key)``
+        per key (ARC, a policy written for vLLM)."""
         many = getattr(self._policy, hook + "_many", None)
         if many is not None:
             many(keys)
@@ -191,8 +191,8 @@ class CPUOffloadingManager:
                 one(key)
 
     def _evict(self, n: int, protected: set[OffloadKey]) -> list[tuple[OffloadKey, int]] | None:
-        """The policy's ``evict`` as (key, row) pairs (built-in policies skip the
-        ``ChunkStatus`` objects)."""
+        """The policy's ``evict`` as (key, row) pairs: its ``evict_rows`` where it has one
+        (LRU: no ``ChunkStatus`` per victim), else from ``evict``."""
         evict_rows = getattr(self._policy, "evict_rows", None)
         if evict_rows is not None:
             return evict_rows(n, protected)

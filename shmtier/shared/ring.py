@@ -237,6 +237,9 @@ class Ring:
         # always current.
         self._port = RingPort(region, slots, slot_size, items.name, spaces.name, label,
                               RingCorruptError, self._dropped_tokens)
+        # try_put(payload) -> bool: append one payload, never blocking; False when the
+        # ring is full (backpressure). Producer only (one thread). ValueError when the
+        # payload is longer than max_payload (split it first: jobs.split_job).
         self.try_put = self._port.try_put
 
     def _dropped_tokens(self, n: int) -> None:
@@ -245,18 +248,6 @@ class Ring:
     def _init_header(self) -> None:
         _RING_STATIC.pack_into(self._region, 0, self.slots, self.slot_size)
         self._ctr[_HEAD] = self._ctr[_TAIL] = self._port.head = self._port.tail = 0
-
-    # --- producer half ---
-
-    def try_put(self, payload: bytes) -> bool:
-        """Append one payload; never blocks. False: the ring is full (backpressure).
-
-        Producer only (one thread). ``payload`` is bytes-like. Raises ValueError
-        when it is longer than ``max_payload`` (split it first:
-        :func:`shmtier.shared.jobs.split_job`). (The instance attribute set in
-        ``__init__``, the port's ``try_put``, answers; this documents it.)
-        """
-        return self._port.try_put(payload)
 
     # --- consumer half ---
 

@@ -175,22 +175,6 @@ class SegmentBackedPolicy(CachePolicy):
         row = self.rows.get(key)
         return None if row is None else ChunkStatus(row, self._refcnt)
 
-    def mark_evictable_many(self, keys: list[OffloadKey]) -> None:
-        """``mark_evictable`` of each key, in order, in one call (the manager's path)."""
-        for key in keys:
-            self.mark_evictable(key)
-
-    def mark_non_evictable_many(self, keys: list[OffloadKey]) -> None:
-        """``mark_non_evictable`` of each key, in order, in one call (the manager's path)."""
-        for key in keys:
-            self.mark_non_evictable(key)
-
-    def evict_rows(self, n: int, protected: set[OffloadKey]) -> list[tuple[OffloadKey, int]] | None:
-        """``evict`` answered as (key, row) pairs: the manager's path, which needs no
-        ``ChunkStatus`` per victim. Default: from ``evict``."""
-        victims = self.evict(n, protected)
-        return None if victims is None else [(key, chunk.chunk_id) for key, chunk in victims]
-
     @abstractmethod
     def rebuild(self) -> None:
         """Recreate process-local accelerators from the table (after attach)."""

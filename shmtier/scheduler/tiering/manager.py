@@ -274,7 +274,7 @@ class TieringOffloadingManager:
     def _new_job(self, keys: Collection[OffloadKey], chunk_ids: Any, is_promotion: bool,
                  ctx: ReqContext, tier_idx: int) -> TransferJob:
         self._next_job_id += 1
-        job = TransferJob(self._next_job_id, list(keys), list(chunk_ids), is_promotion, ctx)
+        job = TransferJob(self._next_job_id, list(keys), chunk_ids, is_promotion, ctx)
         self._jobs[job.job_id] = (job, tier_idx)
         active = self._active[is_promotion][tier_idx]
         active[0] += 1
