@@ -550,7 +550,9 @@ class CPUOffloadingManager:
         return stats
 
     def shutdown(self) -> None:
-        return
+        """Let the policy release what it holds of the table (LRU: the C core's buffers)."""
+        if isinstance(self._policy, SegmentBackedPolicy):
+            self._policy.close()
 
     # --- introspection (tests, bench, demo) ---
 
@@ -599,4 +601,5 @@ class CPUPrimaryTierOffloadingManager(CPUOffloadingManager):
         return self.segment.arena_rows()
 
     def shutdown(self) -> None:
+        super().shutdown()
         self.segment.close()

@@ -59,12 +59,12 @@ class ChunkStatus:
         return f"ChunkStatus(chunk_id={self.chunk_id}, ref_cnt={self.ref_cnt})"
 
 
-def position_getter(req_context: ReqContext) -> Callable[[OffloadKey], int | None]:
-    """``req_context.get_offload_key_position``, as the bound ``get`` of its positions
-    dict when the context keeps one (shmtier's and vLLM's do): a lookup per key
-    without a Python call."""
+def positions_of(req_context: ReqContext) -> dict[OffloadKey, int] | Callable[[OffloadKey], int | None]:
+    """Where ``req_context`` keeps its keys' end positions: its own dict when it has one
+    (shmtier's and vLLM's contexts do; read without a Python call per key), else its
+    ``get_offload_key_position``."""
     positions = getattr(req_context, "_offload_key_positions", None)
-    return positions.get if isinstance(positions, dict) else req_context.get_offload_key_position
+    return positions if isinstance(positions, dict) else req_context.get_offload_key_position
 
 
 def sort_by_position(keys: list[OffloadKey], req_context: ReqContext) -> list[OffloadKey]:
@@ -178,3 +178,7 @@ class SegmentBackedPolicy(CachePolicy):
     @abstractmethod
     def rebuild(self) -> None:
         """Recreate process-local accelerators from the table (after attach)."""
+
+    def close(self) -> None:
+        """Release anything that holds the table's memory (the manager's shutdown, before
+        the segment is unmapped); idempotent. Default: nothing to release."""
