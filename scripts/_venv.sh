@@ -4,7 +4,7 @@
 #
 # The venv lives in .venv/. Installs are skipped when .venv/.shmtier-<mode>.stamp holds the
 # hash of everything that decides them (setup.cfg, setup.py, pyproject.toml,
-# requirements/*.txt, the C extension's source, the
+# requirements/*.txt, the C extensions' sources, the
 # Python version and, for tests, SHMTIER_SKIP_VLLM), so a second run starts at once.
 #
 # Environment:
@@ -21,7 +21,7 @@ _shmtier_stamp_key() {  # $1 = mode
         printf 'mode=%s\n' "$1"
         [[ $1 == test ]] && printf 'skip_vllm=%s\n' "${SHMTIER_SKIP_VLLM:-0}"
         "$SHMTIER_PY" -c 'import sys; print(sys.version)'
-        cat setup.cfg setup.py pyproject.toml requirements/*.txt shmtier/shared/*.c
+        cat setup.cfg setup.py pyproject.toml requirements/*.txt $(find shmtier -name '*.c' | LC_ALL=C sort)
     } | sha256sum | cut -d' ' -f1
 }
 
