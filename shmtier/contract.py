@@ -172,10 +172,33 @@ class LoadStoreSpec:
 
 
 class BlockIDsLoadStoreSpec(LoadStoreSpec):
-    """A spec addressing blocks by integer id (kept as an ``np.int32`` array)."""
+    """A spec addressing blocks by integer id: ``block_ids``, an ``np.int32`` array.
+
+    ``of_ids(ids)`` (the CPU tier's specs) takes over a list and builds the array on
+    the first read of ``block_ids``. The scheduler never reads the specs it hands out:
+    the connector passes them to the GPU workers, whose copy reads them, so the array
+    is built there (cold, one costs 20-40 µs of scheduler-thread time per call)."""
 
     def __init__(self, block_ids: Any):
-        self.block_ids = np.asarray(block_ids, dtype=np.int32)
+        self._ids = np.asarray(block_ids, dtype=np.int32)
+
+    @classmethod
+    def of_ids(cls, ids: list[int]):
+        """A spec over ``ids``, which the caller hands over (must not change it after)."""
+        spec = cls.__new__(cls)
+        spec._ids = ids
+        return spec
+
+    @property
+    def block_ids(self) -> np.ndarray:
+        ids = self._ids
+        if ids.__class__ is not np.ndarray:
+            ids = self._ids = np.asarray(ids, dtype=np.int32)
+        return ids
+
+    @block_ids.setter
+    def block_ids(self, ids: Any) -> None:  # as vLLM's plain attribute allows
+        self._ids = ids
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.block_ids.tolist()})"

@@ -244,13 +244,23 @@ _VllmROC = _vb.RequestOffloadingContext
 _VllmTransferResult = _vb.TransferResult
 
 
+class _CPULoadStoreSpecView(_VllmCPULoadStoreSpec):
+    """vLLM's ``CPULoadStoreSpec`` over one of shmtier's: ``block_ids`` is shmtier's (the
+    same array, built on first read -- by the GPU worker's copy, not the scheduler)."""
+
+    def __init__(self, spec: Any):  # vLLM's __init__ would build the array now
+        self._spec = spec
+
+    @property
+    def block_ids(self) -> Any:
+        return self._spec.block_ids
+
+
 def _wrap_cpu_spec(spec: Any) -> _VllmCPULoadStoreSpec:
-    """vLLM's ``CPULoadStoreSpec`` around ``spec.block_ids`` (the same array, no copy)."""
-    if spec.__class__ is _VllmCPULoadStoreSpec:
+    """vLLM's ``CPULoadStoreSpec`` for a spec of shmtier's primary (a vLLM one as it is)."""
+    if isinstance(spec, _VllmCPULoadStoreSpec):
         return spec
-    out = _VllmCPULoadStoreSpec.__new__(_VllmCPULoadStoreSpec)
-    out.block_ids = spec.block_ids
-    return out
+    return _CPULoadStoreSpecView(spec)
 
 
 def _to_vllm_event(event: Any) -> Any:

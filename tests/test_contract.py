@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pickle
 
+import numpy as np
 import pytest
 
 from shmtier import metrics
@@ -44,6 +45,22 @@ def test_types_pickle_round_trip():
     assert pickle.loads(pickle.dumps(ctx)).get_offload_key_position(b"k" * 36) == 64
     spec = pickle.loads(pickle.dumps(GPULoadStoreSpec([5, 6, 7], [2, 1], [0, 4])))
     assert spec.block_ids.tolist() == [5, 6, 7] and spec.group_sizes == (2, 1)
+
+
+def test_the_primary_s_specs_build_their_array_where_it_is_read():
+    """The CPU tier hands out specs over its row lists; the int32 array is built on the
+    first read of ``block_ids`` (by the GPU worker's copy), also after a pickle trip."""
+    m = CPUOffloadingManager(ChunkTable.private(4, 40), "lru")
+    ctx = ReqContext("r")
+    out = m.prepare_store([b"a" * 36, b"b" * 36], ctx)
+    spec = out.store_spec
+    assert isinstance(spec, CPULoadStoreSpec) and not hasattr(spec._ids, "dtype")
+    sent = pickle.loads(pickle.dumps(spec))
+    assert sent.block_ids.dtype == np.int32 and sent.block_ids.tolist() == [0, 1]
+    assert spec.chunk_ids is spec.block_ids and spec.block_ids.tolist() == [0, 1]
+    m.complete_store(out.keys_to_store, ctx)
+    load = m.prepare_load([b"b" * 36], ctx)
+    assert load.chunk_ids.dtype == np.int32 and load.chunk_ids.tolist() == [1]
 
 
 def test_gpu_spec_checks_group_sizes():

@@ -45,8 +45,6 @@ from shmtier.scheduler.policies.factory import CachePolicyFactory
 from shmtier.shared.chunk_table import NUM_ALLOCATED, ChunkTable, KeyTooLongError
 from shmtier.shared.segment import Segment
 
-_EMPTY_SPEC_IDS: list[int] = []
-
 
 @dataclass(slots=True)
 class _RequestCacheAccess:
@@ -286,7 +284,7 @@ class CPUOffloadingManager:
 
     def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> CPULoadStoreSpec:
         """Pin ``keys`` (all must be HIT) until ``complete_load``; rows in key order."""
-        spec = CPULoadStoreSpec(self._pin(keys))
+        spec = CPULoadStoreSpec.of_ids(self._pin(keys))
         self._record_access(keys, req_context, reused_keys=keys)
         return spec
 
@@ -361,7 +359,7 @@ class CPUOffloadingManager:
         self._record_access((key for key in keys if key in recorded), req_context,
                             reused_keys=ready_existing, state=state)
         if not to_store:
-            return PrepareStoreOutput([], CPULoadStoreSpec(_EMPTY_SPEC_IDS), [])
+            return PrepareStoreOutput([], CPULoadStoreSpec.of_ids([]), [])
 
         self.allocation_sizes_in_current_batch.append(len(to_store))
         need = len(to_store) - (len(self._free_list) + self._num_chunks - self._counters[NUM_ALLOCATED])
@@ -381,7 +379,7 @@ class CPUOffloadingManager:
         new_rows = self._allocate(to_store, req_context)
         self._num_write_pending += len(to_store)
         state.inserted_keys.update(to_store)
-        return PrepareStoreOutput(to_store, CPULoadStoreSpec(new_rows), evicted)
+        return PrepareStoreOutput(to_store, CPULoadStoreSpec.of_ids(new_rows), evicted)
 
     def _check_key_width(self, keys: list[OffloadKey]) -> None:
         if keys and max(map(len, keys)) > self._key_width:
@@ -580,7 +578,7 @@ class CPUPrimaryTierOffloadingManager(CPUOffloadingManager):
         self.segment = segment
 
     def prepare_read(self, keys: Collection[OffloadKey], req_context: ReqContext) -> CPULoadStoreSpec:
-        return CPULoadStoreSpec(self._pin(keys))
+        return CPULoadStoreSpec.of_ids(self._pin(keys))
 
     def pin_rows(self, keys: Collection[OffloadKey]) -> list[int]:
         """``prepare_read`` answered as the rows (no spec): the tiering manager's cascade

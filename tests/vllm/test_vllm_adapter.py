@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import json
 import pathlib
+import pickle
 import re
 import subprocess
 import sys
@@ -394,7 +395,11 @@ def test_the_connector_call_sequence_with_vllm_types(tier, rigs, engine_id, fs_r
         with m.lock:
             out = m.prepare_store(keys, a)
         assert type(out) is vb.PrepareStoreOutput and out.keys_to_store == keys
-        assert out.evicted_keys == [] and len(out.store_spec.chunk_ids) == 3
+        assert out.evicted_keys == [] and isinstance(out.store_spec, CPULoadStoreSpec)
+        # vLLM's spec type, pickled to the GPU workers as a multiprocess executor does
+        sent = pickle.loads(pickle.dumps(out.store_spec))
+        assert isinstance(sent, CPULoadStoreSpec) and sent.chunk_ids.dtype == np.int32
+        assert sent.chunk_ids.tolist() == out.store_spec.chunk_ids.tolist() and len(sent.chunk_ids) == 3
         rig.copy(True, out.store_spec, list(range(2, 8)))
         with m.lock:
             m.complete_store(out.keys_to_store, a)

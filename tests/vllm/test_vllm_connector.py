@@ -276,7 +276,7 @@ def test_multi_step_scenario_through_vllms_connector(tier, engine_id, fs_root):
         meta, _ = engine.step(new=[(a, range(1, 8), 100)])
         ((store_id, store),) = meta.store_jobs.items()  # 3 complete chunks = GPU blocks 1..6
         assert list(store.src_spec.block_ids) == [1, 2, 3, 4, 5, 6]
-        assert type(store.dst_spec) is sv._VllmCPULoadStoreSpec and len(store.dst_spec.chunk_ids) == 3
+        assert isinstance(store.dst_spec, sv._VllmCPULoadStoreSpec) and len(store.dst_spec.chunk_ids) == 3
         # step 2: A decodes; the deferred store runs on both ranks and completes
         engine.step(cached=[(a, None, 1)])
         assert store_id not in sched._jobs
