@@ -29,7 +29,9 @@ once, then a lookup scan over the prefix after the GPU-cached chunks until MISS;
 HIT_PENDING or RETRY defers the request to the next step, RETRY does not stop the
 scan; hits -> ``prepare_load`` + ``get_load_source`` per loaded key); every
 running request offers its next chunks to ``prepare_store`` (the driver then
-writes the rows, standing in for the GPU copy); finished requests ->
+writes the rows, standing in for the GPU copy; its read of the spec's ``block_ids`` is
+not timed, for either manager: vLLM's spec builds that array in ``prepare_store``,
+shmtier's on that first read, as a GPU worker's copy would); finished requests ->
 ``on_request_finished``; ``on_schedule_end``. Then the "forward pass" (a sleep),
 then ``update_connector_output``: jobs prepared the step before complete
 (``complete_store`` / ``complete_load``), then ``has_pending_work``,
