@@ -48,6 +48,7 @@ logger = logging.getLogger(__name__)
 _HEALTH_EVERY_S = 0.05
 _HEALTHY_RESET_S = 10.0
 _SPREAD_MIN_KEYS = 8
+_DRAIN_BATCH = 256  # results taken per ring call
 
 
 def rings_len_for(config: PoolConfig) -> int:
@@ -55,7 +56,7 @@ def rings_len_for(config: PoolConfig) -> int:
     return ring_area_nbytes(config.num_workers, config.slots, config.slot_size) + CONFIG_BYTES
 
 
-@dataclass
+@dataclass(slots=True)
 class PoolResult:
     """One finished pool job: per-key outcome codes (``jobs.OK`` ...) in submit order."""
 
@@ -73,13 +74,13 @@ class PoolResult:
     submit_time: float = 0.0
 
 
-@dataclass
+@dataclass(slots=True)
 class _Parent:
     result: PoolResult
     remaining: int
 
 
-@dataclass
+@dataclass(slots=True)
 class _Part:
     parent: int
     worker: int
@@ -99,6 +100,7 @@ class WorkerPool:
                                     config.slots, config.slot_size)
         self._max_payload = config.slot_size - 8
         self._job_rings = [self.rings.worker(w).jobs for w in range(self.n)]
+        self._result_rings = [self.rings.worker(w).results for w in range(self.n)]
         self._ids = itertools.count(1)
         self._parents: dict[int, _Parent] = {}
         self._parts: dict[int, _Part] = {}
@@ -214,8 +216,9 @@ class WorkerPool:
 
     def poll(self) -> None:
         """Collect results and check worker health (non-blocking)."""
-        for w in range(self.n):
-            self._drain_results(w)
+        for w, ring in enumerate(self._result_rings):
+            if ring.depth():  # two loads from the segment; no semaphore syscall on an empty ring
+                self._drain_results(w, ring)
         now = time.monotonic()
         if now >= self._next_health:
             self._next_health = now + _HEALTH_EVERY_S
@@ -232,14 +235,9 @@ class WorkerPool:
         """Jobs put in the job rings and not yet taken by a worker."""
         return sum([ring.depth() for ring in self._job_rings])
 
-    def _drain_results(self, w: int) -> None:
-        ring = self.rings.worker(w).results
-        if not ring.depth():
-            return  # two loads from the segment; no semaphore syscall on an empty ring
+    def _drain_results(self, w: int, ring: Any) -> None:
         while True:
-            batch = ring.get_many(256, timeout_s=0)
-            if not batch:
-                return
+            batch = ring.get_many(_DRAIN_BATCH, timeout_s=0)
             for raw in batch:
                 try:
                     result = jobs.decode_result(raw)
@@ -247,6 +245,8 @@ class WorkerPool:
                     logger.error("tier worker %d sent a malformed result: %s", w, e)
                     continue
                 self._complete_part(result)
+            if len(batch) < _DRAIN_BATCH:
+                return  # the ring is empty (a full batch may have left more)
 
     def _complete_part(self, result: jobs.Result) -> None:
         part = self._parts.get(result.job_id)
@@ -323,7 +323,7 @@ class WorkerPool:
                 pass
         rings = self.rings.worker(w)
         rings.recover(discard_jobs=True)
-        self._drain_results(w)  # what it finished is valid
+        self._drain_results(w, rings.results)  # what it finished is valid
         for part_id in [p for p, part in self._parts.items() if part.worker == w]:
             part = self._parts[part_id]
             self.failed_parts_total += 1

@@ -20,7 +20,7 @@ memory live only accelerators, rebuilt from the table by ``attach=True``: the
 from __future__ import annotations
 
 from collections import Counter, OrderedDict
-from collections.abc import Collection, Iterable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, field, replace
 
@@ -103,6 +103,8 @@ class CPUOffloadingManager:
         self._observes_store_misses = getattr(self._policy, "observes_store_misses", True)
         if isinstance(self._policy, SegmentBackedPolicy):
             self._policy.bind(table, self._rows)
+        self._mark_evictable = self._policy_hook("mark_evictable")
+        self._mark_non_evictable = self._policy_hook("mark_non_evictable")
         self._num_evictable = 0
         self._num_write_pending = 0
         self._cache_generation = 0
@@ -177,16 +179,19 @@ class CPUOffloadingManager:
                 policy.insert(key, ChunkStatus(row, refcnt), req_context)
         return rows
 
-    def _tell_policy(self, hook: str, keys: list[OffloadKey]) -> None:
-        """The policy's ``<hook>_many(keys)`` where it has one (LRU), else ``<hook>(key)``
-        per key (ARC, a policy written for vLLM)."""
+    def _policy_hook(self, hook: str) -> Callable[[list[OffloadKey]], None]:
+        """The policy's ``<hook>_many(keys)`` where it has one (LRU), else a call of
+        ``<hook>(key)`` per key (ARC, a policy written for vLLM); resolved once, at
+        construction: evictability changes are told several times per step."""
         many = getattr(self._policy, hook + "_many", None)
         if many is not None:
-            many(keys)
-        else:
-            one = getattr(self._policy, hook)
+            return many
+        one = getattr(self._policy, hook)
+
+        def per_key(keys: list[OffloadKey]) -> None:
             for key in keys:
                 one(key)
+        return per_key
 
     def _evict(self, n: int, protected: set[OffloadKey]) -> list[tuple[OffloadKey, int]] | None:
         """The policy's ``evict`` as (key, row) pairs: its ``evict_rows`` where it has one
@@ -305,7 +310,7 @@ class CPUOffloadingManager:
             refcnt[row] = count + 1
         if pinned:
             self._num_evictable -= len(pinned)
-            self._tell_policy("mark_non_evictable", pinned)
+            self._mark_non_evictable(pinned)
         return ids
 
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
@@ -331,7 +336,7 @@ class CPUOffloadingManager:
                 unpinned.append(key)
         if unpinned:
             self._num_evictable += len(unpinned)
-            self._tell_policy("mark_evictable", unpinned)
+            self._mark_evictable(unpinned)
 
     def prepare_store(self, keys: Collection[OffloadKey], req_context: ReqContext) -> PrepareStoreOutput | None:
         keys = list(keys)
@@ -476,7 +481,7 @@ class CPUOffloadingManager:
             done.append(key)
         if success and done:
             self._num_evictable += len(done)
-            self._tell_policy("mark_evictable", done)
+            self._mark_evictable(done)
         if done and self.events is not None:
             self.events.append(OffloadingEvent(
                 keys=done, medium=self.medium, removed=not success, metadata_only=not success,

@@ -389,7 +389,7 @@ class TieringOffloadingManager:
         count = self.primary.ref_count(key)  # the primary's lookup and is_evictable in one
         result = MISS if count is None else HIT if count >= 0 else HIT_PENDING
         now = perf_counter()
-        if record is not None:
+        if record is not None and result is not HIT_PENDING:  # (record ignores HIT_PENDING)
             record.record(0, key, result, now - started, now)
         if result is HIT:
             if key not in self._scan_hits:
