@@ -19,7 +19,7 @@ memory live only accelerators, rebuilt from the table by ``attach=True``: the
 
 from __future__ import annotations
 
-from collections import Counter, OrderedDict
+from collections import OrderedDict
 from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, field, replace
@@ -40,6 +40,7 @@ from shmtier.contract import (
     RequestOffloadingContext,
     ScheduleEndContext,
 )
+from shmtier.scheduler._rows import RowIndex, first_accesses
 from shmtier.scheduler.policies.base import ChunkStatus, SegmentBackedPolicy, sort_by_position
 from shmtier.scheduler.policies.factory import CachePolicyFactory
 from shmtier.shared.chunk_table import NUM_ALLOCATED, ChunkTable, KeyTooLongError
@@ -95,6 +96,9 @@ class CPUOffloadingManager:
         self._refcnt = table.refcnt
         self._counters = table.counters
         self._rows: dict[OffloadKey, int] = {}
+        # the per-key work on _rows and the table (claim, pin, release ...), in C
+        self._index = RowIndex(self._rows, table.keys, table.key_len, table.refcnt, table.tiers,
+                               table.key_width)
         self._free_list: list[int] = []
         self._config_info = info.as_config_info() if info is not None else {}
         self.events: list[OffloadingEvent] | None = [] if enable_events else None
@@ -167,10 +171,7 @@ class CPUOffloadingManager:
             rows += free_list[:-reused - 1:-1]
             del free_list[-reused:]
         refcnt, policy = self._refcnt, self._policy
-        self._table.write_keys(rows, keys)
-        for row in rows:
-            refcnt[row] = -1
-        self._rows.update(zip(keys, rows))
+        self._index.claim(keys, rows)
         insert_pending = getattr(policy, "insert_pending", None)
         if insert_pending is not None:
             insert_pending(keys, rows, req_context)
@@ -202,11 +203,9 @@ class CPUOffloadingManager:
         victims = self._policy.evict(n, protected)
         return None if victims is None else [(key, chunk.chunk_id) for key, chunk in victims]
 
-    def _release(self, key: OffloadKey, row: int) -> None:
-        del self._rows[key]
-        self._table.key_len[row] = 0
-        self._table.tiers[row] = 0
-        self._free_list.append(row)
+    def _release(self, victims: list[tuple[OffloadKey, int]]) -> None:
+        """Forget each (key, row); the rows go to the end of the free list."""
+        self._index.release(victims, self._free_list)
 
     # --- request access record ---
 
@@ -224,16 +223,14 @@ class CPUOffloadingManager:
         caller has it already)."""
         if state is None:
             state = self._request_access(req_context)
-        seen, groups = state.seen_keys, state.key_groups
-        new_keys = [key for key in dict.fromkeys(keys) if key not in seen]
-        if new_keys:
-            if state.finished:
+        if state.finished:
+            keys = list(keys)
+            if any(key not in state.seen_keys for key in keys):
                 raise RuntimeError(
                     f"request {req_context.req_id!r} offered new keys after on_request_finished"
                 )
-            seen.update(new_keys)
-            for key in new_keys:
-                groups.setdefault(key[-GROUP_SUFFIX_LEN:], []).append(key)
+        new_keys = first_accesses(keys, state.seen_keys, state.key_groups, GROUP_SUFFIX_LEN)
+        if new_keys:
             self._policy.on_request_access(new_keys, req_context)
         if reused_keys:
             inserted = state.inserted_keys
@@ -281,8 +278,7 @@ class CPUOffloadingManager:
 
     def ready_keys(self, keys: Iterable[OffloadKey]) -> list[OffloadKey]:
         """The keys ``lookup`` would answer HIT (resident and readable), in order."""
-        rows, refcnt = self._rows, self._refcnt
-        return [key for key in keys if (row := rows.get(key)) is not None and refcnt[row] >= 0]
+        return self._index.ready_keys(keys)
 
     def get_load_source(self, key: OffloadKey, req_context: ReqContext) -> CacheHitSource:
         return CacheHitSource.HOST
@@ -295,19 +291,7 @@ class CPUOffloadingManager:
 
     def _pin(self, keys: Collection[OffloadKey]) -> list[int]:
         """Pin every key or, if one is not readable, none (KeyError naming it); their rows."""
-        rows, refcnt = self._rows, self._refcnt
-        ids = [rows.get(key) for key in keys]
-        for key, row in zip(keys, ids):
-            if row is None:
-                raise KeyError(f"cannot load key {key.hex()}: it is not in the CPU tier")
-            if refcnt[row] < 0:
-                raise KeyError(f"cannot load key {key.hex()}: its store has not completed")
-        pinned = []
-        for key, row in zip(keys, ids):
-            count = refcnt[row]
-            if count == 0:
-                pinned.append(key)
-            refcnt[row] = count + 1
+        ids, pinned = self._index.pin(keys)
         if pinned:
             self._num_evictable -= len(pinned)
             self._mark_non_evictable(pinned)
@@ -318,22 +302,7 @@ class CPUOffloadingManager:
 
     def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
         """Unpin every key or, if one is not pinned, none (KeyError naming it)."""
-        rows, refcnt = self._rows, self._refcnt
-        ids = [rows.get(key) for key in keys]
-        for key, row in zip(keys, ids):
-            if row is None or refcnt[row] <= 0:
-                raise KeyError(f"complete_load for key {key.hex()} that is not pinned")
-        if len(set(ids)) < len(ids):  # a key listed n times must hold n pins
-            for key, times in Counter(keys).items():
-                if refcnt[rows[key]] < times:
-                    raise KeyError(f"complete_load lists key {key.hex()} {times} times; "
-                                   f"it holds {refcnt[rows[key]]} pins")
-        unpinned = []
-        for key, row in zip(keys, ids):
-            count = refcnt[row] - 1
-            refcnt[row] = count
-            if count == 0:
-                unpinned.append(key)
+        unpinned = self._index.unpin(keys)
         if unpinned:
             self._num_evictable += len(unpinned)
             self._mark_evictable(unpinned)
@@ -342,15 +311,7 @@ class CPUOffloadingManager:
         keys = list(keys)
         if self.counts is not None:
             self._record_offer(keys)
-        rows, refcnt = self._rows, self._refcnt
-        to_store: list[OffloadKey] = []
-        ready_existing: list[OffloadKey] = []
-        for key in keys:
-            row = rows.get(key)
-            if row is None:
-                to_store.append(key)
-            elif refcnt[row] >= 0:
-                ready_existing.append(key)
+        to_store, ready_existing = self._index.classify(keys)
         self._check_key_width(to_store)
         if self.counts is not None:
             candidates = len(to_store)
@@ -376,9 +337,8 @@ class CPUOffloadingManager:
             if victims is None:
                 return None
             self._num_evictable -= len(victims)
-            for key, row in victims:
-                self._release(key, row)
-                evicted.append(key)
+            self._release(victims)
+            evicted = [key for key, _ in victims]
             if self.events is not None:
                 self.events.append(OffloadingEvent(keys=evicted, medium=self.medium, removed=True))
         new_rows = self._allocate(to_store, req_context)
@@ -446,8 +406,7 @@ class CPUOffloadingManager:
             if victims is None:
                 victims = []
             self._num_evictable -= len(victims)
-            for key, row in victims:
-                self._release(key, row)
+            self._release(victims)
             if victims:
                 # per key, a victim's row goes to the key that evicted it: fresh rows
                 # first, then the old free rows (from the end), then victims in order
@@ -466,19 +425,17 @@ class CPUOffloadingManager:
     def complete_store(self, keys: Collection[OffloadKey], req_context: ReqContext,
                        success: bool = True) -> None:
         """Pending keys become ready (success) or are dropped (failure); others are ignored."""
-        rows, refcnt, policy = self._rows, self._refcnt, self._policy
-        done: list[OffloadKey] = []
-        for key in keys:
-            row = rows.get(key)
-            if row is None or refcnt[row] >= 0:
-                continue
-            self._num_write_pending -= 1
-            if success:
-                refcnt[row] = 0
-            else:
-                policy.remove(key)
-                self._release(key, row)
-            done.append(key)
+        if success:
+            done = self._index.mark_stored(keys)
+        else:
+            rows, refcnt = self._rows, self._refcnt
+            failed = list({key: row for key in keys  # once each, in order
+                           if (row := rows.get(key)) is not None and refcnt[row] < 0}.items())
+            for key, _ in failed:
+                self._policy.remove(key)
+            self._release(failed)
+            done = [key for key, _ in failed]
+        self._num_write_pending -= len(done)
         if success and done:
             self._num_evictable += len(done)
             self._mark_evictable(done)
@@ -556,6 +513,7 @@ class CPUOffloadingManager:
         """Let the policy release what it holds of the table (LRU: the C core's buffers)."""
         if isinstance(self._policy, SegmentBackedPolicy):
             self._policy.close()
+        self._index.close()
 
     # --- introspection (tests, bench, demo) ---
 

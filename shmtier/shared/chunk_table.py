@@ -18,7 +18,9 @@ keeps process-local accelerators (key -> row dict, heaps, ordered dicts) that it
 rebuilds from these arrays on attach. Only the scheduler process writes the
 table; other processes may read it. Scalar access goes through
 ``memoryview.cast`` views (10x cheaper per element than numpy indexing); numpy is
-used for vectorised scans only.
+used for vectorised scans only. The scheduler's C helpers (the CPU tier's
+``_rows.RowIndex``, which writes keys and ref counts, and the LRU policy's
+``_lru.LRUCore``, which writes ranks) work on buffers of these same views.
 """
 
 from __future__ import annotations
@@ -103,24 +105,6 @@ class ChunkTable:
                    num_chunks, key_width)
 
     # --- keys ---
-
-    def write_key(self, row: int, key: bytes) -> None:
-        self.write_keys([row], [key])
-
-    def write_keys(self, rows: list[int], keys: list[bytes]) -> None:
-        """Store ``keys[i]`` as the key of row ``rows[i]``; all or nothing on a too-long key."""
-        width = self.key_width
-        longest = max(map(len, keys), default=0)
-        if longest > width:
-            raise KeyTooLongError(
-                f"offload key of {longest} bytes does not fit the segment's key "
-                f"width of {width} bytes (set key_width to at least {longest})"
-            )
-        key_bytes, key_len = self.keys, self.key_len
-        for row, key in zip(rows, keys):
-            start = row * width
-            key_bytes[start : start + len(key)] = key
-            key_len[row] = len(key)
 
     def read_key(self, row: int) -> bytes:
         start = row * self.key_width
