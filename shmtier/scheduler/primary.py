@@ -494,6 +494,12 @@ class CPUOffloadingManager:
 
     def get_stats(self) -> metrics.OffloadingStats:
         stats = metrics.OffloadingStats()
+        self.stats_into(stats)
+        return stats
+
+    def stats_into(self, stats: metrics.OffloadingStats) -> None:
+        """Add the series ``get_stats`` reports (and resets) to ``stats``: the tiering
+        manager's step payload, without a payload of the primary's own to merge."""
         n = self._num_chunks
         used = self._counters[NUM_ALLOCATED] - len(self._free_list) - self._num_evictable
         usage = used / n if n else 0.0
@@ -507,7 +513,6 @@ class CPUOffloadingManager:
         if self.store_threshold >= 2:
             stats.increase_counter(metrics.STORES_SKIPPED, self.stores_skipped_in_current_batch)
             self.stores_skipped_in_current_batch = 0
-        return stats
 
     def shutdown(self) -> None:
         """Let the policy release what it holds of the table (LRU: the C core's buffers)."""

@@ -241,6 +241,9 @@ class Ring:
         # ring is full (backpressure). Producer only (one thread). ValueError when the
         # payload is longer than max_payload (split it first: jobs.split_job).
         self.try_put = self._port.try_put
+        # depth() -> int: items put and not yet taken (a snapshot; either end, any
+        # process). Read every step by the pool's poll and its ring-depth gauge.
+        self.depth = self._port.depth
 
     def _dropped_tokens(self, n: int) -> None:
         logger.warning("%s: %d item token(s) without an item dropped", self.label, n)
@@ -311,10 +314,6 @@ class Ring:
         Exact for the producer: only it lowers the value; the consumer may
         raise it meanwhile (a slot handed back), never lower it."""
         return self._spaces.value
-
-    def depth(self) -> int:
-        """Items put and not yet taken (a snapshot; either end, any process)."""
-        return max(0, self._ctr[_HEAD] - self._ctr[_TAIL])
 
     def resync(self, discard_pending: bool = False) -> int:
         """Restore the semaphores from the counters after the other end died.

@@ -675,9 +675,8 @@ class TieringOffloadingManager:
     def get_stats(self) -> metrics.OffloadingStats:
         if self._scan_ctx is not None:
             self._end_scan()
-        stats = self.primary.get_stats()
-        metrics.merge_stats(stats, self._stats)
-        self._stats = metrics.OffloadingStats()
+        stats, self._stats = self._stats, metrics.OffloadingStats()
+        self.primary.stats_into(stats)
         self._tracker.take_into(stats)
         for tier_idx, tier in enumerate(self.tiers):
             label = (self.labels[tier_idx + 1],)
