@@ -279,8 +279,6 @@ def test_external_worker_pool_serves_the_engine(engine_id, tmp_path):
 def test_a_stalled_tier_cannot_starve_the_cpu_tier(engines, tmp_path):
     """Cascades waiting for stalled workers pin at most max_pinned_fraction of the CPU
     rows; beyond it they are dropped (counted as backpressure) and CPU stores go on."""
-    import signal
-
     e = engines(tmp_path, chunks=16, max_pinned_fraction=0.25)
     pids = [p.pid for p in e.spec.worker_pool._procs]
     for pid in pids:
