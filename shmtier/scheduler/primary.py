@@ -14,7 +14,9 @@ reset).
 State: the chunk table in the segment (key, ref count, policy state per row,
 the high-water mark of allocated rows) is the source of truth. In process
 memory live only accelerators, rebuilt from the table by ``attach=True``: the
-``key -> row`` dict, the free list, counters, and the policy's heaps/lists.
+``key -> row`` dict, the free list, counters, and the policy's heaps/lists. The
+per-key work on the dict and the table (classify an offer, claim rows, pin,
+unpin, release) is ``_rows.RowIndex``, in C: it runs every step, cold.
 """
 
 from __future__ import annotations
