@@ -172,33 +172,42 @@ class LoadStoreSpec:
 
 
 class BlockIDsLoadStoreSpec(LoadStoreSpec):
-    """A spec addressing blocks by integer id: ``block_ids``, an ``np.int32`` array.
+    """A spec addressing blocks by integer id: ``block_ids``, an ``np.int32`` array, and
+    ``ids``, the same ids as a list of ints.
 
-    ``of_ids(ids)`` (the CPU tier's specs) takes over a list and builds the array on
-    the first read of ``block_ids``. The scheduler never reads the specs it hands out:
-    the connector passes them to the GPU workers, whose copy reads them, so the array
-    is built there (cold, one costs 20-40 µs of scheduler-thread time per call)."""
+    ``of_ids(ids)`` (the CPU tier's specs, the tiering manager's jobs) takes over a list
+    and builds the array on the first read of ``block_ids``. The scheduler never reads
+    the specs it hands out: the connector passes them to the GPU workers, whose copy
+    reads them, so the array is built there (cold, one costs 20-40 µs of
+    scheduler-thread time per call); shmtier's own tiers read ``ids``."""
 
     def __init__(self, block_ids: Any):
-        self._ids = np.asarray(block_ids, dtype=np.int32)
+        self._list: list[int] | None = None
+        self._array: np.ndarray | None = np.asarray(block_ids, dtype=np.int32)
 
     @classmethod
     def of_ids(cls, ids: list[int]):
         """A spec over ``ids``, which the caller hands over (must not change it after)."""
         spec = cls.__new__(cls)
-        spec._ids = ids
+        spec._list, spec._array = ids, None
         return spec
 
     @property
     def block_ids(self) -> np.ndarray:
-        ids = self._ids
-        if ids.__class__ is not np.ndarray:
-            ids = self._ids = np.asarray(ids, dtype=np.int32)
-        return ids
+        if self._array is None:
+            self._array = np.asarray(self._list, dtype=np.int32)
+        return self._array
 
     @block_ids.setter
-    def block_ids(self, ids: Any) -> None:  # as vLLM's plain attribute allows
-        self._ids = ids
+    def block_ids(self, block_ids: Any) -> None:  # as vLLM's plain attribute allows
+        self._list, self._array = None, np.asarray(block_ids, dtype=np.int32)
+
+    @property
+    def ids(self) -> list[int]:
+        """``block_ids`` as a list of ints."""
+        if self._list is None:
+            self._list = self._array.tolist()
+        return self._list
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.block_ids.tolist()})"

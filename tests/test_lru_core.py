@@ -8,6 +8,8 @@ import pytest
 
 from shmtier.contract import ReqContext
 from shmtier.scheduler.policies._lru import LRUCore
+from shmtier.scheduler.policies.base import ChunkStatus
+from shmtier.scheduler.policies.lru import LRUCachePolicy
 from shmtier.scheduler.primary import CPUOffloadingManager, CPUPrimaryTierOffloadingManager
 from shmtier.shared.chunk_table import NEXT_RANK, ChunkTable
 from shmtier.shared.layout import ArenaGeometry
@@ -104,6 +106,26 @@ def test_protected_chunks_are_skipped_and_stay_evictable():
     assert core.num_evictable == 0
 
 
+def test_insert_through_the_policy_interface_ranks_and_marks_evictable():
+    """CachePolicy.insert (what a manager written for vLLM calls) ranks like the
+    primary's batched path and makes a ready chunk evictable at once."""
+    table = ChunkTable.private(3, 40)
+    rows = {key(0): 0, key(1): 1, key(2): 2}
+    policy = LRUCachePolicy(3)
+    policy.bind(table, rows)
+    ctx = ReqContext("r")
+    ctx.set_offload_key_position(key(0), 16)
+    ctx.set_offload_key_position(key(1), 32)
+    table.refcnt[2] = -1  # key(2): its store is pending
+    for k in (key(0), key(1), key(2)):
+        policy.insert(k, ChunkStatus(rows[k], table.refcnt), ctx)
+    assert (table.rank_major[0], table.rank_minor[0]) == (1, -16)
+    assert (table.rank_major[1], table.rank_minor[1]) == (1, -32)
+    assert policy.evict(3, set()) is None  # the pending chunk is not evictable
+    assert policy.evict_rows(2, set()) == [(key(1), 1), (key(0), 0)]  # tail first
+    policy.close()
+
+
 def test_bad_input_is_refused_with_what_was_wrong():
     table = ChunkTable.private(2, 40)
     with pytest.raises(TypeError, match="rank_major must be a writable int64 buffer"):
@@ -112,9 +134,9 @@ def test_bad_input_is_refused_with_what_was_wrong():
         LRUCore({}, table.rank_major, table.rank_minor, table.counters, 99)
     core = LRUCore({}, table.rank_major, table.rank_minor, table.counters, NEXT_RANK)
     with pytest.raises(TypeError, match="offload keys are bytes, not str"):
-        core.insert("k", 0, 1, 0, True)
+        core.insert_pending(["k"], [0], {}, lambda: 1)
     with pytest.raises(IndexError, match="row 2 is outside the table's 2 rows"):
-        core.insert(b"k", 2, 1, 0, True)
+        core.insert_pending([b"k"], [2], {}, lambda: 1)
     with pytest.raises(KeyError):
         core.mark_evictable([b"not resident"])
     core.close()

@@ -376,8 +376,7 @@ class CPUOffloadingManager:
 
     def is_evictable(self, key: OffloadKey) -> bool:
         """Resident, stored and not pinned: a chunk eviction could take now."""
-        row = self._rows.get(key)
-        return row is not None and self._refcnt[row] == 0
+        return self.ref_count(key) == 0
 
     def reserve_rows(self, keys: list[OffloadKey], req_context: ReqContext,
                      protected: Collection[OffloadKey] = ()) -> list[int | None]:

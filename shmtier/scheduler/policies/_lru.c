@@ -357,33 +357,9 @@ static int core_init(LRUCore *self, PyObject *args, PyObject *kwds) {
 
 /* --- methods --- */
 
-PyDoc_STRVAR(insert_doc,
-"insert(key, row, major, minor, evictable)\n\n"
-"Rank the newly inserted ``key`` at ``row`` (major, minor); evictable: ready with no pins.");
-
-static PyObject *core_insert(LRUCore *self, PyObject *args) {
-    PyObject *key;
-    Py_ssize_t row;
-    long long major, minor;
-    int evictable;
-    if (!PyArg_ParseTuple(args, "OnLLp", &key, &row, &major, &minor, &evictable)) return NULL;
-    if (!core_ready(self) || check_key(key) < 0 || check_row(self, row) < 0) return NULL;
-    if (self->evictable[row]) {  /* the row's previous key was never evicted or removed */
-        self->evictable[row] = 0;
-        self->num_evictable--;
-    }
-    set_rank(self, row, key, major, minor);
-    if (evictable) {
-        self->evictable[row] = 1;
-        self->num_evictable++;
-        if (heap_push_row(self, row) < 0) return NULL;
-    }
-    Py_RETURN_NONE;
-}
-
 PyDoc_STRVAR(insert_pending_doc,
 "insert_pending(keys, rows, positions, request_rank)\n\n"
-"``insert`` of each (key, row) of two equal-length lists, pending (not evictable): a key\n"
+"Rank each newly inserted (key, row) of two equal-length lists, pending (not evictable): a key\n"
 "with a position ranks (request rank, -position), the request rank from calling\n"
 "``request_rank()`` once, on the first such key; a key without one gets the next rank.\n"
 "``positions``: a dict key -> position or a callable(key) -> position or None.");
@@ -749,7 +725,6 @@ static PyGetSetDef core_getset[] = {
 };
 
 static PyMethodDef core_methods[] = {
-    {"insert", (PyCFunction)core_insert, METH_VARARGS, insert_doc},
     {"insert_pending", (PyCFunction)(void (*)(void))core_insert_pending, METH_FASTCALL, insert_pending_doc},
     {"update_recency", (PyCFunction)(void (*)(void))core_update_recency, METH_FASTCALL, update_recency_doc},
     {"raise_to_request", (PyCFunction)(void (*)(void))core_raise_to_request, METH_FASTCALL,

@@ -62,13 +62,9 @@ class LRUCachePolicy(SegmentBackedPolicy):
     # --- CachePolicy ---
 
     def insert(self, key: OffloadKey, chunk: ChunkStatus, req_context: ReqContext) -> None:
-        position = req_context.get_offload_key_position(key)
-        if position is None:
-            self._counters[NEXT_RANK] += 1
-            major, minor = self._counters[NEXT_RANK], 0
-        else:
-            major, minor = self._request_rank(req_context), -position
-        self._core.insert(key, chunk.chunk_id, major, minor, chunk.ref_cnt == 0)
+        self.insert_pending([key], [chunk.chunk_id], req_context)
+        if chunk.ref_cnt == 0:
+            self._core.mark_evictable([key])
 
     def insert_pending(self, keys: list[OffloadKey], rows: list[int],
                        req_context: ReqContext) -> None:

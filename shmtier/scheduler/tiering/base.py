@@ -23,6 +23,7 @@ import numpy as np
 
 from shmtier.contract import (
     CacheHitSource,
+    CPULoadStoreSpec,
     Locality,
     LookupResult,
     Medium,
@@ -42,11 +43,11 @@ class TransferJob:
     promotion (write ``chunk_ids``); ``keys`` and ``chunk_ids`` are parallel.
 
     ``chunk_ids`` is vLLM's int32 array, built on first use from the row list the
-    manager hands over; built-in tiers read ``rows`` (that list) and skip numpy:
-    converting a short list costs ~11 µs of a step once the caches are cold."""
+    manager hands over (a ``CPULoadStoreSpec.of_ids``); built-in tiers read ``rows``
+    (that list) and skip numpy: converting a short list costs ~11 µs of a step once
+    the caches are cold."""
 
-    __slots__ = ("job_id", "keys", "is_promotion", "req_context", "submit_time", "_rows",
-                 "_chunk_ids")
+    __slots__ = ("job_id", "keys", "is_promotion", "req_context", "submit_time", "_spec")
 
     def __init__(self, job_id: JobId, keys: Collection[OffloadKey], chunk_ids: Any,
                  is_promotion: bool, req_context: ReqContext, submit_time: float | None = None):
@@ -55,23 +56,17 @@ class TransferJob:
         self.is_promotion = is_promotion
         self.req_context = req_context
         self.submit_time = time.monotonic() if submit_time is None else submit_time
-        if isinstance(chunk_ids, list):
-            self._rows, self._chunk_ids = chunk_ids, None
-        else:
-            self._rows, self._chunk_ids = None, np.asarray(chunk_ids, dtype=np.int32)
+        self._spec = (CPULoadStoreSpec.of_ids(chunk_ids) if isinstance(chunk_ids, list)
+                      else CPULoadStoreSpec(chunk_ids))
 
     @property
     def chunk_ids(self) -> np.ndarray:
-        if self._chunk_ids is None:
-            self._chunk_ids = np.asarray(self._rows, dtype=np.int32)
-        return self._chunk_ids
+        return self._spec.block_ids
 
     @property
     def rows(self) -> list[int]:
         """``chunk_ids`` as a list of ints."""
-        if self._rows is None:
-            self._rows = self._chunk_ids.tolist()
-        return self._rows
+        return self._spec.ids
 
     def __repr__(self) -> str:
         kind = "promotion" if self.is_promotion else "cascade"
