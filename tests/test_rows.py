@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from shmtier.contract import GROUP_SUFFIX_LEN, ReqContext
+from shmtier.contract import GROUP_SUFFIX_LEN, ReqContext, get_offload_group_idx
 from shmtier.scheduler._rows import RowIndex, first_accesses
 from shmtier.scheduler.primary import CPUOffloadingManager
 from shmtier.shared.chunk_table import ChunkTable
@@ -76,8 +76,11 @@ def test_first_accesses_keep_order_groups_and_seen():
     keys = (k for k in [key(0), key(1), key(2, 1), key(0), key(3)])  # any iterable
     assert first_accesses(keys, seen, groups, GROUP_SUFFIX_LEN) == [key(0), key(2, 1), key(3)]
     assert seen == {key(0), key(1), key(2, 1), key(3)}
-    assert groups == {key(0)[-4:]: [key(0), key(3)], key(2, 1)[-4:]: [key(2, 1)]}
+    assert groups == {0: [key(0), key(3)], 1: [key(2, 1)]}  # by KV-cache group index
     assert first_accesses([key(0)], seen, groups, GROUP_SUFFIX_LEN) == []
+    big = key(5, 0x01020304)  # the index is the suffix read big-endian, as the contract's
+    assert first_accesses([big], seen, groups, GROUP_SUFFIX_LEN) == [big]
+    assert groups[get_offload_group_idx(big)] == [big] and get_offload_group_idx(big) == 0x01020304
     with pytest.raises(TypeError, match="offload keys are bytes of at least 4"):
         first_accesses([b"ab"], seen, groups, GROUP_SUFFIX_LEN)
 

@@ -452,7 +452,9 @@ static PyTypeObject RowIndexType = {
 PyDoc_STRVAR(first_accesses_doc,
 "first_accesses(keys, seen, groups, suffix_len) -> new_keys\n\n"
 "The keys of the iterable not in the set ``seen``, once each, in order; each is added to\n"
-"``seen`` and appended to ``groups[key[-suffix_len:]]`` (a dict of lists).");
+"``seen`` and appended to ``groups[g]`` (a dict of lists), g the KV-cache group index:\n"
+"the key's last ``suffix_len`` (1..8) bytes as a big-endian unsigned int (contract's\n"
+"get_offload_group_idx). Small group indexes are CPython's cached ints: no allocation.");
 
 static PyObject *first_accesses(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 4 || !PySet_Check(args[1]) || !PyDict_Check(args[2])) {
@@ -462,6 +464,10 @@ static PyObject *first_accesses(PyObject *module, PyObject *const *args, Py_ssiz
     PyObject *seen = args[1], *groups = args[2];
     Py_ssize_t suffix_len = PyLong_AsSsize_t(args[3]);
     if (suffix_len == -1 && PyErr_Occurred()) return NULL;
+    if (suffix_len < 1 || suffix_len > 8) {
+        PyErr_Format(PyExc_ValueError, "suffix_len must be 1..8, not %zd", suffix_len);
+        return NULL;
+    }
     PyObject *it = PyObject_GetIter(args[0]);
     if (it == NULL) return NULL;
     PyObject *new_keys = PyList_New(0), *key;
@@ -475,15 +481,18 @@ static PyObject *first_accesses(PyObject *module, PyObject *const *args, Py_ssiz
             }
         }
         if (known == 0) {
-            PyObject *suffix = PyBytes_FromStringAndSize(
-                PyBytes_AS_STRING(key) + PyBytes_GET_SIZE(key) - suffix_len, suffix_len);
-            PyObject *group = suffix == NULL ? NULL : PyDict_GetItemWithError(groups, suffix);
-            if (suffix != NULL && group == NULL && !PyErr_Occurred()) {
+            const unsigned char *tail = (const unsigned char *)PyBytes_AS_STRING(key)
+                                        + PyBytes_GET_SIZE(key) - suffix_len;
+            unsigned long long index = 0;
+            for (Py_ssize_t b = 0; b < suffix_len; b++) index = (index << 8) | tail[b];
+            PyObject *group_idx = PyLong_FromUnsignedLongLong(index);
+            PyObject *group = group_idx == NULL ? NULL : PyDict_GetItemWithError(groups, group_idx);
+            if (group_idx != NULL && group == NULL && !PyErr_Occurred()) {
                 group = PyList_New(0);
-                if (group != NULL && PyDict_SetItem(groups, suffix, group) < 0) Py_CLEAR(group);
+                if (group != NULL && PyDict_SetItem(groups, group_idx, group) < 0) Py_CLEAR(group);
                 Py_XDECREF(group);  /* the dict holds it */
             }
-            Py_XDECREF(suffix);
+            Py_XDECREF(group_idx);
             if (group == NULL || PySet_Add(seen, key) < 0 || PyList_Append(group, key) < 0
                 || PyList_Append(new_keys, key) < 0)
                 known = -1;

@@ -57,9 +57,8 @@ class _RequestCacheAccess:
 
     owner: object
     cache_generation: int
-    # group suffix (the key's last GROUP_SUFFIX_LEN bytes, big-endian: sorts as the
-    # group index does) -> keys of that KV-cache group, first access first
-    key_groups: dict[bytes, list[OffloadKey]] = field(default_factory=dict)
+    # KV-cache group index (get_offload_group_idx) -> keys of that group, first access first
+    key_groups: dict[int, list[OffloadKey]] = field(default_factory=dict)
     seen_keys: set[OffloadKey] = field(default_factory=set)
     inserted_keys: set[OffloadKey] = field(default_factory=set)
     reused_keys: set[OffloadKey] = field(default_factory=set)
