@@ -67,7 +67,7 @@ if REPO_ROOT not in sys.path:
 import numpy as np  # noqa: E402
 
 from shmtier.shared.codec import ChunkDecoder, ChunkEncoder, CompressionConfig  # noqa: E402
-from shmtier.workers.backends.fs import FsBackend, probe_direct_io  # noqa: E402
+from shmtier.tiers.fs.backend import FsBackend, probe_direct_io  # noqa: E402
 
 KIB, MIB, GB = 1 << 10, 1 << 20, 1e9
 PAGE = mmap.PAGESIZE
@@ -357,7 +357,7 @@ def _run(args, sizes, reps, total, workdir) -> int:
                 best, fs_type = mnt, f"{typ} on {dev} ({mnt}, {opts})"
     except OSError:
         pass
-    print("# fs tier bench (workers/backends/fs.py), single process, single thread")
+    print("# fs tier bench (shmtier/tiers/fs/backend.py), single process, single thread")
     print(f"host: {platform.node()}  cpus: {os.cpu_count()}  python {platform.python_version()}"
           f"  numpy {np.__version__}")
     print(f"dir: {workdir}  fs: {fs_type}  free {st.f_bavail * st.f_frsize / 2**30:.1f} GiB")

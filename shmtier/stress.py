@@ -24,7 +24,7 @@ import numpy as np
 
 from shmtier.config import KVLayout
 from shmtier.contract import GPULoadStoreSpec, LookupResult, ReqContext, ScheduleEndContext
-from shmtier.scheduler.tiering import fs as fs_tier
+from shmtier.tiers.fs import scheduler as fs_tier
 from shmtier.spec import TieringOffloadingSpec
 
 HIT, MISS = LookupResult.HIT, LookupResult.MISS

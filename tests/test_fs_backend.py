@@ -1,4 +1,4 @@
-"""The fs tier's worker half (workers/backends/fs.py) against real files and processes.
+"""The fs tier's worker half (shmtier/tiers/fs/backend.py) against real files and processes.
 
 Everything here uses real directories under tmp_path, real tmpfs mounts (skipped when
 mounting is not permitted) and real child processes; nothing is mocked. Corruption is
@@ -25,8 +25,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as hs
 
 from shmtier.shared.codec import CompressionConfig, frame_header_size, parse_frame_header
-from shmtier.workers.backends import BatchResult, outcome_kind
-from shmtier.workers.backends.fs import (
+from shmtier.tiers.backend import BatchResult, outcome_kind
+from shmtier.tiers.fs.backend import (
     CHUNK_SUFFIX,
     TEMP_SUFFIX,
     FsBackend,
@@ -435,7 +435,7 @@ def test_read_only_root_fails_stores_per_key_and_still_serves_loads():
 CHILD_EACCES = textwrap.dedent("""
     import json, os, sys
     import numpy as np
-    from shmtier.workers.backends.fs import FsBackend
+    from shmtier.tiers.fs.backend import FsBackend
     os.setgid(65534); os.setuid(65534)  # after the imports: the venv may be root's only
     root = sys.argv[1]
     b = FsBackend(root, "eacces-fp", min_free_bytes=0)
@@ -546,7 +546,7 @@ def test_warm_restart_sees_what_the_previous_process_wrote(tmp_path):
     keys = keys_for(20)
     writer = subprocess.run([sys.executable, "-c", textwrap.dedent("""
         import sys, numpy as np
-        from shmtier.workers.backends.fs import FsBackend
+        from shmtier.tiers.fs.backend import FsBackend
         b = FsBackend(sys.argv[1], sys.argv[2], min_free_bytes=0)
         arena = np.load(sys.argv[3]); keys = [bytes.fromhex(k) for k in sys.argv[4:]]
         r = b.store(keys, list(range(len(keys))), arena, arena.shape[1])
@@ -615,7 +615,7 @@ def test_missing_or_bad_root_is_a_clear_error(tmp_path):
 CHILD_STORE_LOOP = textwrap.dedent("""
     import sys, numpy as np
     from shmtier.shared.codec import CompressionConfig
-    from shmtier.workers.backends.fs import FsBackend
+    from shmtier.tiers.fs.backend import FsBackend
     root, fp, cb = sys.argv[1], sys.argv[2], int(sys.argv[3])
     b = FsBackend(root, fp, min_free_bytes=0, fsync=True,
                   codec_config=CompressionConfig(mode="none"))
@@ -683,7 +683,7 @@ def test_temp_files_of_live_or_unknown_writers_are_kept_until_stale(tmp_path):
 
 CHILD_SAME_KEYS = textwrap.dedent("""
     import os, sys, time, numpy as np
-    from shmtier.workers.backends.fs import FsBackend
+    from shmtier.tiers.fs.backend import FsBackend
     root, fp, go, rounds = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
     b = FsBackend(root, fp, min_free_bytes=0)
     arena = np.load(sys.argv[5])
@@ -743,7 +743,7 @@ def test_concurrent_stores_of_the_same_keys_end_with_one_valid_file(tmp_path):
 
 CHILD_OPEN = textwrap.dedent("""
     import sys, time
-    from shmtier.workers.backends.fs import FsBackend
+    from shmtier.tiers.fs.backend import FsBackend
     root, fp, start, max_bytes = sys.argv[1], sys.argv[2], float(sys.argv[3]), int(sys.argv[4])
     time.sleep(max(0.0, start - time.time()))
     b = FsBackend(root, fp, max_bytes=max_bytes, chunk_bytes_hint=1 << 20, min_free_bytes=0)
@@ -816,7 +816,7 @@ def test_direct_io_where_the_filesystem_takes_it_and_buffered_otherwise(tmp_path
     """"auto": O_DIRECT where the probe succeeds (files are cut back to the frame's exact
     size); buffered by default, or where O_DIRECT does not exist; true there is a clear
     error. Every way round trips the bytes exactly."""
-    from shmtier.workers.backends import fs as fs_backend
+    from shmtier.tiers.fs import backend as fs_backend
 
     rng = np.random.default_rng(5)
     src = bf16_normal(rng, 3 * 12288).reshape(3, 12288)

@@ -821,7 +821,7 @@ def test_a_store_backlog_lets_new_loads_through_and_goes_raw_while_behind(tmp_pa
     from shmtier.shared import jobs
     from shmtier.shared.codec import parse_frame_header
     from shmtier.workers import job_loop
-    from shmtier.workers.backends.fs import FsBackend
+    from shmtier.tiers.fs.backend import FsBackend
 
     chunk = 1 << 20
     rows = 40
@@ -861,7 +861,7 @@ def test_a_stop_request_ends_the_job_queue_after_the_job_in_hand(tmp_path):
     worker)."""
     from shmtier.shared import jobs
     from shmtier.workers import job_loop
-    from shmtier.workers.backends.fs import FsBackend
+    from shmtier.tiers.fs.backend import FsBackend
 
     backend = FsBackend(str(tmp_path), "stop-fp", min_free_bytes=0)
     answered, stop = [], []

@@ -17,7 +17,7 @@ import torch
 from shmtier.config import ConfigError, KVLayout
 from shmtier.contract import GPULoadStoreSpec, LookupResult, ReqContext, ScheduleEndContext
 from shmtier.gpu.canonical import CanonicalKVCacheRef, CanonicalKVCaches
-from shmtier.scheduler.tiering import fs as fs_tier
+from shmtier.tiers.fs import scheduler as fs_tier
 from shmtier.spec import TieringOffloadingSpec
 
 HIT, MISS, PENDING, RETRY = (LookupResult.HIT, LookupResult.MISS, LookupResult.HIT_PENDING,

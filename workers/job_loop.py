@@ -40,7 +40,7 @@ from shmtier.shared import jobs
 from shmtier.shared.pool_config import PoolConfig
 from shmtier.shared.ring import RingSet
 from shmtier.shared.segment import join_existing
-from shmtier.workers.backends.base import BatchResult, outcome_kind
+from shmtier.tiers.backend import BatchResult, outcome_kind
 
 logger = logging.getLogger(__name__)
 
@@ -79,7 +79,7 @@ def _make_backend(spec, fingerprint: str, config: PoolConfig):
     kind, kwargs = spec["kind"], dict(spec.get("kwargs", {}))
     if kind == "fs":
         from shmtier.shared.codec import CompressionConfig
-        from shmtier.workers.backends.fs import FsBackend
+        from shmtier.tiers.fs.backend import FsBackend
 
         if "codec_config" in kwargs:
             kwargs["codec_config"] = CompressionConfig.from_config(kwargs["codec_config"])

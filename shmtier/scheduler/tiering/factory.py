@@ -59,9 +59,9 @@ class SecondaryTierFactory:
             raise ValueError(f"{where} ({tier_type}): invalid tier option: {e}") from e
 
 
-SecondaryTierFactory.register_tier("example", "shmtier.scheduler.tiering.example",
+SecondaryTierFactory.register_tier("example", "shmtier.tiers.example.scheduler",
                                    "ExampleSecondaryTierManager")
-SecondaryTierFactory.register_tier("fs", "shmtier.scheduler.tiering.fs", "FsTierManager")
+SecondaryTierFactory.register_tier("fs", "shmtier.tiers.fs.scheduler", "FsTierManager")
 
 #: Built-in tier types whose I/O runs in tier worker processes (the backend kind each uses).
 WORKER_BACKED = {"fs": "fs"}

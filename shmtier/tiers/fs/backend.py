@@ -48,7 +48,7 @@ Reads are always verified by the codec (magic, version, lengths, key, checksum, 
 file size against the frame's stored length). A file that fails is reported
 ``corrupt:<reason>``, unlinked (only if the path still names the inode that was read:
 a concurrent re-store of the key is kept) and counted. Per-key outcomes are those of
-``workers.backends.base``.
+``shmtier.tiers.backend``.
 """
 
 from __future__ import annotations
@@ -73,7 +73,7 @@ from shmtier.shared.codec import (
     CorruptChunkError,
     frame_header_size,
 )
-from shmtier.workers.backends.base import (
+from shmtier.tiers.backend import (
     CORRUPT,
     ERROR,
     EXISTS,

@@ -1,5 +1,5 @@
 """``fs``: the scheduler half of the filesystem tier (the worker half is
-``shmtier.workers.backends.fs``).
+``shmtier.tiers.fs.backend``).
 
 Who calls: the tiering manager, in the scheduler process, under its lock.
 Nothing here touches a file: every byte moves in tier worker processes, via
