@@ -4,24 +4,29 @@ Who calls: the spec, in every process role, before anything is created; a
 :class:`ConfigError` therefore leaves nothing half-built. Every error names the
 key, the value it got and what is accepted.
 
-Keys handled here are the primary tier's and the connector-level keys the
-spec only passes through. The tiering issue adds the secondary-tier keys.
+The result is plain, frozen data (``PrimaryTierConfig``, ``TieringConfig`` with one
+``SecondaryTierConfig`` per tier): nothing is built here. Each tier's own options
+are checked by its type's config class, found in the tier registry
+(``shmtier/tiers/registry.py``); backpressure settings by
+``shmtier.scheduler.backpressure.settings``. Value checks are ``shmtier.options``.
 """
 
 from __future__ import annotations
 
-import difflib
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from shmtier.options import ConfigError, boolean, integer, invalid, number, one_of, reject_unknown, text
 from shmtier.scheduler.policies.factory import CachePolicyFactory
+from shmtier.shared.codec import CompressionConfig
 from shmtier.shared.layout import DEFAULT_KEY_WIDTH, ArenaGeometry
+from shmtier.tiers import registry
+from shmtier.tiers.config import TierConfig, TierContext
+from shmtier.tiers.registry import TierType
 
-
-class ConfigError(ValueError):
-    """Invalid configuration: names the key, the value and what is accepted."""
-
+__all__ = ["ConfigError", "KVLayout", "PrimaryTierConfig", "SecondaryTierConfig", "TieringConfig"]
 
 # Keys that vLLM's connector or factory read from the same mapping; accepted as is.
 PASSTHROUGH_KEYS = frozenset({
@@ -35,47 +40,30 @@ PRIMARY_KEYS = frozenset({
 })
 TIERING_KEYS = frozenset({
     "secondary_tiers", "tier_poll_interval_s", "backpressure", "num_tier_workers", "workers",
-    "compression",
+    "compression", "tier_job_timeout_s",
 })
 KNOWN_KEYS = PASSTHROUGH_KEYS | PRIMARY_KEYS | TIERING_KEYS
 WORKER_MODES = ("spawn", "external")
+#: Memory a tier worker is budgeted (private RSS stays under 100 MiB, DESIGN §9).
+WORKER_MEMORY_BYTES = 128 << 20
+#: Tier workers per core at most: more only queue for the same cores.
+WORKERS_PER_CORE = 4
 
 
-def _int(extra: Mapping[str, Any], key: str, default: int | None, *, minimum: int,
-         required: bool = False) -> int | None:
-    if key not in extra or extra[key] is None:
-        if required:
-            raise ConfigError(
-                f"kv_connector_extra_config[{key!r}] is required (an integer >= {minimum})"
-            )
-        return default
-    value = extra[key]
-    if isinstance(value, float) and value.is_integer():
-        value = int(value)
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ConfigError(
-            f"kv_connector_extra_config[{key!r}] = {extra[key]!r} is invalid: "
-            f"expected an integer >= {minimum}"
-        )
-    return value
+def _key(key: str) -> str:
+    return f"kv_connector_extra_config[{key!r}]"
 
 
-def _bool(extra: Mapping[str, Any], key: str, default: bool) -> bool:
-    value = extra.get(key, default)
-    if not isinstance(value, bool):
-        raise ConfigError(
-            f"kv_connector_extra_config[{key!r}] = {value!r} is invalid: expected true or false"
-        )
-    return value
+def _get(extra: Mapping[str, Any], key: str, default: Any, check) -> Any:
+    """``extra[key]`` checked (None counts as absent), else ``default``."""
+    value = extra.get(key)
+    return default if value is None else check(_key(key), value)
 
 
-def _optional_str(extra: Mapping[str, Any], key: str, default: str | None) -> str | None:
-    value = extra.get(key, default)
-    if value is not None and (not isinstance(value, str) or not value):
-        raise ConfigError(
-            f"kv_connector_extra_config[{key!r}] = {value!r} is invalid: expected a non-empty string"
-        )
-    return value
+def _required_int(extra: Mapping[str, Any], key: str, minimum: int) -> int:
+    if extra.get(key) is None:
+        raise ConfigError(f"{_key(key)} is required (an integer >= {minimum})")
+    return _get(extra, key, None, integer(minimum))
 
 
 @dataclass(frozen=True)
@@ -109,33 +97,20 @@ class PrimaryTierConfig:
                           tiering: bool = True) -> "PrimaryTierConfig":
         """Validate ``extra`` for ``layout``; ``tiering`` forbids store_threshold >= 2."""
         if not isinstance(extra, Mapping):
-            raise ConfigError(
-                f"kv_connector_extra_config = {extra!r} is invalid: expected a mapping"
-            )
-        unknown = sorted(set(extra) - KNOWN_KEYS)
-        if unknown:
-            hints = []
-            for key in unknown:
-                close = difflib.get_close_matches(key, KNOWN_KEYS, n=1)
-                hints.append(f"{key!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
-            raise ConfigError(
-                f"kv_connector_extra_config has unknown key(s) {', '.join(hints)}; "
-                f"accepted keys: {sorted(KNOWN_KEYS)}"
-            )
-        cpu_bytes = _int(extra, "cpu_bytes_to_use", None, minimum=1, required=True)
+            raise invalid("kv_connector_extra_config", extra, "a mapping")
+        reject_unknown(extra, KNOWN_KEYS, "kv_connector_extra_config")
+        cpu_bytes = _required_int(extra, "cpu_bytes_to_use", 1)
         blocks_per_chunk = _blocks_per_chunk(extra, layout.gpu_block_size)
         policy = extra.get("eviction_policy", "lru")
         if not isinstance(policy, str) or not policy:
-            raise ConfigError(
-                f"kv_connector_extra_config['eviction_policy'] = {policy!r} is invalid: "
-                f"expected one of {CachePolicyFactory.supported()} or an out-of-tree class name"
-            )
-        module_path = _optional_str(extra, "cache_policy_module_path", None)
+            raise invalid(_key("eviction_policy"), policy,
+                          f"one of {CachePolicyFactory.supported()} or an out-of-tree class name")
+        module_path = _get(extra, "cache_policy_module_path", None, text())
         try:
             CachePolicyFactory.get_cache_policy_cls(policy, module_path)
         except ValueError as e:
-            raise ConfigError(f"kv_connector_extra_config: {e}") from e
-        store_threshold = _int(extra, "store_threshold", 0, minimum=0)
+            raise ConfigError(str(e)) from e
+        store_threshold = _get(extra, "store_threshold", 0, integer(0))
         if tiering and store_threshold >= 2:
             raise ConfigError(
                 f"kv_connector_extra_config['store_threshold'] = {store_threshold} is not "
@@ -147,15 +122,10 @@ class PrimaryTierConfig:
             eviction_policy=policy,
             cache_policy_module_path=module_path,
             store_threshold=store_threshold,
-            max_tracker_size=_int(extra, "max_tracker_size", 64_000, minimum=1),
-            key_width=_int(extra, "key_width", DEFAULT_KEY_WIDTH, minimum=5),
-            warm_restart=_bool(extra, "warm_restart", False),
+            max_tracker_size=_get(extra, "max_tracker_size", 64_000, integer(1)),
+            key_width=_get(extra, "key_width", DEFAULT_KEY_WIDTH, integer(5, 255)),
+            warm_restart=_get(extra, "warm_restart", False, boolean()),
         )
-        if config.key_width > 255:
-            raise ConfigError(
-                f"kv_connector_extra_config['key_width'] = {config.key_width} is invalid: "
-                f"expected an integer in 5..255"
-            )
         geometry = config.geometry(layout)
         if geometry.num_chunks == 0 and layout.worker_kv_bytes_per_block > 0:
             raise ConfigError(
@@ -192,82 +162,142 @@ def _blocks_per_chunk(extra: Mapping[str, Any], gpu_block_size: int) -> int:
             f"'blocks_per_chunk' = {extra['blocks_per_chunk']!r}: set only one"
         )
     if has_bs:
-        block_size = _int(extra, "block_size", None, minimum=1)
+        block_size = _get(extra, "block_size", None, integer(1))
         if block_size % gpu_block_size:
             raise ConfigError(
                 f"kv_connector_extra_config['block_size'] = {block_size} is invalid: expected "
                 f"a multiple of the GPU block size {gpu_block_size}"
             )
         return block_size // gpu_block_size
-    return _int(extra, "blocks_per_chunk", 1, minimum=1)
+    return _get(extra, "blocks_per_chunk", 1, integer(1))
+
+
+@dataclass(frozen=True)
+class BackpressureSettings:  # TEMPORARY until the backpressure package lands
+    args: tuple
+
+    @classmethod
+    def from_config(cls, tier_type, locality, top, tier, *, where):
+        from shmtier.scheduler.backpressure import build_detector as _bd
+        if _bd(tier_type, locality, top, tier, where=where) is None:
+            return None
+        return cls((tier_type, locality, top, tier, where))
+
+
+@dataclass(frozen=True)
+class SecondaryTierConfig:
+    """One checked entry of ``secondary_tiers``: its tier type (from the registry), its
+    options and its backpressure settings (data: the detector is built in the scheduler)."""
+
+    where: str  # e.g. "secondary_tiers[0]": names the tier in errors
+    tier: TierType
+    options: TierConfig
+    backpressure: BackpressureSettings | None = None
+
+    @property
+    def type(self) -> str:
+        return self.tier.name
+
+    @classmethod
+    def from_dict(cls, entry: Any, top_backpressure: Any = None, *, where: str,
+                  context: TierContext = TierContext()) -> "SecondaryTierConfig":
+        """Check one tier dict (``type``, ``module_path``, ``backpressure`` and the tier's
+        own options) under the top-level ``backpressure`` block."""
+        if not isinstance(entry, Mapping):
+            raise invalid(where, entry, "a dict with a 'type' key")
+        tier_type = entry.get("type")
+        if not isinstance(tier_type, str) or not tier_type:
+            raise ConfigError(
+                f"Secondary tier configuration must include 'type': {where}.type = "
+                f"{tier_type!r} is invalid: expected one of {registry.names()} or an "
+                f"out-of-tree class name with module_path")
+        module_path = entry.get("module_path")
+        if module_path is not None:
+            text()(f"{where}.module_path", module_path)
+        try:
+            tier = registry.resolve(tier_type, module_path, where=where)
+        except ValueError as e:
+            raise ConfigError(str(e)) from e
+        options = {k: v for k, v in entry.items()
+                   if k not in ("type", "module_path", "backpressure")}
+        try:
+            backpressure = BackpressureSettings.from_config(
+                tier_type, entry.get("locality"), top_backpressure, entry.get("backpressure"),
+                where=f"{where}.backpressure")
+        except ValueError as e:
+            raise ConfigError(str(e)) from e
+        return cls(where, tier, tier.config_class().from_options(options, where=where,
+                                                                 context=context), backpressure)
 
 
 @dataclass(frozen=True)
 class TieringConfig:
-    """The validated secondary-tier part of ``kv_connector_extra_config``.
+    """The validated secondary-tier part of ``kv_connector_extra_config``: plain data,
+    so every process may build it (nothing here starts, opens or builds anything)."""
 
-    ``secondary_tiers`` keeps each tier dict as given (the factory validates
-    ``type``/``module_path`` and the tier's own options at construction);
-    ``detectors`` holds each tier's backpressure detector (or None), built
-    from the top-level ``backpressure`` merged field by field under the tier's.
-    """
-
-    secondary_tiers: tuple[dict, ...] = ()
-    detectors: tuple[Any, ...] = ()
+    secondary_tiers: tuple[SecondaryTierConfig, ...] = ()
     tier_poll_interval_s: float = 0.001
     num_tier_workers: int = 2
     workers: str = "spawn"
-    compression: Any = None
+    compression: CompressionConfig = CompressionConfig()
+    tier_job_timeout_s: float = 60.0
+
+    @property
+    def worker_backed(self) -> bool:
+        """Whether any configured tier needs tier worker processes."""
+        return any(t.tier.worker_backed for t in self.secondary_tiers)
 
     @classmethod
-    def from_extra_config(cls, extra: Mapping[str, Any]) -> "TieringConfig":
-        from shmtier.scheduler.backpressure import build_detector
-        from shmtier.shared.codec import CompressionConfig
-
+    def from_extra_config(cls, extra: Mapping[str, Any],
+                          context: TierContext = TierContext()) -> "TieringConfig":
+        """``context``: the engine's chunk geometry, for checks such as a tier's
+        ``max_bytes`` against one chunk (the spec passes it)."""
         tiers = extra.get("secondary_tiers", [])
         if tiers is None:
             tiers = []
-        if not isinstance(tiers, (list, tuple)) or not all(isinstance(t, Mapping) for t in tiers):
+        if not isinstance(tiers, (list, tuple)):
             raise ConfigError(
-                f"kv_connector_extra_config['secondary_tiers'] = {tiers!r} is invalid: "
-                f"expected a list of dicts, each with a 'type'"
-            )
+                f"secondary_tiers must be a list of tier configurations: {_key('secondary_tiers')}"
+                f" = {tiers!r} is invalid: expected a list of dicts, each with a 'type'")
         top = extra.get("backpressure")
-        detectors = []
-        for i, tier in enumerate(tiers):
-            tier_type = tier.get("type")
-            if not isinstance(tier_type, str) or not tier_type:
-                raise ConfigError(
-                    f"secondary_tiers[{i}].type = {tier_type!r} is invalid: expected a tier "
-                    f"type name (e.g. 'fs', 'example') or an out-of-tree class name"
-                )
-            try:
-                detectors.append(build_detector(
-                    tier_type, tier.get("locality"), top, tier.get("backpressure"),
-                    where=f"secondary_tiers[{i}].backpressure"))
-            except ValueError as e:
-                raise ConfigError(str(e)) from e
-        interval = extra.get("tier_poll_interval_s", 0.001)
-        if isinstance(interval, bool) or not isinstance(interval, (int, float)):
-            raise ConfigError(
-                f"kv_connector_extra_config['tier_poll_interval_s'] = {interval!r} is invalid: "
-                f"expected a number of seconds (<= 0 disables polling between steps)"
-            )
-        workers = extra.get("workers", "spawn")
-        if workers not in WORKER_MODES:
-            raise ConfigError(
-                f"kv_connector_extra_config['workers'] = {workers!r} is invalid: expected one "
-                f"of {list(WORKER_MODES)}"
-            )
+        secondary = tuple(
+            SecondaryTierConfig.from_dict(tier, top, where=f"secondary_tiers[{i}]", context=context)
+            for i, tier in enumerate(tiers))
         try:
             compression = CompressionConfig.from_config(extra.get("compression", "auto"))
         except ValueError as e:
             raise ConfigError(str(e)) from e
         return cls(
-            secondary_tiers=tuple(dict(t) for t in tiers),
-            detectors=tuple(detectors),
-            tier_poll_interval_s=float(interval),
-            num_tier_workers=_int(extra, "num_tier_workers", 2, minimum=1),
-            workers=workers,
+            secondary_tiers=secondary,
+            tier_poll_interval_s=float(_get(extra, "tier_poll_interval_s", 0.001, number(
+                accepted="a number of seconds (<= 0 disables polling between steps)"))),
+            num_tier_workers=_num_tier_workers(extra),
+            workers=_get(extra, "workers", "spawn", one_of(*WORKER_MODES)),
             compression=compression,
+            tier_job_timeout_s=float(_get(extra, "tier_job_timeout_s", 60.0,
+                                          number(0, min_open=True))),
         )
+
+
+def max_tier_workers() -> tuple[int, str]:
+    """How many tier workers this host can run, and why: ``WORKERS_PER_CORE`` per core,
+    and ``WORKER_MEMORY_BYTES`` each of the memory available now."""
+    cores = os.cpu_count() or 1
+    try:
+        available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        available = 1 << 40
+    by_cores = WORKERS_PER_CORE * cores
+    by_memory = max(1, available // WORKER_MEMORY_BYTES)
+    why = (f"{WORKERS_PER_CORE} per core x {cores} cores = {by_cores}; "
+           f"{available >> 20} MiB of memory available / {WORKER_MEMORY_BYTES >> 20} MiB "
+           f"per worker = {by_memory}")
+    return min(by_cores, by_memory), why
+
+
+def _num_tier_workers(extra: Mapping[str, Any]) -> int:
+    value = _get(extra, "num_tier_workers", 2, integer(1))
+    limit, why = max_tier_workers()
+    if value > limit:
+        raise invalid(_key("num_tier_workers"), value, f"an integer in 1..{limit} on this host ({why})")
+    return value

@@ -11,9 +11,45 @@ from __future__ import annotations
 
 import importlib
 import logging
-from collections.abc import Callable
+from typing import Any
 
 logger = logging.getLogger(__name__)
+
+
+def import_attr(path: str) -> Any:
+    """The object named by ``"package.module:Name"`` (the module imported now)."""
+    module_path, _, name = path.partition(":")
+    return getattr(importlib.import_module(module_path), name)
+
+
+def unknown_name_error(what: str, name: str, known: list[str], *, key: str,
+                       module_key: str) -> ValueError:
+    """The error for a name that is not registered and came without a module path.
+    It leads with vLLM's wording ("Unknown cache policy: 'x'."), which code may match."""
+    return ValueError(
+        f"Unknown {what}: {name!r}. Supported: {known}. ({key}={name!r} is not a known "
+        f"{what}; accepted: {known}, or the class name of an out-of-tree {what} together "
+        f"with {module_key})"
+    )
+
+
+def load_out_of_tree(name: str, module_path: str, bases: tuple[type, ...], *, what: str,
+                     key: str, module_key: str) -> type:
+    """Class ``name`` of module ``module_path``, which must subclass one of ``bases``."""
+    logger.warning("Loading out-of-tree %s %r from %r (experimental API).", what, name, module_path)
+    try:
+        module = importlib.import_module(module_path)
+    except ImportError as e:
+        raise ValueError(f"{module_key}={module_path!r} cannot be imported: {e}") from e
+    cls = getattr(module, name, None)
+    if cls is None:
+        raise ValueError(f"{key}={name!r}: module {module_path!r} has no attribute {name!r}")
+    if not (isinstance(cls, type) and issubclass(cls, bases)):
+        raise ValueError(
+            f"{key}={name!r} from {module_path!r} is {cls!r}, not a "
+            f"{' or '.join(b.__qualname__ for b in bases[:1])} subclass"
+        )
+    return cls
 
 
 class LazyRegistry:
@@ -21,41 +57,25 @@ class LazyRegistry:
 
     def __init__(self, what: str):
         self.what = what
-        self._loaders: dict[str, Callable[[], type]] = {}
+        self._paths: dict[str, str] = {}
 
     def register(self, name: str, module_path: str, class_name: str) -> None:
-        if name in self._loaders:
+        if name in self._paths:
             raise ValueError(f"{self.what.capitalize()} '{name}' is already registered.")
-        self._loaders[name] = lambda: getattr(importlib.import_module(module_path), class_name)
+        self._paths[name] = f"{module_path}:{class_name}"
 
     def names(self) -> list[str]:
-        return list(self._loaders)
+        return list(self._paths)
 
     def resolve(self, name: str, module_path: str | None, bases: tuple[type, ...], *,
                 key: str, module_key: str) -> type:
         """The class for ``name`` (from the registry, else from ``module_path``)."""
-        if name in self._loaders:
-            return self._loaders[name]()
+        if name in self._paths:
+            return import_attr(self._paths[name])
         if not module_path:
-            raise ValueError(
-                f"{key}={name!r} is not a known {self.what}; accepted: {self.names()}, or the "
-                f"class name of an out-of-tree {self.what} together with {module_key}"
-            )
-        logger.warning("Loading out-of-tree %s %r from %r (experimental API).",
-                       self.what, name, module_path)
-        try:
-            module = importlib.import_module(module_path)
-        except ImportError as e:
-            raise ValueError(f"{module_key}={module_path!r} cannot be imported: {e}") from e
-        cls = getattr(module, name, None)
-        if cls is None:
-            raise ValueError(f"{key}={name!r}: module {module_path!r} has no attribute {name!r}")
-        if not (isinstance(cls, type) and issubclass(cls, bases)):
-            raise ValueError(
-                f"{key}={name!r} from {module_path!r} is {cls!r}, not a "
-                f"{' or '.join(b.__qualname__ for b in bases[:1])} subclass"
-            )
-        return cls
+            raise unknown_name_error(self.what, name, self.names(), key=key, module_key=module_key)
+        return load_out_of_tree(name, module_path, bases, what=self.what, key=key,
+                                module_key=module_key)
 
 
 def with_vllm_base(own: type, vllm_module: str, vllm_name: str) -> tuple[type, ...]:

@@ -19,9 +19,10 @@ from typing import Any
 from shmtier import metrics
 from shmtier.config import KVLayout, PrimaryTierConfig, TieringConfig
 from shmtier.scheduler.primary import CPUPrimaryTierOffloadingManager
-from shmtier.scheduler.tiering.factory import WORKER_BACKED, SecondaryTierFactory
+from shmtier.scheduler.tiering.factory import SecondaryTierFactory
 from shmtier.shared.pool_config import PoolConfig
 from shmtier.scheduler.tiering.manager import TieringOffloadingManager
+from shmtier.tiers.config import TierContext
 from shmtier.shared.segment import Segment, open_segment
 
 
@@ -37,38 +38,34 @@ class TieringOffloadingSpec:
         self.enable_events = enable_events
         self.max_model_len = max_model_len
         self.primary_config = PrimaryTierConfig.from_extra_config(extra_config, layout)
-        self.tiering_config = TieringConfig.from_extra_config(extra_config)
         self.geometry = self.primary_config.geometry(layout)
         self.fingerprint = self.primary_config.fingerprint(layout)
         self.blocks_per_chunk = self.primary_config.blocks_per_chunk
         # bytes of a row that hold KV (all ranks' slots, without the page padding)
         self.chunk_payload_bytes = self.geometry.page_size_per_worker * self.geometry.world_size
+        self.tiering_config = TieringConfig.from_extra_config(
+            extra_config, TierContext(self.chunk_payload_bytes, self.primary_config.key_width))
         self.pool_config = self._pool_config()
-        # set while get_manager builds tiers: worker-backed tiers find their pool here
+        # Set while get_manager builds tiers; a worker-backed tier's scheduler half reads
+        # them in its constructor: the pool that runs its jobs and its own index.
         self.worker_pool = None
         self.tier_index_being_built: int | None = None
         self._manager: TieringOffloadingManager | None = None
 
     def _pool_config(self) -> PoolConfig | None:
         """What the tier workers run, or None when no configured tier needs workers."""
-        specs = []
-        for tier in self.tiering_config.secondary_tiers:
-            kind = WORKER_BACKED.get(tier["type"]) if "module_path" not in tier else None
-            if kind is None:
-                specs.append(None)
-                continue
-            kwargs = {"root_dir": tier.get("root_dir"), "fsync": bool(tier.get("fsync", False)),
-                      "min_free_bytes": tier.get("min_free_bytes", 1 << 30),
-                      "direct_io": tier.get("direct_io", False),
-                      "codec_config": {"mode": self.tiering_config.compression.mode,
-                                       "level": self.tiering_config.compression.level,
-                                       "min_gain": self.tiering_config.compression.min_gain}}
-            specs.append({"kind": kind, "kwargs": kwargs})
-        if not any(specs):
+        tiering = self.tiering_config
+        if not tiering.worker_backed:
             return None
-        return PoolConfig(num_workers=self.tiering_config.num_tier_workers, slots=128,
-                          slot_size=8 << 10, chunk_bytes=self.chunk_payload_bytes,
-                          element_size=_element_size(self.layout.dtype), tiers=specs)
+        tiers = [{"type": t.type, "args": t.options.worker_args()} if t.tier.worker_backed else None
+                 for t in tiering.secondary_tiers]
+        codec = tiering.compression
+        return PoolConfig(num_workers=tiering.num_tier_workers,
+                          chunk_bytes=self.chunk_payload_bytes,
+                          element_size=_element_size(self.layout.dtype),
+                          codec={"mode": codec.mode, "level": codec.level,
+                                 "min_gain": codec.min_gain},
+                          tiers=tiers)
 
     # --- front end (no instance needed) ---
 
@@ -130,11 +127,9 @@ class TieringOffloadingSpec:
                 stop_pool.append(self.worker_pool.shutdown)
             view = primary.get_kv_memoryview()
             tiers = []
-            for i, (tier_config, detector) in enumerate(
-                    zip(self.tiering_config.secondary_tiers, self.tiering_config.detectors)):
+            for i, tier_config in enumerate(self.tiering_config.secondary_tiers):
                 self.tier_index_being_built = i
-                tier = SecondaryTierFactory.create_secondary_tier(
-                    tier_config, view, self, detector=detector, where=f"secondary_tiers[{i}]")
+                tier = SecondaryTierFactory.create_secondary_tier(tier_config, view, self)
                 tiers.append(tier)
                 cleanup.append(tier.shutdown)
             self.tier_index_being_built = None

@@ -43,6 +43,7 @@ from shmtier.shared.segment import (
     open_segment,
     segment_name,
 )
+from shmtier.tiers.fs.config import FsTierConfig
 from shmtier.workers.pool import WorkerPool, rings_len_for
 
 CTX = mp.get_context("spawn")
@@ -66,7 +67,9 @@ def _bf16_rows(rng: np.random.Generator, n: int, nbytes: int) -> np.ndarray:
 
 
 def _fs_tier(root: str) -> dict:
-    return {"kind": "fs", "kwargs": {"root_dir": root, "min_free_bytes": None}}
+    """The pool config entry of an fs tier at ``root`` (as the spec writes it)."""
+    options = FsTierConfig.from_options({"root_dir": root, "min_free_bytes": None}, where="test")
+    return {"type": "fs", "args": options.worker_args()}
 
 
 def _kv_files(root: str | Path) -> list[Path]:

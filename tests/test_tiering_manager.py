@@ -345,9 +345,12 @@ def test_a_tier_written_for_vllm_loads_and_runs(rig_factory):
 
 
 def test_unknown_tier_type_and_bad_options_are_clear_errors(rig_factory):
-    with pytest.raises(ValueError, match=r"type='nfs' is not a known tier type; accepted: \['example'"):
+    with pytest.raises(ValueError, match=r"^Unknown secondary tier type: 'nfs'\. .*"
+                                         r"type='nfs' is not a known secondary tier type; "
+                                         r"accepted: \['example'"):
         SecondaryTierFactory.get_tier_class({"type": "nfs"}, "secondary_tiers[0]")
-    with pytest.raises(ValueError, match=r"secondary_tiers\[0\] \(example\): invalid tier option"):
+    with pytest.raises(ValueError, match=r"secondary_tiers\[0\] has unknown key\(s\) 'locality'; "
+                                         r"accepted keys: \['custom_param'\]"):
         rig_factory(tiers=[{"type": "example", "locality": "LOCAL"}])
 
 
@@ -388,12 +391,12 @@ def test_a_slow_tier_makes_backpressure_drop_cascades(engine_id, tmp_path, monke
 
     extra = {"secondary_tiers": [{"type": "SlowTier", "module_path": "slow_tier",
                                   "backpressure": {"warmup_completions": 3}}]}
-    (detector,) = TieringConfig.from_extra_config(extra).detectors
+    (tier_config,) = TieringConfig.from_extra_config(extra).secondary_tiers
     geometry = ArenaGeometry(num_chunks=64, row_stride=PAGE, page_size_per_worker=PAGE, world_size=1)
     with open_segment(engine_id, geometry, "fp", owner=True) as segment:
         primary = CPUPrimaryTierOffloadingManager(segment, "lru")
         tier = SecondaryTierFactory.create_secondary_tier(
-            extra["secondary_tiers"][0], primary.get_kv_memoryview(), None, detector=detector)
+            tier_config, primary.get_kv_memoryview(), None)
         m = TieringOffloadingManager(primary, [tier])
         offered = 0
         for i in range(60):

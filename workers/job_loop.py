@@ -40,7 +40,8 @@ from shmtier.shared import jobs
 from shmtier.shared.pool_config import PoolConfig
 from shmtier.shared.ring import RingSet
 from shmtier.shared.segment import join_existing
-from shmtier.tiers.backend import BatchResult, outcome_kind
+from shmtier.tiers import registry
+from shmtier.tiers.backend import BatchResult, WorkerContext, outcome_kind
 
 logger = logging.getLogger(__name__)
 
@@ -73,18 +74,20 @@ _KIND_CODE = {"ok": jobs.OK, "exists": jobs.OK, "missing": jobs.MISS, "corrupt":
               "full": jobs.REJECTED, "error": jobs.ERROR, "invalid": jobs.ERROR}
 
 
-def _make_backend(spec, fingerprint: str, config: PoolConfig):
-    if spec is None:
-        return None
-    kind, kwargs = spec["kind"], dict(spec.get("kwargs", {}))
-    if kind == "fs":
-        from shmtier.shared.codec import CompressionConfig
-        from shmtier.tiers.fs.backend import FsBackend
+def make_backends(config: PoolConfig, namespace: str) -> list:
+    """One backend per tier of ``config`` (None where a tier has no worker half), each
+    built by its tier type's backend class from the registry."""
+    from shmtier.shared.codec import CompressionConfig
 
-        if "codec_config" in kwargs:
-            kwargs["codec_config"] = CompressionConfig.from_config(kwargs["codec_config"])
-        return FsBackend(namespace=fingerprint, element_size=config.element_size, **kwargs)
-    raise ValueError(f"unknown tier backend kind {kind!r}")
+    context = WorkerContext(namespace, config.chunk_bytes, config.element_size,
+                            CompressionConfig.from_config(config.codec or "auto"))
+    backends = []
+    for entry in config.tiers:
+        tier = registry.registered(entry["type"]) if entry is not None else None
+        if entry is not None and (tier is None or not tier.worker_backed):
+            raise ValueError(f"tier type {entry['type']!r} has no worker backend here")
+        backends.append(tier.backend_class().open(entry["args"], context) if tier else None)
+    return backends
 
 
 class _Stop(Exception):
@@ -205,13 +208,15 @@ class JobRunner:
         step = _KEYS_PER_BEAT
         if job.op == "store":
             step = max(1, min(step, _STORE_SLICE_BYTES // max(self.chunk_bytes, 1)))
+        in_use = job.args.get("bytes_in_use")  # the scheduler's count of the tier's bytes
         for start in range(0, max(n, 1), step):
             keys = job.keys[start:start + step]
             if job.op == "store":
                 self._serve_new_loads(job.keys)
                 behind = (n - start + self._store_keys_queued) * self.chunk_bytes
-                part = op(keys, job.rows[start:start + step], self.arena,
-                          self.chunk_bytes, hurry=behind > _HURRY_BYTES)
+                part = op(keys, job.rows[start:start + step], self.arena, self.chunk_bytes,
+                          hurry=behind > _HURRY_BYTES,
+                          bytes_in_use=None if in_use is None else in_use + sum(stored))
             elif job.op == "load":
                 part = op(keys, job.rows[start:start + step], self.arena, self.chunk_bytes)
             else:
@@ -255,7 +260,7 @@ def run_worker(engine_id: str, index: int) -> int:
         me.claim()
         g = segment.geometry
         arena = np.frombuffer(segment.arena, dtype=np.uint8).reshape(g.num_chunks, g.row_stride)
-        backends = [_make_backend(spec, segment.header().fingerprint, config) for spec in config.tiers]
+        backends = make_backends(config, segment.header().fingerprint)
         runner = JobRunner(backends, arena, config.chunk_bytes, config.slot_size, me.beat,
                            take_new=lambda: me.jobs.get_many(_BATCH, timeout_s=0),
                            answer=lambda result: _answer(me, result, segment),

@@ -63,6 +63,7 @@ ARG_TYPES: dict[str, type] = {
     "cursor": bytes,      # scan: resume after this position
     "limit": int,         # scan: at most this many keys
     "deadline_ns": int,   # any: CLOCK_MONOTONIC ns after which the job is pointless
+    "bytes_in_use": int,  # store: the scheduler's count of the tier's stored bytes
 }
 _UINT64_MAX = (1 << 64) - 1
 

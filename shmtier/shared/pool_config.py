@@ -22,14 +22,19 @@ _LEN = struct.Struct("<I")
 @dataclass
 class PoolConfig:
     """``tiers[i]`` is None for a tier that has no worker half, else
-    ``{"kind": "fs", "kwargs": {...}}`` (the backend and its constructor args)."""
+    ``{"type": "fs", "args": {...}}``: its registered tier type (whose backend the
+    workers build, ``shmtier/tiers/registry.py``) and the options its backend takes
+    (``TierConfig.worker_args``). ``codec``: the ``compression`` setting as a map.
+    ``slots`` and ``slot_size`` size each worker's two rings (a job of about 200
+    keys fits one slot)."""
 
     num_workers: int
-    slots: int
-    slot_size: int
     chunk_bytes: int
+    slots: int = 128
+    slot_size: int = 8 << 10
     element_size: int = 2
     heartbeat_interval_s: float = 0.25
+    codec: dict[str, Any] = field(default_factory=dict)
     tiers: list[Any] = field(default_factory=list)
 
     def write(self, rings_area: memoryview) -> None:

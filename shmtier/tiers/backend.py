@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass, field
-from typing import Iterator, NamedTuple, Sequence
+from typing import Any, Iterator, NamedTuple, Sequence
 
 import numpy as np
 
@@ -125,6 +125,18 @@ class BatchResult:
         }
 
 
+@dataclass(frozen=True)
+class WorkerContext:
+    """What every backend of one engine's tier workers shares: the layout fingerprint
+    (chunks of other layouts are never mixed in), the KV bytes of a chunk, the bytes
+    per KV element (the codec splits 2-byte elements) and the codec settings."""
+
+    namespace: str
+    chunk_bytes: int
+    element_size: int
+    codec: Any = None  # a shmtier.shared.codec.CompressionConfig (None: its defaults)
+
+
 class ScanEntry(NamedTuple):
     """One chunk found on the medium by ``scan``: its key, stored size, mtime (epoch s)."""
 
@@ -173,6 +185,13 @@ class TierBackend(abc.ABC):
     @abc.abstractmethod
     def scan(self) -> Iterator[ScanEntry]:
         """Every chunk on the medium, for rebuilding the scheduler's index (warm restart)."""
+
+    @classmethod
+    @abc.abstractmethod
+    def open(cls, args: dict, context: WorkerContext) -> "TierBackend":
+        """Build the backend in a tier worker from its tier's ``worker_args`` (checked in
+        the scheduler when the spec was built) and the engine's ``context``; may block
+        briefly on the medium; raises when the medium cannot be used."""
 
     def close(self) -> None:
         """Release the backend's resources (buffers, descriptors). Idempotent."""

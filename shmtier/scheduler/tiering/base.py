@@ -9,6 +9,17 @@ writes reserved primary rows.
 A tier written against vLLM's ``SecondaryTierManager`` runs unchanged: the
 manager only uses the attributes and methods below (duck typing), and
 :class:`TransferJob`/:class:`JobResult` carry vLLM's field names.
+
+Adding a built-in tier type ``t`` (docs/architecture.md, "Adding a tier"):
+
+1. ``shmtier/tiers/t/config.py``: a frozen ``TierConfig`` subclass declaring each
+   option with its check (every invalid value then fails when the spec is built);
+2. ``shmtier/tiers/t/scheduler.py``: a subclass of this class, constructed with
+   ``config=`` that config; it never blocks and never does I/O itself when it has
+3. ``shmtier/tiers/t/backend.py``: a ``shmtier.tiers.backend.TierBackend`` that does
+   the tier's I/O in the tier worker processes (the scheduler half submits its jobs
+   to ``offloading_spec.worker_pool`` under its index ``tier_index_being_built``);
+4. one ``TierType`` line in ``shmtier/tiers/registry.py``.
 """
 
 from __future__ import annotations
@@ -85,6 +96,16 @@ class JobResult:
     transfer_bytes: int | None = None
 
 
+_OPTIONAL = ("tolerates_off_thread_polling", "locality", "max_pinned_rows")
+
+
+def optional_attribute(tier: Any, name: str) -> Any:
+    """``tier``'s optional attribute ``name``, or the default declared on
+    :class:`SecondaryTierManager` (a tier written for vLLM may lack it)."""
+    assert name in _OPTIONAL, name
+    return getattr(tier, name, getattr(SecondaryTierManager, name))
+
+
 class ParentManager(ABC):
     """What a tier may call back during ``serve_external_requests`` (valid only
     during that call). Per remote request: ``on_new_request`` -> ``lookup`` /
@@ -118,7 +139,15 @@ class SecondaryTierManager(ABC):
 
     medium: ClassVar[Medium | None] = None
     cache_hit_source: ClassVar[CacheHitSource] = CacheHitSource.EXTERNAL_UNSPECIFIED
+    # Optional attributes: the manager reads each once, through ``optional_attribute``,
+    # so a tier written for vLLM (whose base lacks some) gets these defaults.
+    #: Poll this tier from the manager's tier-poll thread between steps too.
     tolerates_off_thread_polling: ClassVar[bool] = False
+    #: LOCAL or REMOTE, for ``kv_load_tiers`` request filters; None: unspecified.
+    locality: Locality | None = None
+    #: At most this many primary rows may wait for this tier's cascades (more cascades
+    #: are dropped and counted as backpressure); None: no cap.
+    max_pinned_rows: int | None = None
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -131,7 +160,6 @@ class SecondaryTierManager(ABC):
         self._primary_kv_view = primary_kv_view
         self._block_size_bytes: int = primary_kv_view.strides[0]
         self.tier_type = tier_type
-        self.locality: Locality | None = None
         self._bp_detector = backpressure_detector
 
     @property
@@ -140,7 +168,8 @@ class SecondaryTierManager(ABC):
         return self._block_size_bytes
 
     @property
-    def backpressure_detector(self) -> Any:
+    def bp_detector(self) -> Any:
+        """The tier's backpressure detector (vLLM's name), or None."""
         return self._bp_detector
 
     @abstractmethod

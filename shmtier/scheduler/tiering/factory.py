@@ -1,67 +1,69 @@
-"""Build secondary tiers from their config dicts (vLLM 0.33 ``SecondaryTierFactory``).
+"""Build secondary tiers (vLLM 0.33's ``SecondaryTierFactory``), in the scheduler process.
 
-``type`` names a registered tier, or with ``module_path`` the class of that
-name in that module (a subclass of shmtier's or vLLM's SecondaryTierManager,
-so a tier written for vLLM loads unchanged). ``backpressure`` becomes the
-tier's detector (merged field by field over the top-level block); every other
-key is passed to the tier's constructor as a keyword argument.
+Who calls: the spec's ``get_manager`` (with the checked ``SecondaryTierConfig`` of
+each tier), or code written for vLLM with a tier dict. Tier types come from the tier
+registry (``shmtier/tiers/registry.py``): a registered name, or with ``module_path``
+the class of that name in that module (a subclass of shmtier's or vLLM's
+``SecondaryTierManager``, so a tier written for vLLM loads unchanged). The tier's
+``backpressure`` settings become its detector here, the only place one is built;
+the tier's options reach its constructor as its config class says (a built-in tier
+gets its frozen config, any other tier the keyword arguments as vLLM passes them).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from shmtier.plugins import LazyRegistry, with_vllm_base
-from shmtier.scheduler.tiering.base import SecondaryTierManager
+from shmtier.config import SecondaryTierConfig
+from shmtier.scheduler.backpressure import build_detector as _bd
+
+
+def build_detector(settings):  # TEMPORARY
+    *a, where = settings.args
+    return _bd(*a, where=where)
+from shmtier.tiers import registry
+from shmtier.tiers.config import TierContext
+from shmtier.tiers.registry import TierType
 
 
 class SecondaryTierFactory:
-    _registry = LazyRegistry("tier type")
-
     @classmethod
     def register_tier(cls, tier_type: str, module_path: str, class_name: str) -> None:
-        """Register ``tier_type`` -> ``module_path.class_name`` (imported lazily)."""
-        cls._registry.register(tier_type, module_path, class_name)
+        """Register ``tier_type`` -> ``module_path.class_name`` (imported lazily); its
+        options go to its constructor unchecked, as in vLLM."""
+        registry.register(TierType(tier_type, f"{module_path}:{class_name}"))
 
     @classmethod
     def registered(cls) -> list[str]:
-        return cls._registry.names()
+        return registry.names()
 
     @classmethod
     def get_tier_class(cls, config: dict[str, Any], where: str = "secondary_tiers[?]") -> type:
+        """The scheduler-half class a tier dict names (ValueError naming the problem)."""
         if not isinstance(config, dict):
             raise ValueError(f"{where} = {config!r} is invalid: expected a dict with a 'type' key")
         tier_type = config.get("type")
         if not isinstance(tier_type, str) or not tier_type:
             raise ValueError(
-                f"{where}.type = {tier_type!r} is invalid: expected one of {cls.registered()} "
-                f"or an out-of-tree class name with module_path"
-            )
-        bases = with_vllm_base(SecondaryTierManager, "vllm.v1.kv_offload.tiering.base",
-                               "SecondaryTierManager")
-        return cls._registry.resolve(tier_type, config.get("module_path"), bases,
-                                     key=f"{where}.type", module_key=f"{where}.module_path")
+                f"Secondary tier configuration must include 'type': {where}.type = "
+                f"{tier_type!r} is invalid: expected one of {registry.names()} or an "
+                f"out-of-tree class name with module_path")
+        return registry.resolve(tier_type, config.get("module_path"), where=where).scheduler_class()
 
     @classmethod
-    def create_secondary_tier(cls, config: dict[str, Any], primary_kv_view: memoryview,
-                              offloading_spec: Any, *, detector: Any = None,
-                              where: str = "secondary_tiers[?]") -> Any:
-        """Construct one tier; ``detector`` is its already-built backpressure detector."""
-        tier_cls = cls.get_tier_class(config, where)
-        kwargs = dict(config)
-        tier_type = kwargs.pop("type")
-        kwargs.pop("module_path", None)
-        kwargs.pop("backpressure", None)
+    def create_secondary_tier(cls, config: dict[str, Any] | SecondaryTierConfig,
+                              primary_kv_view: memoryview, offloading_spec: Any, *,
+                              where: str = "secondary_tiers[?]",
+                              context: TierContext = TierContext()) -> Any:
+        """Construct one tier from its checked config, or from a tier dict (checked here,
+        its ``backpressure`` block built into a detector as vLLM's factory does)."""
+        if not isinstance(config, SecondaryTierConfig):  # a ConfigError is a ValueError
+            config = SecondaryTierConfig.from_dict(config, where=where, context=context)
+        detector = build_detector(config.backpressure) if config.backpressure is not None else None
+        tier_cls = config.tier.scheduler_class()
         try:
             return tier_cls(offloading_spec=offloading_spec, primary_kv_view=primary_kv_view,
-                            tier_type=tier_type, backpressure_detector=detector, **kwargs)
+                            tier_type=config.type, backpressure_detector=detector,
+                            **config.options.constructor_kwargs())
         except TypeError as e:
-            raise ValueError(f"{where} ({tier_type}): invalid tier option: {e}") from e
-
-
-SecondaryTierFactory.register_tier("example", "shmtier.tiers.example.scheduler",
-                                   "ExampleSecondaryTierManager")
-SecondaryTierFactory.register_tier("fs", "shmtier.tiers.fs.scheduler", "FsTierManager")
-
-#: Built-in tier types whose I/O runs in tier worker processes (the backend kind each uses).
-WORKER_BACKED = {"fs": "fs"}
+            raise ValueError(f"{config.where} ({config.type}): invalid tier option: {e}") from e

@@ -47,6 +47,7 @@ store has completed (a cascade for it may still follow until then).
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -73,7 +74,7 @@ from shmtier.contract import (
 )
 from shmtier.scheduler.backpressure import record_backpressure_metrics
 from shmtier.scheduler.primary import CPUPrimaryTierOffloadingManager
-from shmtier.scheduler.tiering.base import JobResult, ParentManager, TransferJob
+from shmtier.scheduler.tiering.base import JobResult, ParentManager, TransferJob, optional_attribute
 
 logger = logging.getLogger(__name__)
 
@@ -209,6 +210,30 @@ class _TierFacingParent(ParentManager):
         self._manager.on_request_finished(req_context, exclude_tier_idx=self._origin)
 
 
+#: Every call but a lookup (which starts or continues a scan) ends the current lookup
+#: scan first: its promotions get their rows before anything else can see the primary.
+_ENDS_THE_SCAN = (
+    "get_load_source", "prepare_store", "complete_store", "prepare_load", "complete_load",
+    "touch", "on_new_request", "on_request_finished", "on_schedule_end", "has_pending_work",
+    "take_events", "get_stats", "reset_cache", "on_reset_flushed", "poll_tiers",
+    "_create_store_job",
+)
+
+
+def _scan_ends_first(cls: type) -> type:
+    """Wrap each method of ``_ENDS_THE_SCAN`` so it ends a running scan before it runs."""
+    for name in _ENDS_THE_SCAN:
+        method = getattr(cls, name)
+
+        def call(self, *args, __method=method, **kwargs):
+            if self._scan_ctx is not None:
+                self._end_scan()
+            return __method(self, *args, **kwargs)
+        setattr(cls, name, functools.wraps(method)(call))
+    return cls
+
+
+@_scan_ends_first
 class TieringOffloadingManager:
     """The primary tier plus ``tiers`` (secondary, in priority order)."""
 
@@ -250,12 +275,13 @@ class TieringOffloadingManager:
         self._stats = metrics.OffloadingStats()
         # A tier written for vLLM speaks vLLM's enums: map them to ours once, by name.
         self._tier_kind = [
-            (_same_enum(Medium, t.medium), _same_enum(Locality, getattr(t, "locality", None)))
+            (_same_enum(Medium, t.medium), _same_enum(Locality, optional_attribute(t, "locality")))
             for t in self.tiers]
+        self._max_pinned_rows = [optional_attribute(t, "max_pinned_rows") for t in self.tiers]
         self._hit_source = [CacheHitSource(t.cache_hit_source.value) for t in self.tiers]
         self._lookup_tiers_memo: dict[tuple[Any, int | None], list[tuple[int, Any]]] = {}
         self._polled = [i for i, t in enumerate(self.tiers)
-                        if getattr(t, "tolerates_off_thread_polling", False)]
+                        if optional_attribute(t, "tolerates_off_thread_polling")]
         self._poll_stop = threading.Event()
         self._poll_thread: threading.Thread | None = None
         if self._polled and tier_poll_interval_s > 0:
@@ -283,8 +309,6 @@ class TieringOffloadingManager:
 
     def _create_store_job(self, keys: Collection[OffloadKey], ctx: ReqContext, tier_idx: int) -> TransferJob:
         """Pin ``keys`` in the primary and register a cascade job owned by ``tier_idx``."""
-        if self._scan_ctx is not None:
-            self._end_scan()
         return self._new_job(keys, self.primary.pin_rows(keys), False, ctx, tier_idx)
 
     def _maybe_process_finished_jobs(self) -> None:
@@ -341,7 +365,7 @@ class TieringOffloadingManager:
     def _complete_cascade(self, job: TransferJob, tier_idx: int, result: JobResult) -> None:
         label = (self.labels[tier_idx + 1],)
         self.primary.complete_read(job.keys, job.req_context)
-        detector = getattr(self.tiers[tier_idx], "_bp_detector", None)
+        detector = self.tiers[tier_idx].bp_detector
         if result.success:
             nbytes = result.transfer_bytes or len(job.keys) * self._row_bytes
             self._stats.increase_counter(metrics.WRITE_BYTES, len(job.keys) * self._row_bytes, label)
@@ -357,13 +381,13 @@ class TieringOffloadingManager:
     def _cascade(self, keys: list[OffloadKey], ctx: ReqContext, tier_indices: Iterable[int]) -> None:
         for tier_idx in tier_indices:
             tier = self.tiers[tier_idx]
-            detector = getattr(tier, "_bp_detector", None)
+            detector = tier.bp_detector
             if detector is not None and not detector.should_store(len(keys)):
                 continue  # counted by the detector's policy
             # A tier that falls behind must not starve the primary tier: rows pinned by its
             # queued cascades are capped (tiers opt in with ``max_pinned_rows``); one
             # cascade alone always goes, however large.
-            cap = getattr(tier, "max_pinned_rows", None)
+            cap = self._max_pinned_rows[tier_idx]
             pinned = self._active[False][tier_idx][1]
             if cap is not None and pinned and pinned + len(keys) > cap:
                 label = (self.labels[tier_idx + 1],)
@@ -455,8 +479,8 @@ class TieringOffloadingManager:
         return self._reserve({key: tier_idx}, ctx, answered=False)
 
     def _end_scan(self) -> None:
-        """Reserve the current scan's promotions and forget the scan. Called first by
-        every method but a lookup of the scan's own request."""
+        """Reserve the current scan's promotions and forget the scan. Called by a
+        lookup of another request, and first by every call of ``_ENDS_THE_SCAN``."""
         self._reserve_scan_promotions()
         self._scan_ctx = self._scan_lookups = self._scan_room = None
         if self._scan_hits:
@@ -511,8 +535,6 @@ class TieringOffloadingManager:
                 self.tiers[tier_idx].submit_load(self._new_job(keys, rows, True, ctx, tier_idx))
 
     def get_load_source(self, key: OffloadKey, req_context: ReqContext) -> CacheHitSource:
-        if self._scan_ctx is not None:
-            self._end_scan()
         sources = self._load_sources.get(req_context.req_id)
         if sources:
             source = sources.get(key)
@@ -523,8 +545,6 @@ class TieringOffloadingManager:
     # --- stores and cascades ---
 
     def prepare_store(self, keys: Collection[OffloadKey], req_context: ReqContext) -> PrepareStoreOutput | None:
-        if self._scan_ctx is not None:
-            self._end_scan()
         # Always poll first: eviction must see the freshest unpins and promotions.
         self._polled_this_step = True
         self._process_finished_jobs()
@@ -555,8 +575,6 @@ class TieringOffloadingManager:
 
     def complete_store(self, keys: Collection[OffloadKey], req_context: ReqContext,
                        success: bool = True) -> None:
-        if self._scan_ctx is not None:
-            self._end_scan()
         self.primary.complete_store(keys, req_context, success)
         if success and self.tiers:
             stored = self.primary.ready_keys(keys)
@@ -579,18 +597,12 @@ class TieringOffloadingManager:
     # --- pass-through to the primary ---
 
     def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> CPULoadStoreSpec:
-        if self._scan_ctx is not None:
-            self._end_scan()
         return self.primary.prepare_load(keys, req_context)
 
     def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
-        if self._scan_ctx is not None:
-            self._end_scan()
         self.primary.complete_load(keys, req_context)
 
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
-        if self._scan_ctx is not None:
-            self._end_scan()
         self.primary.touch(keys, req_context)
         for tier in self.tiers:
             tier.touch(keys, req_context)
@@ -606,8 +618,6 @@ class TieringOffloadingManager:
 
     def on_new_request(self, req_context: ReqContext,
                        exclude_tier_idx: int | None = None) -> RequestOffloadingContext:
-        if self._scan_ctx is not None:
-            self._end_scan()
         state = _RequestState(req_context, excluded_tier=exclude_tier_idx)
         self._requests[req_context.req_id] = state
         self.primary.on_new_request(req_context)
@@ -622,8 +632,6 @@ class TieringOffloadingManager:
 
     def on_request_finished(self, req_context: ReqContext,
                             exclude_tier_idx: int | None = None) -> None:
-        if self._scan_ctx is not None:
-            self._end_scan()
         state = self._state(req_context)
         self.primary.on_request_finished(req_context)
         state.finished = True
@@ -646,8 +654,6 @@ class TieringOffloadingManager:
     # --- per step ---
 
     def on_schedule_end(self, context: ScheduleEndContext) -> None:
-        if self._scan_ctx is not None:
-            self._end_scan()
         self._maybe_process_finished_jobs()
         for tier_idx, tier in enumerate(self.tiers):
             tier.serve_external_requests(self._parents[tier_idx])
@@ -659,22 +665,16 @@ class TieringOffloadingManager:
         self._tracker.stop(context.new_req_ids)
 
     def has_pending_work(self) -> bool:
-        if self._scan_ctx is not None:
-            self._end_scan()
         return (bool(self._jobs) or bool(self._parked)
                 or any(tier.has_pending_work() for tier in self.tiers))
 
     def take_events(self) -> Iterable[OffloadingEvent]:
-        if self._scan_ctx is not None:
-            self._end_scan()
         events = list(self.primary.take_events())
         for tier in self.tiers:
             events.extend(tier.take_events())
         return events
 
     def get_stats(self) -> metrics.OffloadingStats:
-        if self._scan_ctx is not None:
-            self._end_scan()
         stats, self._stats = self._stats, metrics.OffloadingStats()
         self.primary.stats_into(stats)
         self._tracker.take_into(stats)
@@ -686,7 +686,7 @@ class TieringOffloadingManager:
             stats.set_gauge(metrics.ACTIVE_CASCADE_JOBS, cascades, label)
             stats.set_gauge(metrics.PRIMARY_WRITE_USAGE_PERC, promo_rows / self._num_chunks, label)
             stats.set_gauge(metrics.PRIMARY_READ_USAGE_PERC, cascade_rows / self._num_chunks, label)
-            detector = getattr(tier, "_bp_detector", None)
+            detector = tier.bp_detector
             if detector is not None:
                 record_backpressure_metrics(stats, detector, label[0])
             metrics.merge_stats(stats, tier.get_stats())
@@ -703,8 +703,6 @@ class TieringOffloadingManager:
     def reset_cache(self) -> None:
         """Drain every tier, drop all primary state (tiers keep their data) and
         hold promotions until ``on_reset_flushed``."""
-        if self._scan_ctx is not None:
-            self._end_scan()
         for tier in self.tiers:
             tier.drain_jobs()
         self._process_finished_jobs()
@@ -721,15 +719,13 @@ class TieringOffloadingManager:
         self.primary.reset_cache()
         self._polled_this_step = False
         for tier in self.tiers:
-            detector = getattr(tier, "_bp_detector", None)
+            detector = tier.bp_detector
             if detector is not None:
                 detector.reset()
         self._refused.clear()
         self._promotions_held = bool(self.tiers)
 
     def on_reset_flushed(self) -> None:
-        if self._scan_ctx is not None:
-            self._end_scan()
         self._promotions_held = False
 
     # --- the tier-poll thread ---
@@ -738,8 +734,6 @@ class TieringOffloadingManager:
         """Process the finished jobs of the tiers that opted in and let them serve
         external requests. Caller holds the lock (the tier-poll thread). Promotions and
         cascades are not flushed; the once-per-step gate is left as it was."""
-        if self._scan_ctx is not None:
-            self._end_scan()
         gate = self._polled_this_step
         self._polled_this_step = True  # a lookup from serving must not poll every tier
         try:

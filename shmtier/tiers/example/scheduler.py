@@ -17,15 +17,17 @@ import numpy as np
 
 from shmtier.contract import LookupResult, Medium, OffloadKey, ReqContext, RequestOffloadingContext
 from shmtier.scheduler.tiering.base import JobResult, SecondaryTierManager, TransferJob
+from shmtier.tiers.example.config import ExampleTierConfig
 
 
 class ExampleSecondaryTierManager(SecondaryTierManager):
     medium = Medium.CPU
 
     def __init__(self, offloading_spec: Any, primary_kv_view: memoryview, tier_type: str,
-                 backpressure_detector: Any = None, custom_param: int = 0):
+                 backpressure_detector: Any = None, *, config: ExampleTierConfig | None = None):
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
-        self.custom_param = custom_param
+        self.config = config if config is not None else ExampleTierConfig()
+        self.custom_param = self.config.custom_param
         self._rows = np.asarray(primary_kv_view)
         self._data: dict[OffloadKey, bytes] = {}
         self._finished: list[JobResult] = []

@@ -84,6 +84,7 @@ from shmtier.tiers.backend import (
     BatchResult,
     ScanEntry,
     TierBackend,
+    WorkerContext,
     as_arena,
     check_batch,
 )
@@ -264,6 +265,15 @@ class FsBackend(TierBackend):
         self._writer_pid = -1
         self._writer_tag = ""
         self._boot_tag = procinfo.boot_id()[:4].hex()
+
+    @classmethod
+    def open(cls, args: dict, context: WorkerContext) -> "FsBackend":
+        """A tier worker's backend for the ``fs`` options ``args`` (``FsTierConfig``'s
+        worker options)."""
+        return cls(args["root_dir"], context.namespace, fsync=args["fsync"],
+                   codec_config=context.codec, element_size=context.element_size,
+                   max_bytes=args["max_bytes"], min_free_bytes=args["min_free_bytes"],
+                   chunk_bytes_hint=context.chunk_bytes, direct_io=args["direct_io"])
 
     # ------------------------------------------------------------------ namespace
 

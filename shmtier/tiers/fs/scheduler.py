@@ -45,6 +45,7 @@ from shmtier.contract import (
 )
 from shmtier.scheduler.tiering.base import JobResult, SecondaryTierManager, TransferJob
 from shmtier.shared import jobs
+from shmtier.tiers.fs.config import FsTierConfig
 
 logger = logging.getLogger(__name__)
 
@@ -62,58 +63,30 @@ RING_DEPTH = "vllm:kv_offload_shmtier_ring_depth"
 
 
 class FsTierManager(SecondaryTierManager):
-    """Options (per-tier config keys): ``root_dir`` (required, must exist),
-    ``max_bytes`` (None), ``min_free_bytes`` (1 GiB), ``fsync`` (False),
-    ``direct_io`` (False: buffered I/O; True: O_DIRECT, required; "auto": O_DIRECT
-    where the filesystem takes it, as vLLM's fs tier does),
-    ``locality`` ("LOCAL"/"REMOTE"), ``enable_kv_events`` (False),
-    ``max_pinned_fraction`` (0.5: at most this share of the CPU tier's rows may
-    wait for this tier's cascades; beyond it cascades are dropped and counted as
-    backpressure, so a lagging tier never starves the CPU tier). vLLM's
-    ``n_read_threads``/``n_write_threads`` are accepted and ignored: the tier
-    worker processes (``num_tier_workers``) do the I/O."""
+    """The scheduler half of ``fs``; its options are a validated :class:`FsTierConfig`
+    (``shmtier/tiers/fs/config.py`` documents each). Built by the tier factory while
+    the spec builds the manager: it finds the worker pool and its own tier index on the
+    spec (``worker_pool``, ``tier_index_being_built``)."""
 
     medium = Medium.STORAGE
-    # Not polled from the manager's tier-poll thread (as vLLM's fs tier is not). Tried:
-    # results were processed between steps, but the thread's GIL hand-offs landed inside
-    # the scheduler's calls (bench/tiering_steps.py: step p99 on-CPU 0.55x vLLM's, yet
-    # wall p99 1.0x with a 970-2474 µs spread). Nothing here would break if it were.
+    # Not polled from the manager's tier-poll thread (as vLLM's fs tier is not): the
+    # thread's GIL hand-offs cost more step time than they saved (bench/README.md).
     tolerates_off_thread_polling = False
 
     def __init__(self, offloading_spec: Any, primary_kv_view: memoryview, tier_type: str,
-                 backpressure_detector: Any = None, *, root_dir: str, max_bytes: int | None = None,
-                 min_free_bytes: int | None = 1 << 30, fsync: bool = False,
-                 direct_io: bool | str = False,
-                 locality: str | None = None, enable_kv_events: bool = False,
-                 max_pinned_fraction: float = 0.5,
-                 n_read_threads: int | None = None, n_write_threads: int | None = None):
+                 backpressure_detector: Any = None, *, config: FsTierConfig):
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
-        del n_read_threads, n_write_threads, root_dir, min_free_bytes, fsync  # the workers' business
-        if direct_io not in (True, False, "auto"):
-            raise ValueError(f"direct_io = {direct_io!r} is invalid: expected false (buffered), "
-                             f"true (O_DIRECT) or \"auto\" (O_DIRECT where the filesystem "
-                             f"supports it)")
-        if locality is not None:
-            try:
-                self.locality = Locality[str(locality).upper()]
-            except KeyError:
-                raise ValueError(f"locality = {locality!r} is invalid: expected 'LOCAL' or 'REMOTE'") from None
-        if max_bytes is not None and (isinstance(max_bytes, bool) or not isinstance(max_bytes, int)
-                                      or max_bytes <= 0):
-            raise ValueError(f"max_bytes = {max_bytes!r} is invalid: expected a positive integer or null")
-        if (isinstance(max_pinned_fraction, bool) or not isinstance(max_pinned_fraction, (int, float))
-                or not 0 < max_pinned_fraction <= 1):
-            raise ValueError(f"max_pinned_fraction = {max_pinned_fraction!r} is invalid: expected "
-                             f"a number in (0, 1]")
+        self.config = config
+        if config.locality is not None:
+            self.locality = Locality[config.locality]
         num_rows = primary_kv_view.shape[0] if primary_kv_view.ndim == 2 else 0
-        # the manager drops cascades (counted as backpressure) beyond this many pinned rows
-        self.max_pinned_rows = max(1, int(num_rows * max_pinned_fraction))
+        self.max_pinned_rows = max(1, int(num_rows * config.max_pinned_fraction))
         self._pool = offloading_spec.worker_pool
         self._tier = offloading_spec.tier_index_being_built
         self._label = f"{self._tier + 1}:{tier_type}"
         self._chunk_bytes = offloading_spec.chunk_payload_bytes
-        self._max_bytes = max_bytes
-        self._events_on = enable_kv_events and getattr(offloading_spec, "enable_events", False)
+        self._max_bytes = config.max_bytes
+        self._events_on = config.enable_kv_events and getattr(offloading_spec, "enable_events", False)
         self._index: OrderedDict[OffloadKey, int] = OrderedDict()
         self._bytes_in_use = 0
         self._storing: set[OffloadKey] = set()
@@ -189,7 +162,9 @@ class FsTierManager(SecondaryTierManager):
     def _submit_combined(self, op: str, batch: list) -> None:
         keys = [key for _, job_keys, _ in batch for key in job_keys]
         rows = [row for _, _, job_rows in batch for row in job_rows]
-        pool_id = self._pool.submit(op, self._tier, keys, rows)
+        # stores carry the tier's byte count: the workers refuse what would pass max_bytes
+        args = {"bytes_in_use": self._bytes_in_use} if op == "store" and self._max_bytes else None
+        pool_id = self._pool.submit(op, self._tier, keys, rows, args)
         if pool_id is not None:
             self._jobs[pool_id] = [(job, job_keys) for job, job_keys, _ in batch]
             return

@@ -1,0 +1,61 @@
+"""``fs`` tier options (any process): what ``secondary_tiers[i]`` of type ``fs`` accepts.
+
+Checked when the spec is built, so a missing, non-directory or read-only
+``root_dir``, a string for a boolean or a ``max_bytes`` too small for one chunk
+fails there, naming the key, before any tier worker starts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from shmtier.options import (
+    ConfigError,
+    boolean,
+    choice_upper,
+    integer,
+    number,
+    one_of,
+    writable_dir,
+)
+from shmtier.shared.codec import frame_header_size
+from shmtier.tiers.config import REQUIRED, TierConfig, TierContext, option
+
+DEFAULT_MIN_FREE_BYTES = 1 << 30
+
+
+@dataclass(frozen=True)
+class FsTierConfig(TierConfig):
+    """``root_dir``: an existing, writable directory (the tier keeps its files in a
+    namespace subdirectory per layout). ``max_bytes``: bytes on disk at most (None:
+    unbounded), at least one chunk's file. ``min_free_bytes``: free space the workers
+    leave on the filesystem (None: none). ``fsync``: fsync each file before publishing
+    it. ``direct_io``: False (buffered), True (O_DIRECT, required) or "auto" (O_DIRECT
+    where the filesystem takes it). ``locality``: "LOCAL" or "REMOTE" (request filters,
+    backpressure defaults). ``enable_kv_events``: stored/evicted events for this tier.
+    ``max_pinned_fraction``: at most this share of the CPU tier's rows may wait for this
+    tier's cascades (more are dropped and counted as backpressure).
+    ``n_read_threads``/``n_write_threads``: vLLM's fs options, accepted and unused (the
+    tier workers do the I/O)."""
+
+    root_dir: str = option(REQUIRED, writable_dir(), worker=True)
+    max_bytes: int | None = option(None, integer(1).or_none("null (unbounded)"), worker=True)
+    min_free_bytes: int | None = option(DEFAULT_MIN_FREE_BYTES,
+                                        integer(0).or_none("null (no floor)"), worker=True)
+    fsync: bool = option(False, boolean(), worker=True)
+    direct_io: bool | str = option(False, one_of(False, True, "auto"), worker=True)
+    locality: str | None = option(None, choice_upper("LOCAL", "REMOTE").or_none())
+    enable_kv_events: bool = option(False, boolean())
+    max_pinned_fraction: float = option(0.5, number(0, 1, min_open=True))
+    n_read_threads: int | None = option(None, integer(1).or_none())
+    n_write_threads: int | None = option(None, integer(1).or_none())
+
+    def check_together(self, where: str, context: TierContext) -> None:
+        if self.max_bytes is None or context.chunk_bytes is None:
+            return
+        one_file = context.chunk_bytes + frame_header_size(context.key_bytes or 0)
+        if self.max_bytes < one_file:
+            raise ConfigError(
+                f"{where}.max_bytes = {self.max_bytes!r} is invalid: expected at least one "
+                f"chunk's file ({one_file} bytes: {context.chunk_bytes} bytes of KV and the "
+                f"frame header), or null (unbounded)")
