@@ -221,7 +221,7 @@ class TieringConfig:
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any]) -> "TieringConfig":
-        from shmtier.scheduler.backpressure import build_detector
+        from shmtier.scheduler.backpressure import build_detector_from_config
         from shmtier.shared.codec import CompressionConfig
 
         tiers = extra.get("secondary_tiers", [])
@@ -242,7 +242,7 @@ class TieringConfig:
                     f"type name (e.g. 'fs', 'example') or an out-of-tree class name"
                 )
             try:
-                detectors.append(build_detector(
+                detectors.append(build_detector_from_config(
                     tier_type, tier.get("locality"), top, tier.get("backpressure"),
                     where=f"secondary_tiers[{i}].backpressure"))
             except ValueError as e:
