@@ -16,6 +16,7 @@ import re
 import subprocess
 import sys
 import types
+from unittest.mock import patch
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -603,6 +604,37 @@ def test_clock_is_passed_to_built_detectors():
     assert det.store_latency_ema == 0.25
 
 
+# ====================================================================== the clock
+
+
+def test_detector_follows_a_patched_time_monotonic():
+    """Without an injected clock, time is ``time.monotonic()`` looked up at every call, so
+    patching it the way vLLM's own tests do (``patch("time.monotonic", return_value=...)``
+    in tests/v1/kv_offload/tiering/test_backpressure.py) moves our detector's time too, as
+    it moves vLLM's. A default argument bound at import would not see the patch."""
+    try:
+        from vllm.v1.kv_offload.tiering import backpressure as vllm_bp
+    except ImportError:
+        vllm_bp = None
+    params = dict(high_water_s=HIGH, low_water_s=LOW, alpha=1.0, warmup_completions=1,
+                  decay_half_life_s=2.0, cooldown_s=0.0)
+    detectors = [EMABackpressureDetector(**params)]
+    if vllm_bp is not None:
+        detectors.append(vllm_bp.EMABackpressureDetector(**params))
+    t0 = 5000.0
+    for det in detectors:
+        with patch("time.monotonic", return_value=t0):
+            det.update(t0 - LOW, MIB)  # seeds the EMA at LOW s/MiB
+            det.update(t0 - 0.5, MIB)  # 0.5 s/MiB, measured against the patched time
+            assert det.store_latency_ema == 0.5
+            assert det.is_under_pressure()
+        # 0.5 = 8 x LOW: below LOW after more than 3 half-lives (6 s)
+        with patch("time.monotonic", return_value=t0 + 7.9):
+            assert not det.is_under_pressure()
+            assert det.store_latency_ema == pytest.approx(0.5 * 0.5 ** (7.9 / 2))
+    assert detectors[0].clock is None
+
+
 # ======================================================================= settings
 
 RECORDED: list = []
@@ -718,6 +750,7 @@ def test_build_detector_from_settings_gives_a_working_detector():
     assert det.is_under_pressure() and not det.should_store(4)
     assert det.policy.pop_stores_dropped() == (1, 4)
     assert build_detector(settings_) is not det  # a fresh detector per call
+    assert build_detector(settings_).clock is None  # reads time.monotonic() at each call
 
 
 def test_builtin_classes_are_described_as_they_are():

@@ -29,7 +29,6 @@ EMABackpressureDetector`` still works).
 from __future__ import annotations
 
 import importlib
-import time
 from typing import TYPE_CHECKING, Any
 
 from shmtier.scheduler.backpressure.settings import (
@@ -109,9 +108,10 @@ def build_detector(settings: BackpressureSettings, *,
                    clock: Clock | None = None) -> BackpressureDetector:
     """The detector (and its policy) for one tier's settings. Scheduler process only.
 
-    ``clock``: the detector's time source; default ``time.monotonic``. A custom class
-    whose constructor rejects its settings raises :class:`BackpressureConfigError` (the
-    built-in classes cannot: the settings were checked against their rules).
+    ``clock``: passed to the detector when given (tests); otherwise the detector reads
+    ``time.monotonic()`` at each call. A custom class whose constructor rejects its
+    settings raises :class:`BackpressureConfigError` (the built-in classes cannot: the
+    settings were checked against their rules).
     """
     from shmtier.scheduler.backpressure.detector import BackpressureDetector
 
@@ -131,8 +131,8 @@ def build_detector(settings: BackpressureSettings, *,
     for arg in builder_arguments(signature, issubclass(detector_cls, BackpressureDetector)):
         if arg == "policy":
             kwargs["policy"] = policy
-        else:
-            kwargs["clock"] = clock if clock is not None else time.monotonic
+        elif clock is not None or arg in signature.required:
+            kwargs["clock"] = clock
     try:
         return detector_cls(**kwargs)
     except (TypeError, ValueError) as e:

@@ -12,11 +12,12 @@ operations, cheap enough to call per cascade job.
 Behaviour matches vLLM 0.33's ``EMABackpressureDetector`` decision for decision
 (``tests/test_backpressure.py`` runs both side by side). Differences, all additive:
 
-* **Injectable clock.** Detectors take ``clock=time.monotonic``; the clock is the
-  only time source (``update`` subtracts the job's ``submit_time`` from it, so
-  submit times must come from the same clock). A negative elapsed time (a
-  ``submit_time`` from the future) counts as 0 instead of pulling the EMA below zero,
-  and ``on_store_completed`` ignores ``nbytes <= 0`` instead of dividing by zero.
+* **Clock.** Time is ``time.monotonic()``, looked up at every call (so code that patches
+  ``time.monotonic``, as vLLM's tests do, is seen), unless a ``clock`` callable is passed.
+  ``update`` subtracts the job's ``submit_time`` from it, so submit times must come from
+  the same clock. A negative elapsed time (a ``submit_time`` from the future) counts as 0
+  instead of pulling the EMA below zero, and ``on_store_completed`` ignores
+  ``nbytes <= 0`` instead of dividing by zero.
 * **Full job ring.** shmtier's producers never block: when a cascade finds its worker's
   job ring full, the scheduler calls ``note_ring_full()``. That arms a one-shot signal:
   the *next* ``should_store`` answers ``False`` and counts the drop exactly like any
@@ -49,13 +50,13 @@ __all__ = ["Clock", "BackpressureDetector", "EMABackpressureDetector"]
 class BackpressureDetector(ABC):
     """Watches one tier's cascade results; decides whether it is under pressure.
 
-    ``policy`` defaults to :class:`ThrottledDropPolicy` (as in vLLM). ``clock`` is the
-    time source for everything time-based, ``time.monotonic`` unless a test injects
-    a fake one.
+    ``policy`` defaults to :class:`ThrottledDropPolicy` (as in vLLM). ``clock``: the time
+    source for everything time-based; None (the default) reads ``time.monotonic()`` at
+    each call.
     """
 
     def __init__(self, policy: BackpressurePolicy | None = None, *,
-                 clock: Clock = time.monotonic) -> None:
+                 clock: Clock | None = None) -> None:
         if policy is None:
             # policy.py imports this module; the default needs it only here, once
             from shmtier.scheduler.backpressure.policy import ThrottledDropPolicy
@@ -69,11 +70,13 @@ class BackpressureDetector(ABC):
         return self._policy
 
     @property
-    def clock(self) -> Clock:
+    def clock(self) -> Clock | None:
+        """The injected clock, or None when time is ``time.monotonic()``."""
         return self._clock
 
     def _now(self) -> float:
-        return self._clock()
+        clock = self._clock
+        return time.monotonic() if clock is None else clock()
 
     # --- signals -----------------------------------------------------------------
 
@@ -222,7 +225,7 @@ class EMABackpressureDetector(BackpressureDetector):
         failure_threshold: int | None = None,
         policy: BackpressurePolicy | None = None,
         *,
-        clock: Clock = time.monotonic,
+        clock: Clock | None = None,
     ) -> None:
         super().__init__(policy, clock=clock)
         # the same checks as the configuration's, for the values the EMA cannot work with

@@ -16,7 +16,6 @@ import importlib
 import inspect
 import math
 import sys
-import time
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
@@ -166,7 +165,7 @@ def builder_arguments(signature: ConstructorSignature, is_detector: bool) -> tup
 BUILTIN_SIGNATURES: dict[str, ConstructorSignature] = {
     _EMA: ConstructorSignature(frozenset(EMA_FIELDS) | {"policy", "clock"},
                                ("high_water_s", "low_water_s"),
-                               {**EMA_DEFAULTS, "policy": None, "clock": time.monotonic}),
+                               {**EMA_DEFAULTS, "policy": None, "clock": None}),
     _THROTTLED: ConstructorSignature(frozenset({"ramp_factor"}), (),
                                      {"ramp_factor": DEFAULT_RAMP_FACTOR}),
     _DROP_STORE: ConstructorSignature(frozenset()),
