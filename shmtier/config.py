@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from shmtier.options import ConfigError, boolean, integer, invalid, number, one_of, reject_unknown, text
+from shmtier.scheduler.backpressure.settings import BackpressureSettings
 from shmtier.scheduler.policies.factory import CachePolicyFactory
 from shmtier.shared.codec import CompressionConfig
 from shmtier.shared.layout import DEFAULT_KEY_WIDTH, ArenaGeometry
@@ -170,18 +171,6 @@ def _blocks_per_chunk(extra: Mapping[str, Any], gpu_block_size: int) -> int:
             )
         return block_size // gpu_block_size
     return _get(extra, "blocks_per_chunk", 1, integer(1))
-
-
-@dataclass(frozen=True)
-class BackpressureSettings:  # TEMPORARY until the backpressure package lands
-    args: tuple
-
-    @classmethod
-    def from_config(cls, tier_type, locality, top, tier, *, where):
-        from shmtier.scheduler.backpressure import build_detector as _bd
-        if _bd(tier_type, locality, top, tier, where=where) is None:
-            return None
-        return cls((tier_type, locality, top, tier, where))
 
 
 @dataclass(frozen=True)

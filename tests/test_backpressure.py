@@ -7,25 +7,33 @@ and requires identical decisions, pressure flags and EMA values.
 
 from __future__ import annotations
 
+import dataclasses
+import importlib
 import math
+import pickle
 import random
+import re
+import subprocess
 import sys
 import types
+from unittest.mock import patch
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from shmtier.config import ConfigError
 from shmtier.metrics import CounterMetadata, GaugeMetadata, OffloadingStats
 from shmtier.scheduler import backpressure as bp
 from shmtier.scheduler.backpressure import (
+    BackpressureConfigError,
     BackpressureDetector,
+    BackpressureSettings,
     DropAccountingPolicy,
     DropStorePolicy,
     EMABackpressureDetector,
     ThrottledDropPolicy,
     build_detector,
+    build_detector_from_config,
 )
 
 MIB = 1 << 20
@@ -379,14 +387,15 @@ def params(det: EMABackpressureDetector) -> dict:
 
 
 def test_no_config_no_detector():
-    assert build_detector("fs", None, None, None) is None
-    assert build_detector("fs", None, {"alpha": 0.5}, False) is None  # tier opts out
-    assert build_detector("fs", "bogus", None, None) is None  # locality is not ours then
+    assert build_detector_from_config("fs", None, None, None) is None
+    assert build_detector_from_config("fs", None, {"alpha": 0.5}, False) is None  # tier opts out
+    # locality is not ours then
+    assert build_detector_from_config("fs", "bogus", None, None) is None
 
 
 def test_bare_dict_gives_the_ema_detector_with_defaults():
     for top, tier in (({}, None), (None, {}), ({}, {}), (False, {})):
-        det = build_detector("fs", None, top, tier, where=W)
+        det = build_detector_from_config("fs", None, top, tier, where=W)
         assert type(det) is EMABackpressureDetector
         assert isinstance(det.policy, ThrottledDropPolicy)
         assert params(det) == dict(high_water_s=0.010, low_water_s=0.002, alpha=0.15,
@@ -406,7 +415,7 @@ def test_bare_dict_gives_the_ema_detector_with_defaults():
     ("my_tier", None, 0.010, 0.002, None),
 ])
 def test_defaults_by_type_and_locality(tier_type, locality, high, low, threshold):
-    det = build_detector(tier_type, locality, None, {}, where=W)
+    det = build_detector_from_config(tier_type, locality, None, {}, where=W)
     assert (det.high_water_s, det.low_water_s, det.failure_threshold) == (high, low, threshold)
     assert EMABackpressureDetector.default_config(tier_type, locality=locality) == {
         "high_water_s": high, "low_water_s": low,
@@ -414,8 +423,8 @@ def test_defaults_by_type_and_locality(tier_type, locality, high, low, threshold
 
 
 def test_user_keys_win_over_defaults():
-    det = build_detector("obj", None, None,
-                         {"high_water_s": 0.2, "failure_threshold": None}, where=W)
+    det = build_detector_from_config("obj", None, None,
+                                     {"high_water_s": 0.2, "failure_threshold": None}, where=W)
     assert det.high_water_s == 0.2
     assert det.low_water_s == 0.010  # default still fills the gap
     assert det.failure_threshold is None  # explicit null turns failures off
@@ -425,7 +434,7 @@ def test_field_by_field_merge():
     top = {"alpha": 0.5, "cooldown_s": 3.0, "policy_cls": "DropStorePolicy",
            "high_water_s": 0.1}
     tier = {"cooldown_s": 0.5, "low_water_s": 0.05}
-    det = build_detector("fs", None, top, tier, where=W)
+    det = build_detector_from_config("fs", None, top, tier, where=W)
     assert params(det) == dict(high_water_s=0.1, low_water_s=0.05, alpha=0.5,
                                warmup_completions=10, decay_half_life_s=2.0,
                                cooldown_s=0.5, failure_threshold=3)
@@ -434,22 +443,22 @@ def test_field_by_field_merge():
                    "high_water_s": 0.1}  # inputs untouched
     assert tier == {"cooldown_s": 0.5, "low_water_s": 0.05}
     # the top level alone applies to every tier
-    det = build_detector("example", None, top, None, where=W)
+    det = build_detector_from_config("example", None, top, None, where=W)
     assert det.alpha == 0.5 and det.failure_threshold is None
 
 
 def test_policy_parameters():
-    det = build_detector("fs", None, None, {"policy_cls": "ThrottledDropPolicy",
-                                           "policy_kwargs": {"ramp_factor": 3.0}})
+    det = build_detector_from_config("fs", None, None, {
+        "policy_cls": "ThrottledDropPolicy", "policy_kwargs": {"ramp_factor": 3.0}})
     assert det.policy.ramp_factor == 3.0
-    det = build_detector("fs", None, {"policy_kwargs": {"ramp_factor": 4}}, {})
+    det = build_detector_from_config("fs", None, {"policy_kwargs": {"ramp_factor": 4}}, {})
     assert type(det.policy) is ThrottledDropPolicy and det.policy.ramp_factor == 4.0
     # policy_kwargs is one field: the tier's replaces the top level's whole
-    det = build_detector("fs", None, {"policy_kwargs": {"ramp_factor": 4}},
-                         {"policy_kwargs": {}})
+    det = build_detector_from_config("fs", None, {"policy_kwargs": {"ramp_factor": 4}},
+                                     {"policy_kwargs": {}})
     assert det.policy.ramp_factor == 2.0
-    det = build_detector("fs", None, None, {"policy_cls": "DropStorePolicy",
-                                           "policy_kwargs": {}})
+    det = build_detector_from_config("fs", None, None, {"policy_cls": "DropStorePolicy",
+                                                        "policy_kwargs": {}})
     assert type(det.policy) is DropStorePolicy
 
 
@@ -475,29 +484,31 @@ def test_dotted_names_and_classes(monkeypatch):
     module.MyPolicy, module.MyDetector = MyPolicy, MyDetector
     monkeypatch.setitem(sys.modules, "bp_plugin_for_tests", module)
     clock = FakeClock()
-    det = build_detector("fs", None, None, {
+    det = build_detector_from_config("fs", None, None, {
         "backpressure_cls": "bp_plugin_for_tests.MyDetector", "threshold": 7,
         "policy_cls": "bp_plugin_for_tests.MyPolicy", "policy_kwargs": {"every": 3}},
         clock=clock)
     assert type(det) is MyDetector and det.threshold == 7 and det.clock is clock
     assert type(det.policy) is MyPolicy and det.policy.every == 3
-    det = build_detector("fs", None, None, {"backpressure_cls": MyDetector, "threshold": 1})
+    det = build_detector_from_config("fs", None, None,
+                                     {"backpressure_cls": MyDetector, "threshold": 1})
     assert type(det.policy) is MyPolicy
-    det = build_detector("fs", None, None, {
+    det = build_detector_from_config("fs", None, None, {
         "backpressure_cls": "shmtier.scheduler.backpressure.EMABackpressureDetector",
         "policy_cls": "shmtier.scheduler.backpressure.DropStorePolicy"}, clock=clock)
     assert type(det) is EMABackpressureDetector and type(det.policy) is DropStorePolicy
     assert det.clock is clock
-    with pytest.raises(ConfigError, match=r"backpressure\.threshold = 'x'|needs 'threshold'"):
-        build_detector("fs", None, None, {"backpressure_cls": MyDetector}, where=W)
-    with pytest.raises(ConfigError, match="ThrottledDropPolicy needs backpressure_cls"):
-        build_detector("fs", None, None, {"backpressure_cls": MyDetector, "threshold": 1,
-                                          "policy_cls": "ThrottledDropPolicy"})
+    with pytest.raises(BackpressureConfigError,
+                       match=r"backpressure\.threshold = 'x'|needs 'threshold'"):
+        build_detector_from_config("fs", None, None, {"backpressure_cls": MyDetector}, where=W)
+    with pytest.raises(BackpressureConfigError, match="ThrottledDropPolicy needs backpressure_cls"):
+        build_detector_from_config("fs", None, None, {
+            "backpressure_cls": MyDetector, "threshold": 1, "policy_cls": "ThrottledDropPolicy"})
 
 
 def _error(top, tier, tier_type="fs", locality=None) -> str:
-    with pytest.raises(ConfigError) as info:
-        build_detector(tier_type, locality, top, tier, where=W)
+    with pytest.raises(BackpressureConfigError) as info:
+        build_detector_from_config(tier_type, locality, top, tier, where=W)
     assert isinstance(info.value, ValueError)
     return str(info.value)
 
@@ -578,19 +589,217 @@ def test_invalid_inherited_and_top_level_values():
 
 
 def test_vllm_style_config_loads_unchanged():
-    det = build_detector("fs", None, None, {"backpressure_cls": "EMABackpressureDetector",
-                                           "policy_cls": "DropStorePolicy",
-                                           "high_water_s": 0.02, "low_water_s": 0.004})
+    det = build_detector_from_config("fs", None, None, {
+        "backpressure_cls": "EMABackpressureDetector", "policy_cls": "DropStorePolicy",
+        "high_water_s": 0.02, "low_water_s": 0.004})
     assert type(det.policy) is DropStorePolicy and det.high_water_s == 0.02
 
 
 def test_clock_is_passed_to_built_detectors():
     clock = FakeClock()
-    det = build_detector("fs", None, None, {"warmup_completions": 1}, clock=clock)
+    det = build_detector_from_config("fs", None, None, {"warmup_completions": 1}, clock=clock)
     submit = clock()
     clock.advance(0.25)
     det.update(submit, MIB)
     assert det.store_latency_ema == 0.25
+
+
+# ====================================================================== the clock
+
+
+def test_detector_follows_a_patched_time_monotonic():
+    """Without an injected clock, time is ``time.monotonic()`` looked up at every call, so
+    patching it the way vLLM's own tests do (``patch("time.monotonic", return_value=...)``
+    in tests/v1/kv_offload/tiering/test_backpressure.py) moves our detector's time too, as
+    it moves vLLM's. A default argument bound at import would not see the patch."""
+    try:
+        from vllm.v1.kv_offload.tiering import backpressure as vllm_bp
+    except ImportError:
+        vllm_bp = None
+    params = dict(high_water_s=HIGH, low_water_s=LOW, alpha=1.0, warmup_completions=1,
+                  decay_half_life_s=2.0, cooldown_s=0.0)
+    detectors = [EMABackpressureDetector(**params)]
+    if vllm_bp is not None:
+        detectors.append(vllm_bp.EMABackpressureDetector(**params))
+    t0 = 5000.0
+    for det in detectors:
+        with patch("time.monotonic", return_value=t0):
+            det.update(t0 - LOW, MIB)  # seeds the EMA at LOW s/MiB
+            det.update(t0 - 0.5, MIB)  # 0.5 s/MiB, measured against the patched time
+            assert det.store_latency_ema == 0.5
+            assert det.is_under_pressure()
+        # 0.5 = 8 x LOW: below LOW after more than 3 half-lives (6 s)
+        with patch("time.monotonic", return_value=t0 + 7.9):
+            assert not det.is_under_pressure()
+            assert det.store_latency_ema == pytest.approx(0.5 * 0.5 ** (7.9 / 2))
+    assert detectors[0].clock is None
+
+
+# ======================================================================= settings
+
+RECORDED: list = []
+
+
+class RecordingDetector(BackpressureDetector):
+    """Registered as ``bp_recording_for_tests.RecordingDetector``: records construction."""
+
+    def __init__(self, threshold: int = 1, policy=None, *, clock=None):
+        RECORDED.append(("detector", threshold))
+        super().__init__(policy, clock=clock)
+        self.threshold = threshold
+
+    def on_store_completed(self, elapsed_s, nbytes): ...
+    def is_under_pressure(self): return self.threshold > 5
+    def reset(self): self._policy.reset()
+
+
+class RecordingPolicy(DropStorePolicy):
+    def __init__(self, tag: str = ""):
+        RECORDED.append(("policy", tag))
+        super().__init__()
+
+
+class PickyDetector(RecordingDetector):
+    def __init__(self, threshold: int = 1, policy=None, *, clock=None):
+        if threshold < 0:
+            raise ValueError("threshold must be >= 0")
+        super().__init__(threshold, policy, clock=clock)
+
+
+@pytest.fixture
+def recording(monkeypatch):
+    module = types.ModuleType("bp_recording_for_tests")
+    module.RecordingDetector, module.RecordingPolicy = RecordingDetector, RecordingPolicy
+    module.PickyDetector = PickyDetector
+    monkeypatch.setitem(sys.modules, "bp_recording_for_tests", module)
+    RECORDED.clear()
+    yield RECORDED
+    RECORDED.clear()
+
+
+def test_settings_are_frozen_plain_data_and_build_nothing(recording):
+    config = {"backpressure_cls": "bp_recording_for_tests.RecordingDetector", "threshold": 7,
+              "policy_cls": "bp_recording_for_tests.RecordingPolicy",
+              "policy_kwargs": {"tag": "x"}}
+    settings_ = BackpressureSettings.from_config("fs", None, None, config, where=W)
+    assert recording == []  # neither class was instantiated
+    assert settings_ == BackpressureSettings(
+        detector_cls="bp_recording_for_tests.RecordingDetector",
+        policy_cls="bp_recording_for_tests.RecordingPolicy", policy_kwargs=(("tag", "x"),),
+        extra_kwargs=(("threshold", 7),))
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        settings_.threshold = 8
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        settings_.policy_kwargs = ()
+    assert pickle.loads(pickle.dumps(settings_)) == settings_
+    det = build_detector(settings_)
+    assert recording == [("policy", "x"), ("detector", 7)]
+    assert type(det) is RecordingDetector and type(det.policy) is RecordingPolicy
+    assert det.is_under_pressure() and not det.should_store(2)
+
+
+def test_a_custom_constructor_judges_its_settings_when_built(recording):
+    """What only a custom constructor can check is checked where it runs: at build time,
+    in the scheduler process; the error still names the tier's mapping."""
+    config = {"backpressure_cls": "bp_recording_for_tests.PickyDetector", "threshold": -1}
+    settings_ = BackpressureSettings.from_config("fs", None, None, config, where=W)
+    assert settings_.extra_kwargs == (("threshold", -1),)
+    with pytest.raises(BackpressureConfigError, match=r"PickyDetector rejected its settings "
+                       r"\{'threshold': -1\}: threshold must be >= 0"):
+        build_detector(settings_)
+    with pytest.raises(BackpressureConfigError, match=rf"^{re.escape(W)}: .*PickyDetector"):
+        build_detector_from_config("fs", None, None, config, where=W)
+
+
+def test_settings_apply_defaults_and_are_equal_for_equal_configs():
+    plain = BackpressureSettings.from_config("fs", None, None, {}, where=W)
+    assert plain == BackpressureSettings(
+        detector_cls="shmtier.scheduler.backpressure.detector.EMABackpressureDetector",
+        high_water_s=0.010, low_water_s=0.002, alpha=0.15, warmup_completions=10,
+        decay_half_life_s=2.0, cooldown_s=1.0, failure_threshold=3)
+    spelled_out = BackpressureSettings.from_config("fs", "local", {"alpha": 0.15}, {
+        "backpressure_cls": "EMABackpressureDetector", "warmup_completions": 10.0,
+        "high_water_s": 0.010}, where=W)
+    assert spelled_out == plain and hash(spelled_out) == hash(plain)
+    assert BackpressureSettings.from_config("fs", None, {}, None) == plain
+    assert BackpressureSettings.from_config("obj", None, None, {}) != plain
+    assert BackpressureSettings.from_config("fs", None, None, {"alpha": 0.5}) != plain
+    assert BackpressureSettings.from_config("fs", None, {"alpha": 0.5}, False) is None
+    assert BackpressureSettings.from_config("fs", None, None, None) is None
+    throttled = BackpressureSettings.from_config("fs", None,
+                                                 {"policy_kwargs": {"ramp_factor": 3}}, {})
+    assert throttled.policy_cls == "shmtier.scheduler.backpressure.policy.ThrottledDropPolicy"
+    assert throttled.policy_kwargs == (("ramp_factor", 3),)
+    with pytest.raises(BackpressureConfigError, match=r"alpha = 2 is invalid"):
+        BackpressureSettings.from_config("fs", None, None, {"alpha": 2}, where=W)
+
+
+def test_build_detector_from_settings_gives_a_working_detector():
+    settings_ = BackpressureSettings.from_config(
+        "fs", None, {"policy_cls": "DropStorePolicy"},
+        {"warmup_completions": 1, "alpha": 1.0, "cooldown_s": 0.0}, where=W)
+    clock = FakeClock()
+    det = build_detector(settings_, clock=clock)
+    assert type(det) is EMABackpressureDetector and type(det.policy) is DropStorePolicy
+    assert det.clock is clock and params(det) == dict(
+        high_water_s=0.010, low_water_s=0.002, alpha=1.0, warmup_completions=1,
+        decay_half_life_s=2.0, cooldown_s=0.0, failure_threshold=3)
+    assert det.should_store(1)
+    det.update(clock() - 0.001, MIB)  # seeds the EMA
+    det.update(clock() - 0.1, MIB)  # 0.1 s/MiB > high water
+    assert det.is_under_pressure() and not det.should_store(4)
+    assert det.policy.pop_stores_dropped() == (1, 4)
+    assert build_detector(settings_) is not det  # a fresh detector per call
+    assert build_detector(settings_).clock is None  # reads time.monotonic() at each call
+
+
+def test_builtin_classes_are_described_as_they_are():
+    from shmtier.scheduler.backpressure import validation
+
+    for path, signature in validation.BUILTIN_SIGNATURES.items():
+        module, _, name = path.rpartition(".")
+        cls = getattr(importlib.import_module(module), name)
+        assert validation.constructor_signature(cls) == signature, path
+        bases = {f"{c.__module__}.{c.__qualname__}" for c in cls.__mro__}
+        assert validation.BUILTIN_BASES[path] <= bases, path
+    assert set(validation.DETECTOR_CLASSES.values()) | set(validation.POLICY_CLASSES.values()) \
+        == set(validation.BUILTIN_SIGNATURES)
+
+
+def test_detector_parameters_are_read_only():
+    det, _ = make()
+    with pytest.raises(AttributeError):
+        det.high_water_s = 1.0
+    assert det.high_water_s == HIGH
+
+
+def _fresh_python(code: str) -> str:
+    return subprocess.run([sys.executable, "-c", code], check=True, capture_output=True,
+                          text=True, timeout=120).stdout.strip()
+
+
+def test_config_parsing_imports_no_detector():
+    assert _fresh_python("import shmtier.config, sys; "
+                         "print('shmtier.scheduler.backpressure.detector' in sys.modules)") \
+        == "False"
+    loaded = _fresh_python(
+        "import sys\n"
+        "from shmtier.scheduler.backpressure import BackpressureSettings\n"
+        "s = BackpressureSettings.from_config('fs', None, {'policy_cls': 'DropStorePolicy'},"
+        " {'alpha': 0.5}, where='w')\n"
+        "assert s is not None and s.alpha == 0.5\n"
+        "print(sorted(m for m in sys.modules if m.startswith(('shmtier.scheduler.backpressure.',"
+        " 'torch', 'vllm'))))")
+    assert loaded == str(["shmtier.scheduler.backpressure.settings",
+                          "shmtier.scheduler.backpressure.validation"])
+
+
+def test_tiering_config_reports_backpressure_errors_as_config_errors():
+    from shmtier.config import ConfigError, TieringConfig
+
+    with pytest.raises(ConfigError, match=r"secondary_tiers\[0\]\.backpressure\.alpha = 7"):
+        TieringConfig.from_extra_config(
+            {"secondary_tiers": [{"type": "fs", "backpressure": {"alpha": 7}}]})
 
 
 # ======================================================================= metrics

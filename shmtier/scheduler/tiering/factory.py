@@ -15,12 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 from shmtier.config import SecondaryTierConfig
-from shmtier.scheduler.backpressure import build_detector as _bd
-
-
-def build_detector(settings):  # TEMPORARY
-    *a, where = settings.args
-    return _bd(*a, where=where)
+from shmtier.scheduler.backpressure import build_detector
 from shmtier.tiers import registry
 from shmtier.tiers.config import TierContext
 from shmtier.tiers.registry import TierType

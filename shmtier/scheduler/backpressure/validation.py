@@ -1,0 +1,286 @@
+"""Checks shared by backpressure settings and the classes they describe.
+
+Who calls: :mod:`.settings` at configuration time (any process that parses
+``kv_connector_extra_config``), and the constructors of :mod:`.detector` / :mod:`.policy`
+and :func:`shmtier.scheduler.backpressure.build_detector` in the scheduler process, so a
+value is judged by one piece of code wherever it arrives. May it block: no; resolving a
+dotted class path imports that module, nothing else does I/O. Imports nothing of shmtier
+beyond the standard library: the built-in classes are described here by import path,
+constructor signature and base classes (tests check these against the real classes).
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+import inspect
+import math
+import sys
+from collections.abc import Mapping
+from typing import Any, NamedTuple
+
+
+class BackpressureConfigError(ValueError):
+    """An invalid backpressure setting; the message names the key, the value and what is
+    accepted. ``shmtier.config`` re-raises it as its ``ConfigError``."""
+
+
+_PACKAGE = "shmtier.scheduler.backpressure"
+_DETECTOR_BASE = f"{_PACKAGE}.detector.BackpressureDetector"
+_EMA = f"{_PACKAGE}.detector.EMABackpressureDetector"
+_POLICY_BASE = f"{_PACKAGE}.policy.BackpressurePolicy"
+_THROTTLED = f"{_PACKAGE}.policy.ThrottledDropPolicy"
+_DROP_STORE = f"{_PACKAGE}.policy.DropStorePolicy"
+
+#: Short names (no dot) accepted for ``backpressure_cls`` / ``policy_cls``: their import paths.
+DETECTOR_CLASSES: dict[str, str] = {"EMABackpressureDetector": _EMA}
+POLICY_CLASSES: dict[str, str] = {"DropStorePolicy": _DROP_STORE,
+                                  "ThrottledDropPolicy": _THROTTLED}
+DEFAULT_DETECTOR_CLS = "EMABackpressureDetector"
+
+_DETECTOR_METHODS = ("should_store", "update", "on_store_failed", "is_under_pressure", "reset")
+_POLICY_METHODS = ("should_store", "on_store_skipped", "pop_stores_dropped", "reset")
+
+# --- the EMA detector's defaults (EMABackpressureDetector reads them from here) ---------
+
+DEFAULT_ALPHA = 0.15
+DEFAULT_WARMUP_COMPLETIONS = 10
+DEFAULT_DECAY_HALF_LIFE_S = 2.0
+DEFAULT_COOLDOWN_S = 1.0
+DEFAULT_FAILURE_THRESHOLD = 3
+DEFAULT_RAMP_FACTOR = 2.0
+LOCAL_HIGH_WATER_S = 0.010
+LOCAL_LOW_WATER_S = 0.002
+NETWORK_HIGH_WATER_S = 0.050
+NETWORK_LOW_WATER_S = 0.010
+NETWORK_TIER_TYPES = frozenset({"obj"})
+STORAGE_TIER_TYPES = frozenset({"fs", "obj"})
+
+#: The EMA detector's numeric constructor parameters, in order.
+EMA_FIELDS = ("high_water_s", "low_water_s", "alpha", "warmup_completions",
+              "decay_half_life_s", "cooldown_s", "failure_threshold")
+EMA_DEFAULTS: dict[str, Any] = {
+    "alpha": DEFAULT_ALPHA, "warmup_completions": DEFAULT_WARMUP_COMPLETIONS,
+    "decay_half_life_s": DEFAULT_DECAY_HALF_LIFE_S, "cooldown_s": DEFAULT_COOLDOWN_S,
+    "failure_threshold": None,
+}
+
+# (kind, minimum, minimum inclusive); alpha's upper bound 1 is checked separately
+_FIELD_SPECS: dict[str, tuple[str, float, bool]] = {
+    "high_water_s": ("number", 0.0, False),
+    "low_water_s": ("number", 0.0, False),
+    "alpha": ("number", 0.0, False),
+    "warmup_completions": ("int", 0, True),
+    "decay_half_life_s": ("number", 0.0, True),
+    "cooldown_s": ("number", 0.0, True),
+    "failure_threshold": ("int_or_none", 1, True),
+    "ramp_factor": ("number", 0.0, False),  # ThrottledDropPolicy's
+}
+
+
+def ema_default_config(tier_type: str, locality: str | None = None) -> dict[str, Any]:
+    """The EMA detector's per-tier defaults (see the module docstring)."""
+    remote = isinstance(locality, str) and locality.upper() == "REMOTE"
+    if remote or tier_type in NETWORK_TIER_TYPES:
+        config: dict[str, Any] = {"high_water_s": NETWORK_HIGH_WATER_S,
+                                  "low_water_s": NETWORK_LOW_WATER_S}
+    else:
+        config = {"high_water_s": LOCAL_HIGH_WATER_S, "low_water_s": LOCAL_LOW_WATER_S}
+    if tier_type in STORAGE_TIER_TYPES:
+        config["failure_threshold"] = DEFAULT_FAILURE_THRESHOLD
+    return config
+
+
+def check_field(key: str, value: Any, name: str | None = None) -> Any:
+    """``value`` for the numeric setting ``key`` (an integral float becomes an int for the
+    integer settings), or :class:`BackpressureConfigError` naming ``name`` (default ``key``)."""
+    kind, minimum, inclusive = _FIELD_SPECS[key]
+    op = ">=" if inclusive else ">"
+    maximum = 1.0 if key == "alpha" else math.inf
+    if kind == "int_or_none":
+        if value is None:
+            return None
+        kind, expected = "int", f"an integer {op} {minimum}, or null to ignore failures"
+    elif kind == "int":
+        expected = f"an integer {op} {minimum}"
+    elif key == "alpha":
+        expected = "a number in (0, 1]"
+    else:
+        expected = f"a finite number {op} {minimum}"
+    if kind == "int":
+        if isinstance(value, float) and value.is_integer():
+            value = int(value)
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    else:
+        ok = (isinstance(value, (int, float)) and not isinstance(value, bool)
+              and math.isfinite(value))
+    if ok:
+        ok = (value >= minimum if inclusive else value > minimum) and value <= maximum
+    if not ok:
+        raise BackpressureConfigError(f"{name or key} = {value!r} is invalid: expected {expected}")
+    return value
+
+
+def check_water_marks(high: Any, low: Any, high_name: str = "high_water_s",
+                      low_name: str = "low_water_s") -> None:
+    if low > high:
+        raise BackpressureConfigError(
+            f"{low_name} = {low!r} is invalid: must be <= {high_name} = {high!r} (low water "
+            f"clears pressure, high water sets it)"
+        )
+
+
+class ConstructorSignature(NamedTuple):
+    """What a constructor accepts by keyword. ``names`` None: it cannot be inspected."""
+
+    names: frozenset[str] | None
+    required: tuple[str, ...] = ()
+    defaults: Mapping[str, Any] = {}
+    takes_any: bool = False  # **kwargs
+
+    def takes(self, key: str) -> bool:
+        return self.names is None or self.takes_any or key in self.names
+
+
+def constructor_signature(cls: type) -> ConstructorSignature:
+    try:
+        params = inspect.signature(cls).parameters.values()
+    except (TypeError, ValueError):
+        return ConstructorSignature(None)
+    named = [p for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    return ConstructorSignature(
+        frozenset(p.name for p in named),
+        tuple(p.name for p in named if p.default is p.empty),
+        {p.name: p.default for p in named if p.default is not p.empty},
+        any(p.kind is p.VAR_KEYWORD for p in params))
+
+
+def builder_arguments(signature: ConstructorSignature, is_detector: bool) -> tuple[str, ...]:
+    """The constructor arguments :func:`build_detector` supplies itself (not settings)."""
+    return tuple(arg for arg, applies in (("policy", True), ("clock", is_detector))
+                 if applies and signature.takes(arg))
+
+
+# The built-in classes, described without importing them (tests check these against them).
+BUILTIN_SIGNATURES: dict[str, ConstructorSignature] = {
+    _EMA: ConstructorSignature(frozenset(EMA_FIELDS) | {"policy", "clock"},
+                               ("high_water_s", "low_water_s"),
+                               {**EMA_DEFAULTS, "policy": None, "clock": None}),
+    _THROTTLED: ConstructorSignature(frozenset({"ramp_factor"}), (),
+                                     {"ramp_factor": DEFAULT_RAMP_FACTOR}),
+    _DROP_STORE: ConstructorSignature(frozenset()),
+}
+BUILTIN_BASES: dict[str, frozenset[str]] = {
+    _EMA: frozenset({_EMA, _DETECTOR_BASE}),
+    _THROTTLED: frozenset({_THROTTLED, _POLICY_BASE}),
+    _DROP_STORE: frozenset({_DROP_STORE, _POLICY_BASE}),
+}
+
+
+def _loaded_class(path: str) -> type | None:
+    """The class at ``path`` if its module is already imported (no import here)."""
+    module, _, name = path.rpartition(".")
+    return getattr(sys.modules.get(module), name, None)
+
+
+class ClassRef(NamedTuple):
+    """A configured class: what settings store, and what validation needs to know."""
+
+    ref: str | type  # what settings store
+    cls: type | None  # None: a built-in named by its short name, not imported
+    display: str
+
+    def is_a(self, base: str) -> bool:
+        if self.cls is None:
+            return base in BUILTIN_BASES[self.ref]
+        base_cls = _loaded_class(base)  # a subclass implies its base's module is loaded
+        return base_cls is not None and issubclass(self.cls, base_cls)
+
+    @property
+    def is_detector(self) -> bool:
+        return self.is_a(_DETECTOR_BASE)
+
+    @property
+    def is_ema(self) -> bool:
+        return self.is_a(_EMA)
+
+    @property
+    def is_throttled(self) -> bool:
+        return self.is_a(_THROTTLED)
+
+    def signature(self) -> ConstructorSignature:
+        return BUILTIN_SIGNATURES[self.ref] if self.cls is None else constructor_signature(self.cls)
+
+    def default_config(self) -> Any:
+        """The detector class's ``default_config`` classmethod, or None."""
+        if self.cls is None:
+            return ema_default_config
+        return getattr(self.cls, "default_config", None)
+
+
+def class_name(cls: type) -> str:
+    """A class as error messages name it: built-in classes by their short name."""
+    module = getattr(cls, "__module__", "")
+    builtin = module == _PACKAGE or module.startswith(_PACKAGE + ".")
+    return cls.__name__ if builtin else f"{module}.{cls.__qualname__}"
+
+
+def resolve_detector(value: Any, name: str) -> ClassRef:
+    """The class a ``backpressure_cls`` value names; ``name`` names it in errors."""
+    return _resolve_class(value, DETECTOR_CLASSES, _DETECTOR_BASE, _DETECTOR_METHODS, name,
+                          "detector")
+
+
+def resolve_policy(value: Any, name: str) -> ClassRef:
+    """The class a ``policy_cls`` value names; ``name`` names it in errors."""
+    return _resolve_class(value, POLICY_CLASSES, _POLICY_BASE, _POLICY_METHODS, name, "policy")
+
+
+def _resolve_class(value: Any, short_names: dict[str, str], base: str,
+                   methods: tuple[str, ...], name: str, what: str) -> ClassRef:
+    accepted = (f"one of {sorted(short_names)}, a dotted 'module.Class' path to a "
+                f"{what} class, or the class itself")
+    if isinstance(value, str) and value and "." not in value:
+        if value in short_names:
+            return ClassRef(short_names[value], None, value)
+        close = difflib.get_close_matches(value, short_names, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise BackpressureConfigError(f"{name} = {value!r} is invalid{hint}: expected {accepted}")
+    if isinstance(value, type):
+        cls = value
+    elif isinstance(value, str) and value:
+        module_path, _, attr = value.rpartition(".")
+        try:
+            module = importlib.import_module(module_path)
+        except Exception as e:  # noqa: BLE001 - any import failure is a config error
+            raise BackpressureConfigError(
+                f"{name} = {value!r} is invalid: module {module_path!r} cannot be imported "
+                f"({type(e).__name__}: {e}); expected {accepted}"
+            ) from e
+        cls = getattr(module, attr, None)
+        if cls is None:
+            raise BackpressureConfigError(
+                f"{name} = {value!r} is invalid: module {module_path!r} has no attribute "
+                f"{attr!r}; expected {accepted}"
+            )
+    else:
+        raise BackpressureConfigError(f"{name} = {value!r} is invalid: expected {accepted}")
+    found = ClassRef(value, cls, class_name(cls) if isinstance(cls, type) else repr(cls))
+    if not isinstance(cls, type) or not (
+            found.is_a(base) or all(callable(getattr(cls, m, None)) for m in methods)):
+        raise BackpressureConfigError(
+            f"{name} = {value!r} is invalid: {cls!r} is not a {what} class (a subclass of "
+            f"{base.rpartition('.')[2]} or a class with {', '.join(methods)}); expected {accepted}"
+        )
+    if inspect.isabstract(cls):
+        raise BackpressureConfigError(
+            f"{name} = {value!r} is invalid: {cls.__name__} is abstract; expected {accepted}")
+    return found
+
+
+def unknown_key(name: str, value: Any, key: Any, owner: str,
+                accepted: list[str]) -> BackpressureConfigError:
+    close = difflib.get_close_matches(key, accepted, n=1) if isinstance(key, str) else []
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    return BackpressureConfigError(
+        f"{name} = {value!r} is invalid: unknown key for {owner}{hint}; accepted keys: {accepted}")
