@@ -75,14 +75,11 @@ from shmtier.contract import (
 from shmtier.scheduler.backpressure import record_backpressure_metrics
 from shmtier.scheduler.primary import CPUPrimaryTierOffloadingManager
 from shmtier.scheduler.tiering.base import JobResult, ParentManager, TransferJob, optional_attribute
+from shmtier.scheduler.tiering.lookup_metrics import LookupTracker, RequestLookups
+from shmtier.scheduler.tiering.poll_thread import POLL_JOIN_TIMEOUT_S, TierPollThread
 
 logger = logging.getLogger(__name__)
 
-_POLL_LOCK_TIMEOUT_S = 1.0
-_POLL_STALL_WARN_S = 30.0
-_POLL_GIVE_UP_AFTER_S = 30.0
-_POLL_ERROR_LOG_EVERY_S = 1.0
-_POLL_JOIN_TIMEOUT_S = 5.0
 _LOOKUP_TIERS_MEMO_MAX = 64  # distinct (load_tier_filter, excluded tier) pairs remembered
 
 HIT, MISS, RETRY, HIT_PENDING = (LookupResult.HIT, LookupResult.MISS, LookupResult.RETRY,
@@ -102,91 +99,6 @@ class _RequestState:
     excluded_tier: int | None = None
     request_level_tiers: set[int] = field(default_factory=set)
     parked_cascade_keys: list[OffloadKey] = field(default_factory=list)
-
-
-class _RequestLookups:
-    """One request's lookup record: the keys resolved (HIT or MISS) per tier, and
-    when each key's first RETRY came. Held by the scan while it runs."""
-
-    __slots__ = ("tracker", "resolved", "retry_since")
-
-    def __init__(self, tracker: "_LookupTracker"):
-        self.tracker = tracker
-        self.resolved: list[set[OffloadKey]] = [set() for _ in tracker.labels]
-        self.retry_since: dict[tuple[int, OffloadKey], float] = {}
-
-    def record(self, tier: int, key: OffloadKey, result: LookupResult, sync_s: float,
-               now: float) -> None:
-        if result is HIT_PENDING:
-            return
-        if result is RETRY:
-            self.retry_since.setdefault((tier, key), now)
-            return
-        resolved = self.resolved[tier]
-        if key in resolved:
-            return
-        resolved.add(key)
-        tracker = self.tracker
-        tracker.queries[tier] += 1
-        if result is HIT:
-            tracker.hits[tier] += 1
-        tracker.sync_s[tier].append(sync_s)
-        if self.retry_since:
-            started = self.retry_since.pop((tier, key), None)
-            if started is not None:
-                tracker.async_s[tier].append(now - started)
-
-
-class _LookupTracker:
-    """Per (request, tier, key): queries/hits counted once, sync and async delays.
-
-    A request stops contributing once it is scheduled (``new_req_ids``) and is
-    forgotten when it finishes, so nothing grows with requests served."""
-
-    def __init__(self, labels: Sequence[str]):
-        self.labels = labels
-        self._requests: dict[str, _RequestLookups] = {}
-        self._stopped: set[str] = set()
-        # per tier index, since the last take_into(): plain counters and samples (a lookup
-        # records into these; take_into() adds them to the step's stats payload)
-        self.queries = [0] * len(labels)
-        self.hits = [0] * len(labels)
-        self.sync_s: list[list[float]] = [[] for _ in labels]
-        self.async_s: list[list[float]] = [[] for _ in labels]
-
-    def request(self, req_id: str) -> _RequestLookups | None:
-        """The record a lookup of ``req_id`` goes into; None once the request stopped
-        contributing."""
-        if req_id in self._stopped:
-            return None
-        record = self._requests.get(req_id)
-        if record is None:
-            record = self._requests[req_id] = _RequestLookups(self)
-        return record
-
-    def stop(self, req_ids: Iterable[str]) -> None:
-        for req_id in req_ids:
-            self._stopped.add(req_id)
-            self._requests.pop(req_id, None)
-
-    def forget(self, req_id: str) -> None:
-        self._stopped.discard(req_id)
-        self._requests.pop(req_id, None)
-
-    def take_into(self, stats: metrics.OffloadingStats) -> None:
-        """Add the series since the last call to ``stats`` and start afresh."""
-        for tier, label in enumerate(self.labels):
-            if not self.queries[tier]:
-                continue
-            labels = (label,)
-            stats.increase_counter(metrics.CHUNK_QUERIES, self.queries[tier], labels)
-            if self.hits[tier]:
-                stats.increase_counter(metrics.CHUNK_HITS, self.hits[tier], labels)
-            stats.observe_many(metrics.LOOKUP_SYNC_DELAY, self.sync_s[tier], labels)
-            if self.async_s[tier]:
-                stats.observe_many(metrics.LOOKUP_ASYNC_DELAY, self.async_s[tier], labels)
-            self.queries[tier] = self.hits[tier] = 0
-            self.sync_s[tier], self.async_s[tier] = [], []
 
 
 class _TierFacingParent(ParentManager):
@@ -266,12 +178,12 @@ class TieringOffloadingManager:
         self._scan_promotions: dict[OffloadKey, int] = {}
         self._scan_hits: set[OffloadKey] = set()
         self._scan_hits_evictable = 0  # of _scan_hits, those eviction could take
-        self._scan_lookups: _RequestLookups | None = None  # the scan's lookup metrics record
+        self._scan_lookups: RequestLookups | None = None  # the scan's lookup metrics record
         self._scan_room: int | None = None  # primary.rows_obtainable() when the scan began promoting
         # request -> keys whose reservation a policy refused after HIT_PENDING: MISS next
         self._refused: dict[str, set[OffloadKey]] = {}
         self._parents = [_TierFacingParent(self, i) for i in range(len(self.tiers))]
-        self._tracker = _LookupTracker(self.labels)
+        self._tracker = LookupTracker(self.labels)
         self._stats = metrics.OffloadingStats()
         # A tier written for vLLM speaks vLLM's enums: map them to ours once, by name.
         self._tier_kind = [
@@ -282,13 +194,9 @@ class TieringOffloadingManager:
         self._lookup_tiers_memo: dict[tuple[Any, int | None], list[tuple[int, Any]]] = {}
         self._polled = [i for i, t in enumerate(self.tiers)
                         if optional_attribute(t, "tolerates_off_thread_polling")]
-        self._poll_stop = threading.Event()
-        self._poll_thread: threading.Thread | None = None
+        self._poll_thread: TierPollThread | None = None
         if self._polled and tier_poll_interval_s > 0:
-            self._poll_thread = threading.Thread(
-                target=self._poll_loop, args=(tier_poll_interval_s,),
-                name="shmtier_tier_poll", daemon=True)
-            self._poll_thread.start()
+            self._poll_thread = TierPollThread(self._lock, self.poll_tiers, tier_poll_interval_s)
 
     @property
     def lock(self) -> threading.Lock:
@@ -743,57 +651,11 @@ class TieringOffloadingManager:
         finally:
             self._polled_this_step = gate
 
-    def _poll_loop(self, interval_s: float) -> None:
-        stalled_since = failing_since = None
-        last_error_log = 0.0
-        while not self._poll_stop.is_set():
-            if not self._lock.acquire(timeout=_POLL_LOCK_TIMEOUT_S):
-                now = time.monotonic()
-                stalled_since = stalled_since or now
-                if now - stalled_since > _POLL_STALL_WARN_S:
-                    logger.warning("tier-poll thread could not take the manager lock for "
-                                   "%.0f s; tiers are polled at step boundaries only",
-                                   now - stalled_since)
-                    stalled_since = None
-                continue
-            stalled_since = None
-            try:
-                self.poll_tiers()
-                failing_since = None
-            except Exception:  # never silently: per-step polling still serves the tiers
-                now = time.monotonic()
-                failing_since = failing_since or now
-                if now - last_error_log >= _POLL_ERROR_LOG_EVERY_S:
-                    last_error_log = now
-                    logger.exception("tier-poll round failed")
-            finally:
-                self._lock.release()
-            if failing_since is not None and time.monotonic() - failing_since >= _POLL_GIVE_UP_AFTER_S:
-                logger.error("tier-poll thread stops after %.0f s of failed rounds; tiers are "
-                             "polled at step boundaries only", _POLL_GIVE_UP_AFTER_S)
-                return
-            # Pause after releasing: the lock is not fair, and this bounds how long the
-            # scheduler thread can wait for it to one round.
-            self._poll_stop.wait(interval_s)
-
-    def _stop_poll_thread(self) -> bool:
-        """Stop and join the tier-poll thread; False if it did not exit in time."""
-        self._poll_stop.set()
-        thread = self._poll_thread
-        if thread is None:
-            return True
-        thread.join(_POLL_JOIN_TIMEOUT_S)
-        if thread.is_alive():
-            logger.error("tier-poll thread did not exit within %.1f s", _POLL_JOIN_TIMEOUT_S)
-            return False
-        self._poll_thread = None
-        return True
-
     def shutdown(self) -> None:
         """Stop the tier-poll thread, shut every tier down, then the primary (not if a
         tier failed: it may still use the primary's rows). Called without the lock."""
-        if not self._stop_poll_thread():
-            if not self._lock.acquire(timeout=_POLL_JOIN_TIMEOUT_S):
+        if self._poll_thread is not None and not self._poll_thread.stop():
+            if not self._lock.acquire(timeout=POLL_JOIN_TIMEOUT_S):
                 raise RuntimeError("shutdown: the tier-poll thread holds the manager lock")
             try:
                 self._shutdown_tiers()
