@@ -286,7 +286,7 @@ def run_worker(engine_id: str, index: int) -> int:
     finally:
         if rings is not None:
             try:
-                rings.worker(index).unclaim()
+                rings.worker(index).unclaim()  # a no-op unless this process holds the slot
             except Exception:
                 pass
             rings.close()
