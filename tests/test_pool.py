@@ -1,4 +1,4 @@
-"""The tier worker pool end to end: ``workers/pool.py`` driving real ``job_loop`` processes.
+"""The tier worker pool end to end: ``shmtier/scheduler/pool/`` driving real ``job_loop`` processes.
 
 Every test runs real worker processes (``python -m shmtier.workers.job_loop``) over a real
 POSIX segment, real ring semaphores and a real fs tier under ``tmp_path``; nothing is
@@ -29,7 +29,7 @@ import pytest
 
 from shmtier.shared import jobs, procinfo
 from shmtier.shared.layout import ArenaGeometry
-from shmtier.shared.pool_config import PoolConfig
+from shmtier.shared.pool_config import PoolConfig, rings_len_for
 from shmtier.shared.ring import (
     RingSet,
     clean_stale_ring_semaphores,
@@ -43,7 +43,7 @@ from shmtier.shared.segment import (
     open_segment,
     segment_name,
 )
-from shmtier.workers.pool import WorkerPool, rings_len_for
+from shmtier.scheduler.pool import WorkerPool
 
 CTX = mp.get_context("spawn")
 SHM_DIR = "/dev/shm"
@@ -484,7 +484,7 @@ def test_malformed_descriptors_and_backendless_tiers_get_error_results(pools, ca
             jobs.decode_job(raw)
     results = pool.rings.worker(0).results
     answered_before = results.head
-    with caplog.at_level(logging.ERROR, logger="shmtier.workers.pool"):
+    with caplog.at_level(logging.ERROR, logger="shmtier.scheduler.pool.supervisor"):
         for raw in garbage:
             assert pool.rings.worker(0).jobs.try_put(raw)
         deadline = time.monotonic() + 10

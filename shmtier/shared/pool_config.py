@@ -5,6 +5,10 @@ before any worker starts; spawned workers and an external pool (``shmtier
 workers --engine-id``) read the same blob, so both modes start from one source
 of truth. Layout: ``u32 length`` + msgpack map, in the last ``CONFIG_BYTES``
 of the ring area. Imports neither torch nor vLLM.
+
+``rings_len_for(config)`` is the ring area a segment needs for a config: the
+scheduler (creating the segment) and GPU worker processes (joining it) pass
+the same value to ``open_segment``.
 """
 
 from __future__ import annotations
@@ -14,6 +18,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import msgpack
+
+from shmtier.shared.ring import ring_area_nbytes
 
 CONFIG_BYTES = 64 << 10
 _LEN = struct.Struct("<I")
@@ -49,3 +55,8 @@ class PoolConfig:
             raise ValueError("the segment holds no tier worker config (no tiers with workers?)")
         return cls(**msgpack.unpackb(bytes(rings_area[start + _LEN.size : start + _LEN.size + length]),
                                      raw=False))
+
+
+def rings_len_for(config: PoolConfig) -> int:
+    """Ring area size a segment needs for ``config`` (rings + the config blob)."""
+    return ring_area_nbytes(config.num_workers, config.slots, config.slot_size) + CONFIG_BYTES

@@ -40,8 +40,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from shmtier.shared import jobs
-from shmtier.shared.pool_config import CONFIG_BYTES, PoolConfig
-from shmtier.shared.ring import RingSet, ring_area_nbytes
+from shmtier.shared.pool_config import PoolConfig
+from shmtier.shared.ring import RingSet
 
 logger = logging.getLogger(__name__)
 
@@ -49,11 +49,6 @@ _HEALTH_EVERY_S = 0.05
 _HEALTHY_RESET_S = 10.0
 _SPREAD_MIN_KEYS = 8
 _DRAIN_BATCH = 256  # results taken per ring call
-
-
-def rings_len_for(config: PoolConfig) -> int:
-    """Ring area size a segment needs for ``config`` (rings + the config blob)."""
-    return ring_area_nbytes(config.num_workers, config.slots, config.slot_size) + CONFIG_BYTES
 
 
 @dataclass(slots=True)
