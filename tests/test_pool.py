@@ -7,7 +7,7 @@ scheduler (owner death). The ``pools`` fixture always shuts the pool down, kills
 worker still running and closes (unlinks) the segment, also when a test fails; the
 suite-wide guard in conftest.py then checks that /dev/shm is as it was.
 
-Tests that touch pool internals (``pool._procs`` for worker pids, ``pool._parts`` for
+Tests that touch pool internals (``pool._procs`` for worker pids, ``pool._dispatch.parts`` for
 which worker holds a part) do so read-only, to observe, never to steer.
 """
 
@@ -43,7 +43,7 @@ from shmtier.shared.segment import (
     open_segment,
     segment_name,
 )
-from shmtier.scheduler.pool import WorkerPool
+from shmtier.scheduler.pool import WorkerPool, WorkerState
 
 CTX = mp.get_context("spawn")
 SHM_DIR = "/dev/shm"
@@ -104,15 +104,17 @@ class PoolEnv:
     def __init__(self, engine_id: str, root: str, *, num_workers: int = 2, slots: int = 64,
                  slot_size: int = 4096, chunk_bytes: int = 4096, num_chunks: int = 64,
                  heartbeat_interval_s: float = 0.25, heartbeat_timeout_s: float = 2.0,
-                 extra_tiers: tuple = (), mode: str = "spawn"):
+                 extra_tiers: tuple = (), mode: str = "spawn", job_timeout_s: float = 60.0,
+                 fs_root: str | None = None):
         assert chunk_bytes % 4096 == 0
         self.engine_id = engine_id
-        self.root = root
+        self.root = root if fs_root is None else fs_root
         self.closed = False
         self.pool = None
         self.cfg = PoolConfig(num_workers=num_workers, slots=slots, slot_size=slot_size,
                               chunk_bytes=chunk_bytes, heartbeat_interval_s=heartbeat_interval_s,
-                              tiers=[_fs_tier(root), *extra_tiers])
+                              tiers=[_fs_tier(self.root), *extra_tiers],
+                              job_timeout_s=job_timeout_s)
         geometry = ArenaGeometry(num_chunks=num_chunks, row_stride=chunk_bytes,
                                  page_size_per_worker=chunk_bytes, world_size=1)
         self.seg = open_segment(engine_id, geometry, f"fp-{engine_id}", owner=True,
@@ -285,10 +287,11 @@ def test_exactly_once_under_random_sigkills(pools):
     0.2-0.5 s: each pool job id is reported exactly once, failures name the killed
     worker, and every store that reported OK loads back byte-exactly.
 
-    Kills only hit a pool whose two workers both run: the pool's restart backoff
-    doubles per restart and never resets (0.1 s ... 5 s), so killing the only live
-    worker would leave the pool idle for seconds. Hang detection is out of the way
-    (heartbeat timeout 30 s): only death is tested here.
+    Kills only hit a pool whose two workers are both healthy: the pool's restart
+    backoff doubles per restart (0.1 s ... 5 s), so killing the only live worker would
+    leave the pool idle for seconds, and a slot killed three times before it became
+    healthy would break the pool (a worker that cannot start). Hang detection is out
+    of the way (heartbeat timeout 30 s): only death is tested here.
 
     At most 64 jobs are in flight against 128-slot rings, so a ring never fills, even
     with the up to 32 space tokens a worker killed inside ``get_many`` takes with it
@@ -323,7 +326,8 @@ def test_exactly_once_under_random_sigkills(pools):
         now = time.monotonic()
         if now >= next_kill:
             procs = list(pool._procs)
-            if all(p is not None and p.poll() is None for p in procs):
+            if all(p is not None and p.poll() is None for p in procs) and all(
+                    state == "healthy" for state in pool.worker_states()):
                 w = rng.randrange(len(procs))
                 procs[w].send_signal(signal.SIGKILL)
                 killed.add((w, procs[w].pid))
@@ -606,12 +610,12 @@ def test_store_load_delete_of_the_same_keys_run_in_submit_order(pools):
             ("store", src_b), ("load", dst_b), ("probe", None)]
     ids, owner = [], {}
     for op, rows in plan:  # back to back, no poll in between
-        before = set(pool._parts)
+        before = set(pool._dispatch.parts)
         jid = pool.submit(op, 0, keys, rows)
         assert jid is not None
         ids.append(jid)
-        for part_id in set(pool._parts) - before:
-            part = pool._parts[part_id]
+        for part_id in set(pool._dispatch.parts) - before:
+            part = pool._dispatch.parts[part_id]
             for pos in part.positions:
                 owner.setdefault(pos, set()).add(part.worker)
     assert all(len(ws) == 1 for ws in owner.values()), owner  # one worker per key
@@ -794,6 +798,119 @@ def test_shutdown_fails_the_jobs_left_in_flight(pools):
     results = pool.take(0)
     assert sorted(r.job_id for r in results) == sorted(ids)
     assert all(r.outcomes == [jobs.ERROR] and r.error for r in results)
+
+
+# --- 9. job deadline --------------------------------------------------------------------
+
+
+def test_a_lost_job_fails_by_its_deadline_and_its_worker_is_replaced(pools):
+    """A worker that holds a job and never answers (SIGSTOPped; its heartbeat timeout
+    is far away): at the part's deadline the worker is killed, then the part fails,
+    exactly once, and a replacement serves the next jobs."""
+    timeout = 1.0
+    env = pools(num_workers=1, num_chunks=16, heartbeat_timeout_s=60.0, job_timeout_s=timeout)
+    pool = env.pool
+    [pid] = wait_up(env)
+    lost = env.procs()[0]
+    try:
+        lost.send_signal(signal.SIGSTOP)
+        t0 = time.monotonic()
+        jid = submit(pool, "probe", 0, [_key(1, b"lost")])
+        r = collect(pool, [jid], timeout_s=timeout + 10)[jid]
+        took = time.monotonic() - t0
+        assert r.outcomes == [jobs.ERROR]
+        m = _HUNG.search(r.error)
+        assert m and int(m.group(2)) == pid and "deadline" in r.error, r.error
+        assert timeout <= took <= timeout + 2.0, took
+        assert lost.returncode == -signal.SIGKILL  # killed before its part failed
+        assert pool.failed_parts_total == 1 and pool.timed_out_total == 1
+        assert pool.restarts_total == 1
+        [new_pid] = wait_up(env, timeout_s=15)
+        assert new_pid != pid
+        assert run(pool, "probe", 0, [_key(2, b"lost")]).outcomes == [jobs.MISS]
+        settle = time.monotonic() + 0.3
+        while time.monotonic() < settle:  # nothing reported late or twice
+            pool.poll()
+            assert pool.take(0) == []
+            time.sleep(0.02)
+        assert pool.failed_parts_total == 1 and pool.broken is None
+    finally:
+        if lost.poll() is None:
+            lost.send_signal(signal.SIGCONT)
+            lost.kill()
+            lost.wait(5)
+
+
+# --- 10. a pool whose workers cannot start ------------------------------------------------
+
+
+def _worker_processes(engine_id: str) -> list[int]:
+    """Pids of running tier worker processes of ``engine_id`` (from /proc)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+        except OSError:
+            continue
+        if b"shmtier.workers.job_loop" in argv and engine_id.encode() in argv:
+            found.append(int(entry))
+    return found
+
+
+def test_workers_that_cannot_start_break_the_pool_once(pools, tmp_path, caplog):
+    missing = str(tmp_path / "no-such-dir")
+    caplog.set_level(logging.INFO, logger="shmtier.scheduler.pool")
+    t0 = time.monotonic()
+    env = pools(num_workers=2, num_chunks=16, fs_root=missing)
+    pool = env.pool
+    early = pool.submit("probe", 0, [_key(1, b"early")])
+    assert early is not None  # accepted while the pool is not broken yet
+    while pool.broken is None:
+        assert time.monotonic() - t0 < 10, (pool.worker_states(), pool.start_failures_total)
+        pool.poll()
+        time.sleep(0.01)
+    broke_after = time.monotonic() - t0
+    assert "exit code 4" in pool.broken and "root_dir does not exist" in pool.broken, pool.broken
+    assert "failed to start 3 times" in pool.broken
+
+    # every outstanding job fails at once (within a health check or two), exactly once
+    got = collect(pool, [early], timeout_s=2)
+    assert got[early].outcomes == [jobs.ERROR]
+    deadline = time.monotonic() + 5
+    while pool.worker_states() != [WorkerState.BROKEN] * 2:
+        assert time.monotonic() < deadline, pool.worker_states()
+        pool.poll()
+        time.sleep(0.01)
+    assert pool.restarts_total <= 2 * (pool.max_start_failures - 1)
+
+    # submit refuses at once, without side effects; submit and poll stay fast
+    submit_s, poll_s = [], []
+    for i in range(2000):
+        t = time.perf_counter()
+        assert pool.submit("store", 0, [_key(i, b"late")], [i % 16]) is None
+        submit_s.append(time.perf_counter() - t)
+        t = time.perf_counter()
+        pool.poll()
+        poll_s.append(time.perf_counter() - t)
+    assert pool.outstanding() == 0 and pool.queued_jobs() == 0 and pool.take(0) == []
+    assert np.median(submit_s) < 20e-6, np.median(submit_s)
+    assert np.median(poll_s) < 100e-6, np.median(poll_s)
+    assert pool.broken is not None and pool.worker_states() == [WorkerState.BROKEN] * 2
+    assert _worker_processes(env.engine_id) == []  # nothing restarted any more
+
+    errors = [r for r in caplog.records
+              if r.name.startswith("shmtier.scheduler.pool") and r.levelno >= logging.ERROR]
+    assert len(errors) == 1, [r.getMessage() for r in errors]
+    assert "broken" in errors[0].getMessage() and "root_dir" in errors[0].getMessage()
+    print(f"\npool broken after {broke_after:.2f} s; submit median "
+          f"{np.median(submit_s) * 1e6:.2f} µs, poll median {np.median(poll_s) * 1e6:.2f} µs")
+
+    env.close()
+    assert _our_shm_entries(env.engine_id) == []
+    assert _worker_processes(env.engine_id) == []
 
 
 def test_loads_overtake_queued_stores_but_not_a_store_of_the_same_key():

@@ -22,13 +22,22 @@ import msgpack
 from shmtier.shared.ring import ring_area_nbytes
 
 CONFIG_BYTES = 64 << 10
+# Exit code of a tier worker whose tier backends could not be built (e.g. an fs tier's
+# root_dir is missing): the pool counts it as a failure to start.
+EXIT_BACKENDS_FAILED = 4
 _LEN = struct.Struct("<I")
 
 
 @dataclass
 class PoolConfig:
     """``tiers[i]`` is None for a tier that has no worker half, else
-    ``{"kind": "fs", "kwargs": {...}}`` (the backend and its constructor args)."""
+    ``{"kind": "fs", "kwargs": {...}}`` (the backend and its constructor args).
+
+    ``mode`` is how the engine's pool runs its workers (``"spawn"``: the scheduler
+    starts them; ``"external"``: ``shmtier workers`` does); the pool writes it, and
+    ``shmtier workers`` refuses a spawn-mode engine. ``job_timeout_s`` is the
+    deadline of one pool job part: a worker that holds a part longer is killed and
+    its parts fail (their CPU rows are released)."""
 
     num_workers: int
     slots: int
@@ -37,6 +46,8 @@ class PoolConfig:
     element_size: int = 2
     heartbeat_interval_s: float = 0.25
     tiers: list[Any] = field(default_factory=list)
+    mode: str = "spawn"
+    job_timeout_s: float = 60.0
 
     def write(self, rings_area: memoryview) -> None:
         blob = msgpack.packb(asdict(self), use_bin_type=True)
