@@ -20,6 +20,8 @@ import os
 import random
 import re
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -800,7 +802,131 @@ def test_shutdown_fails_the_jobs_left_in_flight(pools):
     assert all(r.outcomes == [jobs.ERROR] and r.error for r in results)
 
 
-# --- 9. job deadline --------------------------------------------------------------------
+# --- 9. one pool per engine: ring ownership ---------------------------------------------
+
+
+def _holders(pool: WorkerPool) -> list[tuple[int, int]]:
+    """(pid, start time) of each worker slot's recorded holder."""
+    return [(hb.pid, hb.start_time) for hb in
+            (pool.rings.worker(w).last_beat() for w in range(pool.n))]
+
+
+def _start_cli(*args: str) -> subprocess.Popen:
+    """``python -m shmtier ARGS`` in its own session (so the test can kill everything it
+    starts, its worker processes included, with one killpg)."""
+    return subprocess.Popen([sys.executable, "-m", "shmtier", *args], stdin=subprocess.DEVNULL,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            start_new_session=True)
+
+
+def _finish(proc: subprocess.Popen, timeout_s: float) -> tuple[int | None, str]:
+    """Wait for ``proc`` (returncode, stderr); on timeout kill its whole session and
+    return (None, stderr)."""
+    try:
+        _, err = proc.communicate(timeout=timeout_s)
+        return proc.returncode, err.decode(errors="replace")
+    except subprocess.TimeoutExpired:
+        _killpg(proc)
+        _, err = proc.communicate()
+        return None, err.decode(errors="replace")
+
+
+def _killpg(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)  # the session leader's pid is its group id
+    except ProcessLookupError:
+        pass
+    proc.wait(10)
+
+
+def _round_trip(env: PoolEnv, tag: bytes, n: int = 8) -> None:
+    rng = np.random.default_rng(len(tag))
+    env.arena[:n] = rng.integers(0, 256, (n, env.arena.shape[1]), dtype=np.uint8)
+    keys = [_key(i, tag) for i in range(n)]
+    stored = run(env.pool, "store", 0, keys, list(range(n)))
+    assert stored.outcomes == [jobs.OK] * n, stored.error
+    loaded = run(env.pool, "load", 0, keys, list(range(n, 2 * n)))
+    assert loaded.outcomes == [jobs.OK] * n, loaded.error
+    assert np.array_equal(env.arena[n:2 * n], env.arena[:n])
+
+
+def test_shmtier_workers_refuses_a_spawn_mode_engine_and_leaves_its_pool_alone(pools):
+    env = pools(num_workers=2, num_chunks=16)
+    pool = env.pool
+    pids = wait_up(env)
+    holders = _holders(pool)
+    assert [pid for pid, _ in holders] == pids
+    second = _start_cli("workers", "--engine-id", env.engine_id)
+    code, err = _finish(second, 30)
+    assert code == 2, (code, err)
+    assert "spawn" in err and env.engine_id in err, err
+    for _ in range(10):  # a few health checks: nothing was disturbed
+        pool.poll()
+        time.sleep(0.06)
+    assert _holders(pool) == holders
+    assert [p.pid for p in env.procs()] == pids and all(p.poll() is None for p in env.procs())
+    _round_trip(env, b"spawn-owner")
+    assert _holders(pool) == holders
+    assert pool.restarts_total == 0 and pool.failed_parts_total == 0
+    assert pool.broken is None
+
+
+def test_a_second_external_pool_is_refused_and_the_first_keeps_its_rings(pools):
+    env = pools(num_workers=2, num_chunks=16, mode="external")
+    pool = env.pool
+    first = _start_cli("workers", "--engine-id", env.engine_id)
+    second = None
+    try:
+        deadline = time.monotonic() + 30
+        while pool.worker_states() != [WorkerState.HEALTHY] * 2:
+            assert first.poll() is None, first.communicate()
+            assert time.monotonic() < deadline, pool.worker_states()
+            pool.poll()
+            time.sleep(0.02)
+        holders = _holders(pool)
+        assert all(pid and _alive(pid, st) for pid, st in holders)
+        _round_trip(env, b"ext-first")
+
+        second = _start_cli("workers", "--engine-id", env.engine_id)
+        code, err = _finish(second, 30)
+        assert code == 2, (code, err)
+        assert "held by live" in err, err
+        for _ in range(10):
+            pool.poll()
+            time.sleep(0.06)
+        assert _holders(pool) == holders
+        assert pool.worker_states() == [WorkerState.HEALTHY] * 2
+        _round_trip(env, b"ext-after")
+        assert _holders(pool) == holders and pool.failed_parts_total == 0
+        assert first.poll() is None
+    finally:
+        if second is not None and second.poll() is None:
+            _killpg(second)
+        first.terminate()  # stops its workers
+        if _finish(first, 15)[0] is None:
+            pytest.fail("`shmtier workers` did not stop on SIGTERM")
+
+
+def test_a_duplicate_worker_exits_without_clearing_the_holders_record(pools):
+    env = pools(num_workers=1, num_chunks=16)
+    pool = env.pool
+    [pid] = wait_up(env)
+    holders = _holders(pool)
+    claims = pool.rings.worker(0).last_beat().claims
+    dup = subprocess.Popen([sys.executable, "-m", "shmtier.workers.job_loop", env.engine_id, "0"],
+                           stdin=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                           start_new_session=True)
+    code, err = _finish(dup, 30)
+    assert code not in (None, 0), (code, err)
+    assert "RingBusyError" in err and f"held by live pid {pid}" in err, err
+    assert _holders(pool) == holders and pool.rings.worker(0).holder_alive()
+    assert pool.rings.worker(0).last_beat().claims == claims  # its claim never happened
+    _round_trip(env, b"dup")
+    assert _holders(pool) == holders
+    assert pool.restarts_total == 0 and env.procs()[0].pid == pid
+
+
+# --- 10. job deadline --------------------------------------------------------------------
 
 
 def test_a_lost_job_fails_by_its_deadline_and_its_worker_is_replaced(pools):
@@ -841,7 +967,7 @@ def test_a_lost_job_fails_by_its_deadline_and_its_worker_is_replaced(pools):
             lost.wait(5)
 
 
-# --- 10. a pool whose workers cannot start ------------------------------------------------
+# --- 11. a pool whose workers cannot start ------------------------------------------------
 
 
 def _worker_processes(engine_id: str) -> list[int]:
