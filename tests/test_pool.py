@@ -1039,6 +1039,81 @@ def test_workers_that_cannot_start_break_the_pool_once(pools, tmp_path, caplog):
     assert _worker_processes(env.engine_id) == []
 
 
+def test_external_jobs_fail_by_their_deadline_when_no_worker_runs(pools):
+    env = pools(num_workers=1, num_chunks=16, mode="external", job_timeout_s=0.5)
+    pool = env.pool
+    t0 = time.monotonic()
+    jid = submit(pool, "probe", 0, [_key(1, b"nobody")])
+    r = collect(pool, [jid], timeout_s=5)[jid]
+    assert 0.5 <= time.monotonic() - t0 <= 2.5
+    assert r.outcomes == [jobs.ERROR] and "shmtier workers" in r.error, r.error
+    assert pool.timed_out_total == 1 and pool.broken is None
+    assert pool.worker_states() == [WorkerState.STARTING]  # still waiting for a worker
+
+
+def test_external_workers_that_cannot_start_break_the_pool(pools, tmp_path, caplog):
+    """External mode: the pool judges `shmtier workers`' processes by their claims and
+    heartbeats; workers that claim the slot and exit before they beat again are start
+    failures, and three of them break the pool."""
+    caplog.set_level(logging.INFO, logger="shmtier.scheduler.pool")
+    env = pools(num_workers=1, num_chunks=16, mode="external",
+                fs_root=str(tmp_path / "no-such-dir"))
+    pool = env.pool
+    ext = _start_cli("workers", "--engine-id", env.engine_id)
+    try:
+        t0 = time.monotonic()
+        while pool.broken is None:
+            assert time.monotonic() - t0 < 15, (pool.worker_states(), pool.start_failures_total)
+            pool.poll()
+            time.sleep(0.01)
+        print(f"\nexternal pool broken after {time.monotonic() - t0:.2f} s: {pool.broken}")
+        assert "failed to start 3 times" in pool.broken, pool.broken
+        assert pool.submit("probe", 0, [_key(1, b"ext-broken")]) is None
+        errors = [r for r in caplog.records
+                  if r.name.startswith("shmtier.scheduler.pool") and r.levelno >= logging.ERROR]
+        assert len(errors) == 1, [r.getMessage() for r in errors]
+    finally:
+        ext.terminate()
+        if _finish(ext, 15)[0] is None:
+            pytest.fail("`shmtier workers` did not stop on SIGTERM")
+
+
+def test_the_worker_state_machine_allows_only_its_transitions():
+    from shmtier.scheduler.pool.worker_state import TransitionError, WorkerRecord
+
+    rec = WorkerRecord(0)
+    rec.spawned(100, now=0.0)
+    assert rec.state is WorkerState.STARTING
+    with pytest.raises(TransitionError):
+        rec.restart_after_backoff(0.0)  # a running worker is not restarted
+    rec.beat_seen(1, now=0.1)
+    assert rec.state is WorkerState.STARTING  # its claim's beat
+    rec.beat_seen(2, now=0.2)
+    assert rec.state is WorkerState.HEALTHY
+    rec.killed("hung (test)")
+    with pytest.raises(TransitionError):
+        rec.killed("again")
+    rec.gone("died", now=1.0, start_failure=False, failed_parts=0)
+    assert rec.state is WorkerState.DEAD and rec.failures_within(30, 1.0) == 0
+    # two start failures, then healthy: the count starts over
+    for t in (2.0, 3.0):
+        rec.restart_after_backoff(t)
+        rec.spawned(100 + int(t), now=t)
+        rec.gone("died (exit code 4)", now=t + 0.5, start_failure=True, failed_parts=0)
+    assert rec.failures_within(30, 4.0) == 2
+    rec.restart_after_backoff(4.0)
+    rec.spawned(200, now=4.0)
+    rec.beat_seen(10, now=4.1)
+    rec.beat_seen(11, now=4.2)
+    assert rec.failures_within(30, 4.2) == 0
+    rec.gone("died", now=5.0, start_failure=False, failed_parts=0)
+    rec.broke()
+    assert rec.state is WorkerState.BROKEN
+    with pytest.raises(TransitionError):
+        rec.restart_after_backoff(6.0)
+    assert WorkerRecord(1, start_failures=[0.0, 1.0, 40.0]).failures_within(30, 45.0) == 1
+
+
 def test_loads_overtake_queued_stores_but_not_a_store_of_the_same_key():
     from shmtier.shared import jobs
     from shmtier.workers.job_loop import decode_all, loads_first

@@ -314,7 +314,7 @@ class WorkerPool:
             return f"died (exit code {code})"
         beat = self.rings.worker(rec.index).last_beat()
         if beat.pid != rec.pid or beat.start_time != rec.start_time:
-            return "died (left its slot)"
+            return "died (left its slot; its output is in `shmtier workers`' stderr)"
         if not self.rings.worker(rec.index).holder_alive():
             return "died"
         return None
