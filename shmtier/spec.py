@@ -65,7 +65,7 @@ class TieringOffloadingSpec:
                           element_size=_element_size(self.layout.dtype),
                           codec={"mode": codec.mode, "level": codec.level,
                                  "min_gain": codec.min_gain},
-                          tiers=tiers)
+                          tiers=tiers, job_timeout_s=tiering.tier_job_timeout_s)
 
     # --- front end (no instance needed) ---
 
@@ -108,7 +108,8 @@ class TieringOffloadingSpec:
             return self._manager
         cleanup: list = []
         try:
-            from shmtier.workers.pool import WorkerPool, rings_len_for
+            from shmtier.scheduler.pool import WorkerPool
+            from shmtier.shared.pool_config import rings_len_for
 
             rings_len = rings_len_for(self.pool_config) if self.pool_config else 0
             segment: Segment = open_segment(self.engine_id, self.geometry, self.fingerprint,
@@ -151,7 +152,7 @@ class TieringOffloadingSpec:
         """Join the segment as GPU rank ``rank`` and return its block copy worker."""
         from shmtier.gpu.copy_worker import BlockCopyWorker
 
-        from shmtier.workers.pool import rings_len_for
+        from shmtier.shared.pool_config import rings_len_for
 
         segment = open_segment(self.engine_id, self.geometry, self.fingerprint, owner=False,
                                rank=0 if self.layout.replicated_layout else rank,

@@ -1,4 +1,4 @@
-"""The tier worker pool end to end: ``workers/pool.py`` driving real ``job_loop`` processes.
+"""The tier worker pool end to end: ``shmtier/scheduler/pool/`` driving real ``job_loop`` processes.
 
 Every test runs real worker processes (``python -m shmtier.workers.job_loop``) over a real
 POSIX segment, real ring semaphores and a real fs tier under ``tmp_path``; nothing is
@@ -7,7 +7,7 @@ scheduler (owner death). The ``pools`` fixture always shuts the pool down, kills
 worker still running and closes (unlinks) the segment, also when a test fails; the
 suite-wide guard in conftest.py then checks that /dev/shm is as it was.
 
-Tests that touch pool internals (``pool._procs`` for worker pids, ``pool._parts`` for
+Tests that touch pool internals (``pool._procs`` for worker pids, ``pool._dispatch.parts`` for
 which worker holds a part) do so read-only, to observe, never to steer.
 """
 
@@ -20,6 +20,8 @@ import os
 import random
 import re
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -29,7 +31,7 @@ import pytest
 
 from shmtier.shared import jobs, procinfo
 from shmtier.shared.layout import ArenaGeometry
-from shmtier.shared.pool_config import PoolConfig
+from shmtier.shared.pool_config import PoolConfig, rings_len_for
 from shmtier.shared.ring import (
     RingSet,
     clean_stale_ring_semaphores,
@@ -43,8 +45,8 @@ from shmtier.shared.segment import (
     open_segment,
     segment_name,
 )
+from shmtier.scheduler.pool import WorkerPool, WorkerState
 from shmtier.tiers.fs.config import FsTierConfig
-from shmtier.workers.pool import WorkerPool, rings_len_for
 
 CTX = mp.get_context("spawn")
 SHM_DIR = "/dev/shm"
@@ -67,9 +69,9 @@ def _bf16_rows(rng: np.random.Generator, n: int, nbytes: int) -> np.ndarray:
 
 
 def _fs_tier(root: str) -> dict:
-    """The pool config entry of an fs tier at ``root`` (as the spec writes it)."""
-    options = FsTierConfig.from_options({"root_dir": root, "min_free_bytes": None}, where="test")
-    return {"type": "fs", "args": options.worker_args()}
+    """The pool config entry of an fs tier at ``root`` (as the spec writes it; not
+    checked here, so a test may hand the workers a root that does not exist)."""
+    return {"type": "fs", "args": FsTierConfig(root_dir=root, min_free_bytes=None).worker_args()}
 
 
 def _kv_files(root: str | Path) -> list[Path]:
@@ -107,15 +109,17 @@ class PoolEnv:
     def __init__(self, engine_id: str, root: str, *, num_workers: int = 2, slots: int = 64,
                  slot_size: int = 4096, chunk_bytes: int = 4096, num_chunks: int = 64,
                  heartbeat_interval_s: float = 0.25, heartbeat_timeout_s: float = 2.0,
-                 extra_tiers: tuple = (), mode: str = "spawn"):
+                 extra_tiers: tuple = (), mode: str = "spawn", job_timeout_s: float = 60.0,
+                 fs_root: str | None = None):
         assert chunk_bytes % 4096 == 0
         self.engine_id = engine_id
-        self.root = root
+        self.root = root if fs_root is None else fs_root
         self.closed = False
         self.pool = None
         self.cfg = PoolConfig(num_workers=num_workers, slots=slots, slot_size=slot_size,
                               chunk_bytes=chunk_bytes, heartbeat_interval_s=heartbeat_interval_s,
-                              tiers=[_fs_tier(root), *extra_tiers])
+                              tiers=[_fs_tier(self.root), *extra_tiers],
+                              job_timeout_s=job_timeout_s)
         geometry = ArenaGeometry(num_chunks=num_chunks, row_stride=chunk_bytes,
                                  page_size_per_worker=chunk_bytes, world_size=1)
         self.seg = open_segment(engine_id, geometry, f"fp-{engine_id}", owner=True,
@@ -288,10 +292,11 @@ def test_exactly_once_under_random_sigkills(pools):
     0.2-0.5 s: each pool job id is reported exactly once, failures name the killed
     worker, and every store that reported OK loads back byte-exactly.
 
-    Kills only hit a pool whose two workers both run: the pool's restart backoff
-    doubles per restart and never resets (0.1 s ... 5 s), so killing the only live
-    worker would leave the pool idle for seconds. Hang detection is out of the way
-    (heartbeat timeout 30 s): only death is tested here.
+    Kills only hit a pool whose two workers are both healthy: the pool's restart
+    backoff doubles per restart (0.1 s ... 5 s), so killing the only live worker would
+    leave the pool idle for seconds, and a slot killed three times before it became
+    healthy would break the pool (a worker that cannot start). Hang detection is out
+    of the way (heartbeat timeout 30 s): only death is tested here.
 
     At most 64 jobs are in flight against 128-slot rings, so a ring never fills, even
     with the up to 32 space tokens a worker killed inside ``get_many`` takes with it
@@ -326,7 +331,8 @@ def test_exactly_once_under_random_sigkills(pools):
         now = time.monotonic()
         if now >= next_kill:
             procs = list(pool._procs)
-            if all(p is not None and p.poll() is None for p in procs):
+            if all(p is not None and p.poll() is None for p in procs) and all(
+                    state == "healthy" for state in pool.worker_states()):
                 w = rng.randrange(len(procs))
                 procs[w].send_signal(signal.SIGKILL)
                 killed.add((w, procs[w].pid))
@@ -487,7 +493,7 @@ def test_malformed_descriptors_and_backendless_tiers_get_error_results(pools, ca
             jobs.decode_job(raw)
     results = pool.rings.worker(0).results
     answered_before = results.head
-    with caplog.at_level(logging.ERROR, logger="shmtier.workers.pool"):
+    with caplog.at_level(logging.ERROR, logger="shmtier.scheduler.pool.supervisor"):
         for raw in garbage:
             assert pool.rings.worker(0).jobs.try_put(raw)
         deadline = time.monotonic() + 10
@@ -609,12 +615,12 @@ def test_store_load_delete_of_the_same_keys_run_in_submit_order(pools):
             ("store", src_b), ("load", dst_b), ("probe", None)]
     ids, owner = [], {}
     for op, rows in plan:  # back to back, no poll in between
-        before = set(pool._parts)
+        before = set(pool._dispatch.parts)
         jid = pool.submit(op, 0, keys, rows)
         assert jid is not None
         ids.append(jid)
-        for part_id in set(pool._parts) - before:
-            part = pool._parts[part_id]
+        for part_id in set(pool._dispatch.parts) - before:
+            part = pool._dispatch.parts[part_id]
             for pos in part.positions:
                 owner.setdefault(pos, set()).add(part.worker)
     assert all(len(ws) == 1 for ws in owner.values()), owner  # one worker per key
@@ -797,6 +803,318 @@ def test_shutdown_fails_the_jobs_left_in_flight(pools):
     results = pool.take(0)
     assert sorted(r.job_id for r in results) == sorted(ids)
     assert all(r.outcomes == [jobs.ERROR] and r.error for r in results)
+
+
+# --- 9. one pool per engine: ring ownership ---------------------------------------------
+
+
+def _holders(pool: WorkerPool) -> list[tuple[int, int]]:
+    """(pid, start time) of each worker slot's recorded holder."""
+    return [(hb.pid, hb.start_time) for hb in
+            (pool.rings.worker(w).last_beat() for w in range(pool.n))]
+
+
+def _start_cli(*args: str) -> subprocess.Popen:
+    """``python -m shmtier ARGS`` in its own session (so the test can kill everything it
+    starts, its worker processes included, with one killpg)."""
+    return subprocess.Popen([sys.executable, "-m", "shmtier", *args], stdin=subprocess.DEVNULL,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            start_new_session=True)
+
+
+def _finish(proc: subprocess.Popen, timeout_s: float) -> tuple[int | None, str]:
+    """Wait for ``proc`` (returncode, stderr); on timeout kill its whole session and
+    return (None, stderr)."""
+    try:
+        _, err = proc.communicate(timeout=timeout_s)
+        return proc.returncode, err.decode(errors="replace")
+    except subprocess.TimeoutExpired:
+        _killpg(proc)
+        _, err = proc.communicate()
+        return None, err.decode(errors="replace")
+
+
+def _killpg(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)  # the session leader's pid is its group id
+    except ProcessLookupError:
+        pass
+    proc.wait(10)
+
+
+def _round_trip(env: PoolEnv, tag: bytes, n: int = 8) -> None:
+    rng = np.random.default_rng(len(tag))
+    env.arena[:n] = rng.integers(0, 256, (n, env.arena.shape[1]), dtype=np.uint8)
+    keys = [_key(i, tag) for i in range(n)]
+    stored = run(env.pool, "store", 0, keys, list(range(n)))
+    assert stored.outcomes == [jobs.OK] * n, stored.error
+    loaded = run(env.pool, "load", 0, keys, list(range(n, 2 * n)))
+    assert loaded.outcomes == [jobs.OK] * n, loaded.error
+    assert np.array_equal(env.arena[n:2 * n], env.arena[:n])
+
+
+def test_shmtier_workers_refuses_a_spawn_mode_engine_and_leaves_its_pool_alone(pools):
+    env = pools(num_workers=2, num_chunks=16)
+    pool = env.pool
+    pids = wait_up(env)
+    holders = _holders(pool)
+    assert [pid for pid, _ in holders] == pids
+    second = _start_cli("workers", "--engine-id", env.engine_id)
+    code, err = _finish(second, 30)
+    assert code == 2, (code, err)
+    assert "spawn" in err and env.engine_id in err, err
+    for _ in range(10):  # a few health checks: nothing was disturbed
+        pool.poll()
+        time.sleep(0.06)
+    assert _holders(pool) == holders
+    assert [p.pid for p in env.procs()] == pids and all(p.poll() is None for p in env.procs())
+    _round_trip(env, b"spawn-owner")
+    assert _holders(pool) == holders
+    assert pool.restarts_total == 0 and pool.failed_parts_total == 0
+    assert pool.broken is None
+
+
+def test_a_second_external_pool_is_refused_and_the_first_keeps_its_rings(pools):
+    env = pools(num_workers=2, num_chunks=16, mode="external")
+    pool = env.pool
+    first = _start_cli("workers", "--engine-id", env.engine_id)
+    second = None
+    try:
+        deadline = time.monotonic() + 30
+        while pool.worker_states() != [WorkerState.HEALTHY] * 2:
+            assert first.poll() is None, first.communicate()
+            assert time.monotonic() < deadline, pool.worker_states()
+            pool.poll()
+            time.sleep(0.02)
+        holders = _holders(pool)
+        assert all(pid and _alive(pid, st) for pid, st in holders)
+        _round_trip(env, b"ext-first")
+
+        second = _start_cli("workers", "--engine-id", env.engine_id)
+        code, err = _finish(second, 30)
+        assert code == 2, (code, err)
+        assert "held by live" in err, err
+        for _ in range(10):
+            pool.poll()
+            time.sleep(0.06)
+        assert _holders(pool) == holders
+        assert pool.worker_states() == [WorkerState.HEALTHY] * 2
+        _round_trip(env, b"ext-after")
+        assert _holders(pool) == holders and pool.failed_parts_total == 0
+        assert first.poll() is None
+    finally:
+        if second is not None and second.poll() is None:
+            _killpg(second)
+        first.terminate()  # stops its workers
+        if _finish(first, 15)[0] is None:
+            pytest.fail("`shmtier workers` did not stop on SIGTERM")
+
+
+def test_a_duplicate_worker_exits_without_clearing_the_holders_record(pools):
+    env = pools(num_workers=1, num_chunks=16)
+    pool = env.pool
+    [pid] = wait_up(env)
+    holders = _holders(pool)
+    claims = pool.rings.worker(0).last_beat().claims
+    dup = subprocess.Popen([sys.executable, "-m", "shmtier.workers.job_loop", env.engine_id, "0"],
+                           stdin=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                           start_new_session=True)
+    code, err = _finish(dup, 30)
+    assert code not in (None, 0), (code, err)
+    assert "RingBusyError" in err and f"held by live pid {pid}" in err, err
+    assert _holders(pool) == holders and pool.rings.worker(0).holder_alive()
+    assert pool.rings.worker(0).last_beat().claims == claims  # its claim never happened
+    _round_trip(env, b"dup")
+    assert _holders(pool) == holders
+    assert pool.restarts_total == 0 and env.procs()[0].pid == pid
+
+
+# --- 10. job deadline --------------------------------------------------------------------
+
+
+def test_a_lost_job_fails_by_its_deadline_and_its_worker_is_replaced(pools):
+    """A worker that holds a job and never answers (SIGSTOPped; its heartbeat timeout
+    is far away): at the part's deadline the worker is killed, then the part fails,
+    exactly once, and a replacement serves the next jobs."""
+    timeout = 1.0
+    env = pools(num_workers=1, num_chunks=16, heartbeat_timeout_s=60.0, job_timeout_s=timeout)
+    pool = env.pool
+    [pid] = wait_up(env)
+    lost = env.procs()[0]
+    try:
+        lost.send_signal(signal.SIGSTOP)
+        t0 = time.monotonic()
+        jid = submit(pool, "probe", 0, [_key(1, b"lost")])
+        r = collect(pool, [jid], timeout_s=timeout + 10)[jid]
+        took = time.monotonic() - t0
+        assert r.outcomes == [jobs.ERROR]
+        m = _HUNG.search(r.error)
+        assert m and int(m.group(2)) == pid and "deadline" in r.error, r.error
+        assert timeout <= took <= timeout + 2.0, took
+        assert lost.returncode == -signal.SIGKILL  # killed before its part failed
+        assert pool.failed_parts_total == 1 and pool.timed_out_total == 1
+        assert pool.restarts_total == 1
+        [new_pid] = wait_up(env, timeout_s=15)
+        assert new_pid != pid
+        assert run(pool, "probe", 0, [_key(2, b"lost")]).outcomes == [jobs.MISS]
+        settle = time.monotonic() + 0.3
+        while time.monotonic() < settle:  # nothing reported late or twice
+            pool.poll()
+            assert pool.take(0) == []
+            time.sleep(0.02)
+        assert pool.failed_parts_total == 1 and pool.broken is None
+    finally:
+        if lost.poll() is None:
+            lost.send_signal(signal.SIGCONT)
+            lost.kill()
+            lost.wait(5)
+
+
+# --- 11. a pool whose workers cannot start ------------------------------------------------
+
+
+def _worker_processes(engine_id: str) -> list[int]:
+    """Pids of running tier worker processes of ``engine_id`` (from /proc)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+        except OSError:
+            continue
+        if b"shmtier.workers.job_loop" in argv and engine_id.encode() in argv:
+            found.append(int(entry))
+    return found
+
+
+def test_workers_that_cannot_start_break_the_pool_once(pools, tmp_path, caplog):
+    missing = str(tmp_path / "no-such-dir")
+    caplog.set_level(logging.INFO, logger="shmtier.scheduler.pool")
+    t0 = time.monotonic()
+    env = pools(num_workers=2, num_chunks=16, fs_root=missing)
+    pool = env.pool
+    early = pool.submit("probe", 0, [_key(1, b"early")])
+    assert early is not None  # accepted while the pool is not broken yet
+    while pool.broken is None:
+        assert time.monotonic() - t0 < 10, (pool.worker_states(), pool.start_failures_total)
+        pool.poll()
+        time.sleep(0.01)
+    broke_after = time.monotonic() - t0
+    assert "exit code 4" in pool.broken and "root_dir does not exist" in pool.broken, pool.broken
+    assert "failed to start 3 times" in pool.broken
+
+    # every outstanding job fails at once (within a health check or two), exactly once
+    got = collect(pool, [early], timeout_s=2)
+    assert got[early].outcomes == [jobs.ERROR]
+    deadline = time.monotonic() + 5
+    while pool.worker_states() != [WorkerState.BROKEN] * 2:
+        assert time.monotonic() < deadline, pool.worker_states()
+        pool.poll()
+        time.sleep(0.01)
+    assert pool.restarts_total <= 2 * (pool.max_start_failures - 1)
+
+    # submit refuses at once, without side effects; submit and poll stay fast
+    submit_s, poll_s = [], []
+    for i in range(2000):
+        t = time.perf_counter()
+        assert pool.submit("store", 0, [_key(i, b"late")], [i % 16]) is None
+        submit_s.append(time.perf_counter() - t)
+        t = time.perf_counter()
+        pool.poll()
+        poll_s.append(time.perf_counter() - t)
+    assert pool.outstanding() == 0 and pool.queued_jobs() == 0 and pool.take(0) == []
+    assert np.median(submit_s) < 20e-6, np.median(submit_s)
+    assert np.median(poll_s) < 100e-6, np.median(poll_s)
+    assert pool.broken is not None and pool.worker_states() == [WorkerState.BROKEN] * 2
+    assert _worker_processes(env.engine_id) == []  # nothing restarted any more
+
+    errors = [r for r in caplog.records
+              if r.name.startswith("shmtier.scheduler.pool") and r.levelno >= logging.ERROR]
+    assert len(errors) == 1, [r.getMessage() for r in errors]
+    assert "broken" in errors[0].getMessage() and "root_dir" in errors[0].getMessage()
+    print(f"\npool broken after {broke_after:.2f} s; submit median "
+          f"{np.median(submit_s) * 1e6:.2f} µs, poll median {np.median(poll_s) * 1e6:.2f} µs")
+
+    env.close()
+    assert _our_shm_entries(env.engine_id) == []
+    assert _worker_processes(env.engine_id) == []
+
+
+def test_external_jobs_fail_by_their_deadline_when_no_worker_runs(pools):
+    env = pools(num_workers=1, num_chunks=16, mode="external", job_timeout_s=0.5)
+    pool = env.pool
+    t0 = time.monotonic()
+    jid = submit(pool, "probe", 0, [_key(1, b"nobody")])
+    r = collect(pool, [jid], timeout_s=5)[jid]
+    assert 0.5 <= time.monotonic() - t0 <= 2.5
+    assert r.outcomes == [jobs.ERROR] and "shmtier workers" in r.error, r.error
+    assert pool.timed_out_total == 1 and pool.broken is None
+    assert pool.worker_states() == [WorkerState.STARTING]  # still waiting for a worker
+
+
+def test_external_workers_that_cannot_start_break_the_pool(pools, tmp_path, caplog):
+    """External mode: the pool judges `shmtier workers`' processes by their claims and
+    heartbeats; workers that claim the slot and exit before they beat again are start
+    failures, and three of them break the pool."""
+    caplog.set_level(logging.INFO, logger="shmtier.scheduler.pool")
+    env = pools(num_workers=1, num_chunks=16, mode="external",
+                fs_root=str(tmp_path / "no-such-dir"))
+    pool = env.pool
+    ext = _start_cli("workers", "--engine-id", env.engine_id)
+    try:
+        t0 = time.monotonic()
+        while pool.broken is None:
+            assert time.monotonic() - t0 < 15, (pool.worker_states(), pool.start_failures_total)
+            pool.poll()
+            time.sleep(0.01)
+        print(f"\nexternal pool broken after {time.monotonic() - t0:.2f} s: {pool.broken}")
+        assert "failed to start 3 times" in pool.broken, pool.broken
+        assert pool.submit("probe", 0, [_key(1, b"ext-broken")]) is None
+        errors = [r for r in caplog.records
+                  if r.name.startswith("shmtier.scheduler.pool") and r.levelno >= logging.ERROR]
+        assert len(errors) == 1, [r.getMessage() for r in errors]
+    finally:
+        ext.terminate()
+        if _finish(ext, 15)[0] is None:
+            pytest.fail("`shmtier workers` did not stop on SIGTERM")
+
+
+def test_the_worker_state_machine_allows_only_its_transitions():
+    from shmtier.scheduler.pool.worker_state import TransitionError, WorkerRecord
+
+    rec = WorkerRecord(0)
+    rec.spawned(100, now=0.0)
+    assert rec.state is WorkerState.STARTING
+    with pytest.raises(TransitionError):
+        rec.restart_after_backoff(0.0)  # a running worker is not restarted
+    rec.beat_seen(1, now=0.1)
+    assert rec.state is WorkerState.STARTING  # its claim's beat
+    rec.beat_seen(2, now=0.2)
+    assert rec.state is WorkerState.HEALTHY
+    rec.killed("hung (test)")
+    with pytest.raises(TransitionError):
+        rec.killed("again")
+    rec.gone("died", now=1.0, start_failure=False, failed_parts=0)
+    assert rec.state is WorkerState.DEAD and rec.failures_within(30, 1.0) == 0
+    # two start failures, then healthy: the count starts over
+    for t in (2.0, 3.0):
+        rec.restart_after_backoff(t)
+        rec.spawned(100 + int(t), now=t)
+        rec.gone("died (exit code 4)", now=t + 0.5, start_failure=True, failed_parts=0)
+    assert rec.failures_within(30, 4.0) == 2
+    rec.restart_after_backoff(4.0)
+    rec.spawned(200, now=4.0)
+    rec.beat_seen(10, now=4.1)
+    rec.beat_seen(11, now=4.2)
+    assert rec.failures_within(30, 4.2) == 0
+    rec.gone("died", now=5.0, start_failure=False, failed_parts=0)
+    rec.broke()
+    assert rec.state is WorkerState.BROKEN
+    with pytest.raises(TransitionError):
+        rec.restart_after_backoff(6.0)
+    assert WorkerRecord(1, start_failures=[0.0, 1.0, 40.0]).failures_within(30, 45.0) == 1
 
 
 def test_loads_overtake_queued_stores_but_not_a_store_of_the_same_key():

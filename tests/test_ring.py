@@ -163,6 +163,7 @@ def _beat_worker(engine_id, index, beats, done):
 
 
 def _try_claim(engine_id, index, out):
+    """A duplicate worker: claim, and unclaim on the way out (as the job loop does)."""
     seg, rs = _attach(engine_id, index)
     try:
         rs.worker(index).claim()
@@ -170,6 +171,7 @@ def _try_claim(engine_id, index, out):
     except RingBusyError as exc:
         out.put(str(exc))
     finally:
+        out.put(rs.worker(index).unclaim())
         rs.close()
         seg.close()
 
@@ -550,7 +552,9 @@ def test_heartbeat_visible_across_processes(rings, engine_id):
         rival = CTX.Process(target=_try_claim, args=(engine_id, 1, out))
         rival.start()
         assert f"held by live pid {p.pid}" in out.get(timeout=20)
+        assert out.get(timeout=20) is False  # its unclaim left the holder's record alone
         rival.join(20)
+        assert w.last_beat().pid == p.pid and w.holder_alive()
         done.set()
         p.join(20)
         assert p.exitcode == 0

@@ -1,1 +1,1 @@
-"""Tier worker processes (job loop, pool supervisor, tier backends)."""
+"""Tier worker processes: the job loop and the external pool launcher (``shmtier workers``)."""

@@ -7,6 +7,11 @@ died — but only after the engine's pool has recovered its slot (the holder
 is cleared), so every job the dead worker held is failed exactly once by the
 engine before a replacement takes new ones. Exits when the engine's segment
 owner is gone or on SIGINT/SIGTERM (stopping its workers).
+
+One pool per engine (every ring has one consumer): it refuses, with exit code
+2 and touching nothing, an engine whose pool runs in spawn mode (the scheduler
+starts its own workers) or whose worker slots are held by live processes
+(another ``shmtier workers`` serves it).
 """
 
 from __future__ import annotations
@@ -33,7 +38,19 @@ def run_external_pool(engine_id: str, num_workers: int | None = None) -> int:
             print(f"shmtier workers: --num-workers {num_workers} does not match the engine's "
                   f"num_tier_workers {config.num_workers}", file=sys.stderr)
             return 2
+        if config.mode != "external":
+            print(f"shmtier workers: engine {engine_id!r} runs its own tier workers (its pool "
+                  f"is in {config.mode} mode); set \"workers\": \"external\" in its config to "
+                  f"run them with `shmtier workers`", file=sys.stderr)
+            return 2
         rings = RingSet.attach(segment.name, segment.rings)
+        held = [f"slot {i}: pid {rings.worker(i).last_beat().pid}"
+                for i in range(config.num_workers) if rings.worker(i).holder_alive()]
+        if held:
+            print(f"shmtier workers: the tier worker slots of engine {engine_id!r} are held by "
+                  f"live processes ({', '.join(held)}): another worker pool serves it; not "
+                  f"starting a second one", file=sys.stderr)
+            return 2
 
         def start(i: int) -> subprocess.Popen:
             return subprocess.Popen([sys.executable, "-m", "shmtier.workers.job_loop", engine_id, str(i)],

@@ -22,7 +22,9 @@ Runs in: one tier worker process (spawned by the pool, or started by
 
 A job for a tier that has no worker half, or an unknown op, is answered with
 an error result. The loop never raises for a job; it exits on ``stop``, when
-the owner dies, or on SIGTERM (after finishing the job in hand).
+the owner dies, or on SIGTERM (after finishing the job in hand). A worker whose
+tier backends cannot be built exits with ``EXIT_BACKENDS_FAILED`` (4): the pool
+counts that as a failure to start.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ from collections import deque
 import numpy as np
 
 from shmtier.shared import jobs
-from shmtier.shared.pool_config import PoolConfig
+from shmtier.shared.pool_config import EXIT_BACKENDS_FAILED, PoolConfig
 from shmtier.shared.ring import RingSet
 from shmtier.shared.segment import join_existing
 from shmtier.tiers import registry
@@ -260,7 +262,12 @@ def run_worker(engine_id: str, index: int) -> int:
         me.claim()
         g = segment.geometry
         arena = np.frombuffer(segment.arena, dtype=np.uint8).reshape(g.num_chunks, g.row_stride)
-        backends = make_backends(config, segment.header().fingerprint)
+        try:
+            backends = make_backends(config, segment.header().fingerprint)
+        except Exception as e:  # a start failure: the pool counts it (and may mark itself broken)
+            logger.error("tier worker %d cannot build its tier backends: %s: %s",
+                         index, type(e).__name__, e)
+            return EXIT_BACKENDS_FAILED
         runner = JobRunner(backends, arena, config.chunk_bytes, config.slot_size, me.beat,
                            take_new=lambda: me.jobs.get_many(_BATCH, timeout_s=0),
                            answer=lambda result: _answer(me, result, segment),
@@ -291,7 +298,7 @@ def run_worker(engine_id: str, index: int) -> int:
     finally:
         if rings is not None:
             try:
-                rings.worker(index).unclaim()
+                rings.worker(index).unclaim()  # a no-op unless this process holds the slot
             except Exception:
                 pass
             rings.close()

@@ -5,6 +5,10 @@ before any worker starts; spawned workers and an external pool (``shmtier
 workers --engine-id``) read the same blob, so both modes start from one source
 of truth. Layout: ``u32 length`` + msgpack map, in the last ``CONFIG_BYTES``
 of the ring area. Imports neither torch nor vLLM.
+
+``rings_len_for(config)`` is the ring area a segment needs for a config: the
+scheduler (creating the segment) and GPU worker processes (joining it) pass
+the same value to ``open_segment``.
 """
 
 from __future__ import annotations
@@ -15,7 +19,12 @@ from typing import Any
 
 import msgpack
 
+from shmtier.shared.ring import ring_area_nbytes
+
 CONFIG_BYTES = 64 << 10
+# Exit code of a tier worker whose tier backends could not be built (e.g. an fs tier's
+# root_dir is missing): the pool counts it as a failure to start.
+EXIT_BACKENDS_FAILED = 4
 _LEN = struct.Struct("<I")
 
 
@@ -26,7 +35,13 @@ class PoolConfig:
     workers build, ``shmtier/tiers/registry.py``) and the options its backend takes
     (``TierConfig.worker_args``). ``codec``: the ``compression`` setting as a map.
     ``slots`` and ``slot_size`` size each worker's two rings (a job of about 200
-    keys fits one slot)."""
+    keys fits one slot).
+
+    ``mode`` is how the engine's pool runs its workers (``"spawn"``: the scheduler
+    starts them; ``"external"``: ``shmtier workers`` does); the pool writes it, and
+    ``shmtier workers`` refuses a spawn-mode engine. ``job_timeout_s`` is the
+    deadline of one pool job part: a worker that holds a part longer is killed and
+    its parts fail (their CPU rows are released)."""
 
     num_workers: int
     chunk_bytes: int
@@ -36,6 +51,8 @@ class PoolConfig:
     heartbeat_interval_s: float = 0.25
     codec: dict[str, Any] = field(default_factory=dict)
     tiers: list[Any] = field(default_factory=list)
+    mode: str = "spawn"
+    job_timeout_s: float = 60.0
 
     def write(self, rings_area: memoryview) -> None:
         blob = msgpack.packb(asdict(self), use_bin_type=True)
@@ -54,3 +71,8 @@ class PoolConfig:
             raise ValueError("the segment holds no tier worker config (no tiers with workers?)")
         return cls(**msgpack.unpackb(bytes(rings_area[start + _LEN.size : start + _LEN.size + length]),
                                      raw=False))
+
+
+def rings_len_for(config: PoolConfig) -> int:
+    """Ring area size a segment needs for ``config`` (rings + the config blob)."""
+    return ring_area_nbytes(config.num_workers, config.slots, config.slot_size) + CONFIG_BYTES

@@ -408,10 +408,33 @@ class WorkerRings:
         ctl[_CLAIMS] += 1
         self.beat()
 
-    def unclaim(self) -> None:
-        """Clear the holder (worker process on clean exit, or the pool after recover)."""
-        self._ctl[_PID] = 0
-        self._ctl[_START] = 0
+    def unclaim(self) -> bool:
+        """Clear the holder record if the calling process is the holder (pid and start
+        time match); returns whether it did.
+
+        Worker process, on exit. A process that is not the holder (a duplicate worker
+        whose :meth:`claim` failed) leaves the live holder's record alone. The pool
+        clears a dead holder's record with :meth:`clear_dead_holder`.
+        """
+        ctl = self._ctl
+        pid, started = procinfo.me()
+        if ctl[_PID] != pid or ctl[_START] != started:
+            return False
+        ctl[_PID] = 0
+        ctl[_START] = 0
+        return True
+
+    def clear_dead_holder(self) -> None:
+        """Clear the holder record of a holder that is no longer running (the pool's
+        recovery of a dead worker, in the scheduler). Raises :class:`RingBusyError` if
+        the recorded holder still runs."""
+        ctl = self._ctl
+        pid, started = ctl[_PID], ctl[_START]
+        if pid and procinfo.is_alive(pid, started, procinfo.boot_id()):
+            raise RingBusyError(f"worker slot {self.index}: holder pid {pid} is still alive")
+        if ctl[_PID] == pid and ctl[_START] == started:  # not re-claimed meanwhile
+            ctl[_PID] = 0
+            ctl[_START] = 0
 
     def holder_alive(self) -> bool:
         """True if the process that claimed this slot still runs (any process)."""
@@ -425,13 +448,13 @@ class WorkerRings:
         result ring). Read ``jobs.tail`` before (jobs below it were taken by
         the dead worker) and drain ``results`` after (they are valid results).
         """
-        if self.holder_alive() and self._ctl[_PID] != os.getpid():
+        if self.holder_alive():
             raise RingBusyError(
                 f"worker slot {self.index}: holder pid {self._ctl[_PID]} is still alive"
             )
         pending_results = self.results.resync()
         pending_jobs = self.jobs.resync(discard_pending=discard_jobs)
-        self.unclaim()
+        self.clear_dead_holder()
         return pending_jobs, pending_results
 
     def _release(self) -> None:

@@ -1,0 +1,14 @@
+"""The tier worker pool's supervisor: runs in the scheduler process.
+
+``WorkerPool`` (``supervisor.py``) starts the tier worker processes (or, in
+external mode, watches those ``shmtier workers`` runs) and moves jobs to them
+and results back over the rings in the segment; ``dispatch.py`` keeps the jobs'
+bookkeeping, ``worker_state.py`` each worker slot's state machine. The workers'
+own code is ``shmtier.workers``.
+"""
+
+from shmtier.scheduler.pool.dispatch import PoolResult
+from shmtier.scheduler.pool.supervisor import MODES, WorkerPool
+from shmtier.scheduler.pool.worker_state import WorkerState
+
+__all__ = ["MODES", "PoolResult", "WorkerPool", "WorkerState"]

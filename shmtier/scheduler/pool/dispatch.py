@@ -1,0 +1,214 @@
+"""Pool jobs and their parts: which worker runs which keys, and merging results back.
+
+Runs in: the scheduler process, called by :class:`~.supervisor.WorkerPool` on the
+scheduler thread (``submit``, ``poll``, the health check). Bookkeeping only: no
+ring, no process, nothing here blocks.
+
+::
+
+    WorkerPool.submit(op, tier, keys, rows)
+      plan()     keys bound to a worker (a job for them is outstanding) → that worker;
+                 the rest → the least-loaded running workers (spread over all of them
+                 from 16 unbound keys on, else one);
+                 each worker's part → one msgpack payload, or jobs.split_job parts
+                 that each fit a ring slot
+      ── the supervisor puts every payload in its worker's job ring, or none ──
+      commit()   parts registered with a deadline (now + job_timeout_s); keys bound
+    WorkerPool.poll: each result from a result ring → complete(): the part's outcomes
+                 go into its pool job; the job's last part → done[tier] (``take``)
+    health check: overdue(now) → workers holding a part past its deadline;
+                 fail_worker(w) → every part worker w held completes as failed,
+                 exactly once (only after its process is gone: a load must never
+                 write a row after its job was failed and the row reused)
+
+Ordering: all jobs for one key go to one worker while any job for that key is
+outstanding, so a worker sees a key's store, load and delete in submit order.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from dataclasses import dataclass, field
+
+from shmtier.shared import jobs
+
+logger = logging.getLogger(__name__)
+
+_SPREAD_MIN_KEYS = 8
+
+
+@dataclass(slots=True)
+class PoolResult:
+    """One finished pool job: per-key outcome codes (``jobs.OK`` ...) in submit order."""
+
+    job_id: int
+    op: str
+    tier: int
+    keys: list[bytes]
+    outcomes: list[int]
+    logical_bytes: int = 0
+    stored_bytes: int = 0
+    io_s: float = 0.0
+    codec_s: float = 0.0
+    error: str = ""
+    scan_keys: list[bytes] = field(default_factory=list)
+    submit_time: float = 0.0
+
+
+@dataclass(slots=True)
+class _Parent:
+    result: PoolResult
+    remaining: int
+
+
+@dataclass(slots=True)
+class Part:
+    """One ring job: the keys ``positions`` of pool job ``parent``, run by ``worker``."""
+
+    parent: int
+    worker: int
+    positions: list[int]
+    deadline: float  # monotonic seconds; past it, ``worker`` is judged hung
+
+
+# (worker, part job id, payload, part keys, positions in the pool job)
+Planned = tuple[int, int, bytes, list[bytes], list[int]]
+
+
+class Dispatch:
+    """Outstanding pool jobs, their parts and the key -> worker bindings."""
+
+    def __init__(self, num_workers: int, max_payload: int, job_timeout_s: float):
+        self.n = num_workers
+        self.max_payload = max_payload
+        self.job_timeout_s = job_timeout_s
+        self._ids = itertools.count(1)
+        self.parents: dict[int, _Parent] = {}
+        # part job id -> Part, in submit order (so in deadline order: see ``overdue``)
+        self.parts: dict[int, Part] = {}
+        self.load = [0] * num_workers  # outstanding parts per worker
+        self._bound: dict[bytes, list[int]] = {}  # key -> [worker, outstanding parts]
+        self.done: dict[int, list[PoolResult]] = {}
+
+    def plan(self, op: str, tier: int, keys: list[bytes], rows: list[int] | None,
+             args: dict | None, live: list[int]) -> tuple[int, list[Planned]]:
+        """Assign ``keys`` to workers and encode the parts; returns (pool job id, parts).
+        Registers nothing: :meth:`commit` does, once every part is in a ring."""
+        groups: dict[int, list[int]] = {}
+        unbound: list[int] = []
+        bound = self._bound
+        for pos, key in enumerate(keys):
+            binding = bound.get(key)
+            if binding is not None:
+                groups.setdefault(binding[0], []).append(pos)
+            else:
+                unbound.append(pos)
+        if unbound or not keys:
+            load = self.load
+            by_load = sorted(live, key=lambda w: load[w] + len(groups.get(w, ())))
+            share = len(by_load) if len(unbound) >= _SPREAD_MIN_KEYS * 2 else 1
+            step = -(-len(unbound) // share) if unbound else 0
+            for i, w in enumerate(by_load[:share]):
+                chunk = unbound[i * step:(i + 1) * step]
+                if chunk or not keys:
+                    groups.setdefault(w, []).extend(chunk)
+        parent_id = next(self._ids)
+        planned: list[Planned] = []
+        for w, positions in groups.items():
+            part_keys = [keys[p] for p in positions]
+            part_rows = [rows[p] for p in positions] if rows else []
+            job_id = next(self._ids)
+            payload = jobs.pack_job(job_id, op, tier, part_keys, part_rows, args)
+            if len(payload) <= self.max_payload:  # the common case: encoded once
+                planned.append((w, job_id, payload, part_keys, positions))
+                continue
+            job = jobs.Job(job_id, op, tier, part_keys, part_rows, dict(args or {}))
+            offset = 0
+            for part in jobs.split_job(job, self.max_payload, self._ids.__next__):
+                planned.append((w, part.job_id, jobs.encode_job(part), part.keys,
+                                positions[offset:offset + len(part.keys)]))
+                offset += len(part.keys)
+        return parent_id, planned
+
+    def commit(self, parent_id: int, op: str, tier: int, keys: list[bytes],
+               planned: list[Planned], now: float) -> None:
+        """Register pool job ``parent_id`` whose ``planned`` parts are in the rings."""
+        deadline = now + self.job_timeout_s
+        parts, load, bound = self.parts, self.load, self._bound
+        for w, part_id, _, part_keys, positions in planned:
+            parts[part_id] = Part(parent_id, w, positions, deadline)
+            load[w] += 1
+            for key in part_keys:
+                binding = bound.get(key)
+                if binding is None:
+                    bound[key] = [w, 1]
+                else:
+                    binding[1] += 1
+        self.parents[parent_id] = _Parent(
+            PoolResult(parent_id, op, tier, list(keys), [jobs.ERROR] * len(keys),
+                       submit_time=now),
+            len(planned))
+
+    def complete(self, result: jobs.Result) -> None:
+        """Merge one worker result (or a failed one made here) into its pool job."""
+        part = self.parts.get(result.job_id)
+        if part is None:
+            logger.error("result for unknown job %d ignored", result.job_id)
+            return
+        parent = self.parents[part.parent]
+        out = parent.result
+        out.scan_keys.extend(result.keys)
+        out.logical_bytes += result.logical_bytes
+        out.stored_bytes += result.stored_bytes
+        out.io_s += result.io_s
+        out.codec_s += result.codec_s
+        if result.error:
+            out.error = f"{out.error}; {result.error}" if out.error else result.error
+        if result.more:
+            return  # a scan listing continues in later results
+        for pos, code in zip(part.positions, result.outcomes):
+            out.outcomes[pos] = code
+        del self.parts[result.job_id]
+        self.load[part.worker] -= 1
+        for pos in part.positions:
+            key = out.keys[pos]
+            binding = self._bound.get(key)
+            if binding is not None:
+                binding[1] -= 1
+                if binding[1] <= 0:
+                    del self._bound[key]
+        parent.remaining -= 1
+        if parent.remaining == 0:
+            del self.parents[out.job_id]
+            self.done.setdefault(out.tier, []).append(out)
+
+    def fail_worker(self, w: int, why: str) -> int:
+        """Complete every part worker ``w`` holds as failed (``why``); returns how many.
+        Only once its process is gone."""
+        mine = [(part_id, part) for part_id, part in self.parts.items() if part.worker == w]
+        for part_id, part in mine:
+            self.complete(jobs.Result.failed(part_id, why, len(part.positions)))
+        return len(mine)
+
+    def fail_all(self, why: str) -> int:
+        """Complete every outstanding part as failed (shutdown, after the workers stopped)."""
+        n = len(self.parts)
+        for part_id in list(self.parts):
+            self.complete(jobs.Result.failed(part_id, why, len(self.parts[part_id].positions)))
+        return n
+
+    def overdue(self, now: float) -> dict[int, float]:
+        """Workers holding a part past its deadline -> how long the oldest is outstanding.
+
+        Parts are registered in submit order with one timeout, so the overdue ones are
+        a prefix of ``parts``: the scan stops at the first part still in time."""
+        late: dict[int, float] = {}
+        for part in self.parts.values():
+            if part.deadline > now:
+                break
+            late.setdefault(part.worker, now - part.deadline + self.job_timeout_s)
+        return late
+
+    def take(self, tier: int) -> list[PoolResult]:
+        return self.done.pop(tier, [])
