@@ -3,6 +3,7 @@ worker processes, real files) -> primary -> GPU tensor."""
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import subprocess
@@ -339,3 +340,69 @@ def test_one_step_of_promotions_is_one_pool_job_and_each_request_gets_its_outcom
     data = m.get_stats().data["data"]
     assert data["vllm:kv_offload_tiering_promotion_job_failures"][("1:fs",)] == 1
     assert data[fs_tier.CORRUPT_CHUNKS][("1:fs",)] == 1
+
+
+def test_workers_that_never_start_break_the_tier_which_then_misses_fast(engines, tmp_path,
+                                                                        caplog):
+    """The root passed the spec's checks, but the tier workers cannot use it (a file sits
+    where the namespace directory goes): the pool breaks within a bounded time and says so
+    once; the fs tier then answers MISS and fails jobs at once, the scheduler's calls stay
+    fast, the CPU tier keeps serving, and nothing is left behind."""
+    from shmtier.tiers.fs.backend import namespace_dir_name
+
+    layout = KVLayout("m", "bfloat16", 16, 8192, 1)
+    probe = TieringOffloadingSpec({"cpu_bytes_to_use": 16 * 8192, "secondary_tiers": [
+        {"type": "fs", "root_dir": str(tmp_path)}]}, layout, "never-built")
+    (tmp_path / namespace_dir_name(probe.fingerprint)).write_text("not a directory")
+    caplog.set_level(logging.WARNING)
+    started = time.monotonic()
+    e = engines(tmp_path)
+    pool = e.spec.worker_pool
+    ctx, durations = ReqContext("a"), []
+    while pool.broken is None:
+        t = time.perf_counter()
+        with e.manager.lock:
+            e.manager.lookup(key(1), ctx)
+            e.manager.on_schedule_end(END)
+        durations.append(time.perf_counter() - t)
+        assert time.monotonic() - started < 20, "the pool never broke"
+        time.sleep(0.005)
+    assert "cannot build its tier backends" in pool.broken
+    keys = [key(i) for i in range(4)]
+    e.offload(keys, 0, ReqContext("b"))  # cascades to the broken tier fail at once
+    e.settle(timeout_s=5)
+    for _ in range(20):
+        t = time.perf_counter()
+        with e.manager.lock:
+            answers = [e.manager.lookup(key(100 + i), ReqContext("c")) for i in range(4)]
+            e.manager.on_schedule_end(END)
+        durations.append(time.perf_counter() - t)
+        assert answers == [MISS] * 4  # not RETRY: nothing waits on a broken tier
+    with e.manager.lock:
+        assert all(e.manager.lookup(k, ReqContext("d")) is HIT for k in keys)  # CPU copy intact
+    durations.sort()
+    assert durations[len(durations) // 2] < 0.002, f"median step {durations[len(durations) // 2]}"
+    data = e.manager.get_stats().data["data"]
+    assert data[fs_tier.POOL_BROKEN][("1:fs",)] == 1
+    assert data["vllm:kv_offload_tiering_cascade_job_failures"][("1:fs",)] >= 1
+    broken_logs = [r for r in caplog.records if r.levelno >= logging.ERROR
+                   and r.name.startswith("shmtier.scheduler.pool")]
+    assert len(broken_logs) == 1, [r.getMessage() for r in broken_logs]
+    e.close()
+    assert not _worker_processes(e.spec.engine_id)
+
+
+def _worker_processes(engine_id: str) -> list[int]:
+    """Pids of live tier workers of ``engine_id`` (read from /proc)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+        except OSError:
+            continue
+        if b"shmtier.workers.job_loop" in argv and engine_id.encode() in argv:
+            found.append(int(entry))
+    return found

@@ -3,7 +3,7 @@
 
 Who calls: the tiering manager, in the scheduler process, under its lock.
 Nothing here touches a file: every byte moves in tier worker processes, via
-the shared :class:`~shmtier.workers.pool.WorkerPool`. Never blocks except
+the shared :class:`~shmtier.scheduler.pool.WorkerPool`. Never blocks except
 ``drain_jobs``.
 
 What the scheduler half keeps: an index ``key -> stored bytes`` in recency
@@ -60,6 +60,7 @@ CODEC_SECONDS = "vllm:kv_offload_shmtier_codec_seconds"
 WORKER_RESTARTS = "vllm:kv_offload_shmtier_worker_restarts"
 EVICTED_CHUNKS = "vllm:kv_offload_shmtier_fs_evicted_chunks"
 RING_DEPTH = "vllm:kv_offload_shmtier_ring_depth"
+POOL_BROKEN = "vllm:kv_offload_shmtier_worker_pool_broken"
 
 
 class FsTierManager(SecondaryTierManager):
@@ -103,10 +104,13 @@ class FsTierManager(SecondaryTierManager):
         self._restarts_seen = self._pool.restarts_total
         self._scan_id = self._pool.submit("scan", self._tier, [])
         self._index_complete = False
+        self._broken = False  # the pool is broken: MISS, and fail jobs at once
 
     # --- lookups ---
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
+        if self._broken:  # nothing can be loaded: a MISS, never a wait
+            return LookupResult.MISS
         if key in self._index:
             self._index.move_to_end(key)
             return LookupResult.HIT
@@ -123,6 +127,9 @@ class FsTierManager(SecondaryTierManager):
     # --- jobs ---
 
     def submit_store(self, job: TransferJob) -> None:
+        if self._broken:
+            self._finished.append(JobResult(job.job_id, False))
+            return
         keys, rows = [], []
         for key, row in zip(job.keys, job.rows):
             if key not in self._index and key not in self._storing:
@@ -136,6 +143,9 @@ class FsTierManager(SecondaryTierManager):
         self._queued["store"].append((job, keys, rows))
 
     def submit_load(self, job: TransferJob) -> None:
+        if self._broken:
+            self._finished.append(JobResult(job.job_id, False, successful_keys=[]))
+            return
         keys = list(job.keys)
         for key in keys:
             self._loading[key] = self._loading.get(key, 0) + 1
@@ -168,10 +178,10 @@ class FsTierManager(SecondaryTierManager):
         if pool_id is not None:
             self._jobs[pool_id] = [(job, job_keys) for job, job_keys, _ in batch]
             return
-        # the rings are full: every job of the batch fails now
+        # the rings are full (or the pool is broken): every job of the batch fails now
         if op == "store":
             self._storing.difference_update(keys)
-            if self._bp_detector is not None:
+            if self._bp_detector is not None and self._pool.broken is None:
                 self._bp_detector.note_ring_full()
             self._finished.extend(JobResult(job.job_id, False) for job, _, _ in batch)
         else:
@@ -219,7 +229,12 @@ class FsTierManager(SecondaryTierManager):
         self._pool.poll()
         for res in self._pool.take(self._tier):
             if res.job_id == self._scan_id:
-                self._adopt_scan(res)
+                if res.error:  # the worker died or failed mid-listing: list again
+                    self._scan_id = None
+                    logger.warning("fs tier %s: listing the root failed (%s); listing again",
+                                   self._label, res.error)
+                else:
+                    self._adopt_scan(res)
                 continue
             carried = self._jobs.pop(res.job_id, None)
             if carried is None or res.op not in ("store", "load"):
@@ -294,12 +309,16 @@ class FsTierManager(SecondaryTierManager):
                     len(res.scan_keys), res.stored_bytes)
 
     def _note_pool_health(self) -> None:
+        if self._pool.broken is not None and not self._broken:
+            # the pool logged why, once, and fails what it held; from now on lookups MISS
+            # and new jobs fail at once
+            self._broken = True
         restarts = self._pool.restarts_total
         if restarts != self._restarts_seen:
             self._stats.increase_counter(WORKER_RESTARTS, restarts - self._restarts_seen, (self._label,))
             self._restarts_seen = restarts
-        if self._scan_id is None and not self._index_complete:
-            self._scan_id = self._pool.submit("scan", self._tier, [])  # ring was full at start
+        if self._scan_id is None and not self._index_complete and not self._broken:
+            self._scan_id = self._pool.submit("scan", self._tier, [])  # ring full, or failed
 
     def drain_jobs(self) -> None:
         self._submit_queued()
@@ -310,7 +329,7 @@ class FsTierManager(SecondaryTierManager):
 
     def has_pending_work(self) -> bool:
         return (bool(self._jobs) or bool(self._queued["load"]) or bool(self._queued["store"])
-                or not self._index_complete)
+                or not (self._index_complete or self._broken))
 
     def on_schedule_end(self, context: ScheduleEndContext) -> None:
         self._submit_queued()
@@ -323,6 +342,7 @@ class FsTierManager(SecondaryTierManager):
         stats, self._stats = self._stats, metrics.OffloadingStats()
         stats.set_gauge(BYTES_ON_DISK, self._bytes_in_use, (self._label,))
         stats.set_gauge(RING_DEPTH, self._pool.queued_jobs(), (self._label,))
+        stats.set_gauge(POOL_BROKEN, int(self._broken), (self._label,))
         return stats
 
     @classmethod
@@ -336,6 +356,9 @@ class FsTierManager(SecondaryTierManager):
             CODEC_SECONDS: metrics.CounterMetadata("Seconds tier workers spent compressing.", t),
             WORKER_RESTARTS: metrics.CounterMetadata("Tier worker processes restarted.", t),
             EVICTED_CHUNKS: metrics.CounterMetadata("Chunks evicted from the tier for capacity.", t),
+            POOL_BROKEN: metrics.GaugeMetadata(
+                "1 once the tier workers failed to start repeatedly (the tier then answers "
+                "MISS and fails its jobs at once; the log says why), else 0.", t),
             RING_DEPTH: metrics.GaugeMetadata(
                 "Jobs waiting in the tier workers' job rings (all tiers share the pool).", t),
         }
