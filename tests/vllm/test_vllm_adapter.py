@@ -572,7 +572,7 @@ def test_readme_kv_transfer_configs_are_valid_and_accepted(engine_id, fs_root):
     extra["secondary_tiers"] = [{**extra["secondary_tiers"][0], "root_dir": str(fs_root)}]
     config = offloading_config(extra, engine_id, bpc=2)
     spec = OffloadingSpecFactory.create_spec(config)  # every key validated by shmtier
-    assert spec.core.tiering_config.secondary_tiers[0]["max_bytes"] == 200 << 30
+    assert spec.core.tiering_config.secondary_tiers[0].options.max_bytes == 200 << 30
 
 
 def test_readme_documents_every_config_key():
