@@ -25,6 +25,8 @@ from shmtier.scheduler.tiering.manager import TieringOffloadingManager
 from shmtier.shared.layout import ArenaGeometry
 from shmtier.shared.segment import open_segment
 
+import connector_calls
+
 HIT, MISS, PENDING, RETRY = (LookupResult.HIT, LookupResult.MISS, LookupResult.HIT_PENDING,
                              LookupResult.RETRY)
 PAGE = 4096
@@ -62,20 +64,16 @@ class Rig:
         self.jobs = 0
 
     def offload(self, keys, blocks, ctx):
-        """The connector's store path: prepare_store, GPU->arena copy, complete_store."""
-        m = self.manager
-        with m.lock:
-            out = m.prepare_store(keys, ctx)
-        assert out is not None
-        if out.keys_to_store:
+        """The connector's store path, ``keys`` from GPU ``blocks`` (one each)."""
+
+        def copy(out):
             gpu = [blocks[keys.index(k)] for k in out.keys_to_store]
             self.jobs += 1
             self.worker.submit_store(self.jobs, GPULoadStoreSpec(gpu, [len(gpu)], [0]), out.store_spec)
             self.worker.wait({self.jobs})
             assert all(r.success for r in self.worker.get_finished())
-            with m.lock:
-                m.complete_store(out.keys_to_store, ctx)
-        return out
+
+        return connector_calls.offload(self.manager, keys, ctx, copy)
 
     def stored_request(self, keys, req_id="a"):
         """A new request stores ``keys`` from GPU blocks 0.. and a step passes (its
