@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import platform
 import statistics
@@ -55,6 +54,7 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO_ROOT not in sys.path:
     sys.path.insert(0, REPO_ROOT)
 
+from common import rotated, write_json  # noqa: E402
 from shmtier.shared._planes import CRC32C_IMPL, crc32c, merge, split  # noqa: E402
 from shmtier.shared import codec as C  # noqa: E402
 from shmtier.shared.codec import (  # noqa: E402
@@ -306,8 +306,7 @@ def main(argv=None) -> int:
             gc.disable()
             try:
                 for r in range(args.repeats):
-                    order = methods[r % len(methods):] + methods[:r % len(methods)]
-                    for m in order:
+                    for m in rotated(methods, r):
                         one = run_one(m, chunks, prepared[m.name][0], outs)
                         for k, v in one.items():
                             figs[m.name].setdefault(k, []).append(v)
@@ -355,9 +354,7 @@ def main(argv=None) -> int:
     print(f"  => {'met' if all_met else 'NOT met'} at every chunk size")
     print(f"load average at the end: {os.getloadavg()[0]:.2f} (1 min)")
     if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump({"repeats": args.repeats, "results": results}, f, indent=1)
+        write_json(args.json, {"repeats": args.repeats, "results": results})
         print(f"wrote {args.json}")
     return 0
 

@@ -49,12 +49,10 @@ Ctrl-C / SIGTERM.
 from __future__ import annotations
 
 import argparse
-import json
 import mmap
 import os
 import platform
 import shutil
-import signal
 import statistics
 import sys
 import tempfile
@@ -65,6 +63,7 @@ if REPO_ROOT not in sys.path:
     sys.path.insert(0, REPO_ROOT)
 
 import numpy as np  # noqa: E402
+from common import exit_through_finally, rotated, write_json  # noqa: E402
 
 from shmtier.shared.codec import ChunkDecoder, ChunkEncoder, CompressionConfig  # noqa: E402
 from shmtier.tiers.fs.backend import FsBackend, probe_direct_io  # noqa: E402
@@ -339,7 +338,7 @@ def main(argv=None) -> int:
     total = args.total_mib * MIB
 
     workdir = tempfile.mkdtemp(prefix="shmtier-bench-fs-", dir=args.dir)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    exit_through_finally()
     try:
         return _run(args, sizes, reps, total, workdir)
     finally:
@@ -392,8 +391,7 @@ def _run(args, sizes, reps, total, workdir) -> int:
                for d in ios]
     runs: dict = {c: [] for c in configs}
     for rep in range(reps):
-        order = configs[rep % len(configs):] + configs[:rep % len(configs)]
-        for c in order:
+        for c in rotated(configs, rep):
             s, m, f, d = c
             runs[c].append(run_fs(workdir, arenas[s], s, m, f, args.batch, keys[s],
                                   f"{rep}-{s}-{m}-{int(f)}-{int(d)}", measure_loads=not f,
@@ -446,9 +444,7 @@ def _run(args, sizes, reps, total, workdir) -> int:
               f"{spread([r['delete_us'] for r in a], '{:.0f}'):>18}")
     print(f"elapsed {elapsed:.1f} s")
     if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as fh:
-            json.dump(results, fh, indent=1, default=str)
+        write_json(args.json, results, default=str)
     return 0
 
 

@@ -24,6 +24,9 @@ driver, trace and policy drive each manager:
 The three must make identical decisions (same hits, evictions, events); the bench
 checks that and says so, because a diverging manager would be timed on a
 different call sequence.
+
+One module (~650 lines) on purpose: its workload, managers, driver and tables serve
+this bench alone and read top to bottom; what the benches share is in common.py.
 """
 
 from __future__ import annotations
@@ -32,12 +35,10 @@ import argparse
 import cProfile
 import gc
 import hashlib
-import json
 import os
 import platform
 import pstats
 import random
-import signal
 import statistics
 import sys
 import time
@@ -49,6 +50,8 @@ if REPO_ROOT not in sys.path:
     sys.path.insert(0, REPO_ROOT)
 
 import shmtier.contract as shm_contract  # noqa: E402
+from common import DrivenRequest, request_context  # noqa: E402
+from common import exit_through_finally, fmt_mr, med_range, pct, rotated, write_json  # noqa: E402
 from shmtier.scheduler.primary import (  # noqa: E402
     CPUOffloadingManager as ShmCPUOffloadingManager,
     CPUPrimaryTierOffloadingManager,
@@ -220,15 +223,6 @@ def load_flavors(want_vllm: bool) -> tuple[list[Flavor], str]:
 # --------------------------------------------------------------------------- driver
 
 
-@dataclass(slots=True)
-class _Req:
-    spec: RequestSpec
-    ctx: object = None
-    cursor: int = 0
-    waiting_load: bool = False
-    decode_left: int = 0
-
-
 @dataclass
 class RunResult:
     ns: dict  # kind -> total ns
@@ -254,8 +248,8 @@ def drive(manager, flavor: Flavor, workload: Workload, max_running: int, batch: 
                evicted=0, alloc_failures=0, event_keys_stored=0, event_keys_removed=0)
 
     lookup = manager.lookup
-    waiting = deque(_Req(spec) for spec in workload.requests)
-    running: list[_Req] = []
+    waiting = deque(DrivenRequest(spec) for spec in workload.requests)
+    running: list[DrivenRequest] = []
     done_jobs: list = []  # (is_store, req, keys) prepared last step, reported complete now
     t_start = time.perf_counter()
     while waiting or running or done_jobs:
@@ -287,9 +281,7 @@ def drive(manager, flavor: Flavor, workload: Workload, max_running: int, batch: 
             spec = req.spec
             keys = spec.keys
             if req.ctx is None:
-                ctx = req.ctx = ReqContext(req_id=f"req-{id(req)}")
-                for i, key in enumerate(keys):
-                    ctx.set_offload_key_position(key, (i + 1) * TOKENS_PER_CHUNK)
+                ctx = req.ctx = request_context(ReqContext, f"req-{id(req)}", keys, TOKENS_PER_CHUNK)
                 t0 = pc()
                 manager.on_new_request(ctx)
                 dt = pc() - t0
@@ -319,24 +311,18 @@ def drive(manager, flavor: Flavor, workload: Workload, max_running: int, batch: 
                 dec["deferrals"] += 1
                 skipped.append(req)
                 continue
-            hits = min(hits, n - 1 - g)  # at least one chunk is computed
-            dec["hits"] += max(hits, 0)
-            if hits > 0:
-                load_keys = list(keys[g:g + hits])
+            load_keys = req.admit(hits)  # at least one chunk is computed
+            dec["hits"] += len(load_keys)
+            if load_keys:
                 t0 = pc()
                 manager.prepare_load(load_keys, ctx)
                 dt = pc() - t0
                 ns["prepare_load"] += dt
                 calls["prepare_load"] += 1
-                nkeys["prepare_load"] += hits
+                nkeys["prepare_load"] += len(load_keys)
                 step += dt
                 new_jobs.append((False, req, load_keys))
-                req.waiting_load = True
-                req.cursor = g + hits
-                dec["loads"] += hits
-            else:
-                req.cursor = 0  # store cursor at chunk 0: GPU-cached chunks are re-offered
-            req.decode_left = spec.decode_steps
+                dec["loads"] += len(load_keys)
             running.append(req)
             free -= 1
         if skipped:
@@ -345,11 +331,9 @@ def drive(manager, flavor: Flavor, workload: Workload, max_running: int, batch: 
         # build_connector_meta: store offers, then finished requests
         still_running = []
         for req in running:
-            keys = req.spec.keys
-            if req.waiting_load:
-                still_running.append(req)
-                continue
-            if req.cursor < len(keys):
+            action = req.next_action()
+            if action == "offer":
+                keys = req.spec.keys
                 offer = list(keys[req.cursor:req.cursor + batch])
                 t0 = pc()
                 out = manager.prepare_store(offer, req.ctx)
@@ -372,16 +356,15 @@ def drive(manager, flavor: Flavor, workload: Workload, max_running: int, batch: 
                             evict_hash.update(key)
                     req.cursor += len(offer)
                 still_running.append(req)
-            elif req.decode_left > 0:
-                req.decode_left -= 1
-                still_running.append(req)
-            else:
+            elif action == "finish":
                 t0 = pc()
                 manager.on_request_finished(req.ctx)
                 dt = pc() - t0
                 ns["on_request_finished"] += dt
                 calls["on_request_finished"] += 1
                 step += dt
+            else:  # waits for its load, or decodes
+                still_running.append(req)
         running = still_running
 
         # per-step hooks outside schedule()
@@ -426,12 +409,6 @@ def run_one(flavor: Flavor, workload: Workload, policy: str, events: bool, max_r
 # --------------------------------------------------------------------------- report
 
 
-def pct(values, q):
-    """Nearest-rank percentile (q in 0..100) of a non-empty sequence."""
-    s = sorted(values)
-    return s[min(len(s) - 1, max(0, round(q / 100 * (len(s) - 1))))]
-
-
 def summarise(run: RunResult) -> dict:
     per_call = {k: (run.ns[k] / run.calls[k] / 1e3 if run.calls[k] else None) for k in KINDS}
     per_key = {k: (run.ns[k] / run.keys[k] / 1e3 if run.keys[k] else None) for k in KEYED}
@@ -452,20 +429,6 @@ def summarise(run: RunResult) -> dict:
     }
 
 
-def med_range(values):
-    values = [v for v in values if v is not None]
-    if not values:
-        return None
-    return statistics.median(values), min(values), max(values)
-
-
-def fmt_mr(mr, digits=2) -> str:
-    if mr is None:
-        return "-"
-    m, lo, hi = mr
-    return f"{m:.{digits}f} [{lo:.{digits}f}-{hi:.{digits}f}]"
-
-
 def timer_overhead_ns(samples: int = 200_000) -> float:
     pc = time.perf_counter_ns
     best = []
@@ -483,6 +446,20 @@ def print_policy_table(policy: str, results: dict, names: list, ratio_target: fl
     """Print the per-call table of one policy; returns the calls over the target."""
     have_vllm = "vllm" in names
     cols = [n for n in MANAGERS if n in names]
+
+    def cells(values_of, digits) -> tuple[str, tuple | None]:
+        """Each manager's median [min-max] of ``values_of(runs)``; with vLLM measured,
+        also the (seg/vLLM, priv/vLLM) ratios of the medians."""
+        text, meds = "", {}
+        for n in cols:
+            mr = med_range(values_of(results[n]))
+            meds[n] = mr[0] if mr else None
+            text += f"  {fmt_mr(mr, digits):>22}"
+        ratios = None
+        if have_vllm and meds.get("vllm"):
+            ratios = meds["seg"] / meds["vllm"], meds["priv"] / meds["vllm"]
+        return text, ratios
+
     print(f"\n=== policy {policy}: µs per call, median over repeats [min-max] ===")
     head = f"{'call':<20}{'calls/run':>10}{'keys/call':>10}"
     for n in cols:
@@ -497,15 +474,10 @@ def print_policy_table(policy: str, results: dict, names: list, ratio_target: fl
         if not calls:
             continue
         kpc = ref["keys"][kind] / calls if kind in KEYED else None
-        line = f"{kind:<20}{calls:>10}{(f'{kpc:.1f}' if kpc is not None else '-'):>10}"
-        meds = {}
-        for n in cols:
-            mr = med_range([r["us_per_call"][kind] for r in results[n]])
-            meds[n] = mr[0] if mr else None
-            line += f"  {fmt_mr(mr):>22}"
-        if have_vllm and meds.get("vllm"):
-            rs = meds["seg"] / meds["vllm"]
-            rp = meds["priv"] / meds["vllm"]
+        text, ratios = cells(lambda runs: [r["us_per_call"][kind] for r in runs], 2)
+        line = f"{kind:<20}{calls:>10}{(f'{kpc:.1f}' if kpc is not None else '-'):>10}" + text
+        if ratios:
+            rs, rp = ratios
             flag = " !" if rs > ratio_target else ""
             line += f"  {rs:>8.2f}x  {rp:>8.2f}x{flag}"
             if rs > ratio_target:
@@ -516,29 +488,21 @@ def print_policy_table(policy: str, results: dict, names: list, ratio_target: fl
     for kind in KEYED:
         if not results[cols[0]][0]["keys"][kind]:
             continue
-        line = f"{kind:<20}{'':>20}"
-        meds = {}
-        for n in cols:
-            mr = med_range([r["us_per_key"][kind] for r in results[n]])
-            meds[n] = mr[0] if mr else None
-            line += f"  {fmt_mr(mr, 3):>22}"
-        if have_vllm and meds.get("vllm"):
-            line += f"  {meds['seg'] / meds['vllm']:>8.2f}x  {meds['priv'] / meds['vllm']:>8.2f}x"
+        text, ratios = cells(lambda runs: [r["us_per_key"][kind] for r in runs], 3)
+        line = f"{kind:<20}{'':>20}" + text
+        if ratios:
+            line += f"  {ratios[0]:>8.2f}x  {ratios[1]:>8.2f}x"
         print(line)
 
     print(f"\n--- policy {policy}: manager time per simulated step (sum of all timed calls) ---")
     for label, field_ in (("step mean µs", "step_us_mean"), ("step p50 µs", "step_us_p50"),
                           ("step p99 µs", "step_us_p99"), ("step max µs", "step_us_max"),
                           ("run total ms", "manager_ms_total"), ("run wall s", "wall_s")):
-        line = f"{label:<20}{'':>20}"
-        meds = {}
-        for n in cols:
-            mr = med_range([r[field_] for r in results[n]])
-            meds[n] = mr[0]
-            line += f"  {fmt_mr(mr, 1 if 'wall' not in field_ else 2):>22}"
-        if have_vllm and field_ != "wall_s":
-            line += (f"  {meds['seg'] / meds['vllm']:>8.2f}x"
-                     f"  {meds['priv'] / meds['vllm']:>8.2f}x")
+        text, ratios = cells(lambda runs: [r[field_] for r in runs],
+                             1 if "wall" not in field_ else 2)
+        line = f"{label:<20}{'':>20}" + text
+        if ratios and field_ != "wall_s":
+            line += f"  {ratios[0]:>8.2f}x  {ratios[1]:>8.2f}x"
         print(line)
     return over
 
@@ -587,8 +551,7 @@ def main(argv=None) -> int:
     policies = ["lru", "arc"] if args.policy == "both" else [args.policy]
     events = not args.no_events
 
-    for sig in (signal.SIGTERM, signal.SIGHUP):  # exit through finally: (closes segments)
-        signal.signal(sig, lambda signum, _frame: sys.exit(128 + signum))
+    exit_through_finally()  # (closes segments)
 
     flavors, vllm_note = load_flavors(not args.no_vllm)
     by_name = {f.name: f for f in flavors}
@@ -644,8 +607,7 @@ def main(argv=None) -> int:
     for policy in policies:
         results = {n: [] for n in names}
         for r in range(args.repeats):
-            order = names[r % len(names):] + names[:r % len(names)]
-            for n in order:
+            for n in rotated(names, r):
                 run = run_one(by_name[n], workload, policy, events, args.max_running, args.batch)
                 results[n].append(summarise(run))
         same, text = check_decisions(results, names)
@@ -669,22 +631,20 @@ def main(argv=None) -> int:
                 print(f"policy {policy}: every call within {args.target}x of vLLM")
 
     if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump({
-                "bench": "primary_calls",
-                "config": {
-                    "chunks": args.chunks, "requests": num_requests, "repeats": args.repeats,
-                    "policies": policies, "events": events, "max_running": args.max_running,
-                    "batch": args.batch, "seed": args.seed, "quick": args.quick,
-                    "workload": workload.describe(), "vllm": vllm_note,
-                    "timer_overhead_ns": over_ns, "python": platform.python_version(),
-                    "cpus": os.cpu_count(),
-                },
-                "decisions_identical": ok_decisions,
-                "over_target": {p: overs[p] for p in policies},
-                "results": all_results,
-            }, f, indent=1)
+        write_json(args.json, {
+            "bench": "primary_calls",
+            "config": {
+                "chunks": args.chunks, "requests": num_requests, "repeats": args.repeats,
+                "policies": policies, "events": events, "max_running": args.max_running,
+                "batch": args.batch, "seed": args.seed, "quick": args.quick,
+                "workload": workload.describe(), "vllm": vllm_note,
+                "timer_overhead_ns": over_ns, "python": platform.python_version(),
+                "cpus": os.cpu_count(),
+            },
+            "decisions_identical": ok_decisions,
+            "over_target": {p: overs[p] for p in policies},
+            "results": all_results,
+        })
         print(f"\nwrote {args.json}")
     return 0
 

@@ -46,13 +46,11 @@ The segment and its semaphores are removed on exit, also on error and SIGTERM.
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing as mp
 import os
 import platform
 import queue as queue_mod
 import random
-import signal
 import statistics
 import sys
 import time
@@ -63,6 +61,7 @@ if REPO_ROOT not in sys.path:
 
 import numpy as np  # noqa: E402
 import posix_ipc  # noqa: E402
+from common import exit_through_finally, med_range, rotated, write_json  # noqa: E402
 
 from shmtier.shared.jobs import decode_job, pack_job  # noqa: E402
 from shmtier.shared.layout import ArenaGeometry  # noqa: E402
@@ -407,10 +406,6 @@ class Bench:
                 "send_p50_us": statistics.median(send) / 1000}
 
 
-def _spread(values):
-    return statistics.median(values), min(values), max(values)
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--jobs", type=int, default=None, help="jobs per run (default 10^6)")
@@ -425,8 +420,7 @@ def main(argv=None) -> int:
     n = args.jobs or (100_000 if args.quick else 1_000_000)
     samples = args.latency_samples or (300 if args.quick else 1500)
     transports = [t for t in args.transports.split(",") if t]
-    for sig in (signal.SIGTERM, signal.SIGHUP):  # exit through finally: (removes the segment)
-        signal.signal(sig, lambda signum, _frame: sys.exit(128 + signum))
+    exit_through_finally()  # (removes the segment)
 
     print(f"bench/ring.py: 1 producer, {CONSUMERS} consumer processes (spawn), {n} jobs x "
           f"{args.repeats} runs per transport; ring {args.slots} slots x {args.slot_size} B; "
@@ -438,8 +432,7 @@ def main(argv=None) -> int:
     try:
         runs = {t: [] for t in transports}
         for rep in range(args.repeats):
-            order = transports[rep % len(transports):] + transports[:rep % len(transports)]
-            for t in order:
+            for t in rotated(transports, rep):
                 r = bench.throughput(t, n)
                 runs[t].append(r)
                 if not r["exactly_once"]:
@@ -462,7 +455,7 @@ def main(argv=None) -> int:
         base = None
         for t in transports:
             tr = results["transports"][t]
-            med, lo, hi = _spread([r["jobs_per_s"] / 1000 for r in tr["runs"]] or [0.0])
+            med, lo, hi = med_range([r["jobs_per_s"] / 1000 for r in tr["runs"]] or [0.0])
             once = all(r["exactly_once"] for r in tr["runs"])
             prod = statistics.median([r["producer_cpu_us_per_job"] for r in tr["runs"]] or [0.0])
             cons = statistics.median([r["consumer_cpu_us_per_job"] for r in tr["runs"]] or [0.0])
@@ -489,9 +482,7 @@ def main(argv=None) -> int:
         ok = all(r["exactly_once"] for tr in results["transports"].values() for r in tr["runs"])
         print("exactly once on every run:", "yes" if ok else "NO")
         if args.json:
-            os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-            with open(args.json, "w") as f:
-                json.dump(results, f, indent=1)
+            write_json(args.json, results)
         return 0 if ok else 1
     finally:
         bench.close()

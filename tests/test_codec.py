@@ -373,18 +373,26 @@ def _payload_positions(n: int, count: int = 200, seed: int = 0) -> list[int]:
     return sorted(picks)
 
 
-def test_flips_in_high_plane_are_detected_before_writing(frames):
-    frame, raw = frames["split_zstd"]
-    hs = frame_header_size(len(KEY))
-    clen = header_fields(frame)["stored_len"] - len(raw) // 2
+def assert_flips_are_checksum_errors(frame, nbytes, start, positions, fill=None):
+    """A one-bit flip at each of ``positions`` (offsets from ``start``; bit i % 8 at the
+    i-th) fails the decode as "checksum"; with ``fill`` (a byte), before anything was
+    written to the destination (pre-filled with it)."""
     dec = ChunkDecoder()
-    for i, pos in enumerate(_payload_positions(clen)):
-        bad = flip(frame, hs + pos, i % 8)
-        out = bytearray(b"\x55" * len(raw))
+    for i, pos in enumerate(positions):
+        bad = flip(frame, start + pos, i % 8)
+        out = bytearray((fill or b"\x00") * nbytes)
         with pytest.raises(CorruptChunkError) as ei:
             dec.decode_into(memoryview(bad), KEY, memoryview(out))
         assert ei.value.reason == "checksum"
-        assert out == b"\x55" * len(raw)
+        if fill is not None:
+            assert out == fill * nbytes
+
+
+def test_flips_in_high_plane_are_detected_before_writing(frames):
+    frame, raw = frames["split_zstd"]
+    clen = header_fields(frame)["stored_len"] - len(raw) // 2
+    assert_flips_are_checksum_errors(frame, len(raw), frame_header_size(len(KEY)),
+                                     _payload_positions(clen), fill=b"\x55")
 
 
 def test_high_plane_content_checksum_catches_a_decode_that_differs(frames):
@@ -425,28 +433,16 @@ def test_high_plane_frame_without_content_checksum_is_refused(frames):
 def test_flips_in_low_plane_are_detected(frames):
     frame, raw = frames["split_zstd"]
     half = len(raw) // 2
-    start = len(frame) - half
-    dec = ChunkDecoder()
-    for i, pos in enumerate(_payload_positions(half, seed=1)):
-        bad = flip(frame, start + pos, i % 8)
-        out = bytearray(len(raw))
-        with pytest.raises(CorruptChunkError) as ei:
-            dec.decode_into(memoryview(bad), KEY, memoryview(out))
-        assert ei.value.reason == "checksum"
+    assert_flips_are_checksum_errors(frame, len(raw), len(frame) - half,
+                                     _payload_positions(half, seed=1))
 
 
 @pytest.mark.parametrize("codec", ("zstd", "raw"))
 def test_payload_flips_are_detected_before_writing(frames, codec):
     frame, raw = frames[codec]
     hs = frame_header_size(len(KEY))
-    dec = ChunkDecoder()
-    for i, pos in enumerate(_payload_positions(len(frame) - hs, seed=2)):
-        bad = flip(frame, hs + pos, i % 8)
-        out = bytearray(b"\x33" * len(raw))
-        with pytest.raises(CorruptChunkError) as ei:
-            dec.decode_into(memoryview(bad), KEY, memoryview(out))
-        assert ei.value.reason == "checksum"
-        assert out == b"\x33" * len(raw)
+    assert_flips_are_checksum_errors(frame, len(raw), hs,
+                                     _payload_positions(len(frame) - hs, seed=2), fill=b"\x33")
 
 
 @pytest.mark.parametrize("codec", ("split_zstd", "zstd", "raw"))

@@ -127,15 +127,23 @@ def check_store_and_round_trip(segment, pages, refs, bpc, rank, sizes, indices, 
                                          gpu_ids, chunk_ids, sizes, indices))
     expected_bytes = sum(n for _, n, _, _ in placement)
 
+    def one_job(caches, job_id, store):
+        """One job on a fresh worker over ``caches``; asserts it succeeded whole."""
+        with BlockCopyWorker(caches, segment, bpc, rank, threads=threads) as worker:
+            if patch:
+                patch(worker)
+            if store:
+                assert worker.submit_store(job_id, src_spec, cpu_spec) is True
+            else:
+                assert worker.submit_load(job_id, cpu_spec, dst_spec) is True
+            worker.wait({job_id})
+            results = worker.get_finished()
+        assert [(r.job_id, r.success, r.transfer_size) for r in results] == [
+            (job_id, True, expected_bytes)]
+        assert results[0].transfer_time >= 0
+
     before = arena_array(segment).copy()
-    with BlockCopyWorker(src, segment, bpc, rank, threads=threads) as storer:
-        if patch:
-            patch(storer)
-        assert storer.submit_store(7, src_spec, cpu_spec) is True
-        storer.wait({7})
-        results = storer.get_finished()
-    assert [(r.job_id, r.success, r.transfer_size) for r in results] == [(7, True, expected_bytes)]
-    assert results[0].transfer_time >= 0
+    one_job(src, 7, store=True)
 
     arena = arena_array(segment)
     want = before.copy()
@@ -146,13 +154,7 @@ def check_store_and_round_trip(segment, pages, refs, bpc, rank, sizes, indices, 
     if check_whole_arena:  # nothing else written: padding, other slots, other rows
         assert np.array_equal(arena, want)
 
-    with BlockCopyWorker(dst, segment, bpc, rank, threads=threads) as loader:
-        if patch:
-            patch(loader)
-        assert loader.submit_load(8, cpu_spec, dst_spec) is True
-        loader.wait({8})
-        results = loader.get_finished()
-    assert [(r.job_id, r.success, r.transfer_size) for r in results] == [(8, True, expected_bytes)]
+    one_job(dst, 8, store=False)
 
     want_dst = [torch.zeros_like(t) for t in dst.tensors]
     moved = dict(zip(gpu_ids, load_ids))
@@ -163,53 +165,14 @@ def check_store_and_round_trip(segment, pages, refs, bpc, rank, sizes, indices, 
     return arena
 
 
-@pytest.mark.parametrize("threads", [True, False])
-def test_round_trip_one_block_per_chunk(engine_id, threads):
-    pages = [8192]
-    refs = [[CanonicalKVCacheRef(0, 8192)]]
-    geometry = geometry_for(pages, 1, 1, 16)
-    with opened(engine_id, geometry) as segment:
-        check_store_and_round_trip(segment, pages, refs, bpc=1, rank=0, sizes=[5],
-                                   indices=[3], chunk_ids=[9, 2, 3, 4, 15], threads=threads)
-
-
-@pytest.mark.parametrize("consecutive", [False, True])
-def test_round_trip_four_blocks_per_chunk(engine_id, consecutive):
-    pages = [4096]
-    refs = [[CanonicalKVCacheRef(0, 4096)]]
-    geometry = geometry_for(pages, 4, 1, 12)
-    with opened(engine_id, geometry) as segment:
-        # consecutive chunks: whole rows are contiguous (one tensor fills the row)
-        check_store_and_round_trip(segment, pages, refs, bpc=4, rank=0, sizes=[16],
-                                   indices=[8], chunk_ids=[4, 5, 6, 11],
-                                   consecutive=consecutive)
-
-
-def test_unaligned_first_block_partial_chunks(engine_id):
-    pages = [3072]  # not a multiple of the OS page: rows carry tail padding
-    refs = [[CanonicalKVCacheRef(0, 3072)]]
-    geometry = geometry_for(pages, 4, 1, 8)
-    with opened(engine_id, geometry) as segment:
-        # logical blocks 6..14: skip 2 of chunk 0, chunks 1 full, chunk 2 has 3
-        arena = check_store_and_round_trip(segment, pages, refs, bpc=4, rank=0, sizes=[9],
-                                           indices=[6], chunk_ids=[3, 0, 5])
-        row3 = arena[3 * geometry.row_stride:3 * geometry.row_stride + 2 * 3072]
-        assert not row3.any(), "skipped sub-blocks of the first chunk were written"
-
-
-def test_two_groups_two_tensors_unpadded_pages(engine_id):
-    pages = [6144, 2048]
-    refs = [
-        [CanonicalKVCacheRef(0, 5000), CanonicalKVCacheRef(1, 2048)],
-        [CanonicalKVCacheRef(1, 1500)],  # a second group sharing tensor 1
-    ]
-    geometry = geometry_for(pages, 2, 1, 10)
-    with opened(engine_id, geometry) as segment:
-        check_store_and_round_trip(segment, pages, refs, bpc=2, rank=0, sizes=[5, 3],
-                                   indices=[4, 3], chunk_ids=[7, 1, 0, 8, 2])
-        check_store_and_round_trip(segment, pages, refs, bpc=2, rank=0, sizes=[5, 3],
-                                   indices=[4, 3], chunk_ids=[3, 4, 5, 6, 9],
-                                   consecutive=True, check_whole_arena=False)
+def round_trips(engine_id, pages, refs, *, bpc, num_chunks, jobs, world_size=1, rank=0):
+    """A segment for this cache layout; each job (check_store_and_round_trip's keyword
+    arguments) stored, checked and loaded back in turn. Returns the geometry and a
+    copy of the arena after each job."""
+    geometry = geometry_for(pages, bpc, world_size, num_chunks)
+    with opened(engine_id, geometry, rank=rank) as segment:
+        return geometry, [check_store_and_round_trip(segment, pages, refs, bpc, rank, **job).copy()
+                          for job in jobs]
 
 
 def use_cuda_copy_plan(worker):
@@ -219,18 +182,54 @@ def use_cuda_copy_plan(worker):
     worker._expedited_queue._execute = worker._cuda_load
 
 
-@pytest.mark.parametrize("consecutive", [False, True])
-def test_cuda_copy_plan_on_cpu_tensors(engine_id, consecutive):
+ROUND_TRIPS = {  # layout: (pages, refs, bpc, num_chunks, world_size, rank); one job
+    "one-block-per-chunk": (([8192], [[CanonicalKVCacheRef(0, 8192)]], 1, 16, 1, 0),
+                            dict(sizes=[5], indices=[3], chunk_ids=[9, 2, 3, 4, 15])),
+    # consecutive chunks: whole rows are contiguous (one tensor fills the row)
+    "four-blocks-per-chunk": (([4096], [[CanonicalKVCacheRef(0, 4096)]], 4, 12, 1, 0),
+                              dict(sizes=[16], indices=[8], chunk_ids=[4, 5, 6, 11])),
+    "cuda-copy-plan-on-cpu-tensors": (
+        ([6144, 2048], [[CanonicalKVCacheRef(0, 6144), CanonicalKVCacheRef(1, 2048)],
+                        [CanonicalKVCacheRef(1, 1500)]], 3, 10, 2, 1),
+        dict(sizes=[8, 4], indices=[2, 4], chunk_ids=[7, 1, 0, 8, 2, 3],
+             patch=use_cuda_copy_plan)),
+}
+
+
+@pytest.mark.parametrize("case, variant", [
+    ("one-block-per-chunk", {"threads": True}),
+    ("one-block-per-chunk", {"threads": False}),
+    ("four-blocks-per-chunk", {"consecutive": False}),
+    ("four-blocks-per-chunk", {"consecutive": True}),
+    ("cuda-copy-plan-on-cpu-tensors", {"consecutive": False}),
+    ("cuda-copy-plan-on-cpu-tensors", {"consecutive": True}),
+])
+def test_round_trip(engine_id, case, variant):
+    (pages, refs, bpc, num_chunks, world_size, rank), job = ROUND_TRIPS[case]
+    round_trips(engine_id, pages, refs, bpc=bpc, num_chunks=num_chunks, world_size=world_size,
+                rank=rank, jobs=[{**job, **variant}])
+
+
+def test_unaligned_first_block_partial_chunks(engine_id):
+    # pages of 3072: not a multiple of the OS page, rows carry tail padding;
+    # logical blocks 6..14: skip 2 of chunk 0, chunks 1 full, chunk 2 has 3
+    geometry, (arena,) = round_trips(engine_id, [3072], [[CanonicalKVCacheRef(0, 3072)]], bpc=4,
+                                     num_chunks=8,
+                                     jobs=[dict(sizes=[9], indices=[6], chunk_ids=[3, 0, 5])])
+    row3 = arena[3 * geometry.row_stride:3 * geometry.row_stride + 2 * 3072]
+    assert not row3.any(), "skipped sub-blocks of the first chunk were written"
+
+
+def test_two_groups_two_tensors_unpadded_pages(engine_id):
     pages = [6144, 2048]
     refs = [
-        [CanonicalKVCacheRef(0, 6144), CanonicalKVCacheRef(1, 2048)],
-        [CanonicalKVCacheRef(1, 1500)],
+        [CanonicalKVCacheRef(0, 5000), CanonicalKVCacheRef(1, 2048)],
+        [CanonicalKVCacheRef(1, 1500)],  # a second group sharing tensor 1
     ]
-    geometry = geometry_for(pages, 3, 2, 10)
-    with opened(engine_id, geometry, rank=1) as segment:
-        check_store_and_round_trip(segment, pages, refs, bpc=3, rank=1, sizes=[8, 4],
-                                   indices=[2, 4], chunk_ids=[7, 1, 0, 8, 2, 3],
-                                   consecutive=consecutive, patch=use_cuda_copy_plan)
+    round_trips(engine_id, pages, refs, bpc=2, num_chunks=10, jobs=[
+        dict(sizes=[5, 3], indices=[4, 3], chunk_ids=[7, 1, 0, 8, 2]),
+        dict(sizes=[5, 3], indices=[4, 3], chunk_ids=[3, 4, 5, 6, 9], consecutive=True,
+             check_whole_arena=False)])
 
 
 def _vllm_attribute_names() -> dict[str, set[str]]:

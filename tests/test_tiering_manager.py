@@ -25,6 +25,8 @@ from shmtier.scheduler.tiering.manager import TieringOffloadingManager
 from shmtier.shared.layout import ArenaGeometry
 from shmtier.shared.segment import open_segment
 
+import connector_calls
+
 HIT, MISS, PENDING, RETRY = (LookupResult.HIT, LookupResult.MISS, LookupResult.HIT_PENDING,
                              LookupResult.RETRY)
 PAGE = 4096
@@ -62,20 +64,26 @@ class Rig:
         self.jobs = 0
 
     def offload(self, keys, blocks, ctx):
-        """The connector's store path: prepare_store, GPU->arena copy, complete_store."""
-        m = self.manager
-        with m.lock:
-            out = m.prepare_store(keys, ctx)
-        assert out is not None
-        if out.keys_to_store:
+        """The connector's store path, ``keys`` from GPU ``blocks`` (one each)."""
+
+        def copy(out):
             gpu = [blocks[keys.index(k)] for k in out.keys_to_store]
             self.jobs += 1
             self.worker.submit_store(self.jobs, GPULoadStoreSpec(gpu, [len(gpu)], [0]), out.store_spec)
             self.worker.wait({self.jobs})
             assert all(r.success for r in self.worker.get_finished())
-            with m.lock:
-                m.complete_store(out.keys_to_store, ctx)
-        return out
+
+        return connector_calls.offload(self.manager, keys, ctx, copy)
+
+    def stored_request(self, keys, req_id="a"):
+        """A new request stores ``keys`` from GPU blocks 0.. and a step passes (its
+        cascades submitted); returns its context."""
+        ctx = ReqContext(req_id)
+        with self.manager.lock:
+            self.manager.on_new_request(ctx)
+        self.offload(keys, list(range(len(keys))), ctx)
+        self.step()
+        return ctx
 
     def load(self, keys, blocks, ctx):
         m = self.manager
@@ -290,19 +298,25 @@ def test_tiers_hear_of_a_finished_request_after_its_last_store(rig_factory, scri
         assert tier.stores == [[key(1)]] and tier.finished_requests == ["r"]
 
 
-def test_reset_holds_promotions_until_flushed(rig_factory):
-    rig = rig_factory()
+VLLM_EXAMPLE_TIER = {"type": "ExampleSecondaryTierManager",
+                     "module_path": "vllm.v1.kv_offload.tiering.example.manager"}
+
+
+@pytest.mark.parametrize("tier", [{"type": "example"}, VLLM_EXAMPLE_TIER],
+                         ids=["example", "vllms-example-tier"])
+def test_reset_holds_promotions_until_flushed(rig_factory, tier):
+    """With shmtier's example tier and with vLLM's own, loaded as an out-of-tree tier
+    (whose HIT, in vLLM's enum, must cross into the manager as a promotion)."""
+    if tier is VLLM_EXAMPLE_TIER:
+        pytest.importorskip(tier["module_path"])
+    rig = rig_factory(tiers=[tier])
     m = rig.manager
-    ctx = ReqContext("a")
-    with m.lock:
-        m.on_new_request(ctx)
-    rig.offload([key(1)], [0], ctx)
-    rig.step()
+    ctx = rig.stored_request([key(1)])
     with m.lock:
         m.reset_cache()
         assert m.lookup(key(1), ctx) is MISS  # held: recompute instead of stalling
         m.on_reset_flushed()
-        assert m.lookup(key(1), ctx) is PENDING
+        assert m.lookup(key(1), ctx) is PENDING  # the tier answered HIT
     wait_for_hit(rig, [key(1)], ctx)
 
 
@@ -316,32 +330,11 @@ def test_lock_is_real_and_not_reentrant(rig_factory):
 def test_stats_and_config_info_are_declared(rig_factory):
     rig = rig_factory()
     m = rig.manager
-    ctx = ReqContext("a")
-    with m.lock:
-        m.on_new_request(ctx)
-    rig.offload([key(1)], [0], ctx)
-    rig.step()
+    rig.stored_request([key(1)])
     declared = {**metrics.cpu_metric_definitions(), **metrics.tiering_metric_definitions()}
     data = m.get_stats().data
     assert set(data["types"]) <= set(declared)
     assert m.config_info() == [{"tier": "0:primary"}, {"example_info": 0, "tier": "1:example"}]
-
-
-def test_a_tier_written_for_vllm_loads_and_runs(rig_factory):
-    pytest.importorskip("vllm.v1.kv_offload.tiering.example.manager")
-    rig = rig_factory(tiers=[{"type": "ExampleSecondaryTierManager",
-                              "module_path": "vllm.v1.kv_offload.tiering.example.manager"}])
-    m = rig.manager
-    ctx = ReqContext("a")
-    with m.lock:
-        m.on_new_request(ctx)
-    rig.offload([key(1)], [0], ctx)
-    rig.step()
-    with m.lock:
-        m.reset_cache()
-        m.on_reset_flushed()
-        assert m.lookup(key(1), ctx) is PENDING  # vLLM's tier answered HIT (its own enum)
-    wait_for_hit(rig, [key(1)], ctx)
 
 
 def test_unknown_tier_type_and_bad_options_are_clear_errors(rig_factory):

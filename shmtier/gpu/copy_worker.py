@@ -42,24 +42,22 @@ Execution:
 
 Expedited loads (sync loads the connector waits on before the forward) have
 their own queue, so they never wait behind regular loads. Completion is
-reported in submission order per queue.
+reported in submission order per queue. The jobs and both kinds of queue are in
+``copy_queues.py``; this module plans the copies and performs them.
 """
 
 from __future__ import annotations
 
 import ctypes
 import logging
-import threading
-import time
-from collections import deque
-from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import torch
 
 from shmtier.contract import TransferResult
 from shmtier.gpu.canonical import block_tensors
+from shmtier.gpu.copy_queues import CudaQueue, Job, RefCopy, ThreadQueue
 from shmtier.shared.layout import PAGE_SIZE
 
 logger = logging.getLogger(__name__)
@@ -79,38 +77,6 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-@dataclass
-class _RefCopy:
-    """One ref's share of a job: block ``gpu_blocks[k]`` of tensor
-    ``tensor_idx`` <-> ``nbytes`` bytes at arena byte offset ``cpu_offsets[k]``."""
-
-    tensor_idx: int
-    nbytes: int
-    gpu_blocks: np.ndarray  # int64
-    cpu_offsets: np.ndarray  # int64, absolute within the arena
-
-
-class _Job:
-    __slots__ = ("job_id", "copies", "nbytes", "done", "elapsed", "error",
-                 "start_event", "end_event", "keepalive")
-
-    def __init__(self, job_id: int, copies: list[_RefCopy], nbytes: int):
-        self.job_id = job_id
-        self.copies = copies
-        self.nbytes = nbytes
-        self.done = False
-        self.elapsed = 0.0
-        self.error: BaseException | None = None
-        self.start_event = None
-        self.end_event = None
-        self.keepalive: list[Any] | None = None
-
-    def result(self) -> TransferResult:
-        if self.error is not None:
-            return TransferResult(self.job_id, False, 0, self.elapsed)
-        return TransferResult(self.job_id, True, self.nbytes, self.elapsed)
-
-
 def _run_bounds(breaks: np.ndarray, n: int) -> list[tuple[int, int]]:
     """``[start, end)`` runs of ``n`` items split after every True in ``breaks``
     (``breaks[k]`` separates item ``k`` from item ``k + 1``)."""
@@ -118,143 +84,6 @@ def _run_bounds(breaks: np.ndarray, n: int) -> list[tuple[int, int]]:
         return []
     cuts = (np.flatnonzero(breaks) + 1).tolist()
     return list(zip([0] + cuts, cuts + [n]))
-
-
-# ----------------------------------------------------------------------------- queues
-
-
-class _ThreadQueue:
-    """FIFO queue of CPU copy jobs run by one daemon thread (or inline).
-
-    ``execute(job)`` performs the copies; it runs on the queue's thread.
-    """
-
-    def __init__(self, name: str, execute: Callable[[_Job], None], threaded: bool):
-        self.name = name
-        self._execute = execute
-        self._threaded = threaded
-        self._pending: deque[_Job] = deque()  # submitted, not yet reported
-        self._todo: deque[_Job] = deque()  # not yet started
-        self._cv = threading.Condition()
-        self._thread: threading.Thread | None = None
-        self._stopping = False
-
-    def submit(self, job: _Job) -> None:
-        if not self._threaded:
-            self._pending.append(job)
-            self._run(job)
-            return
-        with self._cv:
-            if self._stopping:
-                raise RuntimeError(f"copy queue {self.name} is shut down")
-            self._pending.append(job)
-            self._todo.append(job)
-            if self._thread is None:
-                self._thread = threading.Thread(
-                    target=self._loop, name=f"shmtier-copy-{self.name}", daemon=True
-                )
-                self._thread.start()
-            self._cv.notify()
-
-    def _run(self, job: _Job) -> None:
-        start = time.perf_counter()
-        try:
-            self._execute(job)
-        except BaseException as exc:  # noqa: BLE001 - reported as a failed job
-            job.error = exc
-            logger.exception("copy job %d on queue %s failed", job.job_id, self.name)
-        job.elapsed = time.perf_counter() - start
-        job.copies = None
-        with self._cv:
-            job.done = True
-            self._cv.notify_all()
-
-    def _loop(self) -> None:
-        while True:
-            with self._cv:
-                while not self._todo and not self._stopping:
-                    self._cv.wait()
-                if not self._todo:
-                    return  # stopping and drained
-                job = self._todo.popleft()
-            self._run(job)
-
-    def get_finished(self) -> list[TransferResult]:
-        results = []
-        with self._cv:
-            while self._pending and self._pending[0].done:
-                results.append(self._pending.popleft().result())
-        return results
-
-    def wait(self, job_ids: set[int]) -> None:
-        with self._cv:
-            jobs = [job for job in self._pending if job.job_id in job_ids]
-            self._cv.wait_for(lambda: all(job.done for job in jobs))
-
-    def shutdown(self) -> None:
-        with self._cv:
-            self._stopping = True
-            self._cv.notify_all()
-            thread = self._thread
-        if thread is not None:
-            thread.join()
-        with self._cv:
-            self._pending.clear()
-
-
-class _CudaQueue:
-    """FIFO queue of copy jobs issued on one CUDA stream; events mark completion."""
-
-    def __init__(self, name: str, execute: Callable[[_Job], list[Any]], device: torch.device):
-        self.name = name
-        self._execute = execute
-        self._device = device
-        self._stream = torch.cuda.Stream(device=device)
-        self._pending: deque[_Job] = deque()
-        self._events: list[Any] = []  # recycled timing events
-
-    def _event(self):
-        return self._events.pop() if self._events else torch.cuda.Event(enable_timing=True)
-
-    def submit(self, job: _Job) -> None:
-        stream = self._stream
-        job.start_event, job.end_event = self._event(), self._event()
-        # Stores must read finished KV; loads must land after the zeroing of
-        # their destination blocks: both were queued on the current stream.
-        stream.wait_stream(torch.cuda.current_stream(self._device))
-        with torch.cuda.stream(stream):
-            job.start_event.record(stream)
-            try:
-                job.keepalive = self._execute(job)
-            except Exception as exc:  # noqa: BLE001 - reported as a failed job
-                job.error = exc
-                logger.exception("copy job %d on queue %s failed", job.job_id, self.name)
-            job.end_event.record(stream)
-        job.copies = None
-        self._pending.append(job)
-
-    def get_finished(self) -> list[TransferResult]:
-        results = []
-        while self._pending and self._pending[0].end_event.query():
-            job = self._pending.popleft()
-            job.elapsed = job.start_event.elapsed_time(job.end_event) * 1e-3
-            results.append(job.result())
-            self._events += (job.start_event, job.end_event)
-            job.keepalive = None
-        return results
-
-    def wait(self, job_ids: set[int]) -> None:
-        for job in list(self._pending):
-            if job.job_id in job_ids:
-                job.end_event.synchronize()
-
-    def shutdown(self) -> None:
-        try:
-            for job in self._pending:
-                job.end_event.synchronize()
-        finally:
-            self._pending.clear()
-            self._events.clear()
 
 
 # ----------------------------------------------------------------------------- pinning
@@ -436,10 +265,10 @@ class BlockCopyWorker:
             if pin_memory and self.num_chunks:
                 self._registered = _host_register(self._pin_ranges(geometry))
                 self.host_memory_pinned = bool(self._registered)
-            make = lambda name, fn: _CudaQueue(name, fn, device)  # noqa: E731
+            make = lambda name, fn: CudaQueue(name, fn, device)  # noqa: E731
             store_fn, load_fn = self._cuda_store, self._cuda_load
         else:
-            make = lambda name, fn: _ThreadQueue(name, fn, threads)  # noqa: E731
+            make = lambda name, fn: ThreadQueue(name, fn, threads)  # noqa: E731
             store_fn, load_fn = self._cpu_store, self._cpu_load
         try:
             self._store_queue = make("store", store_fn)
@@ -465,7 +294,7 @@ class BlockCopyWorker:
         """
         self._check_open()
         copies, nbytes = self._plan(src, dst)
-        self._store_queue.submit(_Job(job_id, copies, nbytes))
+        self._store_queue.submit(Job(job_id, copies, nbytes))
         return True
 
     def submit_load(self, job_id: int, src: Any, dst: Any, expedited: bool = False) -> bool:
@@ -480,7 +309,7 @@ class BlockCopyWorker:
         self._check_open()
         copies, nbytes = self._plan(dst, src)
         queue = self._expedited_queue if expedited else self._load_queue
-        queue.submit(_Job(job_id, copies, nbytes))
+        queue.submit(Job(job_id, copies, nbytes))
         return True
 
     def get_finished(self) -> list[TransferResult]:
@@ -553,7 +382,7 @@ class BlockCopyWorker:
         if self._closed:
             raise RuntimeError("BlockCopyWorker is shut down")
 
-    def _plan(self, gpu_spec: Any, cpu_spec: Any) -> tuple[list[_RefCopy], int]:
+    def _plan(self, gpu_spec: Any, cpu_spec: Any) -> tuple[list[RefCopy], int]:
         """Turn a (GPU spec, CPU spec) pair into per-ref copy lists (contract §5).
 
         Runs in the submitting thread; raises ``ValueError`` naming the problem.
@@ -578,7 +407,7 @@ class BlockCopyWorker:
                 f"got min {cpu_ids.min()} max {cpu_ids.max()}")
 
         bpc = self.blocks_per_chunk
-        copies: list[_RefCopy] = []
+        copies: list[RefCopy] = []
         nbytes = 0
         gpos = cpos = 0
         for g, (size, first) in enumerate(zip(group_sizes, block_indices)):
@@ -606,7 +435,7 @@ class BlockCopyWorker:
             within = sub % bpc
             for t, unpadded in self._group_refs[g]:
                 offsets = base + (self.tensor_offsets[t] + within * self.page_sizes[t])
-                copies.append(_RefCopy(t, unpadded, group_gpu, offsets))
+                copies.append(RefCopy(t, unpadded, group_gpu, offsets))
                 nbytes += size * unpadded
             gpos += size
             cpos += rows
@@ -624,15 +453,15 @@ class BlockCopyWorker:
 
     # ------------------------------------------------------------------ CPU copies
 
-    def _cpu_store(self, job: _Job) -> None:
+    def _cpu_store(self, job: Job) -> None:
         """Gather KV blocks into arena sub-blocks (queue thread)."""
         self._cpu_copy(job, to_arena=True)
 
-    def _cpu_load(self, job: _Job) -> None:
+    def _cpu_load(self, job: Job) -> None:
         """Scatter arena sub-blocks into KV blocks (queue thread)."""
         self._cpu_copy(job, to_arena=False)
 
-    def _cpu_copy(self, job: _Job, to_arena: bool) -> None:
+    def _cpu_copy(self, job: Job, to_arena: bool) -> None:
         """One ``memmove`` per run of blocks contiguous on both sides (a padded
         page: one per block), addresses computed vectorised.
 
@@ -662,7 +491,7 @@ class BlockCopyWorker:
 
     # ------------------------------------------------------------------ CUDA copies
 
-    def _cuda_runs(self, rc: _RefCopy) -> list[tuple[int, int]]:
+    def _cuda_runs(self, rc: RefCopy) -> list[tuple[int, int]]:
         """Runs of blocks contiguous on both sides, so one cudaMemcpyAsync each
         (a padded page is never contiguous across blocks)."""
         page = self.page_sizes[rc.tensor_idx]
@@ -672,7 +501,7 @@ class BlockCopyWorker:
         breaks = (np.diff(rc.cpu_offsets) != page) | (np.diff(rc.gpu_blocks) != 1)
         return _run_bounds(breaks, n)
 
-    def _cuda_store(self, job: _Job) -> list[Any]:
+    def _cuda_store(self, job: Job) -> list[Any]:
         """Issue GPU -> pinned arena copies on the current (queue) stream."""
         keep: list[Any] = []
         for rc in job.copies:
@@ -703,7 +532,7 @@ class BlockCopyWorker:
                     gpu[first:first + b - a, :rc.nbytes], non_blocking=True)
         return keep
 
-    def _cuda_load(self, job: _Job) -> list[Any]:
+    def _cuda_load(self, job: Job) -> list[Any]:
         """Issue pinned arena -> GPU copies on the current (queue) stream."""
         for rc in job.copies:
             gpu = self._blocks[rc.tensor_idx]

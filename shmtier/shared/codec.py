@@ -235,7 +235,17 @@ def _config_problem(mode: Any, level: Any, min_gain: Any) -> str | None:
 
 
 @dataclass(frozen=True)
-class EncodeStats:
+class _CodecStats:
+    """What one encode or decode did: ``raw_bytes`` (the chunk), ``stored_bytes`` (the
+    whole frame, header + payload), ``seconds``, ``codec``."""
+
+    raw_bytes: int
+    stored_bytes: int
+    seconds: float
+    codec: str = "raw"
+
+
+class EncodeStats(_CodecStats):
     """What one :meth:`ChunkEncoder.encode` did.
 
     ``raw_bytes``: chunk size; ``stored_bytes``: whole frame size (header + payload,
@@ -243,21 +253,10 @@ class EncodeStats:
     checksums); ``codec``: the codec chosen (``"raw"``, ``"zstd"``, ``"split_zstd"``).
     """
 
-    raw_bytes: int
-    stored_bytes: int
-    seconds: float
-    codec: str = "raw"
 
-
-@dataclass(frozen=True)
-class DecodeStats:
+class DecodeStats(_CodecStats):
     """What one :meth:`ChunkDecoder.decode_into` did: ``raw_bytes`` written to the
     destination, ``stored_bytes`` of the frame read, ``seconds`` spent, ``codec``."""
-
-    raw_bytes: int
-    stored_bytes: int
-    seconds: float
-    codec: str = "raw"
 
 
 @dataclass(frozen=True)

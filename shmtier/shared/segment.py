@@ -101,14 +101,7 @@ class SegmentHeader:
     magic: bytes
     layout_version: int
     state: int
-    geometry: ArenaGeometry | None
-    control_off: int
-    control_len: int
-    rings_off: int
-    rings_len: int
-    arena_off: int
-    arena_len: int
-    total_len: int
+    layout: SegmentLayout  # as written by the creator; its geometry None when not valid
     creator_pid: int
     creator_start: int
     owner_pid: int
@@ -132,12 +125,17 @@ class SegmentHeader:
             geometry = ArenaGeometry(num_chunks, row_stride, page_size, world_size, key_width)
         except ValueError:
             geometry = None
+        layout = SegmentLayout(geometry, control_off, control_len, rings_off, rings_len,
+                               arena_off, arena_len, total_len)
         return cls(
-            magic, version, state, geometry,
-            control_off, control_len, rings_off, rings_len, arena_off, arena_len, total_len,
+            magic, version, state, layout,
             creator_pid, creator_start, owner_pid, owner_start, generation,
             boot, digest, text.decode(errors="replace"),
         )
+
+    @property
+    def geometry(self) -> ArenaGeometry | None:
+        return self.layout.geometry
 
     def owner_alive(self) -> bool:
         if self.owner_pid:
@@ -304,8 +302,8 @@ def _check_compatible(name: str, header: SegmentHeader, layout: SegmentLayout,
         want = getattr(mine, field)
         if have != want:
             diffs.append(f"{field} is {have} in the segment, {want} expected by this process")
-    if header.rings_len != layout.rings_len:
-        diffs.append(f"ring area is {header.rings_len} bytes in the segment, "
+    if header.layout.rings_len != layout.rings_len:
+        diffs.append(f"ring area is {header.layout.rings_len} bytes in the segment, "
                      f"{layout.rings_len} expected by this process")
     if header.fingerprint_digest != fingerprint_digest(fingerprint):
         diffs.append(
@@ -554,7 +552,7 @@ def join_existing(engine_id: str, *, timeout_s: float = 30.0) -> Segment:
             if not header.owner_alive():
                 raise SegmentError(f"segment {name}: its owner pid "
                                    f"{header.owner_pid or header.creator_pid} is not running")
-            layout = SegmentLayout.for_geometry(header.geometry, header.rings_len)
+            layout = SegmentLayout.for_geometry(header.geometry, header.layout.rings_len)
             buf = mmap.mmap(shm.fd, layout.total_len)
             return Segment(name, buf, os.fstat(shm.fd).st_ino, layout, is_creator=False,
                            is_owner=False)

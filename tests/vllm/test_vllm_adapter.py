@@ -29,20 +29,11 @@ import torch
 pytest.importorskip("vllm")  # without vLLM these tests skip; an incompatible vLLM fails below
 
 import shmtier.vllm as sv  # noqa: E402  (not importorskip: drift from vLLM must fail)
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest  # noqa: E402
-from vllm.config import DeviceConfig, KVTransferConfig, VllmConfig  # noqa: E402
-from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (  # noqa: E402
-    OffloadingConnectorStats,
-    OffloadPromMetrics,
-)
+import vllm_harness  # noqa: E402
+from prometheus_client import generate_latest  # noqa: E402
+from vllm.config import KVTransferConfig  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats  # noqa: E402,E501
 from vllm.v1.kv_offload import base as vb  # noqa: E402
-from vllm.v1.kv_offload.config import (  # noqa: E402
-    OffloadingCacheConfig,
-    OffloadingConfig,
-    OffloadingGroupConfig,
-    OffloadingModelConfig,
-    OffloadingParallelConfig,
-)
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec  # noqa: E402
 from vllm.v1.kv_offload.factory import OffloadingSpecFactory  # noqa: E402
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec as VllmTieringSpec  # noqa: E402
@@ -58,23 +49,9 @@ HIT, MISS, PENDING, RETRY = (vb.LookupResult.HIT, vb.LookupResult.MISS,
                              vb.LookupResult.HIT_PENDING, vb.LookupResult.RETRY)
 
 
-def offloading_config(extra, engine_id, *, rank=0, world_size=1, pp=1, bpc=1, events=True,
-                      replicated=False, canonical=False, max_model_len=512):
-    """vLLM's normalized config as build_offloading_config makes it for a 2-layer,
-    one-group full-attention model with 16-token GPU blocks."""
-    return OffloadingConfig(
-        groups=(OffloadingGroupConfig(16, ("layer.0", "layer.1"), 0),),
-        worker_kv_bytes_per_block=LAYER_PAGE * LAYERS,
-        enable_kv_cache_events=events,
-        extra_config=extra,
-        engine_id=engine_id,
-        model=OffloadingModelConfig("tiny-llama", "float16", max_model_len),
-        cache=OffloadingCacheConfig(16, bpc),
-        parallel=OffloadingParallelConfig(rank, world_size, world_size // pp, pp, 1, 1, 0, 1,
-                                          None, True),
-        replicated_layout=replicated,
-        canonical_layout=canonical,
-    )
+# vLLM's normalized config for a 2-layer, one-group full-attention model
+offloading_config = functools.partial(vllm_harness.offloading_config,
+                                      kv_bytes_per_block=LAYER_PAGE * LAYERS)
 
 
 def key(i: int, group: int = 0) -> bytes:
@@ -100,15 +77,8 @@ class PromSink:
     """vLLM's Prometheus front end for an engine configured with ``extra``."""
 
     def __init__(self, extra):
-        self.registry = CollectorRegistry()
-        kinds = {cls: functools.partial(cls, registry=self.registry)
-                 for cls in (Counter, Gauge, Histogram)}
-        config = VllmConfig(
-            kv_transfer_config=KVTransferConfig(kv_connector="OffloadingConnector",
-                                                kv_role="kv_both",
-                                                kv_connector_extra_config=extra),
-            device_config=DeviceConfig(device="cpu"))
-        self.prom = OffloadPromMetrics(config, kinds, ["model_name", "engine"], {0: ["m", "0"]})
+        self.registry, self.prom = vllm_harness.prom_front_end(
+            vllm_harness.connector_vllm_config(extra))
         self.seen: dict[str, set] = {}
 
     def observe(self, stats):
@@ -295,6 +265,21 @@ class Rig:
         assert result.transfer_size == len(gpu_blocks) * LAYER_PAGE * LAYERS
         return result
 
+    def load(self, keys, ctx, *, gpu_blocks, stored_from):
+        """The load path of a request whose keys all HIT: prepare_load, the worker's
+        copy into ``gpu_blocks`` (byte-exact against the GPU blocks ``stored_from``
+        held when they were stored), complete_load, on_request_finished."""
+        gpu_blocks, stored_from = list(gpu_blocks), list(stored_from)
+        with self.manager.lock:
+            spec = self.manager.prepare_load(keys, ctx)
+        self.copy(False, spec, gpu_blocks)
+        for layer, orig in zip(self.layers, self.original):
+            assert torch.equal(layer[gpu_blocks].view(torch.int16),
+                               orig[stored_from].view(torch.int16))
+        with self.manager.lock:
+            self.manager.complete_load(keys, ctx)
+            self.manager.on_request_finished(ctx)
+
     def close(self):
         for w in self.workers:
             w.shutdown()
@@ -357,6 +342,22 @@ def settle(manager, sink, timeout_s=20.0):
         time.sleep(0.005)
 
 
+def only_in_the_secondary_tier(manager, sink, keys):
+    """Request "A" stores ``keys`` (no GPU copy: only their presence matters), the
+    cascades finish, then a confirmed reset empties the primary: the keys stand in
+    the secondary tier alone and a lookup promotes them."""
+    a = vb.ReqContext("A")
+    with manager.lock:
+        manager.on_new_request(a)
+        out = manager.prepare_store(keys, a)
+        manager.complete_store(out.keys_to_store, a)
+        manager.on_request_finished(a)
+    settle(manager, sink)
+    with manager.lock:
+        manager.reset_cache()
+        manager.on_reset_flushed()
+
+
 @pytest.mark.parametrize("tier", ["example", "fs"])
 def test_the_connector_call_sequence_with_vllm_types(tier, rigs, engine_id, fs_root):
     """on_new_request, lookup (RETRY / HIT_PENDING deferral), prepare_store, worker
@@ -417,13 +418,7 @@ def test_the_connector_call_sequence_with_vllm_types(tier, rigs, engine_id, fs_r
             m.on_new_request(b)
             assert [m.lookup(k, b) for k in keys] == [HIT] * 3
             assert m.get_load_source(keys[0], b) is CacheHitSource.HOST
-            spec = m.prepare_load(keys, b)
-        rig.copy(False, spec, list(range(10, 16)))
-        for layer, orig in zip(rig.layers, rig.original):
-            assert torch.equal(layer[10:16].view(torch.int16), orig[2:8].view(torch.int16))
-        with m.lock:
-            m.complete_load(keys, b)
-            m.on_request_finished(b)
+        rig.load(keys, b, gpu_blocks=range(10, 16), stored_from=range(2, 8))
         step(m, sink, new=["B"])
 
         # --- reset: primary forgets, promotions held until the flush is confirmed
@@ -442,13 +437,7 @@ def test_the_connector_call_sequence_with_vllm_types(tier, rigs, engine_id, fs_r
         source = CacheHitSource.HOST if tier == "example" else CacheHitSource.DISK
         with m.lock:
             assert m.get_load_source(keys[1], c) is source
-            spec = m.prepare_load(keys, c)
-        rig.copy(False, spec, list(range(20, 26)))
-        for layer, orig in zip(rig.layers, rig.original):
-            assert torch.equal(layer[20:26].view(torch.int16), orig[2:8].view(torch.int16))
-        with m.lock:
-            m.complete_load(keys, c)
-            m.on_request_finished(c)
+        rig.load(keys, c, gpu_blocks=range(20, 26), stored_from=range(2, 8))
         settle(m, sink)
 
         # --- metrics: every emitted name and label set was accepted by vLLM's front end
@@ -476,16 +465,7 @@ def test_kv_load_tiers_filter_applies_to_vllm_contexts(rigs, engine_id):
     rig = rigs(engine_id, [{"type": "example"}])
     m, sink = rig.manager, PromSink(rig.extra)
     keys = [key(i) for i in range(2)]
-    a = vb.ReqContext("A")
-    with m.lock:
-        m.on_new_request(a)
-        out = m.prepare_store(keys, a)
-        m.complete_store(out.keys_to_store, a)
-        m.on_request_finished(a)
-    settle(m, sink)
-    with m.lock:
-        m.reset_cache()
-        m.on_reset_flushed()
+    only_in_the_secondary_tier(m, sink, keys)
     only_storage = vb.ReqContext("S", load_tier_filter=vb.TierFilter(
         (vb.TierMatcher(medium=vb.Medium.STORAGE),)))
     only_cpu = vb.ReqContext("C", load_tier_filter=vb.TierFilter(
@@ -507,16 +487,7 @@ def test_a_tier_written_for_vllm_loads_through_module_path(rigs, engine_id):
                             "custom_param": 7}])
     m, sink = rig.manager, PromSink(rig.extra)
     keys = [key(i) for i in range(2)]
-    a = vb.ReqContext("A")
-    with m.lock:
-        m.on_new_request(a)
-        out = m.prepare_store(keys, a)
-        m.complete_store(out.keys_to_store, a)
-        m.on_request_finished(a)
-    settle(m, sink)
-    with m.lock:
-        m.reset_cache()
-        m.on_reset_flushed()
+    only_in_the_secondary_tier(m, sink, keys)
     c = vb.ReqContext("C")
     with m.lock:
         m.on_new_request(c)
@@ -601,7 +572,7 @@ def test_readme_kv_transfer_configs_are_valid_and_accepted(engine_id, fs_root):
     extra["secondary_tiers"] = [{**extra["secondary_tiers"][0], "root_dir": str(fs_root)}]
     config = offloading_config(extra, engine_id, bpc=2)
     spec = OffloadingSpecFactory.create_spec(config)  # every key validated by shmtier
-    assert spec.core.tiering_config.secondary_tiers[0]["max_bytes"] == 200 << 30
+    assert spec.core.tiering_config.secondary_tiers[0].options.max_bytes == 200 << 30
 
 
 def test_readme_documents_every_config_key():

@@ -29,7 +29,6 @@ How far vLLM allows offline, and why not further:
 
 from __future__ import annotations
 
-import functools
 import pathlib
 import tempfile
 import time
@@ -41,7 +40,6 @@ import torch
 pytest.importorskip("vllm")
 
 import shmtier.vllm as sv  # noqa: E402,F401  (drift from vLLM must fail, not skip)
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram  # noqa: E402
 from vllm.config import (  # noqa: E402
     CacheConfig,
     DeviceConfig,
@@ -50,9 +48,6 @@ from vllm.config import (  # noqa: E402
     VllmConfig,
 )
 from vllm.distributed.kv_events import BlockStored  # noqa: E402
-from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (  # noqa: E402
-    OffloadPromMetrics,
-)
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler import (  # noqa: E402
     OffloadingConnectorScheduler,
 )
@@ -88,6 +83,7 @@ from vllm.v1.kv_offload.factory import OffloadingSpecFactory  # noqa: E402
 from vllm.v1.metrics.cache_hit_source import CacheHitSource  # noqa: E402
 from vllm.v1.outputs import KVConnectorOutput  # noqa: E402
 from vllm.v1.request import Request, RequestStatus  # noqa: E402
+from vllm_harness import prom_front_end  # noqa: E402
 
 BLOCK = 16  # tokens per GPU block (= tokens per hash)
 BPC = 2  # GPU blocks per offloaded chunk ("block_size": 32 tokens)
@@ -337,11 +333,7 @@ def test_multi_step_scenario_through_vllms_connector(tier, engine_id, fs_root):
             assert ("STORAGE", "1:fs") in stored
 
         # stats: connector + manager payloads, through vLLM's Prometheus front end
-        registry = CollectorRegistry()
-        kinds = {cls: functools.partial(cls, registry=registry)
-                 for cls in (Counter, Gauge, Histogram)}
-        prom = OffloadPromMetrics(engine.vllm_config, kinds, ["model_name", "engine"],
-                                  {0: ["m", "0"]})
+        _, prom = prom_front_end(engine.vllm_config)
         totals: dict[str, float] = {}
         for stats in engine.stats:
             prom.observe(stats.data, 0)

@@ -21,7 +21,6 @@ conformance tests.
 
 from __future__ import annotations
 
-import functools
 import os
 
 import numpy as np
@@ -30,22 +29,12 @@ import pytest
 pytest.importorskip("vllm")
 
 import shmtier.vllm as sv  # noqa: E402,F401
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram  # noqa: E402
-from vllm.config import DeviceConfig, KVTransferConfig, VllmConfig  # noqa: E402
-from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (  # noqa: E402
-    OffloadingConnectorStats,
-    OffloadPromMetrics,
-)
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats  # noqa: E402,E501
 from vllm.v1.kv_offload import base as vb  # noqa: E402
-from vllm.v1.kv_offload.config import (  # noqa: E402
-    OffloadingCacheConfig,
-    OffloadingConfig,
-    OffloadingGroupConfig,
-    OffloadingModelConfig,
-    OffloadingParallelConfig,
-)
+from vllm.v1.kv_offload.config import OffloadingConfig  # noqa: E402
 from vllm.v1.kv_offload.factory import OffloadingSpecFactory  # noqa: E402
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec as VllmTieringSpec  # noqa: E402
+from vllm_harness import connector_vllm_config, offloading_config, prom_front_end  # noqa: E402
 
 BLOCK_BYTES = 8192  # one worker's KV bytes per GPU block
 CHUNKS = 4  # CPU tier capacity: small, so eviction and promotion allocation failure happen
@@ -80,13 +69,8 @@ def config(spec_name: str, engine_id: str) -> OffloadingConfig:
              "secondary_tiers": [{"type": "example", "custom_param": 5}]}
     if spec_name == "ShmTierOffloadingSpec":
         extra["spec_module_path"] = "shmtier.vllm"
-    return OffloadingConfig(
-        groups=(OffloadingGroupConfig(16, ("layer.0",), 0),),
-        worker_kv_bytes_per_block=BLOCK_BYTES, enable_kv_cache_events=True,
-        extra_config=extra, engine_id=engine_id,
-        model=OffloadingModelConfig("tiny-llama", "bfloat16", 256),
-        cache=OffloadingCacheConfig(16, 1),
-        parallel=OffloadingParallelConfig(0, 1, 1, 1, 1, 1, 0, 1, None, True))
+    return offloading_config(extra, engine_id, layers=("layer.0",), kv_bytes_per_block=BLOCK_BYTES,
+                             dtype="bfloat16", max_model_len=256)
 
 
 def payload(i: int) -> np.ndarray:
@@ -306,14 +290,7 @@ def test_front_end_treats_the_same_payload_the_same_except_deprecated_mirrors():
                  "secondary_tiers": [{"type": "example"}]}
         if module:
             extra["spec_module_path"] = module
-        registry = CollectorRegistry()
-        kinds = {cls: functools.partial(cls, registry=registry)
-                 for cls in (Counter, Gauge, Histogram)}
-        prom = OffloadPromMetrics(
-            VllmConfig(kv_transfer_config=KVTransferConfig(
-                kv_connector="OffloadingConnector", kv_role="kv_both",
-                kv_connector_extra_config=extra), device_config=DeviceConfig(device="cpu")),
-            kinds, ["model_name", "engine"], {0: ["m", "0"]})
+        registry, prom = prom_front_end(connector_vllm_config(extra))
         stats = OffloadingConnectorStats()
         stats.increase_counter("vllm:kv_offload_load_bytes", 4096)
         stats.increase_counter("vllm:kv_offload_store_bytes", 8192)

@@ -1,0 +1,488 @@
+"""The driver of tiering_steps.py: one run of the trace through one manager.
+
+``run_one`` builds the manager (tiering_managers.py) on a fresh temp directory, freezes
+the GC heap as vLLM's engine core does, and ``drive`` plays the OffloadingConnector's
+scheduler half over the whole trace, one engine step at a time: admit waiting requests
+(on_new_request, lookup scan, prepare_load + get_load_source), offer each running
+request's next chunks to prepare_store (the rows then filled, standing in for the GPU
+copy), on_request_finished, on_schedule_end; sleep out the step; complete last step's
+jobs; has_pending_work, get_stats, take_events. Every manager call is timed (wall and
+on-CPU); the run's raw figures come back as a dict for tiering_report.py. After the
+run the manager, its directory and its /dev/shm entries are removed, also on error.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import resource
+import shutil
+import sys
+import tempfile
+import time
+import traceback
+from collections import Counter, deque
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from common import DrivenRequest, request_context
+from tiering_managers import MAKERS, TOKENS_PER_CHUNK, Mut, make_shmtier, sched_of, sweep_shm
+
+TAG = f"bench-ts-{os.getpid()}-"
+KINDS = ("lock wait", "on_new_request", "lookup", "prepare_load", "get_load_source",
+         "prepare_store", "on_request_finished", "on_schedule_end", "complete_store",
+         "complete_load", "has_pending_work", "get_stats", "take_events")
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+@dataclass
+class Config:
+    chunk_bytes: int
+    cpu_bytes: int
+    step_ms: float
+    max_running: int
+    batch: int
+    workers: int
+    dir: str
+    worker_sched: str = "default"
+    compression: str = "auto"
+    direct_io: bool | str = False
+    drain_timeout_s: float = 60.0
+    max_extra_steps: int = 20_000
+
+
+def make_data_pool(chunk_bytes: int, n: int, seed: int) -> np.ndarray:
+    """``n`` chunks of bf16-like data: the high 16 bits of random-normal float32."""
+    rng = np.random.default_rng(seed)
+    f = rng.standard_normal(n * chunk_bytes // 2, dtype=np.float32)
+    bf16 = (f.view(np.uint32) >> 16).astype(np.uint16)
+    return bf16.view(np.uint8).reshape(n, chunk_bytes)
+
+
+@dataclass(slots=True)
+class _Req(DrivenRequest):
+    """A trace request (``spec``) in the driver, with what the bench records of it."""
+
+    deferrals: int = 0
+    admitted: int = -1
+    pending_since: dict = field(default_factory=dict)  # key -> (step, perf_counter)
+
+
+def _proc_cpu_s(pid: int) -> float | None:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / CLK_TCK  # utime + stime
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _proc_rss_anon_mib(pid: int) -> float | None:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("RssAnon:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return None
+
+
+class NoProgress(RuntimeError):
+    pass
+
+
+def drive(mut: Mut, trace, cfg, data_pool: np.ndarray) -> dict:
+    """Run the whole trace through ``mut``; returns the run's raw figures."""
+    m = mut.manager
+    LR = mut.LookupResult
+    HIT, MISS, PENDING, RETRY = LR.HIT, LR.MISS, LR.HIT_PENDING, LR.RETRY
+    ReqContext, SEC = mut.ReqContext, mut.ScheduleEndContext
+    lock = m.lock
+    lookup = m.lookup
+    pc = time.perf_counter_ns
+    tt = time.thread_time_ns
+    rows = mut.rows
+    payload = cfg.chunk_bytes
+    step_s = cfg.step_ms / 1e3
+    n_pool = len(data_pool)
+
+    ns = dict.fromkeys(KINDS, 0)  # wall ns inside the calls
+    cpu_ns = dict.fromkeys(KINDS, 0)  # this thread's CPU ns around the calls
+    calls = dict.fromkeys(KINDS, 0)
+    acc = [0, 0]  # this step: wall ns, cpu ns
+    kind_idx = {k: i for i, k in enumerate(KINDS)}
+    step_kind = [0] * len(KINDS)  # this step: wall ns per kind
+    cur_kind = [step_kind]
+
+    def charge(kind, wall, cpu, n=1):
+        """Book one timed region (``n`` calls of ``kind``) to the run and to this step."""
+        ns[kind] += wall
+        cpu_ns[kind] += cpu
+        calls[kind] += n
+        acc[0] += wall
+        acc[1] += cpu
+        cur_kind[0][kind_idx[kind]] += wall
+
+    def timed(kind, fn, *args):
+        c0 = tt()
+        w0 = pc()
+        out = fn(*args)
+        w1 = pc()
+        c1 = tt()
+        charge(kind, w1 - w0, c1 - c0)
+        return out
+
+    class locked:
+        """``with lock``, the wait for it timed as scheduler-thread time ("lock wait"):
+        a manager's own threads (shmtier's tier-poll thread) may hold it."""
+
+        def __enter__(self):
+            c0 = tt()
+            w0 = pc()
+            lock.acquire()
+            w1 = pc()
+            c1 = tt()
+            charge("lock wait", w1 - w0, c1 - c0)
+
+        def __exit__(self, *exc):
+            lock.release()
+
+    step_ns: list[int] = []
+    step_cpu_ns: list[int] = []
+    step_kinds: list[list[int]] = []  # per step: wall ns per kind
+    step_lookups: list[int] = []  # per step: lookup calls
+    results = Counter()
+    promo_steps, promo_ms = [], []  # RETRY/HIT_PENDING (not our own store) -> HIT
+    probe_miss_steps = []  # RETRY/HIT_PENDING -> MISS
+    deferrals, queue_steps = [], []
+    loaded = Counter()  # load source value -> chunks
+    eligible = 0
+    alloc_failures = 0
+    wrong_kv = verified = 0
+    stored_chunks = 0
+    fill_cpu = 0.0
+    inflight_store = Counter()  # keys with a store prepared and not yet completed
+    mstats = {"counters": Counter(), "gauge_max": {}, "promo_job_s": []}
+
+    reqs = trace.requests
+    ai = 0
+    waiting: deque[_Req] = deque()
+    running: list[_Req] = []
+    completions: list = []  # (is_store, req, keys) prepared the step before
+    step = 0
+    fill_i = 0
+    max_steps = trace.last_arrival_step + cfg.max_extra_steps
+
+    pids = list(mut.worker_pids)
+    w_cpu0 = [_proc_cpu_s(p) for p in pids]
+    ru0 = resource.getrusage(resource.RUSAGE_SELF)
+    cpu0, th0, wall0 = time.process_time(), time.thread_time(), time.perf_counter()
+
+    while ai < len(reqs) or waiting or running or completions:
+        if step > max_steps:
+            raise NoProgress(f"{mut.name}: no progress after {step} steps ({len(waiting)} "
+                             f"waiting, {len(running)} running)")
+        t_step0 = time.perf_counter()
+        while ai < len(reqs) and reqs[ai].arrival_step <= step:
+            waiting.append(_Req(reqs[ai]))
+            ai += 1
+        acc[0] = acc[1] = 0
+        step_kind = cur_kind[0] = [0] * len(KINDS)
+        lookups_before = calls["lookup"]
+        new_jobs = []
+        new_ids = []
+        with locked():
+            # -- get_num_new_matched_tokens / update_state_after_alloc
+            free = cfg.max_running - len(running)
+            skipped = []
+            while free > 0 and waiting:
+                req = waiting.popleft()
+                tr = req.spec
+                keys = tr.keys
+                if req.ctx is None:
+                    req.ctx = request_context(ReqContext, f"r{tr.idx}", keys, TOKENS_PER_CHUNK)
+                    timed("on_new_request", m.on_new_request, req.ctx)
+                ctx = req.ctx
+                g, n = tr.gpu_cached, len(keys)
+                answers = []
+                c0 = tt()
+                w0 = pc()
+                for i in range(g, n):
+                    r = lookup(keys[i], ctx)
+                    answers.append(r)
+                    if r is MISS:
+                        break
+                w1 = pc()
+                c1 = tt()
+                charge("lookup", w1 - w0, c1 - c0, len(answers))
+                # -- driver bookkeeping (untimed)
+                now = time.perf_counter()
+                deferred = False
+                hits = 0
+                for i, r in enumerate(answers):
+                    results[r.name] += 1
+                    key = keys[g + i]
+                    if r is RETRY or r is PENDING:
+                        deferred = True
+                        if key not in req.pending_since and not (r is PENDING and key in inflight_store):
+                            req.pending_since[key] = (step, now)
+                    else:
+                        since = req.pending_since.pop(key, None)
+                        if r is HIT:
+                            hits += 1
+                            if since is not None:
+                                promo_steps.append(step - since[0])
+                                promo_ms.append((now - since[1]) * 1e3)
+                        elif since is not None:
+                            probe_miss_steps.append(step - since[0])
+                if deferred:
+                    req.deferrals += 1
+                    skipped.append(req)
+                    continue
+                eligible += n - g
+                load_keys = req.admit(hits)
+                if load_keys:
+                    spec = timed("prepare_load", m.prepare_load, load_keys, ctx)
+                    c0 = tt()
+                    w0 = pc()
+                    sources = [m.get_load_source(k, ctx) for k in load_keys]
+                    w1 = pc()
+                    c1 = tt()
+                    charge("get_load_source", w1 - w0, c1 - c0, len(load_keys))
+                    for s in sources:
+                        loaded[getattr(s, "value", str(s))] += 1
+                    for key, cid in zip(load_keys, np.asarray(spec.block_ids).tolist()):
+                        verified += 1
+                        if rows[cid, :16].tobytes() != key[:16]:
+                            wrong_kv += 1
+                    new_jobs.append((False, req, load_keys))
+                req.admitted = step
+                deferrals.append(req.deferrals)
+                queue_steps.append(step - tr.arrival_step)
+                running.append(req)
+                new_ids.append(ctx.req_id)
+                free -= 1
+            if skipped:
+                waiting.extendleft(reversed(skipped))
+
+            # -- build_connector_meta: stores, finished requests, schedule end
+            still = []
+            to_fill = []
+            for req in running:
+                action = req.next_action()
+                if action == "offer":
+                    keys = req.spec.keys
+                    offer = list(keys[req.cursor:req.cursor + cfg.batch])
+                    out = timed("prepare_store", m.prepare_store, offer, req.ctx)
+                    if out is None:
+                        alloc_failures += 1  # offered again next step
+                    else:
+                        to_store = list(out.keys_to_store)
+                        if to_store:
+                            to_fill.append((to_store, np.asarray(out.store_spec.block_ids).tolist()))
+                            new_jobs.append((True, req, to_store))
+                            inflight_store.update(to_store)
+                            stored_chunks += len(to_store)
+                        req.cursor += len(offer)
+                    still.append(req)
+                elif action == "finish":
+                    timed("on_request_finished", m.on_request_finished, req.ctx)
+                else:  # waits for its load, or decodes
+                    still.append(req)
+            running = still
+            timed("on_schedule_end", m.on_schedule_end, SEC(new_ids, ()))
+
+        # -- forward pass: the GPU workers copy the new stores into their rows
+        f0 = time.thread_time()
+        for keys, cids in to_fill:
+            for key, cid in zip(keys, cids):
+                row = rows[cid]
+                row[:payload] = data_pool[fill_i % n_pool]
+                row[:16] = np.frombuffer(key[:16], dtype=np.uint8)
+                fill_i += 1
+        fill_cpu += time.thread_time() - f0
+        left = step_s - (time.perf_counter() - t_step0)
+        if left > 0:
+            time.sleep(left)
+
+        # -- update_connector_output, engine hooks
+        with locked():
+            for is_store, req, keys in completions:
+                if is_store:
+                    timed("complete_store", m.complete_store, keys, req.ctx)
+                    inflight_store.subtract(keys)
+                    for key in keys:
+                        if inflight_store[key] <= 0:
+                            del inflight_store[key]
+                else:
+                    timed("complete_load", m.complete_load, keys, req.ctx)
+                    req.waiting_load = False
+        completions = new_jobs
+        with locked():
+            timed("has_pending_work", m.has_pending_work)
+        with locked():
+            stats = timed("get_stats", m.get_stats)
+        fold_stats(mstats, stats)  # untimed: the manager's own metrics over the run
+        with locked():
+            timed("take_events", lambda: list(m.take_events()))
+        step_ns.append(acc[0])
+        step_cpu_ns.append(acc[1])
+        step_kinds.append(step_kind)
+        step_lookups.append(calls["lookup"] - lookups_before)
+        step += 1
+
+    # drain: idle engine steps until the manager has nothing in flight (not in step stats)
+    drain_steps = 0
+    deadline = time.perf_counter() + cfg.drain_timeout_s
+    while True:
+        with locked():
+            pending = m.has_pending_work()
+            if pending:
+                m.on_schedule_end(SEC((), ()))
+                fold_stats(mstats, m.get_stats())
+        if not pending:
+            break
+        if time.perf_counter() > deadline:
+            raise NoProgress(f"{mut.name}: still has pending work {cfg.drain_timeout_s:g} s "
+                             f"after the trace")
+        drain_steps += 1
+        time.sleep(step_s)
+
+    wall = time.perf_counter() - wall0
+    cpu = time.process_time() - cpu0
+    main_cpu = time.thread_time() - th0
+    ru1 = resource.getrusage(resource.RUSAGE_SELF)
+    w_cpu1 = [_proc_cpu_s(p) for p in pids]
+    alive = [p for p in getattr(mut.pool, "_procs", []) if p is not None]
+    workers_cpu = None
+    if pids:
+        workers_cpu = sum((b or 0) - (a or 0) for a, b in zip(w_cpu0, w_cpu1))
+    rss = [_proc_rss_anon_mib(p.pid) for p in alive]
+    return {
+        "steps": len(step_ns), "drain_steps": drain_steps, "step_ns": step_ns,
+        "step_cpu_ns": step_cpu_ns, "step_kinds": step_kinds, "step_lookups": step_lookups,
+        "ns": ns, "cpu_ns": cpu_ns, "calls": calls,
+        "lookup_results": dict(results),
+        "promo_steps": promo_steps, "promo_ms": promo_ms, "probe_miss_steps": probe_miss_steps,
+        "deferrals": deferrals, "queue_steps": queue_steps,
+        "loaded": dict(loaded), "eligible": eligible, "alloc_failures": alloc_failures,
+        "wrong_kv": wrong_kv, "verified": verified, "stored_chunks": stored_chunks,
+        "wall_s": wall, "cpu_s": cpu, "main_thread_cpu_s": main_cpu, "fill_cpu_s": fill_cpu,
+        "ru_user_s": ru1.ru_utime - ru0.ru_utime, "ru_sys_s": ru1.ru_stime - ru0.ru_stime,
+        "ru_nvcsw": ru1.ru_nvcsw - ru0.ru_nvcsw, "ru_nivcsw": ru1.ru_nivcsw - ru0.ru_nivcsw,
+        "workers_cpu_s": workers_cpu, "worker_rss_anon_mib": rss,
+        "worker_restarts": getattr(mut.pool, "restarts_total", None),
+        "mstats": {"counters": dict(mstats["counters"]), "gauge_max": mstats["gauge_max"],
+                   "promo_job_s": mstats["promo_job_s"]},
+    }
+
+
+PROMOTION_LATENCY = "vllm:kv_offload_tiering_promotion_latency_seconds"
+MANAGER_COUNTERS = (  # (row label, metric name): the same names in shmtier and vLLM
+    ("promotion jobs failed", "vllm:kv_offload_tiering_promotion_job_failures"),
+    ("cascade jobs failed", "vllm:kv_offload_tiering_cascade_job_failures"),
+    ("promotions refused: no primary row", "vllm:kv_offload_tiering_promotion_allocation_failures"),
+    ("cascades dropped by backpressure", "vllm:kv_offload_tiering_backpressure_stores_dropped"),
+)
+RING_DEPTH = "vllm:kv_offload_shmtier_ring_depth"
+
+
+def fold_stats(acc: dict, stats) -> None:
+    """Fold one get_stats() payload (shmtier's or vLLM's: both are {"types", "data"})."""
+    data = getattr(stats, "data", None)
+    if not isinstance(data, dict) or "data" not in data:
+        return
+    types = data.get("types", {})
+    for name, series in data["data"].items():
+        kind = str(getattr(types.get(name), "value", types.get(name))).lower()
+        for value in series.values():
+            if "counter" in kind:
+                acc["counters"][name] += value
+            elif "gauge" in kind:
+                acc["gauge_max"][name] = max(acc["gauge_max"].get(name, value), value)
+            elif "histogram" in kind and name == PROMOTION_LATENCY:
+                acc["promo_job_s"].extend(value)
+
+
+def disk_usage(root: str, ext: str) -> dict:
+    files = other = dirs = size = alloc = 0
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirs += len(dirnames)
+        for name in filenames:
+            try:
+                st = os.lstat(os.path.join(dirpath, name))
+            except OSError:
+                continue
+            if name.endswith(ext):
+                files += 1
+                size += st.st_size
+                alloc += st.st_blocks * 512
+            else:
+                other += 1
+    return {"chunk_files": files, "other_files": other, "dirs": dirs, "bytes": size,
+            "alloc_bytes": alloc}
+
+
+def run_one(name: str, trace, cfg, data_pool, run_no: int, profiler=None) -> dict:
+    safe = name.replace("@", "_")
+    engine_id = f"{TAG}{run_no}-{safe}"
+    root = tempfile.mkdtemp(prefix=f"{TAG}{run_no}-{safe}-", dir=cfg.dir)
+    base, _, sched = name.partition("@")
+    mut = None
+    try:
+        os.sync()
+        t0 = time.perf_counter()
+        mut = (make_shmtier(cfg, root, engine_id, sched) if base == "shmtier"
+               else MAKERS[base](cfg, root, engine_id))
+        build_s = time.perf_counter() - t0
+        num_chunks = mut.rows.shape[0]
+        # like vLLM's engine core after init (freeze_gc_heap): static objects out of the GC's way
+        gc.collect()
+        gc.freeze()
+        gc_log = []
+
+        def gc_cb(phase, info, _t=[0.0]):
+            if phase == "start":
+                _t[0] = time.perf_counter()
+            else:
+                gc_log.append((info["generation"], time.perf_counter() - _t[0]))
+
+        gc.callbacks.append(gc_cb)
+        if profiler is not None:
+            profiler.enable()
+        try:
+            res = drive(mut, trace, cfg, data_pool)
+        except BaseException as e:
+            # the traceback's frames hold numpy views of the arena: drop them so the
+            # managers can unmap it (also on Ctrl-C / SIGTERM)
+            traceback.clear_frames(e.__traceback__)
+            raise
+        finally:
+            if profiler is not None:
+                profiler.disable()
+            gc.callbacks.remove(gc_cb)
+            gc.unfreeze()
+        res["gc"] = {"collections": len(gc_log), "gen2": sum(1 for g, _ in gc_log if g == 2),
+                     "total_ms": sum(d for _, d in gc_log) * 1e3,
+                     "max_ms": max((d for _, d in gc_log), default=0.0) * 1e3}
+        res["build_s"] = build_s
+        res["num_chunks"] = num_chunks
+        res["row_stride"] = mut.rows.shape[1]
+        res["worker_sched"] = sorted({sched_of(pid) for pid in mut.worker_pids})  # at the end
+        t0 = time.perf_counter()
+        mut.close()
+        res["shutdown_s"] = time.perf_counter() - t0
+        res["disk"] = disk_usage(root, mut.chunk_ext)
+        return res
+    finally:
+        if mut is not None:
+            try:
+                mut.close()
+            except Exception as e:  # noqa: BLE001 - report, keep cleaning
+                print(f"  ! {name}: shutdown failed: {type(e).__name__}: {e}", file=sys.stderr)
+        shutil.rmtree(root, ignore_errors=True)
+        left = sweep_shm(engine_id)
+        if left:
+            print(f"  ! {name}: removed leftover /dev/shm entries: {left}", file=sys.stderr)

@@ -1,0 +1,196 @@
+"""The managers tiering_steps.py compares, built the same size with an fs tier.
+
+``make_shmtier``: shmtier's ``TieringOffloadingSpec(...).get_manager()`` (primary tier in
+one POSIX shm segment, fs tier I/O and compression in tier worker processes), waited on
+until every worker is up, optionally with another scheduling or compression (the
+``shmtier@TOKENS`` variants). ``make_vllm``: vLLM 0.33's own ``TieringOffloadingManager``
+over its ``CPUPrimaryTierOffloadingManager`` and ``FileSystemTierManager``, built from
+the real classes. Each comes back as a :class:`Mut`: the manager and what the driver
+needs around it (its row view, its contract types, where its files and processes are).
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import time
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+
+import numpy as np
+
+TOKENS_PER_CHUNK = 16
+MODEL = "bench/tiering-steps"
+
+
+@dataclass
+class Mut:
+    """A manager under test and what the driver needs around it."""
+
+    name: str
+    manager: object
+    rows: np.ndarray  # (num_chunks, row_stride) uint8 view of the CPU tier
+    ReqContext: type
+    LookupResult: type
+    ScheduleEndContext: type
+    root: str
+    chunk_ext: str
+    engine_id: str
+    worker_pids: list = field(default_factory=list)
+    pool: object = None
+    worker_sched: list = field(default_factory=list)
+    closed: bool = False
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self.rows = None  # drop the numpy view: the arena can then be unmapped
+        gc.collect()
+        self.manager.shutdown()
+
+
+def sweep_shm(engine_id: str) -> list[str]:
+    """Remove /dev/shm entries of ``engine_id`` (segment, semaphores, vLLM region)."""
+    left = []
+    try:
+        names = os.listdir("/dev/shm")
+    except FileNotFoundError:
+        return left
+    for name in names:
+        if engine_id in name:
+            left.append(name)
+            try:
+                os.unlink(os.path.join("/dev/shm", name))
+            except OSError:
+                pass
+    return left
+
+
+WORKER_SCHED = {
+    "default": "as the workers set themselves",
+    "nice0": "niceness 0 (the scheduler's)",
+    "nice5": "niceness 5",
+    "nice19": "niceness 19",
+    "batch0": "SCHED_BATCH at niceness 0 (no wake-up preemption, fair share)",
+    "batch": "SCHED_BATCH, niceness kept",
+    "idle": "SCHED_IDLE",
+}
+
+
+def apply_worker_sched(pid: int, how: str) -> None:
+    if how == "default":
+        return
+    if how.startswith("nice"):
+        os.setpriority(os.PRIO_PROCESS, pid, int(how[4:]))
+    elif how == "batch0":
+        os.setpriority(os.PRIO_PROCESS, pid, 0)
+        os.sched_setscheduler(pid, os.SCHED_BATCH, os.sched_param(0))
+    elif how == "batch":
+        os.sched_setscheduler(pid, os.SCHED_BATCH, os.sched_param(0))
+    elif how == "idle":
+        os.sched_setscheduler(pid, os.SCHED_IDLE, os.sched_param(0))
+
+
+def sched_of(pid: int) -> str:
+    try:
+        policy = {os.SCHED_OTHER: "OTHER", os.SCHED_BATCH: "BATCH",
+                  os.SCHED_IDLE: "IDLE"}.get(os.sched_getscheduler(pid), "?")
+        return f"{policy}/nice {os.getpriority(os.PRIO_PROCESS, pid)}"
+    except OSError:
+        return "?"
+
+
+def make_shmtier(cfg, root: str, engine_id: str, variant: str = "") -> Mut:
+    """``variant``: '+'-joined tokens, each a WORKER_SCHED key or a compression mode
+    (``raw`` = "none", ``zstd``), e.g. ``raw+nice0``."""
+    tokens = [t for t in variant.split("+") if t]
+    sched = next((t for t in tokens if t in WORKER_SCHED), cfg.worker_sched)
+    compression = {"raw": "none", "zstd": "zstd"}.get(
+        next((t for t in tokens if t in ("raw", "zstd")), ""), cfg.compression)
+    from shmtier import contract
+    from shmtier.config import KVLayout
+    from shmtier.spec import TieringOffloadingSpec
+
+    layout = KVLayout(MODEL, "bfloat16", TOKENS_PER_CHUNK, cfg.chunk_bytes, 1)
+    extra = {"cpu_bytes_to_use": cfg.cpu_bytes,
+             "secondary_tiers": [{"type": "fs", "root_dir": root, "min_free_bytes": None,
+                                  "direct_io": cfg.direct_io}],
+             "num_tier_workers": cfg.workers, "compression": compression}
+    spec = TieringOffloadingSpec(extra, layout, engine_id)
+    manager = spec.get_manager()
+    try:
+        rows = np.asarray(manager.primary.get_kv_memoryview())
+        pool = spec.worker_pool
+        pids = [p.pid for p in pool._procs if p is not None]
+        # Wait until every worker is up (claimed its ring slot: past its own start-up
+        # settings, e.g. its niceness), so the run starts warm and a --worker-sched
+        # experiment is not undone by the worker itself.
+        deadline = time.monotonic() + 30
+        while any(pool.rings.worker(w).last_beat().pid != pid for w, pid in enumerate(pids)):
+            if time.monotonic() > deadline:
+                raise RuntimeError("shmtier tier workers did not start within 30 s")
+            time.sleep(0.005)
+        for pid in pids:  # experiment: --worker-sched (what the workers could do themselves)
+            apply_worker_sched(pid, sched)
+        mut = Mut("shmtier", manager, rows, contract.ReqContext, contract.LookupResult,
+                  contract.ScheduleEndContext, root, ".kv", engine_id, pids, pool)
+        mut.worker_sched = sorted({sched_of(pid) for pid in pids})
+        return mut
+    except BaseException:
+        manager.shutdown()
+        raise
+
+
+def _vllm_spec_standin(cfg):
+    """The attributes vLLM 0.33's FileSystemTierManager reads from its offloading_spec:
+    ``blocks_per_chunk``, ``kv_events_config.enable_kv_cache_events`` (only with
+    enable_kv_events) and, for FileMapper.from_offloading_spec, ``config.groups``,
+    ``config.model``, ``config.cache``, ``config.parallel``, ``config.replicated_layout``,
+    ``config.canonical_layout``, ``config.kv_cache_layout``."""
+    config = SimpleNamespace(
+        groups=(SimpleNamespace(tokens_per_block=TOKENS_PER_CHUNK, layer_names=("layers.0",)),),
+        model=SimpleNamespace(name=MODEL, dtype="bfloat16"),
+        cache=SimpleNamespace(tokens_per_hash=TOKENS_PER_CHUNK, blocks_per_chunk=1),
+        parallel=SimpleNamespace(rank=0, world_size=1, tp_size=1, pp_size=1, pcp_size=1,
+                                 dcp_size=1, is_parallelism_agnostic=False),
+        replicated_layout=False, canonical_layout=False, kv_cache_layout=None)
+    return SimpleNamespace(config=config, blocks_per_chunk=1,
+                           kv_events_config=SimpleNamespace(enable_kv_cache_events=False))
+
+
+def make_vllm(cfg, root: str, engine_id: str) -> Mut:
+    from vllm.v1.kv_offload.base import LookupResult, ReqContext, ScheduleEndContext
+    from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
+    from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
+    from vllm.v1.kv_offload.tiering.manager import (
+        CPUPrimaryTierOffloadingManager,
+        TieringOffloadingManager,
+    )
+
+    row = -(-cfg.chunk_bytes // 4096) * 4096
+    num_chunks = cfg.cpu_bytes // row
+    region = SharedOffloadRegion(engine_id=engine_id, num_chunks=num_chunks, rank=None,
+                                 kv_bytes_per_chunk=row, cpu_page_size=cfg.chunk_bytes)
+    undo = [region.cleanup]
+    try:
+        primary = CPUPrimaryTierOffloadingManager(num_chunks=num_chunks, mmap_region=region,
+                                                  cache_policy="lru", enable_events=False)
+        undo = [primary.shutdown]  # releases the view and cleans the region up
+        tier = SecondaryTierFactory.create_secondary_tier(
+            {"type": "fs", "root_dir": root}, primary.get_kv_memoryview(), _vllm_spec_standin(cfg))
+        undo.insert(0, tier.shutdown)
+        manager = TieringOffloadingManager(primary, [tier])  # default poll interval (no poll thread for fs)
+        rows = np.asarray(primary.get_kv_memoryview())
+        return Mut("vllm", manager, rows, ReqContext, LookupResult, ScheduleEndContext, root,
+                   ".bin", engine_id)
+    except BaseException:
+        for step in undo:
+            try:
+                step()
+            except Exception:  # noqa: BLE001 - keep undoing
+                pass
+        raise
+
+
+MAKERS = {"shmtier": make_shmtier, "vllm": make_vllm}

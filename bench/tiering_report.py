@@ -1,0 +1,238 @@
+"""The report of tiering_steps.py: one run's raw figures summarised (``summarise``),
+and the tables over runs: median [min-max] per manager with the ratio to vLLM's
+(``print_table``), and where the scheduler-thread time goes per call kind, over all
+steps and in the slowest 1% (``print_kinds``).
+"""
+
+from __future__ import annotations
+
+import statistics
+
+from common import fmt_mr, med_range, pct
+from tiering_driver import KINDS, MANAGER_COUNTERS, RING_DEPTH
+
+LABELS = {"shmtier": "shmtier", "vllm": "vLLM 0.33"}
+
+
+def label(name: str) -> str:
+    """Column label of a manager name: ``vllm``, ``shmtier`` or ``shmtier@<worker-sched>``."""
+    return LABELS.get(name, name)
+
+
+def summarise(res: dict, chunk_bytes: int) -> dict:
+    steps_us = [v / 1e3 for v in res["step_ns"]]
+    cpu_us = [v / 1e3 for v in res["step_cpu_ns"]]
+    n_steps = len(steps_us)
+    total_lookups = res["calls"]["lookup"]
+    loaded_total = sum(res["loaded"].values())
+    host = res["loaded"].get("host", 0)
+    disk = res["loaded"].get("disk", 0)
+    elig = res["eligible"] or 1
+    d = res["disk"]
+    logical = d["chunk_files"] * chunk_bytes
+    defer = res["deferrals"]
+    s = {
+        "step_us_p50": pct(steps_us, 50), "step_us_p90": pct(steps_us, 90),
+        "step_us_p99": pct(steps_us, 99), "step_us_max": max(steps_us),
+        "step_us_mean": sum(steps_us) / n_steps,
+        "manager_ms_total": sum(steps_us) / 1e3,
+        "step_cpu_us_p50": pct(cpu_us, 50), "step_cpu_us_p99": pct(cpu_us, 99),
+        "step_cpu_us_max": max(cpu_us), "step_cpu_us_mean": sum(cpu_us) / n_steps,
+        "offcpu_us_p99": pct([w - c for w, c in zip(steps_us, cpu_us)], 99),
+        "steps": n_steps, "drain_steps": res["drain_steps"],
+        "cpu_s": res["cpu_s"], "main_thread_cpu_s": res["main_thread_cpu_s"],
+        "other_threads_cpu_s": res["cpu_s"] - res["main_thread_cpu_s"],
+        "fill_cpu_s": res["fill_cpu_s"],
+        "cpu_excl_fill_s": res["cpu_s"] - res["fill_cpu_s"],
+        "sys_cpu_s": res["ru_sys_s"],
+        "vol_ctx_switches": res["ru_nvcsw"], "invol_ctx_switches": res["ru_nivcsw"],
+        "workers_cpu_s": res["workers_cpu_s"],
+        "promo_n": len(res["promo_steps"]),
+        "promo_steps_p50": pct(res["promo_steps"], 50), "promo_steps_p99": pct(res["promo_steps"], 99),
+        "promo_ms_p50": pct(res["promo_ms"], 50), "promo_ms_p99": pct(res["promo_ms"], 99),
+        "promo_ms_max": max(res["promo_ms"]) if res["promo_ms"] else None,
+        "probe_miss_n": len(res["probe_miss_steps"]),
+        "defer_mean": sum(defer) / len(defer) if defer else None,
+        "defer_p50": pct(defer, 50), "defer_p99": pct(defer, 99),
+        "defer_max": max(defer) if defer else None,
+        "deferred_frac": sum(1 for x in defer if x) / len(defer) if defer else None,
+        "queue_p50": pct(res["queue_steps"], 50), "queue_p99": pct(res["queue_steps"], 99),
+        "lookups": total_lookups, "lookups_per_step": total_lookups / n_steps,
+        "lookups_per_loaded_chunk": total_lookups / loaded_total if loaded_total else None,
+        "pending_frac": (res["lookup_results"].get("HIT_PENDING", 0)
+                         + res["lookup_results"].get("RETRY", 0)) / max(1, total_lookups),
+        "hit_cpu": host / elig, "hit_fs": disk / elig, "miss": (elig - loaded_total) / elig,
+        "hit_other": (loaded_total - host - disk) / elig,
+        "alloc_failures": res["alloc_failures"],
+        "disk_per_logical": d["bytes"] / logical if logical else None,
+        "disk_alloc_per_logical": d["alloc_bytes"] / logical if logical else None,
+        "disk_mib": d["bytes"] / 2 ** 20, "chunk_files": d["chunk_files"], "dirs": d["dirs"],
+        "stored_chunks": res["stored_chunks"],
+        "wrong_kv": res["wrong_kv"], "verified": res["verified"],
+        "gc_collections": res["gc"]["collections"], "gc_total_ms": res["gc"]["total_ms"],
+        "gc_max_ms": res["gc"]["max_ms"],
+        "wall_s": res["wall_s"], "build_s": res["build_s"], "shutdown_s": res["shutdown_s"],
+    }
+    s["per_kind_us_per_step"] = {k: res["ns"][k] / 1e3 / n_steps for k in KINDS}
+    ms = res["mstats"]
+    for _, name in MANAGER_COUNTERS:
+        s[name] = ms["counters"].get(name, 0)
+    s["ring_depth_max"] = ms["gauge_max"].get(RING_DEPTH)
+    s["promo_job_ms_p50"] = pct([v * 1e3 for v in ms["promo_job_s"]], 50)
+    s["promo_job_ms_p99"] = pct([v * 1e3 for v in ms["promo_job_s"]], 99)
+    s["per_kind_cpu_us_per_step"] = {k: res["cpu_ns"][k] / 1e3 / n_steps for k in KINDS}
+    s["per_kind_us_per_call"] = {k: (res["ns"][k] / 1e3 / res["calls"][k] if res["calls"][k] else None)
+                                 for k in KINDS}
+    s["calls_per_run"] = dict(res["calls"])
+    # the slowest 1% of steps: what they spend their time on
+    cut = pct(steps_us, 99)
+    slow = [i for i, v in enumerate(steps_us) if v >= cut]
+    s["slow_steps"] = len(slow)
+    s["slow_kind_us"] = {k: sum(res["step_kinds"][i][j] for i in slow) / 1e3 / len(slow)
+                         for j, k in enumerate(KINDS)}
+    s["slow_lookups"] = sum(res["step_lookups"][i] for i in slow) / len(slow)
+    s["all_lookups_per_step"] = sum(res["step_lookups"]) / n_steps
+    s["lookup_results"] = res["lookup_results"]
+    s["worker_rss_anon_mib"] = res["worker_rss_anon_mib"]
+    s["worker_restarts"] = res["worker_restarts"]
+    return s
+
+
+ROWS = [  # (label, key, digits, ratio?)
+    ("scheduler-thread time per step", None, 0, False),
+    ("  p50 µs", "step_us_p50", 1, True),
+    ("  p90 µs", "step_us_p90", 1, True),
+    ("  p99 µs", "step_us_p99", 1, True),
+    ("  max µs", "step_us_max", 0, True),
+    ("  mean µs", "step_us_mean", 1, True),
+    ("  total over run ms", "manager_ms_total", 0, True),
+    ("  on-CPU part (thread_time around the same calls)", None, 0, False),
+    ("    p50 µs", "step_cpu_us_p50", 1, True),
+    ("    p99 µs", "step_cpu_us_p99", 1, True),
+    ("    max µs", "step_cpu_us_max", 0, True),
+    ("    mean µs", "step_cpu_us_mean", 1, True),
+    ("    p99 of (wall - CPU) µs: descheduled/waiting", "offcpu_us_p99", 1, True),
+    ("  steps", "steps", 0, False),
+    ("  drain steps", "drain_steps", 0, False),
+    ("CPU over the run (s)", None, 0, False),
+    ("  scheduler process", "cpu_s", 2, True),
+    ("    main thread", "main_thread_cpu_s", 2, True),
+    ("    other threads (tier I/O)", "other_threads_cpu_s", 2, True),
+    ("    of which driver row fill", "fill_cpu_s", 2, False),
+    ("    process minus fill", "cpu_excl_fill_s", 2, True),
+    ("    kernel (sys) part", "sys_cpu_s", 2, True),
+    ("    voluntary context switches", "vol_ctx_switches", 0, True),
+    ("    involuntary context switches", "invol_ctx_switches", 0, True),
+    ("  tier worker processes", "workers_cpu_s", 2, False),
+    ("promotion (first RETRY/HIT_PENDING -> HIT, per key)", None, 0, False),
+    ("  promoted keys", "promo_n", 0, False),
+    ("  p50 steps", "promo_steps_p50", 0, True),
+    ("  p99 steps", "promo_steps_p99", 0, True),
+    ("  p50 ms", "promo_ms_p50", 1, True),
+    ("  p99 ms", "promo_ms_p99", 1, True),
+    ("  max ms", "promo_ms_max", 1, True),
+    ("  probed keys that resolved MISS", "probe_miss_n", 0, True),
+    ("  manager's own histogram: promotion job p50 ms", "promo_job_ms_p50", 1, True),
+    ("  manager's own histogram: promotion job p99 ms", "promo_job_ms_p99", 1, True),
+    ("deferral (steps a request waited on HIT_PENDING/RETRY)", None, 0, False),
+    ("  mean", "defer_mean", 2, True),
+    ("  p50", "defer_p50", 0, False),
+    ("  p99", "defer_p99", 0, True),
+    ("  max", "defer_max", 0, True),
+    ("  requests deferred at least once", "deferred_frac", 3, True),
+    ("  arrival -> admitted p50 steps", "queue_p50", 0, False),
+    ("  arrival -> admitted p99 steps", "queue_p99", 0, True),
+    ("lookups", None, 0, False),
+    ("  calls per run", "lookups", 0, True),
+    ("  per step", "lookups_per_step", 1, True),
+    ("  per loaded chunk", "lookups_per_loaded_chunk", 2, True),
+    ("  share answered HIT_PENDING/RETRY", "pending_frac", 3, True),
+    ("hits (share of chunks after the GPU prefix cache)", None, 0, False),
+    ("  CPU tier", "hit_cpu", 3, True),
+    ("  fs tier", "hit_fs", 3, True),
+    ("  recomputed", "miss", 3, True),
+    ("  prepare_store -> None (no room)", "alloc_failures", 0, False),
+    ("manager's own counters over the run (get_stats)", None, 0, False),
+    *[(f"  {lbl}", name, 0, False) for lbl, name in MANAGER_COUNTERS],
+    ("  shmtier job ring depth, max seen", "ring_depth_max", 0, False),
+    ("disk", None, 0, False),
+    ("  bytes per logical byte", "disk_per_logical", 3, True),
+    ("  allocated bytes per logical byte", "disk_alloc_per_logical", 3, True),
+    ("  MiB on disk", "disk_mib", 0, True),
+    ("  chunk files", "chunk_files", 0, True),
+    ("  directories", "dirs", 0, True),
+    ("rows checked at load", "verified", 0, False),
+    ("  wrong KV served", "wrong_kv", 0, False),
+    ("GC in this process during the run (heap frozen first)", None, 0, False),
+    ("  collections", "gc_collections", 0, True),
+    ("  total ms", "gc_total_ms", 1, True),
+    ("  longest ms", "gc_max_ms", 2, True),
+    ("wall s (run)", "wall_s", 1, True),
+    ("  build s", "build_s", 2, False),
+    ("  shutdown s", "shutdown_s", 2, False),
+]
+
+
+def print_table(sums: dict, names: list) -> None:
+    w = 26
+    others = [n for n in names if n != "vllm"] if "vllm" in names else []
+    head = f"{'':<52}" + "".join(f"{label(n):>{w}}" for n in names)
+    for n in others:
+        head += f"{label(n)[:10] + '/vLLM':>16}"
+    print(head)
+    for row_label, key, digits, ratio in ROWS:
+        if key is None:
+            print(row_label)
+            continue
+        line = f"{row_label:<52}"
+        meds = {}
+        for n in names:
+            mr = med_range([s[key] for s in sums[n]])
+            meds[n] = mr[0] if mr else None
+            line += f"{fmt_mr(mr, digits, collapse=True):>{w}}"
+        for n in others:
+            if ratio and meds.get("vllm") and meds.get(n) is not None:
+                line += f"{meds[n] / meds['vllm']:>15.2f}x"
+            else:
+                line += f"{'':>16}"
+        print(line)
+
+
+def _per_manager_table(names: list, head, rows) -> None:
+    """A table of one line per row: a 20-wide label, then each manager's columns;
+    ``head(n)`` and a row's ``cells(n)`` format manager ``n``'s part."""
+    print(f"{'call':<20}" + "".join(head(n) for n in names))
+    for row_label, cells in rows:
+        print(f"{row_label:<20}" + "".join(cells(n) for n in names))
+
+
+def print_kinds(sums: dict, names: list) -> None:
+    def median(n, field_, kind=None):
+        """Manager ``n``'s median over runs of a summary field (of one call kind)."""
+        return statistics.median(s[field_] if kind is None else s[field_][kind]
+                                 for s in sums[n])
+
+    def time_per_kind(kind):
+        def cells(n):
+            per_call = [s["per_kind_us_per_call"][kind] for s in sums[n]
+                        if s["per_kind_us_per_call"][kind] is not None]
+            pc_txt = f"{statistics.median(per_call):.2f}" if per_call else "-"
+            return (f"  {median(n, 'per_kind_us_per_step', kind):>19.1f}"
+                    f"{median(n, 'per_kind_cpu_us_per_step', kind):>9.1f}"
+                    f"{median(n, 'calls_per_run', kind):>7.0f}{pc_txt:>8}")
+        return cells
+
+    def slow_vs_all(slow_field, all_field, kind=None):
+        return lambda n: (f"  {median(n, slow_field, kind):>22.1f}"
+                          f"{median(n, all_field, kind):>8.1f}")
+
+    print("\nwhere the scheduler-thread time goes (median over runs): wall µs per step, on-CPU µs "
+          "per step, calls per run, wall µs per call")
+    _per_manager_table(
+        names, lambda n: f"  {label(n) + ' wall/step':>19}{'cpu/step':>9}{'calls':>7}{'µs/call':>8}",
+        [(kind, time_per_kind(kind)) for kind in KINDS])
+    print("\nthe slowest 1% of steps (wall >= p99): mean wall µs per kind in those steps vs over all steps")
+    _per_manager_table(
+        names, lambda n: f"  {label(n) + ' slow steps':>22}{'all':>8}",
+        [(kind, slow_vs_all("slow_kind_us", "per_kind_us_per_step", kind)) for kind in KINDS]
+        + [("(lookup calls/step)", slow_vs_all("slow_lookups", "all_lookups_per_step"))])
