@@ -173,6 +173,23 @@ def _blocks_per_chunk(extra: Mapping[str, Any], gpu_block_size: int) -> int:
     return _get(extra, "blocks_per_chunk", 1, integer(1))
 
 
+def resolve_tier_type(entry: Any, where: str) -> TierType:
+    """The tier type a tier dict names with ``type`` (and ``module_path``), from the
+    registry; ConfigError (vLLM's wording first) when the dict names none."""
+    if not isinstance(entry, Mapping):
+        raise invalid(where, entry, "a dict with a 'type' key")
+    tier_type = entry.get("type")
+    if not isinstance(tier_type, str) or not tier_type:
+        raise ConfigError(
+            f"Secondary tier configuration must include 'type': {where}.type = "
+            f"{tier_type!r} is invalid: expected one of {registry.names()} or an "
+            f"out-of-tree class name with module_path")
+    module_path = entry.get("module_path")
+    if module_path is not None:
+        text()(f"{where}.module_path", module_path)
+    return registry.resolve(tier_type, module_path, where=where)
+
+
 @dataclass(frozen=True)
 class SecondaryTierConfig:
     """One checked entry of ``secondary_tiers``: its tier type (from the registry), its
@@ -192,21 +209,11 @@ class SecondaryTierConfig:
                   context: TierContext = TierContext()) -> "SecondaryTierConfig":
         """Check one tier dict (``type``, ``module_path``, ``backpressure`` and the tier's
         own options) under the top-level ``backpressure`` block."""
-        if not isinstance(entry, Mapping):
-            raise invalid(where, entry, "a dict with a 'type' key")
-        tier_type = entry.get("type")
-        if not isinstance(tier_type, str) or not tier_type:
-            raise ConfigError(
-                f"Secondary tier configuration must include 'type': {where}.type = "
-                f"{tier_type!r} is invalid: expected one of {registry.names()} or an "
-                f"out-of-tree class name with module_path")
-        module_path = entry.get("module_path")
-        if module_path is not None:
-            text()(f"{where}.module_path", module_path)
         try:
-            tier = registry.resolve(tier_type, module_path, where=where)
+            tier = resolve_tier_type(entry, where)
         except ValueError as e:
             raise ConfigError(str(e)) from e
+        tier_type = tier.name
         options = {k: v for k, v in entry.items()
                    if k not in ("type", "module_path", "backpressure")}
         try:

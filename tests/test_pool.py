@@ -28,6 +28,7 @@ from pathlib import Path
 import numpy as np
 import posix_ipc
 import pytest
+from processes import worker_processes
 
 from shmtier.shared import jobs, procinfo
 from shmtier.shared.layout import ArenaGeometry
@@ -973,22 +974,6 @@ def test_a_lost_job_fails_by_its_deadline_and_its_worker_is_replaced(pools):
 # --- 11. a pool whose workers cannot start ------------------------------------------------
 
 
-def _worker_processes(engine_id: str) -> list[int]:
-    """Pids of running tier worker processes of ``engine_id`` (from /proc)."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                argv = f.read().split(b"\0")
-        except OSError:
-            continue
-        if b"shmtier.workers.job_loop" in argv and engine_id.encode() in argv:
-            found.append(int(entry))
-    return found
-
-
 def test_workers_that_cannot_start_break_the_pool_once(pools, tmp_path, caplog):
     missing = str(tmp_path / "no-such-dir")
     caplog.set_level(logging.INFO, logger="shmtier.scheduler.pool")
@@ -1028,7 +1013,7 @@ def test_workers_that_cannot_start_break_the_pool_once(pools, tmp_path, caplog):
     assert np.median(submit_s) < 20e-6, np.median(submit_s)
     assert np.median(poll_s) < 100e-6, np.median(poll_s)
     assert pool.broken is not None and pool.worker_states() == [WorkerState.BROKEN] * 2
-    assert _worker_processes(env.engine_id) == []  # nothing restarted any more
+    assert worker_processes(env.engine_id) == []  # nothing restarted any more
 
     errors = [r for r in caplog.records
               if r.name.startswith("shmtier.scheduler.pool") and r.levelno >= logging.ERROR]
@@ -1039,7 +1024,7 @@ def test_workers_that_cannot_start_break_the_pool_once(pools, tmp_path, caplog):
 
     env.close()
     assert _our_shm_entries(env.engine_id) == []
-    assert _worker_processes(env.engine_id) == []
+    assert worker_processes(env.engine_id) == []
 
 
 def test_external_jobs_fail_by_their_deadline_when_no_worker_runs(pools):

@@ -13,6 +13,7 @@ import time
 import numpy as np
 
 import pytest
+from processes import worker_processes
 import torch
 
 from shmtier.config import ConfigError, KVLayout
@@ -389,20 +390,4 @@ def test_workers_that_never_start_break_the_tier_which_then_misses_fast(engines,
                    and r.name.startswith("shmtier.scheduler.pool")]
     assert len(broken_logs) == 1, [r.getMessage() for r in broken_logs]
     e.close()
-    assert not _worker_processes(e.spec.engine_id)
-
-
-def _worker_processes(engine_id: str) -> list[int]:
-    """Pids of live tier workers of ``engine_id`` (read from /proc)."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                argv = f.read().split(b"\0")
-        except OSError:
-            continue
-        if b"shmtier.workers.job_loop" in argv and engine_id.encode() in argv:
-            found.append(int(entry))
-    return found
+    assert not worker_processes(e.spec.engine_id)

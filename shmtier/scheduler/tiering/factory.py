@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from shmtier.config import SecondaryTierConfig
+from shmtier.config import SecondaryTierConfig, resolve_tier_type
 from shmtier.scheduler.backpressure import build_detector
 from shmtier.tiers import registry
 from shmtier.tiers.config import TierContext
@@ -35,15 +35,7 @@ class SecondaryTierFactory:
     @classmethod
     def get_tier_class(cls, config: dict[str, Any], where: str = "secondary_tiers[?]") -> type:
         """The scheduler-half class a tier dict names (ValueError naming the problem)."""
-        if not isinstance(config, dict):
-            raise ValueError(f"{where} = {config!r} is invalid: expected a dict with a 'type' key")
-        tier_type = config.get("type")
-        if not isinstance(tier_type, str) or not tier_type:
-            raise ValueError(
-                f"Secondary tier configuration must include 'type': {where}.type = "
-                f"{tier_type!r} is invalid: expected one of {registry.names()} or an "
-                f"out-of-tree class name with module_path")
-        return registry.resolve(tier_type, config.get("module_path"), where=where).scheduler_class()
+        return resolve_tier_type(config, where).scheduler_class()
 
     @classmethod
     def create_secondary_tier(cls, config: dict[str, Any] | SecondaryTierConfig,
