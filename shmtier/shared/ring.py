@@ -93,6 +93,7 @@ from dataclasses import dataclass
 import posix_ipc
 
 from shmtier.shared import procinfo
+from shmtier.shared.ipc_wait import open_when_present
 from shmtier.shared._wire import RingPort
 
 logger = logging.getLogger(__name__)
@@ -614,19 +615,12 @@ class RingSet:
         return sem
 
     def _open_sem(self, name: str, deadline: float) -> posix_ipc.Semaphore:
-        while True:
-            try:
-                sem = posix_ipc.Semaphore(name)
-            except posix_ipc.ExistentialError:
-                if time.monotonic() > deadline:
-                    raise RingAttachError(
-                        f"ring semaphore {name} of segment {self.segment_name} does not exist "
-                        f"(the scheduler closed its rings, or they were removed)"
-                    ) from None
-                time.sleep(0.005)
-                continue
-            self._sems.append(sem)
-            return sem
+        sem = open_when_present(
+            lambda: posix_ipc.Semaphore(name), deadline, 0.005, lambda: RingAttachError(
+                f"ring semaphore {name} of segment {self.segment_name} does not exist "
+                f"(the scheduler closed its rings, or they were removed)"))
+        self._sems.append(sem)
+        return sem
 
     def _ring_offset(self, worker: int, kind: str) -> int:
         per_ring = ring_nbytes(self.slots, self.slot_size)

@@ -41,6 +41,7 @@ from dataclasses import dataclass
 import posix_ipc
 
 from shmtier.shared import procinfo
+from shmtier.shared.ipc_wait import open_when_present
 from shmtier.shared.chunk_table import GENERATION, ChunkTable
 from shmtier.shared.layout import HEADER_SIZE, PAGE_SIZE, ArenaGeometry, SegmentLayout
 
@@ -532,16 +533,10 @@ def join_existing(engine_id: str, *, timeout_s: float = 30.0) -> Segment:
     name = segment_name(engine_id)
     deadline = time.monotonic() + timeout_s
     while True:
-        try:
-            shm = posix_ipc.SharedMemory(name)
-        except posix_ipc.ExistentialError:
-            if time.monotonic() > deadline:
-                raise SegmentTimeoutError(
-                    f"segment {name} of engine {engine_id!r} does not exist after {timeout_s:g} s "
-                    f"(is the engine running? `shmtier segments` lists what exists)"
-                ) from None
-            time.sleep(0.02)
-            continue
+        shm = open_when_present(
+            lambda: posix_ipc.SharedMemory(name), deadline, 0.02, lambda: SegmentTimeoutError(
+                f"segment {name} of engine {engine_id!r} does not exist after {timeout_s:g} s "
+                f"(is the engine running? `shmtier segments` lists what exists)"))
         try:
             header = _read_header(shm.fd)
             if header is None or header.magic != MAGIC or header.state != READY:
