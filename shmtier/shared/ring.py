@@ -79,6 +79,9 @@ May block: only ``get``/``get_many`` (at most ``timeout_s``) and
 ``try_get``, ``beat`` and everything else never block.
 
 Nothing here imports torch or vLLM (tier workers import it).
+
+Size: the ring protocol, its crash behaviour and the area layout are one contract between
+two process kinds; about a third of the module is that contract's documentation.
 """
 
 from __future__ import annotations

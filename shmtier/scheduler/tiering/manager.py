@@ -43,6 +43,10 @@ tier does not opt in (measured: the hand-offs cost more step time than they save
 Requests finish in two stages: ``on_request_finished`` tells the primary at
 once, but the tiers hear of it only after the request's last pending primary
 store has completed (a cascade for it may still follow until then).
+
+Size: one class implementing vLLM's ``TieringOffloadingManager`` interface; its lookup
+metrics (``lookup_metrics.py``) and tier-poll thread (``poll_thread.py``) live apart,
+and what is left shares the request and scan state, so it stays one module (~680 lines).
 """
 
 from __future__ import annotations
