@@ -9,7 +9,7 @@ Run from a checkout::
     .venv/bin/python bench/primary_calls.py --profile seg --policy arc   # cProfile one run
 
 What is timed: every manager call the OffloadingConnector's scheduler half makes
-(contract §2.3), each wrapped in ``time.perf_counter_ns``; a request's lookup scan
+(docs/vllm-contract.md §2.3), each wrapped in ``time.perf_counter_ns``; a request's lookup scan
 (one ``lookup`` per chunk until the first MISS) is timed as one region and
 reported per ``lookup`` call. The driver's own work (building requests, keys,
 ``ReqContext`` positions, bookkeeping) is outside the timed regions. The same
@@ -584,7 +584,7 @@ def main(argv=None) -> int:
           f"manager and repeat (seed {args.seed}).")
     print(f"  capacity {args.chunks} chunks; up to {args.max_running} running requests; "
           f"events {'on' if events else 'off'}; keys = 32 random bytes + 4-byte group index.")
-    print("  each step (like the connector, contract §2.3): complete_store/complete_load for jobs "
+    print("  each step (like the connector, docs/vllm-contract.md §2.3): complete_store/complete_load for jobs "
           "prepared the step before;")
     print("  admit waiting requests: on_new_request once, lookup scan over the prefix (after "
           "GPU-cached chunks) until MISS,")

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Job rings vs multiprocessing.Queue: throughput, wake latency, idle CPU (DESIGN §4, §11).
+"""Job rings vs multiprocessing.Queue: throughput, wake latency, idle CPU (docs/design.md §4, §11).
 
 Run from a checkout::
 
@@ -95,7 +95,7 @@ class _RingSource:
             if got:
                 yield got
             elif not self.rs.owner_alive():
-                return  # the producer died: a worker exits (DESIGN §8)
+                return  # the producer died: a worker exits (docs/design.md §8)
             else:
                 beat()
 
@@ -478,7 +478,7 @@ def main(argv=None) -> int:
             ratio = results["transports"]["ring"]["median_jobs_per_s"] / 1000 / base
             results["ring_vs_best_queue"] = ratio
             print(f"\nring / best multiprocessing.Queue throughput (medians): {ratio:.2f}x "
-                  f"(DESIGN target: >= 3x)")
+                  f"(docs/design.md target: >= 3x)")
         ok = all(r["exactly_once"] for tr in results["transports"].values() for r in tr["runs"])
         print("exactly once on every run:", "yes" if ok else "NO")
         if args.json:

@@ -23,7 +23,7 @@ same driver on the same multi-turn chat trace (bench/trace.py):
   ``OffloadingSpec`` with exactly the attributes it reads (``config`` fields for
   its FileMapper namespace, ``blocks_per_chunk``, ``kv_events_config``).
 
-The driver plays the OffloadingConnector's scheduler half (contract §2.3), once
+The driver plays the OffloadingConnector's scheduler half (docs/vllm-contract.md §2.3), once
 per step, with ``manager.lock`` held: admit waiting requests (``on_new_request``
 once, then a lookup scan over the prefix after the GPU-cached chunks until MISS;
 HIT_PENDING or RETRY defers the request to the next step, RETRY does not stop the
@@ -210,7 +210,7 @@ def main(argv=None) -> int:
     print("  vLLM: TieringOffloadingManager(CPUPrimaryTierOffloadingManager(SharedOffloadRegion),"
           " [FileSystemTierManager]) built from its classes, fs tier defaults (16+16 I/O threads,"
           " O_DIRECT if the dir allows it, async lookup thread), no backpressure on either side")
-    print(f"  driver = the connector's scheduler half (contract §2.3), one step every "
+    print(f"  driver = the connector's scheduler half (docs/vllm-contract.md §2.3), one step every "
           f"{args.step_ms:g} ms: admit waiting requests (up to {args.max_running} running): "
           "on_new_request once, lookup scan")
     print("    after the GPU-cached chunks until MISS (HIT_PENDING/RETRY defer to the next step, "

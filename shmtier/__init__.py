@@ -1,6 +1,6 @@
 """shmtier: multi-tier KV-cache offloading for vLLM around one shared-memory segment.
 
-Where code runs (DESIGN §1-2):
+Where code runs (docs/design.md §1-2):
 
 - ``shmtier.shared``    every process: the segment and its chunk table (no torch)
 - ``shmtier.scheduler`` the scheduler process: primary-tier manager and policies

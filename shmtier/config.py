@@ -1,4 +1,4 @@
-"""Parsing and validating ``kv_connector_extra_config`` (contract §12, DESIGN §6).
+"""Parsing and validating ``kv_connector_extra_config`` (docs/vllm-contract.md §12, docs/design.md §6).
 
 Who calls: the spec, in every process role, before anything is created; a
 :class:`ConfigError` therefore leaves nothing half-built. Every error names the
@@ -45,7 +45,7 @@ TIERING_KEYS = frozenset({
 })
 KNOWN_KEYS = PASSTHROUGH_KEYS | PRIMARY_KEYS | TIERING_KEYS
 WORKER_MODES = ("spawn", "external")
-#: Memory a tier worker is budgeted (private RSS stays under 100 MiB, DESIGN §9).
+#: Memory a tier worker is budgeted (private RSS stays under 100 MiB, docs/design.md §9).
 WORKER_MEMORY_BYTES = 128 << 20
 #: Tier workers per core at most: more only queue for the same cores.
 WORKERS_PER_CORE = 4

@@ -146,7 +146,7 @@ class CPUTierInfo(ConfigInfo):
     cpu_kv_cache_size_tokens: int | None
 
 
-# --- tiering (contract §11.3; label "tier" = "0:primary" or "{i+1}:{type}") ---
+# --- tiering (docs/vllm-contract.md §11.3; label "tier" = "0:primary" or "{i+1}:{type}") ---
 
 TIER = "tier"
 LOOKUP_SYNC_DELAY = "vllm:kv_offload_tiering_lookup_sync_delay_seconds"

@@ -3,7 +3,7 @@
 One process plays the scheduler and a GPU rank (CPU tensors stand in for the
 GPU KV cache); the spec spawns the tier worker processes that cascade chunks
 to an ``fs`` tier in a temporary directory and promote them back. Each step
-follows the connector's order (contract §2.3): look the request's prefix up
+follows the connector's order (docs/vllm-contract.md §2.3): look the request's prefix up
 (HIT_PENDING / RETRY defer it to a later step), load the hits, store the new
 chunks, finish, ``on_schedule_end``. The CPU tier holds a fraction of the
 working set, so later turns find their prefix on disk. At the end every

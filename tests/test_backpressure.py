@@ -1,4 +1,4 @@
-"""Backpressure detector, policies and configuration (contract §8, DESIGN §4/§6).
+"""Backpressure detector, policies and configuration (docs/vllm-contract.md §8, docs/design.md §4/§6).
 
 Every time-dependent test runs on a fake clock: nothing sleeps. The last part
 drives vLLM 0.33's own detector and policies side by side with ours (hypothesis)

@@ -41,7 +41,7 @@ def store(m, keys, ctx, success=True):
     return out
 
 
-# --- contract §3.2 semantics ---
+# --- docs/vllm-contract.md §3.2 semantics ---
 
 
 def test_ref_counts_lookup_states_and_pinning():
@@ -155,7 +155,7 @@ def test_key_longer_than_the_key_width_is_refused_without_side_effects():
     assert m.prepare_store([key(0)], ctx).store_spec.chunk_ids.tolist() == [0]
 
 
-# --- LRU (contract §3.6) ---
+# --- LRU (docs/vllm-contract.md §3.6) ---
 
 
 def test_lru_evicts_request_tails_first_and_head_becomes_mru():
@@ -182,7 +182,7 @@ def test_lru_touch_makes_first_key_most_recent():
     assert store(m, [key(4)], request("c")).evicted_keys == [key(1)]
 
 
-# --- ARC (contract §3.7) ---
+# --- ARC (docs/vllm-contract.md §3.7) ---
 
 
 def test_arc_reuse_promotes_to_t2_and_t1_is_evicted_first():

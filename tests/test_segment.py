@@ -229,11 +229,11 @@ def test_layout_is_page_aligned_and_control_fits_budget():
                         world_size=2)
     layout = SegmentLayout.for_geometry(big)
     assert layout.arena_off % (2 << 20) == 0
-    assert layout.control_len / big.num_chunks <= 256  # DESIGN §9 memory budget
+    assert layout.control_len / big.num_chunks <= 256  # docs/design.md §9 memory budget
 
 
 def test_vllm_row_geometry():
-    # contract §1.9 example: ~1 MiB per worker per block, TP=2, 10 GiB
+    # docs/vllm-contract.md §1.9 example: ~1 MiB per worker per block, TP=2, 10 GiB
     g = ArenaGeometry.for_kv(cpu_bytes_to_use=10 << 30, worker_kv_bytes_per_block=1 << 20,
                              blocks_per_chunk=1, world_size=2)
     assert (g.num_chunks, g.row_stride, g.page_size_per_worker) == (5120, 2 << 20, 1 << 20)

@@ -4,7 +4,7 @@ Runs in: GPU worker processes (vLLM's worker, or a test/bench process that
 plays one). Nothing here blocks.
 
 vLLM 0.33 hands an offloading worker a ``CanonicalKVCaches`` built by its
-connector's ``register_kv_caches`` (contract §2.4): a list of unique KV tensors,
+connector's ``register_kv_caches`` (docs/vllm-contract.md §2.4): a list of unique KV tensors,
 each viewable as int8 ``(num_blocks, page_bytes)``, and for every KV-cache group
 the list of references (one per layer or group of layers) saying which tensor
 the group's layers live in and how many bytes of each block page they actually

@@ -12,13 +12,13 @@ Shared bytes it touches: only this rank's slot of each arena row,
 ``c``, and its own KV tensors. Nothing in the control area, rings or header.
 
 Row layout (identical to vLLM 0.33's ``SharedOffloadRegion`` direct layout,
-contract §4): inside a rank's slot the canonical tensors are concatenated in
+docs/vllm-contract.md §4): inside a rank's slot the canonical tensors are concatenated in
 order; tensor ``t`` takes ``page_bytes[t] * blocks_per_chunk`` bytes, and
 sub-block ``j`` of chunk ``c`` of tensor ``t`` starts at
 ``c * row_stride + rank * page_size_per_worker + tensor_offset[t] + j * page_bytes[t]``
 in the arena.
 
-Transfer descriptors (contract §5): ``group_sizes`` and ``block_indices`` come
+Transfer descriptors (docs/vllm-contract.md §5): ``group_sizes`` and ``block_indices`` come
 from the GPU-side spec. For group ``g`` of ``size`` GPU blocks whose first block
 has logical index ``idx``, the CPU side skips ``idx % blocks_per_chunk``
 sub-blocks of its first chunk and consumes ``cdiv(size + skip,
@@ -383,7 +383,7 @@ class BlockCopyWorker:
             raise RuntimeError("BlockCopyWorker is shut down")
 
     def _plan(self, gpu_spec: Any, cpu_spec: Any) -> tuple[list[RefCopy], int]:
-        """Turn a (GPU spec, CPU spec) pair into per-ref copy lists (contract §5).
+        """Turn a (GPU spec, CPU spec) pair into per-ref copy lists (docs/vllm-contract.md §5).
 
         Runs in the submitting thread; raises ``ValueError`` naming the problem.
         """

@@ -2,9 +2,9 @@
 
 Who calls: the scheduler process only (vLLM's connector scheduler half, or the
 tiering manager), holding the manager's lock as the offloading contract
-requires (contract §1.4). No method blocks or does I/O.
+requires (docs/vllm-contract.md §1.4). No method blocks or does I/O.
 
-Semantics are vLLM 0.33's ``CPUOffloadingManager`` (contract §3.2): ref counts
+Semantics are vLLM 0.33's ``CPUOffloadingManager`` (docs/vllm-contract.md §3.2): ref counts
 -1 (write pending) / 0 (ready, evictable) / n (pinned by n readers); fresh
 slots before reused ones (LIFO free list); ``prepare_store`` returns None when
 eviction cannot free enough and never evicts a key of the current offer;
@@ -127,7 +127,7 @@ class CPUOffloadingManager:
 
     @property
     def lock(self):
-        """No-op: a plain CPU manager is driven from one thread (contract §1.4)."""
+        """No-op: a plain CPU manager is driven from one thread (docs/vllm-contract.md §1.4)."""
         return nullcontext()
 
     # --- rows ---

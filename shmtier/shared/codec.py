@@ -7,7 +7,7 @@ before a single byte of it reaches an arena row: magic, format version, codec,
 element size, raw and stored lengths, the full key and a checksum of the raw
 chunk bytes, plus a CRC-32C of its own, so that every flipped bit, truncation,
 stale or misplaced frame is detected and reported as
-:class:`CorruptChunkError` -- wrong KV is never served (DESIGN §5 "fs format",
+:class:`CorruptChunkError` -- wrong KV is never served (docs/design.md §5 "fs format",
 §8).
 
 Layout (all integers little-endian; ``K`` = key length)::
@@ -48,7 +48,7 @@ Payload per codec, and what covers each raw byte:
   memory; a frame without one is refused). All are checked before the
   destination is written.
 
-Why these choices (measured in ``bench/codec.py``, DESIGN §5/§11): bf16 KV
+Why these choices (measured in ``bench/codec.py``, docs/design.md §5/§11): bf16 KV
 compresses poorly as a whole (plain zstd level 1: ratio ~1.29) but its
 high-byte plane is near its order-0 entropy bound with zstd's *fast*
 strategy, min match 7 and hash log 6 -- finding matches in near-random data is

@@ -1,6 +1,6 @@
 """Geometry of a segment: how many rows, how wide, and where each area starts.
 
-Arena rows follow vLLM 0.33's SharedOffloadRegion exactly (contract §4): a row
+Arena rows follow vLLM 0.33's SharedOffloadRegion exactly (docs/vllm-contract.md §4): a row
 holds one chunk for every GPU rank; rank ``w`` owns bytes
 ``[w * page_size_per_worker, (w + 1) * page_size_per_worker)`` of the row and
 the row stride is that total rounded up to the OS page size.
@@ -64,7 +64,7 @@ class ArenaGeometry:
         replicated_layout: bool = False,
         key_width: int = DEFAULT_KEY_WIDTH,
     ) -> "ArenaGeometry":
-        """The geometry vLLM's CPU/tiering spec derives (contract §1.9, CPU sizing)."""
+        """The geometry vLLM's CPU/tiering spec derives (docs/vllm-contract.md §1.9, CPU sizing)."""
         num_copies = 1 if replicated_layout else world_size
         raw_bytes_per_chunk = worker_kv_bytes_per_block * num_copies * blocks_per_chunk
         if raw_bytes_per_chunk == 0:

@@ -1,6 +1,6 @@
 """Job and result rings of the tier workers: SPSC slot rings in the segment's ring area.
 
-Who uses what (DESIGN §1, §4)::
+Who uses what (docs/design.md §1, §4)::
 
     scheduler process (creator)                         tier worker i (attacher)
     RingSet.create(...) ─ creates every semaphore        RingSet.attach(..., worker=i)

@@ -1,9 +1,9 @@
-"""Conformance of shmtier.vllm with vLLM 0.33's offloading interfaces (contract §1-2, §11-12, §14).
+"""Conformance of shmtier.vllm with vLLM 0.33's offloading interfaces (docs/vllm-contract.md §1-2, §11-12, §14).
 
 Everything on vLLM's side is vLLM's real class: the spec is loaded by vLLM's
 OffloadingSpecFactory from a real OffloadingConfig; the manager is driven with
 vLLM's ReqContext / ScheduleEndContext in the order of the connector's step
-(contract §2.3); the worker copies vLLM's CanonicalKVCaches (CPU tensors) with
+(docs/vllm-contract.md §2.3); the worker copies vLLM's CanonicalKVCaches (CPU tensors) with
 vLLM's GPULoadStoreSpec; every stats payload goes through vLLM's own Prometheus
 front end (OffloadPromMetrics) with a private registry. Segments, semaphores,
 tier worker processes and temp dirs are cleaned up also on failure.
@@ -301,7 +301,7 @@ def rigs():
 
 
 def step(manager, sink, new=(), preempted=()):
-    """The end of one scheduler step (contract §2.3 4.): on_schedule_end last, then
+    """The end of one scheduler step (docs/vllm-contract.md §2.3 4.): on_schedule_end last, then
     the connector's short-lock hooks: stats and events."""
     with manager.lock:
         manager.on_schedule_end(vb.ScheduleEndContext(list(new), list(preempted)))
@@ -461,7 +461,7 @@ def test_the_connector_call_sequence_with_vllm_types(tier, rigs, engine_id, fs_r
 
 def test_kv_load_tiers_filter_applies_to_vllm_contexts(rigs, engine_id):
     """A request restricted to storage tiers must not be served by the CPU
-    (example) tier, one restricted to CPU tiers must (contract §1.3)."""
+    (example) tier, one restricted to CPU tiers must (docs/vllm-contract.md §1.3)."""
     rig = rigs(engine_id, [{"type": "example"}])
     m, sink = rig.manager, PromSink(rig.extra)
     keys = [key(i) for i in range(2)]

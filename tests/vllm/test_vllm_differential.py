@@ -50,7 +50,7 @@ EXPECTED_DIFFERENCES = {
     ("promoted", "loaded"): (
         "shmtier's example tier keeps the bytes it was sent and writes them back on "
         "promotion; vLLM's example tier records presence only and moves no bytes "
-        "(contract §13), so vLLM loads whatever the reused CPU row holds (zeros here)."),
+        "(docs/vllm-contract.md §13), so vLLM loads whatever the reused CPU row holds (zeros here)."),
 }
 
 # Stats series vLLM emits and shmtier's core does not (yet): gaps in the core

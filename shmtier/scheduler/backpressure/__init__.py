@@ -1,4 +1,4 @@
-"""Backpressure for cascades to secondary tiers (contract §8, DESIGN §4, §6, §8).
+"""Backpressure for cascades to secondary tiers (docs/vllm-contract.md §8, docs/design.md §4, §6, §8).
 
 A *detector* watches one secondary tier: it is fed the outcome of every cascade (store)
 job sent to that tier and decides whether the tier is *under pressure*. A *policy* turns

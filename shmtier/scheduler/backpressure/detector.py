@@ -1,4 +1,4 @@
-"""Backpressure detectors: is one secondary tier under pressure? (contract §8, DESIGN §4, §8)
+"""Backpressure detectors: is one secondary tier under pressure? (docs/vllm-contract.md §8, docs/design.md §4, §8)
 
 Who calls: the tiering manager, in the scheduler process only, on the scheduler thread:
 ``update`` / ``on_store_failed`` for every cascade (store) result of its tier,

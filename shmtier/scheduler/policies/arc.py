@@ -1,4 +1,4 @@
-"""ARC as vLLM 0.33 implements it (contract §3.7; differs from textbook ARC).
+"""ARC as vLLM 0.33 implements it (docs/vllm-contract.md §3.7; differs from textbook ARC).
 
 T1 holds chunks seen once, T2 chunks reused; B1/B2 remember keys recently
 evicted from each. Inserts always go to T1 (and drop the key from B1/B2). A

@@ -1,5 +1,5 @@
 """Lookup metrics: per (request, tier, key), queries and hits counted once, and the
-synchronous and asynchronous lookup delays (contract §11).
+synchronous and asynchronous lookup delays (docs/vllm-contract.md §11).
 
 Who calls: the tiering manager, in the scheduler process, under its lock; every
 lookup records into a request's record, and ``get_stats`` takes the series once per

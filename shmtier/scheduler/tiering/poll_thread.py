@@ -1,4 +1,4 @@
-"""The tier-poll thread (contract §6.10): polls the tiers that opt in between steps.
+"""The tier-poll thread (docs/vllm-contract.md §6.10): polls the tiers that opt in between steps.
 
 Who calls: the tiering manager starts one (when a tier sets
 ``tolerates_off_thread_polling`` and ``tier_poll_interval_s`` > 0) and stops it at
