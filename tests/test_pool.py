@@ -1201,6 +1201,33 @@ def test_a_stop_request_ends_the_job_queue_after_the_job_in_hand(tmp_path):
     assert [j.job_id for j in runner.queue] == [2, 3]
 
 
+def test_the_job_loop_dispatches_through_the_backends_handler_table(tmp_path):
+    """An op runs the method the backend's HANDLERS table names; an op the table leaves
+    out is answered with an error result naming it (the worker goes on); a table naming
+    an unknown op or a missing method fails when the class is defined."""
+    from shmtier.tiers.backend import UnsupportedOp
+    from shmtier.tiers.fs.backend import FsBackend
+    from shmtier.workers import job_loop
+
+    class NoProbe(FsBackend):
+        HANDLERS = {op: name for op, name in FsBackend.HANDLERS.items() if op != "probe"}
+
+    backend = NoProbe(str(tmp_path), "handlers-fp", min_free_bytes=0)
+    runner = job_loop.JobRunner([backend], np.zeros((1, 4096), dtype=np.uint8), 4096, 8 << 10)
+    (probe,) = runner.run(jobs.decode_job(jobs.pack_job(1, "probe", 0, [_key(1), _key(2)])))
+    assert probe.outcomes == [Outcome.ERROR] * 2
+    assert "NoProbe backend does not handle op 'probe'" in probe.error
+    (delete,) = runner.run(jobs.decode_job(jobs.pack_job(2, "delete", 0, [_key(1)])))
+    assert delete.outcomes == [Outcome.MISS] and delete.error == ""
+    assert backend.handler("store") == backend.store
+    with pytest.raises(UnsupportedOp, match="does not handle op 'stop'"):
+        backend.handler("stop")
+    with pytest.raises(TypeError, match="'copy' is not a backend op"):
+        type("Bad", (FsBackend,), {"HANDLERS": {"copy": "store"}})
+    with pytest.raises(TypeError, match="op 'store' names 'nope'"):
+        type("Bad", (FsBackend,), {"HANDLERS": {"store": "nope"}})
+
+
 def test_a_result_larger_than_a_ring_slot_is_split_and_merged_key_by_key(tmp_path):
     """Per-key figures take 13 bytes a key: a probe of 1000 two-byte keys fits one job
     slot, its answer does not. The worker splits it; the pool puts every key's outcome

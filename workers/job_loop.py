@@ -11,8 +11,8 @@ Runs in: one tier worker process (spawned by the pool, or started by
           beat()
           decode all (malformed → error result, keep running) into the queue, loads first
           for each queued job:
-                        backend[tier].store/load/delete/probe/scan in slices (8 keys;
-                        stores also at most 2 MiB);
+                        backend[tier].handler(op): its method for the op (the backend's
+                        HANDLERS table), run in slices (8 keys; stores also at most 2 MiB);
                         before each slice of a store: take new jobs from the ring, run
                         their loads at once (a request waits on each), queue the rest;
                         store raw instead of compressed while the queued store work
@@ -20,8 +20,9 @@ Runs in: one tier worker process (spawned by the pool, or started by
                         results.try_put(encoded result)
           every few seconds: owner (scheduler) alive? else exit
 
-A job for a tier that has no worker half is answered with an error result
-(every key ERROR, the reason in the result's error text). A result is the backend's per-key outcomes, logical and
+A job for a tier that has no worker half, or for an op its backend does not
+handle, is answered with an error result (every key ERROR, the reason in the
+result's error text). A result is the backend's per-key outcomes, logical and
 stored bytes and seconds (``BatchResult.to_result``), split into several when it
 does not fit a ring slot. The loop never raises for a job; it exits on ``stop``, when
 the owner dies, or on SIGTERM (after finishing the job in hand). A worker whose
@@ -45,7 +46,7 @@ from shmtier.shared.pool_config import EXIT_BACKENDS_FAILED, PoolConfig
 from shmtier.shared.ring import RingSet
 from shmtier.shared.segment import join_existing
 from shmtier.tiers import registry
-from shmtier.tiers.backend import BatchResult, WorkerContext
+from shmtier.tiers.backend import BatchResult, UnsupportedOp, WorkerContext
 
 logger = logging.getLogger(__name__)
 
@@ -200,9 +201,13 @@ class JobRunner:
 
     def _run_backend(self, job: jobs.Job, backend) -> jobs.Result:
         try:
+            handler = backend.handler(job.op)
+        except UnsupportedOp as e:
+            return jobs.Result.failed(job.job_id, f"tier {job.tier}: {e}", len(job.keys))
+        try:
             if job.op == "scan":
-                return self._scan(job, backend.scan)
-            batch = self._in_slices(getattr(backend, job.op), job)
+                return self._scan(job, handler)
+            batch = self._in_slices(handler, job)
             if len(batch.outcomes) != len(job.keys):
                 raise RuntimeError(f"the backend answered {len(batch.outcomes)} outcomes "
                                    f"for {len(job.keys)} keys")

@@ -14,21 +14,27 @@ what each means for which op), with a detail text per key (``BatchResult.details
 e.g. ``"max_bytes"`` for a REJECTED store, ``"checksum"`` for a CORRUPT load,
 ``"EROFS Read-only file system (create)"`` for an ERROR; empty when there is nothing
 to add). :data:`shmtier.shared.jobs.SUCCESS` says which outcomes are a success per op.
+
+Which op runs which method: :attr:`TierBackend.HANDLERS` (op -> method name), read
+through :meth:`TierBackend.handler`. A backend that does not handle an op leaves it out
+of its table; the job loop then answers that op's jobs with an error result.
 """
 
 from __future__ import annotations
 
 import abc
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Iterator, NamedTuple, Sequence
+from types import MappingProxyType
+from typing import Any, Callable, ClassVar, Iterator, NamedTuple, Sequence
 
 import numpy as np
 
 from shmtier.shared import jobs
 from shmtier.shared.jobs import SUCCESS, Outcome
 
-__all__ = ["BatchResult", "Outcome", "ScanEntry", "TierBackend", "WorkerContext", "as_arena",
-           "check_batch"]
+__all__ = ["BatchResult", "Outcome", "ScanEntry", "TierBackend", "UnsupportedOp",
+           "WorkerContext", "as_arena", "check_batch"]
 
 
 _ANSWERS = frozenset((Outcome.OK, Outcome.EXISTS, Outcome.MISS))
@@ -137,6 +143,10 @@ class WorkerContext:
     codec: Any = None  # a shmtier.shared.codec.CompressionConfig (None: its defaults)
 
 
+class UnsupportedOp(LookupError):
+    """A job asked a backend for an op its ``HANDLERS`` table does not list."""
+
+
 class ScanEntry(NamedTuple):
     """One chunk found on the medium by ``scan``: its key, stored size, mtime (epoch s)."""
 
@@ -159,7 +169,34 @@ class TierBackend(abc.ABC):
     ``(num_chunks, row_stride)`` (a numpy view of the shared memory; a 2-D memoryview is
     accepted too); row ``r`` is chunk slot ``r`` and only its first ``chunk_bytes`` are
     payload. Backends never touch bytes of a row past ``chunk_bytes``.
+
+    ``HANDLERS`` maps each op this backend handles to the name of its method (checked
+    when the class is defined: ops of ``jobs.OPS`` but ``stop``, callable methods). A
+    subclass that does not handle an op gives a table without it.
     """
+
+    HANDLERS: ClassVar[Mapping[str, str]] = MappingProxyType(
+        {"store": "store", "load": "load", "delete": "delete", "probe": "probe",
+         "scan": "scan"})
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        for op, name in cls.HANDLERS.items():
+            if op not in jobs.OPS or op == "stop":
+                raise TypeError(f"{cls.__name__}.HANDLERS: {op!r} is not a backend op "
+                                f"(ops: {', '.join(o for o in jobs.OPS if o != 'stop')})")
+            if not callable(getattr(cls, name, None)):
+                raise TypeError(f"{cls.__name__}.HANDLERS: op {op!r} names {name!r}, which "
+                                f"is not a method of the class")
+
+    def handler(self, op: str) -> Callable[..., Any]:
+        """The bound method that runs ``op``; :class:`UnsupportedOp` if this backend
+        does not handle it."""
+        name = type(self).HANDLERS.get(op)
+        if name is None:
+            raise UnsupportedOp(f"the {type(self).__name__} backend does not handle op "
+                                f"{op!r} (it handles: {', '.join(type(self).HANDLERS)})")
+        return getattr(self, name)
 
     @abc.abstractmethod
     def store(self, keys: Sequence[bytes], rows: Sequence[int], arena, chunk_bytes: int,
