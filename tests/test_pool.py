@@ -1299,3 +1299,22 @@ def test_the_pool_merges_per_key_figures_at_each_keys_position():
             assert (res.logical_bytes[pos], res.stored_bytes[pos], res.seconds[pos]) == (
                 100 * (pos + 1), 10 * (pos + 1), (pos + 1) / 4)
     assert "answered" in res.error and pid not in done
+
+
+def test_each_id_space_has_its_own_type():
+    """Tier job ids (the manager's, vLLM's JobId), pool job ids (what submit returns)
+    and wire ids (one part in a ring) are distinct NewTypes on the signatures."""
+    import typing
+
+    from shmtier.scheduler.pool import PoolJobId
+    from shmtier.scheduler.pool.dispatch import Part, PoolResult
+    from shmtier.scheduler.tiering.base import JobId, JobResult, TransferJob
+    from shmtier.shared.jobs import WireJobId
+
+    hints = typing.get_type_hints
+    assert typing.get_args(hints(WorkerPool.submit)["return"]) == (PoolJobId, type(None))
+    assert hints(PoolResult)["job_id"] is PoolJobId and hints(Part)["parent"] is PoolJobId
+    assert hints(jobs.Job)["job_id"] is WireJobId and hints(jobs.Result)["job_id"] is WireJobId
+    assert hints(jobs.pack_job)["job_id"] is WireJobId
+    assert hints(JobResult)["job_id"] is JobId and hints(TransferJob.__init__)["job_id"] is JobId
+    assert len({JobId, PoolJobId, WireJobId}) == 3 and JobId(5) == PoolJobId(5) == 5

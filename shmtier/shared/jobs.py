@@ -14,6 +14,12 @@ the scheduler halves):
   travels separately: in a backend's ``BatchResult.details`` and, summed up, in
   a result's ``error`` text); :data:`SUCCESS` says which outcomes are a success
   for which op.
+* three id spaces, each a ``NewType`` of int: the tiering manager's tier job id
+  (``shmtier.scheduler.tiering.base.JobId``, vLLM's ``JobId``), the worker
+  pool's job id (``shmtier.scheduler.pool.PoolJobId``: what ``WorkerPool.submit``
+  returns; one pool job may carry several tier jobs) and :data:`WireJobId`, the
+  id of one part of a pool job as it travels in a ring (a pool job is sent as
+  one part per worker, each maybe split further by ``split_job``).
 
 Wire format (msgpack, schema version ``SCHEMA_VERSION``): positional arrays,
 not maps — measured here a 4-key job packs in ~0.46 µs as an array vs ~0.74 µs
@@ -54,7 +60,7 @@ import enum
 import struct
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, NewType
 
 import msgpack
 
@@ -63,6 +69,9 @@ from shmtier.shared._wire import pack_job as _pack_job_c
 
 SCHEMA_VERSION = 2  # 2: per-key logical/stored bytes and seconds in results, seven outcomes
 KIND_JOB, KIND_RESULT = 0, 1
+
+#: The id of one job part on the wire (what a ring carries; see the module docstring).
+WireJobId = NewType("WireJobId", int)
 
 OPS = {"store": 1, "load": 2, "delete": 3, "probe": 4, "scan": 5, "stop": 6}
 OP_NAMES = {code: name for name, code in OPS.items()}
@@ -152,7 +161,7 @@ class MalformedResult(MalformedJob):
 class Job:
     """One job for a tier worker. ``op`` is one of ``OPS``; ``tier`` the secondary tier index."""
 
-    job_id: int
+    job_id: WireJobId
     op: str
     tier: int
     keys: list[bytes] = field(default_factory=list)
@@ -179,7 +188,7 @@ class Result(_ResultFields):
 
     __slots__ = ()
 
-    job_id: int
+    job_id: WireJobId
     outcomes: list[Outcome]
     logical_bytes: list[int]
     stored_bytes: list[int]
@@ -189,7 +198,7 @@ class Result(_ResultFields):
     keys: list[bytes]  # scan: keys found
     more: bool
 
-    def __new__(cls, job_id: int, outcomes: list[Outcome] | None = None,
+    def __new__(cls, job_id: WireJobId, outcomes: list[Outcome] | None = None,
                 logical_bytes: list[int] | None = None, stored_bytes: list[int] | None = None,
                 seconds: list[float] | None = None, codec_s: float = 0.0, error: str = "",
                 keys: list[bytes] | None = None, more: bool = False) -> "Result":
@@ -200,9 +209,9 @@ class Result(_ResultFields):
             codec_s, error, [] if keys is None else keys, more))
 
     @classmethod
-    def failed(cls, job_id: int | None, error: str, num_keys: int = 0) -> "Result":
+    def failed(cls, job_id: WireJobId | None, error: str, num_keys: int = 0) -> "Result":
         """A result failing every key of a job (ERROR; ``job_id`` None -> 0, unknown)."""
-        return cls(job_id or 0, [Outcome.ERROR] * num_keys, [0] * num_keys,
+        return cls(WireJobId(job_id or 0), [Outcome.ERROR] * num_keys, [0] * num_keys,
                    [0] * num_keys, [0.0] * num_keys, error=error)
 
 
@@ -218,7 +227,7 @@ def _packer() -> msgpack.Packer:
         return _tls.packer
 
 
-def pack_job(job_id: int, op: str, tier: int, keys: list[bytes], rows: list[int] | tuple = (),
+def pack_job(job_id: WireJobId, op: str, tier: int, keys: list[bytes], rows: list[int] | tuple = (),
              args: dict[str, Any] | None = None) -> bytes:
     """Encode a job from its fields without building a :class:`Job` (the scheduler's hot path).
 

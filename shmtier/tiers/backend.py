@@ -123,7 +123,7 @@ class BatchResult:
                          for (o, d), n in sorted(counts.items()))
         return text if len(text) <= limit else text[:limit - 3] + "..."
 
-    def to_result(self, job_id: int, error: str = "") -> jobs.Result:
+    def to_result(self, job_id: jobs.WireJobId, error: str = "") -> jobs.Result:
         """The wire result of this batch for job ``job_id`` (``error`` or else
         :meth:`summary` as its error text; times clamped to >= 0)."""
         return jobs.Result(job_id, self.outcomes, self.logical_bytes, self.stored_bytes,

@@ -32,14 +32,20 @@ import itertools
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import NewType
 
 from shmtier.shared import jobs
-from shmtier.shared.jobs import Outcome
+from shmtier.shared.jobs import Outcome, WireJobId
 
 logger = logging.getLogger(__name__)
 
 _SPREAD_MIN_KEYS = 8
 _ERROR = Outcome.ERROR  # (an enum member lookup costs ~0.1 µs)
+
+#: The id of one pool job: what ``WorkerPool.submit`` returns (its parts travel as
+#: ``jobs.WireJobId``; it may carry several tier jobs, ``tiering.base.JobId``).
+PoolJobId = NewType("PoolJobId", int)
+
 
 @dataclass(slots=True)
 class PoolResult:
@@ -47,7 +53,7 @@ class PoolResult:
     reported for it (logical and stored bytes, seconds); a key whose part failed is
     ERROR with zeros. A ``scan`` lists ``scan_keys`` with their ``scan_stored_bytes``."""
 
-    job_id: int
+    job_id: PoolJobId
     op: str
     tier: int
     keys: list[bytes]
@@ -75,7 +81,7 @@ class Part:
     by ``jobs.split_result`` answers for the next run); ``first``: where the positions
     start when they are consecutive (a ``range``: merged by slices), else -1."""
 
-    parent: int
+    parent: PoolJobId
     worker: int
     positions: Sequence[int]
     deadline: float  # monotonic seconds; past it, ``worker`` is judged hung
@@ -85,7 +91,7 @@ class Part:
 
 # (worker, part job id, payload, part keys, positions in the pool job: a range when
 # consecutive, as they are unless some keys were bound to a worker)
-Planned = tuple[int, int, bytes, list[bytes], Sequence[int]]
+Planned = tuple[int, WireJobId, bytes, list[bytes], Sequence[int]]
 
 
 def _first(items: list, n: int) -> list:
@@ -109,15 +115,15 @@ class Dispatch:
         self.max_payload = max_payload
         self.job_timeout_s = job_timeout_s
         self._ids = itertools.count(1)  # pool job ids and part ids: never the same number
-        self.parents: dict[int, _Parent] = {}
+        self.parents: dict[PoolJobId, _Parent] = {}
         # part job id -> Part, in submit order (so in deadline order: see ``overdue``)
-        self.parts: dict[int, Part] = {}
+        self.parts: dict[WireJobId, Part] = {}
         self.load = [0] * num_workers  # outstanding parts per worker
         self._bound: dict[bytes, list[int]] = {}  # key -> [worker, outstanding parts]
         self.done: dict[int, list[PoolResult]] = {}
 
     def plan(self, op: str, tier: int, keys: list[bytes], rows: list[int] | None,
-             args: dict | None, live: list[int]) -> tuple[int, list[Planned]]:
+             args: dict | None, live: list[int]) -> tuple[PoolJobId, list[Planned]]:
         """Assign ``keys`` to workers and encode the parts; returns (pool job id, parts).
         Registers nothing: :meth:`commit` does, once every part is in a ring."""
         groups: dict[int, Sequence[int]] = {}
@@ -143,12 +149,12 @@ class Dispatch:
                         groups[w].extend(chunk)  # type: ignore[union-attr]
                     else:
                         groups[w] = chunk
-        parent_id = next(self._ids)
+        parent_id = PoolJobId(next(self._ids))
         planned: list[Planned] = []
         for w, positions in groups.items():
             part_keys = [keys[p] for p in positions]
             part_rows = [rows[p] for p in positions] if rows else []
-            job_id = next(self._ids)
+            job_id = WireJobId(next(self._ids))
             payload = jobs.pack_job(job_id, op, tier, part_keys, part_rows, args)
             if len(payload) <= self.max_payload:  # the common case: encoded once
                 planned.append((w, job_id, payload, part_keys, positions))
@@ -161,7 +167,7 @@ class Dispatch:
                 offset += len(part.keys)
         return parent_id, planned
 
-    def commit(self, parent_id: int, op: str, tier: int, keys: list[bytes],
+    def commit(self, parent_id: PoolJobId, op: str, tier: int, keys: list[bytes],
                planned: list[Planned], now: float) -> None:
         """Register pool job ``parent_id`` whose ``planned`` parts are in the rings."""
         deadline = now + self.job_timeout_s

@@ -47,7 +47,7 @@ from shmtier.contract import (
     RequestOffloadingContext,
     ScheduleEndContext,
 )
-from shmtier.scheduler.pool import PoolResult
+from shmtier.scheduler.pool import PoolJobId, PoolResult
 from shmtier.scheduler.tiering.base import JobResult, SecondaryTierManager, TransferJob
 from shmtier.shared.jobs import SUCCESS, Outcome
 from shmtier.tiers.fs.config import FsTierConfig
@@ -101,7 +101,7 @@ class FsTierManager(SecondaryTierManager):
         self._loading: dict[OffloadKey, int] = {}
         # pool job id -> the tier jobs it carries, in submit order: [(job, keys)]
         # (a delete carries [(None, victims)])
-        self._jobs: dict[int, list[tuple[TransferJob | None, list[OffloadKey]]]] = {}
+        self._jobs: dict[PoolJobId, list[tuple[TransferJob | None, list[OffloadKey]]]] = {}
         # op -> tier jobs queued since the last _submit_queued: [(job, keys, rows)]
         self._queued: dict[str, list[tuple[TransferJob, list[OffloadKey], list[int]]]] = {
             "load": [], "store": []}
@@ -109,7 +109,7 @@ class FsTierManager(SecondaryTierManager):
         self._events: list[OffloadingEvent] = []
         self._stats = metrics.OffloadingStats()
         self._restarts_seen = self._pool.restarts_total
-        self._scan_id: int | None = self._pool.submit("scan", self._tier, [])
+        self._scan_id: PoolJobId | None = self._pool.submit("scan", self._tier, [])
         self._index_complete = False
         self._broken = False  # the pool is broken: MISS, and fail jobs at once
 
