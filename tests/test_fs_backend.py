@@ -18,14 +18,14 @@ import textwrap
 import time
 from contextlib import contextmanager
 
-import msgpack
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as hs
 
 from shmtier.shared.codec import CompressionConfig, frame_header_size, parse_frame_header
-from shmtier.tiers.backend import BatchResult, outcome_kind
+from shmtier.shared.jobs import Outcome, decode_result, encode_result
+from shmtier.tiers.backend import BatchResult
 from shmtier.tiers.fs.backend import (
     CHUNK_SUFFIX,
     TEMP_SUFFIX,
@@ -35,6 +35,7 @@ from shmtier.tiers.fs.backend import (
 )
 
 FP = "model=test-model|dtype=bfloat16|block=16x4|tp=1|codec=1"
+OK, MISS, ERROR, CORRUPT, REJECTED, EXISTS, INVALID = Outcome
 PAD = 0xA5  # bytes past chunk_bytes in every row
 EMPTY = 0x5A  # rows of the destination arena before a load
 
@@ -121,9 +122,11 @@ def test_round_trip_is_byte_exact(tmp_path, mode, kind, chunk_bytes, row_stride,
     src = make_arena(n, row_stride, chunk_bytes, kind, seed=chunk_bytes)
     keys = keys_for(n)
     r = b.store(keys, list(range(n)), src, chunk_bytes)
-    assert r.outcomes == ["ok"] * n, r.outcomes
+    assert r.outcomes == [OK] * n, r.outcomes
+    assert r.details == [""] * n
     assert r.logical_bytes == [chunk_bytes] * n
     assert r.io_seconds > 0 and r.codec_seconds > 0
+    assert all(t > 0 for t in r.seconds) and sum(r.seconds) >= r.codec_seconds
     for key, size in zip(keys, r.stored_bytes):
         assert os.path.getsize(b.path_for(key)) == size
     if mode == "none" or kind == "bytes":
@@ -137,8 +140,9 @@ def test_round_trip_is_byte_exact(tmp_path, mode, kind, chunk_bytes, row_stride,
     rows = list(range(n + 2, 2, -1))[:n]
     before = dst.copy()
     lr = b.load(keys, rows, dst, chunk_bytes)
-    assert lr.outcomes == ["ok"] * n, lr.outcomes
+    assert lr.outcomes == [OK] * n, lr.outcomes
     assert lr.stored_bytes == r.stored_bytes and lr.logical_bytes == [chunk_bytes] * n
+    assert all(t > 0 for t in lr.seconds) and sum(lr.seconds) >= lr.codec_seconds > 0
     for i, row in enumerate(rows):
         assert np.array_equal(dst[row, :chunk_bytes], src[i, :chunk_bytes])
     assert (dst[:, chunk_bytes:] == PAD).all(), "bytes past chunk_bytes were written"
@@ -174,14 +178,14 @@ def test_store_skips_existing_unless_asked(tmp_path):
     a = make_arena(2, 8192, 8192, "bf16")
     k = keys_for(1)
     first = b.store(k, [0], a, 8192)
-    assert first.outcomes == ["ok"]
+    assert first.outcomes == [OK]
     again = b.store(k, [1], a, 8192)
-    assert again.outcomes == ["exists"] and again.ok(0)
+    assert again.outcomes == [EXISTS] and again.ok(0)
     assert again.stored_bytes == first.stored_bytes and again.logical_bytes == [0]
     dst = np.zeros_like(a)
     b.load(k, [0], dst, 8192)
     assert np.array_equal(dst[0], a[0])  # not overwritten by row 1
-    assert b.store(k, [1], a, 8192, skip_existing=False).outcomes == ["ok"]
+    assert b.store(k, [1], a, 8192, skip_existing=False).outcomes == [OK]
     b.load(k, [0], dst, 8192)
     assert np.array_equal(dst[0], a[1])
 
@@ -192,17 +196,18 @@ def test_delete_probe_missing_and_result_message(tmp_path):
     keys = keys_for(4)
     st = b.store(keys[:3], [0, 1, 2], a, 6000)
     p = b.probe(keys)
-    assert p.outcomes == ["ok", "ok", "ok", "missing"]
+    assert p.outcomes == [OK, OK, OK, MISS]
     assert p.stored_bytes[:3] == st.stored_bytes
     lr = b.load(keys[3:], [3], a, 6000)
-    assert lr.outcomes == ["missing"] and not lr.ok(0)
+    assert lr.outcomes == [MISS] and not lr.ok(0)
     d = b.delete([keys[0], keys[3]])
-    assert d.outcomes == ["ok", "missing"] and d.all_ok
+    assert d.outcomes == [OK, MISS] and d.all_ok
     assert d.stored_bytes == [st.stored_bytes[0], 0]
-    assert b.probe(keys[:1]).outcomes == ["missing"]
+    assert b.probe(keys[:1]).outcomes == [MISS]
     assert b.counters.bytes_on_disk == sum(st.stored_bytes[1:])
-    msg = msgpack.unpackb(msgpack.packb(d.to_msg()))
-    assert msg["outcomes"] == ["ok", "missing"] and msg["op"] == "delete"
+    msg = decode_result(encode_result(d.to_result(9)))  # what the job loop sends
+    assert msg.outcomes == [OK, MISS] and msg.job_id == 9 and msg.error == ""
+    assert msg.stored_bytes == d.stored_bytes and msg.logical_bytes == [0, 0]
 
 
 def test_invalid_requests_are_per_key_or_whole_job(tmp_path):
@@ -210,10 +215,11 @@ def test_invalid_requests_are_per_key_or_whole_job(tmp_path):
     a = make_arena(2, 8192, 8192, "bytes")
     good = keys_for(1)[0]
     r = b.store([b"", b"k" * 101, good, good], [0, 0, 5, 1], a, 8192)
-    assert [outcome_kind(o) for o in r.outcomes] == ["invalid", "invalid", "invalid", "ok"]
-    assert "row 5 out of range" in r.outcomes[2]
+    assert r.outcomes == [INVALID, INVALID, INVALID, OK]
+    assert r.details[:2] == ["key length 0 (must be 1..100)", "key length 101 (must be 1..100)"]
+    assert "row 5 out of range" in r.details[2]
     lr = b.load([good, good], [-1, 0], a, 8192)
-    assert outcome_kind(lr.outcomes[0]) == "invalid" and lr.outcomes[1] == "ok"
+    assert lr.outcomes == [INVALID, OK] and "row -1 out of range" in lr.details[0]
     with pytest.raises(ValueError, match="differ in length"):
         b.store([good], [0, 1], a, 8192)
     with pytest.raises(ValueError, match="chunk_bytes"):
@@ -269,17 +275,17 @@ def test_corrupt_file_is_reported_removed_and_counted(tmp_path, name):
     fresh = backend(tmp_path, codec_config=CompressionConfig(mode=mode))  # a new reader process
     dst = np.full_like(src, EMPTY)
     lr = fresh.load(keys[:3], [0, 1, 2], dst, cb)
-    assert lr.outcomes[0] == f"corrupt:{reason}", lr.outcomes
+    assert (lr.outcomes[0], lr.details[0]) == (CORRUPT, reason), (lr.outcomes, lr.details)
     assert not lr.ok(0) and lr.logical_bytes[0] == 0
-    assert lr.outcomes[1:] == ["ok", "ok"]
+    assert lr.outcomes[1:] == [OK, OK]
     assert np.array_equal(dst[1:3, :cb], src[1:3, :cb])
     assert (dst[:, cb:] == EMPTY).all()
     assert not os.path.exists(path), "corrupt file was not removed"
     c = fresh.counters
     assert c.corrupt_files_detected == 1 and c.corrupt_files_removed == 1
     assert c.corrupt_by_reason == {reason: 1}
-    assert fresh.load(keys[:1], [0], dst, cb).outcomes == ["missing"]
-    assert fresh.probe(keys[:1]).outcomes == ["missing"]
+    assert fresh.load(keys[:1], [0], dst, cb).outcomes == [MISS]
+    assert fresh.probe(keys[:1]).outcomes == [MISS]
 
 
 def test_every_flipped_bit_position_is_caught_or_harmless(tmp_path):
@@ -302,10 +308,10 @@ def test_every_flipped_bit_position_is_caught_or_harmless(tmp_path):
                 f.write(damaged)
             dst = np.full_like(src, EMPTY)
             out = b.load([key], [0], dst, cb).outcomes[0]
-            if out == "ok":
+            if out is OK:
                 assert np.array_equal(dst, src), f"wrong bytes served after a flip at {off}"
             else:
-                assert outcome_kind(out) == "corrupt", out
+                assert out is CORRUPT, out
                 assert not os.path.exists(b.path_for(key))
         assert b.counters.corrupt_files_removed == len(offsets)  # all caught: CRCs cover all
 
@@ -315,7 +321,8 @@ def test_frame_sized_for_another_chunk_size_is_corrupt(tmp_path):
     src = make_arena(1, 8192, 8192, "bytes")
     key = keys_for(1)[0]
     b.store([key], [0], src, 8192)
-    assert b.load([key], [0], src.copy(), 4096).outcomes == ["corrupt:length"]
+    r = b.load([key], [0], src.copy(), 4096)
+    assert (r.outcomes, r.details) == ([CORRUPT], ["length"])
 
 
 def test_scan_removes_misplaced_files(tmp_path):
@@ -342,22 +349,25 @@ def test_max_bytes_refuses_before_writing_and_delete_makes_room(tmp_path):
     src = make_arena(5, cb, cb, "bytes")
     keys = keys_for(5)
     r = b.store(keys, range(5), src, cb)
-    assert r.outcomes == ["ok"] * 3 + ["full:max_bytes"] * 2
+    assert r.outcomes == [OK] * 3 + [REJECTED] * 2
+    assert r.details == [""] * 3 + ["max_bytes"] * 2
     assert not r.ok(3) and r.stored_bytes[3:] == [0, 0]
-    assert b.probe(keys).outcomes == ["ok"] * 3 + ["missing"] * 2
+    assert b.probe(keys).outcomes == [OK] * 3 + [MISS] * 2
     assert not temp_files(tmp_path)
     assert b.counters.bytes_on_disk == 3 * frame and b.counters.store_full == 2
     assert b.delete(keys[:1]).all_ok
-    assert b.store(keys[3:4], [3], src, cb).outcomes == ["ok"]
+    assert b.store(keys[3:4], [3], src, cb).outcomes == [OK]
     # The scheduler's own count overrides this process's:
-    assert b.store(keys[4:], [4], src, cb, bytes_in_use=0).outcomes == ["ok"]
-    assert b.store(keys[:1], [0], src, cb, bytes_in_use=3 * frame).outcomes == ["full:max_bytes"]
+    assert b.store(keys[4:], [4], src, cb, bytes_in_use=0).outcomes == [OK]
+    full = b.store(keys[:1], [0], src, cb, bytes_in_use=3 * frame)
+    assert (full.outcomes, full.details) == ([REJECTED], ["max_bytes"])
 
 
 def test_free_space_floor(tmp_path):
     b = backend(tmp_path, min_free_bytes=1 << 62)
     src = make_arena(1, 4096, 4096, "bytes")
-    assert b.store(keys_for(1), [0], src, 4096).outcomes == ["full:min_free"]
+    r = b.store(keys_for(1), [0], src, 4096)
+    assert (r.outcomes, r.details) == ([REJECTED], ["min_free"])
     assert not chunk_files(b) and not temp_files(tmp_path)
 
 
@@ -369,10 +379,9 @@ def test_real_enospc_on_a_small_tmpfs():
         src = make_arena(6, cb, cb, "bytes")
         keys = keys_for(6)
         r = b.store(keys, range(6), src, cb)
-        kinds = [outcome_kind(o) for o in r.outcomes]
-        n_ok = kinds.count("ok")
-        assert 1 <= n_ok < 6 and kinds == ["ok"] * n_ok + ["full"] * (6 - n_ok), r.outcomes
-        assert "ENOSPC" in r.outcomes[n_ok] and "No space left" in r.outcomes[n_ok]
+        n_ok = r.count(OK)
+        assert 1 <= n_ok < 6 and r.outcomes == [OK] * n_ok + [REJECTED] * (6 - n_ok), r.outcomes
+        assert "ENOSPC" in r.details[n_ok] and "No space left" in r.details[n_ok], r.details
         assert not temp_files(root), "a partial temp file was left behind"
         assert len(chunk_files(b)) == n_ok
         dst = np.zeros_like(src)
@@ -380,10 +389,11 @@ def test_real_enospc_on_a_small_tmpfs():
         assert np.array_equal(dst[:n_ok], src[:n_ok])
         # With the floor on, the same situation is refused before writing anything.
         b2 = backend(root, codec_config=CompressionConfig(mode="none"), min_free_bytes=0)
-        assert b2.store(keys[n_ok:n_ok + 1], [0], src, cb).outcomes == ["full:min_free"]
+        floor = b2.store(keys[n_ok:n_ok + 1], [0], src, cb)
+        assert (floor.outcomes, floor.details) == ([REJECTED], ["min_free"])
         # Deleting makes room again.
         assert b.delete(keys[:1]).all_ok
-        assert b.store(keys[n_ok:n_ok + 1], [n_ok], src, cb).outcomes == ["ok"]
+        assert b.store(keys[n_ok:n_ok + 1], [n_ok], src, cb).outcomes == [OK]
 
 
 def test_fanout_is_proportional_and_recorded(tmp_path):
@@ -416,15 +426,15 @@ def test_read_only_root_fails_stores_per_key_and_still_serves_loads():
         _flip(b.path_for(keys[2]), 0)
         remount_ro(root)
         r = b.store(keys[3:], [3, 4, 5], src, cb)
-        assert [outcome_kind(o) for o in r.outcomes] == ["error"] * 3
-        assert all("EROFS" in o and "Read-only file system" in o for o in r.outcomes), r.outcomes
+        assert r.outcomes == [ERROR] * 3
+        assert all("EROFS" in d and "Read-only file system" in d for d in r.details), r.details
         d = b.delete(keys[:1])
-        assert outcome_kind(d.outcomes[0]) == "error" and "EROFS" in d.outcomes[0]
+        assert d.outcomes == [ERROR] and "EROFS" in d.details[0]
         # A new worker attaches to the existing namespace and reads.
         b2 = backend(root)
         dst = np.zeros_like(src)
         lr = b2.load(keys[:3], range(3), dst, cb)
-        assert lr.outcomes == ["ok", "ok", "corrupt:magic"]
+        assert lr.outcomes == [OK, OK, CORRUPT] and lr.details[2] == "magic"
         assert np.array_equal(dst[:2], src[:2])
         assert b2.counters.corrupt_files_detected == 1 and b2.counters.corrupt_remove_failed == 1
         assert {e.key for e in b2.scan()} == set(keys[:3])
@@ -441,12 +451,14 @@ CHILD_EACCES = textwrap.dedent("""
     b = FsBackend(root, "eacces-fp", min_free_bytes=0)
     arena = np.arange(4 * 8192, dtype=np.uint32).astype(np.uint8).reshape(4, 8192)
     keys = [bytes([i]) * 36 for i in range(4)]
-    first = b.store(keys[:2], [0, 1], arena, 8192).outcomes
+    def named(r):
+        return [[o.name, d] for o, d in zip(r.outcomes, r.details)]
+    first = named(b.store(keys[:2], [0, 1], arena, 8192))
     for dirpath, dirs, files in os.walk(b.namespace_dir):
         os.chmod(dirpath, 0o500)
-    second = b.store(keys[2:], [2, 3], arena, 8192).outcomes
+    second = named(b.store(keys[2:], [2, 3], arena, 8192))
     out = np.zeros_like(arena)
-    third = b.load(keys[:2], [0, 1], out, 8192).outcomes
+    third = named(b.load(keys[:2], [0, 1], out, 8192))
     same = bool((out[:2] == arena[:2]).all())
     print(json.dumps([first, second, third, same]))
 """)
@@ -463,10 +475,10 @@ def test_permission_denied_for_an_unprivileged_worker():
             pytest.skip("cannot switch to an unprivileged user here")
         assert r.returncode == 0, r.stderr
         first, second, third, same = json.loads(r.stdout)
-        assert first == ["ok", "ok"]
-        assert [outcome_kind(o) for o in second] == ["error", "error"], second
-        assert all("EACCES" in o and "Permission denied" in o for o in second)
-        assert third == ["ok", "ok"] and same
+        assert first == [["OK", ""], ["OK", ""]]
+        assert [o for o, _ in second] == ["ERROR", "ERROR"], second
+        assert all("EACCES" in d and "Permission denied" in d for _, d in second)
+        assert third == [["OK", ""], ["OK", ""]] and same
     finally:
         subprocess.run(["rm", "-rf", root])
 
@@ -512,16 +524,16 @@ def test_device_read_errors_are_eio_outcomes_and_keep_the_file(tmp_path):
         cut()
         dst = np.full_like(src, EMPTY)
         r = b.load(keys, range(12), dst, cb)
-        kinds = {outcome_kind(o) for o in r.outcomes}
-        assert "error" in kinds and kinds <= {"ok", "error"}, r.outcomes
+        kinds = set(r.outcomes)
+        assert ERROR in kinds and kinds <= {OK, ERROR}, r.outcomes
         for i, o in enumerate(r.outcomes):
-            if o == "ok":
+            if o is OK:
                 assert np.array_equal(dst[i], src[i])
             else:
-                assert o == "error:EIO Input/output error (read)"
+                assert r.details[i] == "EIO Input/output error (read)"
                 assert os.path.exists(b.path_for(keys[i])), "an unreadable file is not corrupt"
         assert b.counters.corrupt_files_detected == 0
-        assert b.counters.load_errors == r.count("error")
+        assert b.counters.load_errors == r.count(ERROR)
 
 
 def test_directory_in_the_way_is_an_errno_outcome(tmp_path):
@@ -530,11 +542,12 @@ def test_directory_in_the_way_is_an_errno_outcome(tmp_path):
     key = keys_for(1)[0]
     os.makedirs(b.path_for(key))
     r = b.store([key], [0], src, 4096, skip_existing=False)
-    assert r.outcomes[0].startswith("error:EISDIR"), r.outcomes
+    assert r.outcomes == [ERROR] and r.details[0].startswith("EISDIR"), r.details
     assert not temp_files(tmp_path)
-    assert b.load([key], [1], src, 4096).outcomes[0].startswith("error:EISDIR")
-    assert b.probe([key]).outcomes == ["missing"]
-    assert outcome_kind(b.delete([key]).outcomes[0]) == "error"
+    lr = b.load([key], [1], src, 4096)
+    assert lr.outcomes == [ERROR] and lr.details[0].startswith("EISDIR")
+    assert b.probe([key]).outcomes == [MISS]
+    assert b.delete([key]).outcomes == [ERROR]
 
 
 # --------------------------------------------------------------------------- namespaces
@@ -581,7 +594,7 @@ def test_fingerprints_get_separate_namespaces_and_foreign_ones_are_refused(tmp_p
     src = make_arena(3, 4096, 4096, "bytes")
     keys = keys_for(3)
     assert a.store(keys, range(3), src, 4096).all_ok
-    assert b.probe(keys).outcomes == ["missing"] * 3
+    assert b.probe(keys).outcomes == [MISS] * 3
     assert list(b.scan()) == []
     # A namespace directory whose config names another fingerprint is not used.
     cfg_path = os.path.join(b.namespace_dir, "config.json")
@@ -683,6 +696,7 @@ def test_temp_files_of_live_or_unknown_writers_are_kept_until_stale(tmp_path):
 
 CHILD_SAME_KEYS = textwrap.dedent("""
     import os, sys, time, numpy as np
+    from shmtier.shared.jobs import Outcome
     from shmtier.tiers.fs.backend import FsBackend
     root, fp, go, rounds = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
     b = FsBackend(root, fp, min_free_bytes=0)
@@ -695,7 +709,7 @@ CHILD_SAME_KEYS = textwrap.dedent("""
     t0 = time.time()
     for _ in range(rounds):
         r = b.store(keys, list(range(len(keys))), arena, arena.shape[1], skip_existing=False)
-        bad += [o for o in r.outcomes if o != "ok"]
+        bad += [o.name for o in r.outcomes if o is not Outcome.OK]
     print(t0, time.time(), len(bad), bad[:3])
 """)
 
@@ -722,8 +736,8 @@ def test_concurrent_stores_of_the_same_keys_end_with_one_valid_file(tmp_path):
     while any(p.poll() is None for p in procs):
         r = b.load(keys, range(n), dst, cb)
         for i, o in enumerate(r.outcomes):
-            assert o in ("ok", "missing"), o
-            if o == "ok":
+            assert o in (OK, MISS), o
+            if o is OK:
                 reads += 1
                 assert any(np.array_equal(dst[i], a[i]) for a in arenas)
     outs = [p.communicate(timeout=120)[0].split(maxsplit=3) for p in procs]  # after "ready"
@@ -779,37 +793,43 @@ def test_operations_match_a_dict_model(tmp_path_factory, ops):
         if op in ("store", "overwrite"):
             r = b.store(ks, [row] * len(ks), src, cb, skip_existing=(op == "store"))
             for k, o in zip(ks, r.outcomes):
-                if o == "ok":
+                if o is OK:
                     model[k] = row
                 else:
-                    assert o == "exists" and op == "store" and k in model
+                    assert o is EXISTS and op == "store" and k in model
         elif op == "load":
             dst = np.full((len(ks), 4096), EMPTY, dtype=np.uint8)
             r = b.load(ks, range(len(ks)), dst, cb)
             for j, (k, o) in enumerate(zip(ks, r.outcomes)):
                 if k in model:
-                    assert o == "ok" and np.array_equal(dst[j, :cb], src[model[k], :cb])
+                    assert o is OK and np.array_equal(dst[j, :cb], src[model[k], :cb])
                 else:
-                    assert o == "missing"
+                    assert o is MISS
             assert (dst[:, cb:] == EMPTY).all()
         elif op == "delete":
             r = b.delete(ks)
             for k, o in zip(ks, r.outcomes):
-                assert o == ("ok" if k in model else "missing")
+                assert o is (OK if k in model else MISS)
                 model.pop(k, None)
         else:
             r = b.probe(ks)
-            assert r.outcomes == ["ok" if k in model else "missing" for k in ks]
+            assert r.outcomes == [OK if k in model else MISS for k in ks]
     assert {e.key for e in b.scan()} == set(model)
     assert b.counters.bytes_on_disk == sum(os.path.getsize(b.path_for(k)) for k in model)
     assert not temp_files(root)
 
 
 def test_batch_result_helpers():
-    r = BatchResult("store", ["ok", "exists", "full:max_bytes", "error:EIO x (write)"],
-                    [1, 0, 0, 0], [2, 3, 0, 0])
-    assert r.succeeded == [True, True, False, False] and not r.all_ok
-    assert r.count("full") == 1 and r.total_stored == 5
+    r = BatchResult("store", [OK, EXISTS, REJECTED, ERROR, REJECTED],
+                    ["", "", "max_bytes", "EIO x (write)", "max_bytes"], [1, 0, 0, 0, 0],
+                    [2, 3, 0, 0, 0], [0.5, 0.125, 0.25, 0.125, 0.0], codec_seconds=0.25)
+    assert r.succeeded == [True, True, False, False, False] and not r.all_ok
+    assert r.count(REJECTED) == 2 and r.total_stored == 5 and r.io_seconds == 0.75
+    assert r.summary() == "1 ERROR (EIO x (write)); 2 REJECTED (max_bytes)"
+    wire = decode_result(encode_result(r.to_result(3)))
+    assert wire.outcomes == r.outcomes and wire.error == r.summary()
+    assert (wire.logical_bytes, wire.stored_bytes, wire.seconds, wire.codec_s) == (
+        r.logical_bytes, r.stored_bytes, r.seconds, r.codec_seconds)
 
 
 def test_direct_io_where_the_filesystem_takes_it_and_buffered_otherwise(tmp_path, monkeypatch):
@@ -823,12 +843,12 @@ def test_direct_io_where_the_filesystem_takes_it_and_buffered_otherwise(tmp_path
     keys = keys_for(3)
 
     def round_trip(b):
-        assert b.store(keys, [0, 1, 2], src, 12288).outcomes == ["ok"] * 3
+        assert b.store(keys, [0, 1, 2], src, 12288).outcomes == [OK] * 3
         for key in keys:
             data = open(b.path_for(key), "rb").read()
             assert len(data) == parse_frame_header(memoryview(data)).frame_size
         out = np.zeros_like(src)
-        assert b.load(keys, [2, 1, 0], out, 12288).outcomes == ["ok"] * 3
+        assert b.load(keys, [2, 1, 0], out, 12288).outcomes == [OK] * 3
         assert np.array_equal(out[::-1], src)
 
     (tmp_path / "auto").mkdir()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import struct
 
 import msgpack
 import pytest
@@ -11,16 +12,13 @@ from hypothesis import strategies as st
 
 from shmtier.shared import jobs as jobs_mod
 from shmtier.shared.jobs import (
-    CORRUPT,
-    ERROR,
-    MISS,
-    OK,
     OPS,
-    REJECTED,
     SCHEMA_VERSION,
+    SUCCESS,
     Job,
     MalformedJob,
     MalformedResult,
+    Outcome,
     Result,
     decode_job,
     decode_result,
@@ -52,16 +50,45 @@ def test_every_op_round_trips(job):
 
 
 def test_result_round_trips():
+    every = list(Outcome)
     for result in [
-        Result(7, [OK, MISS, ERROR, CORRUPT, REJECTED], 5 << 20, 3 << 20, 0.0125, 0.5, ""),
+        Result(7, every, [1 << 20, 0, 5 << 20, 0, 0, 0, 0], [900_000, 0, 3 << 20, 77, 0, 4, 0],
+               [2**-6, 0.5, 0.25, 0.0, 2**-20, 3.0, 0.125], 0.5, ""),  # float32-exact
         Result(8, [], error="disk full: /data/x"),
-        Result(9, [], keys=KEYS, more=True),
+        Result(9, [], stored_bytes=[1, 2, 3], keys=KEYS, more=True),
         Result.failed(10, "boom", 3),
+        Result(11, [Outcome.OK], [4], [2**32 - 1, 0], [0.5], keys=[b"k"]),  # answered + listed
     ]:
-        assert decode_result(encode_result(result)) == result
-    assert Result.failed(None, "x", 1) == Result(0, [ERROR], error="x")
-    with pytest.raises(ValueError, match="outcomes must be codes"):
-        encode_result(Result(1, [300]))
+        decoded = decode_result(encode_result(result))
+        assert decoded == result
+        assert all(type(o) is Outcome for o in decoded.outcomes)
+    assert Result.failed(None, "x", 1) == Result(0, [Outcome.ERROR], [0], [0], [0.0], error="x")
+    assert [o.value for o in Outcome] == list(range(7))  # the wire codes
+    assert (Outcome.OK, Outcome.MISS, Outcome.ERROR, Outcome.CORRUPT, Outcome.REJECTED) == (
+        0, 1, 2, 3, 4)  # the codes of schema 1 kept their numbers
+
+
+@pytest.mark.parametrize("result, message", [
+    (Result(1, [300], [0], [0], [0.0]), "outcomes must be codes 0..6"),
+    (Result(1, [7], [0], [0], [0.0]), "outcomes must be codes 0..6"),
+    (Result(1, [Outcome.OK], [], [0], [0.0]), "1 outcomes need as many logical_bytes"),
+    (Result(1, [Outcome.OK], [0], [0], []), "1 outcomes need as many logical_bytes"),
+    (Result(1, [], [], [], [], keys=[b"k"]), "stored_bytes for them and the 1 listed keys"),
+    (Result(1, [Outcome.OK], [2**32], [0], [0.0]), "logical_bytes must be ints in 0..2"),
+    (Result(1, [Outcome.OK], [0], [-1], [0.0]), "stored_bytes must be ints in 0..2"),
+    (Result(1, [Outcome.OK], [0], [0], [-0.5]), "seconds and codec_s must be >= 0"),
+    (Result(1, [Outcome.OK], [0], [0], [float("nan")]), "seconds and codec_s must be >= 0"),
+    (Result(1, [Outcome.OK], [0], [0], [1e300]), "seconds must be floats in float32 range"),
+    (Result(1, [], codec_s=-1.0), "seconds and codec_s must be >= 0"),
+])
+def test_encode_result_refuses_what_the_wire_cannot_carry(result, message):
+    with pytest.raises(ValueError, match=message):
+        encode_result(result)
+
+
+def test_success_per_op():
+    assert SUCCESS == {"store": {Outcome.OK, Outcome.EXISTS}, "load": {Outcome.OK},
+                       "delete": {Outcome.OK, Outcome.MISS}, "probe": {Outcome.OK}}
 
 
 def test_unknown_op_is_rejected_at_encode():
@@ -88,7 +115,8 @@ MALFORMED_JOBS = [
     (msgpack.packb(17), None, "expected a msgpack array, got int"),
     (_raw(), None, "no schema version"),
     (_job(v="1"), 42, "no schema version"),
-    (_job(v=2), 42, "schema version 2, this process speaks version 1"),
+    (_job(v=3), 42, "schema version 3, this process speaks version 2"),
+    (_job(v=1), 42, "schema version 1, this process speaks version 2"),
     (_job(kind=1), 42, "message kind is result, expected job"),
     (_raw(SCHEMA_VERSION, 0, 42, 1), 42, "4 fields, 8 expected"),
     (_job(id="42"), None, "job_id must be an unsigned 64-bit int, got '42'"),
@@ -132,9 +160,18 @@ def test_unknown_args_pass_through():
     assert decode_job(encode_job(job)).args == {"my_tier_option": [1, "x"]}
 
 
+def _u32(*v):
+    return struct.pack(f"<{len(v)}I", *v)
+
+
+def _f32(*v):
+    return struct.pack(f"<{len(v)}f", *v)
+
+
 def _res(**over):
-    fields = dict(v=SCHEMA_VERSION, kind=1, id=7, outcomes=b"\x00\x01", logical=10, stored=5,
-                  io=0.5, codec=0.25, error="", keys=[], more=False)
+    fields = dict(v=SCHEMA_VERSION, kind=1, id=7, outcomes=b"\x00\x01", logical=_u32(10, 0),
+                  stored=_u32(5, 0), seconds=_f32(0.5, 0.25), codec=0.25, error="", keys=[],
+                  more=False)
     fields.update(over)
     return _raw(*fields.values())
 
@@ -142,11 +179,22 @@ def _res(**over):
 MALFORMED_RESULTS = [
     (_res(kind=0), "message kind is job, expected result"),
     (_res(v=3), "schema version 3"),
+    (_res(v=1), "schema version 1, this process speaks version 2"),
+    (_raw(SCHEMA_VERSION, 1, 7, b"", b"", b"", b"", 0.0, "", []), "10 fields, 11 expected"),
     (_res(outcomes=[0, 1]), "outcomes must be bytes, got list"),
     (_res(outcomes=b"\x09"), "unknown outcome code 9"),
-    (_res(logical=-5), "logical_bytes must be an int >= 0"),
-    (_res(stored=1.5), "stored_bytes must be an int >= 0"),
-    (_res(io=1), "io_s must be a float >= 0, got int"),
+    (_res(outcomes=b"\x07"), "unknown outcome code 7"),
+    (_res(logical=[10, 0]), "logical_bytes must be bytes .packed per key., got list"),
+    (_res(logical=-5), "logical_bytes must be bytes"),
+    (_res(logical=_u32(10)), "logical_bytes holds 4 bytes, expected 8 .4 per key, 2 keys."),
+    (_res(stored=1.5), "stored_bytes must be bytes"),
+    (_res(stored=_u32(5, 0, 1)), "stored_bytes holds 12 bytes, expected 8"),
+    (_res(keys=[b"k"]), "stored_bytes holds 8 bytes, expected 12 .4 per key, 3 keys."),
+    (_res(seconds=_f32(0.5)), "seconds holds 4 bytes, expected 8"),
+    (_res(seconds=_f32(0.5, -0.25)), "seconds must be >= 0"),
+    (_res(seconds=_f32(float("nan"), 0.0)), "seconds must be >= 0"),
+    (_res(seconds=[0.5, 0.25]), "seconds must be bytes"),
+    (_res(codec=1), "codec_s must be a float >= 0, got int"),
     (_res(codec=-0.1), "codec_s must be a float >= 0"),
     (_res(codec=float("nan")), "codec_s must be a float >= 0"),
     (_res(error=None), "error must be a str, got NoneType"),
@@ -195,20 +243,56 @@ def test_split_refuses_what_cannot_fit():
 
 def test_split_result_of_a_scan_listing():
     keys = [i.to_bytes(4, "big") * 10 for i in range(500)]
-    result = Result(3, [], 0, 0, 0.1, 0.0, "", keys)
+    sizes = [1000 + i for i in range(500)]
+    result = Result(3, [], [], sizes, [], 0.1, "", keys)
     parts = split_result(result, 512)
     assert all(len(encode_result(p)) <= 512 for p in parts)
     assert [k for p in parts for k in p.keys] == keys
+    assert [b for p in parts for b in p.stored_bytes] == sizes  # each key keeps its size
     assert [p.more for p in parts] == [True] * (len(parts) - 1) + [False]
-    assert {p.job_id for p in parts} == {3} and parts[0].io_s == 0.1
-    long_error = Result(4, [ERROR], error="x" * 5000)
+    assert {p.job_id for p in parts} == {3} and parts[0].codec_s == 0.1
+    long_error = Result.failed(4, "x" * 5000, 1)
     (short,) = split_result(long_error, 512)
     assert len(encode_result(short)) <= 512 and short.error.endswith("[truncated]")
+    assert short.outcomes == [Outcome.ERROR]
+
+
+def test_split_result_of_many_short_keys_answers_each_key_once_in_order():
+    """Per-key figures take 13 bytes a key: a job of short keys that fit one ring slot
+    may answer with more; the worker splits the answer, keys in order."""
+    n = 1000
+    result = Result(5, [Outcome(i % 7) for i in range(n)], list(range(n)),
+                    [3 * i for i in range(n)], [i / 1024 for i in range(n)], 0.25, "boom")
+    parts = split_result(result, 1024)
+    assert len(parts) > 10 and all(len(encode_result(p)) <= 1024 for p in parts)
+    assert [p.more for p in parts] == [True] * (len(parts) - 1) + [False]
+    for name in ("outcomes", "logical_bytes", "stored_bytes", "seconds"):
+        assert [v for p in parts for v in getattr(p, name)] == getattr(result, name), name
+    assert parts[0].error == "boom" and all(not p.error for p in parts[1:])
+    assert parts[0].codec_s == 0.25 and all(p.codec_s == 0.0 for p in parts[1:])
+    assert [decode_result(encode_result(p)) for p in parts] == parts
 
 
 # --- properties ---
 
 keys_st = st.lists(st.binary(max_size=8) | st.binary(max_size=120), max_size=80)
+_U32 = st.one_of(st.integers(0, 300), st.sampled_from([255, 256, 65535, 65536, 2**32 - 1]),
+                 st.integers(0, 2**32 - 1))
+_SECONDS = st.floats(0, 1e6, width=32)  # what float32 carries exactly
+
+
+@st.composite
+def results(draw, keys=st.lists(st.binary(max_size=8), max_size=3), max_answered=40):
+    """A valid result: per-key figures for its answered keys, a listing with sizes."""
+    outcomes = draw(st.lists(st.sampled_from(list(Outcome)), max_size=max_answered))
+    n = len(outcomes)
+    listed = draw(keys)
+    return Result(draw(st.integers(0, 2**64 - 1)), outcomes,
+                  draw(st.lists(_U32, min_size=n, max_size=n)),
+                  draw(st.lists(_U32, min_size=n + len(listed), max_size=n + len(listed))),
+                  draw(st.lists(_SECONDS, min_size=n, max_size=n)),
+                  draw(st.floats(0, 1e6)), draw(st.text(max_size=300)), listed,
+                  draw(st.booleans()))
 
 
 @st.composite
@@ -254,13 +338,16 @@ def test_split_and_round_trip_property(job, fraction, first_id):
 @settings(max_examples=200, deadline=None)
 @given(keys=keys_st, max_bytes=st.integers(200, 2000), error=st.text(max_size=300))
 def test_split_result_property(keys, max_bytes, error):
-    result = Result(5, [OK, MISS], 1, 2, 0.5, 0.25, error, keys)
+    result = Result(5, [Outcome.OK, Outcome.MISS], [1, 0], [2, 0] + [len(k) for k in keys],
+                    [0.5, 0.0], 0.25, error, keys)
     try:
         parts = split_result(result, max_bytes)
     except ValueError:
         assert any(len(k) + 60 > max_bytes for k in keys)
         return
     assert [k for p in parts for k in p.keys] == keys
+    assert [o for p in parts for o in p.outcomes] == result.outcomes
+    assert [b for p in parts for b in p.stored_bytes] == result.stored_bytes
     assert all(len(encode_result(p)) <= max_bytes for p in parts)
     assert all(decode_result(encode_result(p)) == p for p in parts)
     assert [p.more for p in parts][-1] is False
@@ -280,14 +367,17 @@ def near_valid(draw):
     if draw(st.booleans()):
         msg = msgpack.unpackb(encode_job(draw(jobs())), strict_map_key=False)
     else:
-        result = Result(draw(st.integers(0, (1 << 64) - 1)), draw(st.lists(st.integers(0, 4))),
-                        keys=draw(st.lists(st.binary(max_size=8), max_size=3)))
-        msg = msgpack.unpackb(encode_result(result), strict_map_key=False)
+        msg = msgpack.unpackb(encode_result(draw(results())), strict_map_key=False)
     i = draw(st.integers(0, len(msg) - 1))
     if type(msg[i]) is list and msg[i] and draw(st.booleans()):
         msg[i][draw(st.integers(0, len(msg[i]) - 1))] = draw(values)
     elif type(msg[i]) is dict and msg[i] and draw(st.booleans()):
         msg[i][draw(st.sampled_from(sorted(msg[i])))] = draw(values)
+    elif type(msg[i]) is bytes and msg[i] and draw(st.booleans()):
+        # one byte of a packed bin changed: an unknown outcome code, a negative or NaN time
+        b = bytearray(msg[i])
+        b[draw(st.integers(0, len(b) - 1))] = draw(st.sampled_from([0x07, 0x80, 0xff, 0x7f]))
+        msg[i] = bytes(b)
     else:
         msg[i] = draw(values)
     return msgpack.packb(msg, use_bin_type=True)
@@ -410,18 +500,29 @@ def _python_decode_result(raw):
         jobs_mod._decode_result_c = saved
 
 
-@settings(max_examples=300, deadline=None)
-@given(st.integers(0, 2**64 - 1), st.lists(st.integers(0, len(jobs_mod.OUTCOME_NAMES) - 1),
-                                            max_size=40),
-       _UINTS, _UINTS, st.floats(0, 1e6), st.floats(0, 1e6), st.text(max_size=300), _KEYS,
-       st.booleans())
-def test_c_result_decoding_reads_back_what_encode_result_wrote(job_id, outcomes, logical, stored,
-                                                              io_s, codec_s, error, keys, more):
-    result = Result(job_id, outcomes, logical, stored, io_s, codec_s, error, keys, more)
+@settings(max_examples=400, deadline=None)
+@given(results(keys=_KEYS, max_answered=300))
+def test_c_result_decoding_reads_back_what_encode_result_wrote(result):
     raw = encode_result(result)
-    assert _C_DECODE(raw, SCHEMA_VERSION, jobs_mod.KIND_RESULT, len(jobs_mod.OUTCOME_NAMES)) \
-        is not None
-    assert decode_result(raw) == result == _python_decode_result(raw)
+    c = _C_DECODE(raw, SCHEMA_VERSION, jobs_mod.KIND_RESULT, jobs_mod._OUTCOMES, Result)
+    assert type(c) is Result
+    python = _python_decode_result(raw)
+    assert c == python == result
+    for name in Result._fields:  # every field, with the same types
+        c_value, py_value = getattr(c, name), getattr(python, name)
+        assert type(c_value) is type(py_value), name
+        if type(c_value) is list:
+            assert [type(v) for v in c_value] == [type(v) for v in py_value], name
+    assert all(type(o) is Outcome for o in python.outcomes)
+
+
+def test_c_result_decoding_of_long_bins_and_equal_neighbours():
+    n = 70000  # bin32 headers; equal sizes share one int object
+    result = Result(1, [Outcome.OK] * n, [1 << 20] * n, [1 << 20] * (n - 1) + [7, 9],
+                    [0.5] * n, keys=[b"k"])
+    raw = encode_result(result)
+    c = _C_DECODE(raw, SCHEMA_VERSION, jobs_mod.KIND_RESULT, jobs_mod._OUTCOMES, Result)
+    assert c is not None and c == result == _python_decode_result(raw)
 
 
 @settings(max_examples=600, deadline=None)
@@ -429,7 +530,19 @@ def test_c_result_decoding_reads_back_what_encode_result_wrote(job_id, outcomes,
                      values.map(lambda v: msgpack.packb(v, use_bin_type=True)),
                      near_valid()))
 def test_c_result_decoding_accepts_only_what_python_accepts_alike(raw):
-    fields = _C_DECODE(raw, SCHEMA_VERSION, jobs_mod.KIND_RESULT, len(jobs_mod.OUTCOME_NAMES))
-    if fields is None:
+    c = _C_DECODE(raw, SCHEMA_VERSION, jobs_mod.KIND_RESULT, jobs_mod._OUTCOMES, Result)
+    if c is None:
         return  # left to the Python path (covered by the test above this one's neighbour)
-    assert Result(*fields) == _python_decode_result(raw)
+    assert c == _python_decode_result(raw)
+    assert [type(v) for v in c] == [type(v) for v in _python_decode_result(raw)]
+
+
+def test_c_result_decoder_builds_only_plain_tuple_subclasses():
+    raw = encode_result(Result(1, [Outcome.OK], [1], [2], [0.5]))
+    for bad in (list, dict, jobs_mod.Job, 3):
+        with pytest.raises(TypeError, match="result_type must be a tuple subclass"):
+            _C_DECODE(raw, SCHEMA_VERSION, jobs_mod.KIND_RESULT, jobs_mod._OUTCOMES, bad)
+    with pytest.raises(TypeError, match="outcomes must be a tuple"):
+        _C_DECODE(raw, SCHEMA_VERSION, jobs_mod.KIND_RESULT, list(Outcome), Result)
+    assert _C_DECODE(raw, SCHEMA_VERSION, jobs_mod.KIND_RESULT, jobs_mod._OUTCOMES, tuple) == (
+        1, [Outcome.OK], [1], [2], [0.5], 0.0, "", [], False)

@@ -31,6 +31,7 @@ import pytest
 from processes import worker_processes
 
 from shmtier.shared import jobs, procinfo
+from shmtier.shared.jobs import Outcome
 from shmtier.shared.layout import ArenaGeometry
 from shmtier.shared.pool_config import PoolConfig, rings_len_for
 from shmtier.shared.ring import (
@@ -249,17 +250,19 @@ def test_round_trip_many_chunks_split_over_slots_and_workers(pools):
     assert all(p >= 2 for p in puts), puts
     assert sum(puts) >= 200 * (KEY_BYTES + 2) // 1016
     stored = collect(pool, [jid])[jid]
-    assert stored.outcomes == [jobs.OK] * n, stored.error
+    assert stored.outcomes == [Outcome.OK] * n, stored.error
     assert stored.error == ""
-    assert stored.logical_bytes == n * chunk
-    assert 0 < stored.stored_bytes < n * chunk  # bf16 compresses (byte-split + zstd)
+    assert stored.logical_bytes == [chunk] * n
+    assert 0 < sum(stored.stored_bytes) < n * chunk  # bf16 compresses (byte-split + zstd)
+    assert all(t > 0 for t in stored.seconds)
     files = _kv_files(env.root)
     assert len(files) == n
-    assert sum(f.stat().st_size for f in files) == stored.stored_bytes
+    sizes = {f.name: f.stat().st_size for f in files}  # each key's own file, exactly
+    assert [sizes[key.hex() + ".kv"] for key in keys] == stored.stored_bytes
 
     loaded = run(pool, "load", 0, keys, list(range(n, 2 * n)))
-    assert loaded.outcomes == [jobs.OK] * n, loaded.error
-    assert loaded.logical_bytes == n * chunk
+    assert loaded.outcomes == [Outcome.OK] * n, loaded.error
+    assert loaded.logical_bytes == [chunk] * n and loaded.stored_bytes == stored.stored_bytes
     assert np.array_equal(arena[n:], source), "loaded rows differ from the stored rows"
     assert np.array_equal(arena[:n], source), "a store or load wrote to the source rows"
 
@@ -267,16 +270,17 @@ def test_round_trip_many_chunks_split_over_slots_and_workers(pools):
     assert scan.error == ""
     assert len(scan.scan_keys) == n  # listed once each, across several result slots
     assert set(scan.scan_keys) == set(keys)
-    assert scan.stored_bytes == stored.stored_bytes
-    assert run(pool, "probe", 0, keys).outcomes == [jobs.OK] * n
+    assert dict(zip(scan.scan_keys, scan.scan_stored_bytes)) == dict(zip(keys,
+                                                                         stored.stored_bytes))
+    assert run(pool, "probe", 0, keys).outcomes == [Outcome.OK] * n
 
     deleted = run(pool, "delete", 0, keys)
-    assert deleted.outcomes == [jobs.OK] * n, deleted.error
+    assert deleted.outcomes == [Outcome.OK] * n, deleted.error
     assert _kv_files(env.root) == []
     again = run(pool, "load", 0, keys, list(range(n, 2 * n)))
-    assert again.outcomes == [jobs.MISS] * n
+    assert again.outcomes == [Outcome.MISS] * n
     assert run(pool, "scan", 0, []).scan_keys == []
-    assert run(pool, "delete", 0, keys).outcomes == [jobs.MISS] * n
+    assert run(pool, "delete", 0, keys).outcomes == [Outcome.MISS] * n
     assert pool.restarts_total == 0 and pool.failed_parts_total == 0
 
 
@@ -385,15 +389,15 @@ def test_exactly_once_under_random_sigkills(pools):
     for jid, (op, s) in submitted.items():
         r = seen[jid]
         (code,) = r.outcomes
-        if code == jobs.ERROR:
+        if code == Outcome.ERROR:
             failed += 1
             m = _DIED.search(r.error)
             assert m, f"job {jid} ({op}) failed without naming a dead worker: {r.error!r}"
             assert (int(m.group(1)), int(m.group(2))) in killed, r.error
         elif op == "probe":
-            assert code == jobs.MISS, (jid, r.outcomes, r.error)
+            assert code == Outcome.MISS, (jid, r.outcomes, r.error)
         else:
-            assert code == jobs.OK, (jid, r.outcomes, r.error)
+            assert code == Outcome.OK, (jid, r.outcomes, r.error)
             ok_stores.append(s)
     assert failed == pool.failed_parts_total  # one part per job
     assert failed > 0, "no kill caught a job in flight"
@@ -403,7 +407,7 @@ def test_exactly_once_under_random_sigkills(pools):
     for start in range(0, len(ok_stores), 256):
         batch = ok_stores[start:start + 256]
         r = run(pool, "load", 0, [_key(s, b"s") for s in batch], [n_store + s for s in batch])
-        assert r.outcomes == [jobs.OK] * len(batch), r.error
+        assert r.outcomes == [Outcome.OK] * len(batch), r.error
     ok = np.array(ok_stores)
     assert np.array_equal(arena[n_store + ok], arena[ok])
 
@@ -427,7 +431,7 @@ def test_hung_worker_is_detected_failed_and_replaced(pools):
         assert pool.rings.worker(0).jobs.depth() == 1, "the job should wait for worker 0"
         r = collect(pool, [jid], timeout_s=timeout + 5)[jid]
         detected = time.monotonic() - t0
-        assert r.outcomes == [jobs.ERROR]
+        assert r.outcomes == [Outcome.ERROR]
         m = _HUNG.search(r.error)
         assert m and m.group(1) == "0" and int(m.group(2)) == hung.pid, r.error
         # the beat age counts from the last beat (every 0.1 s, later on a busy machine)
@@ -439,11 +443,11 @@ def test_hung_worker_is_detected_failed_and_replaced(pools):
         assert new_pids[0] != hung.pid
         keys = [_key(i, b"after") for i in range(32)]
         stored = run(pool, "store", 0, keys, list(range(32)))
-        assert stored.outcomes == [jobs.OK] * 32, stored.error
+        assert stored.outcomes == [Outcome.OK] * 32, stored.error
         loaded = run(pool, "load", 0, keys, list(range(32, 64)))
-        assert loaded.outcomes == [jobs.OK] * 32, loaded.error
+        assert loaded.outcomes == [Outcome.OK] * 32, loaded.error
         assert np.array_equal(arena[32:64], arena[:32])
-        assert run(pool, "probe", 0, [key]).outcomes == [jobs.MISS]
+        assert run(pool, "probe", 0, [key]).outcomes == [Outcome.MISS]
         assert pool.restarts_total == 1
     finally:
         if hung.poll() is None:
@@ -460,12 +464,12 @@ def test_replacement_is_not_judged_by_its_predecessors_heartbeat(pools):
     hung.send_signal(signal.SIGSTOP)
     try:
         first = run(pool, "probe", 0, [_key(1, b"x")], timeout_s=5)
-        assert first.outcomes == [jobs.ERROR] and "hung" in first.error
+        assert first.outcomes == [Outcome.ERROR] and "hung" in first.error
         assert pool.restarts_total == 1
         # The worker is down (restart backoff, 0.1 s): the next job waits in its ring for
         # the replacement, which must be given the time to start and beat.
         second = run(pool, "probe", 0, [_key(2, b"x")], timeout_s=10)
-        assert second.outcomes == [jobs.MISS], second.error
+        assert second.outcomes == [Outcome.MISS], second.error
         assert pool.restarts_total == 1
     finally:
         if hung.poll() is None:
@@ -510,11 +514,11 @@ def test_malformed_descriptors_and_backendless_tiers_get_error_results(pools, ca
     assert pool.take(0) == [] and pool.outstanding() == 0
 
     no_backend = run(pool, "probe", 1, [_key(1, b"t1")])
-    assert no_backend.outcomes == [jobs.ERROR]
+    assert no_backend.outcomes == [Outcome.ERROR]
     assert "tier 1 has no worker backend" in no_backend.error
     no_tier = pool.submit("store", 7, [_key(1, b"t7")], [0])
     got = collect(pool, [no_tier], tier=7)[no_tier]
-    assert got.outcomes == [jobs.ERROR] and "tier 7 has no worker backend" in got.error
+    assert got.outcomes == [Outcome.ERROR] and "tier 7 has no worker backend" in got.error
     with pytest.raises(ValueError, match="frobnicate"):
         pool.submit("frobnicate", 0, [_key(1, b"op")])
     assert pool.outstanding() == 0
@@ -522,8 +526,8 @@ def test_malformed_descriptors_and_backendless_tiers_get_error_results(pools, ca
     # the same worker process still serves normal jobs
     assert env.procs()[0].pid == pid and env.procs()[0].poll() is None
     keys = [_key(i, b"m") for i in range(4)]
-    assert run(pool, "store", 0, keys, [0, 1, 2, 3]).outcomes == [jobs.OK] * 4
-    assert run(pool, "load", 0, keys, [4, 5, 6, 7]).outcomes == [jobs.OK] * 4
+    assert run(pool, "store", 0, keys, [0, 1, 2, 3]).outcomes == [Outcome.OK] * 4
+    assert run(pool, "load", 0, keys, [4, 5, 6, 7]).outcomes == [Outcome.OK] * 4
     assert np.array_equal(arena[4:8], arena[:4])
     assert pool.restarts_total == 0 and pool.failed_parts_total == 0
 
@@ -628,7 +632,7 @@ def test_store_load_delete_of_the_same_keys_run_in_submit_order(pools):
     assert set().union(*owner.values()) == {0, 1}  # the keys were spread over both
     got = collect(pool, ids, timeout_s=60)
     outcomes = [got[j].outcomes for j in ids]
-    expect = [jobs.OK, jobs.OK, jobs.OK, jobs.MISS, jobs.OK, jobs.OK, jobs.OK]
+    expect = [Outcome.OK, Outcome.OK, Outcome.OK, Outcome.MISS, Outcome.OK, Outcome.OK, Outcome.OK]
     for (op, _), want, have, j in zip(plan, expect, outcomes, ids):
         assert have == [want] * n, (op, have, got[j].error)
     assert np.array_equal(arena[dst_b[0]:dst_b[-1] + 1], arena[src_b[0]:src_b[-1] + 1])
@@ -671,11 +675,11 @@ def test_full_rings_make_submit_return_none_without_side_effects(pools):
         time.sleep(0.001)  # a job takes ~10 ms: offer one every millisecond
     assert worst < 0.05, f"submit took {worst * 1e3:.1f} ms: it must never block"
     got = collect(pool, accepted, timeout_s=30)
-    assert all(r.outcomes == [jobs.OK, jobs.OK] for r in got.values())
+    assert all(r.outcomes == [Outcome.OK, Outcome.OK] for r in got.values())
     refused = [k for keys in rejected for k in keys]
     for start in range(0, len(refused), 8):  # 8 keys fit one slot
         batch = refused[start:start + 8]
-        assert run(pool, "probe", 0, batch).outcomes == [jobs.MISS] * len(batch)
+        assert run(pool, "probe", 0, batch).outcomes == [Outcome.MISS] * len(batch)
 
     # deterministic: a stopped worker, one slot taken, a two-part job does not fit
     proc = env.procs()[0]
@@ -696,8 +700,8 @@ def test_full_rings_make_submit_return_none_without_side_effects(pools):
     finally:
         proc.send_signal(signal.SIGCONT)
     got = collect(pool, [one, two], timeout_s=30)
-    assert [got[one].outcomes, got[two].outcomes] == [[jobs.MISS], [jobs.MISS]]
-    assert run(pool, "probe", 0, big).outcomes == [jobs.MISS] * 20  # never stored
+    assert [got[one].outcomes, got[two].outcomes] == [[Outcome.MISS], [Outcome.MISS]]
+    assert run(pool, "probe", 0, big).outcomes == [Outcome.MISS] * 20  # never stored
     assert pool.restarts_total == 0
 
 
@@ -803,7 +807,7 @@ def test_shutdown_fails_the_jobs_left_in_flight(pools):
     assert pool.outstanding() == 0
     results = pool.take(0)
     assert sorted(r.job_id for r in results) == sorted(ids)
-    assert all(r.outcomes == [jobs.ERROR] and r.error for r in results)
+    assert all(r.outcomes == [Outcome.ERROR] and r.error for r in results)
 
 
 # --- 9. one pool per engine: ring ownership ---------------------------------------------
@@ -848,9 +852,9 @@ def _round_trip(env: PoolEnv, tag: bytes, n: int = 8) -> None:
     env.arena[:n] = rng.integers(0, 256, (n, env.arena.shape[1]), dtype=np.uint8)
     keys = [_key(i, tag) for i in range(n)]
     stored = run(env.pool, "store", 0, keys, list(range(n)))
-    assert stored.outcomes == [jobs.OK] * n, stored.error
+    assert stored.outcomes == [Outcome.OK] * n, stored.error
     loaded = run(env.pool, "load", 0, keys, list(range(n, 2 * n)))
-    assert loaded.outcomes == [jobs.OK] * n, loaded.error
+    assert loaded.outcomes == [Outcome.OK] * n, loaded.error
     assert np.array_equal(env.arena[n:2 * n], env.arena[:n])
 
 
@@ -948,7 +952,7 @@ def test_a_lost_job_fails_by_its_deadline_and_its_worker_is_replaced(pools):
         jid = submit(pool, "probe", 0, [_key(1, b"lost")])
         r = collect(pool, [jid], timeout_s=timeout + 10)[jid]
         took = time.monotonic() - t0
-        assert r.outcomes == [jobs.ERROR]
+        assert r.outcomes == [Outcome.ERROR]
         m = _HUNG.search(r.error)
         assert m and int(m.group(2)) == pid and "deadline" in r.error, r.error
         assert timeout <= took <= timeout + 2.0, took
@@ -957,7 +961,7 @@ def test_a_lost_job_fails_by_its_deadline_and_its_worker_is_replaced(pools):
         assert pool.restarts_total == 1
         [new_pid] = wait_up(env, timeout_s=15)
         assert new_pid != pid
-        assert run(pool, "probe", 0, [_key(2, b"lost")]).outcomes == [jobs.MISS]
+        assert run(pool, "probe", 0, [_key(2, b"lost")]).outcomes == [Outcome.MISS]
         settle = time.monotonic() + 0.3
         while time.monotonic() < settle:  # nothing reported late or twice
             pool.poll()
@@ -992,7 +996,7 @@ def test_workers_that_cannot_start_break_the_pool_once(pools, tmp_path, caplog):
 
     # every outstanding job fails at once (within a health check or two), exactly once
     got = collect(pool, [early], timeout_s=2)
-    assert got[early].outcomes == [jobs.ERROR]
+    assert got[early].outcomes == [Outcome.ERROR]
     deadline = time.monotonic() + 5
     while pool.worker_states() != [WorkerState.BROKEN] * 2:
         assert time.monotonic() < deadline, pool.worker_states()
@@ -1034,7 +1038,7 @@ def test_external_jobs_fail_by_their_deadline_when_no_worker_runs(pools):
     jid = submit(pool, "probe", 0, [_key(1, b"nobody")])
     r = collect(pool, [jid], timeout_s=5)[jid]
     assert 0.5 <= time.monotonic() - t0 <= 2.5
-    assert r.outcomes == [jobs.ERROR] and "shmtier workers" in r.error, r.error
+    assert r.outcomes == [Outcome.ERROR] and "shmtier workers" in r.error, r.error
     assert pool.timed_out_total == 1 and pool.broken is None
     assert pool.worker_states() == [WorkerState.STARTING]  # still waiting for a worker
 
@@ -1146,8 +1150,8 @@ def test_a_store_backlog_lets_new_loads_through_and_goes_raw_while_behind(tmp_pa
     assert runner.admit([store]) == []
     runner.run_queue()
     assert [r.job_id for r in answered] == [99, 1]
-    assert answered[0].outcomes == [jobs.OK] and np.array_equal(arena[rows - 1], arena[0])
-    assert answered[1].outcomes == [jobs.OK] * (rows - 2)
+    assert answered[0].outcomes == [Outcome.OK] and np.array_equal(arena[rows - 1], arena[0])
+    assert answered[1].outcomes == [Outcome.OK] * (rows - 2)
     codecs = []
     for i in range(1, rows - 1):
         path = next(tmp_path.rglob(keys[i].hex() + "*"))
@@ -1157,7 +1161,7 @@ def test_a_store_backlog_lets_new_loads_through_and_goes_raw_while_behind(tmp_pa
     assert backend.counters.stores_raw_hurried == codecs.count("raw")
     out = np.zeros((rows - 2, chunk), dtype=np.uint8)
     assert backend.load(keys[1:rows - 1], list(range(rows - 2)), out, chunk).outcomes == [
-        "ok"] * (rows - 2)
+        Outcome.OK] * (rows - 2)
     assert np.array_equal(out, arena[1:rows - 1])
 
 
@@ -1180,3 +1184,122 @@ def test_a_stop_request_ends_the_job_queue_after_the_job_in_hand(tmp_path):
     runner.run_queue()
     assert [r.job_id for r in answered] == [1]
     assert [j.job_id for j in runner.queue] == [2, 3]
+
+
+def test_the_job_loop_dispatches_through_the_backends_handler_table(tmp_path):
+    """An op runs the method the backend's HANDLERS table names; an op the table leaves
+    out is answered with an error result naming it (the worker goes on); a table naming
+    an unknown op or a missing method fails when the class is defined."""
+    from shmtier.tiers.backend import UnsupportedOp
+    from shmtier.tiers.fs.backend import FsBackend
+    from shmtier.workers import job_loop
+
+    class NoProbe(FsBackend):
+        HANDLERS = {op: name for op, name in FsBackend.HANDLERS.items() if op != "probe"}
+
+    backend = NoProbe(str(tmp_path), "handlers-fp", min_free_bytes=0)
+    runner = job_loop.JobRunner([backend], np.zeros((1, 4096), dtype=np.uint8), 4096, 8 << 10)
+    (probe,) = runner.run(jobs.decode_job(jobs.pack_job(1, "probe", 0, [_key(1), _key(2)])))
+    assert probe.outcomes == [Outcome.ERROR] * 2
+    assert "NoProbe backend does not handle op 'probe'" in probe.error
+    (delete,) = runner.run(jobs.decode_job(jobs.pack_job(2, "delete", 0, [_key(1)])))
+    assert delete.outcomes == [Outcome.MISS] and delete.error == ""
+    assert backend.handler("store") == backend.store
+    with pytest.raises(UnsupportedOp, match="does not handle op 'stop'"):
+        backend.handler("stop")
+    with pytest.raises(TypeError, match="'copy' is not a backend op"):
+        type("Bad", (FsBackend,), {"HANDLERS": {"copy": "store"}})
+    with pytest.raises(TypeError, match="op 'store' names 'nope'"):
+        type("Bad", (FsBackend,), {"HANDLERS": {"store": "nope"}})
+
+
+def test_a_result_larger_than_a_ring_slot_is_split_and_merged_key_by_key(tmp_path):
+    """Per-key figures take 13 bytes a key: a probe of 1000 two-byte keys fits one job
+    slot, its answer does not. The worker splits it; the pool puts every key's outcome
+    and stored size back at its position."""
+    from shmtier.scheduler.pool.dispatch import Dispatch
+    from shmtier.tiers.fs.backend import FsBackend
+    from shmtier.workers import job_loop
+
+    slot = 8 << 10
+    backend = FsBackend(str(tmp_path), "split-fp", min_free_bytes=0)
+    arena = np.arange(4096, dtype=np.uint32).astype(np.uint8).reshape(1, 4096)
+    keys = [i.to_bytes(2, "big") for i in range(1000)]
+    stored = backend.store(keys[::3], [0] * len(keys[::3]), arena, 4096)
+    assert stored.all_ok
+    size = dict(zip(keys[::3], stored.stored_bytes))
+    runner = job_loop.JobRunner([backend], arena, 4096, slot)
+    dispatch = Dispatch(1, slot - 8, 60.0)
+    pool_id, planned = dispatch.plan("probe", 0, keys, None, None, [0])
+    assert len(planned) == 1  # one job part
+    dispatch.commit(pool_id, "probe", 0, keys, planned, 0.0)
+    parts = runner.run(jobs.decode_job(planned[0][2]))
+    assert len(parts) >= 2 and [p.more for p in parts][-1] is False
+    for part in parts:
+        raw = jobs.encode_result(part)
+        assert len(raw) <= slot - 8
+        dispatch.complete(jobs.decode_result(raw))
+    (res,) = dispatch.take(0)
+    assert res.job_id == pool_id and res.error == ""
+    assert res.outcomes == [Outcome.OK if k in size else Outcome.MISS for k in keys]
+    assert res.stored_bytes == [size.get(k, 0) for k in keys]
+    assert all(t >= 0 for t in res.seconds) and res.logical_bytes == [0] * 1000
+
+
+def test_the_pool_merges_per_key_figures_at_each_keys_position():
+    """Keys bound to the worker of an outstanding job go to it, the rest elsewhere: a
+    pool job's parts then hold scattered positions. Each key's outcome, bytes and
+    seconds land at its own position; a part's worker that dies mid-answer fails only
+    the keys it did not answer."""
+    from shmtier.scheduler.pool.dispatch import Dispatch
+
+    d = Dispatch(2, 8 << 10, 60.0)
+    first = [_key(i, b"a") for i in range(20)]
+    pid, planned = d.plan("store", 0, first, list(range(20)), None, [0, 1])
+    d.commit(pid, "store", 0, first, planned, 0.0)
+    bound = {k: w for w, _, _, part_keys, _ in planned for k in part_keys}
+    keys = [_key(100, b"b"), first[15], _key(101, b"b"), first[3], first[16], _key(102, b"b")]
+    pid2, planned2 = d.plan("load", 0, keys, list(range(6)), None, [0, 1])
+    d.commit(pid2, "load", 0, keys, planned2, 1.0)
+    assert any(list(positions) != list(range(positions[0], positions[0] + len(positions)))
+               for *_, positions in planned2)  # scattered positions
+    assert all(type(positions) is range for *_, positions in planned)  # nothing was bound
+    for k in (first[15], first[3], first[16]):  # bound keys stayed with their worker
+        assert any(k in pk and w == bound[k] for w, _, _, pk, _ in planned2)
+    for w, part_id, _, part_keys, positions in planned2:
+        n = len(part_keys)
+        answered = n - 1 if n > 1 else n  # the last key of a longer part: never answered
+        per_key = [(keys.index(k) + 1) for k in part_keys[:answered]]
+        d.complete(jobs.Result(part_id, [Outcome.OK] * answered, [100 * p for p in per_key],
+                               [10 * p for p in per_key], [p / 4 for p in per_key], more=True))
+        d.complete(jobs.Result(part_id, error="worker gone"))  # the rest of the part fails
+    done = {r.job_id: r for r in d.take(0)}
+    res = done[pid2]
+    unanswered = {part_keys[-1] for *_, part_keys, _ in planned2 if len(part_keys) > 1}
+    for pos, k in enumerate(keys):
+        if k in unanswered:
+            assert (res.outcomes[pos], res.stored_bytes[pos]) == (Outcome.ERROR, 0)
+        else:
+            assert res.outcomes[pos] is Outcome.OK
+            assert (res.logical_bytes[pos], res.stored_bytes[pos], res.seconds[pos]) == (
+                100 * (pos + 1), 10 * (pos + 1), (pos + 1) / 4)
+    assert "answered" in res.error and pid not in done
+
+
+def test_each_id_space_has_its_own_type():
+    """Tier job ids (the manager's, vLLM's JobId), pool job ids (what submit returns)
+    and wire ids (one part in a ring) are distinct NewTypes on the signatures."""
+    import typing
+
+    from shmtier.scheduler.pool import PoolJobId
+    from shmtier.scheduler.pool.dispatch import Part, PoolResult
+    from shmtier.scheduler.tiering.base import JobId, JobResult, TransferJob
+    from shmtier.shared.jobs import WireJobId
+
+    hints = typing.get_type_hints
+    assert typing.get_args(hints(WorkerPool.submit)["return"]) == (PoolJobId, type(None))
+    assert hints(PoolResult)["job_id"] is PoolJobId and hints(Part)["parent"] is PoolJobId
+    assert hints(jobs.Job)["job_id"] is WireJobId and hints(jobs.Result)["job_id"] is WireJobId
+    assert hints(jobs.pack_job)["job_id"] is WireJobId
+    assert hints(JobResult)["job_id"] is JobId and hints(TransferJob.__init__)["job_id"] is JobId
+    assert len({JobId, PoolJobId, WireJobId}) == 3 and JobId(5) == PoolJobId(5) == 5

@@ -18,7 +18,7 @@ import posix_ipc
 import pytest
 
 from shmtier.shared import ring as ring_mod
-from shmtier.shared.jobs import OK, Result, decode_job, decode_result, encode_result, pack_job
+from shmtier.shared.jobs import Outcome, Result, decode_job, decode_result, encode_result, pack_job
 from shmtier.shared.layout import ArenaGeometry
 from shmtier.shared.ring import (
     RingAttachError,
@@ -92,7 +92,8 @@ def _echo_worker(engine_id, index, batch):
                 job = decode_job(raw)
                 if job.op == "stop":
                     return
-                out = encode_result(Result(job.job_id, [OK] * len(job.keys), keys=job.keys))
+                out = encode_result(Result(job.job_id, stored_bytes=[0] * len(job.keys),
+                                           keys=job.keys))
                 while not w.results.try_put(out):
                     time.sleep(0.0002)
             w.beat()
@@ -518,7 +519,7 @@ def test_producer_killed_mid_write_or_before_post(rings, engine_id):
         assert w.recover() == (0, 0)
         assert w.results._spaces.value == SLOTS
 
-        payload = encode_result(Result(41, [OK], 10, 7, 0.5, 0.25))
+        payload = encode_result(Result(41, [Outcome.OK], [10], [7], [0.5], 0.25))
         p = CTX.Process(target=_die_after_commit, args=(engine_id, 0, payload))
         procs.append(p)
         p.start()

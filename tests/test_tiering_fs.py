@@ -19,6 +19,7 @@ import torch
 from shmtier.config import ConfigError, KVLayout
 from shmtier.contract import GPULoadStoreSpec, LookupResult, ReqContext, ScheduleEndContext
 from shmtier.gpu.canonical import CanonicalKVCacheRef, CanonicalKVCaches
+from shmtier.shared.jobs import Outcome
 from shmtier.tiers.fs import scheduler as fs_tier
 from shmtier.spec import TieringOffloadingSpec
 
@@ -210,6 +211,107 @@ def test_max_bytes_evicts_by_tier_recency(engines, tmp_path):
     assert on_disk <= 5 * 8192
     data = e.manager.get_stats().data["data"]
     assert data[fs_tier.EVICTED_CHUNKS][("1:fs",)] > 0
+
+
+def _fill_mixed(engine, blocks) -> None:
+    """Make GPU blocks ``blocks`` a mix the codec treats differently: zeros and bf16
+    normals compress (to very different sizes), the random bytes already there do not."""
+    rng = np.random.default_rng(7)
+    page = engine.caches[0].shape[1]
+    for n, block in enumerate(blocks):
+        for cache in engine.caches:
+            if n % 3 == 0:
+                cache[block] = 0
+            elif n % 3 == 1:
+                f = rng.standard_normal(page // 2, dtype=np.float32)
+                bf16 = (f.view(np.uint32) >> 16).astype("<u2").view(np.int8)
+                cache[block] = torch.from_numpy(bf16.copy())
+
+
+def _assert_index_is_the_disk(tier, root) -> dict[bytes, int]:
+    """The fs tier's index holds each chunk with its file's exact size."""
+    files = {bytes.fromhex(p.name[:-len(".kv")]): p.stat().st_size for p in root.rglob("*.kv")}
+    assert dict(tier._index) == files
+    assert tier._bytes_in_use == sum(files.values())
+    return files
+
+
+def test_each_stored_chunk_is_indexed_with_its_own_file_size(engines, tmp_path):
+    """Per-key stored sizes from the workers reach the index exactly: compressible and
+    incompressible chunks of one pool job each count their own file's bytes."""
+    e = engines(tmp_path, chunks=12)
+    keys = [key(i) for i in range(9)]
+    _fill_mixed(e, range(9))
+    e.offload(keys, 0, ReqContext("a"))
+    e.settle()
+    tier = e.manager.tiers[0]
+    files = _assert_index_is_the_disk(tier, tmp_path)
+    assert len(files) == 9 and len(set(files.values())) >= 3  # really a mix of sizes
+    assert min(files.values()) < 0.6 * max(files.values())
+    data = e.manager.get_stats().data["data"]
+    assert data[fs_tier.BYTES_ON_DISK][("1:fs",)] == sum(files.values())
+    assert data[fs_tier.STORED_RATIO][("1:fs",)] == sum(files.values())
+
+
+def test_a_scan_indexes_each_file_with_its_own_size(engines, tmp_path):
+    e = engines(tmp_path, chunks=12)
+    keys = [key(i) for i in range(9)]
+    _fill_mixed(e, range(9))
+    e.offload(keys, 0, ReqContext("a"))
+    e.settle()
+    e.close()
+    again = engines(tmp_path)  # a new engine lists the root (warm restart)
+    again.settle()
+    tier = again.manager.tiers[0]
+    assert tier._index_complete
+    files = _assert_index_is_the_disk(tier, tmp_path)
+    assert set(files) == set(keys) and len(set(files.values())) >= 3
+
+
+def test_each_tier_job_reports_the_time_and_bytes_of_its_own_keys(engines, tmp_path):
+    """Tier jobs combined into one pool job each get the sums of the seconds and logical
+    bytes the workers reported for their own keys, not a share of the totals."""
+    e = engines(tmp_path, chunks=12)
+    tier, pool = e.manager.tiers[0], e.spec.worker_pool
+    pool_results, job_results = [], []
+    real_take, real_finished = pool.take, tier.get_finished_jobs
+
+    def take(t):
+        got = real_take(t)
+        pool_results.extend(got)
+        return got
+
+    def finished():
+        got = list(real_finished())
+        job_results.extend(got)
+        return got
+
+    pool.take, tier.get_finished_jobs = take, finished
+    try:
+        _fill_mixed(e, range(6))
+        done, start = [], 0
+        for name, n in (("one", 1), ("five", 5)):
+            ctx = ReqContext(name)
+            with e.manager.lock:
+                out = e.manager.prepare_store([key(start + i) for i in range(n)], ctx)
+            e.copy("store", out.store_spec, list(range(start, start + n)))
+            done.append((out.keys_to_store, ctx))
+            start += n
+        with e.manager.lock:  # two requests' cascades in one step: one pool job
+            for keys, ctx in done:
+                e.manager.complete_store(keys, ctx)
+        e.settle()
+    finally:
+        pool.take, tier.get_finished_jobs = real_take, real_finished
+    (stores,) = [r for r in pool_results if r.op == "store"]
+    assert len(stores.keys) == 6 and stores.outcomes == [Outcome.OK] * 6
+    chunk = e.spec.chunk_payload_bytes
+    assert stores.logical_bytes == [chunk] * 6
+    by_bytes = sorted(job_results, key=lambda r: r.transfer_bytes)
+    assert [r.transfer_bytes for r in by_bytes] == [chunk, 5 * chunk]
+    assert by_bytes[0].transfer_time == sum(stores.seconds[:1])  # its own key's seconds
+    assert by_bytes[1].transfer_time == sum(stores.seconds[1:])
+    assert all(r.success and r.transfer_time > 0 for r in job_results)
 
 
 def test_a_killed_tier_worker_fails_its_jobs_and_is_replaced(engines, tmp_path):

@@ -11,8 +11,8 @@ Runs in: one tier worker process (spawned by the pool, or started by
           beat()
           decode all (malformed → error result, keep running) into the queue, loads first
           for each queued job:
-                        backend[tier].store/load/delete/probe/scan in slices (8 keys;
-                        stores also at most 2 MiB);
+                        backend[tier].handler(op): its method for the op (the backend's
+                        HANDLERS table), run in slices (8 keys; stores also at most 2 MiB);
                         before each slice of a store: take new jobs from the ring, run
                         their loads at once (a request waits on each), queue the rest;
                         store raw instead of compressed while the queued store work
@@ -20,8 +20,11 @@ Runs in: one tier worker process (spawned by the pool, or started by
                         results.try_put(encoded result)
           every few seconds: owner (scheduler) alive? else exit
 
-A job for a tier that has no worker half, or an unknown op, is answered with
-an error result. The loop never raises for a job; it exits on ``stop``, when
+A job for a tier that has no worker half, or for an op its backend does not
+handle, is answered with an error result (every key ERROR, the reason in the
+result's error text). A result is the backend's per-key outcomes, logical and
+stored bytes and seconds (``BatchResult.to_result``), split into several when it
+does not fit a ring slot. The loop never raises for a job; it exits on ``stop``, when
 the owner dies, or on SIGTERM (after finishing the job in hand). A worker whose
 tier backends cannot be built exits with ``EXIT_BACKENDS_FAILED`` (4): the pool
 counts that as a failure to start.
@@ -43,7 +46,7 @@ from shmtier.shared.pool_config import EXIT_BACKENDS_FAILED, PoolConfig
 from shmtier.shared.ring import RingSet
 from shmtier.shared.segment import join_existing
 from shmtier.tiers import registry
-from shmtier.tiers.backend import BatchResult, WorkerContext, outcome_kind
+from shmtier.tiers.backend import BatchResult, UnsupportedOp, WorkerContext
 
 logger = logging.getLogger(__name__)
 
@@ -72,8 +75,6 @@ _POLL_WINDOW_S = 0.25
 # waited ~0.8 s and thousands were refused for lack of a free CPU row). ~16 ms of
 # compression per core.
 _HURRY_BYTES = 16 << 20
-_KIND_CODE = {"ok": jobs.OK, "exists": jobs.OK, "missing": jobs.MISS, "corrupt": jobs.CORRUPT,
-              "full": jobs.REJECTED, "error": jobs.ERROR, "invalid": jobs.ERROR}
 
 
 def make_backends(config: PoolConfig, namespace: str) -> list:
@@ -179,33 +180,50 @@ class JobRunner:
         self.beat()
 
     def run(self, job: "jobs.Job | jobs.MalformedJob") -> list[jobs.Result]:
-        """Run one decoded job (or answer a malformed one); never raises but ``_Stop``."""
+        """Run one decoded job (or answer a malformed one); never raises but ``_Stop``.
+        Returns its result, split into pieces that each fit a ring slot."""
         if isinstance(job, jobs.MalformedJob):
             return [jobs.Result.failed(job.job_id, f"malformed job: {job}")]
         if job.op == "stop":
             raise _Stop()
         backend = self.backends[job.tier] if 0 <= job.tier < len(self.backends) else None
         if backend is None:
-            return [jobs.Result.failed(job.job_id, f"tier {job.tier} has no worker backend",
-                                       len(job.keys))]
+            result = jobs.Result.failed(job.job_id, f"tier {job.tier} has no worker backend",
+                                        len(job.keys))
+        else:
+            result = self._run_backend(job, backend)
+        try:
+            return jobs.split_result(result, self.max_result)
+        except ValueError as e:  # per-key figures the wire cannot carry (a backend bug)
+            logger.error("tier worker: job %d (%s): %s", job.job_id, job.op, e)
+            return jobs.split_result(jobs.Result.failed(job.job_id, str(e)[:500],
+                                                        len(job.keys)), self.max_result)
+
+    def _run_backend(self, job: jobs.Job, backend) -> jobs.Result:
+        try:
+            handler = backend.handler(job.op)
+        except UnsupportedOp as e:
+            return jobs.Result.failed(job.job_id, f"tier {job.tier}: {e}", len(job.keys))
         try:
             if job.op == "scan":
-                return self._scan(job, backend)
-            batch = self._in_slices(getattr(backend, job.op), job)
+                return self._scan(job, handler)
+            batch = self._in_slices(handler, job)
+            if len(batch.outcomes) != len(job.keys):
+                raise RuntimeError(f"the backend answered {len(batch.outcomes)} outcomes "
+                                   f"for {len(job.keys)} keys")
+            return batch.to_result(job.job_id)
         except Exception as e:  # a backend bug must not take the worker down
             logger.exception("tier worker: job %d (%s) failed", job.job_id, job.op)
-            return [jobs.Result.failed(job.job_id, f"{type(e).__name__}: {e}", len(job.keys))]
-        outcomes = [_KIND_CODE.get(outcome_kind(o), jobs.ERROR) for o in batch.outcomes]
-        errors = sorted({o for o in batch.outcomes if outcome_kind(o) not in ("ok", "exists", "missing")})
-        return [jobs.Result(job.job_id, outcomes, sum(batch.logical_bytes), sum(batch.stored_bytes),
-                            batch.io_seconds, batch.codec_seconds, "; ".join(errors)[:500])]
+            return jobs.Result.failed(job.job_id, f"{type(e).__name__}: {e}"[:500],
+                                      len(job.keys))
 
-    def _in_slices(self, op, job: jobs.Job):
-        """Run ``op`` over the job's keys in slices, beating between them, so a long
-        job on a slow medium is not mistaken for a hung worker. Before each slice of
-        a store, loads that reached the ring meanwhile run first, and the slice is stored raw
-        (in codec mode "auto") while the store work held exceeds _HURRY_BYTES."""
-        outcomes, logical, stored, io_s, codec_s = [], [], [], 0.0, 0.0
+    def _in_slices(self, handler, job: jobs.Job) -> BatchResult:
+        """Run ``handler`` (the backend's method for the job's op) over the job's keys in
+        slices, beating between them, so a long job on a slow medium is not mistaken for
+        a hung worker. Before each slice of a store, loads that reached the ring
+        meanwhile run first, and the slice is stored raw (in codec mode "auto") while the
+        store work held exceeds _HURRY_BYTES."""
+        out = BatchResult(job.op, [], [], [], [], [])
         n = len(job.keys)
         step = _KEYS_PER_BEAT
         if job.op == "store":
@@ -216,20 +234,16 @@ class JobRunner:
             if job.op == "store":
                 self._serve_new_loads(job.keys)
                 behind = (n - start + self._store_keys_queued) * self.chunk_bytes
-                part = op(keys, job.rows[start:start + step], self.arena, self.chunk_bytes,
-                          hurry=behind > _HURRY_BYTES,
-                          bytes_in_use=None if in_use is None else in_use + sum(stored))
+                part = handler(keys, job.rows[start:start + step], self.arena,
+                               self.chunk_bytes, hurry=behind > _HURRY_BYTES,
+                               bytes_in_use=None if in_use is None else in_use + out.total_stored)
             elif job.op == "load":
-                part = op(keys, job.rows[start:start + step], self.arena, self.chunk_bytes)
+                part = handler(keys, job.rows[start:start + step], self.arena, self.chunk_bytes)
             else:
-                part = op(keys)
-            outcomes += part.outcomes
-            logical += part.logical_bytes
-            stored += part.stored_bytes
-            io_s += part.io_seconds
-            codec_s += part.codec_seconds
+                part = handler(keys)
+            out.extend(part)
             self.beat()
-        return BatchResult(job.op, outcomes, logical, stored, io_s, codec_s)
+        return out
 
     def _serve_new_loads(self, in_hand: list) -> None:
         batch = self.take_new()
@@ -237,13 +251,14 @@ class JobRunner:
             for load in self.admit(decode_all(batch), in_hand):
                 self.run_and_answer(load)
 
-    def _scan(self, job: jobs.Job, backend) -> list[jobs.Result]:
-        keys, stored = [], 0
-        for entry in backend.scan():
+    @staticmethod
+    def _scan(job: jobs.Job, scan) -> jobs.Result:
+        """The listing of ``scan()``: every chunk's key and stored size."""
+        keys, stored = [], []
+        for entry in scan():
             keys.append(entry.key)
-            stored += entry.stored_bytes
-        result = jobs.Result(job.job_id, [], 0, stored, keys=keys)
-        return jobs.split_result(result, self.max_result)
+            stored.append(entry.stored_bytes)
+        return jobs.Result(job.job_id, stored_bytes=stored, keys=keys)
 
 
 def run_worker(engine_id: str, index: int) -> int:

@@ -470,75 +470,163 @@ static int in_float64(In *in, double *v) {
     return 1;
 }
 
+/* a bin (bin8/16/32); 1 ok, 0 not one */
+static int in_bin(In *in, const uint8_t **at, size_t *len) {
+    return in_len(in, 0, 0, 0xc4, 0xc5, 0xc6, len) && in_take(in, *len, at);
+}
+
+/* A list of the n uint32 LE at p (equal neighbours share one int object). NULL on error. */
+static PyObject *u32_list(const uint8_t *p, size_t n) {
+    PyObject *list = PyList_New((Py_ssize_t)n);
+    if (list == NULL) return NULL;
+    PyObject *prev = NULL;
+    uint32_t prev_v = 0;
+    for (size_t i = 0; i < n; i++) {
+        uint32_t v = get_le32(p + 4 * i);
+        PyObject *item;
+        if (prev != NULL && v == prev_v) {
+            item = Py_NewRef(prev);
+        } else {
+            item = PyLong_FromUnsignedLong(v);
+            if (item == NULL) {
+                Py_DECREF(list);
+                return NULL;
+            }
+        }
+        PyList_SET_ITEM(list, (Py_ssize_t)i, item);
+        prev = item;
+        prev_v = v;
+    }
+    return list;
+}
+
+static float get_f32(const uint8_t *p) {
+    uint32_t bits = get_le32(p);
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
 PyDoc_STRVAR(decode_result_doc,
-"decode_result(raw, schema_version, kind, num_outcomes) -> tuple | None\n\n"
-"The fields (job_id, outcomes: list[int], logical, stored, io_s, codec_s, error, keys,\n"
-"more) of a result message that is exactly what jobs.encode_result writes and passes\n"
-"every check of jobs.decode_result's fast path; None for anything else (the caller\n"
-"then decodes it in Python, which names the problem).");
+"decode_result(raw, schema_version, kind, outcomes, result_type) -> result | None\n\n"
+"A result_type (a tuple subclass without fields of its own, e.g. a namedtuple) of the\n"
+"fields (job_id, outcomes: list, logical: list[int], stored: list[int],\n"
+"seconds: list[float], codec_s, error, keys, more) of a result message that is exactly\n"
+"what jobs.encode_result writes and passes every check of jobs.decode_result's fast\n"
+"path; None for anything else (the caller then decodes it in Python, which names the\n"
+"problem). ``outcomes`` is the tuple of outcome objects indexed by code: its length is\n"
+"the number of known codes, and the decoded list holds its items.");
 
 static PyObject *decode_result(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 4) {
-        PyErr_Format(PyExc_TypeError, "decode_result takes 4 arguments (%zd given)", nargs);
+    if (nargs != 5) {
+        PyErr_Format(PyExc_TypeError, "decode_result takes 5 arguments (%zd given)", nargs);
         return NULL;
     }
     unsigned long long want_version = PyLong_AsUnsignedLongLong(args[1]);
     unsigned long long want_kind = PyLong_AsUnsignedLongLong(args[2]);
-    unsigned long long num_outcomes = PyLong_AsUnsignedLongLong(args[3]);
     if (PyErr_Occurred()) return NULL;
+    PyObject *members = args[3];
+    if (!PyTuple_CheckExact(members)) {
+        PyErr_SetString(PyExc_TypeError, "decode_result: outcomes must be a tuple");
+        return NULL;
+    }
+    size_t num_outcomes = (size_t)PyTuple_GET_SIZE(members);
+    PyTypeObject *result_type = (PyTypeObject *)args[4];
+    if (!PyType_Check(args[4]) || !PyType_IsSubtype(result_type, &PyTuple_Type)
+        || result_type->tp_basicsize != PyTuple_Type.tp_basicsize
+        || result_type->tp_itemsize != PyTuple_Type.tp_itemsize) {
+        PyErr_SetString(PyExc_TypeError,
+                        "decode_result: result_type must be a tuple subclass without fields");
+        return NULL;
+    }
     Py_buffer raw;
     if (PyObject_GetBuffer(args[0], &raw, PyBUF_SIMPLE) < 0) return NULL;
     In in = {(const uint8_t *)raw.buf, (const uint8_t *)raw.buf + raw.len};
-    PyObject *outcomes = NULL, *error = NULL, *keys = NULL, *result = NULL;
-    const uint8_t *t, *b;
-    size_t n, out_len, err_len, num_keys;
-    uint64_t version, kind, job_id, logical, stored;
-    double io_s, codec_s;
+    PyObject *outcomes = NULL, *logical = NULL, *stored = NULL, *seconds = NULL;
+    PyObject *error = NULL, *keys = NULL, *result = NULL;
+    const uint8_t *t, *b, *out_b, *logical_b, *stored_b, *seconds_b;
+    size_t n, out_len, logical_len, stored_len, seconds_len, err_len, num_keys;
+    uint64_t version, kind, job_id;
+    double codec_s;
     if (!in_len(&in, 0x90, 0x0f, 0, 0xdc, 0xdd, &n) || n != 11) goto fallback;
     if (!in_uint(&in, &version) || version != want_version) goto fallback;
     if (!in_uint(&in, &kind) || kind != want_kind) goto fallback;
     if (!in_uint(&in, &job_id)) goto fallback;
-    if (!in_len(&in, 0, 0, 0xc4, 0xc5, 0xc6, &out_len) || !in_take(&in, out_len, &b)) goto fallback;
+    if (!in_bin(&in, &out_b, &out_len)) goto fallback;
     for (size_t i = 0; i < out_len; i++)
-        if (b[i] >= num_outcomes) goto fallback;
-    outcomes = PyList_New((Py_ssize_t)out_len);
-    if (outcomes == NULL) goto done;
+        if (out_b[i] >= num_outcomes) goto fallback;
+    if (!in_bin(&in, &logical_b, &logical_len) || logical_len != 4 * out_len) goto fallback;
+    /* one per answered key, then one per listed key: checked against the keys below */
+    if (!in_bin(&in, &stored_b, &stored_len) || stored_len % 4 || stored_len < 4 * out_len)
+        goto fallback;
+    if (!in_bin(&in, &seconds_b, &seconds_len) || seconds_len != 4 * out_len) goto fallback;
     for (size_t i = 0; i < out_len; i++) {
-        PyObject *code = PyLong_FromLong(b[i]); /* small ints: cached, never fails */
-        PyList_SET_ITEM(outcomes, (Py_ssize_t)i, code);
+        float f = get_f32(seconds_b + 4 * i);
+        if (!(f >= 0.0f)) goto fallback; /* negative or NaN */
     }
-    if (!in_uint(&in, &logical) || !in_uint(&in, &stored)) goto fallback;
-    if (!in_float64(&in, &io_s) || !(io_s >= 0.0)) goto fallback;
     if (!in_float64(&in, &codec_s) || !(codec_s >= 0.0)) goto fallback;
     if (!in_len(&in, 0xa0, 0x1f, 0xd9, 0xda, 0xdb, &err_len) || !in_take(&in, err_len, &b))
         goto fallback;
+    if (!in_len(&in, 0x90, 0x0f, 0, 0xdc, 0xdd, &num_keys)) goto fallback;
+    if (num_keys > (size_t)(in.end - in.p)) goto fallback; /* each key takes >= 2 bytes */
+    if (stored_len != 4 * (out_len + num_keys)) goto fallback;
+    const uint8_t *keys_at = in.p;
+    for (size_t i = 0; i < num_keys; i++) { /* validate before building anything */
+        size_t klen;
+        if (!in_bin(&in, &t, &klen)) goto fallback;
+    }
+    if (!in_take(&in, 1, &t) || (*t != 0xc2 && *t != 0xc3)) goto fallback;
+    if (in.p != in.end) goto fallback; /* trailing bytes */
+    int more = *t == 0xc3;
     error = PyUnicode_DecodeUTF8((const char *)b, (Py_ssize_t)err_len, "strict");
     if (error == NULL) {
         PyErr_Clear();
         goto fallback;
     }
-    if (!in_len(&in, 0x90, 0x0f, 0, 0xdc, 0xdd, &num_keys)) goto fallback;
-    if (num_keys > (size_t)(in.end - in.p)) goto fallback; /* each key takes >= 2 bytes */
+    outcomes = PyList_New((Py_ssize_t)out_len);
+    if (outcomes == NULL) goto done;
+    for (size_t i = 0; i < out_len; i++)
+        PyList_SET_ITEM(outcomes, (Py_ssize_t)i, Py_NewRef(PyTuple_GET_ITEM(members, out_b[i])));
+    if ((logical = u32_list(logical_b, out_len)) == NULL) goto done;
+    if ((stored = u32_list(stored_b, out_len + num_keys)) == NULL) goto done;
+    seconds = PyList_New((Py_ssize_t)out_len);
+    if (seconds == NULL) goto done;
+    for (size_t i = 0; i < out_len; i++) {
+        PyObject *f = PyFloat_FromDouble((double)get_f32(seconds_b + 4 * i));
+        if (f == NULL) goto done;
+        PyList_SET_ITEM(seconds, (Py_ssize_t)i, f);
+    }
     keys = PyList_New((Py_ssize_t)num_keys);
     if (keys == NULL) goto done;
+    In kin = {keys_at, in.end};
     for (size_t i = 0; i < num_keys; i++) {
         size_t klen;
-        if (!in_len(&in, 0, 0, 0xc4, 0xc5, 0xc6, &klen) || !in_take(&in, klen, &b)) goto fallback;
+        in_bin(&kin, &b, &klen); /* validated above */
         PyObject *key = PyBytes_FromStringAndSize((const char *)b, (Py_ssize_t)klen);
         if (key == NULL) goto done;
         PyList_SET_ITEM(keys, (Py_ssize_t)i, key);
     }
-    if (!in_take(&in, 1, &t) || (*t != 0xc2 && *t != 0xc3)) goto fallback;
-    if (in.p != in.end) goto fallback; /* trailing bytes */
-    result = Py_BuildValue("(KNKKddOOO)", (unsigned long long)job_id, outcomes,
-                           (unsigned long long)logical, (unsigned long long)stored, io_s, codec_s,
-                           error, keys, *t == 0xc3 ? Py_True : Py_False);
-    outcomes = NULL; /* "N" stole it, also on failure */
+    PyObject *id = PyLong_FromUnsignedLongLong((unsigned long long)job_id);
+    PyObject *codec = id == NULL ? NULL : PyFloat_FromDouble(codec_s);
+    result = codec == NULL ? NULL : result_type->tp_alloc(result_type, 9);
+    if (result == NULL) {
+        Py_XDECREF(id);
+        Py_XDECREF(codec);
+        goto done;
+    }
+    /* as tuple_subtype_new fills a tuple subclass; the result owns every field now */
+    PyObject *fields[9] = {id, outcomes, logical, stored, seconds, codec, error, keys,
+                           Py_NewRef(more ? Py_True : Py_False)};
+    for (int i = 0; i < 9; i++) PyTuple_SET_ITEM(result, i, fields[i]);
+    outcomes = logical = stored = seconds = error = keys = NULL;
     goto done;
 fallback:
     result = Py_NewRef(Py_None);
 done:
     Py_XDECREF(outcomes);
+    Py_XDECREF(logical);
+    Py_XDECREF(stored);
+    Py_XDECREF(seconds);
     Py_XDECREF(error);
     Py_XDECREF(keys);
     PyBuffer_Release(&raw);

@@ -2,16 +2,32 @@
 
 Who calls: the scheduler encodes jobs (``encode_job`` / ``pack_job``, after
 ``split_job`` when one might not fit a ring slot) and decodes results; a tier
-worker decodes jobs and encodes results. All functions are pure, thread-safe
-and never block. Nothing here imports torch or vLLM.
+worker decodes jobs and encodes results (``split_result`` when one might not
+fit). All functions are pure, thread-safe and never block. Nothing here imports
+torch or vLLM.
+
+The vocabulary every stage shares (backends, the job loop, the wire, the pool,
+the scheduler halves):
+
+* :class:`Outcome`, what happened to one key (one code per key on the wire; a
+  key's detail text, e.g. ``"max_bytes"`` or ``"EIO Input/output error (read)"``,
+  travels separately: in a backend's ``BatchResult.details`` and, summed up, in
+  a result's ``error`` text); :data:`SUCCESS` says which outcomes are a success
+  for which op.
+* three id spaces, each a ``NewType`` of int: the tiering manager's tier job id
+  (``shmtier.scheduler.tiering.base.JobId``, vLLM's ``JobId``), the worker
+  pool's job id (``shmtier.scheduler.pool.PoolJobId``: what ``WorkerPool.submit``
+  returns; one pool job may carry several tier jobs) and :data:`WireJobId`, the
+  id of one part of a pool job as it travels in a ring (a pool job is sent as
+  one part per worker, each maybe split further by ``split_job``).
 
 Wire format (msgpack, schema version ``SCHEMA_VERSION``): positional arrays,
 not maps — measured here a 4-key job packs in ~0.46 µs as an array vs ~0.74 µs
 as a map and unpacks in ~0.34 vs ~0.78 µs, and is 15% smaller::
 
     job    [version, 0, job_id, op, tier, keys, rows, args]
-    result [version, 1, job_id, outcomes, logical_bytes, stored_bytes,
-            io_s, codec_s, error, keys, more]
+    result [version, 1, job_id, outcomes, logical, stored, seconds, codec_s,
+            error, keys, more]
 
 * ``op`` is a small integer (``OPS`` maps names to codes); ``keys`` a list of
   bin (the chunk keys), ``rows`` a list of arena row numbers aligned with
@@ -19,10 +35,17 @@ as a map and unpacks in ~0.34 vs ~0.78 µs, and is 15% smaller::
   op-specific values with str keys (known ones are type-checked, see
   ``ARG_TYPES``; others pass through). Per-key data lives only in
   ``keys``/``rows``, so splitting a job copies ``args`` to every part.
-* ``outcomes`` is a bin, one outcome code per job key (``OK``, ``MISS``,
-  ``ERROR``, ``CORRUPT``, ``REJECTED``); ``keys`` in a result carries what a
-  ``scan`` found; ``more`` says further results for the same job id follow
-  (a scan listing split by ``split_result``).
+* In a result, ``outcomes`` is a bin of one :class:`Outcome` code per key the
+  result answers for; ``logical`` (uint32 little-endian), ``seconds`` (float32
+  little-endian) are packed bins with one entry per such key: the chunk bytes
+  the backend moved for it and the wall time it spent on it (medium and codec);
+  ``stored`` (uint32 LE) has one entry per such key (the bytes the chunk
+  occupies on the medium), then one per listed key. ``codec_s`` is the
+  result's codec seconds (float64), ``error`` a human-readable summary of what
+  went wrong (empty when nothing did), ``keys`` what a ``scan`` found, and
+  ``more`` says further results for the same job id follow (a result too large
+  for one ring slot, split by ``split_result``: the keys a result answers for
+  are the next run of the part's keys, in order).
 
 ``decode_job``/``decode_result`` raise :class:`MalformedJob` (a ValueError)
 with a message naming the problem for anything that is not a valid message of
@@ -32,17 +55,23 @@ the worker can answer ``Result.failed(err.job_id, str(err))`` and carry on.
 
 from __future__ import annotations
 
+import collections
+import enum
+import struct
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, NewType
 
 import msgpack
 
 from shmtier.shared._wire import decode_result as _decode_result_c
 from shmtier.shared._wire import pack_job as _pack_job_c
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: per-key logical/stored bytes and seconds in results, seven outcomes
 KIND_JOB, KIND_RESULT = 0, 1
+
+#: The id of one job part on the wire (what a ring carries; see the module docstring).
+WireJobId = NewType("WireJobId", int)
 
 OPS = {"store": 1, "load": 2, "delete": 3, "probe": 4, "scan": 5, "stop": 6}
 OP_NAMES = {code: name for name, code in OPS.items()}
@@ -50,9 +79,54 @@ OP_NAMES = {code: name for name, code in OPS.items()}
 _ROW_OPS = frozenset(("store", "load"))
 _KEYLESS_OPS = frozenset(("scan", "stop"))
 
-# per-key outcome codes
-OK, MISS, ERROR, CORRUPT, REJECTED = range(5)
-OUTCOME_NAMES = ("ok", "miss", "error", "corrupt", "rejected")
+
+class Outcome(enum.IntEnum):
+    """What happened to one key of a job. The value is the key's code on the wire.
+
+    ========== ======================================================================= =====
+    member     meaning                                                                 ops
+    ========== ======================================================================= =====
+    OK         done: stored / loaded (the row holds verified bytes) / deleted /        all
+               present
+    MISS       no such chunk (load: a miss; delete: nothing to do; probe: absent)      l/d/p
+    ERROR      the medium failed for this key (detail ``"<ERRNO> <strerror>            all
+               (<step>)"``, e.g. ``"EROFS Read-only file system (create)"``; nothing
+               published), or the job failed as a whole (no backend for its tier, a
+               malformed job, its worker died: the result's ``error`` says why)
+    CORRUPT    load: the stored chunk failed verification (detail: the reason, one     load
+               of magic, version, length, key, checksum, codec); the bad copy was
+               removed (if the medium allowed) and counted. Treat as a MISS.
+    REJECTED   store refused for capacity, nothing left behind (detail                 store
+               ``"max_bytes"``, ``"min_free"`` or ``"<ERRNO> <text> (<step>)"`` for
+               ENOSPC/EDQUOT from the medium). The scheduler half should evict and
+               may retry.
+    EXISTS     store: the chunk was already there; nothing written (a success; its     store
+               stored size is reported)
+    INVALID    the request for this key is malformed (detail: what), e.g. an empty or  all
+               over-long key or a row out of range: a bug in the sender, not the medium
+    ========== ======================================================================= =====
+
+    After a ``load`` outcome other than OK the content of that key's row is undefined
+    (a backend may have decoded into it before a check failed): the scheduler must not
+    serve it, it frees the reserved row and reports a MISS.
+    """
+
+    OK = 0
+    MISS = 1
+    ERROR = 2
+    CORRUPT = 3
+    REJECTED = 4
+    EXISTS = 5
+    INVALID = 6
+
+
+#: Which outcomes count as a success, per op.
+SUCCESS: dict[str, frozenset[Outcome]] = {
+    "store": frozenset((Outcome.OK, Outcome.EXISTS)),
+    "load": frozenset((Outcome.OK,)),
+    "delete": frozenset((Outcome.OK, Outcome.MISS)),
+    "probe": frozenset((Outcome.OK,)),
+}
 
 # Known op-specific args and their types (checked on decode when present).
 ARG_TYPES: dict[str, type] = {
@@ -87,7 +161,7 @@ class MalformedResult(MalformedJob):
 class Job:
     """One job for a tier worker. ``op`` is one of ``OPS``; ``tier`` the secondary tier index."""
 
-    job_id: int
+    job_id: WireJobId
     op: str
     tier: int
     keys: list[bytes] = field(default_factory=list)
@@ -95,24 +169,50 @@ class Job:
     args: dict[str, Any] = field(default_factory=dict)
 
 
-@dataclass(slots=True)
-class Result:
-    """What a worker answers for one job (or one part of a scan listing, see ``more``)."""
+_ResultFields = collections.namedtuple("_ResultFields", (
+    "job_id", "outcomes", "logical_bytes", "stored_bytes", "seconds", "codec_s", "error", "keys",
+    "more"))
 
-    job_id: int
-    outcomes: list[int] = field(default_factory=list)  # one code per job key
-    logical_bytes: int = 0
-    stored_bytes: int = 0
-    io_s: float = 0.0
-    codec_s: float = 0.0
-    error: str = ""
-    keys: list[bytes] = field(default_factory=list)  # scan: keys found
-    more: bool = False
+
+class Result(_ResultFields):
+    """What a worker answers for one job part (or one piece of it, see ``more``).
+
+    ``outcomes``, ``logical_bytes`` and ``seconds`` have one entry per key this result
+    answers for (the part's keys, in order; a result split by ``split_result``
+    answers for the next run of them); ``stored_bytes`` one per such key, then one per
+    key of the ``keys`` listing (a ``scan``: the size of each chunk found).
+
+    A message: immutable (derive a changed copy with ``_replace``) and a tuple, which
+    the C decoder fills in place (a dataclass's ``__init__`` took ~270 ns here, half of
+    a small result's decode)."""
+
+    __slots__ = ()
+
+    job_id: WireJobId
+    outcomes: list[Outcome]
+    logical_bytes: list[int]
+    stored_bytes: list[int]
+    seconds: list[float]
+    codec_s: float
+    error: str
+    keys: list[bytes]  # scan: keys found
+    more: bool
+
+    def __new__(cls, job_id: WireJobId, outcomes: list[Outcome] | None = None,
+                logical_bytes: list[int] | None = None, stored_bytes: list[int] | None = None,
+                seconds: list[float] | None = None, codec_s: float = 0.0, error: str = "",
+                keys: list[bytes] | None = None, more: bool = False) -> "Result":
+        return tuple.__new__(cls, (
+            job_id, [] if outcomes is None else outcomes,
+            [] if logical_bytes is None else logical_bytes,
+            [] if stored_bytes is None else stored_bytes, [] if seconds is None else seconds,
+            codec_s, error, [] if keys is None else keys, more))
 
     @classmethod
-    def failed(cls, job_id: int | None, error: str, num_keys: int = 0) -> "Result":
-        """A result failing every key of a job (``job_id`` None -> 0, unknown)."""
-        return cls(job_id or 0, [ERROR] * num_keys, error=error)
+    def failed(cls, job_id: WireJobId | None, error: str, num_keys: int = 0) -> "Result":
+        """A result failing every key of a job (ERROR; ``job_id`` None -> 0, unknown)."""
+        return cls(WireJobId(job_id or 0), [Outcome.ERROR] * num_keys, [0] * num_keys,
+                   [0] * num_keys, [0.0] * num_keys, error=error)
 
 
 # msgpack.Packer keeps a buffer: one per thread.
@@ -127,7 +227,7 @@ def _packer() -> msgpack.Packer:
         return _tls.packer
 
 
-def pack_job(job_id: int, op: str, tier: int, keys: list[bytes], rows: list[int] | tuple = (),
+def pack_job(job_id: WireJobId, op: str, tier: int, keys: list[bytes], rows: list[int] | tuple = (),
              args: dict[str, Any] | None = None) -> bytes:
     """Encode a job from its fields without building a :class:`Job` (the scheduler's hot path).
 
@@ -290,45 +390,84 @@ def _diagnose_job(msg) -> None:
         raise MalformedJob(f"malformed job {job_id}: {op} takes no keys, got {len(keys)}", job_id)
 
 
+_OUTCOMES = tuple(Outcome)  # indexed by code: what the decoders hand out
+_NUM_OUTCOMES = len(_OUTCOMES)
+_OUTCOME_BYTES = bytes(range(_NUM_OUTCOMES))
+
+
+def _packed(fmt: str, values: list, name: str, job_id) -> bytes:
+    """``values`` as a packed little-endian bin (``fmt`` "I": uint32, "f": float32)."""
+    try:
+        return struct.pack(f"<{len(values)}{fmt}", *values)
+    except (struct.error, OverflowError, TypeError) as exc:
+        kind = "ints in 0..2**32-1" if fmt == "I" else "floats in float32 range"
+        raise ValueError(f"result {job_id}: {name} must be {kind} ({exc})") from None
+
+
 def encode_result(result: Result) -> bytes:
-    """Encode ``result`` (tier worker). ValueError if an outcome is not a known code."""
+    """Encode ``result`` (tier worker). ValueError if an outcome is not an
+    :class:`Outcome`, a per-key list has the wrong length, a byte count does not fit
+    32 bits or a time is negative, NaN or beyond float32."""
+    job_id = result.job_id
+    n = len(result.outcomes)
     try:
         outcomes = bytes(result.outcomes)
     except (ValueError, TypeError):
-        raise ValueError(f"result {result.job_id}: outcomes must be codes "
-                         f"0..{len(OUTCOME_NAMES) - 1}, got {result.outcomes!r:.80}") from None
+        outcomes = None
+    if outcomes is None or outcomes.translate(None, _OUTCOME_BYTES):
+        raise ValueError(f"result {job_id}: outcomes must be codes 0..{_NUM_OUTCOMES - 1}, "
+                         f"got {result.outcomes!r:.80}")
+    if not (len(result.logical_bytes) == len(result.seconds) == n
+            and len(result.stored_bytes) == n + len(result.keys)):
+        raise ValueError(
+            f"result {job_id}: {n} outcomes need as many logical_bytes and seconds, and "
+            f"stored_bytes for them and the {len(result.keys)} listed keys; got "
+            f"{len(result.logical_bytes)}, {len(result.seconds)} and "
+            f"{len(result.stored_bytes)}")
+    if not all(t >= 0.0 for t in result.seconds) or not result.codec_s >= 0.0:
+        raise ValueError(f"result {job_id}: seconds and codec_s must be >= 0")
     try:
         packer = _tls.packer
     except AttributeError:
         packer = _packer()
     return packer.pack([
-        SCHEMA_VERSION, KIND_RESULT, result.job_id, outcomes, result.logical_bytes,
-        result.stored_bytes, float(result.io_s), float(result.codec_s), result.error,
-        result.keys, bool(result.more),
+        SCHEMA_VERSION, KIND_RESULT, job_id, outcomes,
+        _packed("I", result.logical_bytes, "logical_bytes", job_id),
+        _packed("I", result.stored_bytes, "stored_bytes", job_id),
+        _packed("f", result.seconds, "seconds", job_id),
+        float(result.codec_s), result.error, result.keys, bool(result.more),
     ])
 
 
-_NUM_OUTCOMES = len(OUTCOME_NAMES)
-_OUTCOME_BYTES = bytes(range(_NUM_OUTCOMES))
+def _unpack_u32(b: bytes) -> list[int]:
+    return list(struct.unpack(f"<{len(b) // 4}I", b))
+
+
+def _unpack_f32(b: bytes) -> list[float]:
+    return list(struct.unpack(f"<{len(b) // 4}f", b))
 
 
 def decode_result(raw) -> Result:
     """Decode one result (scheduler). Raises :class:`MalformedResult` naming the problem."""
-    fields = _decode_result_c(raw, SCHEMA_VERSION, KIND_RESULT, _NUM_OUTCOMES)
-    if fields is not None:  # exactly what encode_result writes, every check passed (in C)
-        return Result(*fields)
+    result = _decode_result_c(raw, SCHEMA_VERSION, KIND_RESULT, _OUTCOMES, Result)
+    if result is not None:  # exactly what encode_result writes, every check passed (in C)
+        return result
     msg = _unpack(raw, "result", MalformedResult)
     if type(msg) is list and len(msg) == 11:
-        v, kind, job_id, outcomes, logical, stored, io_s, codec_s, error, keys, more = msg
+        v, kind, job_id, outcomes, logical, stored, seconds, codec_s, error, keys, more = msg
         if (type(v) is int and v == SCHEMA_VERSION and type(kind) is int and kind == KIND_RESULT
                 and type(job_id) is int and 0 <= job_id <= _UINT64_MAX
                 and type(outcomes) is bytes and not outcomes.translate(None, _OUTCOME_BYTES)
-                and type(logical) is int and logical >= 0 and type(stored) is int and stored >= 0
-                and type(io_s) is float and io_s >= 0.0
+                and type(logical) is bytes and len(logical) == 4 * len(outcomes)
+                and type(seconds) is bytes and len(seconds) == 4 * len(outcomes)
                 and type(codec_s) is float and codec_s >= 0.0
                 and type(error) is str and type(keys) is list and type(more) is bool
+                and type(stored) is bytes and len(stored) == 4 * (len(outcomes) + len(keys))
                 and _all_bytes(keys)):
-            return Result(job_id, list(outcomes), logical, stored, io_s, codec_s, error, keys, more)
+            secs = _unpack_f32(seconds)
+            if all(t >= 0.0 for t in secs):
+                return Result(job_id, [_OUTCOMES[c] for c in outcomes], _unpack_u32(logical),
+                              _unpack_u32(stored), secs, codec_s, error, keys, more)
     _diagnose_result(msg)
     raise MalformedResult("malformed result: rejected by the fast path only (a bug in jobs.py)")
 
@@ -337,21 +476,29 @@ def _diagnose_result(msg) -> None:
     """Raise MalformedResult naming what is wrong with decoded ``msg``."""
     err = MalformedResult
     job_id = _check_header(msg, KIND_RESULT, 11, "result", err)
-    _, _, _, outcomes, logical, stored, io_s, codec_s, error, keys, more = msg
+    _, _, _, outcomes, logical, stored, seconds, codec_s, error, keys, more = msg
     if type(outcomes) is not bytes:
         raise _bad("result", "outcomes", "bytes", outcomes, job_id, err)
     if outcomes and max(outcomes) >= _NUM_OUTCOMES:
         raise err(f"malformed result {job_id}: unknown outcome code {max(outcomes)} "
                   f"(known: 0..{_NUM_OUTCOMES - 1})", job_id)
-    for name, value in (("logical_bytes", logical), ("stored_bytes", stored)):
-        if type(value) is not int or value < 0:
-            raise _bad("result", name, "an int >= 0", value, job_id, err)
-    for name, value in (("io_s", io_s), ("codec_s", codec_s)):
-        if type(value) is not float or not value >= 0.0:
-            raise _bad("result", name, "a float >= 0", value, job_id, err)
+    n = len(outcomes)
+    _check_bytes_list(keys, "keys", "result", job_id, err)
+    for name, value, want in (("logical_bytes", logical, n), ("stored_bytes", stored,
+                                                              n + len(keys)),
+                              ("seconds", seconds, n)):
+        if type(value) is not bytes:
+            raise _bad("result", name, "bytes (packed per key)", value, job_id, err)
+        if len(value) != 4 * want:
+            raise err(f"malformed result {job_id}: {name} holds {len(value)} bytes, "
+                      f"expected {4 * want} (4 per key, {want} keys)", job_id)
+    if not all(t >= 0.0 for t in _unpack_f32(seconds)):
+        raise err(f"malformed result {job_id}: seconds must be >= 0 (a negative or NaN "
+                  f"time)", job_id)
+    if type(codec_s) is not float or not codec_s >= 0.0:
+        raise _bad("result", "codec_s", "a float >= 0", codec_s, job_id, err)
     if type(error) is not str:
         raise _bad("result", "error", "a str", error, job_id, err)
-    _check_bytes_list(keys, "keys", "result", job_id, err)
     if type(more) is not bool:
         raise _bad("result", "more", "a bool", more, job_id, err)
 
@@ -419,43 +566,69 @@ def split_job(job: Job, max_bytes: int, next_id: Callable[[], int]) -> list[Job]
     return parts
 
 
-def split_result(result: Result, max_bytes: int) -> list[Result]:
-    """Split a result whose ``keys`` listing (a scan) does not fit ``max_bytes`` (worker).
+def _result_growth(c: int, k: int, key_bytes: int) -> int:
+    """Bytes that ``c`` answered keys' per-key data and ``k`` listed keys (whose bins
+    take ``key_bytes``) add to a result that has neither."""
+    return (_bin_size(c) + 2 * _bin_size(4 * c) + _bin_size(4 * (c + k)) - 4 * _bin_size(0)
+            + key_bytes + _array_header_extra(k))
 
-    Every part has the same job id; all but the last have ``more=True``; the
-    first carries outcomes, byte counts, seconds and error text, the others
-    only keys. An error text too long for one part is shortened (marked
-    "[truncated]"); keys and outcomes never are: ValueError when they cannot fit.
+
+def split_result(result: Result, max_bytes: int) -> list[Result]:
+    """Split a result that does not fit ``max_bytes`` (worker): a scan's long ``keys``
+    listing, or per-key data of many (short) keys.
+
+    A result that fits comes back as ``[result]``. Otherwise every part has the same
+    job id and all but the last ``more=True``; the first carries ``codec_s`` and the
+    error text; each part answers for the next run of keys (outcomes, logical and
+    stored bytes, seconds) and then lists the next run of ``keys`` with their stored
+    sizes. An error text too long for one part is shortened (marked "[truncated]");
+    keys and per-key data never are: ValueError when a single key cannot fit.
     """
     if len(encode_result(result)) <= max_bytes:
         return [result]
-    first = Result(result.job_id, result.outcomes, result.logical_bytes, result.stored_bytes,
-                   result.io_s, result.codec_s, result.error, [], True)
-    over = len(encode_result(first)) - max_bytes
-    if over > 0 and first.error:
-        keep = max(0, len(first.error.encode()) - over - 16)
-        first.error = first.error.encode()[:keep].decode(errors="ignore") + " [truncated]"
-    keys, n = result.keys, len(result.keys)
+    n = len(result.outcomes)
+    keys, listed = result.keys, result.stored_bytes[n:]
+    error = result.error
+    first_cost = (_result_growth(1, 0, 0) if n else
+                  _result_growth(0, 1, _bin_size(len(keys[0]))) if keys else 0)
+    over = len(encode_result(Result(result.job_id, codec_s=result.codec_s, error=error))) \
+        + first_cost - max_bytes
+    if over > 0 and error:
+        keep = max(0, len(error.encode()) - over - 16)
+        error = error.encode()[:keep].decode(errors="ignore") + " [truncated]"
     parts: list[Result] = []
-    i = 0
+    i = j = 0  # the next answered key, the next listed key
     while True:
-        part = first if not parts else Result(result.job_id, more=True)
-        base = len(encode_result(part))
-        size, j = base, i
-        while j < n:
-            cost = _bin_size(len(keys[j]))
-            if size + cost + _array_header_extra(j - i + 1) > max_bytes:
+        head = Result(result.job_id, more=True) if parts else Result(
+            result.job_id, codec_s=result.codec_s, error=error, more=True)
+        base = len(encode_result(head))
+        if base > max_bytes:
+            raise ValueError(f"result {result.job_id}: its fields cannot fit {max_bytes} "
+                             f"bytes (a part without keys takes {base})")
+        c = 0
+        while i + c < n and base + _result_growth(c + 1, 0, 0) <= max_bytes:
+            c += 1
+        k = key_bytes = 0
+        while j + k < len(keys):
+            cost = _bin_size(len(keys[j + k]))
+            if base + _result_growth(c, k + 1, key_bytes + cost) > max_bytes:
                 break
-            size += cost
-            j += 1
-        if base > max_bytes or (j == i and i < n and parts):
-            what = f"key {i} ({len(keys[i])} bytes)" if i < n else "its fields"
+            key_bytes += cost
+            k += 1
+        if c == 0 and k == 0 and (i < n or j < len(keys)):
+            what = (f"answered key {i}" if i < n else
+                    f"listed key {j} ({len(keys[j])} bytes)")
             raise ValueError(f"result {result.job_id}: {what} cannot fit {max_bytes} bytes "
                              f"(a part without keys takes {base})")
-        part.keys = list(keys[i:j])
+        part = head._replace(
+            outcomes=result.outcomes[i:i + c], logical_bytes=result.logical_bytes[i:i + c],
+            stored_bytes=result.stored_bytes[i:i + c] + listed[j:j + k],
+            seconds=result.seconds[i:i + c], keys=list(keys[j:j + k]))
+        i += c
+        j += k
+        if i >= n and j >= len(keys):
+            part = part._replace(more=result.more)
+        assert len(encode_result(part)) <= max_bytes, "split size accounting is off"
         parts.append(part)
-        i = j
-        if i >= n:
-            break
-    parts[-1].more = result.more
-    return parts
+        if i >= n and j >= len(keys):
+            return parts

@@ -9,101 +9,85 @@ The scheduler half (presence index, capacity accounting, eviction, lookups) neve
 backend directly; it sends job descriptors and reads results. Backend calls may block on
 I/O for as long as the medium takes; that is why they run in worker processes.
 
-Per-key outcomes are short strings ``"<kind>"`` or ``"<kind>:<detail>"``:
+Per-key outcomes are :class:`shmtier.shared.jobs.Outcome` members (its docstring says
+what each means for which op), with a detail text per key (``BatchResult.details``:
+e.g. ``"max_bytes"`` for a REJECTED store, ``"checksum"`` for a CORRUPT load,
+``"EROFS Read-only file system (create)"`` for an ERROR; empty when there is nothing
+to add). :data:`shmtier.shared.jobs.SUCCESS` says which outcomes are a success per op.
 
-=========== ======================================================================== =====
-kind        meaning                                                                  ops
-=========== ======================================================================== =====
-``ok``      done: stored / loaded (row holds verified bytes) / deleted / present     all
-``exists``  store only: the chunk was already there; nothing written (a success)     store
-``missing`` no such chunk (load: a MISS; delete: nothing to do; probe: absent)       l/d/p
-``full``    store refused for capacity, nothing left behind: ``full:max_bytes``,      store
-            ``full:min_free`` or ``full:<ERRNO> <text>`` (ENOSPC, EDQUOT from the
-            medium). The scheduler half should evict (send deletes) and may retry.
-``corrupt`` load only: the stored chunk failed verification, ``corrupt:<reason>``    load
-            with reason in {magic, version, length, key, checksum, codec}; the bad
-            copy was removed (if the medium allowed) and counted. Treat as a MISS.
-``error``   the medium failed for this key: ``error:<ERRNO> <strerror> (<step>)``,   all
-            e.g. ``error:EROFS Read-only file system (create)``. Nothing published.
-``invalid`` the request for this key is malformed (``invalid:<what>``): empty or     all
-            over-long key, row out of range. A bug in the sender, not the medium.
-=========== ======================================================================== =====
-
-After a ``load`` outcome other than ``ok`` the content of that key's row is undefined
-(a backend may have decoded into it before the check failed): the scheduler must not
-serve it, it frees the reserved row and reports a MISS.
+Which op runs which method: :attr:`TierBackend.HANDLERS` (op -> method name), read
+through :meth:`TierBackend.handler`. A backend that does not handle an op leaves it out
+of its table; the job loop then answers that op's jobs with an error result.
 """
 
 from __future__ import annotations
 
 import abc
-from dataclasses import dataclass, field
-from typing import Any, Iterator, NamedTuple, Sequence
+from collections.abc import Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any, Callable, ClassVar, Iterator, NamedTuple, Sequence
 
 import numpy as np
 
-OK = "ok"
-EXISTS = "exists"
-MISSING = "missing"
-FULL = "full"
-CORRUPT = "corrupt"
-ERROR = "error"
-INVALID = "invalid"
+from shmtier.shared import jobs
+from shmtier.shared.jobs import SUCCESS, Outcome
 
-OUTCOME_KINDS = (OK, EXISTS, MISSING, FULL, CORRUPT, ERROR, INVALID)
-
-#: Which outcome kinds count as success, per op.
-SUCCESS_KINDS = {
-    "store": frozenset((OK, EXISTS)),
-    "load": frozenset((OK,)),
-    "delete": frozenset((OK, MISSING)),
-    "probe": frozenset((OK,)),
-}
+__all__ = ["BatchResult", "Outcome", "ScanEntry", "TierBackend", "UnsupportedOp",
+           "WorkerContext", "as_arena", "check_batch"]
 
 
-def outcome_kind(outcome: str) -> str:
-    """The kind of an outcome string (the part before the first ``:``)."""
-    return outcome.split(":", 1)[0]
+_ANSWERS = frozenset((Outcome.OK, Outcome.EXISTS, Outcome.MISS))
 
 
 @dataclass
 class BatchResult:
-    """Result of one backend call over a batch of keys, index-aligned with the keys.
+    """Result of one backend call over a batch of keys; every list is index-aligned
+    with the keys.
 
-    ``logical_bytes[i]``: raw chunk bytes moved for key i (0 unless it succeeded; for
-    ``probe`` and ``delete`` 0). ``stored_bytes[i]``: bytes the chunk occupies on the
-    medium (store: what was written, or the size found for ``exists``; load/probe: the
-    stored size; delete: the bytes freed; 0 when unknown). ``io_seconds`` and
-    ``codec_seconds`` are the batch's totals (wall time in medium calls and in the codec).
+    ``outcomes[i]`` and ``details[i]``: what happened to key i and, in words, why
+    (empty when nothing to add). ``logical_bytes[i]``: raw chunk bytes moved for key i
+    (0 unless it succeeded; for ``probe`` and ``delete`` 0). ``stored_bytes[i]``: bytes
+    the chunk occupies on the medium (store: what was written, or the size found for
+    EXISTS; load/probe: the stored size; delete: the bytes freed; 0 when unknown).
+    ``seconds[i]``: wall time spent on key i, in medium calls and in the codec (a cost
+    the batch shares, e.g. one free-space query or a directory fsync, is charged to
+    the keys that share it). ``codec_seconds``: of all that, the time in the codec.
     """
 
     op: str
-    outcomes: list[str]
+    outcomes: list[Outcome]
+    details: list[str]
     logical_bytes: list[int]
     stored_bytes: list[int]
-    io_seconds: float = 0.0
+    seconds: list[float]
     codec_seconds: float = 0.0
-    extra: dict = field(default_factory=dict)
 
     @classmethod
     def empty(cls, op: str, n: int) -> "BatchResult":
-        return cls(op, [""] * n, [0] * n, [0] * n)
+        """``n`` keys, each ERROR until the backend says otherwise."""
+        return cls(op, [Outcome.ERROR] * n, [""] * n, [0] * n, [0] * n, [0.0] * n)
+
+    def set(self, i: int, outcome: Outcome, detail: str = "") -> None:
+        """Key i's outcome and its detail text."""
+        self.outcomes[i] = outcome
+        self.details[i] = detail
 
     def ok(self, i: int) -> bool:
-        """True if key i succeeded for this op (see ``SUCCESS_KINDS``)."""
-        return outcome_kind(self.outcomes[i]) in SUCCESS_KINDS[self.op]
+        """True if key i succeeded for this op (see ``jobs.SUCCESS``)."""
+        return self.outcomes[i] in SUCCESS[self.op]
 
     @property
     def succeeded(self) -> list[bool]:
-        good = SUCCESS_KINDS[self.op]
-        return [outcome_kind(o) in good for o in self.outcomes]
+        good = SUCCESS[self.op]
+        return [o in good for o in self.outcomes]
 
     @property
     def all_ok(self) -> bool:
         return all(self.succeeded)
 
-    def count(self, kind: str) -> int:
-        return sum(1 for o in self.outcomes if outcome_kind(o) == kind)
+    def count(self, outcome: Outcome) -> int:
+        return self.outcomes.count(outcome)
 
     @property
     def total_logical(self) -> int:
@@ -113,16 +97,38 @@ class BatchResult:
     def total_stored(self) -> int:
         return sum(self.stored_bytes)
 
-    def to_msg(self) -> dict:
-        """A msgpack-ready map (plain lists, str, int, float) for the result ring."""
-        return {
-            "op": self.op,
-            "outcomes": list(self.outcomes),
-            "logical_bytes": list(self.logical_bytes),
-            "stored_bytes": list(self.stored_bytes),
-            "io_s": self.io_seconds,
-            "codec_s": self.codec_seconds,
-        }
+    @property
+    def io_seconds(self) -> float:
+        """Wall time in medium calls: the keys' seconds less the codec's."""
+        return max(0.0, sum(self.seconds) - self.codec_seconds)
+
+    def extend(self, other: "BatchResult") -> None:
+        """Append the keys of ``other`` (a later slice of the same job)."""
+        self.outcomes += other.outcomes
+        self.details += other.details
+        self.logical_bytes += other.logical_bytes
+        self.stored_bytes += other.stored_bytes
+        self.seconds += other.seconds
+        self.codec_seconds += other.codec_seconds
+
+    def summary(self, limit: int = 500) -> str:
+        """What went wrong, in words, for a result's error text: one entry per distinct
+        (outcome, detail) of ERROR, CORRUPT, REJECTED and INVALID keys, with its number
+        of keys; "" when there were none (OK, EXISTS and MISS are answers, not faults)."""
+        counts: dict[tuple[Outcome, str], int] = {}
+        for outcome, detail in zip(self.outcomes, self.details):
+            if outcome not in _ANSWERS:
+                counts[(outcome, detail)] = counts.get((outcome, detail), 0) + 1
+        text = "; ".join(f"{n} {o.name}" + (f" ({d})" if d else "")
+                         for (o, d), n in sorted(counts.items()))
+        return text if len(text) <= limit else text[:limit - 3] + "..."
+
+    def to_result(self, job_id: jobs.WireJobId, error: str = "") -> jobs.Result:
+        """The wire result of this batch for job ``job_id`` (``error`` or else
+        :meth:`summary` as its error text; times clamped to >= 0)."""
+        return jobs.Result(job_id, self.outcomes, self.logical_bytes, self.stored_bytes,
+                           [t if t > 0.0 else 0.0 for t in self.seconds],
+                           max(0.0, self.codec_seconds), error or self.summary())
 
 
 @dataclass(frozen=True)
@@ -135,6 +141,10 @@ class WorkerContext:
     chunk_bytes: int
     element_size: int
     codec: Any = None  # a shmtier.shared.codec.CompressionConfig (None: its defaults)
+
+
+class UnsupportedOp(LookupError):
+    """A job asked a backend for an op its ``HANDLERS`` table does not list."""
 
 
 class ScanEntry(NamedTuple):
@@ -159,7 +169,34 @@ class TierBackend(abc.ABC):
     ``(num_chunks, row_stride)`` (a numpy view of the shared memory; a 2-D memoryview is
     accepted too); row ``r`` is chunk slot ``r`` and only its first ``chunk_bytes`` are
     payload. Backends never touch bytes of a row past ``chunk_bytes``.
+
+    ``HANDLERS`` maps each op this backend handles to the name of its method (checked
+    when the class is defined: ops of ``jobs.OPS`` but ``stop``, callable methods). A
+    subclass that does not handle an op gives a table without it.
     """
+
+    HANDLERS: ClassVar[Mapping[str, str]] = MappingProxyType(
+        {"store": "store", "load": "load", "delete": "delete", "probe": "probe",
+         "scan": "scan"})
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        for op, name in cls.HANDLERS.items():
+            if op not in jobs.OPS or op == "stop":
+                raise TypeError(f"{cls.__name__}.HANDLERS: {op!r} is not a backend op "
+                                f"(ops: {', '.join(o for o in jobs.OPS if o != 'stop')})")
+            if not callable(getattr(cls, name, None)):
+                raise TypeError(f"{cls.__name__}.HANDLERS: op {op!r} names {name!r}, which "
+                                f"is not a method of the class")
+
+    def handler(self, op: str) -> Callable[..., Any]:
+        """The bound method that runs ``op``; :class:`UnsupportedOp` if this backend
+        does not handle it."""
+        name = type(self).HANDLERS.get(op)
+        if name is None:
+            raise UnsupportedOp(f"the {type(self).__name__} backend does not handle op "
+                                f"{op!r} (it handles: {', '.join(type(self).HANDLERS)})")
+        return getattr(self, name)
 
     @abc.abstractmethod
     def store(self, keys: Sequence[bytes], rows: Sequence[int], arena, chunk_bytes: int,
@@ -176,11 +213,11 @@ class TierBackend(abc.ABC):
 
     @abc.abstractmethod
     def delete(self, keys: Sequence[bytes]) -> BatchResult:
-        """Remove the chunks of ``keys`` (``missing`` when there was none)."""
+        """Remove the chunks of ``keys`` (MISS when there was none)."""
 
     @abc.abstractmethod
     def probe(self, keys: Sequence[bytes]) -> BatchResult:
-        """Presence check without reading data: ``ok`` (present, with stored size) or ``missing``."""
+        """Presence check without reading data: OK (present, with stored size) or MISS."""
 
     @abc.abstractmethod
     def scan(self) -> Iterator[ScanEntry]:

@@ -7,8 +7,8 @@ bookkeeping, ``worker_state.py`` each worker slot's state machine. The workers'
 own code is ``shmtier.workers``.
 """
 
-from shmtier.scheduler.pool.dispatch import PoolResult
+from shmtier.scheduler.pool.dispatch import PoolJobId, PoolResult
 from shmtier.scheduler.pool.supervisor import MODES, WorkerPool
 from shmtier.scheduler.pool.worker_state import WorkerState
 
-__all__ = ["MODES", "PoolResult", "WorkerPool", "WorkerState"]
+__all__ = ["MODES", "PoolJobId", "PoolResult", "WorkerPool", "WorkerState"]

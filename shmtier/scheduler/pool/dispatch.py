@@ -14,8 +14,9 @@ ring, no process, nothing here blocks.
                  that each fit a ring slot
       ── the supervisor puts every payload in its worker's job ring, or none ──
       commit()   parts registered with a deadline (now + job_timeout_s); keys bound
-    WorkerPool.poll: each result from a result ring → complete(): the part's outcomes
-                 go into its pool job; the job's last part → done[tier] (``take``)
+    WorkerPool.poll: each result from a result ring → complete(): the part's per-key
+                 outcomes, logical and stored bytes and seconds go into its pool job,
+                 key by key; the job's last part → done[tier] (``take``)
     health check: overdue(now) → workers holding a part past its deadline;
                  fail_worker(w) → every part worker w held completes as failed,
                  exactly once (only after its process is gone: a load must never
@@ -29,30 +30,41 @@ from __future__ import annotations
 
 import itertools
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import NewType
 
 from shmtier.shared import jobs
+from shmtier.shared.jobs import Outcome, WireJobId
 
 logger = logging.getLogger(__name__)
 
 _SPREAD_MIN_KEYS = 8
+_ERROR = Outcome.ERROR  # (an enum member lookup costs ~0.1 µs)
+
+#: The id of one pool job: what ``WorkerPool.submit`` returns (its parts travel as
+#: ``jobs.WireJobId``; it may carry several tier jobs, ``tiering.base.JobId``).
+PoolJobId = NewType("PoolJobId", int)
 
 
 @dataclass(slots=True)
 class PoolResult:
-    """One finished pool job: per-key outcome codes (``jobs.OK`` ...) in submit order."""
+    """One finished pool job: per key, in submit order, its outcome and what the backend
+    reported for it (logical and stored bytes, seconds); a key whose part failed is
+    ERROR with zeros. A ``scan`` lists ``scan_keys`` with their ``scan_stored_bytes``."""
 
-    job_id: int
+    job_id: PoolJobId
     op: str
     tier: int
     keys: list[bytes]
-    outcomes: list[int]
-    logical_bytes: int = 0
-    stored_bytes: int = 0
-    io_s: float = 0.0
+    outcomes: list[Outcome]
+    logical_bytes: list[int]
+    stored_bytes: list[int]
+    seconds: list[float]
     codec_s: float = 0.0
     error: str = ""
     scan_keys: list[bytes] = field(default_factory=list)
+    scan_stored_bytes: list[int] = field(default_factory=list)
     submit_time: float = 0.0
 
 
@@ -64,16 +76,35 @@ class _Parent:
 
 @dataclass(slots=True)
 class Part:
-    """One ring job: the keys ``positions`` of pool job ``parent``, run by ``worker``."""
+    """One ring job: the keys ``positions`` of pool job ``parent``, run by ``worker``.
+    ``answered``: how many of them results have answered for so far (a result split
+    by ``jobs.split_result`` answers for the next run); ``first``: where the positions
+    start when they are consecutive (a ``range``: merged by slices), else -1."""
 
-    parent: int
+    parent: PoolJobId
     worker: int
-    positions: list[int]
+    positions: Sequence[int]
     deadline: float  # monotonic seconds; past it, ``worker`` is judged hung
+    first: int = -1
+    answered: int = 0
 
 
-# (worker, part job id, payload, part keys, positions in the pool job)
-Planned = tuple[int, int, bytes, list[bytes], list[int]]
+# (worker, part job id, payload, part keys, positions in the pool job: a range when
+# consecutive, as they are unless some keys were bound to a worker)
+Planned = tuple[int, WireJobId, bytes, list[bytes], Sequence[int]]
+
+
+def _first(items: list, n: int) -> list:
+    return items if len(items) == n else items[:n]
+
+
+def _fill_failed(out: PoolResult) -> None:
+    """Give ``out`` its per-key lists, every key ERROR with zeros until answered."""
+    n = len(out.keys)
+    out.outcomes = [_ERROR] * n
+    out.logical_bytes = [0] * n
+    out.stored_bytes = [0] * n
+    out.seconds = [0.0] * n
 
 
 class Dispatch:
@@ -83,28 +114,30 @@ class Dispatch:
         self.n = num_workers
         self.max_payload = max_payload
         self.job_timeout_s = job_timeout_s
-        self._ids = itertools.count(1)
-        self.parents: dict[int, _Parent] = {}
+        self._ids = itertools.count(1)  # pool job ids and part ids: never the same number
+        self.parents: dict[PoolJobId, _Parent] = {}
         # part job id -> Part, in submit order (so in deadline order: see ``overdue``)
-        self.parts: dict[int, Part] = {}
+        self.parts: dict[WireJobId, Part] = {}
         self.load = [0] * num_workers  # outstanding parts per worker
         self._bound: dict[bytes, list[int]] = {}  # key -> [worker, outstanding parts]
         self.done: dict[int, list[PoolResult]] = {}
 
     def plan(self, op: str, tier: int, keys: list[bytes], rows: list[int] | None,
-             args: dict | None, live: list[int]) -> tuple[int, list[Planned]]:
+             args: dict | None, live: list[int]) -> tuple[PoolJobId, list[Planned]]:
         """Assign ``keys`` to workers and encode the parts; returns (pool job id, parts).
         Registers nothing: :meth:`commit` does, once every part is in a ring."""
-        groups: dict[int, list[int]] = {}
-        unbound: list[int] = []
+        groups: dict[int, Sequence[int]] = {}
+        unbound: Sequence[int] = []
         bound = self._bound
         for pos, key in enumerate(keys):
             binding = bound.get(key)
             if binding is not None:
-                groups.setdefault(binding[0], []).append(pos)
+                groups.setdefault(binding[0], []).append(pos)  # type: ignore[union-attr]
             else:
-                unbound.append(pos)
+                unbound.append(pos)  # type: ignore[union-attr]
         if unbound or not keys:
+            if not groups:  # no key is bound: each worker gets a range of positions
+                unbound = range(len(keys))
             load = self.load
             by_load = sorted(live, key=lambda w: load[w] + len(groups.get(w, ())))
             share = len(by_load) if len(unbound) >= _SPREAD_MIN_KEYS * 2 else 1
@@ -112,13 +145,16 @@ class Dispatch:
             for i, w in enumerate(by_load[:share]):
                 chunk = unbound[i * step:(i + 1) * step]
                 if chunk or not keys:
-                    groups.setdefault(w, []).extend(chunk)
-        parent_id = next(self._ids)
+                    if w in groups:
+                        groups[w].extend(chunk)  # type: ignore[union-attr]
+                    else:
+                        groups[w] = chunk
+        parent_id = PoolJobId(next(self._ids))
         planned: list[Planned] = []
         for w, positions in groups.items():
             part_keys = [keys[p] for p in positions]
             part_rows = [rows[p] for p in positions] if rows else []
-            job_id = next(self._ids)
+            job_id = WireJobId(next(self._ids))
             payload = jobs.pack_job(job_id, op, tier, part_keys, part_rows, args)
             if len(payload) <= self.max_payload:  # the common case: encoded once
                 planned.append((w, job_id, payload, part_keys, positions))
@@ -131,13 +167,14 @@ class Dispatch:
                 offset += len(part.keys)
         return parent_id, planned
 
-    def commit(self, parent_id: int, op: str, tier: int, keys: list[bytes],
+    def commit(self, parent_id: PoolJobId, op: str, tier: int, keys: list[bytes],
                planned: list[Planned], now: float) -> None:
         """Register pool job ``parent_id`` whose ``planned`` parts are in the rings."""
         deadline = now + self.job_timeout_s
         parts, load, bound = self.parts, self.load, self._bound
         for w, part_id, _, part_keys, positions in planned:
-            parts[part_id] = Part(parent_id, w, positions, deadline)
+            parts[part_id] = Part(parent_id, w, positions, deadline,
+                                  positions.start if type(positions) is range else -1)
             load[w] += 1
             for key in part_keys:
                 binding = bound.get(key)
@@ -145,8 +182,9 @@ class Dispatch:
                     bound[key] = [w, 1]
                 else:
                     binding[1] += 1
+        # the per-key lists are made by the first result (see _merge_keys)
         self.parents[parent_id] = _Parent(
-            PoolResult(parent_id, op, tier, list(keys), [jobs.ERROR] * len(keys),
+            PoolResult(parent_id, op, tier, list(keys), None, None, None, None,  # type: ignore
                        submit_time=now),
             len(planned))
 
@@ -158,17 +196,22 @@ class Dispatch:
             return
         parent = self.parents[part.parent]
         out = parent.result
-        out.scan_keys.extend(result.keys)
-        out.logical_bytes += result.logical_bytes
-        out.stored_bytes += result.stored_bytes
-        out.io_s += result.io_s
+        n = len(result.outcomes)
+        if result.keys:
+            out.scan_keys.extend(result.keys)
+            out.scan_stored_bytes.extend(result.stored_bytes[n:])
         out.codec_s += result.codec_s
         if result.error:
             out.error = f"{out.error}; {result.error}" if out.error else result.error
+        if n:
+            self._merge_keys(part, out, result, n)
         if result.more:
-            return  # a scan listing continues in later results
-        for pos, code in zip(part.positions, result.outcomes):
-            out.outcomes[pos] = code
+            return  # more results for this part follow
+        if part.answered != len(part.positions):
+            why = (f"tier worker {part.worker} answered {part.answered} of the "
+                   f"{len(part.positions)} keys of job {result.job_id}")
+            logger.error("%s; the rest fail", why)
+            out.error = f"{out.error}; {why}" if out.error else why
         del self.parts[result.job_id]
         self.load[part.worker] -= 1
         for pos in part.positions:
@@ -180,22 +223,59 @@ class Dispatch:
                     del self._bound[key]
         parent.remaining -= 1
         if parent.remaining == 0:
+            if out.outcomes is None:  # no key answered for (a scan, or every part failed empty)
+                _fill_failed(out)
             del self.parents[out.job_id]
             self.done.setdefault(out.tier, []).append(out)
+
+    @staticmethod
+    def _merge_keys(part: Part, out: PoolResult, result: jobs.Result, n: int) -> None:
+        """Put the per-key figures of the ``n`` keys ``result`` answers for (the part's
+        next ones) at their positions in ``out``."""
+        start = part.answered
+        if start + n > len(part.positions):
+            logger.error("tier worker %d answered %d keys of job %d, which has %d; the "
+                         "surplus is ignored", part.worker, start + n, result.job_id,
+                         len(part.positions))
+            n = len(part.positions) - start
+        part.answered = start + n
+        stored = result.stored_bytes
+        if out.outcomes is None:
+            if part.first == 0 and n == len(out.keys):  # one result answers for the
+                out.outcomes = _first(result.outcomes, n)  # whole job, in order: its lists
+                out.logical_bytes = _first(result.logical_bytes, n)
+                out.stored_bytes = _first(stored, n)
+                out.seconds = _first(result.seconds, n)
+                return
+            _fill_failed(out)
+        if part.first >= 0:  # consecutive positions: slices
+            lo = part.first + start
+            hi = lo + n
+            out.outcomes[lo:hi] = result.outcomes[:n]
+            out.logical_bytes[lo:hi] = result.logical_bytes[:n]
+            out.stored_bytes[lo:hi] = stored[:n]
+            out.seconds[lo:hi] = result.seconds[:n]
+            return
+        outcomes, logical, seconds = result.outcomes, result.logical_bytes, result.seconds
+        for i, pos in enumerate(part.positions[start:start + n]):
+            out.outcomes[pos] = outcomes[i]
+            out.logical_bytes[pos] = logical[i]
+            out.stored_bytes[pos] = stored[i]
+            out.seconds[pos] = seconds[i]
 
     def fail_worker(self, w: int, why: str) -> int:
         """Complete every part worker ``w`` holds as failed (``why``); returns how many.
         Only once its process is gone."""
         mine = [(part_id, part) for part_id, part in self.parts.items() if part.worker == w]
         for part_id, part in mine:
-            self.complete(jobs.Result.failed(part_id, why, len(part.positions)))
+            self.complete(jobs.Result.failed(part_id, why, len(part.positions) - part.answered))
         return len(mine)
 
     def fail_all(self, why: str) -> int:
         """Complete every outstanding part as failed (shutdown, after the workers stopped)."""
         n = len(self.parts)
-        for part_id in list(self.parts):
-            self.complete(jobs.Result.failed(part_id, why, len(self.parts[part_id].positions)))
+        for part_id, part in list(self.parts.items()):
+            self.complete(jobs.Result.failed(part_id, why, len(part.positions) - part.answered))
         return n
 
     def overdue(self, now: float) -> dict[int, float]:

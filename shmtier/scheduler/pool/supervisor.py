@@ -64,7 +64,7 @@ import threading
 import time
 from typing import Any
 
-from shmtier.scheduler.pool.dispatch import Dispatch, PoolResult
+from shmtier.scheduler.pool.dispatch import Dispatch, PoolJobId, PoolResult
 from shmtier.scheduler.pool.worker_state import RUNNING, WorkerRecord, WorkerState
 from shmtier.shared import jobs
 from shmtier.shared.pool_config import EXIT_BACKENDS_FAILED, PoolConfig
@@ -76,7 +76,7 @@ _HEALTH_EVERY_S = 0.05
 _DRAIN_BATCH = 256  # results taken per ring call
 MODES = ("spawn", "external")
 
-__all__ = ["MODES", "PoolResult", "WorkerPool", "WorkerState"]
+__all__ = ["MODES", "PoolJobId", "PoolResult", "WorkerPool", "WorkerState"]
 
 
 class _StderrTail:
@@ -191,7 +191,7 @@ class WorkerPool:
     # --- submit ---
 
     def submit(self, op: str, tier: int, keys: list[bytes], rows: list[int] | None = None,
-               args: dict | None = None) -> int | None:
+               args: dict | None = None) -> PoolJobId | None:
         """Queue one job; returns its pool job id, or None when it was not accepted:
         the rings are full (``broken`` is None: try again later) or the pool is broken
         (``broken`` says why: it never accepts a job again). Never blocks.
@@ -495,7 +495,7 @@ class WorkerPool:
                 except TimeoutError:
                     logger.warning("tier worker pool: %d jobs unfinished at shutdown",
                                    len(self._dispatch.parents))
-            stop = jobs.encode_job(jobs.Job(0, "stop", 0))
+            stop = jobs.encode_job(jobs.Job(jobs.WireJobId(0), "stop", 0))
             for w in range(self.n):
                 proc = self._procs[w]
                 if proc is not None and proc.poll() is None and not self._job_rings[w].try_put(stop):

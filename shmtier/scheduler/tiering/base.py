@@ -28,7 +28,7 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NewType
 
 import numpy as np
 
@@ -45,7 +45,12 @@ from shmtier.contract import (
     ScheduleEndContext,
 )
 
-JobId = int
+#: The tiering manager's id of one tier job (vLLM's ``JobId``): a cascade or promotion
+#: of one tier, ``TransferJob.job_id`` and ``JobResult.job_id``. A worker-backed tier
+#: sends tier jobs to the worker pool combined, under a pool job id
+#: (``shmtier.scheduler.pool.PoolJobId``), whose parts travel under wire ids
+#: (``shmtier.shared.jobs.WireJobId``).
+JobId = NewType("JobId", int)
 TIER_LABEL = "tier"
 
 

@@ -78,7 +78,13 @@ from shmtier.contract import (
 )
 from shmtier.scheduler.backpressure import record_backpressure_metrics
 from shmtier.scheduler.primary import CPUPrimaryTierOffloadingManager
-from shmtier.scheduler.tiering.base import JobResult, ParentManager, TransferJob, optional_attribute
+from shmtier.scheduler.tiering.base import (
+    JobId,
+    JobResult,
+    ParentManager,
+    TransferJob,
+    optional_attribute,
+)
 from shmtier.scheduler.tiering.lookup_metrics import LookupTracker, RequestLookups
 from shmtier.scheduler.tiering.poll_thread import POLL_JOIN_TIMEOUT_S, TierPollThread
 
@@ -166,7 +172,7 @@ class TieringOffloadingManager:
         self._row_bytes = primary.get_kv_memoryview().strides[0] if primary._num_chunks else 0
         self._num_chunks = max(primary._num_chunks, 1)
         self._next_job_id = 0
-        self._jobs: dict[int, tuple[TransferJob, int]] = {}
+        self._jobs: dict[JobId, tuple[TransferJob, int]] = {}
         # in-flight [jobs, rows] per tier, kept as jobs come and go (get_stats runs every step)
         self._active = {True: [[0, 0] for _ in tiers], False: [[0, 0] for _ in tiers]}
         self._pending_promotions: list[dict[str, tuple[ReqContext, list, list]]] = [
@@ -212,7 +218,7 @@ class TieringOffloadingManager:
     def _new_job(self, keys: Collection[OffloadKey], chunk_ids: Any, is_promotion: bool,
                  ctx: ReqContext, tier_idx: int) -> TransferJob:
         self._next_job_id += 1
-        job = TransferJob(self._next_job_id, list(keys), chunk_ids, is_promotion, ctx)
+        job = TransferJob(JobId(self._next_job_id), list(keys), chunk_ids, is_promotion, ctx)
         self._jobs[job.job_id] = (job, tier_idx)
         active = self._active[is_promotion][tier_idx]
         active[0] += 1

@@ -45,10 +45,11 @@ longer and some were refused for lack of a row. Buffered I/O (``writev``/``pread
 the default for that reason; O_DIRECT pays off under sustained large writes.
 
 Reads are always verified by the codec (magic, version, lengths, key, checksum, and the
-file size against the frame's stored length). A file that fails is reported
-``corrupt:<reason>``, unlinked (only if the path still names the inode that was read:
-a concurrent re-store of the key is kept) and counted. Per-key outcomes are those of
-``shmtier.tiers.backend``.
+file size against the frame's stored length). A file that fails is reported CORRUPT
+(the reason as its detail), unlinked (only if the path still names the inode that was
+read: a concurrent re-store of the key is kept) and counted. Per-key outcomes are
+``shmtier.shared.jobs.Outcome`` members with a detail text (``shmtier.tiers.backend``),
+and each key's seconds are measured around its own work.
 """
 
 from __future__ import annotations
@@ -74,14 +75,8 @@ from shmtier.shared.codec import (
     frame_header_size,
 )
 from shmtier.tiers.backend import (
-    CORRUPT,
-    ERROR,
-    EXISTS,
-    FULL,
-    INVALID,
-    MISSING,
-    OK,
     BatchResult,
+    Outcome,
     ScanEntry,
     TierBackend,
     WorkerContext,
@@ -128,13 +123,13 @@ def choose_fanout_bits(capacity_bytes: int, chunk_bytes_hint: int) -> tuple[int,
     return (total + 1) // 2, total // 2
 
 
-def errno_outcome(exc: OSError, step: str) -> str:
-    """``full:`` for out-of-space errnos, else ``error:``, with errno name, text and step."""
+def errno_outcome(exc: OSError, step: str) -> tuple[Outcome, str]:
+    """REJECTED for out-of-space errnos, else ERROR; the detail names the errno, its
+    text and the step, e.g. ``"ENOSPC No space left on device (write)"``."""
     code = exc.errno or 0
     name = errno.errorcode.get(code, f"E{code}")
     text = exc.strerror or str(exc)
-    kind = FULL if code in _NO_SPACE else ERROR
-    return f"{kind}:{name} {text} ({step})"
+    return (Outcome.REJECTED if code in _NO_SPACE else Outcome.ERROR), f"{name} {text} ({step})"
 
 
 @dataclass
@@ -185,12 +180,12 @@ class FsBackend(TierBackend):
     another fingerprint or format, OSError when the namespace cannot be created (e.g. a
     read-only root without an existing namespace).
 
-    Capacity: before writing a chunk, ``store`` refuses it (``full:max_bytes``) when
+    Capacity: before writing a chunk, ``store`` refuses it (REJECTED, "max_bytes") when
     ``bytes_in_use`` (the job's figure, else this process's ``bytes_on_disk``) plus the
-    frame's size would exceed ``max_bytes``, and (``full:min_free``) when the
+    frame's size would exceed ``max_bytes``, and (REJECTED, "min_free") when the
     filesystem's available space minus the frame would drop below ``min_free_bytes``
     (``os.statvfs`` once per batch, then this batch's writes subtracted; ``None``
-    disables the floor). A full medium still answers ENOSPC: ``full:ENOSPC ...``. Sizes
+    disables the floor). A full medium still answers ENOSPC: REJECTED, "ENOSPC ...". Sizes
     are file sizes (frame bytes). The backend never evicts: the scheduler half decides
     what to delete.
     """
@@ -261,7 +256,7 @@ class FsBackend(TierBackend):
                                         f"not support O_DIRECT; set direct_io to "
                                         f"\"auto\" or false")
         self._seq = 0
-        self._io_s = self._codec_s = 0.0  # accumulators of the load in progress
+        self._codec_s = 0.0  # accumulator of the load in progress
         self._writer_pid = -1
         self._writer_tag = ""
         self._boot_tag = procinfo.boot_id()[:4].hex()
@@ -394,11 +389,12 @@ class FsBackend(TierBackend):
 
     @staticmethod
     def _key_problem(key) -> str | None:
+        """What makes ``key`` INVALID (the detail), or None."""
         if not isinstance(key, (bytes, bytearray, memoryview)):
-            return f"{INVALID}:key is {type(key).__name__}, not bytes"
+            return f"key is {type(key).__name__}, not bytes"
         n = len(key)
         if not 0 < n <= MAX_KEY_BYTES:
-            return f"{INVALID}:key length {n} (must be 1..{MAX_KEY_BYTES})"
+            return f"key length {n} (must be 1..{MAX_KEY_BYTES})"
         return None
 
     # ------------------------------------------------------------------ store
@@ -409,16 +405,19 @@ class FsBackend(TierBackend):
         """Write row ``rows[i]`` (its first ``chunk_bytes``) as the chunk of ``keys[i]``.
 
         Called by the job loop of a tier worker for a cascade job; blocks on the disk.
-        Rows are only read (they are pinned primary rows). Per key: ``ok`` (published;
-        ``stored_bytes`` = file size), ``exists`` (``skip_existing`` and a file is already
-        there: nothing written; without ``skip_existing`` an existing file is replaced
-        atomically and its size credited to the capacity checks), ``full:*`` (capacity,
-        or ENOSPC/EDQUOT: nothing left behind), ``error:*``, ``invalid:*``. After EROFS,
-        ENOSPC or EDQUOT the remaining keys of the batch get the same outcome without
-        being tried. ``bytes_in_use``: the scheduler's count of the tier's stored bytes,
-        for the ``max_bytes`` check (else this process's ``counters.bytes_on_disk``).
-        ``hurry``: the worker is behind; in codec mode ``auto`` the chunks are stored
-        as raw frames (checksummed, not compressed; counted in ``stores_raw_hurried``).
+        Rows are only read (they are pinned primary rows). Per key: OK (published;
+        ``stored_bytes`` = file size), EXISTS (``skip_existing`` and a file is already
+        there: nothing written, ``stored_bytes`` = its size; without ``skip_existing`` an
+        existing file is replaced atomically and its size credited to the capacity
+        checks), REJECTED (capacity: detail ``max_bytes`` or ``min_free``, or ENOSPC/EDQUOT:
+        nothing left behind), ERROR, INVALID. After EROFS, ENOSPC or EDQUOT the remaining
+        keys of the batch get the same outcome without being tried. ``bytes_in_use``: the
+        scheduler's count of the tier's stored bytes, for the ``max_bytes`` check (else
+        this process's ``counters.bytes_on_disk``). ``hurry``: the worker is behind; in
+        codec mode ``auto`` the chunks are stored as raw frames (checksummed, not
+        compressed; counted in ``stores_raw_hurried``). A key's seconds cover its stat,
+        encode and publish; the batch's free-space query is charged to its first key, a
+        directory fsync (``fsync=True``) shared by the keys published in that directory.
         Raises ValueError only for a malformed batch.
         """
         encoder = self._encoder
@@ -428,106 +427,109 @@ class FsBackend(TierBackend):
         check_batch(keys, rows, a, chunk_bytes)
         n = len(keys)
         res = BatchResult.empty("store", n)
+        seconds = res.seconds
         c = self.counters
         used = c.bytes_on_disk if bytes_in_use is None else int(bytes_in_use)
-        io_s = codec_s = 0.0
+        codec_s = 0.0
         free = None
         if self.min_free_bytes is not None:
             t = time.perf_counter()
             free = _available_bytes(self.namespace_dir)
-            io_s += time.perf_counter() - t
-        fail_rest: str | None = None
+            if n:
+                seconds[0] += time.perf_counter() - t
+        fail_rest: tuple[Outcome, str] | None = None
         synced_dirs: dict[str, list[int]] = {}
         num_rows = a.shape[0]
         for i in range(n):
-            key = keys[i]
-            bad = self._key_problem(key)
-            row = rows[i]
-            if bad is None:
-                bad = _row_problem(row, num_rows)
-            if bad is not None:
-                res.outcomes[i] = bad
-                continue
-            if fail_rest is not None:
-                res.outcomes[i] = fail_rest
-                self._count_store_failure(fail_rest)
-                continue
-            key = bytes(key)
-            key_hex = key.hex()
-            rel = self._rel_dir(key)
-            leaf = os.path.join(self.namespace_dir, rel)
-            final = os.path.join(leaf, key_hex + CHUNK_SUFFIX)
             t = time.perf_counter()
             try:
-                old_size = os.stat(final).st_size
-            except OSError:
-                old_size = 0  # absent (or unreadable: the write below reports why)
-            else:
-                if skip_existing:
-                    io_s += time.perf_counter() - t
-                    res.outcomes[i] = EXISTS
-                    res.stored_bytes[i] = old_size
-                    c.store_exists += 1
+                key = keys[i]
+                bad = self._key_problem(key)
+                row = rows[i]
+                if bad is None:
+                    bad = _row_problem(row, num_rows)
+                if bad is not None:
+                    res.set(i, Outcome.INVALID, bad)
                     continue
-            io_s += time.perf_counter() - t
-            parts, est = encoder.encode(a[row, :chunk_bytes].data, key, self.element_size)
-            if encoder is not self._encoder:
-                c.stores_raw_hurried += 1
-            codec_s += est.seconds
-            size = est.stored_bytes
-            if self.max_bytes is not None and used - old_size + size > self.max_bytes:
-                res.outcomes[i] = f"{FULL}:max_bytes"
-                c.store_full += 1
-                continue
-            if free is not None and free + old_size - size < self.min_free_bytes:
-                res.outcomes[i] = f"{FULL}:min_free"
-                c.store_full += 1
-                continue
-            t = time.perf_counter()
-            problem = self._publish(rel, leaf, final, key_hex, parts, size)
-            io_s += time.perf_counter() - t
-            if problem is not None:
-                code, outcome = problem
-                res.outcomes[i] = outcome
-                self._count_store_failure(outcome)
-                if code in _FS_WIDE:
-                    fail_rest = outcome
-                continue
-            res.outcomes[i] = OK
-            res.logical_bytes[i] = est.raw_bytes
-            res.stored_bytes[i] = size
-            used += size - old_size
-            if free is not None:
-                free -= size - old_size
-            c.bytes_on_disk = max(0, c.bytes_on_disk + size - old_size)
-            c.files_written += 1
-            c.bytes_written += size
-            if self.fsync:
-                synced_dirs.setdefault(leaf, []).append(i)
-        if synced_dirs:
-            t = time.perf_counter()
-            for leaf, idx in synced_dirs.items():
+                if fail_rest is not None:
+                    res.set(i, *fail_rest)
+                    self._count_store_failure(fail_rest[0])
+                    continue
+                key = bytes(key)
+                key_hex = key.hex()
+                rel = self._rel_dir(key)
+                leaf = os.path.join(self.namespace_dir, rel)
+                final = os.path.join(leaf, key_hex + CHUNK_SUFFIX)
                 try:
-                    _fsync_dir(leaf)
-                except OSError as e:  # published but not durable: do not claim it
-                    outcome = errno_outcome(e, "fsync dir")
-                    for i in idx:
-                        res.outcomes[i] = outcome
-                        res.logical_bytes[i] = 0
-                    c.store_errors += len(idx)
-            io_s += time.perf_counter() - t
-        res.io_seconds, res.codec_seconds = io_s, codec_s
+                    old_size = os.stat(final).st_size
+                except OSError:
+                    old_size = 0  # absent (or unreadable: the write below reports why)
+                else:
+                    if skip_existing:
+                        res.set(i, Outcome.EXISTS)
+                        res.stored_bytes[i] = old_size
+                        c.store_exists += 1
+                        continue
+                parts, est = encoder.encode(a[row, :chunk_bytes].data, key, self.element_size)
+                if encoder is not self._encoder:
+                    c.stores_raw_hurried += 1
+                codec_s += est.seconds
+                size = est.stored_bytes
+                if self.max_bytes is not None and used - old_size + size > self.max_bytes:
+                    res.set(i, Outcome.REJECTED, "max_bytes")
+                    c.store_full += 1
+                    continue
+                if free is not None and free + old_size - size < self.min_free_bytes:
+                    res.set(i, Outcome.REJECTED, "min_free")
+                    c.store_full += 1
+                    continue
+                problem = self._publish(rel, leaf, final, key_hex, parts, size)
+                if problem is not None:
+                    code, failure = problem
+                    res.set(i, *failure)
+                    self._count_store_failure(failure[0])
+                    if code in _FS_WIDE:
+                        fail_rest = failure
+                    continue
+                res.set(i, Outcome.OK)
+                res.logical_bytes[i] = est.raw_bytes
+                res.stored_bytes[i] = size
+                used += size - old_size
+                if free is not None:
+                    free -= size - old_size
+                c.bytes_on_disk = max(0, c.bytes_on_disk + size - old_size)
+                c.files_written += 1
+                c.bytes_written += size
+                if self.fsync:
+                    synced_dirs.setdefault(leaf, []).append(i)
+            finally:
+                seconds[i] += time.perf_counter() - t
+        for leaf, idx in synced_dirs.items():
+            t = time.perf_counter()
+            try:
+                _fsync_dir(leaf)
+            except OSError as e:  # published but not durable: do not claim it
+                failure = errno_outcome(e, "fsync dir")
+                for i in idx:
+                    res.set(i, *failure)
+                    res.logical_bytes[i] = 0
+                c.store_errors += len(idx)
+            share = (time.perf_counter() - t) / len(idx)
+            for i in idx:
+                seconds[i] += share
+        res.codec_seconds = codec_s
         return res
 
-    def _count_store_failure(self, outcome: str) -> None:
-        if outcome.startswith(FULL):
+    def _count_store_failure(self, outcome: Outcome) -> None:
+        if outcome is Outcome.REJECTED:
             self.counters.store_full += 1
         else:
             self.counters.store_errors += 1
 
     def _publish(self, rel: str, leaf: str, final: str, key_hex: str, parts,
-                 size: int) -> tuple[int, str] | None:
-        """Temp file + rename; None on success, else (errno, outcome). Leaves no temp file."""
+                 size: int) -> tuple[int, tuple[Outcome, str]] | None:
+        """Temp file + rename; None on success, else (errno, (outcome, detail)). Leaves
+        no temp file."""
         tmp = os.path.join(leaf, self._temp_name(key_hex))
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_CLOEXEC
         if self.direct_io:
@@ -602,58 +604,62 @@ class FsBackend(TierBackend):
         reads them in parallel); each is then read whole (one ``preadv``) into a reusable
         page-aligned buffer and decoded into the row by the codec, which checks
         everything (key, lengths, CRCs) before and after writing the row.
-        Per key: ``ok`` (the row holds the exact stored chunk), ``missing``,
-        ``corrupt:<reason>`` (file removed and counted), ``error:*``, ``invalid:*``.
-        For any outcome but ``ok`` the row's first ``chunk_bytes`` are undefined (the
-        decoder may have written into it before a check failed) and must not be served;
-        bytes past ``chunk_bytes`` are never written. A frame whose raw length differs
-        from ``chunk_bytes`` is ``corrupt:length``.
+        Per key: OK (the row holds the exact stored chunk), MISS, CORRUPT (detail: the
+        reason; file removed and counted), ERROR, INVALID. For any outcome but OK the
+        row's first ``chunk_bytes`` are undefined (the decoder may have written into it
+        before a check failed) and must not be served; bytes past ``chunk_bytes`` are
+        never written. A frame whose raw length differs from ``chunk_bytes`` is CORRUPT
+        ("length"). A key's seconds cover its open, read and decode.
         """
         a = as_arena(arena)
         check_batch(keys, rows, a, chunk_bytes)
         n = len(keys)
         res = BatchResult.empty("load", n)
-        self._io_s = self._codec_s = 0.0
+        seconds = res.seconds
+        self._codec_s = 0.0
         for lo in range(0, n, _PREFETCH):
             opened: dict[int, tuple[int, os.stat_result, str]] = {}
             try:
                 for i in range(lo, min(n, lo + _PREFETCH)):
-                    got = self._open_for_load(keys[i], rows[i], a.shape[0])
-                    if isinstance(got, str):
-                        res.outcomes[i] = got
-                    else:
+                    t = time.perf_counter()
+                    got = self._open_for_load(keys[i], rows[i], a.shape[0], res, i)
+                    if got is not None:
                         opened[i] = got
+                    seconds[i] += time.perf_counter() - t
                 for i in sorted(opened):
+                    t = time.perf_counter()
                     fd, st, path = opened.pop(i)
                     self._read_one(fd, st, path, bytes(keys[i]), a[rows[i], :chunk_bytes].data,
                                    res, i)
+                    seconds[i] += time.perf_counter() - t
             finally:
                 for fd, _st, _path in opened.values():
                     _close_quietly(fd)
-        res.io_seconds, res.codec_seconds = self._io_s, self._codec_s
+        res.codec_seconds = self._codec_s
         return res
 
-    def _open_for_load(self, key, row, num_rows: int):
-        """Open key's file and start its readahead; (fd, stat, path) or an outcome string."""
+    def _open_for_load(self, key, row, num_rows: int, res: BatchResult, i: int):
+        """Open key's file and start its readahead: (fd, stat, path), or None when key
+        i's outcome is already decided (set in ``res``)."""
         bad = self._key_problem(key)
         if bad is None:
             bad = _row_problem(row, num_rows)
         if bad is not None:
-            return bad
+            res.set(i, Outcome.INVALID, bad)
+            return None
         c = self.counters
         path = self.path_for(bytes(key))
-        t = time.perf_counter()
         try:
             # O_NONBLOCK: a FIFO planted at the path must not hang the worker.
             fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | _O_CLOEXEC)
         except (FileNotFoundError, NotADirectoryError):
-            self._io_s += time.perf_counter() - t
             c.load_missing += 1
-            return MISSING
+            res.set(i, Outcome.MISS)
+            return None
         except OSError as e:
-            self._io_s += time.perf_counter() - t
             c.load_errors += 1
-            return errno_outcome(e, "open")
+            res.set(i, *errno_outcome(e, "open"))
+            return None
         try:
             st = os.fstat(fd)
             if stat.S_ISDIR(st.st_mode):
@@ -669,10 +675,9 @@ class FsBackend(TierBackend):
                 os.posix_fadvise(fd, 0, st.st_size, _FADV_WILLNEED)
         except OSError as e:
             _close_quietly(fd)
-            self._io_s += time.perf_counter() - t
             c.load_errors += 1
-            return errno_outcome(e, "open")
-        self._io_s += time.perf_counter() - t
+            res.set(i, *errno_outcome(e, "open"))
+            return None
         return fd, st, path
 
     def _read_one(self, fd: int, st: os.stat_result, path: str, key: bytes, out: memoryview,
@@ -684,7 +689,6 @@ class FsBackend(TierBackend):
         hs = frame_header_size(len(key))
         cap = hs + chunk_bytes + chunk_bytes // 64 + 4096  # frames are never much larger
         reason = None
-        t = time.perf_counter()
         try:
             if size < hs or size > cap:
                 reason = "length"
@@ -697,12 +701,11 @@ class FsBackend(TierBackend):
                 if _pread_full(fd, frame, size) != size:
                     reason = "length"  # shrank under us: torn
         except OSError as e:
-            res.outcomes[i] = errno_outcome(e, "read")
+            res.set(i, *errno_outcome(e, "read"))
             c.load_errors += 1
             return
         finally:
             os.close(fd)
-            self._io_s += time.perf_counter() - t
         if reason is None:
             try:
                 dst = self._decoder.decode_into(frame, key, out)
@@ -710,13 +713,11 @@ class FsBackend(TierBackend):
             except CorruptChunkError as e:
                 reason = getattr(e, "reason", None) or "codec"
         if reason is not None:
-            t = time.perf_counter()
             self._remove_corrupt(path, st, reason)
-            self._io_s += time.perf_counter() - t
-            res.outcomes[i] = f"{CORRUPT}:{reason}"
+            res.set(i, Outcome.CORRUPT, reason)
             res.stored_bytes[i] = size
             return
-        res.outcomes[i] = OK
+        res.set(i, Outcome.OK)
         res.logical_bytes[i] = chunk_bytes
         res.stored_bytes[i] = size
         c.files_read += 1
@@ -772,57 +773,63 @@ class FsBackend(TierBackend):
     def delete(self, keys: Sequence[bytes]) -> BatchResult:
         """Unlink the chunks of ``keys`` (scheduler-decided eviction). Blocks on the disk.
 
-        Per key: ``ok`` (``stored_bytes`` = bytes freed), ``missing``, ``error:*``,
-        ``invalid:*``. A load already reading the file finishes with the old bytes."""
+        Per key: OK (``stored_bytes`` = bytes freed), MISS, ERROR, INVALID. A load
+        already reading the file finishes with the old bytes."""
         res = BatchResult.empty("delete", len(keys))
+        seconds = res.seconds
         c = self.counters
-        t = time.perf_counter()
         for i, key in enumerate(keys):
-            bad = self._key_problem(key)
-            if bad is not None:
-                res.outcomes[i] = bad
-                continue
-            path = self.path_for(bytes(key))
+            t = time.perf_counter()
             try:
-                size = os.stat(path).st_size
-                os.unlink(path)
-            except (FileNotFoundError, NotADirectoryError):
-                res.outcomes[i] = MISSING
-                continue
-            except OSError as e:
-                res.outcomes[i] = errno_outcome(e, "unlink")
-                continue
-            res.outcomes[i] = OK
-            res.stored_bytes[i] = size
-            c.files_deleted += 1
-            c.bytes_on_disk = max(0, c.bytes_on_disk - size)
-        res.io_seconds = time.perf_counter() - t
+                bad = self._key_problem(key)
+                if bad is not None:
+                    res.set(i, Outcome.INVALID, bad)
+                    continue
+                path = self.path_for(bytes(key))
+                try:
+                    size = os.stat(path).st_size
+                    os.unlink(path)
+                except (FileNotFoundError, NotADirectoryError):
+                    res.set(i, Outcome.MISS)
+                    continue
+                except OSError as e:
+                    res.set(i, *errno_outcome(e, "unlink"))
+                    continue
+                res.set(i, Outcome.OK)
+                res.stored_bytes[i] = size
+                c.files_deleted += 1
+                c.bytes_on_disk = max(0, c.bytes_on_disk - size)
+            finally:
+                seconds[i] = time.perf_counter() - t
         return res
 
     def probe(self, keys: Sequence[bytes]) -> BatchResult:
-        """Presence by one ``stat`` per key, without reading: ``ok`` with ``stored_bytes``
-        (present; not verified — a corrupt file is found by ``load``) or ``missing``."""
+        """Presence by one ``stat`` per key, without reading: OK with ``stored_bytes``
+        (present; not verified — a corrupt file is found by ``load``) or MISS."""
         res = BatchResult.empty("probe", len(keys))
-        t = time.perf_counter()
+        seconds = res.seconds
         for i, key in enumerate(keys):
-            bad = self._key_problem(key)
-            if bad is not None:
-                res.outcomes[i] = bad
-                continue
+            t = time.perf_counter()
             try:
-                st = os.stat(self.path_for(bytes(key)))
-            except (FileNotFoundError, NotADirectoryError):
-                res.outcomes[i] = MISSING
-                continue
-            except OSError as e:
-                res.outcomes[i] = errno_outcome(e, "stat")
-                continue
-            if stat.S_ISREG(st.st_mode):
-                res.outcomes[i] = OK
-                res.stored_bytes[i] = st.st_size
-            else:
-                res.outcomes[i] = MISSING
-        res.io_seconds = time.perf_counter() - t
+                bad = self._key_problem(key)
+                if bad is not None:
+                    res.set(i, Outcome.INVALID, bad)
+                    continue
+                try:
+                    st = os.stat(self.path_for(bytes(key)))
+                except (FileNotFoundError, NotADirectoryError):
+                    res.set(i, Outcome.MISS)
+                    continue
+                except OSError as e:
+                    res.set(i, *errno_outcome(e, "stat"))
+                    continue
+                if stat.S_ISREG(st.st_mode):
+                    res.set(i, Outcome.OK)
+                    res.stored_bytes[i] = st.st_size
+                else:
+                    res.set(i, Outcome.MISS)
+            finally:
+                seconds[i] = time.perf_counter() - t
         return res
 
     # ------------------------------------------------------------------ scan
@@ -966,10 +973,11 @@ def _fsync_dir(path: str) -> None:
 
 
 def _row_problem(row, num_rows: int) -> str | None:
+    """What makes ``row`` INVALID (the detail), or None."""
     if isinstance(row, bool) or not isinstance(row, (int, np.integer)):
-        return f"{INVALID}:row {row!r} is not an integer"
+        return f"row {row!r} is not an integer"
     if not 0 <= row < num_rows:
-        return f"{INVALID}:row {row} out of range 0..{num_rows - 1}"
+        return f"row {row} out of range 0..{num_rows - 1}"
     return None
 
 

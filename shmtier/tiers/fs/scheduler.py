@@ -7,10 +7,14 @@ the shared :class:`~shmtier.scheduler.pool.WorkerPool`. Never blocks except
 ``drain_jobs``.
 
 What the scheduler half keeps: an index ``key -> stored bytes`` in recency
-order (the tier's own LRU), the bytes in use, and which keys have a store or
-load in flight. At start it asks a worker to ``scan`` the root (warm restart);
-until that listing arrives a key it does not know answers RETRY, afterwards
-lookups answer HIT or MISS at once (no probe round trip per miss, DESIGN §10).
+order (the tier's own LRU; each chunk's size as the worker reported it: the
+file it wrote or found, or the one a scan listed), the bytes in use (their
+sum), and which keys have a store or load in flight. A tier job's
+``transfer_time`` and ``transfer_bytes`` are the sums of the seconds and
+logical bytes the workers reported for its own keys. At start it asks a
+worker to ``scan`` the root (warm restart); until that listing arrives a key
+it does not know answers RETRY, afterwards lookups answer HIT or MISS at once
+(no probe round trip per miss, DESIGN §10).
 
 Capacity: ``max_bytes`` (None = unbounded; the workers also keep a free-space
 floor). Before a store the LRU keys not being loaded are evicted, and one
@@ -43,11 +47,14 @@ from shmtier.contract import (
     RequestOffloadingContext,
     ScheduleEndContext,
 )
+from shmtier.scheduler.pool import PoolJobId, PoolResult
 from shmtier.scheduler.tiering.base import JobResult, SecondaryTierManager, TransferJob
-from shmtier.shared import jobs
+from shmtier.shared.jobs import SUCCESS, Outcome
 from shmtier.tiers.fs.config import FsTierConfig
 
 logger = logging.getLogger(__name__)
+
+_STORED = SUCCESS["store"]  # written, or found there already
 
 # At most this many keys per pool job when queued jobs are combined (a job needs
 # one ring slot per ~200 keys; the rings hold 128 slots per worker).
@@ -94,7 +101,7 @@ class FsTierManager(SecondaryTierManager):
         self._loading: dict[OffloadKey, int] = {}
         # pool job id -> the tier jobs it carries, in submit order: [(job, keys)]
         # (a delete carries [(None, victims)])
-        self._jobs: dict[int, list[tuple[TransferJob | None, list[OffloadKey]]]] = {}
+        self._jobs: dict[PoolJobId, list[tuple[TransferJob | None, list[OffloadKey]]]] = {}
         # op -> tier jobs queued since the last _submit_queued: [(job, keys, rows)]
         self._queued: dict[str, list[tuple[TransferJob, list[OffloadKey], list[int]]]] = {
             "load": [], "store": []}
@@ -102,7 +109,7 @@ class FsTierManager(SecondaryTierManager):
         self._events: list[OffloadingEvent] = []
         self._stats = metrics.OffloadingStats()
         self._restarts_seen = self._pool.restarts_total
-        self._scan_id = self._pool.submit("scan", self._tier, [])
+        self._scan_id: PoolJobId | None = self._pool.submit("scan", self._tier, [])
         self._index_complete = False
         self._broken = False  # the pool is broken: MISS, and fail jobs at once
 
@@ -239,74 +246,90 @@ class FsTierManager(SecondaryTierManager):
             carried = self._jobs.pop(res.job_id, None)
             if carried is None or res.op not in ("store", "load"):
                 continue
-            each = self._account_stores(res) if res.op == "store" else 0
-            total = len(res.keys) or 1
+            if res.op == "store":
+                self._account_stores(res)
             start = 0
-            for job, keys in carried:  # each tier job gets its keys' outcomes and share
-                outcomes = res.outcomes[start:start + len(keys)]
-                start += len(keys)
-                share = len(keys) / total
-                seconds = (res.io_s + res.codec_s) * share
-                nbytes = int(res.logical_bytes * share)
+            for job, keys in carried:  # each tier job: its own keys' outcomes and figures
+                end = start + len(keys)
+                outcomes = res.outcomes[start:end]
+                seconds = sum(res.seconds[start:end])
+                nbytes = sum(res.logical_bytes[start:end])
                 if res.op == "store":
-                    self._finish_store(job, keys, outcomes, each, seconds, nbytes)
+                    self._finish_store(job, keys, outcomes, res.stored_bytes[start:end],
+                                       seconds, nbytes)
                 else:
                     self._finish_load(job, keys, outcomes, seconds, nbytes)
+                start = end
         self._note_pool_health()
         finished, self._finished = self._finished, []
         return finished
 
-    def _account_stores(self, res) -> int:
-        """Count a store pool job's bytes; returns the stored bytes per chunk."""
+    def _account_stores(self, res: PoolResult) -> None:
+        """Count a store pool job's written bytes and codec time; warn about what failed."""
         label = (self._label,)
-        self._stats.increase_counter(STORED_RATIO, res.stored_bytes, label)
+        written = sum(size for code, size in zip(res.outcomes, res.stored_bytes)
+                      if code == Outcome.OK)
+        self._stats.increase_counter(STORED_RATIO, written, label)
         self._stats.increase_counter(CODEC_SECONDS, res.codec_s, label)
-        stored = sum(1 for code in res.outcomes if code == jobs.OK)
-        if stored < len(res.keys):
+        failed = sum(1 for code in res.outcomes if code not in _STORED)
+        if failed:
             logger.warning("fs tier %s: %d of %d chunks not stored: %s", self._label,
-                           len(res.keys) - stored, len(res.keys), res.error)
-        return res.stored_bytes // stored if stored else 0
+                           failed, len(res.keys), res.error)
 
-    def _finish_store(self, job: TransferJob, keys: list[OffloadKey], outcomes: list[int],
-                      each: int, seconds: float, nbytes: int) -> None:
-        ok = [k for k, code in zip(keys, outcomes) if code == jobs.OK]
+    def _finish_store(self, job: TransferJob, keys: list[OffloadKey], outcomes: list[Outcome],
+                      sizes: list[int], seconds: float, nbytes: int) -> None:
+        """Index the keys stored (written, or found there already) with their sizes."""
         self._storing.difference_update(keys)
-        for key in ok:
-            self._index[key] = each
-        self._bytes_in_use += each * len(ok)
+        index = self._index
+        ok = []
+        added = 0
+        for key, code, size in zip(keys, outcomes, sizes):
+            if code in _STORED:
+                ok.append(key)
+                old = index.get(key)
+                index[key] = size
+                added += size
+                if old is not None:  # listed by the scan meanwhile: stored just now
+                    added -= old
+                    index.move_to_end(key)
+        self._bytes_in_use += added
         if ok and self._events_on:
             self._events.append(OffloadingEvent(ok, Medium.STORAGE, removed=False,
                                                 locality=self.locality, ownership=self._label))
         self._finished.append(JobResult(job.job_id, len(ok) == len(keys),
                                         transfer_time=seconds, transfer_bytes=nbytes))
 
-    def _finish_load(self, job: TransferJob, keys: list[OffloadKey], outcomes: list[int],
+    def _finish_load(self, job: TransferJob, keys: list[OffloadKey], outcomes: list[Outcome],
                      seconds: float, nbytes: int) -> None:
         ok = []
         self._unmark_loading(keys)
         for key, code in zip(keys, outcomes):
-            if code == jobs.OK:
+            if code == Outcome.OK:
                 ok.append(key)
                 continue
             # missing, corrupt (removed by the worker) or unreadable: never a HIT again
             size = self._index.pop(key, None)
             if size is not None:
                 self._bytes_in_use -= size
-            if code == jobs.CORRUPT:
+            if code == Outcome.CORRUPT:
                 self._stats.increase_counter(CORRUPT_CHUNKS, 1, (self._label,))
         self._finished.append(JobResult(job.job_id, len(ok) == len(keys), successful_keys=ok,
                                         transfer_time=seconds, transfer_bytes=nbytes))
 
-    def _adopt_scan(self, res) -> None:
-        each = res.stored_bytes // len(res.scan_keys) if res.scan_keys else 0
-        for key in res.scan_keys:
-            if key not in self._index:
-                self._index[key] = each
-                self._index.move_to_end(key, last=False)  # older than anything stored since
-                self._bytes_in_use += each
+    def _adopt_scan(self, res: PoolResult) -> None:
+        """Index what the listing found (each chunk with its file's size), as older than
+        anything stored since the tier started."""
+        index = self._index
+        added = 0
+        for key, size in zip(res.scan_keys, res.scan_stored_bytes):
+            if key not in index:
+                index[key] = size
+                index.move_to_end(key, last=False)  # older than anything stored since
+                added += size
+        self._bytes_in_use += added
         self._index_complete = True
         logger.info("fs tier %s: %d chunks found on disk (%d bytes)", self._label,
-                    len(res.scan_keys), res.stored_bytes)
+                    len(res.scan_keys), sum(res.scan_stored_bytes))
 
     def _note_pool_health(self) -> None:
         if self._pool.broken is not None and not self._broken:
