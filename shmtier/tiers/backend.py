@@ -3,7 +3,7 @@
 Runs in: tier worker processes only (the job loop calls a backend for one job at a
 time, on the worker's one thread). Nothing here imports torch or vLLM.
 
-A backend is the worker half of a secondary tier (DESIGN §5): it moves chunks between
+A backend is the worker half of a secondary tier (docs/design.md §5): it moves chunks between
 arena rows and one medium (files, objects, peers), for one job descriptor at a time.
 The scheduler half (presence index, capacity accounting, eviction, lookups) never calls a
 backend directly; it sends job descriptors and reads results. Backend calls may block on

@@ -1,4 +1,4 @@
-"""The secondary-tier interface, signature-compatible with vLLM 0.33's (contract §7).
+"""The secondary-tier interface, signature-compatible with vLLM 0.33's (docs/vllm-contract.md §7).
 
 Who calls: the tiering manager, in the scheduler process, always under its
 lock (never concurrently, not always from the same thread). Every method must

@@ -1,4 +1,4 @@
-"""TieringOffloadingManager: the CPU primary tier plus secondary tiers (contract §6).
+"""TieringOffloadingManager: the CPU primary tier plus secondary tiers (docs/vllm-contract.md §6).
 
 Who calls: vLLM's connector scheduler half (or any driver), in the scheduler
 process, holding ``manager.lock`` — a real, non-reentrant ``threading.Lock``
@@ -19,7 +19,7 @@ Data flow::
          promotion: rows become ready (or are freed: MISS next time)
          cascade:   rows unpinned, backpressure detector updated
 
-Promotion rows are reserved per lookup *scan* (contract §6.3 reserves per key):
+Promotion rows are reserved per lookup *scan* (docs/vllm-contract.md §6.3 reserves per key):
 the keys a request's consecutive lookups promote get their rows in one
 ``primary.reserve_rows`` call when the scan ends -- at the next call that is
 not a lookup of the same request. Nothing but that request's own lookups can
@@ -32,7 +32,7 @@ HIT are kept from eviction (per key, a later promotion of the same scan could
 evict a chunk the request was just told it can load), and ARC, whose victims
 depend on the inserts in between, may choose other victims.
 
-Tier-poll thread (contract §6.10): tiers that set ``tolerates_off_thread_polling``
+Tier-poll thread (docs/vllm-contract.md §6.10): tiers that set ``tolerates_off_thread_polling``
 (peer tiers, whose counterpart the engine does not drive) are also polled every
 ``tier_poll_interval_s`` from a daemon thread holding the lock: their finished jobs are
 processed and they serve external requests between steps. It never flushes

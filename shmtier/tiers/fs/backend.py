@@ -19,7 +19,7 @@ spread evenly whatever the key's structure. Their widths (``fanout_bits``) are c
 when the namespace is created, proportional to the expected number of files (capacity
 / ``chunk_bytes_hint`` / 512 files per leaf directory, 2..16 bits in all) and recorded
 in config.json; every later open uses the recorded widths. Unlike vLLM's fs tier
-(contract §10.2: up to 4096 x 256 directories per group, more directories than files),
+(docs/vllm-contract.md §10.2: up to 4096 x 256 directories per group, more directories than files),
 a 1 TiB tier of 1 MiB chunks gets 2048 leaf directories and a 10 GiB one 32.
 
 A file's content is exactly the frame of ``shmtier.shared.codec`` (magic, version,

@@ -14,7 +14,7 @@ sum), and which keys have a store or load in flight. A tier job's
 logical bytes the workers reported for its own keys. At start it asks a
 worker to ``scan`` the root (warm restart); until that listing arrives a key
 it does not know answers RETRY, afterwards lookups answer HIT or MISS at once
-(no probe round trip per miss, DESIGN §10).
+(no probe round trip per miss, docs/design.md §10).
 
 Capacity: ``max_bytes`` (None = unbounded; the workers also keep a free-space
 floor). Before a store the LRU keys not being loaded are evicted, and one
