@@ -58,22 +58,15 @@ _KEYS_PER_BEAT = 8
 # slice of a cascade (at 1.4 MiB chunks, one chunk).
 _STORE_SLICE_BYTES = 2 << 20
 _BATCH = 128  # jobs taken per wake-up: the whole ring, so a load can overtake the backlog
-# Waiting for jobs. A worker that had a job recently polls its ring (a non-blocking
-# take every _POLL_S) instead of sleeping in sem_wait: the scheduler's sem_post then
-# finds no waiter and is an atomic add, not a futex wake-up. Measured on the 2-vCPU
-# VM: waking a sleeping process costs the poster 2-5 µs at the median but ~150 µs of
-# its own CPU at p99, and a step posts several jobs; those wake-ups were the largest
-# part of the scheduler's slowest steps. Polling costs ~1-2% of a core while jobs keep
-# coming and adds <= _POLL_S to a job's start; after _POLL_WINDOW_S without a job the
-# worker sleeps in the semaphore (idle CPU ~0; the next job pays one wake-up).
+# Waiting for jobs: a worker that had a job in the last _POLL_WINDOW_S polls its ring
+# every _POLL_S instead of sleeping in sem_wait, so the scheduler's post wakes nobody
+# (wake-ups were the largest part of the slowest steps; bench/README.md, "Tier worker
+# wake-ups"). Idle longer, it sleeps in the semaphore.
 _POLL_S = 0.0005
 _POLL_WINDOW_S = 0.25
-# A worker this far behind on stores (chunk bytes of the store jobs it holds, the one
-# in hand included) stores raw frames in codec mode "auto": a cascade that waits only
-# keeps its CPU row pinned, and pinned rows are what promotions need (measured at
-# 1.4 MiB chunks on 2 cores: compressing workers fell seconds behind, promotions
-# waited ~0.8 s and thousands were refused for lack of a free CPU row). ~16 ms of
-# compression per core.
+# A worker this far behind on stores (chunk bytes of the store jobs it holds, the one in
+# hand included) stores raw frames in codec mode "auto": a waiting cascade keeps its CPU
+# row pinned, and promotions need rows (bench/README.md, "Tier workers behind").
 _HURRY_BYTES = 16 << 20
 
 
