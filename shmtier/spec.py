@@ -14,16 +14,18 @@ built-in worker-backed tier is configured) -> secondary tiers -> manager.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import Any
 
 from shmtier import metrics
-from shmtier.config import KVLayout, PrimaryTierConfig, TieringConfig
+from shmtier.config import ConfigError, KVLayout, PrimaryTierConfig, TieringConfig
 from shmtier.scheduler.primary import CPUPrimaryTierOffloadingManager
 from shmtier.scheduler.tiering.factory import SecondaryTierFactory
 from shmtier.shared.pool_config import PoolConfig
 from shmtier.scheduler.tiering.manager import TieringOffloadingManager
 from shmtier.tiers.config import TierContext
-from shmtier.shared.segment import Segment, open_segment
+from shmtier.shared.layout import PAGE_SIZE, SegmentLayout
+from shmtier.shared.segment import Segment, SegmentSpaceError, human_bytes, open_segment
 
 
 class TieringOffloadingSpec:
@@ -67,6 +69,46 @@ class TieringOffloadingSpec:
                                  "min_gain": codec.min_gain},
                           tiers=tiers, job_timeout_s=tiering.tier_job_timeout_s)
 
+    def _open_segment(self, **kwargs) -> Segment:
+        """``open_segment`` for this engine; a /dev/shm too small for the CPU tier is a
+        :class:`ConfigError` naming ``cpu_bytes_to_use`` (nothing was created)."""
+        from shmtier.shared.pool_config import rings_len_for
+        from shmtier.shared.ring import SEMAPHORES_PER_WORKER
+
+        pool = self.pool_config
+        rings_len = rings_len_for(pool) if pool else 0
+        # the ring semaphores live on /dev/shm too (a page each), made after the segment
+        reserve = pool.num_workers * SEMAPHORES_PER_WORKER * PAGE_SIZE if pool else 0
+        try:
+            return open_segment(self.engine_id, self.geometry, self.fingerprint,
+                                rings_len=rings_len, reserve_bytes=reserve, **kwargs)
+        except SegmentSpaceError as e:
+            raise ConfigError(self._space_message(e, rings_len)) from e
+
+    def _space_message(self, e: SegmentSpaceError, rings_len: int) -> str:
+        g, value = self.geometry, self.primary_config.cpu_bytes_to_use
+
+        def fits(rows: int) -> bool:
+            layout = SegmentLayout.for_geometry(replace(g, num_chunks=rows), rings_len)
+            return layout.total_len + e.reserve <= e.free
+
+        lo, hi = 0, g.num_chunks  # the most rows that fit now (the segment grows with rows)
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
+        advice = (f"lower cpu_bytes_to_use to at most {lo * g.row_stride} (what fits now)"
+                  if lo and fits(lo) else
+                  f"{e.shm_dir} cannot hold even one {g.row_stride}-byte chunk row")
+        plus = f" plus {e.reserve} bytes for ring semaphores" if e.reserve else ""
+        return (
+            f"kv_connector_extra_config['cpu_bytes_to_use'] = {value} does not fit in "
+            f"{e.shm_dir}: the CPU tier's shared-memory segment {e.name} needs {e.size} bytes "
+            f"({human_bytes(e.size)}){plus}, {e.shm_dir} has {e.free} bytes "
+            f"({human_bytes(e.free)}) free; {advice}, or give {e.shm_dir} more room "
+            f"(Docker: --shm-size; Kubernetes: an emptyDir with medium Memory). "
+            f"Nothing was created."
+        )
+
     # --- front end (no instance needed) ---
 
     @classmethod
@@ -109,12 +151,9 @@ class TieringOffloadingSpec:
         cleanup: list = []
         try:
             from shmtier.scheduler.pool import WorkerPool
-            from shmtier.shared.pool_config import rings_len_for
 
-            rings_len = rings_len_for(self.pool_config) if self.pool_config else 0
-            segment: Segment = open_segment(self.engine_id, self.geometry, self.fingerprint,
-                                            owner=True, rings_len=rings_len,
-                                            warm_restart=self.primary_config.warm_restart)
+            segment = self._open_segment(owner=True,
+                                         warm_restart=self.primary_config.warm_restart)
             cleanup.append(segment.close)
             primary = CPUPrimaryTierOffloadingManager(
                 segment, self.primary_config.eviction_policy,
@@ -152,11 +191,8 @@ class TieringOffloadingSpec:
         """Join the segment as GPU rank ``rank`` and return its block copy worker."""
         from shmtier.gpu.copy_worker import BlockCopyWorker
 
-        from shmtier.shared.pool_config import rings_len_for
-
-        segment = open_segment(self.engine_id, self.geometry, self.fingerprint, owner=False,
-                               rank=0 if self.layout.replicated_layout else rank,
-                               rings_len=rings_len_for(self.pool_config) if self.pool_config else 0)
+        segment = self._open_segment(owner=False,
+                                     rank=0 if self.layout.replicated_layout else rank)
         try:
             return BlockCopyWorker(kv_caches, segment, self.blocks_per_chunk,
                                    0 if self.layout.replicated_layout else rank,

@@ -249,3 +249,42 @@ def test_ring_area_is_reserved_and_checked(engine_id):
         assert s.layout.arena_off >= s.layout.rings_off + 8192
         with pytest.raises(SegmentMismatchError, match="ring area is 8192 bytes in the segment, 0 expected"):
             open_segment(engine_id, GEOMETRY, FP, owner=False, rank=0)
+
+
+def test_too_little_free_space_refuses_before_anything_grows(engine_id, monkeypatch):
+    """The creator compares size + reserve with /dev/shm's free space (tests/test_shm_space.py
+    runs the real thing on a small tmpfs); the name is unlinked again."""
+    layout = SegmentLayout.for_geometry(GEOMETRY, 5000)
+    free = layout.total_len  # the segment alone would fit, not with the reserve
+    monkeypatch.setattr(seg, "shm_free_bytes", lambda shm_dir=seg.SHM_DIR: free)
+    with pytest.raises(seg.SegmentSpaceError) as info:
+        open_segment(engine_id, GEOMETRY, FP, owner=True, rings_len=5000, reserve_bytes=4096)
+    e = info.value
+    assert (e.size, e.reserve, e.free, e.shm_dir) == (layout.total_len, 4096, free, "/dev/shm")
+    assert str(e) == (
+        f"segment {segment_name(engine_id)} needs {layout.total_len} bytes "
+        f"({seg.human_bytes(layout.total_len)}) plus 4096 bytes for its ring semaphores on "
+        f"/dev/shm, which has {free} bytes ({seg.human_bytes(free)}) free: make the segment "
+        f"smaller or give /dev/shm more room (Docker: --shm-size)")
+    assert not os.path.exists(os.path.join("/dev/shm", segment_name(engine_id).lstrip("/")))
+
+
+def test_joining_is_never_refused_for_space(engine_id, monkeypatch):
+    """Only the creator needs room: a full /dev/shm does not stop ranks joining."""
+    with open_segment(engine_id, GEOMETRY, FP, owner=True, reserve_bytes=4096) as owner:
+        monkeypatch.setattr(seg, "shm_free_bytes", lambda shm_dir=seg.SHM_DIR: 0)
+        with open_segment(engine_id, GEOMETRY, FP, owner=False, rank=1,
+                          reserve_bytes=4096) as member:
+            assert not member.is_creator and owner.is_creator
+
+
+def test_created_segment_has_every_page_allocated(engine_id):
+    """posix_fallocate reserved the whole object, so no later page fault can SIGBUS."""
+    with open_segment(engine_id, GEOMETRY, FP, owner=False, rank=0, prefault=False) as s:
+        st = os.stat(s.path)
+        assert st.st_blocks * 512 >= s.layout.total_len
+
+
+def test_human_bytes():
+    assert [seg.human_bytes(n) for n in (0, 1023, 4096, 136314880, 1 << 50)] == [
+        "0 bytes", "1023 bytes", "4.0 KiB", "130.0 MiB", "1.0 PiB"]

@@ -120,6 +120,9 @@ _TAIL = 128 // 8
 _BEAT_NS, _PID, _START, _CLAIMS = 0, 1, 2, 3
 
 KINDS = ("job", "res")
+#: Named semaphores of one worker's rings (items and spaces of each kind); each one
+#: takes a page of /dev/shm.
+SEMAPHORES_PER_WORKER = 2 * len(KINDS)
 _SEM_RE = re.compile(r"^sem\.(shmtier_.+)\.w\d+\.(job|res)\.(items|spaces)$")
 
 

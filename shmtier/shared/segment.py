@@ -5,9 +5,9 @@ processes and tier workers open it as *members*. Any of them may arrive first.
 
 Join protocol (all roles)::
 
-    shm_open(O_CREAT | O_EXCL, 0600) ── wins ──▶ creator: ftruncate, write header
-            │                                    and chunk table, pre-fault,
-            │ exists                             then set state READY (last)
+    shm_open(O_CREAT | O_EXCL, 0600) ── wins ──▶ creator: check /dev/shm's free space,
+            │                                    write header, ftruncate, fallocate,
+            │ exists                             pre-fault, then state READY (last)
             ▼
     shm_open(existing) ──▶ wait (poll 5 ms, bounded) until state == READY,
                            creator died or gave up (state FAILED / name unlinked)
@@ -23,12 +23,18 @@ segment and closes before any owner claimed it unlinks too. Mappings stay valid
 in processes that still hold them. ``clean_stale_segments()`` (``shmtier
 clean``) removes what crashed processes left behind.
 
+Space: the creator refuses (:class:`SegmentSpaceError`, the name unlinked again)
+when ``/dev/shm`` has less free space than the segment needs, and reserves every
+page with ``posix_fallocate`` before mapping it, so the kernel refuses up front
+(ENOSPC) instead of a page fault raising SIGBUS later.
+
 May block: ``open_segment`` waits up to ``timeout_s`` for a creator; nothing else
 blocks.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import logging
 import mmap
@@ -80,6 +86,73 @@ class SegmentTimeoutError(SegmentError):
 
 class SegmentOwnedError(SegmentError):
     """Another live scheduler owns the segment of this engine id."""
+
+
+class SegmentSpaceError(SegmentError):
+    """The shared-memory filesystem cannot hold a new segment; nothing was left behind.
+
+    ``size``: bytes of the segment; ``reserve``: bytes the caller needs beside it (ring
+    semaphores); ``free``: bytes free on ``shm_dir`` when it was refused (for a tmpfs
+    without a size limit: this host's memory)."""
+
+    def __init__(self, name: str, size: int, reserve: int, free: int, shm_dir: str):
+        self.name, self.size, self.reserve, self.free, self.shm_dir = (
+            name, size, reserve, free, shm_dir)
+        plus = f" plus {reserve} bytes for its ring semaphores" if reserve else ""
+        super().__init__(
+            f"segment {name} needs {size} bytes ({human_bytes(size)}){plus} on {shm_dir}, "
+            f"which has {free} bytes ({human_bytes(free)}) free: make the segment smaller or "
+            f"give {shm_dir} more room (Docker: --shm-size)"
+        )
+
+
+def human_bytes(n: int) -> str:
+    """``n`` bytes in binary units for messages, e.g. ``130.0 MiB``."""
+    value, unit = float(n), "bytes"
+    for next_unit in ("KiB", "MiB", "GiB", "TiB", "PiB"):
+        if value < 1024:
+            break
+        value, unit = value / 1024, next_unit
+    return f"{value:.1f} {unit}" if unit != "bytes" else f"{n} bytes"
+
+
+def shm_free_bytes(shm_dir: str = SHM_DIR) -> int | None:
+    """Bytes still free on the filesystem of ``shm_dir``; None when that cannot be read.
+
+    A tmpfs mounted without a size limit (``size=0``) reports no blocks; its bound
+    is then taken to be this host's physical memory."""
+    try:
+        st = os.statvfs(shm_dir)
+    except OSError:
+        return None
+    if st.f_blocks == 0:
+        try:
+            return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (OSError, ValueError):
+            return None
+    return st.f_bavail * st.f_frsize
+
+
+def _check_space(name: str, size: int, reserve: int) -> None:
+    """Refuse before anything grows when ``shm_dir`` cannot hold ``size + reserve`` bytes."""
+    free = shm_free_bytes()
+    if free is not None and size + reserve > free:
+        raise SegmentSpaceError(name, size, reserve, free, SHM_DIR)
+
+
+def _allocate(name: str, fd: int, size: int, reserve: int) -> None:
+    """Give the object ``size`` bytes with every page reserved (posix_fallocate).
+
+    The kernel refuses here (ENOSPC; ENOMEM from a memory cgroup) rather than a
+    later page fault raising SIGBUS; a tmpfs undoes a failed fallocate."""
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as e:
+        if e.errno not in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG):
+            raise
+        free = shm_free_bytes()
+        raise SegmentSpaceError(name, size, reserve, 0 if free is None else free,
+                                SHM_DIR) from e
 
 
 def segment_name(engine_id: str) -> str:
@@ -316,13 +389,15 @@ def _check_compatible(name: str, header: SegmentHeader, layout: SegmentLayout,
 
 
 def _create(name: str, shm: posix_ipc.SharedMemory, layout: SegmentLayout, fingerprint: str,
-            prefault_rank: int | None, prefault: bool) -> Segment:
+            prefault_rank: int | None, prefault: bool, reserve_bytes: int) -> Segment:
     buf = None
     try:
+        _check_space(name, layout.total_len, reserve_bytes)
         # The header goes in with one write *before* the object grows: a joiner that
         # sees HEADER_SIZE bytes sees who the creator is (state still INITIALISING).
         os.pwrite(shm.fd, _encode_header(layout, fingerprint).ljust(HEADER_SIZE, b"\0"), 0)
         os.ftruncate(shm.fd, layout.total_len)
+        _allocate(name, shm.fd, layout.total_len, reserve_bytes)  # no SIGBUS on a later fault
         inode = os.fstat(shm.fd).st_ino
         buf = mmap.mmap(shm.fd, layout.total_len)
         segment = Segment(name, buf, inode, layout, is_creator=True, is_owner=False)
@@ -363,14 +438,19 @@ def open_segment(
     prefault: bool = True,
     timeout_s: float = 30.0,
     rings_len: int = 0,
+    reserve_bytes: int = 0,
 ) -> Segment:
     """Create or join the segment of ``engine_id`` (see the module docstring).
 
     ``owner=True`` for the scheduler (claims ownership, unlinks on close);
     members pass their GPU ``rank`` so only their slot of each row is
     pre-faulted. ``rings_len`` reserves that many bytes (page rounded) for the
-    tier workers' rings; every opener must pass the same value. Raises :class:`SegmentMismatchError`, :class:`SegmentOwnedError`
-    or :class:`SegmentTimeoutError` with a message naming the segment and values.
+    tier workers' rings; every opener must pass the same value. ``reserve_bytes``:
+    room on ``/dev/shm`` the caller needs beside the segment (its ring semaphores),
+    checked only when this process creates the segment. Raises
+    :class:`SegmentMismatchError`, :class:`SegmentOwnedError`,
+    :class:`SegmentTimeoutError` or (when ``/dev/shm`` cannot hold a new segment,
+    nothing left behind) :class:`SegmentSpaceError`, each naming the segment and values.
     """
     name = segment_name(engine_id)
     layout = SegmentLayout.for_geometry(geometry, rings_len)
@@ -382,7 +462,8 @@ def open_segment(
         except posix_ipc.ExistentialError:
             pass
         else:
-            segment = _create(name, shm, layout, fingerprint, prefault_rank, prefault)
+            segment = _create(name, shm, layout, fingerprint, prefault_rank, prefault,
+                              reserve_bytes)
             if owner:
                 segment.claim_ownership()
             return segment
