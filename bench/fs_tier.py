@@ -66,7 +66,8 @@ import numpy as np  # noqa: E402
 from common import exit_through_finally, rotated, write_json  # noqa: E402
 
 from shmtier.shared.codec import ChunkDecoder, ChunkEncoder, CompressionConfig  # noqa: E402
-from shmtier.tiers.fs.backend import FsBackend, probe_direct_io  # noqa: E402
+from shmtier.tiers.fs.backend import FsBackend  # noqa: E402
+from shmtier.tiers.fs.fileio import probe_direct_io  # noqa: E402
 
 KIB, MIB, GB = 1 << 10, 1 << 20, 1e9
 PAGE = mmap.PAGESIZE

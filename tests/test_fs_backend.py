@@ -26,10 +26,10 @@ from hypothesis import strategies as hs
 from shmtier.shared.codec import CompressionConfig, frame_header_size, parse_frame_header
 from shmtier.shared.jobs import Outcome, decode_result, encode_result
 from shmtier.tiers.backend import BatchResult
-from shmtier.tiers.fs.backend import (
+from shmtier.tiers.fs.backend import FsBackend
+from shmtier.tiers.fs.namespace import (
     CHUNK_SUFFIX,
     TEMP_SUFFIX,
-    FsBackend,
     choose_fanout_bits,
     namespace_dir_name,
 )
@@ -682,7 +682,7 @@ def test_temp_files_of_live_or_unknown_writers_are_kept_until_stale(tmp_path):
     key = keys_for(1)[0]
     b.store([key], [0], src, 4096)
     leaf = os.path.dirname(b.path_for(key))
-    mine = os.path.join(leaf, b._temp_name(key.hex()))  # this (live) process is writing
+    mine = os.path.join(leaf, b.ns.temp_name(key.hex()))  # this (live) process is writing
     foreign = os.path.join(leaf, f".{key.hex()[:16]}.ffffffff-1-1-1{TEMP_SUFFIX}")  # other boot/host
     foreign_old = os.path.join(leaf, f".{key.hex()[:16]}.eeeeeeee-1-1-1{TEMP_SUFFIX}")
     for p in (mine, foreign, foreign_old):
@@ -836,7 +836,7 @@ def test_direct_io_where_the_filesystem_takes_it_and_buffered_otherwise(tmp_path
     """"auto": O_DIRECT where the probe succeeds (files are cut back to the frame's exact
     size); buffered by default, or where O_DIRECT does not exist; true there is a clear
     error. Every way round trips the bytes exactly."""
-    from shmtier.tiers.fs import backend as fs_backend
+    from shmtier.tiers.fs import fileio
 
     rng = np.random.default_rng(5)
     src = bf16_normal(rng, 3 * 12288).reshape(3, 12288)
@@ -853,13 +853,13 @@ def test_direct_io_where_the_filesystem_takes_it_and_buffered_otherwise(tmp_path
 
     (tmp_path / "auto").mkdir()
     auto = FsBackend(str(tmp_path / "auto"), "direct-auto", min_free_bytes=0, direct_io="auto")
-    assert auto.direct_io == fs_backend.probe_direct_io(str(tmp_path / "auto"))
+    assert auto.direct_io == fileio.probe_direct_io(str(tmp_path / "auto"))
     round_trip(auto)
     (tmp_path / "off").mkdir()
     off = FsBackend(str(tmp_path / "off"), "direct-off", min_free_bytes=0)  # the default
     assert off.direct_io is False
     round_trip(off)
-    monkeypatch.setattr(fs_backend, "_O_DIRECT", 0)  # a platform without O_DIRECT
+    monkeypatch.setattr(fileio, "O_DIRECT", 0)  # a platform without O_DIRECT
     (tmp_path / "none").mkdir()
     none = FsBackend(str(tmp_path / "none"), "direct-none", min_free_bytes=0, direct_io="auto")
     assert none.direct_io is False

@@ -451,7 +451,7 @@ def test_workers_that_never_start_break_the_tier_which_then_misses_fast(engines,
     where the namespace directory goes): the pool breaks within a bounded time and says so
     once; the fs tier then answers MISS and fails jobs at once, the scheduler's calls stay
     fast, the CPU tier keeps serving, and nothing is left behind."""
-    from shmtier.tiers.fs.backend import namespace_dir_name
+    from shmtier.tiers.fs.namespace import namespace_dir_name
 
     layout = KVLayout("m", "bfloat16", 16, 8192, 1)
     probe = TieringOffloadingSpec({"cpu_bytes_to_use": 16 * 8192, "secondary_tiers": [

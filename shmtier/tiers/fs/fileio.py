@@ -1,0 +1,195 @@
+"""Low-level file helpers of the ``fs`` tier: whole writes and reads, O_DIRECT, fsync, space.
+
+Runs in: tier worker processes, called on the worker's single thread by ``FsBackend``
+(``backend.py``), its write and read paths (``store.py``, ``load.py``) and ``Namespace``
+(``namespace.py``); ``bench/fs_tier.py`` calls ``probe_direct_io``. Every function that
+takes a descriptor or a path blocks on the filesystem (microseconds on a local disk,
+seconds on a slow network filesystem). Errors are raised as OSError, except that a
+short read is returned (a count or None), ``probe_direct_io`` answers False, the
+statvfs helpers fall back (1 TiB, None) and the ``*_quietly`` helpers swallow them. Knows nothing of chunks, keys or the namespace
+layout; imports only numpy.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+
+import numpy as np
+
+#: Page size assumed for O_DIRECT offsets, lengths and buffer addresses.
+ALIGN = 4096
+O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+O_DIRECT = getattr(os, "O_DIRECT", 0)  # 0 where the platform has none
+O_DIRECTORY = getattr(os, "O_DIRECTORY", 0)
+FADV_WILLNEED = getattr(os, "POSIX_FADV_WILLNEED", None)
+
+
+class PageBuffer:
+    """A reusable byte buffer handing out views that start at a chosen offset past a page
+    boundary. Grows on demand (to at least twice its size with ``doubling``), never
+    shrinks; ``release`` drops it."""
+
+    def __init__(self, *, doubling: bool):
+        self._doubling = doubling
+        self._a: np.ndarray | None = None
+
+    def view(self, offset: int, size: int, need: int) -> np.ndarray:
+        """``size`` bytes starting ``offset`` bytes past a page boundary, from a buffer of
+        at least ``need`` bytes (``need`` must cover a page of slack + ``offset + size``)."""
+        a = self._a
+        if a is None or a.nbytes < need:
+            if self._doubling and a is not None:
+                need = max(need, 2 * a.nbytes)
+            self._a = a = np.empty(need, dtype=np.uint8)
+        base = (-a.ctypes.data) % ALIGN + offset
+        return a[base:base + size]
+
+    def release(self) -> None:
+        self._a = None
+
+
+def writev_all(fd: int, parts, total: int) -> None:
+    """Write all of ``parts``: one writev when the kernel takes it all (as it does for a
+    regular file unless out of space or interrupted), else continue after a short write."""
+    done = os.writev(fd, parts)
+    if done == total:
+        return
+    views = [memoryview(p).cast("B") for p in parts]
+    while True:
+        rest, skip = [], done
+        for v in views:
+            if skip >= len(v):
+                skip -= len(v)
+                continue
+            rest.append(v[skip:])
+            skip = 0
+        if not rest:
+            return
+        views = rest
+        done = os.writev(fd, views)
+        if done <= 0:
+            raise OSError(errno.EIO, "short write")
+
+
+def pread_full(fd: int, view: memoryview, size: int) -> int:
+    """Read the first ``size`` bytes of the file into ``view``; the bytes read (fewer
+    only if the file ends early)."""
+    got = 0
+    while got < size:
+        n = os.preadv(fd, [view[got:size]], got)
+        if n == 0:
+            break
+        got += n
+    return got
+
+
+def write_direct(fd: int, parts, size: int, buf: PageBuffer) -> None:
+    """O_DIRECT write of ``parts`` (``size`` bytes) from offset 0: gathered into ``buf``,
+    written in whole pages (DMA from that buffer, no page-cache copy; bench/README.md,
+    fs_tier.py, has the measurements) and the file cut back to ``size``."""
+    padded = -(-size // ALIGN) * ALIGN
+    out = buf.view(0, padded, padded + ALIGN)
+    at = 0
+    for part in parts:
+        n = len(part) if not isinstance(part, memoryview) else part.nbytes
+        out[at:at + n] = np.frombuffer(part, dtype=np.uint8)
+        at += n
+    out[size:] = 0
+    done = 0
+    view = out.data
+    while done < padded:
+        k = os.pwrite(fd, view[done:], done)
+        if k <= 0:
+            raise OSError(errno.EIO, "short write")
+        done += k
+    if padded != size:
+        os.ftruncate(fd, size)
+
+
+def read_direct(fd: int, size: int, cap: int, buf: PageBuffer) -> memoryview | None:
+    """O_DIRECT read of a ``size``-byte file (at most ``cap``) in whole pages into ``buf``:
+    its bytes, or None if the file ended early."""
+    padded = -(-size // ALIGN) * ALIGN
+    view = buf.view(0, padded, -(-cap // ALIGN) * ALIGN + 2 * ALIGN).data
+    got = 0
+    while got < size:
+        k = os.preadv(fd, [view[got:]], got)
+        if k <= 0:
+            return None
+        got += k
+    return view[:size]
+
+
+def fsync_dir(path: str) -> None:
+    """fsync directory ``path`` (makes the entries created or renamed in it durable)."""
+    fd = os.open(path, os.O_RDONLY | O_DIRECTORY | O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def probe_direct_io(directory: str) -> bool:
+    """Whether ``directory`` takes O_DIRECT: one aligned page written to a probe file
+    (as vLLM's fs tier probes). Some network and FUSE filesystems, and tmpfs before
+    Linux 6.6, do not."""
+    if not O_DIRECT:
+        return False
+    path = os.path.join(directory, f".direct-probe.{os.getpid()}.tmp")  # a temp file's suffix
+    page = np.zeros(2 * ALIGN, dtype=np.uint8)
+    base = (-page.ctypes.data) % ALIGN
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | O_DIRECT | O_CLOEXEC, 0o600)
+    except OSError:
+        return False
+    try:
+        return os.pwrite(fd, page[base:base + ALIGN].data, 0) == ALIGN
+    except OSError:
+        return False
+    finally:
+        close_quietly(fd)
+        unlink_quietly(path)
+
+
+def st_capacity(path: str) -> int:
+    """Total size of the filesystem holding ``path`` (1 TiB if it cannot be asked)."""
+    try:
+        v = os.statvfs(path)
+    except OSError:
+        return 1 << 40
+    return v.f_blocks * v.f_frsize
+
+
+def available_bytes(path: str) -> int | None:
+    """Bytes an unprivileged writer may still use on ``path``'s filesystem, or None."""
+    try:
+        v = os.statvfs(path)
+    except OSError:
+        return None
+    return v.f_bavail * v.f_frsize
+
+
+def close_quietly(fd: int) -> None:
+    try:
+        os.close(fd)
+    except OSError:
+        pass
+
+
+def unlink_quietly(path: str) -> bool:
+    """Unlink ``path``; whether it was removed."""
+    try:
+        os.unlink(path)
+    except OSError:
+        return False
+    return True
+
+
+def is_hex(s: str) -> bool:
+    """Whether ``s`` is lower-case hex digits."""
+    try:
+        int(s, 16)
+    except ValueError:
+        return False
+    return s == s.lower()

@@ -1,0 +1,195 @@
+"""The ``fs`` tier's read path: a load (promotion) batch of files verified into arena rows.
+
+Runs in: tier worker processes only; ``FsBackend.load`` (``backend.py``), called by the
+job loop for a promotion job, hands the batch to its ``ChunkReader`` on the worker's
+single thread. Blocks on the filesystem: per key an open, an fstat and a whole-file read,
+and for a corrupt file a stat and an unlink.
+
+Files are opened up to 16 at a time with ``posix_fadvise(WILLNEED)`` (the device reads
+them in parallel while earlier ones are verified); each is then read whole (one
+``preadv``) into a reusable page-aligned buffer and decoded into the row by the codec,
+which checks everything (magic, version, lengths, key, checksum, and the file size
+against the frame's stored length) before and after writing the row. With
+``direct_io`` the file is read in whole pages with ``O_DIRECT`` instead
+(``fileio.read_direct``). A file that fails is reported CORRUPT (the reason as its
+detail), unlinked (only if the path still names the inode that was read: a concurrent
+re-store of the key is kept) and counted.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import stat
+import time
+from typing import Sequence
+
+from shmtier.shared.codec import ChunkDecoder, CorruptChunkError, frame_header_size
+from shmtier.tiers.backend import BatchResult, Outcome, as_arena, check_batch
+from shmtier.tiers.fs.fileio import (
+    ALIGN,
+    FADV_WILLNEED,
+    O_CLOEXEC,
+    O_DIRECT,
+    PageBuffer,
+    close_quietly,
+    pread_full,
+    read_direct,
+)
+from shmtier.tiers.fs.namespace import Namespace, key_problem
+from shmtier.tiers.fs.outcomes import FsCounters, errno_outcome, row_problem
+
+_PREFETCH = 16  # files of a load batch opened (and read ahead) at once
+
+
+class ChunkReader:
+    """The read path of one ``FsBackend``: reads and verifies files of ``ns`` into rows,
+    counting into ``counters`` (shared with the backend). Not thread-safe: it reuses its
+    decoder and read buffer."""
+
+    def __init__(self, ns: Namespace, counters: FsCounters, *, direct_io: bool):
+        self.ns = ns
+        self.counters = counters
+        self.direct_io = direct_io
+        self._decoder = ChunkDecoder()
+        self._buf = PageBuffer(doubling=True)  # reusable read buffer
+        self._codec_s = 0.0  # accumulator of the load in progress
+
+    def release(self) -> None:
+        """Drop the read buffer (a later load allocates it again)."""
+        self._buf.release()
+
+    def load(self, keys: Sequence[bytes], rows: Sequence[int], arena,
+             chunk_bytes: int) -> BatchResult:
+        """``FsBackend.load`` (its docstring is the contract)."""
+        a = as_arena(arena)
+        check_batch(keys, rows, a, chunk_bytes)
+        n = len(keys)
+        res = BatchResult.empty("load", n)
+        seconds = res.seconds
+        self._codec_s = 0.0
+        for lo in range(0, n, _PREFETCH):
+            opened: dict[int, tuple[int, os.stat_result, str]] = {}
+            try:
+                for i in range(lo, min(n, lo + _PREFETCH)):
+                    t = time.perf_counter()
+                    got = self._open(keys[i], rows[i], a.shape[0], res, i)
+                    if got is not None:
+                        opened[i] = got
+                    seconds[i] += time.perf_counter() - t
+                for i in sorted(opened):
+                    t = time.perf_counter()
+                    fd, st, path = opened.pop(i)
+                    self._read_one(fd, st, path, bytes(keys[i]), a[rows[i], :chunk_bytes].data,
+                                   res, i)
+                    seconds[i] += time.perf_counter() - t
+            finally:
+                for fd, _st, _path in opened.values():
+                    close_quietly(fd)
+        res.codec_seconds = self._codec_s
+        return res
+
+    def _open(self, key, row, num_rows: int, res: BatchResult, i: int):
+        """Open key's file and start its readahead: (fd, stat, path), or None when key
+        i's outcome is already decided (set in ``res``)."""
+        bad = key_problem(key)
+        if bad is None:
+            bad = row_problem(row, num_rows)
+        if bad is not None:
+            res.set(i, Outcome.INVALID, bad)
+            return None
+        c = self.counters
+        path = self.ns.path_for(bytes(key))
+        try:
+            # O_NONBLOCK: a FIFO planted at the path must not hang the worker.
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | O_CLOEXEC)
+        except (FileNotFoundError, NotADirectoryError):
+            c.load_missing += 1
+            res.set(i, Outcome.MISS)
+            return None
+        except OSError as e:
+            c.load_errors += 1
+            res.set(i, *errno_outcome(e, "open"))
+            return None
+        try:
+            st = os.fstat(fd)
+            if stat.S_ISDIR(st.st_mode):
+                raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR))
+            if not stat.S_ISREG(st.st_mode):
+                raise OSError(errno.EINVAL, "not a regular file")
+            if self.direct_io:
+                # set after the checks: O_DIRECT at open would turn EISDIR into EINVAL
+                fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | O_DIRECT)
+            elif FADV_WILLNEED is not None and st.st_size:
+                # Asynchronous readahead: the batch's files are read from the device in
+                # parallel while earlier ones are being verified.
+                os.posix_fadvise(fd, 0, st.st_size, FADV_WILLNEED)
+        except OSError as e:
+            close_quietly(fd)
+            c.load_errors += 1
+            res.set(i, *errno_outcome(e, "open"))
+            return None
+        return fd, st, path
+
+    def _read_one(self, fd: int, st: os.stat_result, path: str, key: bytes, out: memoryview,
+                  res: BatchResult, i: int) -> None:
+        """Read one opened file whole, verify and decode it into ``out``; closes ``fd``."""
+        c = self.counters
+        size = st.st_size
+        chunk_bytes = out.nbytes
+        hs = frame_header_size(len(key))
+        cap = hs + chunk_bytes + chunk_bytes // 64 + 4096  # frames are never much larger
+        reason = None
+        try:
+            if size < hs or size > cap:
+                reason = "length"
+            elif self.direct_io:
+                frame = read_direct(fd, size, cap, self._buf)
+                if frame is None:
+                    reason = "length"  # shrank under us: torn
+            else:
+                # placed so that the payload (after the hs-byte header) is page aligned
+                pad = (-hs) % ALIGN
+                frame = self._buf.view(pad, size, pad + cap + ALIGN).data
+                if pread_full(fd, frame, size) != size:
+                    reason = "length"  # shrank under us: torn
+        except OSError as e:
+            res.set(i, *errno_outcome(e, "read"))
+            c.load_errors += 1
+            return
+        finally:
+            os.close(fd)
+        if reason is None:
+            try:
+                dst = self._decoder.decode_into(frame, key, out)
+                self._codec_s += dst.seconds
+            except CorruptChunkError as e:
+                reason = getattr(e, "reason", None) or "codec"
+        if reason is not None:
+            self._remove_corrupt(path, st, reason)
+            res.set(i, Outcome.CORRUPT, reason)
+            res.stored_bytes[i] = size
+            return
+        res.set(i, Outcome.OK)
+        res.logical_bytes[i] = chunk_bytes
+        res.stored_bytes[i] = size
+        c.files_read += 1
+        c.bytes_read += size
+
+    def _remove_corrupt(self, path: str, st: os.stat_result, reason: str) -> None:
+        c = self.counters
+        c.corrupt_files_detected += 1
+        c.corrupt_by_reason[reason] = c.corrupt_by_reason.get(reason, 0) + 1
+        try:
+            now = os.stat(path)
+            if (now.st_dev, now.st_ino) != (st.st_dev, st.st_ino):
+                return  # re-stored meanwhile by another writer: not the file we judged
+            os.unlink(path)
+        except FileNotFoundError:
+            return  # someone else removed it already
+        except OSError:
+            c.corrupt_remove_failed += 1
+            return
+        c.corrupt_files_removed += 1
+        c.bytes_on_disk = max(0, c.bytes_on_disk - st.st_size)
