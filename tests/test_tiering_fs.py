@@ -129,7 +129,7 @@ def _assert_index_is_the_disk(tier, root) -> dict[bytes, int]:
     """The fs tier's index holds each chunk with its file's exact size."""
     files = {bytes.fromhex(p.name[:-len(".kv")]): p.stat().st_size for p in root.rglob("*.kv")}
     assert dict(tier._index) == files
-    assert tier._bytes_in_use == sum(files.values())
+    assert tier.bytes_on_disk == sum(files.values())
     return files
 
 
