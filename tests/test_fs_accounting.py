@@ -1,6 +1,7 @@
 """The fs tier's accounting with real tier worker processes and real files (issue 11,
-items 2, 3 and 4): ``max_bytes`` is never exceeded, the byte count never drifts, and
-a worker's death loses no chunk and leaves no orphan.
+items 2, 3, 4 and 8): ``max_bytes`` is never exceeded, the byte count never drifts,
+a worker's death loses no chunk and leaves no orphan, and the free-space floor is kept
+by evicting, with one warning.
 
 After each scenario, once the tier settled: the ``fs_bytes_on_disk`` gauge equals the
 bytes of the ``*.kv`` files under the root, and the index holds exactly those files
@@ -9,6 +10,7 @@ bytes of the ``*.kv`` files under the root, and the index holds exactly those fi
 
 from __future__ import annotations
 
+import logging
 import os
 import random
 import signal
@@ -16,7 +18,7 @@ import threading
 import time
 
 import pytest
-from fs_engine import END, GPU_BLOCKS, PENDING, engines, key  # noqa: F401
+from fs_engine import END, GPU_BLOCKS, HIT, MISS, PENDING, engines, key  # noqa: F401
 from processes import worker_processes
 import torch
 
@@ -89,13 +91,14 @@ def assert_settled(engine, root) -> tuple[dict[bytes, int], dict]:
 @pytest.fixture
 def worker_hooks(monkeypatch, tmp_path):
     """Install tests/worker_hooks/sitecustomize.py in the tier workers spawned from now on
-    (slow publishes: see that module)."""
+    (slow publishes, a small filesystem: see that module)."""
 
-    def install(slow_publish_s: float = 0.0) -> None:
+    def install(slow_publish_s: float = 0.0, capacity: int = 0) -> None:
         monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
             p for p in (HOOKS, os.environ.get("PYTHONPATH")) if p))
         monkeypatch.setenv("SHMTIER_TEST_FS_ROOT", str(tmp_path))
         monkeypatch.setenv("SHMTIER_TEST_SLOW_PUBLISH_S", str(slow_publish_s))
+        monkeypatch.setenv("SHMTIER_TEST_FS_CAPACITY", str(capacity))
 
     return install
 
@@ -338,3 +341,60 @@ def test_workers_killed_at_random_keep_the_bound_and_the_count(engines, tmp_path
     assert sampler.samples and sampler.max <= limit, sampler.max
     files, _ = assert_settled(e, tmp_path)
     assert 0 < sum(files.values()) <= limit
+
+
+# --- item 8: the free-space floor ---
+
+def fs_warnings(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records
+            if r.name == fs_tier.__name__ and r.levelno >= logging.WARNING]
+
+
+def test_the_free_space_floor_is_kept_by_evicting_with_one_warning(
+        engines, tmp_path, worker_hooks, caplog):
+    """A small filesystem (the workers see 64 KiB + four chunk files of it): once the
+    floor is reached, the workers refuse stores; the tier evicts its least recently
+    used chunks by the free bytes they report and stores again, so every cascade
+    lands, and it says so once, with the numbers (it used to refuse every cascade
+    with one warning each and evict nothing)."""
+    floor = 64 << 10
+    capacity = floor + 4 * FILE
+    worker_hooks(capacity=capacity)
+    caplog.set_level(logging.WARNING)
+    e = engines(tmp_path, workers=1, min_free_bytes=floor)
+    e.settle()
+    with DiskSampler(tmp_path) as sampler:
+        for r in range(8):
+            e.offload([key(2 * r), key(2 * r + 1)], (2 * r) % 16, ReqContext(f"r{r}"))
+            e.settle(timeout_s=30)
+    assert sampler.max <= capacity - floor
+    files, data = assert_settled(e, tmp_path)
+    assert set(files) >= {key(14), key(15)} and len(files) == 3  # 3 fit above the floor
+    assert data[fs_tier.EVICTED_CHUNKS][LABEL] == 13
+    assert "vllm:kv_offload_tiering_cascade_job_failures" not in data
+    (warning,) = fs_warnings(caplog)
+    assert f"min_free_bytes ({floor})" in warning and "bytes free" in warning
+    assert "the tier holds" in warning and "evicting" in warning
+
+
+def test_a_filesystem_too_small_for_the_default_floor_warns_once(
+        engines, tmp_path, worker_hooks, caplog):
+    """The default floor (1 GiB) on a 1 MiB filesystem: no eviction can make room, so the
+    cascades fail (the CPU tier keeps serving), with one warning naming the free
+    bytes, the floor and what the tier holds (it used to warn once per job)."""
+    worker_hooks(capacity=1 << 20)
+    caplog.set_level(logging.WARNING)
+    e = engines(tmp_path, min_free_bytes=1 << 30)
+    e.settle()
+    for r in range(4):
+        e.offload([key(2 * r), key(2 * r + 1)], 2 * r, ReqContext(f"r{r}"))
+        e.settle()
+    files, data = assert_settled(e, tmp_path)
+    assert not files
+    assert data["vllm:kv_offload_tiering_cascade_job_failures"][LABEL] == 4
+    assert fs_tier.EVICTED_CHUNKS not in data
+    (warning,) = fs_warnings(caplog)
+    assert "min_free_bytes (1073741824)" in warning and "bytes free" in warning
+    assert "holds only 0 bytes" in warning
+    with e.manager.lock:
+        assert all(e.manager.lookup(key(i), ReqContext("x")) is HIT for i in range(8))

@@ -1234,6 +1234,24 @@ def test_stores_and_deletes_are_answered_slice_by_slice_and_a_failure_fails_only
     assert [(r.outcomes, r.more) for r in answered] == [([Outcome.MISS] * 16, False)]
 
 
+def test_a_store_refused_for_the_free_space_floor_reports_the_free_bytes(tmp_path):
+    """The job loop completes a "min_free" refusal with the free bytes the worker sees,
+    in the result's error text, where the scheduler half finds them."""
+    from shmtier.tiers.fs.backend import FsBackend
+    from shmtier.workers import job_loop
+
+    backend = FsBackend(str(tmp_path), "floor-fp", min_free_bytes=1 << 62)
+    runner = job_loop.JobRunner([backend], np.zeros((2, 4096), dtype=np.uint8), 4096, 8 << 10)
+    (res,) = runner.run(jobs.decode_job(jobs.pack_job(1, "store", 0, [_key(1), _key(2)], [0, 1])))
+    assert res.outcomes == [Outcome.REJECTED] * 2
+    free = os.statvfs(tmp_path)
+    assert re.fullmatch(r"2 REJECTED \(min_free: \d+ bytes free\)", res.error), res.error
+    seen = jobs.free_bytes_in(res.error)
+    assert abs(seen - free.f_bavail * free.f_frsize) < 1 << 30
+    assert jobs.free_bytes_in("x; 1 REJECTED (min_free: 5 bytes free); min_free: 3 bytes free") == 3
+    assert jobs.free_bytes_in("2 REJECTED (max_bytes)") is None
+
+
 def test_the_job_loop_dispatches_through_the_backends_handler_table(tmp_path):
     """An op runs the method the backend's HANDLERS table names; an op the table leaves
     out is answered with an error result naming it (the worker goes on); a table naming

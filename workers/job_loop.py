@@ -229,7 +229,7 @@ class JobRunner:
                 pieces = self._fit(self._scan(job, handler), job)
             else:
                 whole = BatchResult(job.op, [], [], [], [], [])
-                for start, keys, part in self._in_slices(handler, job):
+                for start, keys, part in self._in_slices(handler, job, backend):
                     if len(part.outcomes) != len(keys):
                         raise RuntimeError(f"the backend answered {len(part.outcomes)} "
                                            f"outcomes for {len(keys)} keys")
@@ -249,13 +249,14 @@ class JobRunner:
                                                   n - answered), job)
         yield from pieces
 
-    def _in_slices(self, handler, job: jobs.Job) -> Iterator[tuple]:
+    def _in_slices(self, handler, job: jobs.Job, backend) -> Iterator[tuple]:
         """Run ``handler`` (the backend's method for the job's op) over the job's keys in
         slices, beating between them, so a long job on a slow medium is not mistaken for
         a hung worker; yields ``(first key's index, keys, BatchResult)`` per slice. Before
         each slice of a store, loads that reached the ring meanwhile run first, and the
         slice is stored raw (in codec mode "auto") while the store work held exceeds
-        _HURRY_BYTES."""
+        _HURRY_BYTES. A store slice refused for the free-space floor gets the free bytes
+        the worker sees in its detail (``jobs.min_free_detail``)."""
         n = len(job.keys)
         step = _KEYS_PER_BEAT
         if job.op == "store":
@@ -271,6 +272,8 @@ class JobRunner:
                                self.chunk_bytes, hurry=behind > _HURRY_BYTES,
                                bytes_in_use=None if in_use is None else in_use + stored)
                 stored += part.total_stored
+                if jobs.MIN_FREE in part.details:
+                    _note_free_bytes(part, backend)
             elif job.op == "load":
                 part = handler(keys, job.rows[start:start + step], self.arena, self.chunk_bytes)
             else:
@@ -293,6 +296,28 @@ class JobRunner:
             stored.append(entry.stored_bytes)
         return jobs.Result(job.job_id, stored_bytes=stored, keys=keys)
 
+
+def _note_free_bytes(part: BatchResult, backend) -> None:
+    """Complete the ``"min_free"`` details of a store slice with the free bytes on the
+    backend's medium now (``jobs.min_free_detail``): the scheduler half evicts by that
+    figure and names it in its warning. Known for a backend with ``free_bytes()``, or
+    one that stores under a directory (``namespace_dir``: fs); else left as it is."""
+    free = None
+    try:
+        query = getattr(backend, "free_bytes", None)
+        if query is not None:
+            free = query()
+        else:
+            where = getattr(backend, "namespace_dir", None)
+            if where is not None:
+                v = os.statvfs(where)
+                free = v.f_bavail * v.f_frsize
+    except OSError:
+        return
+    if free is None:
+        return
+    detail = jobs.min_free_detail(free)
+    part.details = [detail if d == jobs.MIN_FREE else d for d in part.details]
 
 
 def run_worker(engine_id: str, index: int) -> int:

@@ -27,10 +27,14 @@ confirmed and the probes. A store goes only when it fits: until then the least
 recently used chunks (not being loaded) are evicted, and it waits for their
 delete; with a bound nothing is stored before the listing has landed. The
 workers also refuse a key that would pass the bound (a check that never fires
-while files fit their reservations); the free-space floor (``min_free_bytes``)
-is theirs to keep. A store that failed with ERROR (its worker died mid-job:
-the keys it answered before keep their outcomes) or a delete that did is
-probed: a file there is indexed with its size, none is forgotten. A load that fails with ERROR
+while files fit their reservations). The free-space floor (``min_free_bytes``)
+is the workers' to check (the scheduler process does no I/O): a store they
+refuse for it (or for a full disk) makes the tier evict by the free bytes they
+report and send it again once the evicted files are gone (one WARNING with the
+numbers); when even all the tier holds would not make room, it fails (one
+WARNING). A store that failed with ERROR (its worker died mid-job: the keys it
+answered before keep their outcomes) or a delete that did is probed: a file
+there is indexed with its size, none is forgotten. A load that fails with ERROR
 keeps its key (only MISS and CORRUPT drop it).
 
 Submission: ``submit_store``/``submit_load`` only queue. The queue goes to the
@@ -66,7 +70,7 @@ from shmtier.contract import (
 from shmtier.scheduler.pool import PoolJobId, PoolResult
 from shmtier.scheduler.tiering.base import JobResult, SecondaryTierManager, TransferJob
 from shmtier.shared.codec import frame_header_size
-from shmtier.shared.jobs import SUCCESS, Outcome
+from shmtier.shared.jobs import SUCCESS, Outcome, free_bytes_in
 from shmtier.tiers.fs.config import FsTierConfig
 
 logger = logging.getLogger(__name__)
@@ -76,6 +80,8 @@ _STORED = SUCCESS["store"]  # written, or found there already
 # At most this many keys per pool job when queued jobs are combined (a job needs
 # one ring slot per ~200 keys; the rings hold 128 slots per worker).
 MAX_COMBINED_KEYS = 1024
+# A cascade refused for space is sent again (after evicting) at most this many times.
+_SPACE_TRIES = 3
 # A probe whose worker died (or whose stat failed) is sent again, this many tries in all.
 _PROBE_TRIES = 4
 _DRAIN_S = 120.0
@@ -93,9 +99,9 @@ POOL_BROKEN = "vllm:kv_offload_shmtier_worker_pool_broken"
 class _Cascade:
     """One tier cascade job until each of its keys has its final outcome. Its keys may
     reach the workers in several pool jobs: admitted as room appears under
-    ``max_bytes``."""
+    ``max_bytes``, sent again after a refusal for space."""
 
-    __slots__ = ("job", "pending", "ok", "seconds", "nbytes")
+    __slots__ = ("job", "pending", "ok", "seconds", "nbytes", "tries")
 
     def __init__(self, job: TransferJob, pending: int):
         self.job = job
@@ -103,6 +109,7 @@ class _Cascade:
         self.ok = True  # every key final so far was stored (or found there)
         self.seconds = 0.0
         self.nbytes = 0
+        self.tries = 0  # times its keys were refused for space and sent again
 
 
 class FsTierManager(SecondaryTierManager):
@@ -150,6 +157,8 @@ class FsTierManager(SecondaryTierManager):
         self._load_queue: list[tuple[TransferJob, list[OffloadKey], list[int]]] = []
         self._to_delete: list[OffloadKey] = []  # evicted; no delete job accepted yet
         self._to_probe: list[OffloadKey] = []
+        self._space_wait = False  # stores refused for space wait for the deletes in flight
+        self._warned: set[str] = set()
         self._finished: list[JobResult] = []
         self._events: list[OffloadingEvent] = []
         self._stats = metrics.OffloadingStats()
@@ -252,6 +261,10 @@ class FsTierManager(SecondaryTierManager):
         on disk are unknown before), and the keys that do not fit wait for room: the
         least recently used chunks are evicted for them, and their bytes count until
         the workers confirm the files deleted."""
+        if self._space_wait:  # refused for space: wait until the evicted files are gone
+            if self._deleting or self._to_delete:
+                return []
+            self._space_wait = False
         limit = self._max_bytes
         if limit is not None and not self._index_complete:
             return []
@@ -440,19 +453,20 @@ class FsTierManager(SecondaryTierManager):
     def _finish_stores(self, res: PoolResult, carried: list) -> None:
         """Index the keys stored (written, or found there already) with their sizes;
         probe for the files of keys whose outcome is unknown (ERROR: the worker may have
-        died after publishing)."""
+        died after publishing); send again, after evicting, what was refused for space."""
         label = (self._label,)
         outcomes, sizes = res.outcomes, res.stored_bytes
         written = sum(size for code, size in zip(outcomes, sizes) if code == Outcome.OK)
         self._stats.increase_counter(STORED_RATIO, written, label)
         self._stats.increase_counter(CODEC_SECONDS, res.codec_s, label)
         index, storing = self._index, self._storing
+        refused: list[tuple[_Cascade, list, list]] = []
         unknown: list[OffloadKey] = []
         failed = 0
         start = 0
-        for cascade, keys, _ in carried:
+        for cascade, keys, rows in carried:
             end = start + len(keys)
-            stored = []
+            stored, again, again_rows = [], [], []
             final = 0
             for i, key in enumerate(keys):
                 code = outcomes[start + i]
@@ -463,6 +477,10 @@ class FsTierManager(SecondaryTierManager):
                     self._indexed_bytes += size
                     stored.append(key)
                     final += 1
+                elif code == Outcome.REJECTED:
+                    storing[key] = 0  # queued again, or failed below
+                    again.append(key)
+                    again_rows.append(rows[i])
                 else:
                     final += 1
                     failed += 1
@@ -475,6 +493,8 @@ class FsTierManager(SecondaryTierManager):
                 self._events.append(OffloadingEvent(stored, Medium.STORAGE, removed=False,
                                                     locality=self.locality,
                                                     ownership=self._label))
+            if again:
+                refused.append((cascade, again, again_rows))
             self._settle(cascade, final, final == len(stored))
             start = end
         if failed:
@@ -482,6 +502,8 @@ class FsTierManager(SecondaryTierManager):
                            failed, len(res.keys), res.error,
                            "; probing for the files of those that failed with ERROR"
                            if unknown else "")
+        if refused:
+            self._on_refused(res, refused)
         if unknown:
             self._submit_probes()
 
@@ -496,6 +518,53 @@ class FsTierManager(SecondaryTierManager):
             self._finished.append(JobResult(cascade.job.job_id, cascade.ok,
                                             transfer_time=cascade.seconds,
                                             transfer_bytes=cascade.nbytes))
+
+    def _on_refused(self, res: PoolResult, refused: list) -> None:
+        """Stores refused for space (the free-space floor, the disk full, or
+        ``max_bytes``): evict least recently used chunks for them and send them again
+        once the evicted files are gone, at most _SPACE_TRIES times per cascade; fail
+        them when even freeing all the tier holds would not make room. One WARNING per
+        kind, with the numbers."""
+        floor = self.config.min_free_bytes
+        free = free_bytes_in(res.error)
+        need = sum(self._file_max(key) for _, keys, _ in refused for key in keys)
+        one = self._file_max(refused[0][1][0])
+        holds = self.bytes_on_disk
+        if free is not None and floor is not None:
+            short, short_one = floor + need - free, floor + one - free
+            what = (f"the filesystem of {self.config.root_dir} has {free} bytes free, less "
+                    f"than min_free_bytes ({floor}) and a chunk's file ({one})")
+            hint = "; lower min_free_bytes to use this filesystem"
+        else:
+            short, short_one = need, one
+            what, hint = f"stores were refused for space ({res.error})", ""
+        if short_one > holds:  # freeing all the tier holds would not make room: fail
+            self._warn_once("floor", "fs tier %s: %s, and the tier holds only %d bytes on it: "
+                            "cascades to this tier fail until space frees up (logged once%s)",
+                            self._label, what, holds, hint)
+            for cascade, keys, _ in refused:
+                for key in keys:
+                    self._storing.pop(key, None)
+                self._settle(cascade, len(keys), False)
+            return
+        self._warn_once("evict", "fs tier %s: %s; the tier holds %d bytes on it: evicting its "
+                        "least recently used chunks to keep the floor (logged once)",
+                        self._label, what, holds)
+        self._evict(short - self._deleting_bytes)
+        self._space_wait = True
+        for cascade, keys, rows in reversed(refused):
+            cascade.tries += 1
+            if cascade.tries > _SPACE_TRIES:
+                for key in keys:
+                    self._storing.pop(key, None)
+                self._settle(cascade, len(keys), False)
+            else:
+                self._store_queue.appendleft([cascade, keys, rows])
+
+    def _warn_once(self, kind: str, msg: str, *args: Any) -> None:
+        if kind not in self._warned:
+            self._warned.add(kind)
+            logger.warning(msg, *args)
 
     def _hold_for_probe(self, key: OffloadKey, nbytes: int, front: bool) -> None:
         self._probing[key] = [nbytes, front, 0]
@@ -631,6 +700,7 @@ class FsTierManager(SecondaryTierManager):
             for key in keys:
                 self._storing.pop(key, None)
             self._settle(cascade, len(keys), False)
+        self._space_wait = False
 
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
         return RequestOffloadingContext()
