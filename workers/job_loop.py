@@ -27,10 +27,10 @@ result's error text). A result is the backend's per-key outcomes, logical and
 stored bytes and seconds (``BatchResult.to_result``), split into several when it
 does not fit a ring slot. Stores and deletes are answered slice by slice, so a worker
 killed mid-job takes only its unanswered keys' outcomes with it (the pool fails those,
-and the scheduler half probes for the files of a failed store). The loop never raises for a job; it exits on ``stop``, when
-the owner dies, or on SIGTERM (after finishing the job in hand). A worker whose
-tier backends cannot be built exits with ``EXIT_BACKENDS_FAILED`` (4): the pool
-counts that as a failure to start.
+and the scheduler half probes for the files of a failed store). The loop never raises
+for a job; it exits on ``stop``, when the owner dies, or on SIGTERM (after finishing
+the job in hand). A worker whose tier backends cannot be built exits with
+``EXIT_BACKENDS_FAILED`` (4): the pool counts that as a failure to start.
 """
 
 from __future__ import annotations
