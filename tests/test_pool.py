@@ -1149,9 +1149,11 @@ def test_a_store_backlog_lets_new_loads_through_and_goes_raw_while_behind(tmp_pa
     store = jobs.decode_job(jobs.pack_job(1, "store", 0, keys[1:rows - 1], list(range(1, rows - 1))))
     assert runner.admit([store]) == []
     runner.run_queue()
-    assert [r.job_id for r in answered] == [99, 1]
+    assert answered[0].job_id == 99 and {r.job_id for r in answered[1:]} == {1}
     assert answered[0].outcomes == [Outcome.OK] and np.array_equal(arena[rows - 1], arena[0])
-    assert answered[1].outcomes == [Outcome.OK] * (rows - 2)
+    # the store is answered slice by slice (2 MiB: two keys), the last piece more=False
+    assert [r.more for r in answered[1:]] == [True] * ((rows - 2) // 2 - 1) + [False]
+    assert [o for r in answered[1:] for o in r.outcomes] == [Outcome.OK] * (rows - 2)
     codecs = []
     for i in range(1, rows - 1):
         path = next(tmp_path.rglob(keys[i].hex() + "*"))
@@ -1184,6 +1186,70 @@ def test_a_stop_request_ends_the_job_queue_after_the_job_in_hand(tmp_path):
     runner.run_queue()
     assert [r.job_id for r in answered] == [1]
     assert [j.job_id for j in runner.queue] == [2, 3]
+
+
+def test_stores_and_deletes_are_answered_slice_by_slice_and_a_failure_fails_only_the_rest(
+        tmp_path):
+    """A store is answered after each slice (more=True but the last), so the pool keeps
+    what a worker answered if it dies mid-job; a backend that raises in the third slice
+    fails only the keys not answered yet. Loads are answered once, at the end."""
+    from shmtier.scheduler.pool.dispatch import Dispatch
+    from shmtier.tiers.fs.backend import FsBackend
+    from shmtier.workers import job_loop
+
+    class Fails(FsBackend):
+        HANDLERS = {**FsBackend.HANDLERS, "store": "flaky_store"}
+        calls = 0
+
+        def flaky_store(self, keys, *args, **kwargs):
+            Fails.calls += 1
+            if Fails.calls == 3:
+                raise OSError("medium gone")
+            return self.store(keys, *args, **kwargs)
+
+    chunk = 4096
+    arena = np.random.default_rng(1).integers(0, 255, (24, chunk), dtype=np.uint8)
+    backend = Fails(str(tmp_path), "slices-fp", min_free_bytes=0)
+    keys = [_key(i, b"slices") for i in range(24)]
+    answered = []
+    runner = job_loop.JobRunner([backend], arena, chunk, 8 << 10, answer=answered.append)
+    dispatch = Dispatch(1, (8 << 10) - 8, 60.0)
+    pool_id, planned = dispatch.plan("store", 0, keys, list(range(24)), None, [0])
+    dispatch.commit(pool_id, "store", 0, keys, planned, 0.0)
+    runner.run_and_answer(jobs.decode_job(planned[0][2]))
+    assert [(len(r.outcomes), r.more) for r in answered] == [(8, True), (8, True), (8, False)]
+    for result in answered:
+        dispatch.complete(jobs.decode_result(jobs.encode_result(result)))
+    (res,) = dispatch.take(0)
+    assert res.outcomes == [Outcome.OK] * 16 + [Outcome.ERROR] * 8
+    assert "OSError: medium gone" in res.error
+    assert len(list(tmp_path.rglob("*.kv"))) == 16
+    answered.clear()
+    runner.run_and_answer(jobs.decode_job(jobs.pack_job(7, "delete", 0, keys)))
+    assert [(r.outcomes, r.more) for r in answered] == [
+        ([Outcome.OK] * 8, True), ([Outcome.OK] * 8, True), ([Outcome.MISS] * 8, False)]
+    answered.clear()
+    runner.run_and_answer(jobs.decode_job(jobs.pack_job(8, "load", 0, keys[:16],
+                                                        list(range(16)))))
+    assert [(r.outcomes, r.more) for r in answered] == [([Outcome.MISS] * 16, False)]
+
+
+def test_a_store_refused_for_the_free_space_floor_reports_the_free_bytes(tmp_path):
+    """The job loop completes a "min_free" refusal with the free bytes the worker sees,
+    in the result's error text, where the scheduler half finds them."""
+    from shmtier.tiers.fs.backend import FsBackend
+    from shmtier.workers import job_loop
+
+    backend = FsBackend(str(tmp_path), "floor-fp", min_free_bytes=1 << 62)
+    runner = job_loop.JobRunner([backend], np.zeros((2, 4096), dtype=np.uint8), 4096, 8 << 10)
+    (res,) = runner.run(jobs.decode_job(jobs.pack_job(1, "store", 0, [_key(1), _key(2)], [0, 1])))
+    assert res.outcomes == [Outcome.REJECTED] * 2
+    free = os.statvfs(tmp_path)
+    assert re.fullmatch(r"2 REJECTED \(min_free: \d+ bytes free\)", res.error), res.error
+    seen = jobs.free_bytes_in(res.error)
+    assert abs(seen - free.f_bavail * free.f_frsize) < 1 << 30
+    assert jobs.free_bytes_in("x; 1 REJECTED (min_free: 5 bytes free); min_free: 3 bytes free") == 3
+    assert jobs.free_bytes_in("2 REJECTED (max_bytes)") is None
 
 
 def test_the_job_loop_dispatches_through_the_backends_handler_table(tmp_path):

@@ -17,17 +17,20 @@ Runs in: one tier worker process (spawned by the pool, or started by
                         their loads at once (a request waits on each), queue the rest;
                         store raw instead of compressed while the queued store work
                         exceeds _HURRY_BYTES (codec mode "auto")
-                        results.try_put(encoded result)
+                        results.try_put(encoded result): a store or delete after
+                        each slice (more=True but the last), other ops at the end
           every few seconds: owner (scheduler) alive? else exit
 
 A job for a tier that has no worker half, or for an op its backend does not
 handle, is answered with an error result (every key ERROR, the reason in the
 result's error text). A result is the backend's per-key outcomes, logical and
 stored bytes and seconds (``BatchResult.to_result``), split into several when it
-does not fit a ring slot. The loop never raises for a job; it exits on ``stop``, when
-the owner dies, or on SIGTERM (after finishing the job in hand). A worker whose
-tier backends cannot be built exits with ``EXIT_BACKENDS_FAILED`` (4): the pool
-counts that as a failure to start.
+does not fit a ring slot. Stores and deletes are answered slice by slice, so a worker
+killed mid-job takes only its unanswered keys' outcomes with it (the pool fails those,
+and the scheduler half probes for the files of a failed store). The loop never raises
+for a job; it exits on ``stop``, when the owner dies, or on SIGTERM (after finishing
+the job in hand). A worker whose tier backends cannot be built exits with
+``EXIT_BACKENDS_FAILED`` (4): the pool counts that as a failure to start.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ import signal
 import sys
 import time
 from collections import deque
+from collections.abc import Iterator
 
 import numpy as np
 
@@ -57,6 +61,10 @@ _KEYS_PER_BEAT = 8
 # the ring is checked for loads before each, so a promotion waits behind at most one
 # slice of a cascade (at 1.4 MiB chunks, one chunk).
 _STORE_SLICE_BYTES = 2 << 20
+# Ops that change the medium answer each slice as soon as it is done: a worker that dies
+# mid-job leaves the outcomes of the keys it finished (the pool fails only the rest), so
+# the scheduler half knows which files exist.
+_ANSWERED_PER_SLICE = frozenset(("store", "delete"))
 _BATCH = 128  # jobs taken per wake-up: the whole ring, so a load can overtake the backlog
 # Waiting for jobs: a worker that had a job in the last _POLL_WINDOW_S polls its ring
 # every _POLL_S instead of sleeping in sem_wait, so the scheduler's post wakes nobody
@@ -168,60 +176,93 @@ class JobRunner:
             self.run_and_answer(job)
 
     def run_and_answer(self, job) -> None:
-        for result in self.run(job):
+        for result in self.results(job):
             self.answer(result)
         self.beat()
 
     def run(self, job: "jobs.Job | jobs.MalformedJob") -> list[jobs.Result]:
-        """Run one decoded job (or answer a malformed one); never raises but ``_Stop``.
-        Returns its result, split into pieces that each fit a ring slot."""
+        """All of :meth:`results` for ``job`` (tests, and callers that answer later)."""
+        return list(self.results(job))
+
+    def results(self, job: "jobs.Job | jobs.MalformedJob") -> Iterator[jobs.Result]:
+        """Run one decoded job (or answer a malformed one), yielding its result in pieces
+        that each fit a ring slot; never raises but ``_Stop``. A store or delete yields
+        each slice's piece as soon as the slice is done (``more=True`` but the last), so
+        a consumer that answers each at once leaves the outcomes of the keys done behind
+        if the worker dies mid-job; other ops yield once, at the end."""
         if isinstance(job, jobs.MalformedJob):
-            return [jobs.Result.failed(job.job_id, f"malformed job: {job}")]
+            yield from self._fit(jobs.Result.failed(job.job_id, f"malformed job: {job}"), job)
+            return
         if job.op == "stop":
             raise _Stop()
         backend = self.backends[job.tier] if 0 <= job.tier < len(self.backends) else None
         if backend is None:
-            result = jobs.Result.failed(job.job_id, f"tier {job.tier} has no worker backend",
-                                        len(job.keys))
-        else:
-            result = self._run_backend(job, backend)
+            yield from self._fit(jobs.Result.failed(
+                job.job_id, f"tier {job.tier} has no worker backend", len(job.keys)), job)
+            return
+        yield from self._run_backend(job, backend)
+
+    def _fit(self, result: jobs.Result, job) -> list[jobs.Result]:
+        """``result`` split into pieces that each fit a ring slot; per-key figures the wire
+        cannot carry (a backend bug) fail those keys instead."""
         try:
             return jobs.split_result(result, self.max_result)
-        except ValueError as e:  # per-key figures the wire cannot carry (a backend bug)
-            logger.error("tier worker: job %d (%s): %s", job.job_id, job.op, e)
-            return jobs.split_result(jobs.Result.failed(job.job_id, str(e)[:500],
-                                                        len(job.keys)), self.max_result)
+        except ValueError as e:
+            logger.error("tier worker: job %d (%s): %s", job.job_id,
+                         getattr(job, "op", "?"), e)
+            failed = jobs.Result.failed(job.job_id, str(e)[:500], len(result.outcomes))
+            return jobs.split_result(failed._replace(more=result.more), self.max_result)
 
-    def _run_backend(self, job: jobs.Job, backend) -> jobs.Result:
+    def _run_backend(self, job: jobs.Job, backend) -> Iterator[jobs.Result]:
         try:
             handler = backend.handler(job.op)
         except UnsupportedOp as e:
-            return jobs.Result.failed(job.job_id, f"tier {job.tier}: {e}", len(job.keys))
+            yield from self._fit(jobs.Result.failed(job.job_id, f"tier {job.tier}: {e}",
+                                                    len(job.keys)), job)
+            return
+        n = len(job.keys)
+        per_slice = job.op in _ANSWERED_PER_SLICE
+        answered = 0  # keys the pieces yielded so far answer for
+        pieces: list[jobs.Result] = []
         try:
             if job.op == "scan":
-                return self._scan(job, handler)
-            batch = self._in_slices(handler, job)
-            if len(batch.outcomes) != len(job.keys):
-                raise RuntimeError(f"the backend answered {len(batch.outcomes)} outcomes "
-                                   f"for {len(job.keys)} keys")
-            return batch.to_result(job.job_id)
+                pieces = self._fit(self._scan(job, handler), job)
+            else:
+                whole = BatchResult(job.op, [], [], [], [], [])
+                for start, keys, part in self._in_slices(handler, job, backend):
+                    if len(part.outcomes) != len(keys):
+                        raise RuntimeError(f"the backend answered {len(part.outcomes)} "
+                                           f"outcomes for {len(keys)} keys")
+                    if not per_slice:
+                        whole.extend(part)
+                        continue
+                    done = start + len(keys)
+                    for piece in self._fit(part.to_result(job.job_id)._replace(
+                            more=done < n), job):
+                        yield piece
+                    answered = done
+                if not per_slice:
+                    pieces = self._fit(whole.to_result(job.job_id), job)
         except Exception as e:  # a backend bug must not take the worker down
             logger.exception("tier worker: job %d (%s) failed", job.job_id, job.op)
-            return jobs.Result.failed(job.job_id, f"{type(e).__name__}: {e}"[:500],
-                                      len(job.keys))
+            pieces = self._fit(jobs.Result.failed(job.job_id, f"{type(e).__name__}: {e}"[:500],
+                                                  n - answered), job)
+        yield from pieces
 
-    def _in_slices(self, handler, job: jobs.Job) -> BatchResult:
+    def _in_slices(self, handler, job: jobs.Job, backend) -> Iterator[tuple]:
         """Run ``handler`` (the backend's method for the job's op) over the job's keys in
         slices, beating between them, so a long job on a slow medium is not mistaken for
-        a hung worker. Before each slice of a store, loads that reached the ring
-        meanwhile run first, and the slice is stored raw (in codec mode "auto") while the
-        store work held exceeds _HURRY_BYTES."""
-        out = BatchResult(job.op, [], [], [], [], [])
+        a hung worker; yields ``(first key's index, keys, BatchResult)`` per slice. Before
+        each slice of a store, loads that reached the ring meanwhile run first, and the
+        slice is stored raw (in codec mode "auto") while the store work held exceeds
+        _HURRY_BYTES. A store slice refused for the free-space floor gets the free bytes
+        the worker sees in its detail (``jobs.min_free_detail``)."""
         n = len(job.keys)
         step = _KEYS_PER_BEAT
         if job.op == "store":
             step = max(1, min(step, _STORE_SLICE_BYTES // max(self.chunk_bytes, 1)))
         in_use = job.args.get("bytes_in_use")  # the scheduler's count of the tier's bytes
+        stored = 0  # bytes this job's slices reported stored so far
         for start in range(0, max(n, 1), step):
             keys = job.keys[start:start + step]
             if job.op == "store":
@@ -229,14 +270,16 @@ class JobRunner:
                 behind = (n - start + self._store_keys_queued) * self.chunk_bytes
                 part = handler(keys, job.rows[start:start + step], self.arena,
                                self.chunk_bytes, hurry=behind > _HURRY_BYTES,
-                               bytes_in_use=None if in_use is None else in_use + out.total_stored)
+                               bytes_in_use=None if in_use is None else in_use + stored)
+                stored += part.total_stored
+                if jobs.MIN_FREE in part.details:
+                    _note_free_bytes(part, backend)
             elif job.op == "load":
                 part = handler(keys, job.rows[start:start + step], self.arena, self.chunk_bytes)
             else:
                 part = handler(keys)
-            out.extend(part)
             self.beat()
-        return out
+            yield start, keys, part
 
     def _serve_new_loads(self, in_hand: list) -> None:
         batch = self.take_new()
@@ -252,6 +295,29 @@ class JobRunner:
             keys.append(entry.key)
             stored.append(entry.stored_bytes)
         return jobs.Result(job.job_id, stored_bytes=stored, keys=keys)
+
+
+def _note_free_bytes(part: BatchResult, backend) -> None:
+    """Complete the ``"min_free"`` details of a store slice with the free bytes on the
+    backend's medium now (``jobs.min_free_detail``): the scheduler half evicts by that
+    figure and names it in its warning. Known for a backend with ``free_bytes()``, or
+    one that stores under a directory (``namespace_dir``: fs); else left as it is."""
+    free = None
+    try:
+        query = getattr(backend, "free_bytes", None)
+        if query is not None:
+            free = query()
+        else:
+            where = getattr(backend, "namespace_dir", None)
+            if where is not None:
+                v = os.statvfs(where)
+                free = v.f_bavail * v.f_frsize
+    except OSError:
+        return
+    if free is None:
+        return
+    detail = jobs.min_free_detail(free)
+    part.details = [detail if d == jobs.MIN_FREE else d for d in part.details]
 
 
 def run_worker(engine_id: str, index: int) -> int:

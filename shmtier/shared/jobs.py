@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import collections
 import enum
+import re
 import struct
 import threading
 from dataclasses import dataclass, field
@@ -97,9 +98,9 @@ class Outcome(enum.IntEnum):
                of magic, version, length, key, checksum, codec); the bad copy was
                removed (if the medium allowed) and counted. Treat as a MISS.
     REJECTED   store refused for capacity, nothing left behind (detail                 store
-               ``"max_bytes"``, ``"min_free"`` or ``"<ERRNO> <text> (<step>)"`` for
-               ENOSPC/EDQUOT from the medium). The scheduler half should evict and
-               may retry.
+               ``"max_bytes"``, ``"min_free"`` (the job loop adds the free bytes:
+               ``min_free_detail``) or ``"<ERRNO> <text> (<step>)"`` for ENOSPC/EDQUOT
+               from the medium). The scheduler half should evict and may retry.
     EXISTS     store: the chunk was already there; nothing written (a success; its     store
                stored size is reported)
     INVALID    the request for this key is malformed (detail: what), e.g. an empty or  all
@@ -127,6 +128,25 @@ SUCCESS: dict[str, frozenset[Outcome]] = {
     "delete": frozenset((Outcome.OK, Outcome.MISS)),
     "probe": frozenset((Outcome.OK,)),
 }
+
+#: The detail of a store REJECTED by the free-space floor, and how the job loop completes
+#: it with the free bytes the worker saw after the slice (``min_free_detail``); a
+#: result's error text sums details up, so the scheduler finds that figure there
+#: (``free_bytes_in``): the scheduler process itself never asks the filesystem.
+MIN_FREE = "min_free"
+_FREE_BYTES = re.compile(r"min_free: (\d+) bytes free")
+
+
+def min_free_detail(free: int) -> str:
+    """``"min_free: <free> bytes free"``."""
+    return f"{MIN_FREE}: {int(free)} bytes free"
+
+
+def free_bytes_in(error: str) -> int | None:
+    """The least free-byte figure a ``min_free_detail`` in ``error`` reports, else None."""
+    found = _FREE_BYTES.findall(error)
+    return min(int(f) for f in found) if found else None
+
 
 # Known op-specific args and their types (checked on decode when present).
 ARG_TYPES: dict[str, type] = {

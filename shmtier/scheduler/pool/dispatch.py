@@ -41,6 +41,9 @@ logger = logging.getLogger(__name__)
 
 _SPREAD_MIN_KEYS = 8
 _ERROR = Outcome.ERROR  # (an enum member lookup costs ~0.1 µs)
+# A pool job's error text gathers its results' distinct texts up to about this length (a
+# store answered slice by slice sends one per slice, often the same).
+_ERROR_TEXT_MAX = 1000
 
 #: The id of one pool job: what ``WorkerPool.submit`` returns (its parts travel as
 #: ``jobs.WireJobId``; it may carry several tier jobs, ``tiering.base.JobId``).
@@ -201,7 +204,7 @@ class Dispatch:
             out.scan_keys.extend(result.keys)
             out.scan_stored_bytes.extend(result.stored_bytes[n:])
         out.codec_s += result.codec_s
-        if result.error:
+        if result.error and len(out.error) < _ERROR_TEXT_MAX and result.error not in out.error:
             out.error = f"{out.error}; {result.error}" if out.error else result.error
         if n:
             self._merge_keys(part, out, result, n)

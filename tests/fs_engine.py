@@ -1,0 +1,120 @@
+"""The fs tier's test engine: the scheduler (spec manager) and GPU ranks (copy workers)
+in the test process, tier worker processes and real files under a root (shared by
+test_tiering_fs.py and test_fs_accounting.py)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from shmtier.config import KVLayout
+from shmtier.contract import GPULoadStoreSpec, LookupResult, ScheduleEndContext
+from shmtier.gpu.canonical import CanonicalKVCacheRef, CanonicalKVCaches
+from shmtier.spec import TieringOffloadingSpec
+
+HIT, MISS, PENDING, RETRY = (LookupResult.HIT, LookupResult.MISS, LookupResult.HIT_PENDING,
+                             LookupResult.RETRY)
+END = ScheduleEndContext((), ())
+GPU_BLOCKS = 96
+
+
+def key(i: int) -> bytes:
+    return i.to_bytes(32, "big") + b"\0\0\0\0"
+
+
+class Engine:
+    """Scheduler (spec manager) and ``world_size`` GPU ranks (copy workers) in one process."""
+
+    def __init__(self, engine_id, root, *, page=8192, world_size=1, bpc=1, chunks=16,
+                 workers=None, **tier):
+        self.layout = KVLayout("m", "bfloat16", 16, page, world_size)
+        row = -(-page * world_size * bpc // 4096) * 4096
+        extra = {"cpu_bytes_to_use": chunks * row, "blocks_per_chunk": bpc,
+                 "secondary_tiers": [{"type": "fs", "root_dir": str(root), "min_free_bytes": None,
+                                      **tier}]}
+        if workers is not None:
+            extra["num_tier_workers"] = workers
+        self.spec = TieringOffloadingSpec(extra, self.layout, engine_id)
+        self.manager = self.spec.get_manager()
+        self.bpc = bpc
+        self.caches, self.originals, self.workers = [], [], []
+        try:
+            for rank in range(world_size):
+                cache = torch.randint(-128, 128, (GPU_BLOCKS, page), dtype=torch.int8)
+                self.caches.append(cache)
+                self.originals.append(cache.clone())
+                kv = CanonicalKVCaches([cache], [[CanonicalKVCacheRef(0, page)]])
+                self.workers.append(self.spec.get_worker(kv, rank))
+        except BaseException:
+            self.close()
+            raise
+        self.job = 0
+
+    def copy(self, kind, cpu_spec, gpu_blocks):
+        self.job += 1
+        gpu = GPULoadStoreSpec(gpu_blocks, [len(gpu_blocks)], [0])
+        for w in self.workers:
+            if kind == "store":
+                w.submit_store(self.job, gpu, cpu_spec)
+            else:
+                w.submit_load(self.job, cpu_spec, gpu)
+            w.wait({self.job})
+            assert all(r.success for r in w.get_finished())
+
+    def offload(self, keys, first_block, ctx):
+        m = self.manager
+        with m.lock:
+            out = m.prepare_store(keys, ctx)
+        assert out is not None
+        if out.keys_to_store:
+            blocks = [first_block + keys.index(k) * self.bpc + j
+                      for k in out.keys_to_store for j in range(self.bpc)]
+            self.copy("store", out.store_spec, blocks)
+            with m.lock:
+                m.complete_store(out.keys_to_store, ctx)
+        return out
+
+    def settle(self, timeout_s=20.0):
+        deadline = time.monotonic() + timeout_s
+        while True:
+            with self.manager.lock:
+                self.manager.on_schedule_end(END)
+                if not self.manager.has_pending_work():
+                    return
+            assert time.monotonic() < deadline, "tier jobs did not finish"
+            time.sleep(0.005)
+
+    def until_hit(self, keys, ctx, timeout_s=20.0):
+        """Look up like the connector (one pass per step) until all HIT; returns answers seen."""
+        deadline, seen = time.monotonic() + timeout_s, []
+        while True:
+            with self.manager.lock:
+                answers = [self.manager.lookup(k, ctx) for k in keys]
+                self.manager.on_schedule_end(END)
+            seen.append(answers)
+            if all(a is HIT for a in answers):
+                return seen
+            assert MISS not in answers, f"a key was lost: {seen}"
+            assert time.monotonic() < deadline, f"never all HIT: {seen[-3:]}"
+            time.sleep(0.005)
+
+    def close(self):
+        for w in self.workers:
+            w.shutdown()
+        self.manager.shutdown()
+
+
+@pytest.fixture
+def engines(engine_id):
+    made = []
+
+    def make(root, **kw):
+        engine = Engine(f"{engine_id}-{len(made)}", root, **kw)
+        made.append(engine)
+        return engine
+
+    yield make
+    for engine in reversed(made):
+        engine.close()

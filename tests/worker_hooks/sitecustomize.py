@@ -1,0 +1,54 @@
+"""Test hooks for tier worker processes: a test that puts this folder on PYTHONPATH
+(the ``worker_hooks`` fixture of test_fs_accounting.py) before the engine spawns its
+workers gets them, under the root ``SHMTIER_TEST_FS_ROOT`` only:
+
+* ``SHMTIER_TEST_SLOW_PUBLISH_S``: each chunk file is published (renamed to its
+  ``.kv`` name) that many seconds late, so a test can kill a worker mid-job;
+* ``SHMTIER_TEST_FS_CAPACITY``: ``os.statvfs`` reports a filesystem of that many
+  bytes, as full as the files under the root make it (a small filesystem, for the
+  free-space floor).
+
+Nothing else changes; without ``SHMTIER_TEST_FS_ROOT`` this module does nothing.
+"""
+
+import os
+
+_ROOT = os.environ.get("SHMTIER_TEST_FS_ROOT")
+
+if _ROOT:
+    import time
+
+    _SLOW = float(os.environ.get("SHMTIER_TEST_SLOW_PUBLISH_S") or 0)
+    _CAPACITY = int(os.environ.get("SHMTIER_TEST_FS_CAPACITY") or 0)
+    _rename = os.rename
+    _statvfs = os.statvfs
+
+    def _under_root(path) -> bool:
+        return os.fspath(path).startswith(_ROOT)
+
+    def rename(src, dst, *args, **kwargs):
+        if _SLOW and _under_root(dst) and os.fspath(dst).endswith(".kv"):
+            time.sleep(_SLOW)
+        return _rename(src, dst, *args, **kwargs)
+
+    def _used() -> int:
+        used = 0
+        for top, _dirs, files in os.walk(_ROOT):
+            for name in files:
+                try:
+                    used += os.lstat(os.path.join(top, name)).st_size
+                except OSError:
+                    pass
+        return used
+
+    def statvfs(path):
+        real = _statvfs(path)
+        if not (_CAPACITY and _under_root(path)):
+            return real
+        free = max(0, _CAPACITY - _used())
+        # bsize, frsize, blocks, bfree, bavail, files, ffree, favail, flag, namemax
+        return os.statvfs_result((1, 1, _CAPACITY, free, free, real.f_files, real.f_ffree,
+                                  real.f_favail, real.f_flag, real.f_namemax))
+
+    os.rename = rename
+    os.statvfs = statvfs
