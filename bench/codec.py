@@ -3,7 +3,7 @@
 
 Run from a checkout::
 
-    .venv/bin/python bench/codec.py                  # 3 data sets x 3 sizes, 7 repeats (~25 s)
+    .venv/bin/python bench/codec.py                  # 3 data sets x 3 sizes, 7 repeats (~45 s)
     .venv/bin/python bench/codec.py --quick          # smoke test: 3 repeats, fewer chunks
     .venv/bin/python bench/codec.py --breakdown      # also time each step of the auto path
     .venv/bin/python bench/codec.py --json bench/results/codec.json
@@ -15,10 +15,17 @@ What is measured, per data set and chunk size, single thread (= per core):
   the CRC-32s and zstd content checksum, header; decode verifies and writes into a preallocated,
   page-aligned, pre-touched destination (an arena row stand-in). Ratio is raw bytes
   over frame bytes (header included).
+* ``auto+mac``, ``none+mac``: the same with a MAC key (the fs tier's ``mac_key_file``):
+  a keyed BLAKE2b-256 tag over header and payload, written and verified. The "MAC cost"
+  lines at the end give the extra CPU seconds per GiB of chunk bytes, per repeat
+  (methods with and without the MAC timed in the same repeat), median [min-max].
 * ``zstd-l1 whole`` (reference): plain ``zstandard`` level 1 on the whole chunk, no
   frame, no checksum, decompressing to a new bytes object.
 * ``crc32c`` (reference): the codec's CRC-32C (``shmtier.shared._planes``) over the
-  chunk alone; ``zlib crc32`` (reference): zlib's CRC-32, which format version 1 used.
+  chunk alone; ``zlib crc32`` (reference): zlib's CRC-32, which format version 1 used;
+  ``blake2b`` (reference): keyed ``hashlib.blake2b`` (32-byte digest) over the chunk alone,
+  the MAC's work; ``hmac-sha256`` (reference): ``hmac.digest`` with SHA-256 (OpenSSL; fast
+  where the CPU has the SHA extensions), the standard library's other keyed MAC.
 
 Data (real, generated with numpy, distinct values in every chunk): ``bf16 normal`` (float32
 standard normal, top 16 bits), ``bf16 ln-scale`` (the same with a log-normal scale per
@@ -40,6 +47,8 @@ from __future__ import annotations
 
 import argparse
 import gc
+import hashlib
+import hmac
 import os
 import platform
 import statistics
@@ -66,6 +75,8 @@ from shmtier.shared.codec import (  # noqa: E402
 KIB, MIB = 1 << 10, 1 << 20
 SIZES = (256 * KIB, MIB, 2 * MIB)
 KEY = bytes(range(32)) + b"\x00\x00\x00\x01"
+MAC_KEY = bytes(range(64, 96))  # 32 bytes
+GIB = 1 << 30
 TARGET_RATIO, TARGET_GBPS = 1.4, 1.0
 CHANNELS = 128
 
@@ -104,10 +115,11 @@ def aligned_empty(nbytes: int) -> np.ndarray:
 class FrameMethod:
     """shmtier's encoder/decoder in one mode."""
 
-    def __init__(self, mode: str) -> None:
-        self.name = mode
-        self.enc = ChunkEncoder(CompressionConfig(mode=mode))
-        self.dec = ChunkDecoder()
+    def __init__(self, mode: str, mac: bool = False) -> None:
+        self.name = mode + ("+mac" if mac else "")
+        mac_key = MAC_KEY if mac else None
+        self.enc = ChunkEncoder(CompressionConfig(mode=mode), mac_key=mac_key)
+        self.dec = ChunkDecoder(mac_key=mac_key)
 
     def compress(self, chunk):
         parts, stats = self.enc.encode(chunk, KEY, 2)
@@ -166,6 +178,30 @@ class Crc32Only:
 
     def codec_of(self, frame) -> str:
         return "-"
+
+
+def blake2b_keyed(buf) -> bytes:
+    return hashlib.blake2b(buf, key=MAC_KEY, digest_size=32).digest()
+
+
+def hmac_sha256(buf) -> bytes:
+    return hmac.digest(MAC_KEY, buf, "sha256")
+
+
+def mac_costs(figs: dict) -> list[tuple[str, str, list[float]]]:
+    """Extra CPU seconds per GiB of chunk bytes that the MAC adds, per repeat: for each
+    mode with a ``+mac`` twin and each direction, ``GiB / gbps_mac - GiB / gbps``."""
+    out = []
+    for name in figs:
+        if not name.endswith("+mac"):
+            continue
+        plain = name[:-4]
+        for direction in ("compress", "decompress"):
+            with_mac = figs[name][direction + "_cpu"]
+            without = figs[plain][direction + "_cpu"]
+            out.append((plain, direction, [GIB / 1e9 / m - GIB / 1e9 / p
+                                           for m, p in zip(with_mac, without)]))
+    return out
 
 
 def run_one(method, chunks, frames, outs) -> dict:
@@ -267,7 +303,8 @@ def main(argv=None) -> int:
           f"[min-max]; GB/s = raw bytes / thread CPU time (per core), 'wall' = median "
           f"by wall clock; ratio = raw / stored bytes (frame header "
           f"included). auto = split_zstd fast strategy, min_match 7, hash_log 6; zstd = "
-          f"split_zstd at level 1; none = raw frame (CRC + copy).")
+          f"split_zstd at level 1; none = raw frame (CRC + copy); +mac: with a keyed "
+          f"BLAKE2b tag.")
     print()
 
     results = []
@@ -287,7 +324,10 @@ def main(argv=None) -> int:
                 chunks.append(c)
             outs = [aligned_empty(size) for _ in range(count)]
             methods = [FrameMethod("auto"), FrameMethod("zstd"), FrameMethod("none"),
-                       PlainZstd(), Crc32Only(), Crc32Only(zlib.crc32, "zlib crc32")]
+                       FrameMethod("auto", mac=True), FrameMethod("none", mac=True),
+                       PlainZstd(), Crc32Only(), Crc32Only(zlib.crc32, "zlib crc32"),
+                       Crc32Only(blake2b_keyed, "blake2b"),
+                       Crc32Only(hmac_sha256, "hmac-sha256")]
             prepared = {}
             for m in methods:
                 frames, stored, codecs = [], 0, set()
@@ -330,6 +370,13 @@ def main(argv=None) -> int:
                       f"{_fmt(f['compress_cpu'])} {statistics.median(f['compress_wall']):5.2f}  "
                       f"{_fmt(f['decompress_cpu'])} {statistics.median(f['decompress_wall']):5.2f}",
                       flush=True)
+            label = f"{size // KIB} KiB" if size < MIB else f"{size // MIB} MiB"
+            for mode, direction, extra in mac_costs(figs):
+                print(f"  MAC cost, {mode} {direction:10s}: {_fmt(extra)} CPU s per GiB")
+                results.append({"data": ds_name, "chunk_bytes": size, "method": mode + "+mac",
+                                "mac_cost_" + direction + "_cpu_s_per_gib": {
+                                    "median": statistics.median(extra), "min": min(extra),
+                                    "max": max(extra), "all": extra}})
             print()
             if args.breakdown and ds_name == "bf16 normal":
                 print(f"  breakdown of auto, bf16 normal, {size // KIB} KiB chunks "
@@ -342,7 +389,7 @@ def main(argv=None) -> int:
           f"GB/s compress per core (GB/s per CPU second, median), mode auto:")
     all_met = True
     for row in results:
-        if row["data"] == "bf16 normal" and row["method"] == "auto":
+        if row["data"] == "bf16 normal" and row["method"] == "auto" and "ratio" in row:
             cpu = row["compress_cpu_gbps"]
             ok_r = row["ratio"] >= TARGET_RATIO
             ok_s = cpu["median"] >= TARGET_GBPS

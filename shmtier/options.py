@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import difflib
 import errno
+import hmac
 import os
 import stat
 import tempfile
@@ -149,6 +150,116 @@ def writable_dir() -> Check:
         os.unlink(probe)
         return path
     return Check("an existing, writable directory", convert)
+
+
+class Secret:
+    """Key material from the config (e.g. the fs tier's MAC key): compares by value and
+    never shows it -- ``repr`` and ``str`` name only its length and where it came from,
+    so a config object can be logged."""
+
+    __slots__ = ("value", "source")
+
+    def __init__(self, value: bytes, source: str):
+        self.value = bytes(value)
+        self.source = source
+
+    def __repr__(self) -> str:
+        return f"<secret: {len(self.value)} bytes from {self.source}>"
+
+    __str__ = __repr__
+
+    def __eq__(self, other: Any) -> bool:
+        return isinstance(other, Secret) and hmac.compare_digest(self.value, other.value)
+
+    def __hash__(self) -> int:
+        return hash((Secret, len(self.value)))
+
+
+class SecretCheck(Check):
+    """A check whose value must never appear in an error (a key given inline): the
+    error names the key and what is accepted, and shows the value as ``<secret>``."""
+
+    def __call__(self, key: str, value: Any) -> Any:
+        try:
+            return self._convert(value)
+        except (ValueError, TypeError) as e:
+            detail = f" ({e})" if str(e) else ""
+            raise ConfigError(f"{key} = <secret, not shown> is invalid: expected "
+                              f"{self.accepted}{detail}") from None
+
+    def or_none(self, what: str = "null") -> "SecretCheck":
+        return SecretCheck(f"{self.accepted}, or {what}",
+                           lambda v: None if v is None else self._convert(v))
+
+
+def _hex_bytes(text: str) -> bytes | None:
+    """``text`` (whitespace around it ignored) as the bytes its hex digits spell, or None
+    if it is not an even number of hex digits."""
+    text = text.strip()
+    if not text or len(text) % 2 or any(c not in "0123456789abcdefABCDEF" for c in text):
+        return None
+    return bytes.fromhex(text)
+
+
+def secret_hex(min_bytes: int, max_bytes: int, source: str) -> SecretCheck:
+    """A string of hex digits spelling ``min_bytes``..``max_bytes`` bytes, kept as a
+    :class:`Secret` (from ``source``). Errors never show the value."""
+    def convert(v):
+        if not isinstance(v, str):
+            _fail(f"got {type(v).__name__}")
+        key = _hex_bytes(v)
+        if key is None:
+            _fail("not an even number of hex digits")
+        if not min_bytes <= len(key) <= max_bytes:
+            _fail(f"{len(key)} bytes")
+        return Secret(key, source)
+    return SecretCheck(f"a secret of {min_bytes}..{max_bytes} bytes as "
+                       f"{2 * min_bytes}..{2 * max_bytes} hex digits", convert)
+
+
+def secret_file(min_bytes: int, max_bytes: int) -> Check:
+    """The path of a regular file, accessible to its owner only (no permission bit for
+    group or others, as ssh requires of a private key), holding a secret of
+    ``min_bytes``..``max_bytes`` bytes: as hex digits (whitespace around them ignored)
+    or, if the file is not hex, its raw bytes. Read when the check runs; kept as a
+    :class:`Secret`. Errors name the path and what is wrong, never the content."""
+    def convert(v):
+        if not isinstance(v, (str, os.PathLike)) or not os.fspath(v):
+            _fail()
+        path = os.path.abspath(os.fspath(v))
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+        except FileNotFoundError:
+            _fail(f"{path} does not exist")
+        except OSError as e:
+            name = errno.errorcode.get(e.errno or 0, "")
+            _fail(f"{path} cannot be read: {name} {e.strerror}".replace("  ", " "))
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                _fail(f"{path} is not a regular file")
+            mode = stat.S_IMODE(st.st_mode)
+            if mode & 0o077:
+                _fail(f"{path} is accessible by group or others (mode {mode:04o}); "
+                      f"make it private: chmod 600 {path}")
+            limit = 2 * max_bytes + 64  # hex digits and some whitespace
+            if st.st_size > limit:
+                _fail(f"{path} holds {st.st_size} bytes, more than a key")
+            data = os.read(fd, limit + 1)
+        except OSError as e:
+            _fail(f"{path} cannot be read: {e.strerror}")
+        finally:
+            os.close(fd)
+        key = _hex_bytes(data.decode("ascii", "replace"))
+        if key is None:
+            key = data
+        if not min_bytes <= len(key) <= max_bytes:
+            _fail(f"{path} holds {len(key)} bytes" if key is data else
+                  f"{path} holds {len(key)} bytes as hex")
+        return Secret(key, f"file {path}")
+    return Check(f"a private file (mode 600 or 400) holding a secret of "
+                 f"{min_bytes}..{max_bytes} bytes, raw or as {2 * min_bytes}..{2 * max_bytes} "
+                 f"hex digits", convert)
 
 
 def reject_unknown(given: Collection[str], known: Collection[str], where: str) -> None:

@@ -22,8 +22,10 @@ from hypothesis import strategies as st
 
 from shmtier.shared._planes import crc32c
 from shmtier.shared.codec import (
+    FLAG_MAC,
     FRAME_MAGIC,
     FRAME_VERSION,
+    MAC_TAG_BYTES,
     ChunkDecoder,
     ChunkEncoder,
     CompressionConfig,
@@ -31,6 +33,7 @@ from shmtier.shared.codec import (
     DecodeStats,
     EncodeStats,
     frame_header_size,
+    mac_key_id,
     parse_frame_header,
 )
 
@@ -97,7 +100,7 @@ def encode(raw: bytes, mode: str = "auto", key: bytes = KEY, element_size: int =
     enc = encoder or ChunkEncoder(CompressionConfig(mode=mode))
     parts, stats = enc.encode(memoryview(raw), key, element_size)
     frame = b"".join(bytes(p) for p in parts)
-    assert len(parts[0]) == frame_header_size(len(key))
+    assert len(parts[0]) == frame_header_size(len(key), mac=enc.mac)
     assert len(frame) == stats.stored_bytes
     return frame, stats
 
@@ -472,8 +475,15 @@ def test_wrong_version_and_flags_are_version(frames):
     frame, _ = frames["split_zstd"]
     for v in (0, 1, 3, 255):  # 1: the format before the split codec's XXH64
         assert reason_of(forge(frame, version=v)) == "version"
-    assert reason_of(forge(frame, flags=1)) == "version"
+    for flags in (2, 4, 0x80, 0xFF, FLAG_MAC | 2):  # every bit but FLAG_MAC is unassigned
+        assert reason_of(forge(frame, flags=flags)) == "version"
     assert reason_of(forge(frame, reserved=1)) == "version"
+    # FLAG_MAC says a 32-byte tag follows the key: without one the frame is too short,
+    # with one a reader without a key refuses it
+    assert reason_of(forge(frame, flags=FLAG_MAC)) == "length"
+    hs = frame_header_size(len(KEY))
+    tagged = forge(frame[:hs] + bytes(MAC_TAG_BYTES) + frame[hs:], flags=FLAG_MAC)
+    assert reason_of(tagged) == "mac"
 
 
 def test_bad_magic_is_magic(frames):
@@ -526,6 +536,127 @@ def test_corrupt_chunk_error_pickles_with_reason():
         CorruptChunkError("bogus")
 
 
+# ---------------------------------------------------------------- authentication (MAC)
+
+MAC_KEY = bytes(range(100, 132))  # 32 bytes
+OTHER_MAC_KEY = bytes(range(200, 232))
+
+
+def mac_encoder(mode: str = "auto", mac_key: bytes = MAC_KEY) -> ChunkEncoder:
+    return ChunkEncoder(CompressionConfig(mode=mode), mac_key=mac_key)
+
+
+def mac_error(frame, mac_key=MAC_KEY, key=KEY, out=None) -> CorruptChunkError:
+    out = bytearray(header_fields(frame)["raw_len"]) if out is None else out
+    with pytest.raises(CorruptChunkError) as ei:
+        ChunkDecoder(mac_key=mac_key).decode_into(memoryview(frame), key, memoryview(out))
+    return ei.value
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("dataset, size", [("bf16", 256 * KIB), ("bf16", 4097),
+                                           ("int8", 300 * KIB + 6), ("random", 1001),
+                                           ("zeros", 0)])
+def test_mac_round_trip_is_byte_exact(dataset, size, mode):
+    gen, element_size = DATASETS[dataset]
+    raw = gen(size, seed=size)
+    enc = mac_encoder(mode)
+    frame, stats = encode(raw, element_size=element_size, encoder=enc)
+    h = parse_frame_header(memoryview(frame))
+    assert header_fields(frame)["flags"] == FLAG_MAC and len(h.tag) == MAC_TAG_BYTES
+    assert h.header_size == frame_header_size(len(KEY), mac=True) == 40 + len(KEY) + 32
+    assert h.frame_size == len(frame) == stats.stored_bytes
+    # the same chunk without a MAC: the same frame but for the flag, the header CRC and
+    # the tag (frames without a key are those of before)
+    plain, _ = encode(raw, mode, element_size=element_size)
+    assert len(frame) == len(plain) + MAC_TAG_BYTES
+    assert frame[h.header_size:] == plain[frame_header_size(len(KEY)):]
+    assert decode(frame, decoder=ChunkDecoder(mac_key=MAC_KEY)) == raw
+
+
+def test_a_forged_frame_is_served_without_a_key_and_refused_with_one(frames):
+    """The issue: CRCs authenticate nothing. Anyone who can write the medium builds, with
+    the encoder, a valid frame for a key with other bytes; a reader without a key serves
+    it. A reader with a key refuses it ("mac") and leaves the destination untouched."""
+    _, raw = frames["split_zstd"]
+    other = bf16_normal(len(raw), seed=99)
+    forged, _ = encode(other, "auto")  # valid CRCs, same key, no tag
+    assert decode(forged) == other  # served: the attack works without a MAC
+    out = bytearray(b"\xaa" * len(raw))
+    e = mac_error(forged, out=out)
+    assert (e.reason, e.detail) == ("mac", "frame carries no MAC tag")
+    assert out == b"\xaa" * len(raw)
+    # forged with a MAC under another key: "mac", nothing written
+    forged_mac, _ = encode(other, encoder=mac_encoder(mac_key=OTHER_MAC_KEY))
+    e = mac_error(forged_mac, out=out)
+    assert e.reason == "mac" and "does not verify" in e.detail
+    assert out == b"\xaa" * len(raw)
+    # and the genuine frame passes
+    genuine, _ = encode(raw, encoder=mac_encoder())
+    assert decode(genuine, decoder=ChunkDecoder(mac_key=MAC_KEY)) == raw
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_reader_without_a_key_refuses_a_frame_with_a_tag(mode):
+    raw = bf16_normal(64 * KIB, seed=5)
+    frame, _ = encode(raw, encoder=mac_encoder(mode))
+    e = error_of(frame)
+    assert e.reason == "mac" and "no key" in e.detail
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_tampering_with_a_macd_frame_is_refused(mode):
+    raw = bf16_normal(64 * KIB, seed=6)
+    frame, _ = encode(raw, encoder=mac_encoder(mode))
+    hs = frame_header_size(len(KEY), mac=True)
+    for pos in range(hs - MAC_TAG_BYTES, hs):  # every bit of the tag
+        for bit in range(8):
+            assert mac_error(flip(frame, pos, bit)).reason == "mac"
+    # the tag stripped and the flag cleared, with a valid header CRC: no tag
+    stripped = forge(frame[:hs - MAC_TAG_BYTES] + frame[hs:], flags=0)
+    assert mac_error(stripped).reason == "mac"
+    assert decode(stripped) == raw  # (a reader without a key would serve it)
+    assert mac_error(frame, mac_key=OTHER_MAC_KEY).reason == "mac"
+    # a frame of another key: "key" (the tag covers the key too)
+    assert mac_error(frame, key=KEY[:-1] + b"\x09").reason == "key"
+
+
+def test_the_tag_covers_header_fields_no_other_check_ties_to_the_payload():
+    """A forger can rewrite a header field and its header CRC, not the tag: a raw frame's
+    element size is checked by nothing else."""
+    raw = bf16_normal(64 * KIB, seed=8)
+    frame, _ = encode(raw, encoder=mac_encoder("none"))
+    assert mac_error(forge(frame, element_size=4)).reason == "mac"
+    plain, _ = encode(raw, "none")
+    assert decode(forge(plain, element_size=4)) == raw  # without a MAC it passes
+
+
+def test_a_payload_flip_in_a_macd_frame_reads_as_checksum(frames):
+    """The CRCs come first, so bit rot is still told apart from forgery."""
+    _, raw = frames["raw"]
+    frame, _ = encode(raw, encoder=mac_encoder("none"))
+    hs = frame_header_size(len(KEY), mac=True)
+    for pos in _payload_positions(len(frame) - hs, count=20, seed=4):
+        assert mac_error(flip(frame, hs + pos)).reason == "checksum"
+
+
+def test_mac_keys_are_checked_and_never_shown():
+    for bad in (b"", b"x" * 15, b"x" * 65):
+        with pytest.raises(ValueError, match=rf"a MAC key of {len(bad)} bytes; expected 16\.\.64"):
+            ChunkEncoder(mac_key=bad)
+        with pytest.raises(ValueError) as ei:
+            ChunkDecoder(mac_key=bad)
+        assert "xxxx" not in str(ei.value)
+    with pytest.raises(TypeError):
+        ChunkDecoder(mac_key=MAC_KEY.hex())
+    for ok in (b"k" * 16, b"k" * 64, bytearray(MAC_KEY)):
+        ChunkEncoder(mac_key=ok)
+    kid = mac_key_id(MAC_KEY)
+    assert len(kid) == 16 and kid == mac_key_id(bytes(MAC_KEY)) != mac_key_id(OTHER_MAC_KEY)
+    assert kid not in MAC_KEY.hex()
+    assert not ChunkDecoder().mac and ChunkDecoder(mac_key=MAC_KEY).mac
+
+
 # ---------------------------------------------------------------- properties
 
 
@@ -566,6 +697,21 @@ def test_property_single_byte_corruption_never_decodes(raw, mode, element_size, 
     with pytest.raises(CorruptChunkError) as ei:
         ChunkDecoder().decode_into(memoryview(bad), KEY, memoryview(out))
     assert ei.value.reason in CorruptChunkError.REASONS
+
+
+@PROPERTY
+@given(raw=_chunk_data(), mode=st.sampled_from(MODES), element_size=st.sampled_from([1, 2, 4]),
+       data=st.data())
+def test_property_single_byte_change_to_a_macd_frame_never_decodes(raw, mode, element_size,
+                                                                   data):
+    frame, _ = encode(raw, element_size=element_size, encoder=mac_encoder(mode))
+    assert decode(frame, decoder=ChunkDecoder(mac_key=MAC_KEY)) == raw
+    pos = data.draw(st.integers(0, len(frame) - 1), label="pos")
+    bad = bytearray(frame)
+    bad[pos] ^= data.draw(st.integers(1, 255), label="xor")
+    with pytest.raises(CorruptChunkError):
+        ChunkDecoder(mac_key=MAC_KEY).decode_into(memoryview(bad), KEY,
+                                                  memoryview(bytearray(len(raw))))
 
 
 @PROPERTY

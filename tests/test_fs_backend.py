@@ -23,7 +23,14 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as hs
 
-from shmtier.shared.codec import CompressionConfig, frame_header_size, parse_frame_header
+from shmtier.shared.codec import (
+    ChunkEncoder,
+    CompressionConfig,
+    frame_header_size,
+    mac_key_id,
+    parse_frame_header,
+)
+from shmtier.tiers.backend import WorkerContext
 from shmtier.shared.jobs import Outcome, decode_result, encode_result
 from shmtier.tiers.backend import BatchResult
 from shmtier.tiers.fs.backend import FsBackend
@@ -608,6 +615,93 @@ def test_fingerprints_get_separate_namespaces_and_foreign_ones_are_refused(tmp_p
         f.write("{not json")
     with pytest.raises(ValueError, match="not valid JSON"):
         backend(tmp_path, fp="fingerprint B")
+
+
+MAC_KEY = bytes(range(32))
+OTHER_MAC_KEY = bytes(range(1, 33))
+
+
+def forge_file(path: str, key: bytes, raw: np.ndarray, mac_key: bytes | None = None) -> None:
+    """What anyone who can write the root can do: a valid frame (CRCs and all, built with
+    the encoder) for ``key`` with other bytes, put where the chunk's file is."""
+    enc = ChunkEncoder(CompressionConfig(mode="none"), mac_key=mac_key)
+    parts, _ = enc.encode(memoryview(raw), key, 2)
+    with open(path, "wb") as f:
+        f.write(b"".join(bytes(p) for p in parts))
+
+
+def test_a_forged_file_is_served_without_a_mac_key_and_refused_with_one(tmp_path):
+    """Issue 11 item 7: frames authenticate nothing. Without a MAC key a forged frame of
+    the same key is served; with one it is CORRUPT ("mac"), removed and counted, never
+    served, and the key can be stored again."""
+    cb = 64 << 10
+    src = make_arena(3, cb + 4096, cb, "bf16")
+    forged_bytes = make_arena(1, cb, cb, "bf16", seed=42)[0]
+    keys = keys_for(3)
+    for mac_key in (None, MAC_KEY):
+        b = backend(tmp_path, mac_key=mac_key)
+        assert b.store(keys, range(3), src, cb).all_ok
+        path = b.path_for(keys[0])
+        forge_file(path, keys[0], forged_bytes)
+        dst = np.full_like(src, EMPTY)
+        reader = backend(tmp_path, mac_key=mac_key)  # a new reader process
+        lr = reader.load(keys, [0, 1, 2], dst, cb)
+        assert lr.outcomes[1:] == [OK, OK]
+        assert np.array_equal(dst[1:3, :cb], src[1:3, :cb])
+        if mac_key is None:  # the attack: the forged bytes are served as the chunk
+            assert lr.outcomes[0] is OK
+            assert np.array_equal(dst[0, :cb], forged_bytes)
+            continue
+        assert (lr.outcomes[0], lr.details[0]) == (CORRUPT, "mac")
+        assert not os.path.exists(path) and lr.logical_bytes[0] == 0
+        assert reader.counters.corrupt_by_reason == {"mac": 1}
+    c = backend(tmp_path, mac_key=MAC_KEY)  # a reader process: counts what it refused
+    for forger_key in (None, OTHER_MAC_KEY):  # no tag, or a tag of another key
+        path = c.path_for(keys[0])
+        forge_file(path, keys[0], forged_bytes, mac_key=forger_key)
+        # a planted file stands in the way of a store (EXISTS) until a load refuses it
+        assert c.store(keys[:1], [0], src, cb).outcomes == [EXISTS]
+        dst = np.full_like(src, EMPTY)
+        assert c.load(keys[:1], [0], dst, cb).outcomes == [CORRUPT]
+        assert not os.path.exists(path)
+        assert c.store(keys[:1], [0], src, cb).outcomes == [OK]
+        assert c.load(keys[:1], [0], dst, cb).outcomes == [OK]
+        assert np.array_equal(dst[0, :cb], src[0, :cb])
+    assert c.counters.corrupt_by_reason == {"mac": 2}
+    assert c.counters.corrupt_files_removed == 2
+
+
+@pytest.mark.parametrize("mode", ["auto", "none"])
+def test_mac_round_trip_and_a_namespace_per_key(tmp_path, mode):
+    cb = 48 << 10
+    src = make_arena(3, cb, cb, "bf16", seed=5)
+    keys = keys_for(3)
+    codec = CompressionConfig(mode=mode)
+    plain = backend(tmp_path, codec_config=codec)
+    a = backend(tmp_path, codec_config=codec, mac_key=MAC_KEY)
+    other = backend(tmp_path, codec_config=codec, mac_key=OTHER_MAC_KEY)
+    assert len({plain.namespace_dir, a.namespace_dir, other.namespace_dir}) == 3
+    assert a.fingerprint == f"{FP}|mac={mac_key_id(MAC_KEY)}" and MAC_KEY.hex() not in repr(a)
+    sr = a.store(keys, range(3), src, cb)
+    assert sr.all_ok
+    plain_sizes = plain.store(keys, range(3), src, cb).stored_bytes
+    for path, size, plain_size in zip(map(a.path_for, keys), sr.stored_bytes, plain_sizes):
+        with open(path, "rb") as f:
+            frame = f.read()
+        h = parse_frame_header(memoryview(frame))
+        assert len(h.tag) == 32 and len(frame) == size == plain_size + 32
+    plain.delete(keys)
+    # engines of other keys, or none, do not see these files; one of the same key does
+    assert plain.probe(keys).outcomes == other.probe(keys).outcomes == [MISS] * 3
+    assert list(plain.scan()) == list(other.scan()) == []
+    same = FsBackend.open({"root_dir": str(tmp_path), "fsync": False, "max_bytes": None,
+                           "min_free_bytes": 0, "direct_io": False, "mac_key": MAC_KEY},
+                          WorkerContext(FP, cb, 2, codec))
+    assert same.namespace_dir == a.namespace_dir
+    assert sorted(e.key for e in same.scan()) == sorted(keys)
+    dst = np.full_like(src, EMPTY)
+    assert same.load(keys, range(3), dst, cb).outcomes == [OK] * 3
+    assert np.array_equal(dst, src)
 
 
 def test_missing_or_bad_root_is_a_clear_error(tmp_path):

@@ -83,6 +83,25 @@ def test_every_built_in_tier_type_has_a_config_table_here():
         "a new tier type needs its invalid-option cases in this file"
 
 
+def test_readme_documents_every_built_in_tier_option():
+    import dataclasses
+    import pathlib
+    import re
+
+    text = (pathlib.Path(__file__).resolve().parents[1] / "README.md").read_text()
+    start = text.index("Per-tier keys")
+    table = text[start:text.index("\n\n", text.index("| key |", start))]
+    rows = {}  # tier type -> option names its rows document
+    for line in table.splitlines()[2:]:
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        for name in re.findall(r"`([a-z_]+)`", cells[0]):
+            rows.setdefault(name, set()).update(t.strip() for t in cells[1].split(","))
+    for tier in registry.BUILT_IN:
+        for f in dataclasses.fields(tier.config_class()):
+            assert f.name in rows and (tier.name in rows[f.name] or "all" in rows[f.name]), \
+                f"README's per-tier keys table lacks {tier.name} option {f.name!r}"
+
+
 def test_valid_fs_options_are_normalised_and_reach_the_workers(tmp_path):
     spec = build({"type": "fs", "root_dir": str(tmp_path), "locality": "remote",
                   "max_bytes": 1 << 20, "fsync": True})
@@ -93,6 +112,99 @@ def test_valid_fs_options_are_normalised_and_reach_the_workers(tmp_path):
         "fsync": True, "direct_io": False}}]
     with pytest.raises(AttributeError):
         tier.options.fsync = False  # frozen
+
+
+MAC_HEX = "00112233445566778899aabbccddeeff" * 2  # 32 bytes
+
+
+def key_file(path, content, mode=0o600):
+    path.write_bytes(content if isinstance(content, bytes) else content.encode())
+    os.chmod(path, mode)
+    return str(path)
+
+
+@pytest.mark.parametrize("content, expected", [
+    (MAC_HEX + "\n", bytes.fromhex(MAC_HEX)),  # openssl rand -hex 32 > file
+    ("  " + MAC_HEX[:32].upper() + " \n", bytes.fromhex(MAC_HEX[:32])),
+    (bytes(range(256))[:64], bytes(range(256))[:64]),  # head -c 64 /dev/urandom > file
+    (b"a passphrase of some length", b"a passphrase of some length"),
+])
+def test_mac_key_file_is_read_when_the_spec_is_built_and_reaches_the_workers(
+        tmp_path, content, expected):
+    keys = tmp_path / "keys"
+    keys.mkdir()
+    path = key_file(keys / "mac", content)
+    spec = build({"type": "fs", "root_dir": str(tmp_path), "mac_key_file": path})
+    (tier,) = spec.tiering_config.secondary_tiers
+    assert tier.options.mac_secret == expected
+    assert spec.pool_config.tiers[0]["args"]["mac_key"] == expected
+    for shown in (repr(tier.options), str(tier.options), repr(spec.tiering_config)):
+        assert expected.hex() not in shown and MAC_HEX not in shown
+    assert f"<secret: {len(expected)} bytes from file {path}>" in repr(tier.options)
+
+
+def test_mac_key_inline_hex_reaches_the_workers_and_is_never_shown(tmp_path):
+    spec = build({"type": "fs", "root_dir": str(tmp_path), "mac_key": MAC_HEX})
+    (tier,) = spec.tiering_config.secondary_tiers
+    assert spec.pool_config.tiers[0]["args"]["mac_key"] == bytes.fromhex(MAC_HEX)
+    assert MAC_HEX not in repr(tier.options)
+    # without a key the workers' options are those of before
+    spec = build({"type": "fs", "root_dir": str(tmp_path)})
+    assert "mac_key" not in spec.pool_config.tiers[0]["args"]
+
+
+def test_mac_key_errors_name_the_key_and_never_show_the_secret(tmp_path):
+    keys = tmp_path / "keys"
+    keys.mkdir()
+    cases = [
+        ({"mac_key_file": str(keys / "absent")},
+         rf"secondary_tiers\[0\]\.mac_key_file = '{keys}/absent' is invalid: expected a "
+         rf"private file \(mode 600 or 400\) holding a secret of 16\.\.64 bytes, raw or as "
+         rf"32\.\.128 hex digits, or null \({keys}/absent does not exist\)"),
+        ({"mac_key_file": key_file(keys / "short", "0123456789abcdef")},
+         r"\.mac_key_file = .* \(.*/short holds 8 bytes as hex\)"),
+        ({"mac_key_file": key_file(keys / "short_raw", b"\xff" * 15)},
+         r"\.mac_key_file = .* \(.*/short_raw holds 15 bytes\)"),
+        ({"mac_key_file": key_file(keys / "long", "ab" * 65)},
+         r"\.mac_key_file = .* \(.*/long holds 65 bytes as hex\)"),
+        ({"mac_key_file": key_file(keys / "huge", b"\x01" * 5000)},
+         r"\.mac_key_file = .* \(.*/huge holds 5000 bytes, more than a key\)"),
+        ({"mac_key_file": key_file(keys / "empty", b"")},
+         r"\.mac_key_file = .* \(.*/empty holds 0 bytes\)"),
+        ({"mac_key_file": key_file(keys / "world", MAC_HEX, 0o644)},
+         r"\.mac_key_file = .* \(.*/world is accessible by group or others \(mode 0644\); "
+         r"make it private: chmod 600 .*/world\)"),
+        ({"mac_key_file": key_file(keys / "group", MAC_HEX, 0o640)},
+         r"/group is accessible by group or others \(mode 0640\)"),
+        ({"mac_key_file": str(keys)}, r"\.mac_key_file = .* is not a regular file"),
+        ({"mac_key_file": 7}, r"\.mac_key_file = 7 is invalid: expected a private file"),
+        ({"mac_key": MAC_HEX[:30]},
+         r"\.mac_key = <secret, not shown> is invalid: expected a secret of 16\.\.64 bytes as "
+         r"32\.\.128 hex digits, or null \(15 bytes\)"),
+        ({"mac_key": MAC_HEX + "zz"},
+         r"\.mac_key = <secret, not shown> is invalid: .* \(not an even number of hex digits\)"),
+        ({"mac_key": 12345}, r"\.mac_key = <secret, not shown> is invalid: .* \(got int\)"),
+        ({"mac_key": MAC_HEX, "mac_key_file": key_file(keys / "ok", MAC_HEX)},
+         r"secondary_tiers\[0\]\.mac_key_file and secondary_tiers\[0\]\.mac_key are both set"),
+    ]
+    for options, message in cases:
+        with pytest.raises(ConfigError, match=message) as ei:
+            build({"type": "fs", "root_dir": str(tmp_path), **options})
+        assert MAC_HEX not in str(ei.value) and MAC_HEX[:30] not in str(ei.value)
+        assert no_segment_made()
+    if os.geteuid() != 0:  # root reads any file
+        unreadable = key_file(keys / "unreadable", MAC_HEX, 0o000)
+        with pytest.raises(ConfigError, match=r"/unreadable cannot be read: EACCES"):
+            build({"type": "fs", "root_dir": str(tmp_path), "mac_key_file": unreadable})
+
+
+def test_max_bytes_counts_the_mac_tag(tmp_path):
+    one_file = 8192 + 40 + 40  # KV, frame header, 40-byte key (LAYOUT: one 8 KiB chunk)
+    build({"type": "fs", "root_dir": str(tmp_path), "max_bytes": one_file})
+    with pytest.raises(ConfigError, match=rf"\.max_bytes = {one_file} is invalid: expected at "
+                                          rf"least one chunk's file \({one_file + 32} bytes"):
+        build({"type": "fs", "root_dir": str(tmp_path), "max_bytes": one_file,
+               "mac_key": MAC_HEX})
 
 
 def test_config_is_data_built_in_any_process(tmp_path):

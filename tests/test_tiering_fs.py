@@ -99,6 +99,67 @@ def test_a_corrupt_file_is_a_miss_and_counted(engines, tmp_path):
     assert data["vllm:kv_offload_tiering_promotion_job_failures"][("1:fs",)] == 1
 
 
+@pytest.mark.parametrize("mac", [False, True])
+def test_a_forged_file_is_served_only_without_a_mac_key(engines, tmp_path, mac):
+    """Issue 11 item 7, through the spec and the tier workers: anyone who can write the
+    root can put a valid frame (built with the encoder) of a key with other bytes where
+    the chunk's file is. Without a MAC key it is promoted and copied to the GPU; with
+    ``mac_key_file`` it is a MISS, counted and removed, and the other chunks still HIT."""
+    from shmtier.shared.codec import ChunkEncoder, CompressionConfig, parse_frame_header
+
+    root = tmp_path / "root"
+    root.mkdir()
+    tier = {}
+    if mac:
+        key_path = tmp_path / "mac.key"
+        key_path.write_text(os.urandom(32).hex() + "\n")
+        key_path.chmod(0o600)
+        tier["mac_key_file"] = str(key_path)
+    e = engines(root, chunks=4, **tier)
+    keys = [key(i) for i in range(4)]
+    e.offload(keys, 0, ReqContext("a"))
+    e.settle()
+    files = sorted(root.rglob("*.kv"))
+    assert len(files) == 4
+    victim = files[0]
+    h = parse_frame_header(memoryview(victim.read_bytes()))
+    assert h.header_size == 40 + len(h.key) + (32 if mac else 0)  # the MAC tag
+    forged = torch.full((h.raw_len,), 7, dtype=torch.int8).numpy()
+    parts, _ = ChunkEncoder(CompressionConfig(mode="none")).encode(memoryview(forged), h.key, 2)
+    victim.write_bytes(b"".join(bytes(p) for p in parts))
+    e.offload([key(10 + i) for i in range(4)], 4, ReqContext("b"))  # evict all four
+    e.settle()
+    ctx = ReqContext("r")
+    deadline, answers = time.monotonic() + 20, []
+    while time.monotonic() < deadline:
+        with e.manager.lock:
+            answers = [e.manager.lookup(k, ctx) for k in keys]
+            e.manager.on_schedule_end(END)
+        if PENDING not in answers and RETRY not in answers:
+            break
+        time.sleep(0.005)
+    data = e.manager.get_stats().data["data"]
+    if not mac:  # the attack works: the forged bytes reach the GPU as the chunk
+        assert answers == [HIT] * 4
+        with e.manager.lock:
+            spec = e.manager.prepare_load(keys, ctx)
+        dst = list(range(80, 84))
+        e.copy("load", spec, dst)
+        loaded = {bytes(e.caches[0][b].numpy()) for b in dst}
+        assert bytes(forged) in loaded
+        assert fs_tier.CORRUPT_CHUNKS not in data or not data[fs_tier.CORRUPT_CHUNKS]
+        return
+    assert answers.count(HIT) == 3 and answers.count(MISS) == 1
+    assert not victim.exists()
+    assert data[fs_tier.CORRUPT_CHUNKS][("1:fs",)] == 1
+    with e.manager.lock:
+        hits = [k for k, a in zip(keys, answers) if a is HIT]
+        spec = e.manager.prepare_load(hits, ctx)
+    e.copy("load", spec, [80, 81, 82])
+    for b, k in zip([80, 81, 82], hits):
+        assert torch.equal(e.caches[0][b], e.originals[0][keys.index(k)])
+
+
 def test_max_bytes_evicts_by_tier_recency(engines, tmp_path):
     e = engines(tmp_path, chunks=4, max_bytes=5 * 8192, **{})
     for batch in range(4):

@@ -17,7 +17,7 @@ Layout (all integers little-endian; ``K`` = key length)::
          4     1  version          FRAME_VERSION = 2
          5     1  codec id         0 raw, 1 zstd, 2 split_zstd
          6     1  element size     bytes per element of the chunk (1..255)
-         7     1  flags            0 (reserved; non-zero means a newer writer)
+         7     1  flags            FLAG_MAC (1) or 0; any other bit: a newer writer
          8     2  key length K
         10     2  reserved         0
         12     4  checksum         CRC-32C of the raw bytes stored raw (see below)
@@ -26,7 +26,8 @@ Layout (all integers little-endian; ``K`` = key length)::
         32     4  payload CRC      CRC-32C of the payload's zstd frame (0 for raw)
         36     4  header CRC       CRC-32C of bytes [0, 36) followed by the key
         40     K  key
-      40+K        payload (stored length bytes)
+      40+K    32  MAC tag          only with FLAG_MAC (see "Authentication" below)
+      40+K(+32)   payload (stored length bytes)
 
 Payload per codec, and what covers each raw byte:
 
@@ -47,6 +48,19 @@ Payload per codec, and what covers each raw byte:
   while it compresses and verified by it while it decompresses, into scratch
   memory; a frame without one is refused). All are checked before the
   destination is written.
+
+Authentication (optional, issue 11 item 7): the CRCs catch accidents, not intent --
+anyone who can write a tier's medium can build a frame with valid CRCs for a key and
+other bytes. An encoder and decoder given a ``mac_key`` (16..64 secret bytes) set
+``FLAG_MAC`` and append a 32-byte BLAKE2b tag (``hashlib.blake2b``, keyed, digest size
+32, personalisation ``b"shmtier-frame"``) to the header; the tag covers the header (its
+fixed part with the header CRC, and the key) and the whole payload. A decoder with a key
+refuses, as ``"mac"``, a frame without a tag or whose tag does not verify; a decoder
+without a key refuses, as ``"mac"``, a frame that carries a tag (it cannot check what its
+writer asked to be checked). The tag is verified after the payload CRCs (so bit rot
+still reads ``"checksum"``; a flipped bit in the tag itself reads ``"mac"``) and before
+any payload byte reaches zstd or the destination. Frames without ``FLAG_MAC`` are
+byte for byte those of before. Cost (``bench/codec.py``): bench/README.md.
 
 Why these choices (measured in ``bench/codec.py``, docs/design.md §5/§11): bf16 KV
 compresses poorly as a whole (plain zstd level 1: ratio ~1.29) but its
@@ -76,6 +90,8 @@ buffers sized to the largest chunk it has seen: about 1x the chunk size plus
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import struct
 import time
 from collections.abc import Mapping
@@ -88,7 +104,8 @@ import zstandard
 from shmtier.shared._planes import crc32c, merge, split
 
 __all__ = [
-    "FRAME_MAGIC", "FRAME_VERSION", "CODECS", "CorruptChunkError", "CompressionConfig",
+    "FRAME_MAGIC", "FRAME_VERSION", "CODECS", "FLAG_MAC", "MAC_TAG_BYTES", "MAC_KEY_BYTES",
+    "mac_key_id", "CorruptChunkError", "CompressionConfig",
     "ChunkEncoder", "ChunkDecoder", "EncodeStats", "DecodeStats", "FrameHeader",
     "frame_header_size", "parse_frame_header",
 ]
@@ -103,6 +120,14 @@ CODECS = {CODEC_RAW: "raw", CODEC_ZSTD: "zstd", CODEC_SPLIT_ZSTD: "split_zstd"}
 
 MODES = ("auto", "zstd", "none")
 MAX_KEY_LEN = 0xFFFF
+
+#: Header flag: a MAC tag of MAC_TAG_BYTES follows the key (module docstring).
+FLAG_MAC = 0x01
+MAC_TAG_BYTES = 32
+#: Accepted MAC key lengths (BLAKE2b takes at most 64; fewer than 16 is too weak).
+MAC_KEY_BYTES = (16, 64)
+_MAC_PERSON = b"shmtier-frame"
+_KEY_ID_PERSON = b"shmtier-key-id"
 
 # Fixed part of the header up to (not including) the header CRC; see the layout above.
 _HEAD = struct.Struct("<4sBBBBHHIQQI")
@@ -129,13 +154,16 @@ class CorruptChunkError(Exception):
     * ``"key"``      -- an intact frame of another key;
     * ``"checksum"`` -- a header, payload or raw-bytes CRC mismatch (bit rot, torn write);
     * ``"codec"``    -- an unknown codec id, parameters the codec cannot have, or a
-      payload zstd refuses or that decodes to the wrong size.
+      payload zstd refuses or that decodes to the wrong size;
+    * ``"mac"``      -- authentication failed: a decoder with a MAC key got a frame
+      without a tag or with a tag that does not verify (forged, written under another
+      key, or a flipped bit in the tag), or a decoder without a key got a frame with one.
 
     Raised by :func:`parse_frame_header` and :meth:`ChunkDecoder.decode_into`; a tier
     backend turns it into a MISS, removes the stored frame and counts it.
     """
 
-    REASONS = ("magic", "version", "length", "key", "checksum", "codec")
+    REASONS = ("magic", "version", "length", "key", "checksum", "codec", "mac")
 
     def __init__(self, reason: str, detail: str = "") -> None:
         if reason not in self.REASONS:
@@ -267,7 +295,8 @@ class FrameHeader:
     is the whole frame. ``checksum`` is the CRC-32C of the raw bytes the codec stores
     raw (the whole chunk for ``raw`` and ``zstd``, the low-byte plane for
     ``split_zstd``), ``payload_crc`` that of the zstd payload (codec ``zstd`` only; 0
-    otherwise). See the module docstring.
+    otherwise). ``tag`` is the frame's MAC tag (``FLAG_MAC``), ``b""`` without one.
+    See the module docstring.
     """
 
     magic: bytes
@@ -279,24 +308,50 @@ class FrameHeader:
     key: bytes
     checksum: int
     payload_crc: int = 0
+    tag: bytes = b""
 
     @property
     def header_size(self) -> int:
-        return _FIXED_SIZE + len(self.key)
+        return _FIXED_SIZE + len(self.key) + len(self.tag)
 
     @property
     def frame_size(self) -> int:
-        return _FIXED_SIZE + len(self.key) + self.stored_len
+        return self.header_size + self.stored_len
 
 
-def frame_header_size(key_len: int) -> int:
-    """Bytes of the header of a frame whose key is ``key_len`` bytes long (40 + key_len).
+def frame_header_size(key_len: int, *, mac: bool = False) -> int:
+    """Bytes of the header of a frame whose key is ``key_len`` bytes long (40 + key_len,
+    plus ``MAC_TAG_BYTES`` for a frame with a MAC tag).
 
     A backend that reads a frame in two steps reads this many bytes first, parses
     them with :func:`parse_frame_header`, then reads ``stored_len`` more."""
     if not 0 <= key_len <= MAX_KEY_LEN:
         raise ValueError(f"key length {key_len} out of range 0..{MAX_KEY_LEN}")
-    return _FIXED_SIZE + key_len
+    return _FIXED_SIZE + key_len + (MAC_TAG_BYTES if mac else 0)
+
+
+def _mac_state(mac_key: Any) -> "hashlib._Hash | None":
+    """The keyed BLAKE2b state every frame's tag starts from (copied per frame), or None
+    without a key. Raises TypeError / ValueError (naming the length, never the key) for
+    a key that is not 16..64 bytes."""
+    if mac_key is None:
+        return None
+    if not isinstance(mac_key, (bytes, bytearray, memoryview)):
+        raise TypeError(f"mac_key must be bytes or None, got {type(mac_key).__name__}")
+    key = bytes(mac_key)
+    lo, hi = MAC_KEY_BYTES
+    if not lo <= len(key) <= hi:
+        raise ValueError(f"a MAC key of {len(key)} bytes; expected {lo}..{hi} bytes")
+    return hashlib.blake2b(key=key, digest_size=MAC_TAG_BYTES, person=_MAC_PERSON)
+
+
+def mac_key_id(mac_key: bytes) -> str:
+    """16 hex digits that name a MAC key without revealing anything about it (a keyed
+    BLAKE2b of nothing, under its own personalisation): equal keys, equal ids. The fs
+    tier puts it in its namespace, so engines with different keys never share files."""
+    _mac_state(mac_key)  # the same checks
+    return hashlib.blake2b(key=bytes(mac_key), digest_size=8,
+                           person=_KEY_ID_PERSON).hexdigest()
 
 
 def _byte_view(buf: Any, *, writable: bool = False, what: str = "buffer") -> memoryview:
@@ -338,9 +393,16 @@ def parse_frame_header(buf: memoryview) -> FrameHeader:
     key = bytes(mv[_FIXED_SIZE:end])
     if crc32c(key, crc32c(mv[:_HEAD.size])) != header_crc:
         raise CorruptChunkError("checksum", "header CRC mismatch")
-    if flags or reserved:
+    if flags & ~FLAG_MAC or reserved:
         raise CorruptChunkError(
             "version", f"flags {flags:#x} / reserved {reserved:#x} not understood")
+    tag = b""
+    if flags & FLAG_MAC:
+        if mv.nbytes < end + MAC_TAG_BYTES:
+            raise CorruptChunkError(
+                "length", f"{mv.nbytes} bytes, header with its key and MAC tag needs "
+                          f"{end + MAC_TAG_BYTES}")
+        tag = bytes(mv[end:end + MAC_TAG_BYTES])
     codec = CODECS.get(codec_id)
     if codec is None:
         raise CorruptChunkError("codec", f"unknown codec id {codec_id}")
@@ -359,7 +421,7 @@ def parse_frame_header(buf: memoryview) -> FrameHeader:
     elif stored_len == 0:
         raise CorruptChunkError("length", "empty zstd payload")
     return FrameHeader(magic, version, codec, element_size, raw_len, stored_len, key,
-                       checksum, payload_crc)
+                       checksum, payload_crc, tag)
 
 
 class _Scratch:
@@ -381,13 +443,18 @@ class ChunkEncoder:
 
     Called by tier-worker backends (cascade/store path) in the tier worker process,
     and by the bench. CPU-bound: never does I/O, never waits on anything else.
+
+    ``mac_key``: 16..64 secret bytes, or None. With a key every frame carries a MAC
+    tag (``FLAG_MAC``; module docstring, "Authentication").
     """
 
-    def __init__(self, config: CompressionConfig | None = None) -> None:
+    def __init__(self, config: CompressionConfig | None = None, *,
+                 mac_key: bytes | None = None) -> None:
         self.config = config if config is not None else CompressionConfig()
         if not isinstance(self.config, CompressionConfig):
             raise TypeError(
                 "config must be a CompressionConfig (use CompressionConfig.from_config)")
+        self._mac = _mac_state(mac_key)
         # Two compressors that differ only in the zstd content checksum: the split
         # codec's high plane relies on it; whole-chunk zstd has CRC-32Cs of its own.
         self._cctx = self._cctx_split = None
@@ -405,6 +472,11 @@ class ChunkEncoder:
             return zstandard.ZstdCompressor(
                 compression_params=zstandard.ZstdCompressionParameters(**common, **_AUTO_PARAMS))
         return zstandard.ZstdCompressor(level=self.config.level, **common)
+
+    @property
+    def mac(self) -> bool:
+        """True if this encoder writes MAC tags."""
+        return self._mac is not None
 
     def _keep(self, stored: int, raw: int) -> bool:
         return stored < raw and stored <= raw * self._keep_factor
@@ -456,9 +528,16 @@ class ChunkEncoder:
                 payload_crc = crc32c(comp)
         else:
             checksum = crc32c(mv)
-        head = _HEAD.pack(FRAME_MAGIC, FRAME_VERSION, codec_id, element_size, 0, len(key), 0,
-                          checksum, n, stored, payload_crc)
+        flags = 0 if self._mac is None else FLAG_MAC
+        head = _HEAD.pack(FRAME_MAGIC, FRAME_VERSION, codec_id, element_size, flags, len(key),
+                          0, checksum, n, stored, payload_crc)
         header = head + _HCRC.pack(crc32c(key, crc32c(head))) + key
+        if self._mac is not None:
+            mac = self._mac.copy()
+            mac.update(header)
+            for part in payload:
+                mac.update(part)
+            header += mac.digest()
         stats = EncodeStats(n, len(header) + stored, time.perf_counter() - t0, CODECS[codec_id])
         return [header, *payload], stats
 
@@ -469,21 +548,33 @@ class ChunkDecoder:
 
     Called by tier-worker backends (promotion/load path) in the tier worker
     process, and by the bench. CPU-bound: never does I/O, never waits.
+
+    ``mac_key``: 16..64 secret bytes, or None. With a key only frames whose MAC tag
+    verifies under it are served; without one, frames with a tag are refused (module
+    docstring, "Authentication"). Either refusal is ``"mac"``.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *, mac_key: bytes | None = None) -> None:
         self._dctx = zstandard.ZstdDecompressor()
         self._scratch = _Scratch()
+        self._mac = _mac_state(mac_key)
+
+    @property
+    def mac(self) -> bool:
+        """True if this decoder requires (and checks) MAC tags."""
+        return self._mac is not None
 
     def decode_into(self, frame: memoryview, key: bytes, out: memoryview) -> DecodeStats:
         """Verify ``frame`` (exactly one whole frame) as the frame of ``key`` and write
         its raw bytes into ``out`` (writable, ``len(out)`` == the frame's raw length).
 
         Order: header (see :func:`parse_frame_header`), key (``"key"``), frame length
-        (``"length"``), destination length (``"length"``), then the payload's checks --
-        the raw bytes' CRC (``raw``), the payload CRC (``zstd``), the low plane's CRC
-        and the high plane's zstd content checksum, decoded into scratch memory
-        (``split_zstd``) -- all before ``out`` is written, so a corrupt stored frame
+        (``"length"``), destination length (``"length"``), a MAC tag present exactly
+        when this decoder has a key (``"mac"``), then the payload's checks -- the raw
+        bytes' CRC (``raw``), the payload CRC (``zstd``), the low plane's CRC
+        (``split_zstd``), then the MAC tag (``"mac"``), then the high plane's zstd
+        content checksum, decoded into scratch memory (``split_zstd``) -- all before
+        ``out`` is written, so a corrupt stored frame
         leaves ``out`` untouched. A payload zstd refuses is ``"codec"``, a content
         checksum mismatch ``"checksum"``. For ``zstd`` it then checks the CRC of the
         bytes decoded into ``out`` (``"checksum"``); that can only fail on a decoder
@@ -504,14 +595,19 @@ class ChunkDecoder:
         if omv.nbytes != h.raw_len:
             raise CorruptChunkError(
                 "length", f"destination has {omv.nbytes} bytes, frame holds {h.raw_len}")
+        if bool(h.tag) != (self._mac is not None):
+            raise CorruptChunkError("mac", "frame carries a MAC tag this reader has no key "
+                                           "to check" if h.tag else "frame carries no MAC tag")
         payload = fmv[hs:]
         if h.codec == "raw":
             if crc32c(payload) != h.checksum:
                 raise CorruptChunkError("checksum", "raw bytes CRC mismatch")
+            self._authenticate(fmv, h)
             omv[:] = payload  # only once the CRC passed: a corrupt frame writes nothing
         elif h.codec == "zstd":
             if crc32c(payload) != h.payload_crc:
                 raise CorruptChunkError("checksum", "payload CRC mismatch")
+            self._authenticate(fmv, h)
             self._decompress(payload, omv)
             if crc32c(omv) != h.checksum:
                 raise CorruptChunkError("checksum", "decoded bytes CRC mismatch")
@@ -523,10 +619,24 @@ class ChunkDecoder:
             lo = payload[h.stored_len - half:]
             if crc32c(lo) != h.checksum:
                 raise CorruptChunkError("checksum", "low-byte plane CRC mismatch")
+            self._authenticate(fmv, h)
             hi = self._scratch.get("hi", half)
             self._decompress(comp, memoryview(hi), checksummed=True)
             merge(hi, lo, omv)
         return DecodeStats(h.raw_len, fmv.nbytes, time.perf_counter() - t0, h.codec)
+
+    def _authenticate(self, fmv: memoryview, h: FrameHeader) -> None:
+        """Check the MAC tag of the whole frame ``fmv`` (header ``h``), if this decoder
+        has a key: BLAKE2b over the header up to the tag and the payload."""
+        if self._mac is None:
+            return
+        hs = h.header_size
+        mac = self._mac.copy()
+        mac.update(fmv[:hs - MAC_TAG_BYTES])
+        mac.update(fmv[hs:])
+        if not hmac.compare_digest(mac.digest(), h.tag):
+            raise CorruptChunkError("mac", "MAC tag does not verify (forged, or written "
+                                           "under another key)")
 
     def _decompress(self, comp: memoryview, dst: memoryview, *,
                     checksummed: bool = False) -> None:

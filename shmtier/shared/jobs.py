@@ -95,7 +95,7 @@ class Outcome(enum.IntEnum):
                published), or the job failed as a whole (no backend for its tier, a
                malformed job, its worker died: the result's ``error`` says why)
     CORRUPT    load: the stored chunk failed verification (detail: the reason, one     load
-               of magic, version, length, key, checksum, codec); the bad copy was
+               of magic, version, length, key, checksum, codec, mac); the bad copy was
                removed (if the medium allowed) and counted. Treat as a MISS.
     REJECTED   store refused for capacity, nothing left behind (detail                 store
                ``"max_bytes"``, ``"min_free"`` (the job loop adds the free bytes:

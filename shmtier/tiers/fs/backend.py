@@ -30,7 +30,7 @@ import stat
 import time
 from typing import Callable, Iterator, Sequence
 
-from shmtier.shared.codec import CompressionConfig
+from shmtier.shared.codec import CompressionConfig, mac_key_id
 from shmtier.tiers.backend import BatchResult, Outcome, ScanEntry, TierBackend, WorkerContext
 from shmtier.tiers.fs.fileio import probe_direct_io, unlink_quietly
 from shmtier.tiers.fs.load import ChunkReader
@@ -66,6 +66,14 @@ class FsBackend(TierBackend):
     disables the floor). A full medium still answers ENOSPC: REJECTED, "ENOSPC ...". Sizes
     are file sizes (frame bytes). The backend never evicts: the scheduler half decides
     what to delete.
+
+    ``mac_key`` (16..64 secret bytes, or None): every frame written carries a keyed
+    BLAKE2b tag, and a load serves only frames whose tag verifies under this key (else
+    CORRUPT, "mac": the file is removed and counted like any corrupt file). The key's id
+    (``codec.mac_key_id``) is part of the namespace's fingerprint, so engines with
+    different keys, or without one, never share a namespace directory: a frame that
+    fails the MAC in this namespace was not written by an engine of this key and removing
+    it takes nothing from anyone (docs/architecture.md, failure model).
     """
 
     kind = "fs"
@@ -83,6 +91,7 @@ class FsBackend(TierBackend):
         chunk_bytes_hint: int = DEFAULT_CHUNK_BYTES_HINT,
         stale_temp_age_s: float = DEFAULT_STALE_TEMP_AGE_S,
         direct_io: bool | str = False,
+        mac_key: bytes | None = None,
     ):
         if not isinstance(namespace, str) or not namespace:
             raise ValueError(f"fs tier namespace must be a non-empty fingerprint string, got {namespace!r}")
@@ -97,6 +106,9 @@ class FsBackend(TierBackend):
             raise ValueError(f"fs tier chunk_bytes_hint={chunk_bytes_hint!r}: must be a positive integer")
         if direct_io not in (True, False, "auto"):
             raise ValueError(f"fs tier direct_io={direct_io!r}: must be true, false or \"auto\"")
+        self.mac_key_id = mac_key_id(mac_key) if mac_key is not None else None
+        if self.mac_key_id is not None:
+            namespace = f"{namespace}|mac={self.mac_key_id}"
         self.ns = Namespace(root_dir, namespace, capacity_bytes=max_bytes,
                             chunk_bytes_hint=chunk_bytes_hint, fsync=bool(fsync))
         self.root_dir = self.ns.root_dir
@@ -118,8 +130,9 @@ class FsBackend(TierBackend):
         self._writer = ChunkWriter(self.ns, self.counters, codec_config=self.codec_config,
                                    element_size=element_size, max_bytes=max_bytes,
                                    min_free_bytes=min_free_bytes, fsync=self.fsync,
-                                   direct_io=self.direct_io)
-        self._reader = ChunkReader(self.ns, self.counters, direct_io=self.direct_io)
+                                   direct_io=self.direct_io, mac_key=mac_key)
+        self._reader = ChunkReader(self.ns, self.counters, direct_io=self.direct_io,
+                                   mac_key=mac_key)
 
     @classmethod
     def open(cls, args: dict, context: WorkerContext) -> "FsBackend":
@@ -128,7 +141,8 @@ class FsBackend(TierBackend):
         return cls(args["root_dir"], context.namespace, fsync=args["fsync"],
                    codec_config=context.codec, element_size=context.element_size,
                    max_bytes=args["max_bytes"], min_free_bytes=args["min_free_bytes"],
-                   chunk_bytes_hint=context.chunk_bytes, direct_io=args["direct_io"])
+                   chunk_bytes_hint=context.chunk_bytes, direct_io=args["direct_io"],
+                   mac_key=args.get("mac_key"))
 
     def path_for(self, key: bytes) -> str:
         """The file that holds (or would hold) ``key``'s chunk."""
@@ -305,5 +319,6 @@ class FsBackend(TierBackend):
 
     def __repr__(self) -> str:
         return (f"FsBackend({self.namespace_dir!r}, fanout_bits={self.fanout_bits}, "
-                f"fsync={self.fsync}, max_bytes={self.max_bytes})")
+                f"fsync={self.fsync}, max_bytes={self.max_bytes}, "
+                f"mac_key_id={self.mac_key_id})")
 

@@ -8,17 +8,21 @@ fails there, naming the key, before any tier worker starts.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from shmtier.options import (
     ConfigError,
+    Secret,
     boolean,
     choice_upper,
     integer,
     number,
     one_of,
+    secret_file,
+    secret_hex,
     writable_dir,
 )
-from shmtier.shared.codec import frame_header_size
+from shmtier.shared.codec import MAC_KEY_BYTES, frame_header_size
 from shmtier.tiers.config import REQUIRED, TierConfig, TierContext, option
 
 DEFAULT_MIN_FREE_BYTES = 1 << 30
@@ -36,7 +40,15 @@ class FsTierConfig(TierConfig):
     ``max_pinned_fraction``: at most this share of the CPU tier's rows may wait for this
     tier's cascades (more are dropped and counted as backpressure).
     ``n_read_threads``/``n_write_threads``: vLLM's fs options, accepted and unused (the
-    tier workers do the I/O)."""
+    tier workers do the I/O).
+
+    ``mac_key_file`` / ``mac_key`` (at most one; default neither): the secret of the
+    frames' keyed MAC (``shmtier/shared/codec.py``, "Authentication"), from a private
+    file (read here, when the spec is built) or as hex in the config (which gets
+    logged: prefer the file). Either is kept as a :class:`~shmtier.options.Secret` that
+    never shows its value; the tier workers receive the key bytes as ``mac_key`` in
+    ``worker_args`` (published in the engine's 0600 shared-memory segment, like every
+    worker option) and no file path, so every worker uses the key checked here."""
 
     root_dir: str = option(REQUIRED, writable_dir(), worker=True)
     max_bytes: int | None = option(None, integer(1).or_none("null (unbounded)"), worker=True)
@@ -49,11 +61,33 @@ class FsTierConfig(TierConfig):
     max_pinned_fraction: float = option(0.5, number(0, 1, min_open=True))
     n_read_threads: int | None = option(None, integer(1).or_none())
     n_write_threads: int | None = option(None, integer(1).or_none())
+    mac_key_file: Secret | None = option(None, secret_file(*MAC_KEY_BYTES).or_none())
+    mac_key: Secret | None = option(
+        None, secret_hex(*MAC_KEY_BYTES, source="mac_key").or_none())
+
+    @property
+    def mac_secret(self) -> bytes | None:
+        """The MAC key's bytes (from ``mac_key_file`` or ``mac_key``), or None."""
+        secret = self.mac_key_file or self.mac_key
+        return secret.value if secret is not None else None
+
+    def worker_args(self) -> dict[str, Any]:
+        """The ``worker=True`` options, plus ``mac_key`` (the key's bytes) when a MAC key
+        is configured."""
+        args = super().worker_args()
+        if self.mac_secret is not None:
+            args["mac_key"] = self.mac_secret
+        return args
 
     def check_together(self, where: str, context: TierContext) -> None:
+        if self.mac_key_file is not None and self.mac_key is not None:
+            raise ConfigError(
+                f"{where}.mac_key_file and {where}.mac_key are both set: give the MAC key "
+                f"one way (a file is preferred: configs get logged)")
         if self.max_bytes is None or context.chunk_bytes is None:
             return
-        one_file = context.chunk_bytes + frame_header_size(context.key_bytes or 0)
+        one_file = context.chunk_bytes + frame_header_size(
+            context.key_bytes or 0, mac=self.mac_secret is not None)
         if self.max_bytes < one_file:
             raise ConfigError(
                 f"{where}.max_bytes = {self.max_bytes!r} is invalid: expected at least one "

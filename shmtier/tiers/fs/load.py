@@ -8,7 +8,7 @@ and for a corrupt file a stat and an unlink.
 Files are opened up to 16 at a time with ``posix_fadvise(WILLNEED)`` (the device reads
 them in parallel while earlier ones are verified); each is then read whole (one
 ``preadv``) into a reusable page-aligned buffer and decoded into the row by the codec,
-which checks everything (magic, version, lengths, key, checksum, and the file size
+which checks everything (magic, version, lengths, key, checksum, MAC, and the file size
 against the frame's stored length) before and after writing the row. With
 ``direct_io`` the file is read in whole pages with ``O_DIRECT`` instead
 (``fileio.read_direct``). A file that fails is reported CORRUPT (the reason as its
@@ -48,11 +48,12 @@ class ChunkReader:
     counting into ``counters`` (shared with the backend). Not thread-safe: it reuses its
     decoder and read buffer."""
 
-    def __init__(self, ns: Namespace, counters: FsCounters, *, direct_io: bool):
+    def __init__(self, ns: Namespace, counters: FsCounters, *, direct_io: bool,
+                 mac_key: bytes | None = None):
         self.ns = ns
         self.counters = counters
         self.direct_io = direct_io
-        self._decoder = ChunkDecoder()
+        self._decoder = ChunkDecoder(mac_key=mac_key)  # with a key: MAC'd frames only
         self._buf = PageBuffer(doubling=True)  # reusable read buffer
         self._codec_s = 0.0  # accumulator of the load in progress
 
@@ -138,7 +139,7 @@ class ChunkReader:
         c = self.counters
         size = st.st_size
         chunk_bytes = out.nbytes
-        hs = frame_header_size(len(key))
+        hs = frame_header_size(len(key), mac=self._decoder.mac)
         cap = hs + chunk_bytes + chunk_bytes // 64 + 4096  # frames are never much larger
         reason = None
         try:

@@ -23,7 +23,7 @@ from __future__ import annotations
 import errno
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
 from shmtier.shared.codec import ChunkEncoder, CompressionConfig
@@ -59,10 +59,11 @@ class ChunkWriter:
     min_free_bytes: int | None
     fsync: bool
     direct_io: bool
+    mac_key: bytes | None = field(default=None, repr=False)  # frames carry a MAC tag
 
     def __post_init__(self) -> None:
-        self._encoder = ChunkEncoder(self.codec_config)
-        self._raw_encoder = ChunkEncoder(CompressionConfig(mode="none"))
+        self._encoder = ChunkEncoder(self.codec_config, mac_key=self.mac_key)
+        self._raw_encoder = ChunkEncoder(CompressionConfig(mode="none"), mac_key=self.mac_key)
         self._wbuf = PageBuffer(doubling=False)  # reusable O_DIRECT write buffer
 
     def store(self, keys: Sequence[bytes], rows: Sequence[int], arena, chunk_bytes: int, *,
