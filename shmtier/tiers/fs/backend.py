@@ -10,7 +10,9 @@ construction, delete, probe and scan (metadata only), and its counters; it hands
 and load batches to its write and read paths. The rest of the tier's worker half:
 
 - ``namespace.py``: the on-disk layout (namespace directory per layout fingerprint,
-  fan-out directories, chunk and temp file names, config.json); every path comes from it.
+  fan-out directories, chunk and temp file names, config.json); every file and directory
+  is reached through it, relative to a directory descriptor, never through a symbolic
+  link.
 - ``store.py``: the write path (encode, capacity checks, temp file + rename publish).
 - ``load.py``: the read path (readahead, whole-file read, verify and decode, corrupt
   files removed).
@@ -34,7 +36,7 @@ from shmtier.shared.codec import CompressionConfig
 from shmtier.tiers.backend import BatchResult, Outcome, ScanEntry, TierBackend, WorkerContext
 from shmtier.tiers.fs.fileio import probe_direct_io, unlink_quietly
 from shmtier.tiers.fs.load import ChunkReader
-from shmtier.tiers.fs.namespace import TEMP_SUFFIX, Namespace, chunk_key, key_problem
+from shmtier.tiers.fs.namespace import TEMP_SUFFIX, LinkRefused, Namespace, chunk_key, key_problem
 from shmtier.tiers.fs.outcomes import FsCounters, errno_outcome
 from shmtier.tiers.fs.store import ChunkWriter
 
@@ -110,7 +112,8 @@ class FsBackend(TierBackend):
         self.stale_temp_age_s = float(stale_temp_age_s)
         self.codec_config = codec_config if codec_config is not None else CompressionConfig()
         self.counters = FsCounters()
-        self.direct_io = direct_io is not False and probe_direct_io(self.namespace_dir)
+        self.direct_io = direct_io is not False and probe_direct_io(self.namespace_dir,
+                                                                     dir_fd=self.ns.fd)
         if direct_io is True and not self.direct_io:
             raise OSError(errno.EINVAL, f"fs tier direct_io=true but {self.namespace_dir} does "
                                         f"not support O_DIRECT; set direct_io to "
@@ -184,14 +187,21 @@ class FsBackend(TierBackend):
     def delete(self, keys: Sequence[bytes]) -> BatchResult:
         """Unlink the chunks of ``keys`` (scheduler-decided eviction). Blocks on the disk.
 
-        Per key: OK (``stored_bytes`` = bytes freed), MISS, ERROR, INVALID. A load
-        already reading the file finishes with the old bytes."""
+        Per key: OK (``stored_bytes`` = bytes freed), MISS (also for a symbolic link at
+        the chunk's name: the link is removed, never its target; counted in
+        ``links_refused``), ERROR, INVALID. A load already reading the file finishes
+        with the old bytes."""
         return self._per_key("delete", keys, "unlink", self._delete_one)
 
     def _delete_one(self, res: BatchResult, i: int, key: bytes) -> None:
-        path = self.ns.path_for(key)
-        size = os.stat(path).st_size
-        os.unlink(path)
+        rel, name = self.ns.locate(key)
+        st = self.ns.stat_entry(rel, name)
+        self.ns.unlink_entry(rel, name)  # a link itself, never its target
+        if stat.S_ISLNK(st.st_mode):  # not a chunk of ours: nothing freed
+            self.counters.links_refused += 1
+            res.set(i, Outcome.MISS)
+            return
+        size = st.st_size
         res.set(i, Outcome.OK)
         res.stored_bytes[i] = size
         c = self.counters
@@ -200,24 +210,26 @@ class FsBackend(TierBackend):
 
     def probe(self, keys: Sequence[bytes]) -> BatchResult:
         """Presence by one ``stat`` per key, without reading: OK with ``stored_bytes``
-        (present; not verified — a corrupt file is found by ``load``) or MISS."""
+        (present; not verified — a corrupt file is found by ``load``) or MISS (also for
+        a symbolic link, never followed: counted in ``links_refused``)."""
         return self._per_key("probe", keys, "stat", self._probe_one)
 
     def _probe_one(self, res: BatchResult, i: int, key: bytes) -> None:
-        st = os.stat(self.ns.path_for(key))
+        st = self.ns.stat_entry(*self.ns.locate(key))
         if stat.S_ISREG(st.st_mode):
             res.set(i, Outcome.OK)
             res.stored_bytes[i] = st.st_size
         else:
+            if stat.S_ISLNK(st.st_mode):
+                self.counters.links_refused += 1
             res.set(i, Outcome.MISS)
 
-    @staticmethod
-    def _per_key(op: str, keys: Sequence[bytes], step: str,
+    def _per_key(self, op: str, keys: Sequence[bytes], step: str,
                  one: Callable[[BatchResult, int, bytes], None]) -> BatchResult:
         """``op``'s result for ``keys``, key ``i``'s outcome set by ``one(res, i, key)``
         (or INVALID for a bad key), its seconds measured around it. An OSError raised by
-        ``one`` is key i's outcome: MISS for a missing file or directory, else
-        ``errno_outcome(e, step)``."""
+        ``one`` is key i's outcome: MISS for a missing file or directory or a link in
+        place of a fan-out directory (counted), else ``errno_outcome(e, step)``."""
         res = BatchResult.empty(op, len(keys))
         seconds = res.seconds
         for i, key in enumerate(keys):
@@ -228,6 +240,9 @@ class FsBackend(TierBackend):
                     res.set(i, Outcome.INVALID, bad)
                 else:
                     one(res, i, bytes(key))
+            except LinkRefused:
+                self.counters.links_refused += 1
+                res.set(i, Outcome.MISS)
             except (FileNotFoundError, NotADirectoryError):
                 res.set(i, Outcome.MISS)
             except OSError as e:
@@ -247,22 +262,24 @@ class FsBackend(TierBackend):
         chunk files sitting in a directory their key does not map to (unreachable by
         ``load``), counting both. Files published during the walk may or may not be
         seen. When the walk completes, ``counters.bytes_on_disk`` is set to the total
-        found. Unreadable directories are skipped and counted (``scan_errors``).
+        found. Unreadable directories are skipped and counted (``scan_errors``). No
+        symbolic link is followed: one in place of a fan-out directory or a chunk file
+        is skipped and counted (``links_refused``).
         """
         total = 0
         c = self.counters
-        for rel, entries in self.ns.walk(self._scan_error):
+        for rel, dir_fd, entries in self.ns.walk(self._scan_error, self._link_refused):
             for e in entries:
                 name = e.name
                 if name.endswith(TEMP_SUFFIX):
                     if name.startswith("."):
-                        self._maybe_remove_temp(e)
+                        self._maybe_remove_temp(e, dir_fd)
                     continue
                 key = chunk_key(name)
                 if key is None:
                     continue
                 if self.ns.rel_dir(key) != rel:
-                    if unlink_quietly(e.path):
+                    if unlink_quietly(name, dir_fd=dir_fd):
                         c.misplaced_files_removed += 1
                     continue
                 try:
@@ -270,6 +287,8 @@ class FsBackend(TierBackend):
                 except OSError:
                     continue  # removed meanwhile
                 if not stat.S_ISREG(st.st_mode):
+                    if stat.S_ISLNK(st.st_mode):
+                        c.links_refused += 1
                     continue
                 total += st.st_size
                 yield ScanEntry(key, st.st_size, st.st_mtime)
@@ -286,7 +305,10 @@ class FsBackend(TierBackend):
     def _scan_error(self) -> None:
         self.counters.scan_errors += 1
 
-    def _maybe_remove_temp(self, entry: os.DirEntry) -> None:
+    def _link_refused(self) -> None:
+        self.counters.links_refused += 1
+
+    def _maybe_remove_temp(self, entry: os.DirEntry, dir_fd: int) -> None:
         if self.ns.temp_writer_alive(entry.name):
             try:
                 age = time.time() - entry.stat(follow_symlinks=False).st_mtime
@@ -294,14 +316,17 @@ class FsBackend(TierBackend):
                 return
             if age <= self.stale_temp_age_s:
                 return
-        if unlink_quietly(entry.path):
+        if unlink_quietly(entry.name, dir_fd=dir_fd):
             self.counters.temp_files_removed += 1
 
     # ------------------------------------------------------------------ misc
 
     def close(self) -> None:
-        """Drop the read buffer. The backend holds no open descriptors between calls."""
+        """Drop the read buffer and close the namespace's directory descriptors (the
+        namespace directory's and up to ``MAX_OPEN_LEAVES`` leaf directories', held
+        between calls). Idempotent; a closed backend answers no further calls."""
         self._reader.release()
+        self.ns.close()
 
     def __repr__(self) -> str:
         return (f"FsBackend({self.namespace_dir!r}, fanout_bits={self.fanout_bits}, "

@@ -64,6 +64,7 @@ class FsCounters:
     temp_files_removed: int = 0
     misplaced_files_removed: int = 0  # chunk files in a directory their key does not map to
     scan_errors: int = 0
+    links_refused: int = 0  # symbolic links met where the layout has a file or directory
 
     def as_dict(self) -> dict:
         return asdict(self)
