@@ -394,6 +394,8 @@ def test_real_enospc_on_a_small_tmpfs():
         # Deleting makes room again.
         assert b.delete(keys[:1]).all_ok
         assert b.store(keys[n_ok:n_ok + 1], [n_ok], src, cb).outcomes == [OK]
+        b.close()  # backends hold their namespace directory open: let the tmpfs go
+        b2.close()
 
 
 def test_fanout_is_proportional_and_recorded(tmp_path):
@@ -440,6 +442,8 @@ def test_read_only_root_fails_stores_per_key_and_still_serves_loads():
         assert {e.key for e in b2.scan()} == set(keys[:3])
         with pytest.raises(OSError, match="Read-only"):
             backend(root, fp="another fingerprint")  # cannot create its namespace
+        b.close()  # backends hold their namespace directory open: let the tmpfs go
+        b2.close()
 
 
 CHILD_EACCES = textwrap.dedent("""
@@ -503,8 +507,9 @@ def failing_disk(tmp_path, size_mib: int = 32):
             pytest.skip(f"cannot mount a loop device here: {r.stderr.strip()}")
         try:
             yield str(mnt), lambda: os.truncate(img, 2 << 20)
-        finally:
-            subprocess.run(["umount", str(mnt)], capture_output=True)
+        finally:  # lazily if a backend still holds a directory open there (a failed test)
+            if subprocess.run(["umount", str(mnt)], capture_output=True).returncode != 0:
+                subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
     finally:
         subprocess.run(["losetup", "-d", dev], capture_output=True)
 
@@ -534,6 +539,7 @@ def test_device_read_errors_are_eio_outcomes_and_keep_the_file(tmp_path):
                 assert os.path.exists(b.path_for(keys[i])), "an unreadable file is not corrupt"
         assert b.counters.corrupt_files_detected == 0
         assert b.counters.load_errors == r.count(ERROR)
+        b.close()  # backends hold their namespace directory open: let the disk go
 
 
 def test_directory_in_the_way_is_an_errno_outcome(tmp_path):
