@@ -20,6 +20,8 @@ Runs in: one tier worker process (spawned by the pool, or started by
                         results.try_put(encoded result)
           every few seconds: owner (scheduler) alive? else exit
 
+After each job the backend's ``take_flags()`` (``jobs.ResultFlag`` bits it raised,
+e.g. that its namespace was reset) go with the job's result.
 A job for a tier that has no worker half, or for an op its backend does not
 handle, is answered with an error result (every key ERROR, the reason in the
 result's error text). A result is the backend's per-key outcomes, logical and
@@ -185,12 +187,19 @@ class JobRunner:
                                         len(job.keys))
         else:
             result = self._run_backend(job, backend)
+            try:
+                flags = backend.take_flags()
+            except Exception:  # a backend bug must not take the worker down
+                logger.exception("tier worker: tier %d: take_flags failed", job.tier)
+                flags = 0
+            if flags:
+                result = result._replace(flags=result.flags | int(flags))
         try:
             return jobs.split_result(result, self.max_result)
         except ValueError as e:  # per-key figures the wire cannot carry (a backend bug)
             logger.error("tier worker: job %d (%s): %s", job.job_id, job.op, e)
-            return jobs.split_result(jobs.Result.failed(job.job_id, str(e)[:500],
-                                                        len(job.keys)), self.max_result)
+            failed = jobs.Result.failed(job.job_id, str(e)[:500], len(job.keys))
+            return jobs.split_result(failed._replace(flags=result.flags), self.max_result)
 
     def _run_backend(self, job: jobs.Job, backend) -> jobs.Result:
         try:
