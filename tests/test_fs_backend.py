@@ -1004,3 +1004,87 @@ def test_leaf_directories_removed_behind_a_cached_descriptor_are_found_again(tmp
     a.close()
     other.close()
     assert len(os.listdir("/proc/self/fd")) <= fds_before
+
+
+def _namespace_reset(b: FsBackend) -> bool:
+    from shmtier.shared.jobs import ResultFlag
+
+    return bool(b.take_flags() & ResultFlag.NAMESPACE_RESET)
+
+
+def test_a_deleted_namespace_is_recreated_by_the_next_store_and_reported(tmp_path, caplog):
+    """Issue 11 item 5: after the namespace directory was deleted, loads and probes
+    answer MISS, the next store recreates the namespace (its config.json with the
+    recorded fan-out) and succeeds; the loss and the recreation are flagged for the
+    scheduler half (``take_flags``) and the recreation is logged once, by the process
+    that recreated it."""
+    import logging
+    import shutil
+
+    cb = 8192
+    src = make_arena(4, cb, cb, "bf16")
+    keys = keys_for(4)
+    a = backend(tmp_path, max_bytes=1 << 40)
+    other = backend(tmp_path, max_bytes=1 << 30)  # a second worker on the same root
+    bits = a.fanout_bits
+    assert a.store(keys[:2], [0, 1], src, cb).all_ok
+    assert not _namespace_reset(a)
+    shutil.rmtree(a.namespace_dir)
+    caplog.set_level(logging.INFO, logger="shmtier.tiers.fs")
+    assert a.load(keys[:2], [0, 1], src.copy(), cb).outcomes == [MISS, MISS]
+    assert a.probe(keys[:2]).outcomes == [MISS, MISS]
+    assert _namespace_reset(a) and not _namespace_reset(a)  # once per change
+    assert a.counters.bytes_on_disk == 0
+    assert not os.path.exists(a.namespace_dir)  # reads create nothing
+    r = a.store(keys[2:], [2, 3], src, cb)
+    assert r.outcomes == [OK, OK], r.details
+    assert _namespace_reset(a)
+    cfg = json.load(open(os.path.join(a.namespace_dir, "config.json")))
+    assert cfg["fingerprint"] == FP and tuple(cfg["fanout_bits"]) == bits
+    assert a.counters.bytes_on_disk == sum(r.stored_bytes)
+    assert {e.key for e in a.scan()} == set(keys[2:])
+    dst = np.zeros_like(src)
+    assert a.load(keys, range(4), dst, cb).outcomes == [MISS, MISS, OK, OK]
+    assert np.array_equal(dst[2:], src[2:])
+    # the other worker still held the old directory: it moves to the new one
+    assert other.store(keys[:1], [0], src, cb).outcomes == [OK]
+    assert _namespace_reset(other)
+    assert a.load(keys[:1], [0], dst, cb).outcomes == [OK]
+    warnings = [rec for rec in caplog.records if rec.levelno >= logging.WARNING]
+    assert len(warnings) == 1, [rec.getMessage() for rec in warnings]
+    assert a.namespace_dir in warnings[0].getMessage()
+    assert "recreated" in warnings[0].getMessage()
+
+
+def test_a_deleted_root_fails_stores_until_it_exists_again(tmp_path, caplog):
+    """Issue 11 item 5: the root itself gone: stores fail (ERROR ENOENT, the root is not
+    recreated by the tier), loads MISS; once the operator recreates the root, the next
+    store recreates the namespace in it."""
+    import logging
+    import shutil
+
+    cb = 4096
+    src = make_arena(2, cb, cb, "bytes")
+    keys = keys_for(2)
+    root = tmp_path / "root"
+    root.mkdir()
+    b = backend(root)
+    assert b.store(keys[:1], [0], src, cb).all_ok
+    shutil.rmtree(root)
+    caplog.set_level(logging.WARNING, logger="shmtier.tiers.fs")
+    for _ in range(3):
+        r = b.store(keys, [0, 1], src, cb)
+        assert r.outcomes == [ERROR, ERROR] and all(d.startswith("ENOENT") for d in r.details)
+        assert not root.exists()
+    assert "root_dir" in r.details[0] and str(root) in r.details[0]
+    assert b.load(keys, [0, 1], src.copy(), cb).outcomes == [MISS, MISS]
+    assert list(b.scan()) == [] and b.counters.bytes_on_disk == 0
+    assert _namespace_reset(b)
+    root.mkdir()
+    r = b.store(keys, [0, 1], src, cb)
+    assert r.outcomes == [OK, OK], r.details
+    assert _namespace_reset(b)
+    assert {e.key for e in b.scan()} == set(keys)
+    messages = [rec.getMessage() for rec in caplog.records]
+    assert len(messages) == 2, messages  # root gone (once, not per store), then recreated
+    assert "root_dir" in messages[0] and "recreated" in messages[1]

@@ -64,9 +64,11 @@ class ChunkReader:
         """Drop the read buffer (a later load allocates it again)."""
         self._buf.release()
 
-    def load(self, keys: Sequence[bytes], rows: Sequence[int], arena,
-             chunk_bytes: int) -> BatchResult:
-        """``FsBackend.load`` (its docstring is the contract)."""
+    def load(self, keys: Sequence[bytes], rows: Sequence[int], arena, chunk_bytes: int, *,
+             blocked: OSError | None = None) -> BatchResult:
+        """``FsBackend.load`` (its docstring is the contract). ``blocked``: why the
+        namespace cannot be read now (``Namespace.sync``): every valid key is a MISS (no
+        namespace, or a link at its path) or ERROR."""
         a = as_arena(arena)
         check_batch(keys, rows, a, chunk_bytes)
         n = len(keys)
@@ -78,7 +80,7 @@ class ChunkReader:
             try:
                 for i in range(lo, min(n, lo + _PREFETCH)):
                     t = time.perf_counter()
-                    got = self._open(keys[i], rows[i], a.shape[0], res, i)
+                    got = self._open(keys[i], rows[i], a.shape[0], res, i, blocked)
                     if got is not None:
                         opened[i] = got
                     seconds[i] += time.perf_counter() - t
@@ -94,7 +96,8 @@ class ChunkReader:
         res.codec_seconds = self._codec_s
         return res
 
-    def _open(self, key, row, num_rows: int, res: BatchResult, i: int):
+    def _open(self, key, row, num_rows: int, res: BatchResult, i: int,
+              blocked: OSError | None):
         """Open key's file and start its readahead: (fd, stat, (rel, name)), or None when
         key i's outcome is already decided (set in ``res``)."""
         bad = key_problem(key)
@@ -104,6 +107,14 @@ class ChunkReader:
             res.set(i, Outcome.INVALID, bad)
             return None
         c = self.counters
+        if blocked is not None:
+            if isinstance(blocked, (FileNotFoundError, NotADirectoryError, LinkRefused)):
+                c.load_missing += 1
+                res.set(i, Outcome.MISS)
+            else:
+                c.load_errors += 1
+                res.set(i, *errno_outcome(blocked, "namespace"))
+            return None
         entry = self.ns.locate(bytes(key))
         try:
             # O_NONBLOCK: a FIFO planted at the path must not hang the worker.

@@ -44,6 +44,14 @@ their directory's descriptor with ``O_NOFOLLOW`` (or ``follow_symlinks=False``).
 link anywhere below the root where the layout has a directory or a file raises
 ``LinkRefused`` (an OSError, errno ELOOP): for that key a load or probe is a MISS and a
 store fails; nothing is ever read or written through a link.
+
+A namespace that vanishes (its directory, or the whole root, deleted while workers run):
+``sync``, called once per backend call, sees that the path no longer names the directory
+held and lets go of it; loads and probes then answer MISS, and the next store makes the
+namespace again (config.json with the fan-out recorded before) if the root exists (the
+root is the operator's: it is never created, stores fail with ENOENT until it is back).
+Every such change bumps ``generation`` (the backend reports it to the scheduler half); the
+process that makes the namespace again logs it once (WARNING, with the path).
 """
 
 from __future__ import annotations
@@ -51,6 +59,7 @@ from __future__ import annotations
 import errno
 import hashlib
 import json
+import logging
 import os
 import stat
 import time
@@ -68,6 +77,8 @@ from shmtier.tiers.fs.fileio import (
     unlink_quietly,
     writev_all,
 )
+
+logger = logging.getLogger(__name__)
 
 FORMAT_NAME = "shmtier-fs"
 FORMAT_VERSION = 1
@@ -178,7 +189,12 @@ class Namespace:
         self.name = namespace_dir_name(fingerprint)
         self.dir = os.path.join(root, self.name)
         self._fd = -1
+        self._id: tuple[int, int] | None = None  # (st_dev, st_ino) of the directory held
         self._leaves: OrderedDict[str, int] = OrderedDict()  # rel -> leaf directory fd
+        #: Changes of the directory at the namespace path seen since opening (removed,
+        #: replaced, made again): the namespace's chunks before a change may be gone.
+        self.generation = 0
+        self._root_missing = False  # logged once per time the root is found gone
         capacity = capacity_bytes if capacity_bytes is not None else st_capacity(root)
         fd, bits, _ = self._attach(choose_fanout_bits(capacity, chunk_bytes_hint), create=True)
         self._adopt(fd, bits)
@@ -198,6 +214,58 @@ class Namespace:
         if self._fd >= 0:
             close_quietly(self._fd)
             self._fd = -1
+            self._id = None
+
+    def sync(self, *, create: bool) -> None:
+        """Make sure the directory held is still the one at the namespace path (one
+        ``lstat`` when it is). When it is not (removed, replaced, or held no more), let go
+        of it and use what is there now: a directory is opened (its config.json read, or
+        written with the recorded fan-out if absent); nothing there and ``create``: the
+        namespace is made again, if the root exists. Each change bumps ``generation``.
+
+        Raises FileNotFoundError when there is no namespace now (none there and not
+        ``create``, or the root is gone), ``LinkRefused`` / NotADirectoryError when a
+        link or a file sits at the namespace path, OSError (EINVAL for a config.json
+        that names another fingerprint or is malformed) when it cannot be used."""
+        try:
+            st = os.stat(self.dir, follow_symlinks=False)
+        except (FileNotFoundError, NotADirectoryError):
+            st = None
+        if st is not None and self._fd >= 0 and (st.st_dev, st.st_ino) == self._id:
+            return  # the common case
+        if self._fd >= 0:
+            logger.info("fs tier namespace %s: the directory held was removed or replaced",
+                        self.dir)
+            self.close()
+            self.generation += 1
+        if st is not None and stat.S_ISLNK(st.st_mode):
+            raise LinkRefused(f"fs tier namespace {self.dir}")
+        if st is not None and not stat.S_ISDIR(st.st_mode):
+            raise NotADirectoryError(
+                errno.ENOTDIR, f"fs tier namespace path is not a directory: {self.dir}")
+        if st is None:
+            if not create:
+                raise FileNotFoundError(errno.ENOENT, f"fs tier namespace is gone: {self.dir}")
+            if not os.path.isdir(self.root_dir):
+                if not self._root_missing:
+                    self._root_missing = True
+                    logger.warning("fs tier root_dir %s is gone: stores fail until it exists "
+                                   "again (the tier does not create it)", self.root_dir)
+                raise FileNotFoundError(
+                    errno.ENOENT, f"fs tier root_dir is gone: {self.root_dir} (not recreated "
+                                  f"by the tier)")
+        try:
+            fd, bits, created = self._attach(self.fanout_bits, create=create)
+        except ValueError as e:
+            raise OSError(errno.EINVAL, str(e)) from None
+        self._root_missing = False
+        self._adopt(fd, bits)
+        self.generation += 1
+        if created:
+            logger.warning("fs tier namespace %s was gone; recreated it (fan-out bits %s): "
+                           "the chunks stored in it before are lost", self.dir, bits)
+        else:
+            logger.info("fs tier namespace %s: using the directory now there", self.dir)
 
     def __del__(self) -> None:
         try:
@@ -317,6 +385,8 @@ class Namespace:
         if self._fd >= 0:
             close_quietly(self._fd)
         self._fd = fd
+        st = os.fstat(fd)
+        self._id = (st.st_dev, st.st_ino)
         self.fanout_bits = bits
         b1, b2 = bits
         self._shift1, self._shift2, self._mask2 = 32 - b1, 32 - b1 - b2, (1 << b2) - 1

@@ -68,8 +68,10 @@ class ChunkWriter:
         self._wbuf = PageBuffer(doubling=False)  # reusable O_DIRECT write buffer
 
     def store(self, keys: Sequence[bytes], rows: Sequence[int], arena, chunk_bytes: int, *,
-              skip_existing: bool, bytes_in_use: int | None, hurry: bool) -> BatchResult:
-        """``FsBackend.store`` (its docstring is the contract)."""
+              skip_existing: bool, bytes_in_use: int | None, hurry: bool,
+              blocked: OSError | None = None) -> BatchResult:
+        """``FsBackend.store`` (its docstring is the contract). ``blocked``: why the
+        namespace cannot be written now (``Namespace.sync``): every valid key fails so."""
         encoder = self._encoder
         if hurry and self.codec_config.mode == "auto":
             encoder = self._raw_encoder
@@ -82,12 +84,14 @@ class ChunkWriter:
         used = c.bytes_on_disk if bytes_in_use is None else int(bytes_in_use)
         codec_s = 0.0
         free = None
-        if self.min_free_bytes is not None:
+        fail_rest: tuple[Outcome, str] | None = None
+        if blocked is not None:
+            fail_rest = errno_outcome(blocked, "namespace")
+        elif self.min_free_bytes is not None:
             t = time.perf_counter()
             free = available_bytes(self.ns.fd)
             if n:
                 seconds[0] += time.perf_counter() - t
-        fail_rest: tuple[Outcome, str] | None = None
         synced_dirs: dict[str, list[int]] = {}
         num_rows = a.shape[0]
         for i in range(n):
