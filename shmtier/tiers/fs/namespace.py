@@ -275,7 +275,8 @@ class Namespace:
 
     # ------------------------------------------------------------------ config.json
 
-    def _attach(self, fanout_default: tuple[int, int], *, create: bool) -> tuple[int, tuple[int, int], bool]:
+    def _attach(self, fanout_default: tuple[int, int], *,
+                create: bool) -> tuple[int, tuple[int, int], bool]:
         """Open the namespace directory (making it and its config.json first if absent
         and ``create``): ``(fd, recorded fan-out, whether this call made the directory)``."""
         root_fd = os.open(self.root_dir, _DIR_FLAGS | O_CLOEXEC)  # the operator's: followed
@@ -290,8 +291,8 @@ class Namespace:
             try:
                 fd = open_nofollow(self.name, _DIR_FLAGS, root_fd, f"fs tier namespace {self.dir}")
             except NotADirectoryError:
-                raise NotADirectoryError(
-                    errno.ENOTDIR, f"fs tier namespace path is not a directory: {self.dir}") from None
+                raise NotADirectoryError(errno.ENOTDIR, f"fs tier namespace path is not a "
+                                                        f"directory: {self.dir}") from None
             try:
                 bits = self._config(fd, fanout_default)
             except BaseException:
@@ -323,7 +324,8 @@ class Namespace:
         except FileNotFoundError:
             return None
         except LinkRefused:
-            raise ValueError(f"fs tier namespace config is a symbolic link (refused): {path}") from None
+            raise ValueError(f"fs tier namespace config is a symbolic link (refused): "
+                             f"{path}") from None
         with open(cfd, "rb") as f:
             raw = f.read()
         try:
