@@ -401,6 +401,8 @@ def test_real_enospc_on_a_small_tmpfs():
         # Deleting makes room again.
         assert b.delete(keys[:1]).all_ok
         assert b.store(keys[n_ok:n_ok + 1], [n_ok], src, cb).outcomes == [OK]
+        b.close()  # backends hold their namespace directory open: let the tmpfs go
+        b2.close()
 
 
 def test_fanout_is_proportional_and_recorded(tmp_path):
@@ -447,6 +449,8 @@ def test_read_only_root_fails_stores_per_key_and_still_serves_loads():
         assert {e.key for e in b2.scan()} == set(keys[:3])
         with pytest.raises(OSError, match="Read-only"):
             backend(root, fp="another fingerprint")  # cannot create its namespace
+        b.close()  # backends hold their namespace directory open: let the tmpfs go
+        b2.close()
 
 
 CHILD_EACCES = textwrap.dedent("""
@@ -510,8 +514,9 @@ def failing_disk(tmp_path, size_mib: int = 32):
             pytest.skip(f"cannot mount a loop device here: {r.stderr.strip()}")
         try:
             yield str(mnt), lambda: os.truncate(img, 2 << 20)
-        finally:
-            subprocess.run(["umount", str(mnt)], capture_output=True)
+        finally:  # lazily if a backend still holds a directory open there (a failed test)
+            if subprocess.run(["umount", str(mnt)], capture_output=True).returncode != 0:
+                subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
     finally:
         subprocess.run(["losetup", "-d", dev], capture_output=True)
 
@@ -541,6 +546,7 @@ def test_device_read_errors_are_eio_outcomes_and_keep_the_file(tmp_path):
                 assert os.path.exists(b.path_for(keys[i])), "an unreadable file is not corrupt"
         assert b.counters.corrupt_files_detected == 0
         assert b.counters.load_errors == r.count(ERROR)
+        b.close()  # backends hold their namespace directory open: let the disk go
 
 
 def test_directory_in_the_way_is_an_errno_outcome(tmp_path):
@@ -962,3 +968,217 @@ def test_direct_io_where_the_filesystem_takes_it_and_buffered_otherwise(tmp_path
         FsBackend(str(tmp_path / "none"), "direct-none", min_free_bytes=0, direct_io=True)
     with pytest.raises(ValueError, match="direct_io='yes'"):
         FsBackend(str(tmp_path), "bad", direct_io="yes")
+
+
+# --------------------------------------------------------------------------- links and a vanished root
+
+
+def _plant_outside_frame(tmp_path, key: bytes, src, cb: int) -> str:
+    """A valid frame of ``key`` (row 0 of ``src``) in a directory outside the root: its path."""
+    outside = tmp_path / "outside"
+    outside.mkdir(exist_ok=True)
+    other = backend(outside)
+    assert other.store([key], [0], src, cb).outcomes == [OK]
+    return other.path_for(key)
+
+
+@pytest.mark.parametrize("direct_io", [False, "auto"])
+def test_a_symlinked_chunk_file_is_never_served_nor_written_through(tmp_path, direct_io):
+    """Issue 11 item 6: a symlink at a chunk's path, to a valid frame outside the root, is
+    a MISS for load and probe (counted), is replaced (not written through) by a store,
+    and the frame it points at is never touched."""
+    cb = 8192
+    src = make_arena(2, cb, cb, "bf16")
+    key = keys_for(1)[0]
+    target = _plant_outside_frame(tmp_path, key, src, cb)
+    frame = open(target, "rb").read()
+    (tmp_path / "root").mkdir()
+    b = backend(tmp_path / "root", direct_io=direct_io)
+    os.makedirs(os.path.dirname(b.path_for(key)))
+    os.symlink(target, b.path_for(key))
+    dst = np.full((1, cb), EMPTY, dtype=np.uint8)
+    assert b.load([key], [0], dst, cb).outcomes == [MISS]  # not served
+    assert b.probe([key]).outcomes == [MISS]
+    assert b.counters.links_refused == 2
+    assert list(b.scan()) == []
+    r = b.store([key], [1], src, cb)  # skip_existing: a link is not a stored chunk
+    assert r.outcomes == [OK], r.details
+    assert not os.path.islink(b.path_for(key)) and os.path.isfile(b.path_for(key))
+    assert open(target, "rb").read() == frame  # the link's target is untouched
+    assert b.load([key], [0], dst, cb).outcomes == [OK]
+    assert np.array_equal(dst[0], src[1])
+    os.unlink(b.path_for(key))
+    os.symlink(target, b.path_for(key))
+    assert b.delete([key]).outcomes == [MISS]  # the link is removed, never its target
+    assert not os.path.lexists(b.path_for(key)) and open(target, "rb").read() == frame
+
+
+@pytest.mark.parametrize("level", [1, 2])
+def test_a_symlinked_fanout_directory_is_refused_and_nothing_lands_outside(tmp_path, level):
+    """Issue 11 item 6: a fan-out directory replaced by a symlink to a directory outside
+    the root: a store of a key under it fails (ELOOP, counted) and writes nothing outside;
+    a valid frame reached through the link is not served, probed or listed."""
+    cb = 8192
+    src = make_arena(2, cb, cb, "bf16")
+    key = keys_for(1)[0]
+    (tmp_path / "root").mkdir()
+    b = backend(tmp_path / "root")
+    d1, d2 = os.path.relpath(os.path.dirname(b.path_for(key)), b.namespace_dir).split(os.sep)
+    elsewhere = tmp_path / "elsewhere"
+    (elsewhere / d2).mkdir(parents=True)
+    if level == 1:
+        os.symlink(elsewhere, os.path.join(b.namespace_dir, d1))
+    else:
+        os.mkdir(os.path.join(b.namespace_dir, d1))
+        os.symlink(elsewhere / d2, os.path.join(b.namespace_dir, d1, d2))
+    r = b.store([key], [0], src, cb)
+    assert r.outcomes == [ERROR] and r.details[0].startswith("ELOOP"), r.details
+    assert [p for p in elsewhere.rglob("*") if p.is_file()] == []  # nothing written outside
+    assert b.counters.links_refused == 1
+    # a valid frame reachable through the link
+    frame = open(_plant_outside_frame(tmp_path, key, src, cb), "rb").read()
+    with open(elsewhere / d2 / os.path.basename(b.path_for(key)), "wb") as f:
+        f.write(frame)
+    dst = np.full((1, cb), EMPTY, dtype=np.uint8)
+    assert b.load([key], [0], dst, cb).outcomes == [MISS]
+    assert b.probe([key]).outcomes == [MISS]
+    assert b.delete([key]).outcomes == [MISS]
+    assert list(b.scan()) == []
+    assert b.counters.links_refused >= 4
+    assert os.path.isfile(elsewhere / d2 / os.path.basename(b.path_for(key)))  # kept
+
+
+def test_the_root_may_be_a_symlink_but_the_namespace_directory_may_not(tmp_path):
+    """The operator's root_dir may be a link (resolved once, when the backend opens); a
+    link where the namespace directory goes is refused."""
+    cb = 4096
+    src = make_arena(1, cb, cb, "bytes")
+    key = keys_for(1)[0]
+    (tmp_path / "real").mkdir()
+    os.symlink(tmp_path / "real", tmp_path / "link")
+    b = backend(tmp_path / "link")
+    assert b.root_dir == str(tmp_path / "real")
+    assert b.store([key], [0], src, cb).all_ok
+    assert os.path.isfile(os.path.join(tmp_path, "real", namespace_dir_name(FP),
+                                       os.path.relpath(b.path_for(key), b.namespace_dir)))
+    (tmp_path / "other").mkdir()
+    (tmp_path / "ns-elsewhere").mkdir()
+    os.symlink(tmp_path / "ns-elsewhere", tmp_path / "other" / namespace_dir_name(FP))
+    with pytest.raises(OSError, match="symbolic link refused"):
+        backend(tmp_path / "other")
+    assert os.listdir(tmp_path / "ns-elsewhere") == []
+
+
+def test_leaf_directories_removed_behind_a_cached_descriptor_are_found_again(tmp_path):
+    """Leaf directory descriptors are cached (at most MAX_OPEN_LEAVES open): a leaf
+    removed and made again by another process is found again by a load, and a store into
+    a removed leaf makes it again."""
+    import shutil
+
+    from shmtier.tiers.fs.namespace import MAX_OPEN_LEAVES
+
+    cb = 4096
+    src = make_arena(2, cb, cb, "bytes")
+    a = backend(tmp_path, max_bytes=1 << 44)  # 16 fan-out bits: every key its own leaf
+    other = backend(tmp_path, max_bytes=1 << 44)
+    keys = keys_for(MAX_OPEN_LEAVES + 40)
+    fds_before = len(os.listdir("/proc/self/fd"))
+    assert a.store(keys, [0] * len(keys), src, cb).all_ok
+    assert len(os.listdir("/proc/self/fd")) - fds_before <= MAX_OPEN_LEAVES
+    key = keys[-1]  # its leaf is cached in ``a``
+    d1 = os.path.dirname(os.path.dirname(a.path_for(key)))
+    shutil.rmtree(d1)
+    assert other.store([key], [1], src, cb).all_ok  # another worker makes it again
+    dst = np.zeros_like(src)
+    assert a.load([key], [0], dst, cb).outcomes == [OK]
+    assert np.array_equal(dst[0], src[1])
+    shutil.rmtree(d1)
+    assert a.store([key], [0], src, cb).outcomes == [OK]
+    assert a.probe([key]).outcomes == [OK] and other.probe([key]).outcomes == [OK]
+    a.close()
+    other.close()
+    assert len(os.listdir("/proc/self/fd")) <= fds_before
+
+
+def _namespace_reset(b: FsBackend) -> bool:
+    from shmtier.shared.jobs import ResultFlag
+
+    return bool(b.take_flags() & ResultFlag.NAMESPACE_RESET)
+
+
+def test_a_deleted_namespace_is_recreated_by_the_next_store_and_reported(tmp_path, caplog):
+    """Issue 11 item 5: after the namespace directory was deleted, loads and probes
+    answer MISS, the next store recreates the namespace (its config.json with the
+    recorded fan-out) and succeeds; the loss and the recreation are flagged for the
+    scheduler half (``take_flags``) and the recreation is logged once, by the process
+    that recreated it."""
+    import logging
+    import shutil
+
+    cb = 8192
+    src = make_arena(4, cb, cb, "bf16")
+    keys = keys_for(4)
+    a = backend(tmp_path, max_bytes=1 << 40)
+    other = backend(tmp_path, max_bytes=1 << 30)  # a second worker on the same root
+    bits = a.fanout_bits
+    assert a.store(keys[:2], [0, 1], src, cb).all_ok
+    assert not _namespace_reset(a)
+    shutil.rmtree(a.namespace_dir)
+    caplog.set_level(logging.INFO, logger="shmtier.tiers.fs")
+    assert a.load(keys[:2], [0, 1], src.copy(), cb).outcomes == [MISS, MISS]
+    assert a.probe(keys[:2]).outcomes == [MISS, MISS]
+    assert _namespace_reset(a) and not _namespace_reset(a)  # once per change
+    assert a.counters.bytes_on_disk == 0
+    assert not os.path.exists(a.namespace_dir)  # reads create nothing
+    r = a.store(keys[2:], [2, 3], src, cb)
+    assert r.outcomes == [OK, OK], r.details
+    assert _namespace_reset(a)
+    cfg = json.load(open(os.path.join(a.namespace_dir, "config.json")))
+    assert cfg["fingerprint"] == FP and tuple(cfg["fanout_bits"]) == bits
+    assert a.counters.bytes_on_disk == sum(r.stored_bytes)
+    assert {e.key for e in a.scan()} == set(keys[2:])
+    dst = np.zeros_like(src)
+    assert a.load(keys, range(4), dst, cb).outcomes == [MISS, MISS, OK, OK]
+    assert np.array_equal(dst[2:], src[2:])
+    # the other worker still held the old directory: it moves to the new one
+    assert other.store(keys[:1], [0], src, cb).outcomes == [OK]
+    assert _namespace_reset(other)
+    assert a.load(keys[:1], [0], dst, cb).outcomes == [OK]
+    warnings = [rec for rec in caplog.records if rec.levelno >= logging.WARNING]
+    assert len(warnings) == 1, [rec.getMessage() for rec in warnings]
+    assert a.namespace_dir in warnings[0].getMessage()
+    assert "recreated" in warnings[0].getMessage()
+
+
+def test_a_deleted_root_fails_stores_until_it_exists_again(tmp_path, caplog):
+    """Issue 11 item 5: the root itself gone: stores fail (ERROR ENOENT, the root is not
+    recreated by the tier), loads MISS; once the operator recreates the root, the next
+    store recreates the namespace in it."""
+    import logging
+    import shutil
+
+    cb = 4096
+    src = make_arena(2, cb, cb, "bytes")
+    keys = keys_for(2)
+    root = tmp_path / "root"
+    root.mkdir()
+    b = backend(root)
+    assert b.store(keys[:1], [0], src, cb).all_ok
+    shutil.rmtree(root)
+    caplog.set_level(logging.WARNING, logger="shmtier.tiers.fs")
+    for _ in range(3):
+        r = b.store(keys, [0, 1], src, cb)
+        assert r.outcomes == [ERROR, ERROR] and all(d.startswith("ENOENT") for d in r.details)
+        assert not root.exists()
+    assert "root_dir" in r.details[0] and str(root) in r.details[0]
+    assert b.load(keys, [0, 1], src.copy(), cb).outcomes == [MISS, MISS]
+    assert list(b.scan()) == [] and b.counters.bytes_on_disk == 0
+    assert _namespace_reset(b)
+    root.mkdir()
+    r = b.store(keys, [0, 1], src, cb)
+    assert r.outcomes == [OK, OK], r.details
+    assert _namespace_reset(b)
+    assert {e.key for e in b.scan()} == set(keys)
+    messages = [rec.getMessage() for rec in caplog.records]
+    assert len(messages) == 2, messages  # root gone (once, not per store), then recreated
+    assert "root_dir" in messages[0] and "recreated" in messages[1]

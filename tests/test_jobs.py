@@ -20,6 +20,7 @@ from shmtier.shared.jobs import (
     MalformedResult,
     Outcome,
     Result,
+    ResultFlag,
     decode_job,
     decode_result,
     encode_job,
@@ -58,6 +59,8 @@ def test_result_round_trips():
         Result(9, [], stored_bytes=[1, 2, 3], keys=KEYS, more=True),
         Result.failed(10, "boom", 3),
         Result(11, [Outcome.OK], [4], [2**32 - 1, 0], [0.5], keys=[b"k"]),  # answered + listed
+        Result(12, [Outcome.OK], [4], [4], [0.5], flags=ResultFlag.NAMESPACE_RESET),
+        Result(13, [], flags=2**32 - 1),
     ]:
         decoded = decode_result(encode_result(result))
         assert decoded == result
@@ -115,8 +118,8 @@ MALFORMED_JOBS = [
     (msgpack.packb(17), None, "expected a msgpack array, got int"),
     (_raw(), None, "no schema version"),
     (_job(v="1"), 42, "no schema version"),
-    (_job(v=3), 42, "schema version 3, this process speaks version 2"),
-    (_job(v=1), 42, "schema version 1, this process speaks version 2"),
+    (_job(v=4), 42, "schema version 4, this process speaks version 3"),
+    (_job(v=2), 42, "schema version 2, this process speaks version 3"),
     (_job(kind=1), 42, "message kind is result, expected job"),
     (_raw(SCHEMA_VERSION, 0, 42, 1), 42, "4 fields, 8 expected"),
     (_job(id="42"), None, "job_id must be an unsigned 64-bit int, got '42'"),
@@ -171,16 +174,17 @@ def _f32(*v):
 def _res(**over):
     fields = dict(v=SCHEMA_VERSION, kind=1, id=7, outcomes=b"\x00\x01", logical=_u32(10, 0),
                   stored=_u32(5, 0), seconds=_f32(0.5, 0.25), codec=0.25, error="", keys=[],
-                  more=False)
+                  more=False, flags=0)
     fields.update(over)
     return _raw(*fields.values())
 
 
 MALFORMED_RESULTS = [
     (_res(kind=0), "message kind is job, expected result"),
-    (_res(v=3), "schema version 3"),
-    (_res(v=1), "schema version 1, this process speaks version 2"),
-    (_raw(SCHEMA_VERSION, 1, 7, b"", b"", b"", b"", 0.0, "", []), "10 fields, 11 expected"),
+    (_res(v=4), "schema version 4"),
+    (_res(v=2), "schema version 2, this process speaks version 3"),
+    (_raw(SCHEMA_VERSION, 1, 7, b"", b"", b"", b"", 0.0, "", [], False),
+     "11 fields, 12 expected"),
     (_res(outcomes=[0, 1]), "outcomes must be bytes, got list"),
     (_res(outcomes=b"\x09"), "unknown outcome code 9"),
     (_res(outcomes=b"\x07"), "unknown outcome code 7"),
@@ -200,6 +204,10 @@ MALFORMED_RESULTS = [
     (_res(error=None), "error must be a str, got NoneType"),
     (_res(keys=[1]), "each of keys must be bytes"),
     (_res(more=0), "more must be a bool, got int"),
+    (_res(flags=False), "flags must be an int in 0..2..32-1, got bool"),
+    (_res(flags=-1), "flags must be an int in 0..2..32-1, got int -1"),
+    (_res(flags=2**32), "flags must be an int in 0..2..32-1"),
+    (_res(flags=1.0), "flags must be an int in 0..2..32-1, got float"),
 ]
 
 
@@ -262,7 +270,8 @@ def test_split_result_of_many_short_keys_answers_each_key_once_in_order():
     may answer with more; the worker splits the answer, keys in order."""
     n = 1000
     result = Result(5, [Outcome(i % 7) for i in range(n)], list(range(n)),
-                    [3 * i for i in range(n)], [i / 1024 for i in range(n)], 0.25, "boom")
+                    [3 * i for i in range(n)], [i / 1024 for i in range(n)], 0.25, "boom",
+                    flags=ResultFlag.NAMESPACE_RESET)
     parts = split_result(result, 1024)
     assert len(parts) > 10 and all(len(encode_result(p)) <= 1024 for p in parts)
     assert [p.more for p in parts] == [True] * (len(parts) - 1) + [False]
@@ -270,6 +279,7 @@ def test_split_result_of_many_short_keys_answers_each_key_once_in_order():
         assert [v for p in parts for v in getattr(p, name)] == getattr(result, name), name
     assert parts[0].error == "boom" and all(not p.error for p in parts[1:])
     assert parts[0].codec_s == 0.25 and all(p.codec_s == 0.0 for p in parts[1:])
+    assert parts[0].flags == ResultFlag.NAMESPACE_RESET and all(not p.flags for p in parts[1:])
     assert [decode_result(encode_result(p)) for p in parts] == parts
 
 
@@ -292,7 +302,7 @@ def results(draw, keys=st.lists(st.binary(max_size=8), max_size=3), max_answered
                   draw(st.lists(_U32, min_size=n + len(listed), max_size=n + len(listed))),
                   draw(st.lists(_SECONDS, min_size=n, max_size=n)),
                   draw(st.floats(0, 1e6)), draw(st.text(max_size=300)), listed,
-                  draw(st.booleans()))
+                  draw(st.booleans()), draw(st.one_of(st.just(0), _U32)))
 
 
 @st.composite
@@ -545,4 +555,4 @@ def test_c_result_decoder_builds_only_plain_tuple_subclasses():
     with pytest.raises(TypeError, match="outcomes must be a tuple"):
         _C_DECODE(raw, SCHEMA_VERSION, jobs_mod.KIND_RESULT, list(Outcome), Result)
     assert _C_DECODE(raw, SCHEMA_VERSION, jobs_mod.KIND_RESULT, jobs_mod._OUTCOMES, tuple) == (
-        1, [Outcome.OK], [1], [2], [0.5], 0.0, "", [], False)
+        1, [Outcome.OK], [1], [2], [0.5], 0.0, "", [], False, 0)

@@ -1312,6 +1312,43 @@ def test_a_result_larger_than_a_ring_slot_is_split_and_merged_key_by_key(tmp_pat
     assert all(t >= 0 for t in res.seconds) and res.logical_bytes == [0] * 1000
 
 
+def test_result_flags_travel_from_the_backend_to_the_pool_job(tmp_path):
+    """What a backend raises (``take_flags``) goes with the result of the job it just ran,
+    once, on the first part of a split result; the pool ORs the flags of a job's parts."""
+    from shmtier.scheduler.pool.dispatch import Dispatch
+    from shmtier.tiers.fs.backend import FsBackend
+    from shmtier.workers import job_loop
+
+    class Flagging(FsBackend):
+        raised = 0
+
+        def take_flags(self):
+            flags, self.raised = self.raised, 0
+            return flags
+
+    slot = 8 << 10
+    backend = Flagging(str(tmp_path), "flags-fp", min_free_bytes=0)
+    runner = job_loop.JobRunner([backend], np.zeros((1, 4096), dtype=np.uint8), 4096, slot)
+    dispatch = Dispatch(2, slot - 8, 60.0)
+    keys = [i.to_bytes(2, "big") for i in range(2000)]  # 1000 a worker: answers split
+    pool_id, planned = dispatch.plan("probe", 0, keys, None, None, [0, 1])
+    assert len(planned) == 2
+    dispatch.commit(pool_id, "probe", 0, keys, planned, 0.0)
+    for n, (_, _, payload, _, _) in enumerate(planned):
+        backend.raised = jobs.ResultFlag.NAMESPACE_RESET if n == 1 else 0
+        parts = runner.run(jobs.decode_job(payload))
+        assert len(parts) >= 2  # split: the flags ride on the first part only
+        first = jobs.ResultFlag.NAMESPACE_RESET if n == 1 else 0
+        assert [p.flags for p in parts] == [first] + [0] * (len(parts) - 1)
+        for part in parts:
+            dispatch.complete(jobs.decode_result(jobs.encode_result(part)))
+    (res,) = dispatch.take(0)
+    assert res.flags == jobs.ResultFlag.NAMESPACE_RESET
+    assert res.outcomes == [Outcome.MISS] * 2000
+    (again,) = runner.run(jobs.decode_job(jobs.pack_job(9, "probe", 0, keys[:1])))
+    assert again.flags == 0  # taken once
+
+
 def test_the_pool_merges_per_key_figures_at_each_keys_position():
     """Keys bound to the worker of an outstanding job go to it, the rest elsewhere: a
     pool job's parts then hold scattered positions. Each key's outcome, bytes and

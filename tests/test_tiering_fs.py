@@ -451,3 +451,63 @@ def test_workers_that_never_start_break_the_tier_which_then_misses_fast(engines,
     assert len(broken_logs) == 1, [r.getMessage() for r in broken_logs]
     e.close()
     assert not worker_processes(e.spec.engine_id)
+
+
+def _root_deleted_and_recreated(engines, tmp_path):
+    """An engine whose fs root is deleted (with the chunks it held) and made again by the
+    operator while it runs; then new cascades. Returns (engine, root, fs tier, old keys,
+    new keys, the pool results the fs tier took)."""
+    import shutil
+
+    root = tmp_path / "root"
+    root.mkdir()
+    e = engines(root, chunks=8)
+    tier, pool = e.manager.tiers[0], e.spec.worker_pool
+    taken = []
+    real_take = pool.take
+
+    def take(t):
+        got = real_take(t)
+        taken.extend(got)
+        return got
+
+    pool.take = take
+    old = [key(i) for i in range(4)]
+    e.offload(old, 0, ReqContext("a"))
+    e.settle()
+    assert len(list(root.rglob("*.kv"))) == 4
+    shutil.rmtree(root)
+    root.mkdir()
+    new = [key(10 + i) for i in range(4)]
+    e.offload(new, 4, ReqContext("b"))
+    e.settle()
+    return e, root, tier, old, new, taken
+
+
+def test_cascades_work_again_once_a_deleted_root_is_back(engines, tmp_path):
+    """Issue 11 item 5 (worker half), end to end through the tier workers: after the root
+    was deleted and made again, the next cascade recreates the namespace and is stored
+    (it failed with ENOENT until a restart), and the workers tell the scheduler half
+    (``ResultFlag.NAMESPACE_RESET`` on a pool result)."""
+    from shmtier.shared.jobs import ResultFlag
+
+    e, root, tier, old, new, taken = _root_deleted_and_recreated(engines, tmp_path)
+    on_disk = {bytes.fromhex(p.name[:-len(".kv")]) for p in root.rglob("*.kv")}
+    assert on_disk == set(new)
+    stores = [r for r in taken if r.op == "store"]
+    assert stores[-1].outcomes == [Outcome.OK] * 4, stores[-1].error
+    assert any(r.flags & ResultFlag.NAMESPACE_RESET for r in taken)
+
+
+@pytest.mark.xfail(reason="needs the scheduler half's rescan", strict=False)
+def test_a_reset_namespace_drops_the_index_and_is_listed_again(engines, tmp_path):
+    """Issue 11 item 5 (scheduler half): on NAMESPACE_RESET the fs tier drops its index
+    (the old chunks are gone: MISS, not HIT then a failed load) and lists the root
+    again, so the index and the bytes-on-disk gauge are what is on disk."""
+    e, root, tier, old, new, taken = _root_deleted_and_recreated(engines, tmp_path)
+    files = _assert_index_is_the_disk(tier, root)
+    assert set(files) == set(new)
+    data = e.manager.get_stats().data["data"]
+    assert data[fs_tier.BYTES_ON_DISK][("1:fs",)] == sum(files.values())
+    with e.manager.lock:
+        assert [tier.lookup(k, ReqContext("r")) for k in old] == [MISS] * 4

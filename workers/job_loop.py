@@ -21,6 +21,8 @@ Runs in: one tier worker process (spawned by the pool, or started by
                         each slice (more=True but the last), other ops at the end
           every few seconds: owner (scheduler) alive? else exit
 
+After each job the backend's ``take_flags()`` (``jobs.ResultFlag`` bits it raised,
+e.g. that its namespace was reset) go with the job's result.
 A job for a tier that has no worker half, or for an op its backend does not
 handle, is answered with an error result (every key ERROR, the reason in the
 result's error text). A result is the backend's per-key outcomes, logical and
@@ -237,9 +239,8 @@ class JobRunner:
                         whole.extend(part)
                         continue
                     done = start + len(keys)
-                    for piece in self._fit(part.to_result(job.job_id)._replace(
-                            more=done < n), job):
-                        yield piece
+                    yield from self._flagged(self._fit(part.to_result(job.job_id)._replace(
+                        more=done < n), job), backend, job)
                     answered = done
                 if not per_slice:
                     pieces = self._fit(whole.to_result(job.job_id), job)
@@ -247,7 +248,20 @@ class JobRunner:
             logger.exception("tier worker: job %d (%s) failed", job.job_id, job.op)
             pieces = self._fit(jobs.Result.failed(job.job_id, f"{type(e).__name__}: {e}"[:500],
                                                   n - answered), job)
-        yield from pieces
+        yield from self._flagged(pieces, backend, job)
+
+    @staticmethod
+    def _flagged(pieces: list[jobs.Result], backend, job) -> list[jobs.Result]:
+        """``pieces`` with the ``ResultFlag`` bits the backend raised meanwhile
+        (``take_flags()``) on the first one."""
+        try:
+            flags = int(backend.take_flags())
+        except Exception:  # a backend bug must not take the worker down
+            logger.exception("tier worker: tier %d: take_flags failed", job.tier)
+            flags = 0
+        if flags and pieces:
+            pieces[0] = pieces[0]._replace(flags=pieces[0].flags | flags)
+        return pieces
 
     def _in_slices(self, handler, job: jobs.Job, backend) -> Iterator[tuple]:
         """Run ``handler`` (the backend's method for the job's op) over the job's keys in

@@ -511,7 +511,7 @@ PyDoc_STRVAR(decode_result_doc,
 "decode_result(raw, schema_version, kind, outcomes, result_type) -> result | None\n\n"
 "A result_type (a tuple subclass without fields of its own, e.g. a namedtuple) of the\n"
 "fields (job_id, outcomes: list, logical: list[int], stored: list[int],\n"
-"seconds: list[float], codec_s, error, keys, more) of a result message that is exactly\n"
+"seconds: list[float], codec_s, error, keys, more, flags: int) of a result message that is exactly\n"
 "what jobs.encode_result writes and passes every check of jobs.decode_result's fast\n"
 "path; None for anything else (the caller then decodes it in Python, which names the\n"
 "problem). ``outcomes`` is the tuple of outcome objects indexed by code: its length is\n"
@@ -546,9 +546,9 @@ static PyObject *decode_result(PyObject *module, PyObject *const *args, Py_ssize
     PyObject *error = NULL, *keys = NULL, *result = NULL;
     const uint8_t *t, *b, *out_b, *logical_b, *stored_b, *seconds_b;
     size_t n, out_len, logical_len, stored_len, seconds_len, err_len, num_keys;
-    uint64_t version, kind, job_id;
+    uint64_t version, kind, job_id, flags;
     double codec_s;
-    if (!in_len(&in, 0x90, 0x0f, 0, 0xdc, 0xdd, &n) || n != 11) goto fallback;
+    if (!in_len(&in, 0x90, 0x0f, 0, 0xdc, 0xdd, &n) || n != 12) goto fallback;
     if (!in_uint(&in, &version) || version != want_version) goto fallback;
     if (!in_uint(&in, &kind) || kind != want_kind) goto fallback;
     if (!in_uint(&in, &job_id)) goto fallback;
@@ -576,8 +576,9 @@ static PyObject *decode_result(PyObject *module, PyObject *const *args, Py_ssize
         if (!in_bin(&in, &t, &klen)) goto fallback;
     }
     if (!in_take(&in, 1, &t) || (*t != 0xc2 && *t != 0xc3)) goto fallback;
-    if (in.p != in.end) goto fallback; /* trailing bytes */
     int more = *t == 0xc3;
+    if (!in_uint(&in, &flags) || flags > 0xffffffffULL) goto fallback;
+    if (in.p != in.end) goto fallback; /* trailing bytes */
     error = PyUnicode_DecodeUTF8((const char *)b, (Py_ssize_t)err_len, "strict");
     if (error == NULL) {
         PyErr_Clear();
@@ -608,16 +609,18 @@ static PyObject *decode_result(PyObject *module, PyObject *const *args, Py_ssize
     }
     PyObject *id = PyLong_FromUnsignedLongLong((unsigned long long)job_id);
     PyObject *codec = id == NULL ? NULL : PyFloat_FromDouble(codec_s);
-    result = codec == NULL ? NULL : result_type->tp_alloc(result_type, 9);
+    PyObject *flag_bits = codec == NULL ? NULL : PyLong_FromUnsignedLongLong(flags);
+    result = flag_bits == NULL ? NULL : result_type->tp_alloc(result_type, 10);
     if (result == NULL) {
         Py_XDECREF(id);
         Py_XDECREF(codec);
+        Py_XDECREF(flag_bits);
         goto done;
     }
     /* as tuple_subtype_new fills a tuple subclass; the result owns every field now */
-    PyObject *fields[9] = {id, outcomes, logical, stored, seconds, codec, error, keys,
-                           Py_NewRef(more ? Py_True : Py_False)};
-    for (int i = 0; i < 9; i++) PyTuple_SET_ITEM(result, i, fields[i]);
+    PyObject *fields[10] = {id, outcomes, logical, stored, seconds, codec, error, keys,
+                            Py_NewRef(more ? Py_True : Py_False), flag_bits};
+    for (int i = 0; i < 10; i++) PyTuple_SET_ITEM(result, i, fields[i]);
     outcomes = logical = stored = seconds = error = keys = NULL;
     goto done;
 fallback:

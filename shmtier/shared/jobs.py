@@ -13,7 +13,8 @@ the scheduler halves):
   key's detail text, e.g. ``"max_bytes"`` or ``"EIO Input/output error (read)"``,
   travels separately: in a backend's ``BatchResult.details`` and, summed up, in
   a result's ``error`` text); :data:`SUCCESS` says which outcomes are a success
-  for which op.
+  for which op. :class:`ResultFlag`, what a result says about the medium as a
+  whole rather than about a key (e.g. that a tier's namespace was reset).
 * three id spaces, each a ``NewType`` of int: the tiering manager's tier job id
   (``shmtier.scheduler.tiering.base.JobId``, vLLM's ``JobId``), the worker
   pool's job id (``shmtier.scheduler.pool.PoolJobId``: what ``WorkerPool.submit``
@@ -27,7 +28,7 @@ as a map and unpacks in ~0.34 vs ~0.78 µs, and is 15% smaller::
 
     job    [version, 0, job_id, op, tier, keys, rows, args]
     result [version, 1, job_id, outcomes, logical, stored, seconds, codec_s,
-            error, keys, more]
+            error, keys, more, flags]
 
 * ``op`` is a small integer (``OPS`` maps names to codes); ``keys`` a list of
   bin (the chunk keys), ``rows`` a list of arena row numbers aligned with
@@ -45,7 +46,8 @@ as a map and unpacks in ~0.34 vs ~0.78 µs, and is 15% smaller::
   went wrong (empty when nothing did), ``keys`` what a ``scan`` found, and
   ``more`` says further results for the same job id follow (a result too large
   for one ring slot, split by ``split_result``: the keys a result answers for
-  are the next run of the part's keys, in order).
+  are the next run of the part's keys, in order). ``flags`` is an unsigned int of
+  :class:`ResultFlag` bits (0 almost always).
 
 ``decode_job``/``decode_result`` raise :class:`MalformedJob` (a ValueError)
 with a message naming the problem for anything that is not a valid message of
@@ -68,7 +70,8 @@ import msgpack
 from shmtier.shared._wire import decode_result as _decode_result_c
 from shmtier.shared._wire import pack_job as _pack_job_c
 
-SCHEMA_VERSION = 2  # 2: per-key logical/stored bytes and seconds in results, seven outcomes
+# 2: per-key logical/stored bytes and seconds in results, seven outcomes; 3: result flags
+SCHEMA_VERSION = 3
 KIND_JOB, KIND_RESULT = 0, 1
 
 #: The id of one job part on the wire (what a ring carries; see the module docstring).
@@ -121,6 +124,22 @@ class Outcome(enum.IntEnum):
     INVALID = 6
 
 
+class ResultFlag(enum.IntFlag):
+    """What a worker says about its tier's medium as a whole, along with a result (the
+    result's ``flags``; the pool ORs the flags of a pool job's parts).
+
+    ``NAMESPACE_RESET``: the worker found the tier's storage namespace removed, replaced
+    or made anew (e.g. an fs tier whose namespace directory, or whole root, was deleted;
+    a store then recreated it) since it last looked. Chunks stored before may be gone,
+    and the medium holds what is there now: the scheduler half should drop its index of
+    the tier (before applying this result's outcomes, which are about the namespace as
+    it is now) and list the medium again (a ``scan`` job). Raised by each worker that
+    sees the change, once per change it sees (so possibly once per worker).
+    """
+
+    NAMESPACE_RESET = 1
+
+
 #: Which outcomes count as a success, per op.
 SUCCESS: dict[str, frozenset[Outcome]] = {
     "store": frozenset((Outcome.OK, Outcome.EXISTS)),
@@ -160,6 +179,7 @@ ARG_TYPES: dict[str, type] = {
     "bytes_in_use": int,  # store: the scheduler's count of the tier's stored bytes
 }
 _UINT64_MAX = (1 << 64) - 1
+_UINT32_MAX = (1 << 32) - 1
 
 
 class MalformedJob(ValueError):
@@ -191,7 +211,7 @@ class Job:
 
 _ResultFields = collections.namedtuple("_ResultFields", (
     "job_id", "outcomes", "logical_bytes", "stored_bytes", "seconds", "codec_s", "error", "keys",
-    "more"))
+    "more", "flags"))
 
 
 class Result(_ResultFields):
@@ -200,7 +220,8 @@ class Result(_ResultFields):
     ``outcomes``, ``logical_bytes`` and ``seconds`` have one entry per key this result
     answers for (the part's keys, in order; a result split by ``split_result``
     answers for the next run of them); ``stored_bytes`` one per such key, then one per
-    key of the ``keys`` listing (a ``scan``: the size of each chunk found).
+    key of the ``keys`` listing (a ``scan``: the size of each chunk found). ``flags``:
+    :class:`ResultFlag` bits, as an int.
 
     A message: immutable (derive a changed copy with ``_replace``) and a tuple, which
     the C decoder fills in place (a dataclass's ``__init__`` took ~270 ns here, half of
@@ -217,16 +238,18 @@ class Result(_ResultFields):
     error: str
     keys: list[bytes]  # scan: keys found
     more: bool
+    flags: int
 
     def __new__(cls, job_id: WireJobId, outcomes: list[Outcome] | None = None,
                 logical_bytes: list[int] | None = None, stored_bytes: list[int] | None = None,
                 seconds: list[float] | None = None, codec_s: float = 0.0, error: str = "",
-                keys: list[bytes] | None = None, more: bool = False) -> "Result":
+                keys: list[bytes] | None = None, more: bool = False,
+                flags: int = 0) -> "Result":
         return tuple.__new__(cls, (
             job_id, [] if outcomes is None else outcomes,
             [] if logical_bytes is None else logical_bytes,
             [] if stored_bytes is None else stored_bytes, [] if seconds is None else seconds,
-            codec_s, error, [] if keys is None else keys, more))
+            codec_s, error, [] if keys is None else keys, more, flags))
 
     @classmethod
     def failed(cls, job_id: WireJobId | None, error: str, num_keys: int = 0) -> "Result":
@@ -426,8 +449,8 @@ def _packed(fmt: str, values: list, name: str, job_id) -> bytes:
 
 def encode_result(result: Result) -> bytes:
     """Encode ``result`` (tier worker). ValueError if an outcome is not an
-    :class:`Outcome`, a per-key list has the wrong length, a byte count does not fit
-    32 bits or a time is negative, NaN or beyond float32."""
+    :class:`Outcome`, a per-key list has the wrong length, a byte count or the flags
+    do not fit 32 bits or a time is negative, NaN or beyond float32."""
     job_id = result.job_id
     n = len(result.outcomes)
     try:
@@ -446,6 +469,9 @@ def encode_result(result: Result) -> bytes:
             f"{len(result.stored_bytes)}")
     if not all(t >= 0.0 for t in result.seconds) or not result.codec_s >= 0.0:
         raise ValueError(f"result {job_id}: seconds and codec_s must be >= 0")
+    flags = result.flags
+    if isinstance(flags, bool) or not isinstance(flags, int) or not 0 <= flags <= _UINT32_MAX:
+        raise ValueError(f"result {job_id}: flags must be an int in 0..2**32-1, got {flags!r}")
     try:
         packer = _tls.packer
     except AttributeError:
@@ -455,7 +481,7 @@ def encode_result(result: Result) -> bytes:
         _packed("I", result.logical_bytes, "logical_bytes", job_id),
         _packed("I", result.stored_bytes, "stored_bytes", job_id),
         _packed("f", result.seconds, "seconds", job_id),
-        float(result.codec_s), result.error, result.keys, bool(result.more),
+        float(result.codec_s), result.error, result.keys, bool(result.more), int(flags),
     ])
 
 
@@ -473,8 +499,8 @@ def decode_result(raw) -> Result:
     if result is not None:  # exactly what encode_result writes, every check passed (in C)
         return result
     msg = _unpack(raw, "result", MalformedResult)
-    if type(msg) is list and len(msg) == 11:
-        v, kind, job_id, outcomes, logical, stored, seconds, codec_s, error, keys, more = msg
+    if type(msg) is list and len(msg) == 12:
+        v, kind, job_id, outcomes, logical, stored, seconds, codec_s, error, keys, more, flags = msg
         if (type(v) is int and v == SCHEMA_VERSION and type(kind) is int and kind == KIND_RESULT
                 and type(job_id) is int and 0 <= job_id <= _UINT64_MAX
                 and type(outcomes) is bytes and not outcomes.translate(None, _OUTCOME_BYTES)
@@ -482,12 +508,13 @@ def decode_result(raw) -> Result:
                 and type(seconds) is bytes and len(seconds) == 4 * len(outcomes)
                 and type(codec_s) is float and codec_s >= 0.0
                 and type(error) is str and type(keys) is list and type(more) is bool
+                and type(flags) is int and 0 <= flags <= _UINT32_MAX
                 and type(stored) is bytes and len(stored) == 4 * (len(outcomes) + len(keys))
                 and _all_bytes(keys)):
             secs = _unpack_f32(seconds)
             if all(t >= 0.0 for t in secs):
                 return Result(job_id, [_OUTCOMES[c] for c in outcomes], _unpack_u32(logical),
-                              _unpack_u32(stored), secs, codec_s, error, keys, more)
+                              _unpack_u32(stored), secs, codec_s, error, keys, more, flags)
     _diagnose_result(msg)
     raise MalformedResult("malformed result: rejected by the fast path only (a bug in jobs.py)")
 
@@ -495,8 +522,8 @@ def decode_result(raw) -> Result:
 def _diagnose_result(msg) -> None:
     """Raise MalformedResult naming what is wrong with decoded ``msg``."""
     err = MalformedResult
-    job_id = _check_header(msg, KIND_RESULT, 11, "result", err)
-    _, _, _, outcomes, logical, stored, seconds, codec_s, error, keys, more = msg
+    job_id = _check_header(msg, KIND_RESULT, 12, "result", err)
+    _, _, _, outcomes, logical, stored, seconds, codec_s, error, keys, more, flags = msg
     if type(outcomes) is not bytes:
         raise _bad("result", "outcomes", "bytes", outcomes, job_id, err)
     if outcomes and max(outcomes) >= _NUM_OUTCOMES:
@@ -521,6 +548,8 @@ def _diagnose_result(msg) -> None:
         raise _bad("result", "error", "a str", error, job_id, err)
     if type(more) is not bool:
         raise _bad("result", "more", "a bool", more, job_id, err)
+    if type(flags) is not int or not 0 <= flags <= _UINT32_MAX:
+        raise _bad("result", "flags", "an int in 0..2**32-1", flags, job_id, err)
 
 
 # --- splitting ---
@@ -598,8 +627,8 @@ def split_result(result: Result, max_bytes: int) -> list[Result]:
     listing, or per-key data of many (short) keys.
 
     A result that fits comes back as ``[result]``. Otherwise every part has the same
-    job id and all but the last ``more=True``; the first carries ``codec_s`` and the
-    error text; each part answers for the next run of keys (outcomes, logical and
+    job id and all but the last ``more=True``; the first carries ``codec_s``, the
+    error text and the flags; each part answers for the next run of keys (outcomes, logical and
     stored bytes, seconds) and then lists the next run of ``keys`` with their stored
     sizes. An error text too long for one part is shortened (marked "[truncated]");
     keys and per-key data never are: ValueError when a single key cannot fit.
@@ -611,7 +640,8 @@ def split_result(result: Result, max_bytes: int) -> list[Result]:
     error = result.error
     first_cost = (_result_growth(1, 0, 0) if n else
                   _result_growth(0, 1, _bin_size(len(keys[0]))) if keys else 0)
-    over = len(encode_result(Result(result.job_id, codec_s=result.codec_s, error=error))) \
+    over = len(encode_result(Result(result.job_id, codec_s=result.codec_s, error=error,
+                                    flags=result.flags))) \
         + first_cost - max_bytes
     if over > 0 and error:
         keep = max(0, len(error.encode()) - over - 16)
@@ -620,7 +650,7 @@ def split_result(result: Result, max_bytes: int) -> list[Result]:
     i = j = 0  # the next answered key, the next listed key
     while True:
         head = Result(result.job_id, more=True) if parts else Result(
-            result.job_id, codec_s=result.codec_s, error=error, more=True)
+            result.job_id, codec_s=result.codec_s, error=error, more=True, flags=result.flags)
         base = len(encode_result(head))
         if base > max_bytes:
             raise ValueError(f"result {result.job_id}: its fields cannot fit {max_bytes} "

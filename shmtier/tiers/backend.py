@@ -230,6 +230,12 @@ class TierBackend(abc.ABC):
         the scheduler when the spec was built) and the engine's ``context``; may block
         briefly on the medium; raises when the medium cannot be used."""
 
+    def take_flags(self) -> int:
+        """The ``jobs.ResultFlag`` bits this backend raised since the last call (0: none),
+        cleared. The job loop calls it after every job it ran on the backend and sends
+        them with that job's result (e.g. ``NAMESPACE_RESET``, noticed during any op)."""
+        return 0
+
     def close(self) -> None:
         """Release the backend's resources (buffers, descriptors). Idempotent."""
 

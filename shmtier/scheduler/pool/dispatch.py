@@ -54,7 +54,8 @@ PoolJobId = NewType("PoolJobId", int)
 class PoolResult:
     """One finished pool job: per key, in submit order, its outcome and what the backend
     reported for it (logical and stored bytes, seconds); a key whose part failed is
-    ERROR with zeros. A ``scan`` lists ``scan_keys`` with their ``scan_stored_bytes``."""
+    ERROR with zeros. A ``scan`` lists ``scan_keys`` with their ``scan_stored_bytes``.
+    ``flags``: the ``jobs.ResultFlag`` bits of all its parts' results, ORed."""
 
     job_id: PoolJobId
     op: str
@@ -69,6 +70,7 @@ class PoolResult:
     scan_keys: list[bytes] = field(default_factory=list)
     scan_stored_bytes: list[int] = field(default_factory=list)
     submit_time: float = 0.0
+    flags: int = 0
 
 
 @dataclass(slots=True)
@@ -204,6 +206,7 @@ class Dispatch:
             out.scan_keys.extend(result.keys)
             out.scan_stored_bytes.extend(result.stored_bytes[n:])
         out.codec_s += result.codec_s
+        out.flags |= result.flags
         if result.error and len(out.error) < _ERROR_TEXT_MAX and result.error not in out.error:
             out.error = f"{out.error}; {result.error}" if out.error else result.error
         if n:

@@ -10,7 +10,9 @@ construction, delete, probe and scan (metadata only), and its counters; it hands
 and load batches to its write and read paths. The rest of the tier's worker half:
 
 - ``namespace.py``: the on-disk layout (namespace directory per layout fingerprint,
-  fan-out directories, chunk and temp file names, config.json); every path comes from it.
+  fan-out directories, chunk and temp file names, config.json); every file and directory
+  is reached through it, relative to a directory descriptor, never through a symbolic
+  link.
 - ``store.py``: the write path (encode, capacity checks, temp file + rename publish).
 - ``load.py``: the read path (readahead, whole-file read, verify and decode, corrupt
   files removed).
@@ -31,10 +33,11 @@ import time
 from typing import Callable, Iterator, Sequence
 
 from shmtier.shared.codec import CompressionConfig, mac_key_id
+from shmtier.shared.jobs import ResultFlag
 from shmtier.tiers.backend import BatchResult, Outcome, ScanEntry, TierBackend, WorkerContext
 from shmtier.tiers.fs.fileio import probe_direct_io, unlink_quietly
 from shmtier.tiers.fs.load import ChunkReader
-from shmtier.tiers.fs.namespace import TEMP_SUFFIX, Namespace, chunk_key, key_problem
+from shmtier.tiers.fs.namespace import TEMP_SUFFIX, LinkRefused, Namespace, chunk_key, key_problem
 from shmtier.tiers.fs.outcomes import FsCounters, errno_outcome
 from shmtier.tiers.fs.store import ChunkWriter
 
@@ -56,7 +59,18 @@ class FsBackend(TierBackend):
     Raises at construction: FileNotFoundError / NotADirectoryError for a missing root,
     ValueError for invalid arguments or a namespace directory whose config.json names
     another fingerprint or format, OSError when the namespace cannot be created (e.g. a
-    read-only root without an existing namespace).
+    read-only root without an existing namespace) or its path is a symbolic link.
+
+    A namespace removed while the backend runs (its directory or the whole root deleted):
+    every op first checks that the namespace path still names the directory it holds (one
+    ``lstat``, charged to the batch's first key). Loads and probes then answer MISS,
+    deletes MISS and scan lists nothing; the next store makes the namespace again (with
+    the recorded fan-out) when the root exists, else fails every key (ERROR, ENOENT: the
+    root is the operator's and never created here) and tries again on the next store.
+    Each change seen (removed, replaced, made again) raises ``ResultFlag.NAMESPACE_RESET``
+    (``take_flags``) so that the scheduler half drops its index and lists the tier again,
+    and zeroes ``counters.bytes_on_disk``; the process that made the namespace again logs
+    it once (WARNING, with the path).
 
     Capacity: before writing a chunk, ``store`` refuses it (REJECTED, "max_bytes") when
     ``bytes_in_use`` (the job's figure, else this process's ``bytes_on_disk``) plus the
@@ -122,7 +136,8 @@ class FsBackend(TierBackend):
         self.stale_temp_age_s = float(stale_temp_age_s)
         self.codec_config = codec_config if codec_config is not None else CompressionConfig()
         self.counters = FsCounters()
-        self.direct_io = direct_io is not False and probe_direct_io(self.namespace_dir)
+        self.direct_io = direct_io is not False and probe_direct_io(self.namespace_dir,
+                                                                     dir_fd=self.ns.fd)
         if direct_io is True and not self.direct_io:
             raise OSError(errno.EINVAL, f"fs tier direct_io=true but {self.namespace_dir} does "
                                         f"not support O_DIRECT; set direct_io to "
@@ -133,6 +148,8 @@ class FsBackend(TierBackend):
                                    direct_io=self.direct_io, mac_key=mac_key)
         self._reader = ChunkReader(self.ns, self.counters, direct_io=self.direct_io,
                                    mac_key=mac_key)
+        self._generation = self.ns.generation
+        self._flags = 0
 
     @classmethod
     def open(cls, args: dict, context: WorkerContext) -> "FsBackend":
@@ -163,7 +180,9 @@ class FsBackend(TierBackend):
         existing file is replaced atomically and its size credited to the capacity
         checks), REJECTED (capacity: detail ``max_bytes`` or ``min_free``, or ENOSPC/EDQUOT:
         nothing left behind), ERROR, INVALID. After EROFS, ENOSPC or EDQUOT the remaining
-        keys of the batch get the same outcome without being tried. ``bytes_in_use``: the
+        keys of the batch get the same outcome without being tried; so do all keys when
+        the namespace cannot be made again (root gone: ``"ENOENT fs tier root_dir is gone
+        ... (namespace)"``). ``bytes_in_use``: the
         scheduler's count of the tier's stored bytes, for the ``max_bytes`` check (else
         this process's ``counters.bytes_on_disk``). ``hurry``: the worker is behind; in
         codec mode ``auto`` the chunks are stored as raw frames (checksummed, not
@@ -172,8 +191,14 @@ class FsBackend(TierBackend):
         directory fsync (``fsync=True``) shared by the keys published in that directory.
         Raises ValueError only for a malformed batch.
         """
-        return self._writer.store(keys, rows, arena, chunk_bytes, skip_existing=skip_existing,
-                                  bytes_in_use=bytes_in_use, hurry=hurry)
+        t = time.perf_counter()
+        blocked = self._enter(create=True)
+        spent = time.perf_counter() - t
+        res = self._writer.store(keys, rows, arena, chunk_bytes, skip_existing=skip_existing,
+                                 bytes_in_use=bytes_in_use, hurry=hurry, blocked=blocked)
+        if res.seconds:
+            res.seconds[0] += spent
+        return res
 
     # ------------------------------------------------------------------ load
 
@@ -184,28 +209,42 @@ class FsBackend(TierBackend):
         Called by the job loop of a tier worker for a promotion job; blocks on the disk
         (``load.py``: files read ahead up to 16 at a time, each read whole and verified
         by the codec, which checks key, lengths and CRCs before and after writing the row).
-        Per key: OK (the row holds the exact stored chunk), MISS, CORRUPT (detail: the
-        reason; file removed and counted), ERROR, INVALID. For any outcome but OK the
+        Per key: OK (the row holds the exact stored chunk), MISS (no file, no namespace
+        now, or a symbolic link: never followed), CORRUPT (detail: the reason; file
+        removed and counted), ERROR, INVALID. For any outcome but OK the
         row's first ``chunk_bytes`` are undefined (the decoder may have written into it
         before a check failed) and must not be served; bytes past ``chunk_bytes`` are
         never written. A frame whose raw length differs from ``chunk_bytes`` is CORRUPT
         ("length"). A key's seconds cover its open, read and decode.
         """
-        return self._reader.load(keys, rows, arena, chunk_bytes)
+        t = time.perf_counter()
+        blocked = self._enter(create=False)
+        spent = time.perf_counter() - t
+        res = self._reader.load(keys, rows, arena, chunk_bytes, blocked=blocked)
+        if res.seconds:
+            res.seconds[0] += spent
+        return res
 
     # ------------------------------------------------------------------ delete / probe
 
     def delete(self, keys: Sequence[bytes]) -> BatchResult:
         """Unlink the chunks of ``keys`` (scheduler-decided eviction). Blocks on the disk.
 
-        Per key: OK (``stored_bytes`` = bytes freed), MISS, ERROR, INVALID. A load
-        already reading the file finishes with the old bytes."""
+        Per key: OK (``stored_bytes`` = bytes freed), MISS (also for a symbolic link at
+        the chunk's name: the link is removed, never its target; counted in
+        ``links_refused``), ERROR, INVALID. A load already reading the file finishes
+        with the old bytes."""
         return self._per_key("delete", keys, "unlink", self._delete_one)
 
     def _delete_one(self, res: BatchResult, i: int, key: bytes) -> None:
-        path = self.ns.path_for(key)
-        size = os.stat(path).st_size
-        os.unlink(path)
+        rel, name = self.ns.locate(key)
+        st = self.ns.stat_entry(rel, name)
+        self.ns.unlink_entry(rel, name)  # a link itself, never its target
+        if stat.S_ISLNK(st.st_mode):  # not a chunk of ours: nothing freed
+            self.counters.links_refused += 1
+            res.set(i, Outcome.MISS)
+            return
+        size = st.st_size
         res.set(i, Outcome.OK)
         res.stored_bytes[i] = size
         c = self.counters
@@ -214,40 +253,56 @@ class FsBackend(TierBackend):
 
     def probe(self, keys: Sequence[bytes]) -> BatchResult:
         """Presence by one ``stat`` per key, without reading: OK with ``stored_bytes``
-        (present; not verified — a corrupt file is found by ``load``) or MISS."""
+        (present; not verified — a corrupt file is found by ``load``) or MISS (also for
+        a symbolic link, never followed: counted in ``links_refused``)."""
         return self._per_key("probe", keys, "stat", self._probe_one)
 
     def _probe_one(self, res: BatchResult, i: int, key: bytes) -> None:
-        st = os.stat(self.ns.path_for(key))
+        st = self.ns.stat_entry(*self.ns.locate(key))
         if stat.S_ISREG(st.st_mode):
             res.set(i, Outcome.OK)
             res.stored_bytes[i] = st.st_size
         else:
+            if stat.S_ISLNK(st.st_mode):
+                self.counters.links_refused += 1
             res.set(i, Outcome.MISS)
 
-    @staticmethod
-    def _per_key(op: str, keys: Sequence[bytes], step: str,
+    def _per_key(self, op: str, keys: Sequence[bytes], step: str,
                  one: Callable[[BatchResult, int, bytes], None]) -> BatchResult:
         """``op``'s result for ``keys``, key ``i``'s outcome set by ``one(res, i, key)``
         (or INVALID for a bad key), its seconds measured around it. An OSError raised by
-        ``one`` is key i's outcome: MISS for a missing file or directory, else
-        ``errno_outcome(e, step)``."""
+        ``one`` is key i's outcome: MISS for a missing file or directory or a link in
+        place of a fan-out directory (counted), else ``errno_outcome(e, step)``. With no
+        namespace now (``_enter``), every valid key is a MISS (or an ERROR when the
+        namespace path cannot be used)."""
         res = BatchResult.empty(op, len(keys))
         seconds = res.seconds
+        t = time.perf_counter()
+        blocked = self._enter(create=False)
+        if keys:
+            seconds[0] = time.perf_counter() - t  # charged to the first key
         for i, key in enumerate(keys):
             t = time.perf_counter()
             try:
                 bad = key_problem(key)
                 if bad is not None:
                     res.set(i, Outcome.INVALID, bad)
+                elif blocked is not None:  # no namespace now (MISS), or none usable
+                    if isinstance(blocked, (FileNotFoundError, NotADirectoryError, LinkRefused)):
+                        res.set(i, Outcome.MISS)
+                    else:
+                        res.set(i, *errno_outcome(blocked, "namespace"))
                 else:
                     one(res, i, bytes(key))
+            except LinkRefused:
+                self.counters.links_refused += 1
+                res.set(i, Outcome.MISS)
             except (FileNotFoundError, NotADirectoryError):
                 res.set(i, Outcome.MISS)
             except OSError as e:
                 res.set(i, *errno_outcome(e, step))
             finally:
-                seconds[i] = time.perf_counter() - t
+                seconds[i] += time.perf_counter() - t
         return res
 
     # ------------------------------------------------------------------ scan
@@ -261,22 +316,33 @@ class FsBackend(TierBackend):
         chunk files sitting in a directory their key does not map to (unreachable by
         ``load``), counting both. Files published during the walk may or may not be
         seen. When the walk completes, ``counters.bytes_on_disk`` is set to the total
-        found. Unreadable directories are skipped and counted (``scan_errors``).
+        found. Unreadable directories are skipped and counted (``scan_errors``). No
+        symbolic link is followed: one in place of a fan-out directory or a chunk file
+        is skipped and counted (``links_refused``). With no namespace now (removed, and
+        no store made it again yet) the listing is empty; with one that cannot be used
+        (a link or a file at its path) too, counted in ``scan_errors``.
         """
         total = 0
         c = self.counters
-        for rel, entries in self.ns.walk(self._scan_error):
+        blocked = self._enter(create=False)
+        if blocked is not None:
+            if isinstance(blocked, FileNotFoundError):
+                c.bytes_on_disk = 0
+            else:
+                c.scan_errors += 1
+            return
+        for rel, dir_fd, entries in self.ns.walk(self._scan_error, self._link_refused):
             for e in entries:
                 name = e.name
                 if name.endswith(TEMP_SUFFIX):
                     if name.startswith("."):
-                        self._maybe_remove_temp(e)
+                        self._maybe_remove_temp(e, dir_fd)
                     continue
                 key = chunk_key(name)
                 if key is None:
                     continue
                 if self.ns.rel_dir(key) != rel:
-                    if unlink_quietly(e.path):
+                    if unlink_quietly(name, dir_fd=dir_fd):
                         c.misplaced_files_removed += 1
                     continue
                 try:
@@ -284,6 +350,8 @@ class FsBackend(TierBackend):
                 except OSError:
                     continue  # removed meanwhile
                 if not stat.S_ISREG(st.st_mode):
+                    if stat.S_ISLNK(st.st_mode):
+                        c.links_refused += 1
                     continue
                 total += st.st_size
                 yield ScanEntry(key, st.st_size, st.st_mtime)
@@ -300,7 +368,10 @@ class FsBackend(TierBackend):
     def _scan_error(self) -> None:
         self.counters.scan_errors += 1
 
-    def _maybe_remove_temp(self, entry: os.DirEntry) -> None:
+    def _link_refused(self) -> None:
+        self.counters.links_refused += 1
+
+    def _maybe_remove_temp(self, entry: os.DirEntry, dir_fd: int) -> None:
         if self.ns.temp_writer_alive(entry.name):
             try:
                 age = time.time() - entry.stat(follow_symlinks=False).st_mtime
@@ -308,14 +379,46 @@ class FsBackend(TierBackend):
                 return
             if age <= self.stale_temp_age_s:
                 return
-        if unlink_quietly(entry.path):
+        if unlink_quietly(entry.name, dir_fd=dir_fd):
             self.counters.temp_files_removed += 1
+
+    # ------------------------------------------------------------------ namespace
+
+    def _enter(self, *, create: bool) -> OSError | None:
+        """Start of every op: ``Namespace.sync`` (``create`` for a store: make the
+        namespace again if it was removed). Returns why the namespace cannot be used now,
+        or None. A change of the namespace directory since the last op (removed,
+        replaced, made again) raises ``NAMESPACE_RESET`` for the scheduler half
+        (``take_flags``), counts in ``namespace_resets`` and zeroes ``bytes_on_disk``."""
+        try:
+            self.ns.sync(create=create)
+            blocked = None
+        except OSError as e:
+            if isinstance(e, LinkRefused):
+                self.counters.links_refused += 1
+            blocked = e
+        if self.ns.generation != self._generation:
+            self._generation = self.ns.generation
+            self._flags |= ResultFlag.NAMESPACE_RESET
+            self.counters.namespace_resets += 1
+            self.counters.bytes_on_disk = 0
+        return blocked
+
+    def take_flags(self) -> int:
+        """``ResultFlag`` bits raised since the last call (``NAMESPACE_RESET``: the
+        namespace directory was removed, replaced or made again, seen by this process;
+        the scheduler half should drop its index of the tier and scan again), cleared."""
+        flags, self._flags = self._flags, 0
+        return int(flags)
 
     # ------------------------------------------------------------------ misc
 
     def close(self) -> None:
-        """Drop the read buffer. The backend holds no open descriptors between calls."""
+        """Drop the read buffer and close the namespace's directory descriptors (the
+        namespace directory's and up to ``MAX_OPEN_LEAVES`` leaf directories', held
+        between calls). Idempotent; a closed backend answers no further calls."""
         self._reader.release()
+        self.ns.close()
 
     def __repr__(self) -> str:
         return (f"FsBackend({self.namespace_dir!r}, fanout_bits={self.fanout_bits}, "

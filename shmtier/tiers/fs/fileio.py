@@ -1,4 +1,4 @@
-"""Low-level file helpers of the ``fs`` tier: whole writes and reads, O_DIRECT, fsync, space.
+"""Low-level file helpers of the ``fs`` tier: whole writes and reads, O_DIRECT, space.
 
 Runs in: tier worker processes, called on the worker's single thread by ``FsBackend``
 (``backend.py``), its write and read paths (``store.py``, ``load.py``) and ``Namespace``
@@ -22,6 +22,7 @@ ALIGN = 4096
 O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 O_DIRECT = getattr(os, "O_DIRECT", 0)  # 0 where the platform has none
 O_DIRECTORY = getattr(os, "O_DIRECTORY", 0)
+O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 FADV_WILLNEED = getattr(os, "POSIX_FADV_WILLNEED", None)
 
 
@@ -121,26 +122,23 @@ def read_direct(fd: int, size: int, cap: int, buf: PageBuffer) -> memoryview | N
     return view[:size]
 
 
-def fsync_dir(path: str) -> None:
-    """fsync directory ``path`` (makes the entries created or renamed in it durable)."""
-    fd = os.open(path, os.O_RDONLY | O_DIRECTORY | O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def probe_direct_io(directory: str) -> bool:
-    """Whether ``directory`` takes O_DIRECT: one aligned page written to a probe file
-    (as vLLM's fs tier probes). Some network and FUSE filesystems, and tmpfs before
-    Linux 6.6, do not."""
+def probe_direct_io(directory: str, *, dir_fd: int | None = None) -> bool:
+    """Whether ``directory`` (or the directory open as ``dir_fd``) takes O_DIRECT: one
+    aligned page written to a new probe file there (as vLLM's fs tier probes), which is
+    then removed. Some network and FUSE filesystems, and tmpfs before Linux 6.6, do not."""
     if not O_DIRECT:
         return False
-    path = os.path.join(directory, f".direct-probe.{os.getpid()}.tmp")  # a temp file's suffix
+    name = f".direct-probe.{os.getpid()}.tmp"  # a temp file's suffix
+    path = name if dir_fd is not None else os.path.join(directory, name)
     page = np.zeros(2 * ALIGN, dtype=np.uint8)
     base = (-page.ctypes.data) % ALIGN
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | O_NOFOLLOW | O_DIRECT | O_CLOEXEC
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | O_DIRECT | O_CLOEXEC, 0o600)
+        try:
+            fd = os.open(path, flags, 0o600, dir_fd=dir_fd)
+        except FileExistsError:  # a probe of a killed process with this pid
+            unlink_quietly(path, dir_fd=dir_fd)
+            fd = os.open(path, flags, 0o600, dir_fd=dir_fd)
     except OSError:
         return False
     try:
@@ -149,7 +147,7 @@ def probe_direct_io(directory: str) -> bool:
         return False
     finally:
         close_quietly(fd)
-        unlink_quietly(path)
+        unlink_quietly(path, dir_fd=dir_fd)
 
 
 def st_capacity(path: str) -> int:
@@ -161,8 +159,9 @@ def st_capacity(path: str) -> int:
     return v.f_blocks * v.f_frsize
 
 
-def available_bytes(path: str) -> int | None:
-    """Bytes an unprivileged writer may still use on ``path``'s filesystem, or None."""
+def available_bytes(path: str | int) -> int | None:
+    """Bytes an unprivileged writer may still use on the filesystem of ``path`` (a path
+    or an open descriptor), or None."""
     try:
         v = os.statvfs(path)
     except OSError:
@@ -177,10 +176,11 @@ def close_quietly(fd: int) -> None:
         pass
 
 
-def unlink_quietly(path: str) -> bool:
-    """Unlink ``path``; whether it was removed."""
+def unlink_quietly(path: str, *, dir_fd: int | None = None) -> bool:
+    """Unlink ``path`` (relative to ``dir_fd`` if given; a link itself, never its
+    target); whether it was removed."""
     try:
-        os.unlink(path)
+        os.unlink(path, dir_fd=dir_fd)
     except OSError:
         return False
     return True

@@ -14,6 +14,11 @@ against the frame's stored length) before and after writing the row. With
 (``fileio.read_direct``). A file that fails is reported CORRUPT (the reason as its
 detail), unlinked (only if the path still names the inode that was read: a concurrent
 re-store of the key is kept) and counted.
+
+Every file is reached through the ``Namespace``: opened and unlinked relative to its leaf
+directory's descriptor with ``O_NOFOLLOW``. A symbolic link at a chunk's name, or in
+place of one of its fan-out directories, is never followed: the key is a MISS, counted
+in ``links_refused`` (the link is left where it is).
 """
 
 from __future__ import annotations
@@ -30,14 +35,13 @@ from shmtier.tiers.backend import BatchResult, Outcome, as_arena, check_batch
 from shmtier.tiers.fs.fileio import (
     ALIGN,
     FADV_WILLNEED,
-    O_CLOEXEC,
     O_DIRECT,
     PageBuffer,
     close_quietly,
     pread_full,
     read_direct,
 )
-from shmtier.tiers.fs.namespace import Namespace, key_problem
+from shmtier.tiers.fs.namespace import LinkRefused, Namespace, key_problem
 from shmtier.tiers.fs.outcomes import FsCounters, errno_outcome, row_problem
 
 _PREFETCH = 16  # files of a load batch opened (and read ahead) at once
@@ -61,9 +65,11 @@ class ChunkReader:
         """Drop the read buffer (a later load allocates it again)."""
         self._buf.release()
 
-    def load(self, keys: Sequence[bytes], rows: Sequence[int], arena,
-             chunk_bytes: int) -> BatchResult:
-        """``FsBackend.load`` (its docstring is the contract)."""
+    def load(self, keys: Sequence[bytes], rows: Sequence[int], arena, chunk_bytes: int, *,
+             blocked: OSError | None = None) -> BatchResult:
+        """``FsBackend.load`` (its docstring is the contract). ``blocked``: why the
+        namespace cannot be read now (``Namespace.sync``): every valid key is a MISS (no
+        namespace, or a link at its path) or ERROR."""
         a = as_arena(arena)
         check_batch(keys, rows, a, chunk_bytes)
         n = len(keys)
@@ -71,18 +77,18 @@ class ChunkReader:
         seconds = res.seconds
         self._codec_s = 0.0
         for lo in range(0, n, _PREFETCH):
-            opened: dict[int, tuple[int, os.stat_result, str]] = {}
+            opened: dict[int, tuple[int, os.stat_result, tuple[str, str]]] = {}
             try:
                 for i in range(lo, min(n, lo + _PREFETCH)):
                     t = time.perf_counter()
-                    got = self._open(keys[i], rows[i], a.shape[0], res, i)
+                    got = self._open(keys[i], rows[i], a.shape[0], res, i, blocked)
                     if got is not None:
                         opened[i] = got
                     seconds[i] += time.perf_counter() - t
                 for i in sorted(opened):
                     t = time.perf_counter()
-                    fd, st, path = opened.pop(i)
-                    self._read_one(fd, st, path, bytes(keys[i]), a[rows[i], :chunk_bytes].data,
+                    fd, st, entry = opened.pop(i)
+                    self._read_one(fd, st, entry, bytes(keys[i]), a[rows[i], :chunk_bytes].data,
                                    res, i)
                     seconds[i] += time.perf_counter() - t
             finally:
@@ -91,9 +97,10 @@ class ChunkReader:
         res.codec_seconds = self._codec_s
         return res
 
-    def _open(self, key, row, num_rows: int, res: BatchResult, i: int):
-        """Open key's file and start its readahead: (fd, stat, path), or None when key
-        i's outcome is already decided (set in ``res``)."""
+    def _open(self, key, row, num_rows: int, res: BatchResult, i: int,
+              blocked: OSError | None):
+        """Open key's file and start its readahead: (fd, stat, (rel, name)), or None when
+        key i's outcome is already decided (set in ``res``)."""
         bad = key_problem(key)
         if bad is None:
             bad = row_problem(row, num_rows)
@@ -101,10 +108,22 @@ class ChunkReader:
             res.set(i, Outcome.INVALID, bad)
             return None
         c = self.counters
-        path = self.ns.path_for(bytes(key))
+        if blocked is not None:
+            if isinstance(blocked, (FileNotFoundError, NotADirectoryError, LinkRefused)):
+                c.load_missing += 1
+                res.set(i, Outcome.MISS)
+            else:
+                c.load_errors += 1
+                res.set(i, *errno_outcome(blocked, "namespace"))
+            return None
+        entry = self.ns.locate(bytes(key))
         try:
             # O_NONBLOCK: a FIFO planted at the path must not hang the worker.
-            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | O_CLOEXEC)
+            fd, _ = self.ns.open_entry(*entry, os.O_RDONLY | os.O_NONBLOCK)
+        except LinkRefused:  # never followed: not a chunk of ours
+            c.links_refused += 1
+            res.set(i, Outcome.MISS)
+            return None
         except (FileNotFoundError, NotADirectoryError):
             c.load_missing += 1
             res.set(i, Outcome.MISS)
@@ -131,10 +150,10 @@ class ChunkReader:
             c.load_errors += 1
             res.set(i, *errno_outcome(e, "open"))
             return None
-        return fd, st, path
+        return fd, st, entry
 
-    def _read_one(self, fd: int, st: os.stat_result, path: str, key: bytes, out: memoryview,
-                  res: BatchResult, i: int) -> None:
+    def _read_one(self, fd: int, st: os.stat_result, entry: tuple[str, str], key: bytes,
+                  out: memoryview, res: BatchResult, i: int) -> None:
         """Read one opened file whole, verify and decode it into ``out``; closes ``fd``."""
         c = self.counters
         size = st.st_size
@@ -168,7 +187,7 @@ class ChunkReader:
             except CorruptChunkError as e:
                 reason = getattr(e, "reason", None) or "codec"
         if reason is not None:
-            self._remove_corrupt(path, st, reason)
+            self._remove_corrupt(entry, st, reason)
             res.set(i, Outcome.CORRUPT, reason)
             res.stored_bytes[i] = size
             return
@@ -178,15 +197,15 @@ class ChunkReader:
         c.files_read += 1
         c.bytes_read += size
 
-    def _remove_corrupt(self, path: str, st: os.stat_result, reason: str) -> None:
+    def _remove_corrupt(self, entry: tuple[str, str], st: os.stat_result, reason: str) -> None:
         c = self.counters
         c.corrupt_files_detected += 1
         c.corrupt_by_reason[reason] = c.corrupt_by_reason.get(reason, 0) + 1
         try:
-            now = os.stat(path)
+            now = self.ns.stat_entry(*entry)
             if (now.st_dev, now.st_ino) != (st.st_dev, st.st_ino):
                 return  # re-stored meanwhile by another writer: not the file we judged
-            os.unlink(path)
+            self.ns.unlink_entry(*entry)
         except FileNotFoundError:
             return  # someone else removed it already
         except OSError:

@@ -2,12 +2,13 @@
 
 Runs in: tier worker processes only, on the worker's single thread. ``FsBackend``
 (``backend.py``) holds one ``Namespace``; it and its write and read paths (``store.py``,
-``load.py``) ask it for every path they open, stat, rename or unlink, so that path
-construction lives here alone (a planned change opens them relative to directory
-descriptors with ``O_NOFOLLOW``). Opening a namespace blocks briefly on the filesystem
-(stat of the root, mkdir, config.json read or written and fsynced); ``ensure_dir`` and
-``walk`` block on it too; ``temp_name`` (first call in a process) and
-``temp_writer_alive`` read a ``/proc/<pid>/stat``; the other methods only compute names.
+``load.py``) reach every file and directory under the namespace through it: never by a
+path, always by a name relative to a directory descriptor, without following a
+symbolic link (below). Opening a namespace blocks briefly on the filesystem (stat of
+the root, mkdir, config.json read or written and fsynced); the entry operations
+(``open_entry``, ``stat_entry``, ``unlink_entry``, ``fsync_leaf``) and ``walk`` block
+on it too; ``temp_name`` (first call in a process) and ``temp_writer_alive`` read a
+``/proc/<pid>/stat``; ``locate``, ``path_for`` and ``rel_dir`` only compute names.
 The module-level functions are pure (tests use them too).
 
 On-disk layout (format version 1)::
@@ -31,6 +32,26 @@ A chunk is published by writing a temp file in its final directory and renaming 
 the final name (``store.py``). Temp files carry the writer's identity (boot id prefix,
 pid, process start time), so a scan can tell a dead writer's leftovers
 (``temp_writer_alive``) from a write in progress.
+
+Symbolic links: ``root_dir`` is the operator's and may be (or pass through) a link: it
+is resolved once, when the namespace is opened (``root_dir`` then holds the resolved
+path; a link changed later is not followed to its new target). Below it nothing is
+followed: the namespace directory is opened with ``O_NOFOLLOW | O_DIRECTORY`` and
+held open; each fan-out level is opened relative to its parent's descriptor the same
+way (the leaf directories' descriptors are cached, at most ``MAX_OPEN_LEAVES``); chunk,
+temp and config files are opened, created, stat'ed, renamed and unlinked relative to
+their directory's descriptor with ``O_NOFOLLOW`` (or ``follow_symlinks=False``). A
+link anywhere below the root where the layout has a directory or a file raises
+``LinkRefused`` (an OSError, errno ELOOP): for that key a load or probe is a MISS and a
+store fails; nothing is ever read or written through a link.
+
+A namespace that vanishes (its directory, or the whole root, deleted while workers run):
+``sync``, called once per backend call, sees that the path no longer names the directory
+held and lets go of it; loads and probes then answer MISS, and the next store makes the
+namespace again (config.json with the fan-out recorded before) if the root exists (the
+root is the operator's: it is never created, stores fail with ENOENT until it is back).
+Every such change bumps ``generation`` (the backend reports it to the scheduler half); the
+process that makes the namespace again logs it once (WARNING, with the path).
 """
 
 from __future__ import annotations
@@ -38,13 +59,26 @@ from __future__ import annotations
 import errno
 import hashlib
 import json
+import logging
 import os
 import stat
 import time
-from typing import Callable, Iterator
+from collections import OrderedDict
+from typing import Callable, Iterator, TypeVar
 
 from shmtier.shared import procinfo
-from shmtier.tiers.fs.fileio import O_CLOEXEC, fsync_dir, is_hex, st_capacity, unlink_quietly, writev_all
+from shmtier.tiers.fs.fileio import (
+    O_CLOEXEC,
+    O_DIRECTORY,
+    O_NOFOLLOW,
+    close_quietly,
+    is_hex,
+    st_capacity,
+    unlink_quietly,
+    writev_all,
+)
+
+logger = logging.getLogger(__name__)
 
 FORMAT_NAME = "shmtier-fs"
 FORMAT_VERSION = 1
@@ -56,6 +90,36 @@ TEMP_SUFFIX = ".tmp"
 MAX_KEY_BYTES = 100
 FILES_PER_LEAF_DIR = 512
 MIN_FANOUT_BITS, MAX_FANOUT_BITS = 2, 16
+#: Leaf directory descriptors a namespace keeps open (least recently used closed first).
+MAX_OPEN_LEAVES = 128
+
+_DIR_FLAGS = os.O_RDONLY | O_DIRECTORY
+_T = TypeVar("_T")
+
+
+class LinkRefused(OSError):
+    """A symbolic link where the namespace layout has a directory or a file of its own.
+    Never followed; errno ELOOP, the text names the link."""
+
+    def __init__(self, where: str):
+        super().__init__(errno.ELOOP, f"symbolic link refused: {where}")
+
+
+def open_nofollow(name: str, flags: int, dir_fd: int, where: str, mode: int = 0o600) -> int:
+    """``openat(dir_fd, name, flags | O_NOFOLLOW | O_CLOEXEC)``; ``LinkRefused`` (naming
+    ``where``) when ``name`` is a symbolic link, else the OSError of the open."""
+    try:
+        return os.open(name, flags | O_NOFOLLOW | O_CLOEXEC, mode, dir_fd=dir_fd)
+    except OSError as e:
+        # a link's open fails with ELOOP, or ENOTDIR when O_DIRECTORY is asked for
+        if e.errno in (errno.ELOOP, errno.ENOTDIR):
+            try:
+                st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+            except OSError:
+                raise e from None
+            if stat.S_ISLNK(st.st_mode):
+                raise LinkRefused(where) from None
+        raise
 
 
 def namespace_dir_name(fingerprint: str) -> str:
@@ -98,17 +162,19 @@ def chunk_key(name: str) -> bytes | None:
 class Namespace:
     """The namespace directory of one layout fingerprint under ``root_dir``.
 
-    Construction stats the root, creates the namespace directory and its config.json if
-    absent (the fan-out then comes from ``capacity_bytes``, else the root filesystem's
-    size, and ``chunk_bytes_hint``) and reads the recorded fan-out; it does not walk the
-    tree. Raises FileNotFoundError / NotADirectoryError for a missing root, ValueError
-    for a config.json that names another fingerprint or format or is malformed, OSError
-    when the namespace cannot be created. Not thread-safe (one per worker process).
+    Construction resolves and stats the root, creates the namespace directory and its
+    config.json if absent (the fan-out then comes from ``capacity_bytes``, else the root
+    filesystem's size, and ``chunk_bytes_hint``), opens the directory (held until
+    ``close``) and reads the recorded fan-out; it does not walk the tree. Raises
+    FileNotFoundError / NotADirectoryError for a missing root, ``LinkRefused`` when the
+    namespace path is a symbolic link, ValueError for a config.json that names another
+    fingerprint or format, is malformed or is a link, OSError when the namespace cannot
+    be created. Not thread-safe (one per worker process).
     """
 
     def __init__(self, root_dir: str, fingerprint: str, *, capacity_bytes: int | None,
                  chunk_bytes_hint: int, fsync: bool):
-        root = os.path.abspath(os.fspath(root_dir))
+        root = os.path.realpath(os.path.abspath(os.fspath(root_dir)))  # resolved once
         try:
             st = os.stat(root)
         except FileNotFoundError:
@@ -120,53 +186,148 @@ class Namespace:
         self.root_dir = root
         self.fingerprint = fingerprint
         self.fsync = fsync  # fsync parents of new fan-out directories
-        self.dir = os.path.join(root, namespace_dir_name(fingerprint))
+        self.name = namespace_dir_name(fingerprint)
+        self.dir = os.path.join(root, self.name)
+        self._fd = -1
+        self._id: tuple[int, int] | None = None  # (st_dev, st_ino) of the directory held
+        self._leaves: OrderedDict[str, int] = OrderedDict()  # rel -> leaf directory fd
+        #: Changes of the directory at the namespace path seen since opening (removed,
+        #: replaced, made again): the namespace's chunks before a change may be gone.
+        self.generation = 0
+        self._root_missing = False  # logged once per time the root is found gone
         capacity = capacity_bytes if capacity_bytes is not None else st_capacity(root)
-        self.fanout_bits = self._open(choose_fanout_bits(capacity, chunk_bytes_hint))
-        b1, b2 = self.fanout_bits
-        self._shift1, self._shift2, self._mask2 = 32 - b1, 32 - b1 - b2, (1 << b2) - 1
-        self._w1, self._w2 = (b1 + 3) // 4, (b2 + 3) // 4
-        self._known_dirs: set[str] = set()
+        fd, bits, _ = self._attach(choose_fanout_bits(capacity, chunk_bytes_hint), create=True)
+        self._adopt(fd, bits)
         self._seq = 0
         self._writer_pid = -1
         self._writer_tag = ""
         self._boot_tag = procinfo.boot_id()[:4].hex()
 
+    @property
+    def fd(self) -> int:
+        """The namespace directory's descriptor (-1 once closed)."""
+        return self._fd
+
+    def close(self) -> None:
+        """Close the namespace directory's and the cached leaf directories' descriptors."""
+        self._forget_leaves()
+        if self._fd >= 0:
+            close_quietly(self._fd)
+            self._fd = -1
+            self._id = None
+
+    def sync(self, *, create: bool) -> None:
+        """Make sure the directory held is still the one at the namespace path (one
+        ``lstat`` when it is). When it is not (removed, replaced, or held no more), let go
+        of it and use what is there now: a directory is opened (its config.json read, or
+        written with the recorded fan-out if absent); nothing there and ``create``: the
+        namespace is made again, if the root exists. Each change bumps ``generation``.
+
+        Raises FileNotFoundError when there is no namespace now (none there and not
+        ``create``, or the root is gone), ``LinkRefused`` / NotADirectoryError when a
+        link or a file sits at the namespace path, OSError (EINVAL for a config.json
+        that names another fingerprint or is malformed) when it cannot be used."""
+        try:
+            st = os.stat(self.dir, follow_symlinks=False)
+        except (FileNotFoundError, NotADirectoryError):
+            st = None
+        if st is not None and self._fd >= 0 and (st.st_dev, st.st_ino) == self._id:
+            return  # the common case
+        if self._fd >= 0:
+            logger.info("fs tier namespace %s: the directory held was removed or replaced",
+                        self.dir)
+            self.close()
+            self.generation += 1
+        if st is not None and stat.S_ISLNK(st.st_mode):
+            raise LinkRefused(f"fs tier namespace {self.dir}")
+        if st is not None and not stat.S_ISDIR(st.st_mode):
+            raise NotADirectoryError(
+                errno.ENOTDIR, f"fs tier namespace path is not a directory: {self.dir}")
+        if st is None:
+            if not create:
+                raise FileNotFoundError(errno.ENOENT, f"fs tier namespace is gone: {self.dir}")
+            if not os.path.isdir(self.root_dir):
+                if not self._root_missing:
+                    self._root_missing = True
+                    logger.warning("fs tier root_dir %s is gone: stores fail until it exists "
+                                   "again (the tier does not create it)", self.root_dir)
+                raise FileNotFoundError(
+                    errno.ENOENT, f"fs tier root_dir is gone: {self.root_dir} (not recreated "
+                                  f"by the tier)")
+        try:
+            fd, bits, created = self._attach(self.fanout_bits, create=create)
+        except ValueError as e:
+            raise OSError(errno.EINVAL, str(e)) from None
+        self._root_missing = False
+        self._adopt(fd, bits)
+        self.generation += 1
+        if created:
+            logger.warning("fs tier namespace %s was gone; recreated it (fan-out bits %s): "
+                           "the chunks stored in it before are lost", self.dir, bits)
+        else:
+            logger.info("fs tier namespace %s: using the directory now there", self.dir)
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
+
     # ------------------------------------------------------------------ config.json
 
-    def _open(self, fanout_default: tuple[int, int]) -> tuple[int, int]:
-        ns = self.dir
-        created = False
+    def _attach(self, fanout_default: tuple[int, int], *,
+                create: bool) -> tuple[int, tuple[int, int], bool]:
+        """Open the namespace directory (making it and its config.json first if absent
+        and ``create``): ``(fd, recorded fan-out, whether this call made the directory)``."""
+        root_fd = os.open(self.root_dir, _DIR_FLAGS | O_CLOEXEC)  # the operator's: followed
         try:
-            os.mkdir(ns, 0o700)
-            created = True
-        except FileExistsError:
-            if not os.path.isdir(ns):
-                raise NotADirectoryError(errno.ENOTDIR, f"fs tier namespace path is not a directory: {ns}")
-        cfg_path = os.path.join(ns, CONFIG_NAME)
-        try:
-            cfg = self._read_config(cfg_path)
-            if cfg is None:
-                self._write_config(cfg_path, fanout_default)
-                cfg = self._read_config(cfg_path)  # a racing creator may have won: its file rules
-                if cfg is None:
-                    raise OSError(errno.EIO, f"fs tier config vanished after writing it: {cfg_path}")
-        except BaseException:
-            if created:  # nothing half-created (a racing creator's files make this fail: fine)
+            created = False
+            if create:
                 try:
-                    os.rmdir(ns)
-                except OSError:
+                    os.mkdir(self.name, 0o700, dir_fd=root_fd)
+                    created = True
+                except FileExistsError:
                     pass
-            raise
-        return self._check_config(cfg_path, cfg)
+            try:
+                fd = open_nofollow(self.name, _DIR_FLAGS, root_fd, f"fs tier namespace {self.dir}")
+            except NotADirectoryError:
+                raise NotADirectoryError(errno.ENOTDIR, f"fs tier namespace path is not a "
+                                                        f"directory: {self.dir}") from None
+            try:
+                bits = self._config(fd, fanout_default)
+            except BaseException:
+                close_quietly(fd)
+                if created:  # nothing half-created (a racing creator's files make this fail: fine)
+                    try:
+                        os.rmdir(self.name, dir_fd=root_fd)
+                    except OSError:
+                        pass
+                raise
+            return fd, bits, created
+        finally:
+            os.close(root_fd)
 
-    @staticmethod
-    def _read_config(path: str) -> dict | None:
+    def _config(self, fd: int, fanout_default: tuple[int, int]) -> tuple[int, int]:
+        cfg = self._read_config(fd)
+        if cfg is None:
+            self._write_config(fd, fanout_default)
+            cfg = self._read_config(fd)  # a racing creator may have won: its file rules
+            if cfg is None:
+                raise OSError(errno.EIO, f"fs tier config vanished after writing it: "
+                                         f"{os.path.join(self.dir, CONFIG_NAME)}")
+        return self._check_config(os.path.join(self.dir, CONFIG_NAME), cfg)
+
+    def _read_config(self, fd: int) -> dict | None:
+        path = os.path.join(self.dir, CONFIG_NAME)
         try:
-            with open(path, "rb") as f:
-                raw = f.read()
+            cfd = open_nofollow(CONFIG_NAME, os.O_RDONLY | os.O_NONBLOCK, fd, path)
         except FileNotFoundError:
             return None
+        except LinkRefused:
+            raise ValueError(f"fs tier namespace config is a symbolic link (refused): "
+                             f"{path}") from None
+        with open(cfd, "rb") as f:
+            raw = f.read()
         try:
             cfg = json.loads(raw)
         except ValueError as e:
@@ -175,7 +336,7 @@ class Namespace:
             raise ValueError(f"fs tier namespace config is not a JSON object: {path}")
         return cfg
 
-    def _write_config(self, path: str, fanout: tuple[int, int]) -> None:
+    def _write_config(self, fd: int, fanout: tuple[int, int]) -> None:
         cfg = {
             "format": FORMAT_NAME,
             "format_version": FORMAT_VERSION,
@@ -184,22 +345,23 @@ class Namespace:
             "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         }
         data = (json.dumps(cfg, indent=2, sort_keys=True) + "\n").encode()
-        tmp = f"{path}.{os.getpid()}.{time.monotonic_ns()}{TEMP_SUFFIX}"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | O_CLOEXEC, 0o600)
+        tmp = f"{CONFIG_NAME}.{os.getpid()}.{time.monotonic_ns()}{TEMP_SUFFIX}"
+        tfd = open_nofollow(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, fd,
+                            os.path.join(self.dir, tmp))
         try:
             try:
-                writev_all(fd, [data], len(data))
-                os.fsync(fd)
+                writev_all(tfd, [data], len(data))
+                os.fsync(tfd)
             finally:
-                os.close(fd)
+                os.close(tfd)
             try:
                 # link() publishes only if absent: a racing creator's file is kept.
-                os.link(tmp, path)
+                os.link(tmp, CONFIG_NAME, src_dir_fd=fd, dst_dir_fd=fd, follow_symlinks=False)
             except FileExistsError:
                 pass
         finally:
-            unlink_quietly(tmp)
-        fsync_dir(self.dir)
+            unlink_quietly(tmp, dir_fd=fd)
+        os.fsync(fd)
 
     def _check_config(self, path: str, cfg: dict) -> tuple[int, int]:
         if cfg.get("format") != FORMAT_NAME or cfg.get("format_version") != FORMAT_VERSION:
@@ -219,27 +381,36 @@ class Namespace:
             raise ValueError(f"fs tier namespace {path}: invalid fanout_bits {bits!r}")
         return bits[0], bits[1]
 
-    # ------------------------------------------------------------------ paths
+    def _adopt(self, fd: int, bits: tuple[int, int]) -> None:
+        """Use the namespace directory open as ``fd`` with fan-out ``bits``."""
+        self._forget_leaves()
+        if self._fd >= 0:
+            close_quietly(self._fd)
+        self._fd = fd
+        st = os.fstat(fd)
+        self._id = (st.st_dev, st.st_ino)
+        self.fanout_bits = bits
+        b1, b2 = bits
+        self._shift1, self._shift2, self._mask2 = 32 - b1, 32 - b1 - b2, (1 << b2) - 1
+        self._w1, self._w2 = (b1 + 3) // 4, (b2 + 3) // 4
+
+    # ------------------------------------------------------------------ names
 
     def rel_dir(self, key: bytes) -> str:
         """``"<d1>/<d2>"``: the leaf directory of ``key``, relative to the namespace."""
         v = int.from_bytes(hashlib.blake2b(key, digest_size=4).digest(), "big")
         return f"{v >> self._shift1:0{self._w1}x}/{(v >> self._shift2) & self._mask2:0{self._w2}x}"
 
-    def locate(self, key: bytes) -> tuple[str, str, str]:
-        """``(rel, leaf, path)``: ``key``'s leaf directory relative to the namespace and
-        as a path, and its chunk file's path."""
-        rel = self.rel_dir(key)
-        leaf = os.path.join(self.dir, rel)
-        return rel, leaf, os.path.join(leaf, key.hex() + CHUNK_SUFFIX)
+    def locate(self, key: bytes) -> tuple[str, str]:
+        """``(rel, name)``: ``key``'s leaf directory relative to the namespace, and its
+        chunk file's name in it (the arguments of the entry operations)."""
+        return self.rel_dir(key), key.hex() + CHUNK_SUFFIX
 
     def path_for(self, key: bytes) -> str:
-        """The file that holds (or would hold) ``key``'s chunk."""
-        return self.locate(key)[2]
-
-    def temp_path(self, leaf: str, key_hex: str) -> str:
-        """A new temp file name in ``leaf`` for a write of ``key_hex``'s chunk by this process."""
-        return os.path.join(leaf, self.temp_name(key_hex))
+        """The path of the file that holds (or would hold) ``key``'s chunk (for messages
+        and tests: the backend itself never opens a path)."""
+        rel, name = self.locate(key)
+        return os.path.join(self.dir, rel, name)
 
     def temp_name(self, key_hex: str) -> str:
         """``.<key hex[:16]>.<boot>-<pid>-<start>-<seq>.tmp``, unique to this process."""
@@ -268,42 +439,153 @@ class Namespace:
 
     # ------------------------------------------------------------------ directories
 
-    def ensure_dir(self, rel: str, *, recheck: bool = False) -> None:
-        """Create leaf directory ``rel`` and its parent if absent (fsyncing their parents
-        when ``fsync``). Remembered once made: a no-op after that unless ``recheck``
-        (the directory was removed behind our back)."""
-        if rel in self._known_dirs and not recheck:
-            return
-        d1 = os.path.join(self.dir, rel.split("/", 1)[0])
-        leaf = os.path.join(self.dir, rel)
-        for d, parent in ((d1, self.dir), (leaf, d1)):
-            try:
-                os.mkdir(d, 0o700)
-            except FileExistsError:
-                continue
-            if self.fsync:
-                fsync_dir(parent)
-        self._known_dirs.add(rel)
+    def _leaf(self, rel: str, create: bool) -> tuple[int, bool]:
+        """``(fd, cached)``: leaf directory ``rel`` opened level by level without following
+        links (made first, fsyncing its parent when ``fsync``, if absent and ``create``);
+        ``cached``: the descriptor came from the cache. FileNotFoundError when absent
+        (and not ``create``), ``LinkRefused`` for a link on the way."""
+        leaves = self._leaves
+        fd = leaves.get(rel)
+        if fd is not None:
+            leaves.move_to_end(rel)
+            return fd, True
+        if self._fd < 0:
+            raise FileNotFoundError(errno.ENOENT, f"fs tier namespace is not open: {self.dir}")
+        d1, d2 = rel.split("/", 1)
+        fd1 = self._subdir(self._fd, d1, create, d1)
+        try:
+            fd = self._subdir(fd1, d2, create, rel)
+        finally:
+            os.close(fd1)
+        leaves[rel] = fd
+        if len(leaves) > MAX_OPEN_LEAVES:
+            close_quietly(leaves.popitem(last=False)[1])
+        return fd, False
 
-    def walk(self, on_error: Callable[[], None]) -> Iterator[tuple[str, list[os.DirEntry]]]:
-        """``(rel, entries)`` for every leaf directory (fan-out names only, no symlinks
-        followed); ``on_error()`` once per directory that cannot be listed (skipped)."""
-        for d1 in self._subdirs(self.dir, self._w1, on_error):
-            for d2 in self._subdirs(d1.path, self._w2, on_error):
-                try:
-                    entries = list(os.scandir(d2.path))
-                except OSError:
-                    on_error()
-                    continue
-                yield f"{d1.name}/{d2.name}", entries
+    def _subdir(self, parent_fd: int, name: str, create: bool, rel: str) -> int:
+        where = os.path.join(self.dir, rel)
+        try:
+            return open_nofollow(name, _DIR_FLAGS, parent_fd, where)
+        except FileNotFoundError:
+            if not create:
+                raise
+        try:
+            os.mkdir(name, 0o700, dir_fd=parent_fd)
+        except FileExistsError:
+            pass
+        else:
+            if self.fsync:
+                os.fsync(parent_fd)
+        return open_nofollow(name, _DIR_FLAGS, parent_fd, where)
+
+    def _leaf_current(self, rel: str, fd: int) -> bool:
+        """Whether cached descriptor ``fd`` is still the directory named ``rel``."""
+        try:
+            held = os.fstat(fd)
+            now = os.stat(rel, dir_fd=self._fd, follow_symlinks=False)
+        except OSError:
+            return False
+        return (held.st_dev, held.st_ino) == (now.st_dev, now.st_ino)
+
+    def _forget_leaf(self, rel: str) -> None:
+        fd = self._leaves.pop(rel, None)
+        if fd is not None:
+            close_quietly(fd)
+
+    def _forget_leaves(self) -> None:
+        while self._leaves:
+            close_quietly(self._leaves.popitem()[1])
+
+    def in_leaf(self, rel: str, op: Callable[[int], _T], *, create: bool = False) -> _T:
+        """``op(fd)`` with leaf directory ``rel``'s descriptor (see ``_leaf``). ``op`` must
+        be one call that has no effect when it fails (an open, a stat, an unlink): when it
+        raises FileNotFoundError on a cached descriptor whose directory was removed or
+        replaced meanwhile, it is run once more on the directory now at ``rel``."""
+        fd, cached = self._leaf(rel, create)
+        try:
+            return op(fd)
+        except FileNotFoundError:
+            if not cached or self._leaf_current(rel, fd):
+                raise
+        self._forget_leaf(rel)
+        fd, _ = self._leaf(rel, create)
+        return op(fd)
+
+    def open_entry(self, rel: str, name: str, flags: int, *, create_dirs: bool = False,
+                   mode: int = 0o600) -> tuple[int, int]:
+        """Open (or with ``O_CREAT`` create) file ``name`` of leaf directory ``rel``
+        without following a link: ``(fd, leaf directory fd)``. The leaf's descriptor
+        stays valid until the next entry operation (rename and unlink relative to it)."""
+        where = os.path.join(self.dir, rel, name)
+        return self.in_leaf(rel, lambda d: (open_nofollow(name, flags, d, where, mode), d),
+                            create=create_dirs)
+
+    def stat_entry(self, rel: str, name: str) -> os.stat_result:
+        """``lstat`` of entry ``name`` of leaf directory ``rel`` (a link is reported as
+        one, never followed); FileNotFoundError when it or its directory is absent."""
+        return self.in_leaf(rel, lambda d: os.stat(name, dir_fd=d, follow_symlinks=False))
+
+    def unlink_entry(self, rel: str, name: str) -> None:
+        """Unlink entry ``name`` of leaf directory ``rel`` (a link itself, never its target)."""
+        self.in_leaf(rel, lambda d: os.unlink(name, dir_fd=d))
+
+    def fsync_leaf(self, rel: str) -> None:
+        """fsync leaf directory ``rel`` (makes the entries created or renamed in it durable)."""
+        os.fsync(self._leaf(rel, False)[0])
+
+    def walk(self, on_error: Callable[[], None],
+             on_link: Callable[[], None]) -> Iterator[tuple[str, int, list[os.DirEntry]]]:
+        """``(rel, fd, entries)`` for every leaf directory (fan-out names only): its
+        descriptor (valid until the next item) and its entries, listed through it.
+        Nothing is followed: ``on_link()`` once per link in place of a fan-out
+        directory, ``on_error()`` once per directory that cannot be listed (skipped)."""
+        if self._fd < 0:
+            return
+        for d1 in self._subdirs(self._fd, self._w1, on_error, on_link):
+            fd1 = self._open_listed(self._fd, d1, d1, on_error, on_link)
+            if fd1 is None:
+                continue
+            try:
+                for d2 in self._subdirs(fd1, self._w2, on_error, on_link):
+                    rel = f"{d1}/{d2}"
+                    fd2 = self._open_listed(fd1, d2, rel, on_error, on_link)
+                    if fd2 is None:
+                        continue
+                    try:
+                        try:
+                            entries = list(os.scandir(fd2))
+                        except OSError:
+                            on_error()
+                            continue
+                        yield rel, fd2, entries
+                    finally:
+                        os.close(fd2)
+            finally:
+                os.close(fd1)
+
+    def _open_listed(self, parent_fd: int, name: str, rel: str, on_error: Callable[[], None],
+                     on_link: Callable[[], None]) -> int | None:
+        try:
+            return open_nofollow(name, _DIR_FLAGS, parent_fd, os.path.join(self.dir, rel))
+        except LinkRefused:  # replaced by a link since it was listed
+            on_link()
+        except FileNotFoundError:
+            pass  # removed since it was listed
+        except OSError:
+            on_error()
+        return None
 
     @staticmethod
-    def _subdirs(path: str, width: int, on_error: Callable[[], None]) -> Iterator[os.DirEntry]:
+    def _subdirs(fd: int, width: int, on_error: Callable[[], None],
+                 on_link: Callable[[], None]) -> Iterator[str]:
         try:
-            entries = list(os.scandir(path))
+            entries = list(os.scandir(fd))
         except OSError:
             on_error()
             return
         for e in entries:
-            if len(e.name) == width and is_hex(e.name) and e.is_dir(follow_symlinks=False):
-                yield e
+            if len(e.name) == width and is_hex(e.name):
+                if e.is_symlink():
+                    on_link()
+                elif e.is_dir(follow_symlinks=False):
+                    yield e.name

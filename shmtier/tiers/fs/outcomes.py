@@ -41,7 +41,8 @@ class FsCounters:
     """Counters of one FsBackend object (this process only; never reset by the backend).
 
     ``bytes_on_disk`` is what this process knows: set by a completed ``scan``, then
-    adjusted by its own stores, deletes and corrupt-file removals. Other processes
+    adjusted by its own stores, deletes and corrupt-file removals, and zeroed when the
+    namespace directory is found removed or replaced. Other processes
     writing the same namespace are not seen until the next scan; the scheduler half's
     index is the authoritative count."""
 
@@ -64,6 +65,8 @@ class FsCounters:
     temp_files_removed: int = 0
     misplaced_files_removed: int = 0  # chunk files in a directory their key does not map to
     scan_errors: int = 0
+    links_refused: int = 0  # symbolic links met where the layout has a file or directory
+    namespace_resets: int = 0  # the namespace directory removed, replaced or made again
 
     def as_dict(self) -> dict:
         return asdict(self)

@@ -4,12 +4,15 @@ Runs in: tier worker processes only; ``FsBackend.store`` (``backend.py``), calle
 job loop for a cascade job, hands the batch to its ``ChunkWriter`` on the worker's single
 thread. Blocks on the filesystem: a stat, the file's create, write(s), optional fsync and
 rename per key, a ``statvfs`` per batch and, with ``fsync``, one directory fsync per leaf
-directory written.
+directory written. Every file is reached through the ``Namespace``: created, renamed and
+unlinked relative to its leaf directory's descriptor, never through a symbolic link (a
+link at a chunk's name is replaced by the rename, as any old file is; a link in place of
+a fan-out directory fails the key: ERROR, ``ELOOP``, counted in ``links_refused``).
 
 A file's content is exactly the frame of ``shmtier.shared.codec`` (magic, version,
 codec, element size, raw length, stored length, the full key, a checksum of the raw
 bytes, then the payload). A chunk is published by writing a temp file in its final
-directory (``Namespace.temp_path``) and renaming it over the final name, so a reader
+directory (``Namespace.temp_name``) and renaming it over the final name, so a reader
 sees either no file or a complete one; with ``fsync=True`` the file is fsynced before
 the rename and its directory after it (before the key is reported stored).
 
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import errno
 import os
+import stat
 import time
 from dataclasses import dataclass, field
 from typing import Sequence
@@ -29,17 +33,15 @@ from typing import Sequence
 from shmtier.shared.codec import ChunkEncoder, CompressionConfig
 from shmtier.tiers.backend import BatchResult, Outcome, as_arena, check_batch
 from shmtier.tiers.fs.fileio import (
-    O_CLOEXEC,
     O_DIRECT,
     PageBuffer,
     available_bytes,
     close_quietly,
-    fsync_dir,
     unlink_quietly,
     write_direct,
     writev_all,
 )
-from shmtier.tiers.fs.namespace import Namespace, key_problem
+from shmtier.tiers.fs.namespace import LinkRefused, Namespace, key_problem
 from shmtier.tiers.fs.outcomes import NO_SPACE, FsCounters, errno_outcome, row_problem
 
 _FS_WIDE = (errno.EROFS,) + NO_SPACE  # after one of these, the rest of a store batch fails too
@@ -67,8 +69,10 @@ class ChunkWriter:
         self._wbuf = PageBuffer(doubling=False)  # reusable O_DIRECT write buffer
 
     def store(self, keys: Sequence[bytes], rows: Sequence[int], arena, chunk_bytes: int, *,
-              skip_existing: bool, bytes_in_use: int | None, hurry: bool) -> BatchResult:
-        """``FsBackend.store`` (its docstring is the contract)."""
+              skip_existing: bool, bytes_in_use: int | None, hurry: bool,
+              blocked: OSError | None = None) -> BatchResult:
+        """``FsBackend.store`` (its docstring is the contract). ``blocked``: why the
+        namespace cannot be written now (``Namespace.sync``): every valid key fails so."""
         encoder = self._encoder
         if hurry and self.codec_config.mode == "auto":
             encoder = self._raw_encoder
@@ -81,12 +85,14 @@ class ChunkWriter:
         used = c.bytes_on_disk if bytes_in_use is None else int(bytes_in_use)
         codec_s = 0.0
         free = None
-        if self.min_free_bytes is not None:
+        fail_rest: tuple[Outcome, str] | None = None
+        if blocked is not None:
+            fail_rest = errno_outcome(blocked, "namespace")
+        elif self.min_free_bytes is not None:
             t = time.perf_counter()
-            free = available_bytes(self.ns.dir)
+            free = available_bytes(self.ns.fd)
             if n:
                 seconds[0] += time.perf_counter() - t
-        fail_rest: tuple[Outcome, str] | None = None
         synced_dirs: dict[str, list[int]] = {}
         num_rows = a.shape[0]
         for i in range(n):
@@ -105,13 +111,17 @@ class ChunkWriter:
                     self._count_store_failure(fail_rest[0])
                     continue
                 key = bytes(key)
-                rel, leaf, final = self.ns.locate(key)
+                rel, final = self.ns.locate(key)
                 try:
-                    old_size = os.stat(final).st_size
+                    st = self.ns.stat_entry(rel, final)
                 except OSError:
-                    old_size = 0  # absent (or unreadable: the write below reports why)
+                    old_size = 0  # absent (or unreachable: the write below reports why)
                 else:
-                    if skip_existing:
+                    old_size = st.st_size
+                    if stat.S_ISLNK(st.st_mode):  # not a chunk: the rename replaces the link
+                        c.links_refused += 1
+                        old_size = 0
+                    elif skip_existing:
                         res.set(i, Outcome.EXISTS)
                         res.stored_bytes[i] = old_size
                         c.store_exists += 1
@@ -129,7 +139,7 @@ class ChunkWriter:
                     res.set(i, Outcome.REJECTED, "min_free")
                     c.store_full += 1
                     continue
-                problem = self._publish(rel, leaf, final, key.hex(), parts, size)
+                problem = self._publish(rel, final, key.hex(), parts, size)
                 if problem is not None:
                     code, failure = problem
                     res.set(i, *failure)
@@ -147,13 +157,13 @@ class ChunkWriter:
                 c.files_written += 1
                 c.bytes_written += size
                 if self.fsync:
-                    synced_dirs.setdefault(leaf, []).append(i)
+                    synced_dirs.setdefault(rel, []).append(i)
             finally:
                 seconds[i] += time.perf_counter() - t
-        for leaf, idx in synced_dirs.items():
+        for rel, idx in synced_dirs.items():
             t = time.perf_counter()
             try:
-                fsync_dir(leaf)
+                self.ns.fsync_leaf(rel)
             except OSError as e:  # published but not durable: do not claim it
                 failure = errno_outcome(e, "fsync dir")
                 for i in idx:
@@ -172,22 +182,20 @@ class ChunkWriter:
         else:
             self.counters.store_errors += 1
 
-    def _publish(self, rel: str, leaf: str, final: str, key_hex: str, parts,
+    def _publish(self, rel: str, final: str, key_hex: str, parts,
                  size: int) -> tuple[int, tuple[Outcome, str]] | None:
-        """Temp file + rename; None on success, else (errno, (outcome, detail)). Leaves
-        no temp file."""
-        tmp = self.ns.temp_path(leaf, key_hex)
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | O_CLOEXEC
+        """Temp file + rename in leaf directory ``rel`` (made if absent); None on
+        success, else (errno, (outcome, detail)). Leaves no temp file."""
+        tmp = self.ns.temp_name(key_hex)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
         if self.direct_io:
             flags |= O_DIRECT
         try:
-            self.ns.ensure_dir(rel)
-            try:
-                fd = os.open(tmp, flags, 0o600)
-            except FileNotFoundError:  # the directory was removed behind our back
-                self.ns.ensure_dir(rel, recheck=True)
-                fd = os.open(tmp, flags, 0o600)
+            # a cached leaf removed behind our back is made again (Namespace.in_leaf)
+            fd, leaf = self.ns.open_entry(rel, tmp, flags, create_dirs=True)
         except OSError as e:
+            if isinstance(e, LinkRefused):
+                self.counters.links_refused += 1
             return e.errno or 0, errno_outcome(e, "create")
         step = "write"
         try:
@@ -200,14 +208,14 @@ class ChunkWriter:
                 os.fsync(fd)
         except OSError as e:
             close_quietly(fd)
-            unlink_quietly(tmp)
+            unlink_quietly(tmp, dir_fd=leaf)
             return e.errno or 0, errno_outcome(e, step)
         try:
             step = "close"
             os.close(fd)  # may report a deferred write error (NFS)
             step = "rename"
-            os.rename(tmp, final)
+            os.rename(tmp, final, src_dir_fd=leaf, dst_dir_fd=leaf)  # replaces, never follows
         except OSError as e:
-            unlink_quietly(tmp)
+            unlink_quietly(tmp, dir_fd=leaf)
             return e.errno or 0, errno_outcome(e, step)
         return None
