@@ -499,7 +499,6 @@ def test_cascades_work_again_once_a_deleted_root_is_back(engines, tmp_path):
     assert any(r.flags & ResultFlag.NAMESPACE_RESET for r in taken)
 
 
-@pytest.mark.xfail(reason="needs the scheduler half's rescan", strict=False)
 def test_a_reset_namespace_drops_the_index_and_is_listed_again(engines, tmp_path):
     """Issue 11 item 5 (scheduler half): on NAMESPACE_RESET the fs tier drops its index
     (the old chunks are gone: MISS, not HIT then a failed load) and lists the root

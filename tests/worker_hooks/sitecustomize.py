@@ -23,11 +23,22 @@ if _ROOT:
     _rename = os.rename
     _statvfs = os.statvfs
 
-    def _under_root(path) -> bool:
-        return os.fspath(path).startswith(_ROOT)
+    def _path(path, dir_fd=None) -> str:
+        """The path ``path`` names: an open descriptor's, or relative to ``dir_fd``'s
+        (the fs tier opens everything relative to directory descriptors)."""
+        if isinstance(path, int):
+            return os.readlink(f"/proc/self/fd/{path}")
+        path = os.fspath(path)
+        if dir_fd is not None and not os.path.isabs(path):
+            return os.path.join(os.readlink(f"/proc/self/fd/{dir_fd}"), path)
+        return path
+
+    def _under_root(path, dir_fd=None) -> bool:
+        return _path(path, dir_fd).startswith(_ROOT)
 
     def rename(src, dst, *args, **kwargs):
-        if _SLOW and _under_root(dst) and os.fspath(dst).endswith(".kv"):
+        target = _path(dst, kwargs.get("dst_dir_fd"))
+        if _SLOW and target.startswith(_ROOT) and target.endswith(".kv"):
             time.sleep(_SLOW)
         return _rename(src, dst, *args, **kwargs)
 

@@ -70,7 +70,7 @@ from shmtier.contract import (
 from shmtier.scheduler.pool import PoolJobId, PoolResult
 from shmtier.scheduler.tiering.base import JobResult, SecondaryTierManager, TransferJob
 from shmtier.shared.codec import frame_header_size
-from shmtier.shared.jobs import SUCCESS, Outcome, free_bytes_in
+from shmtier.shared.jobs import SUCCESS, Outcome, ResultFlag, free_bytes_in
 from shmtier.tiers.fs.config import FsTierConfig
 
 logger = logging.getLogger(__name__)
@@ -422,6 +422,8 @@ class FsTierManager(SecondaryTierManager):
     def _process_results(self) -> None:
         self._pool.poll()
         for res in self._pool.take(self._tier):
+            if res.flags & ResultFlag.NAMESPACE_RESET:  # before this result's outcomes
+                self._namespace_reset(listing=res.job_id == self._scan_id)
             if res.job_id == self._scan_id:
                 if res.error:  # the worker died or failed mid-listing: list again
                     self._scan_id = None
@@ -642,6 +644,26 @@ class FsTierManager(SecondaryTierManager):
                     self._stats.increase_counter(CORRUPT_CHUNKS, 1, (self._label,))
         self._finished.append(JobResult(job.job_id, len(ok) == len(keys), successful_keys=ok,
                                         transfer_time=seconds, transfer_bytes=nbytes))
+
+    def _namespace_reset(self, listing: bool) -> None:
+        """A worker found the tier's namespace gone or made anew: the chunks indexed are
+        not on disk any more. Drop them (lookups MISS, not HIT then a failed load) and
+        list the medium again, unless ``listing`` (the flagged result is the listing
+        itself, taken after the reset). Jobs in flight keep their bookkeeping: their
+        results describe the namespace as it is now."""
+        dropped = list(self._index)
+        if dropped and self._events_on:
+            self._events.append(OffloadingEvent(dropped, Medium.STORAGE, removed=True,
+                                                locality=self.locality, ownership=self._label))
+        self._index.clear()
+        self._indexed_bytes = 0
+        if self._index_complete or dropped:  # the first flag of a reset (workers repeat it)
+            logger.warning("fs tier %s: the tier's directory on disk was removed or made "
+                           "anew; %d chunks forgotten, listing it again", self._label,
+                           len(dropped))
+        self._index_complete = False
+        if not listing:
+            self._scan_id = None  # a listing in flight may predate the reset: list anew
 
     def _adopt_scan(self, res: PoolResult) -> None:
         """Index what the listing found (each chunk with its file's size), as older than
