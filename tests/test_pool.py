@@ -1124,13 +1124,16 @@ def test_loads_overtake_queued_stores_but_not_a_store_of_the_same_key():
     assert [j.job_id for j in loads] == [2] and [j.job_id for j in rest] == [5]
 
 
-def test_a_store_backlog_lets_new_loads_through_and_goes_raw_while_behind(tmp_path):
+def test_a_store_backlog_lets_new_loads_through_and_goes_raw_while_behind(tmp_path,
+                                                                         monkeypatch):
     """Between the slices of a long store, loads that reached the ring run first and
     are answered before the store; while the store work held exceeds _HURRY_BYTES,
     codec mode "auto" writes raw frames (read back byte-exact), then compressed again."""
     from shmtier.shared import jobs
     from shmtier.shared.codec import parse_frame_header
     from shmtier.workers import job_loop
+
+    monkeypatch.setattr(job_loop, "_ANSWER_EVERY_S", 0.0)  # a long store: every slice
     from shmtier.tiers.fs.backend import FsBackend
 
     chunk = 1 << 20
@@ -1189,13 +1192,16 @@ def test_a_stop_request_ends_the_job_queue_after_the_job_in_hand(tmp_path):
 
 
 def test_stores_and_deletes_are_answered_slice_by_slice_and_a_failure_fails_only_the_rest(
-        tmp_path):
-    """A store is answered after each slice (more=True but the last), so the pool keeps
-    what a worker answered if it dies mid-job; a backend that raises in the third slice
-    fails only the keys not answered yet. Loads are answered once, at the end."""
+        tmp_path, monkeypatch):
+    """A long store is answered after each slice (more=True but the last; here every
+    slice, as if each took longer than the answer interval), so the pool keeps what a
+    worker answered if it dies mid-job; a backend that raises in the third slice fails
+    only the keys not answered yet. Loads are answered once, at the end."""
     from shmtier.scheduler.pool.dispatch import Dispatch
     from shmtier.tiers.fs.backend import FsBackend
     from shmtier.workers import job_loop
+
+    monkeypatch.setattr(job_loop, "_ANSWER_EVERY_S", 0.0)
 
     class Fails(FsBackend):
         HANDLERS = {**FsBackend.HANDLERS, "store": "flaky_store"}
@@ -1406,3 +1412,37 @@ def test_each_id_space_has_its_own_type():
     assert hints(jobs.pack_job)["job_id"] is WireJobId
     assert hints(JobResult)["job_id"] is JobId and hints(TransferJob.__init__)["job_id"] is JobId
     assert len({JobId, PoolJobId, WireJobId}) == 3 and JobId(5) == PoolJobId(5) == 5
+
+
+def test_a_store_that_ends_soon_is_answered_once_and_a_failure_keeps_the_keys_done(tmp_path):
+    """Partial answers cost the scheduler a decode and a merge each: a store that ends
+    within the answer interval is answered once. A backend that raises in the third
+    slice still answers the two slices done (OK) and fails only the rest."""
+    from shmtier.tiers.fs.backend import FsBackend
+    from shmtier.workers import job_loop
+
+    class Fails(FsBackend):
+        HANDLERS = {**FsBackend.HANDLERS, "store": "flaky_store"}
+        calls = 0
+
+        def flaky_store(self, keys, *args, **kwargs):
+            Fails.calls += 1
+            if Fails.calls == 6:
+                raise OSError("medium gone")
+            return self.store(keys, *args, **kwargs)
+
+    chunk = 4096
+    arena = np.random.default_rng(2).integers(0, 255, (24, chunk), dtype=np.uint8)
+    backend = Fails(str(tmp_path), "once-fp", min_free_bytes=0)
+    answered = []
+    runner = job_loop.JobRunner([backend], arena, chunk, 8 << 10, answer=answered.append)
+    keys = [_key(i, b"once") for i in range(24)]
+    runner.run_and_answer(jobs.decode_job(jobs.pack_job(1, "store", 0, keys, list(range(24)))))
+    assert [(len(r.outcomes), r.more) for r in answered] == [(24, False)]
+    assert answered[0].outcomes == [Outcome.OK] * 24
+    answered.clear()
+    other = [_key(i, b"once-b") for i in range(24)]
+    runner.run_and_answer(jobs.decode_job(jobs.pack_job(2, "store", 0, other, list(range(24)))))
+    assert [(r.outcomes, r.more) for r in answered] == [
+        ([Outcome.OK] * 16, True), ([Outcome.ERROR] * 8, False)]
+    assert "OSError: medium gone" in answered[1].error
