@@ -100,6 +100,31 @@ class Engine:
             assert time.monotonic() < deadline, f"never all HIT: {seen[-3:]}"
             time.sleep(0.005)
 
+    def answers_settled(self, keys, ctx, timeout_s=20.0):
+        """Look ``keys`` up once per step until no answer is PENDING or RETRY; the answers."""
+        deadline, answers = time.monotonic() + timeout_s, []
+        while time.monotonic() < deadline:
+            with self.manager.lock:
+                answers = [self.manager.lookup(k, ctx) for k in keys]
+                self.manager.on_schedule_end(END)
+            if PENDING not in answers and RETRY not in answers:
+                break
+            time.sleep(0.005)
+        return answers
+
+    def record_pool_results(self) -> list:
+        """Every pool result the fs tier takes from now on (a list that fills up)."""
+        pool, seen = self.spec.worker_pool, []
+        real = pool.take
+
+        def take(tier):
+            got = real(tier)
+            seen.extend(got)
+            return got
+
+        pool.take = take
+        return seen
+
     def close(self):
         for w in self.workers:
             w.shutdown()

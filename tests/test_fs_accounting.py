@@ -120,20 +120,6 @@ def step(engine) -> None:
         engine.manager.on_schedule_end(END)
 
 
-def record_pool_results(engine) -> list:
-    """Every pool result the fs tier takes from now on (a list that fills up)."""
-    pool, seen = engine.spec.worker_pool, []
-    real = pool.take
-
-    def take(tier):
-        got = real(tier)
-        seen.extend(got)
-        return got
-
-    pool.take = take
-    return seen
-
-
 # --- item 2: max_bytes ---
 
 def test_one_request_larger_than_max_bytes_never_passes_it(engines, tmp_path):
@@ -231,7 +217,7 @@ def test_a_worker_killed_mid_cascade_loses_no_chunk_and_leaves_no_orphan(
     worker_hooks(slow_publish_s=0.03)
     e = engines(tmp_path, chunks=40, max_bytes=40 * FILE)
     e.settle()
-    results = record_pool_results(e)
+    results = e.record_pool_results()
     keys = [key(i) for i in range(32)]
     e.offload(keys, 0, ReqContext("a"))
     deadline = time.monotonic() + 20

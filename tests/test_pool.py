@@ -1191,17 +1191,9 @@ def test_a_stop_request_ends_the_job_queue_after_the_job_in_hand(tmp_path):
     assert [j.job_id for j in runner.queue] == [2, 3]
 
 
-def test_stores_and_deletes_are_answered_slice_by_slice_and_a_failure_fails_only_the_rest(
-        tmp_path, monkeypatch):
-    """A long store is answered after each slice (more=True but the last; here every
-    slice, as if each took longer than the answer interval), so the pool keeps what a
-    worker answered if it dies mid-job; a backend that raises in the third slice fails
-    only the keys not answered yet. Loads are answered once, at the end."""
-    from shmtier.scheduler.pool.dispatch import Dispatch
+def _store_fails_at_call(n: int) -> type:
+    """An fs backend whose ``n``-th store call (one slice of a job) raises."""
     from shmtier.tiers.fs.backend import FsBackend
-    from shmtier.workers import job_loop
-
-    monkeypatch.setattr(job_loop, "_ANSWER_EVERY_S", 0.0)
 
     class Fails(FsBackend):
         HANDLERS = {**FsBackend.HANDLERS, "store": "flaky_store"}
@@ -1209,13 +1201,28 @@ def test_stores_and_deletes_are_answered_slice_by_slice_and_a_failure_fails_only
 
         def flaky_store(self, keys, *args, **kwargs):
             Fails.calls += 1
-            if Fails.calls == 3:
+            if Fails.calls == n:
                 raise OSError("medium gone")
             return self.store(keys, *args, **kwargs)
 
+    return Fails
+
+
+def test_stores_and_deletes_are_answered_slice_by_slice_and_a_failure_fails_only_the_rest(
+        tmp_path, monkeypatch):
+    """A long store is answered after each slice (more=True but the last; here every
+    slice, as if each took longer than the answer interval), so the pool keeps what a
+    worker answered if it dies mid-job; a backend that raises in the third slice fails
+    only the keys not answered yet. Loads are answered once, at the end."""
+    from shmtier.scheduler.pool.dispatch import Dispatch
+    from shmtier.workers import job_loop
+
+    monkeypatch.setattr(job_loop, "_ANSWER_EVERY_S", 0.0)
+
+
     chunk = 4096
     arena = np.random.default_rng(1).integers(0, 255, (24, chunk), dtype=np.uint8)
-    backend = Fails(str(tmp_path), "slices-fp", min_free_bytes=0)
+    backend = _store_fails_at_call(3)(str(tmp_path), "slices-fp", min_free_bytes=0)
     keys = [_key(i, b"slices") for i in range(24)]
     answered = []
     runner = job_loop.JobRunner([backend], arena, chunk, 8 << 10, answer=answered.append)
@@ -1418,22 +1425,12 @@ def test_a_store_that_ends_soon_is_answered_once_and_a_failure_keeps_the_keys_do
     """Partial answers cost the scheduler a decode and a merge each: a store that ends
     within the answer interval is answered once. A backend that raises in the third
     slice still answers the two slices done (OK) and fails only the rest."""
-    from shmtier.tiers.fs.backend import FsBackend
     from shmtier.workers import job_loop
 
-    class Fails(FsBackend):
-        HANDLERS = {**FsBackend.HANDLERS, "store": "flaky_store"}
-        calls = 0
-
-        def flaky_store(self, keys, *args, **kwargs):
-            Fails.calls += 1
-            if Fails.calls == 6:
-                raise OSError("medium gone")
-            return self.store(keys, *args, **kwargs)
 
     chunk = 4096
     arena = np.random.default_rng(2).integers(0, 255, (24, chunk), dtype=np.uint8)
-    backend = Fails(str(tmp_path), "once-fp", min_free_bytes=0)
+    backend = _store_fails_at_call(6)(str(tmp_path), "once-fp", min_free_bytes=0)
     answered = []
     runner = job_loop.JobRunner([backend], arena, chunk, 8 << 10, answer=answered.append)
     keys = [_key(i, b"once") for i in range(24)]

@@ -83,15 +83,7 @@ def test_a_corrupt_file_is_a_miss_and_counted(engines, tmp_path):
     victim.write_bytes(bytes(data))
     e.offload([key(10 + i) for i in range(4)], 4, ReqContext("b"))  # evict all four
     e.settle()
-    ctx = ReqContext("r")
-    deadline, answers = time.monotonic() + 20, []
-    while time.monotonic() < deadline:
-        with e.manager.lock:
-            answers = [e.manager.lookup(k, ctx) for k in keys]
-            e.manager.on_schedule_end(END)
-        if PENDING not in answers and RETRY not in answers:
-            break
-        time.sleep(0.005)
+    answers = e.answers_settled(keys, ReqContext("r"))
     assert answers.count(HIT) == 3 and answers.count(MISS) == 1
     assert not victim.exists()
     data = e.manager.get_stats().data["data"]
@@ -130,14 +122,7 @@ def test_a_forged_file_is_served_only_without_a_mac_key(engines, tmp_path, mac):
     e.offload([key(10 + i) for i in range(4)], 4, ReqContext("b"))  # evict all four
     e.settle()
     ctx = ReqContext("r")
-    deadline, answers = time.monotonic() + 20, []
-    while time.monotonic() < deadline:
-        with e.manager.lock:
-            answers = [e.manager.lookup(k, ctx) for k in keys]
-            e.manager.on_schedule_end(END)
-        if PENDING not in answers and RETRY not in answers:
-            break
-        time.sleep(0.005)
+    answers = e.answers_settled(keys, ctx)
     data = e.manager.get_stats().data["data"]
     if not mac:  # the attack works: the forged bytes reach the GPU as the chunk
         assert answers == [HIT] * 4
@@ -462,16 +447,8 @@ def _root_deleted_and_recreated(engines, tmp_path):
     root = tmp_path / "root"
     root.mkdir()
     e = engines(root, chunks=8)
-    tier, pool = e.manager.tiers[0], e.spec.worker_pool
-    taken = []
-    real_take = pool.take
-
-    def take(t):
-        got = real_take(t)
-        taken.extend(got)
-        return got
-
-    pool.take = take
+    tier = e.manager.tiers[0]
+    taken = e.record_pool_results()
     old = [key(i) for i in range(4)]
     e.offload(old, 0, ReqContext("a"))
     e.settle()
