@@ -17,6 +17,17 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--workers", type=int, default=2)
     run.add_argument("--settle-each", action="store_true",
                      help="wait for the tiers after every request (deterministic counts)")
+    run.add_argument("--seed", type=int, default=0, help="trace order and chaos choices")
+    run.add_argument("--max-bytes", type=int, default=None, help="the fs tier's max_bytes")
+    run.add_argument("--kill-workers-every", type=float, default=None, metavar="SECONDS",
+                     help="SIGKILL a random healthy tier worker every SECONDS (0.5x-1.5x, random)")
+    run.add_argument("--delete-namespace-at", type=float, action="append", default=[],
+                     metavar="FRACTION", help="at this fraction of the trace remove everything "
+                     "under the fs root (repeatable)")
+    run.add_argument("--delete-root-at", type=float, action="append", default=[],
+                     metavar="FRACTION", help="at this fraction of the trace remove the fs root "
+                     "itself, and make it again --root-gone-s later (repeatable)")
+    run.add_argument("--root-gone-s", type=float, default=1.0)
     demo = sub.add_parser("demo", help="offload and reload chunks through the CPU tier")
     demo.add_argument("--requests", type=int, default=12)
     demo.add_argument("--chunks-per-request", type=int, default=8)
@@ -33,10 +44,15 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     if args.command == "run":
-        from shmtier.stress import run_stress
+        from shmtier.stress import Chaos, run_stress
 
+        chaos = None
+        if args.kill_workers_every or args.delete_namespace_at or args.delete_root_at:
+            chaos = Chaos(args.kill_workers_every, tuple(args.delete_namespace_at),
+                          tuple(args.delete_root_at), args.root_gone_s)
         return run_stress(args.conversations, args.turns, args.chunks_per_turn, args.cpu_chunks,
-                          args.workers, settle_each=args.settle_each)
+                          args.workers, seed=args.seed, settle_each=args.settle_each,
+                          chaos=chaos, max_bytes=args.max_bytes)
     if args.command == "demo":
         from shmtier.demo import run_demo
 

@@ -180,6 +180,12 @@ class WorkerPool:
         """Each worker slot's state, by index."""
         return [rec.state for rec in self._workers]
 
+    def healthy_workers(self) -> list[tuple[int, int]]:
+        """``(index, pid)`` of each worker process that is running and has beaten
+        (``shmtier run``'s chaos options kill these)."""
+        return [(rec.index, rec.pid) for rec in self._workers
+                if rec.state is WorkerState.HEALTHY and rec.pid]
+
     def outstanding(self) -> int:
         """Pool jobs submitted and not yet finished or failed."""
         return len(self._dispatch.parents)

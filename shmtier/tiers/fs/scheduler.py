@@ -166,6 +166,7 @@ class FsTierManager(SecondaryTierManager):
         self._scan_id: PoolJobId | None = self._pool.submit("scan", self._tier, [])
         self._index_complete = False
         self._broken = False  # the pool is broken: MISS, and fail jobs at once
+        self.namespace_resets = 0  # results flagged NAMESPACE_RESET (each worker's, each change)
 
     # --- byte counts ---
 
@@ -182,6 +183,12 @@ class FsTierManager(SecondaryTierManager):
         below ``max_bytes``."""
         return (self._indexed_bytes + self._deleting_bytes + self._reserved_bytes
                 + self._probing_bytes)
+
+    def indexed_chunks(self) -> dict[OffloadKey, int]:
+        """A copy of the index, ``key -> file size``, plus the evicted chunks whose
+        delete is not confirmed yet (checks: ``shmtier run``'s final comparison with
+        the ``*.kv`` files)."""
+        return {**self._index, **self._deleting}
 
     def _file_max(self, key: OffloadKey) -> int:
         return self._file_bytes + len(key)
@@ -651,6 +658,7 @@ class FsTierManager(SecondaryTierManager):
         list the medium again, unless ``listing`` (the flagged result is the listing
         itself, taken after the reset). Jobs in flight keep their bookkeeping: their
         results describe the namespace as it is now."""
+        self.namespace_resets += 1
         dropped = list(self._index)
         if dropped and self._events_on:
             self._events.append(OffloadingEvent(dropped, Medium.STORAGE, removed=True,
