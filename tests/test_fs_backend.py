@@ -1121,6 +1121,9 @@ def test_a_deleted_namespace_is_recreated_by_the_next_store_and_reported(tmp_pat
     a = backend(tmp_path, max_bytes=1 << 40)
     other = backend(tmp_path, max_bytes=1 << 30)  # a second worker on the same root
     bits = a.fanout_bits
+    # the process that made the namespace at open says so once (it may have replaced a
+    # namespace deleted while no worker held it); one that found it there does not
+    assert _namespace_reset(a) and not _namespace_reset(other)
     assert a.store(keys[:2], [0, 1], src, cb).all_ok
     assert not _namespace_reset(a)
     shutil.rmtree(a.namespace_dir)

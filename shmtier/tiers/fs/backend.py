@@ -149,7 +149,9 @@ class FsBackend(TierBackend):
         self._reader = ChunkReader(self.ns, self.counters, direct_io=self.direct_io,
                                    mac_key=mac_key)
         self._generation = self.ns.generation
-        self._flags = 0
+        # A namespace this worker had to create may have replaced one the scheduler half
+        # indexed (deleted while every worker was restarting): its first result says so.
+        self._flags = ResultFlag.NAMESPACE_RESET if self.ns.created_at_open else 0
 
     @classmethod
     def open(cls, args: dict, context: WorkerContext) -> "FsBackend":

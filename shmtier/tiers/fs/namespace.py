@@ -196,8 +196,12 @@ class Namespace:
         self.generation = 0
         self._root_missing = False  # logged once per time the root is found gone
         capacity = capacity_bytes if capacity_bytes is not None else st_capacity(root)
-        fd, bits, _ = self._attach(choose_fanout_bits(capacity, chunk_bytes_hint), create=True)
+        fd, bits, created = self._attach(choose_fanout_bits(capacity, chunk_bytes_hint),
+                                         create=True)
         self._adopt(fd, bits)
+        #: This process made the namespace directory when it opened it: a namespace that
+        #: was deleted while no worker held it (all of them restarting) is found only so.
+        self.created_at_open = created
         self._seq = 0
         self._writer_pid = -1
         self._writer_tag = ""

@@ -665,7 +665,7 @@ class FsTierManager(SecondaryTierManager):
                                                 locality=self.locality, ownership=self._label))
         self._index.clear()
         self._indexed_bytes = 0
-        if self._index_complete or dropped:  # the first flag of a reset (workers repeat it)
+        if dropped:  # the first flag of a reset (workers repeat it; a new root has none)
             logger.warning("fs tier %s: the tier's directory on disk was removed or made "
                            "anew; %d chunks forgotten, listing it again", self._label,
                            len(dropped))
