@@ -30,6 +30,10 @@ page with ``posix_fallocate`` before mapping it, so the kernel refuses up front
 
 May block: ``open_segment`` waits up to ``timeout_s`` for a creator; nothing else
 blocks.
+
+Size (~640 lines): the join protocol, the stale/warm-restart rules and the space checks
+all act on the one header and must agree on its states; split, each half would need the
+other's invariants restated.
 """
 
 from __future__ import annotations

@@ -46,6 +46,11 @@ part of the slowest steps). A full job ring fails the queued jobs at once and
 tells the backpressure detector (deletes and probes are sent again next step).
 Per step the work is in proportion to what changed: no walk over the index
 but the eviction's, from its LRU end.
+
+Size (~800 lines): one class whose every method moves keys between the same states
+(indexed, storing with a reservation, deleting, probing) and keeps the byte counts of
+each; split by method it would scatter one invariant (files + reservations <= max_bytes,
+index = disk) over several modules. A split by state is the next step if it grows.
 """
 
 from __future__ import annotations
