@@ -26,6 +26,7 @@ from shmtier.contract import ReqContext
 from shmtier.scheduler.pool import WorkerState
 from shmtier.shared.jobs import Outcome
 from shmtier.tiers.fs import scheduler as fs_tier
+from shmtier.tiers.storage import scheduler as storage_tier
 
 LABEL = ("1:fs",)
 HOOKS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "worker_hooks")
@@ -333,7 +334,7 @@ def test_workers_killed_at_random_keep_the_bound_and_the_count(engines, tmp_path
 
 def fs_warnings(caplog) -> list[str]:
     return [r.getMessage() for r in caplog.records
-            if r.name == fs_tier.__name__ and r.levelno >= logging.WARNING]
+            if r.name == storage_tier.__name__ and r.levelno >= logging.WARNING]
 
 
 def test_the_free_space_floor_is_kept_by_evicting_with_one_warning(

@@ -14,31 +14,29 @@ from shmtier.options import (
     ConfigError,
     Secret,
     boolean,
-    choice_upper,
     integer,
-    number,
     one_of,
     secret_file,
     secret_hex,
     writable_dir,
 )
 from shmtier.shared.codec import MAC_KEY_BYTES, frame_header_size
-from shmtier.tiers.config import REQUIRED, TierConfig, TierContext, option
+from shmtier.tiers.config import REQUIRED, TierContext, option
+from shmtier.tiers.storage.config import StorageTierConfig
 
 DEFAULT_MIN_FREE_BYTES = 1 << 30
 
 
-@dataclass(frozen=True)
-class FsTierConfig(TierConfig):
+@dataclass(frozen=True, kw_only=True)
+class FsTierConfig(StorageTierConfig):
     """``root_dir``: an existing, writable directory (the tier keeps its files in a
-    namespace subdirectory per layout). ``max_bytes``: bytes on disk at most (None:
-    unbounded), at least one chunk's file. ``min_free_bytes``: free space the workers
+    namespace subdirectory per layout; engines of one layout may share it: DP replicas,
+    restarts, NFS). ``max_bytes`` and the options of every storage tier (locality,
+    events, pinning, ``probe_unknown``/``probe_ttl_s``/``probe_timeout_s`` for a shared
+    root): ``StorageTierConfig``. ``min_free_bytes``: free space the workers
     leave on the filesystem (None: none). ``fsync``: fsync each file before publishing
     it. ``direct_io``: False (buffered), True (O_DIRECT, required) or "auto" (O_DIRECT
-    where the filesystem takes it). ``locality``: "LOCAL" or "REMOTE" (request filters,
-    backpressure defaults). ``enable_kv_events``: stored/evicted events for this tier.
-    ``max_pinned_fraction``: at most this share of the CPU tier's rows may wait for this
-    tier's cascades (more are dropped and counted as backpressure).
+    where the filesystem takes it).
     ``n_read_threads``/``n_write_threads``: vLLM's fs options, accepted and unused (the
     tier workers do the I/O).
 
@@ -51,14 +49,10 @@ class FsTierConfig(TierConfig):
     worker option) and no file path, so every worker uses the key checked here."""
 
     root_dir: str = option(REQUIRED, writable_dir(), worker=True)
-    max_bytes: int | None = option(None, integer(1).or_none("null (unbounded)"), worker=True)
     min_free_bytes: int | None = option(DEFAULT_MIN_FREE_BYTES,
                                         integer(0).or_none("null (no floor)"), worker=True)
     fsync: bool = option(False, boolean(), worker=True)
     direct_io: bool | str = option(False, one_of(False, True, "auto"), worker=True)
-    locality: str | None = option(None, choice_upper("LOCAL", "REMOTE").or_none())
-    enable_kv_events: bool = option(False, boolean())
-    max_pinned_fraction: float = option(0.5, number(0, 1, min_open=True))
     n_read_threads: int | None = option(None, integer(1).or_none())
     n_write_threads: int | None = option(None, integer(1).or_none())
     mac_key_file: Secret | None = option(None, secret_file(*MAC_KEY_BYTES).or_none())

@@ -1,0 +1,900 @@
+"""The scheduler half of a storage tier: chunks kept on a medium that tier workers
+reach (``fs``: files under a root; ``obj``: objects in a bucket), which other engines
+may share. Each tier type subclasses :class:`StorageTierManager` with its names and
+metrics (``shmtier/tiers/fs/scheduler.py``, ``shmtier/tiers/obj/scheduler.py``); its
+worker half is the tier's backend (``TierBackend``: store, load, delete, probe, scan).
+
+Who calls: the tiering manager, in the scheduler process, under its lock.
+Nothing here touches the medium: every byte moves in tier worker processes, via
+the shared :class:`~shmtier.scheduler.pool.WorkerPool`. Never blocks except
+``drain_jobs``.
+
+What the scheduler half keeps: an index ``key -> stored bytes`` in recency
+order (the tier's own LRU; each chunk's size as the worker reported it: the
+file or object it wrote or found, or the one a scan listed), and for each key not
+(yet) in it what is in flight: a store (the bytes reserved for it), a delete (the
+evicted chunk's size, until the worker confirms it gone) or a probe (a store or
+delete whose worker died: is the chunk there?). Each key is in one of these at
+most, so no chunk is counted twice; ``bytes_on_disk`` (the tier's bytes gauge) is
+the indexed and the deleting bytes, exactly the chunks' bytes on the medium once the
+tier settles. A tier job's ``transfer_time`` and ``transfer_bytes`` are the sums of
+the seconds and logical bytes the workers reported for its own keys. At start it asks
+a worker to ``scan`` the medium (warm restart). A key the listing finds with a job in
+flight is left to that job.
+
+Sharing (``probe_unknown``, default on): the index is a cache of what is on the
+medium, not the truth. A key it does not know is probed by a worker (one ``probe``
+job per step for every key asked in it: one ``stat`` or ``HEAD`` per key, in the
+workers): RETRY until the answer lands, then HIT (the chunk joins the index at its
+recent end, its size counted against ``max_bytes``) or MISS, remembered for
+``probe_ttl_s``; a probe unanswered after ``probe_timeout_s`` answers MISS
+(``lookup_probes.py``). Keys the index knows answer at once. A chunk another engine
+deleted is a MISS at load (dropped, and remembered as a miss); another engine's
+delete while a worker reads gives the old bytes or a MISS, never wrong bytes (the
+workers verify every chunk). With ``probe_unknown`` false (a medium this engine has
+to itself) an unknown key is a MISS at once once the listing has landed (RETRY
+before).
+
+Capacity: ``max_bytes`` (None = unbounded) bounds ``bytes_committed``: the chunks,
+the stores in flight at their largest possible size each, the deletes not yet
+confirmed and the probes. A store goes only when it fits: until then the least
+recently used chunks (not being loaded) are evicted, and it waits for their
+delete; with a bound nothing is stored before the listing has landed. The
+workers also refuse a key that would pass the bound (a check that never fires
+while chunks fit their reservations). A free-space floor (fs's
+``min_free_bytes``) is the workers' to check (the scheduler process does no I/O):
+a store they refuse for it (or for a full medium) makes the tier evict by the free
+bytes they report and send it again once the evicted chunks are gone (one WARNING
+with the numbers); when even all the tier holds would not make room, it fails (one
+WARNING). A store that failed with ERROR (its worker died mid-job: the keys it
+answered before keep their outcomes) or a delete that did is probed: a chunk
+there is indexed with its size, none is forgotten. A load that fails with ERROR
+keeps its key (only MISS and CORRUPT drop it).
+
+Submission: ``submit_store``/``submit_load`` only queue. The queue goes to the
+pool as one job per operation (loads first) at ``on_schedule_end`` and at the
+next ``get_finished_jobs`` -- so a step's promotions of many requests, or the
+cascades of all the stores that completed together, cost one ring put and one
+wake-up per worker instead of one per request (measured: this was the largest
+part of the slowest steps). A full job ring fails the queued jobs at once and
+tells the backpressure detector (deletes and probes are sent again next step).
+Per step the work is in proportion to what changed: no walk over the index
+but the eviction's, from its LRU end.
+
+Size (~850 lines): one class whose every method moves keys between the same states
+(indexed, storing with a reservation, deleting, probing) and keeps the byte counts of
+each; split by method it would scatter one invariant (chunks + reservations <=
+max_bytes, index = medium) over several modules. The lookup probes, which hold no
+bytes, live apart (``lookup_probes.py``).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict, deque
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+from shmtier import metrics
+from shmtier.contract import (
+    Locality,
+    LookupResult,
+    Medium,
+    OffloadingEvent,
+    OffloadKey,
+    ReqContext,
+    RequestOffloadingContext,
+    ScheduleEndContext,
+)
+from shmtier.scheduler.pool import PoolJobId, PoolResult
+from shmtier.scheduler.tiering.base import JobResult, SecondaryTierManager, TransferJob
+from shmtier.shared.codec import frame_header_size
+from shmtier.shared.jobs import SUCCESS, Outcome, ResultFlag, free_bytes_in
+from shmtier.tiers.storage.lookup_probes import LookupProbes
+
+logger = logging.getLogger(__name__)
+
+_STORED = SUCCESS["store"]  # written, or found there already
+
+# At most this many keys per pool job when queued jobs are combined (a job needs
+# one ring slot per ~200 keys; the rings hold 128 slots per worker).
+MAX_COMBINED_KEYS = 1024
+# A cascade refused for space is sent again (after evicting) at most this many times.
+_SPACE_TRIES = 3
+# A probe whose worker died (or whose stat failed) is sent again, this many tries in all.
+_PROBE_TRIES = 4
+_DRAIN_S = 120.0
+
+CORRUPT_CHUNKS = "vllm:kv_offload_shmtier_checksum_failures"
+STORED_RATIO = "vllm:kv_offload_shmtier_codec_stored_bytes"
+CODEC_SECONDS = "vllm:kv_offload_shmtier_codec_seconds"
+WORKER_RESTARTS = "vllm:kv_offload_shmtier_worker_restarts"
+RING_DEPTH = "vllm:kv_offload_shmtier_ring_depth"
+POOL_BROKEN = "vllm:kv_offload_shmtier_worker_pool_broken"
+PROBED_KEYS = "vllm:kv_offload_shmtier_lookup_probed_keys"
+PROBE_HITS = "vllm:kv_offload_shmtier_lookup_probe_hits"
+PROBES_EXPIRED = "vllm:kv_offload_shmtier_lookup_probes_expired"
+
+
+class _Cascade:
+    """One tier cascade job until each of its keys has its final outcome. Its keys may
+    reach the workers in several pool jobs: admitted as room appears under
+    ``max_bytes``, sent again after a refusal for space."""
+
+    __slots__ = ("job", "pending", "ok", "seconds", "nbytes", "tries")
+
+    def __init__(self, job: TransferJob, pending: int):
+        self.job = job
+        self.pending = pending  # keys without a final outcome
+        self.ok = True  # every key final so far was stored (or found there)
+        self.seconds = 0.0
+        self.nbytes = 0
+        self.tries = 0  # times its keys were refused for space and sent again
+
+
+class StorageTierManager(SecondaryTierManager):
+    """The scheduler half of a storage tier; its options are the tier's validated
+    config (``max_bytes``, ``probe_unknown``, ``probe_ttl_s``, ``probe_timeout_s``,
+    ``locality``, ``enable_kv_events``, ``max_pinned_fraction``, and optionally
+    ``min_free_bytes``). Built by the tier factory while the spec builds the manager:
+    it finds the worker pool and its own tier index on the spec (``worker_pool``,
+    ``tier_index_being_built``).
+
+    A subclass names its medium: ``kind`` (log lines), ``BYTES_METRIC`` and
+    ``EVICTED_METRIC`` (its gauge of bytes held and its counter of evictions),
+    ``MAX_BYTES_INFO`` (its config-info label) and ``medium_words()``."""
+
+    medium = Medium.STORAGE
+    kind = "storage"
+    BYTES_METRIC = "vllm:kv_offload_shmtier_storage_bytes"
+    BYTES_HELP = "Bytes the tier holds on its medium (frames)."
+    EVICTED_METRIC = "vllm:kv_offload_shmtier_storage_evicted_chunks"
+    MAX_BYTES_INFO = "storage_max_bytes"
+    # Not polled from the manager's tier-poll thread (as vLLM's fs tier is not): the
+    # thread's GIL hand-offs cost more step time than they saved (bench/README.md).
+    tolerates_off_thread_polling = False
+
+    def __init__(self, offloading_spec: Any, primary_kv_view: memoryview, tier_type: str,
+                 backpressure_detector: Any = None, *, config: Any):
+        super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
+        self.config = config
+        if config.locality is not None:
+            self.locality = Locality[config.locality]
+        num_rows = primary_kv_view.shape[0] if primary_kv_view.ndim == 2 else 0
+        self.max_pinned_rows = max(1, int(num_rows * config.max_pinned_fraction))
+        self._pool = offloading_spec.worker_pool
+        self._tier = offloading_spec.tier_index_being_built
+        self._label = f"{self._tier + 1}:{tier_type}"
+        self._chunk_bytes = offloading_spec.chunk_payload_bytes
+        # the largest file a key's chunk can take (a frame is never larger than the raw
+        # chunk and its header): a store reserves this much per key, plus the key's length
+        self._file_bytes = self._chunk_bytes + frame_header_size(0)
+        self._max_bytes = config.max_bytes
+        self._events_on = config.enable_kv_events and getattr(offloading_spec, "enable_events", False)
+        self._probe_unknown = config.probe_unknown
+        self._lookups = LookupProbes(config.probe_ttl_s, config.probe_timeout_s)
+        self._expired_seen = 0
+        # Each key the tier knows of is in at most one of these:
+        self._index: OrderedDict[OffloadKey, int] = OrderedDict()  # on disk: its file's size
+        self._storing: dict[OffloadKey, int] = {}  # queued (0) or in flight (bytes reserved)
+        self._deleting: dict[OffloadKey, int] = {}  # evicted, its file not gone yet: its size
+        # a store or delete whose outcome is unknown (its worker died): is the file
+        # there? -> [bytes held for it, adopt at the LRU front, probes failed]
+        self._probing: dict[OffloadKey, list] = {}
+        self._indexed_bytes = self._reserved_bytes = self._deleting_bytes = 0
+        self._probing_bytes = 0
+        self._loading: dict[OffloadKey, int] = {}
+        # pool job id -> (op, what it carries): store [(cascade, keys, rows)], load
+        # [(job, keys)], delete / probe keys
+        self._jobs: dict[PoolJobId, tuple[str, Any]] = {}
+        self._store_queue: deque[list] = deque()  # [cascade, keys, rows] not yet sent
+        self._load_queue: list[tuple[TransferJob, list[OffloadKey], list[int]]] = []
+        self._to_delete: list[OffloadKey] = []  # evicted; no delete job accepted yet
+        self._to_probe: list[OffloadKey] = []
+        self._space_wait = False  # stores refused for space wait for the deletes in flight
+        self._warned: set[str] = set()
+        self._finished: list[JobResult] = []
+        self._events: list[OffloadingEvent] = []
+        self._stats = metrics.OffloadingStats()
+        self._restarts_seen = self._pool.restarts_total
+        self._scan_id: PoolJobId | None = self._pool.submit("scan", self._tier, [])
+        self._index_complete = False
+        self._broken = False  # the pool is broken: MISS, and fail jobs at once
+        self.namespace_resets = 0  # results flagged NAMESPACE_RESET (each worker's, each change)
+
+    # --- byte counts ---
+
+    @property
+    def bytes_on_disk(self) -> int:
+        """Bytes of the chunk files the tier knows are on disk: indexed, or evicted and
+        not deleted yet (the ``fs_bytes_on_disk`` gauge)."""
+        return self._indexed_bytes + self._deleting_bytes
+
+    @property
+    def bytes_committed(self) -> int:
+        """What the tier may hold on disk at most right now: its files, the bytes
+        reserved for stores in flight and those held for keys being probed. Kept at or
+        below ``max_bytes``."""
+        return (self._indexed_bytes + self._deleting_bytes + self._reserved_bytes
+                + self._probing_bytes)
+
+    def indexed_chunks(self) -> dict[OffloadKey, int]:
+        """A copy of the index, ``key -> file size``, plus the evicted chunks whose
+        delete is not confirmed yet (checks: ``shmtier run``'s final comparison with
+        the ``*.kv`` files)."""
+        return {**self._index, **self._deleting}
+
+    def medium_words(self) -> str:
+        """The medium in log lines (e.g. "the filesystem of /data/kv")."""
+        return "its medium"
+
+    def _file_max(self, key: OffloadKey) -> int:
+        return self._file_bytes + len(key)
+
+    # --- lookups ---
+
+    def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
+        if self._broken:  # nothing can be loaded: a MISS, never a wait
+            return LookupResult.MISS
+        if key in self._index:
+            self._index.move_to_end(key)
+            return LookupResult.HIT
+        if key in self._storing or key in self._deleting or key in self._probing:
+            return LookupResult.MISS  # not loadable before its job's outcome
+        if self._probe_unknown:
+            return self._lookups.answer(key)  # RETRY until a worker looked, then HIT/MISS
+        if self._index_complete:
+            return LookupResult.MISS
+        return LookupResult.RETRY  # still listing the medium (warm restart)
+
+    def touch(self, keys, req_context: ReqContext) -> None:
+        index = self._index
+        for key in keys:
+            if key in index:
+                index.move_to_end(key)
+
+    # --- jobs ---
+
+    def submit_store(self, job: TransferJob) -> None:
+        if self._broken:
+            self._finished.append(JobResult(job.job_id, False))
+            return
+        keys, rows = [], []
+        index, storing, deleting, probing = (self._index, self._storing, self._deleting,
+                                             self._probing)
+        for key, row in zip(job.keys, job.rows):
+            # stored, or a job for it in flight: its file's accounting has one owner
+            if key in index or key in storing or key in deleting or key in probing:
+                continue
+            keys.append(key)
+            rows.append(row)
+            storing[key] = 0
+        if not keys:
+            self._finished.append(JobResult(job.job_id, True, transfer_time=0.0, transfer_bytes=0))
+            return
+        self._store_queue.append([_Cascade(job, len(keys)), keys, rows])
+
+    def submit_load(self, job: TransferJob) -> None:
+        if self._broken:
+            self._finished.append(JobResult(job.job_id, False, successful_keys=[]))
+            return
+        keys = list(job.keys)
+        for key in keys:
+            self._loading[key] = self._loading.get(key, 0) + 1
+        self._load_queue.append((job, keys, job.rows))
+
+    def _submit_queued(self) -> None:
+        """Hand the queued work to the pool, combined: one pool job per operation (up to
+        MAX_COMBINED_KEYS keys each), loads first; stores as far as ``max_bytes`` has
+        room (evicting for the rest); deletes and probes that found the rings full."""
+        if self._broken:
+            self._fail_queued()
+            return
+        if self._to_delete:
+            self._submit_deletes()
+        if self._to_probe:
+            self._submit_probes()
+        if self._lookups.has_asked:
+            self._submit_lookup_probes()
+        if self._load_queue:
+            queued, self._load_queue = self._load_queue, []
+            for batch in _combined(queued):
+                self._submit_loads(batch)
+        if self._store_queue:
+            admitted = self._admit_stores()
+            for batch in _combined(admitted):
+                self._submit_stores(batch)
+
+    def _admit_stores(self) -> list:
+        """Take queued stores, in order, for as many keys as ``max_bytes`` has room for
+        (reserving each key's largest file); returns [(cascade, keys, rows)]. With a
+        bound, nothing goes until the listing of the root has landed (the bytes already
+        on disk are unknown before), and the keys that do not fit wait for room: the
+        least recently used chunks are evicted for them, and their bytes count until
+        the workers confirm the files deleted."""
+        if self._space_wait:  # refused for space: wait until the evicted files are gone
+            if self._deleting or self._to_delete:
+                return []
+            self._space_wait = False
+        limit = self._max_bytes
+        if limit is not None and not self._index_complete:
+            return []
+        queue, storing = self._store_queue, self._storing
+        room = None if limit is None else limit - self.bytes_committed
+        admitted = []
+        while queue:
+            item = queue[0]
+            cascade, keys, rows = item
+            take = 0
+            for key in keys:
+                need = self._file_max(key)
+                if room is not None:
+                    if need > room:
+                        break
+                    room -= need
+                storing[key] = need
+                self._reserved_bytes += need
+                take += 1
+            if take == len(keys):
+                queue.popleft()
+                admitted.append(item)
+                continue
+            if take:
+                admitted.append((cascade, keys[:take], rows[:take]))
+                item[1], item[2] = keys[take:], rows[take:]
+            # room for the rest of this job (its keys are all of one length) once the
+            # deletes in flight and those of the chunks evicted now are confirmed
+            want = len(item[1]) * self._file_max(item[1][0])
+            self._evict(want - room - self._deleting_bytes)
+            break
+        return admitted
+
+    def _submit_stores(self, batch: list) -> None:
+        keys = [key for _, job_keys, _ in batch for key in job_keys]
+        rows = [row for _, _, job_rows in batch for row in job_rows]
+        args = None
+        if self._max_bytes is not None:
+            # the workers refuse what would pass max_bytes: the tier's bytes but those
+            # reserved for this job (no file may be larger than its reservation)
+            mine = sum(self._storing[key] for key in keys)
+            args = {"bytes_in_use": self.bytes_committed - mine}
+        pool_id = self._pool.submit("store", self._tier, keys, rows, args)
+        if pool_id is not None:
+            self._jobs[pool_id] = ("store", batch)
+            return
+        # the rings are full (or the pool is broken): every key of the batch fails now
+        if self._bp_detector is not None and self._pool.broken is None:
+            self._bp_detector.note_ring_full()
+        for cascade, job_keys, _ in batch:
+            self._unreserve(job_keys)
+            self._settle(cascade, len(job_keys), False)
+
+    def _submit_loads(self, batch: list) -> None:
+        keys = [key for _, job_keys, _ in batch for key in job_keys]
+        rows = [row for _, _, job_rows in batch for row in job_rows]
+        pool_id = self._pool.submit("load", self._tier, keys, rows)
+        if pool_id is not None:
+            self._jobs[pool_id] = ("load", [(job, job_keys) for job, job_keys, _ in batch])
+            return
+        self._unmark_loading(keys)
+        self._finished.extend(JobResult(job.job_id, False, successful_keys=[])
+                              for job, _, _ in batch)
+
+    def _submit_deletes(self) -> None:
+        self._to_delete = self._submit_keys("delete", self._to_delete)
+
+    def _submit_probes(self) -> None:
+        self._to_probe = self._submit_keys("probe", self._to_probe)
+
+    def _submit_lookup_probes(self) -> None:
+        """The keys lookups asked about this step, as ``probe`` jobs (answered by
+        ``_finish_lookup_probes``)."""
+        asked = self._lookups.take_asked()
+        self._stats.increase_counter(PROBED_KEYS, len(asked), (self._label,))
+        unsent = self._submit_keys("probe", asked, carried_as="lookup")
+        if unsent:
+            self._lookups.not_sent(unsent)
+
+    def _submit_keys(self, op: str, keys: list[OffloadKey], *,
+                     carried_as: str | None = None) -> list[OffloadKey]:
+        """Send ``keys`` as ``op`` jobs of at most MAX_COMBINED_KEYS keys (recorded as
+        ``carried_as``, default ``op``, for their results); returns those the rings had
+        no room for (sent again next step; their bytes count until then)."""
+        for start in range(0, len(keys), MAX_COMBINED_KEYS):
+            part = keys[start:start + MAX_COMBINED_KEYS]
+            pool_id = self._pool.submit(op, self._tier, part)
+            if pool_id is None:  # (a broken pool: _submit_queued forgets them)
+                return keys[start:]
+            self._jobs[pool_id] = (carried_as or op, part)
+        return []
+
+    def _fail_queued(self) -> None:
+        """The pool is broken: fail every job not sent; forget deletes and probes."""
+        self._fail_waiting_stores()
+        if self._load_queue:
+            queued, self._load_queue = self._load_queue, []
+            for job, keys, _ in queued:
+                self._unmark_loading(keys)
+                self._finished.append(JobResult(job.job_id, False, successful_keys=[]))
+        self._forget_unsent()
+
+    def _forget_unsent(self) -> None:
+        """The pool is broken: deletes and probes never go; their bytes no longer count."""
+        for key in self._to_delete:
+            self._deleting_bytes -= self._deleting.pop(key, 0)
+        for key in self._to_probe:
+            entry = self._probing.pop(key, None)
+            if entry is not None:
+                self._probing_bytes -= entry[0]
+        self._to_delete, self._to_probe = [], []
+        self._lookups.clear()
+
+    def _unreserve(self, keys: Iterable[OffloadKey]) -> None:
+        storing = self._storing
+        for key in keys:
+            self._reserved_bytes -= storing.pop(key, 0)
+
+    def _unmark_loading(self, keys: Iterable[OffloadKey]) -> None:
+        loading = self._loading
+        for key in keys:
+            count = loading.get(key, 0) - 1
+            if count > 0:
+                loading[key] = count
+            else:
+                loading.pop(key, None)
+
+    def _evict(self, need: int) -> int:
+        """Evict least recently used chunks (not being loaded) worth ``need`` bytes: out
+        of the index at once, their bytes counted until one ``delete`` job confirms
+        their files gone. Returns the bytes evicted."""
+        if need <= 0:
+            return 0
+        victims = []
+        freed = 0
+        index, loading = self._index, self._loading
+        for key, size in index.items():
+            if freed >= need:
+                break
+            if key in loading:
+                continue
+            victims.append(key)
+            freed += size
+        if not victims:
+            return 0
+        deleting = self._deleting
+        for key in victims:
+            deleting[key] = index.pop(key)
+        self._indexed_bytes -= freed
+        self._deleting_bytes += freed
+        self._stats.increase_counter(self.EVICTED_METRIC, len(victims), (self._label,))
+        if self._events_on:
+            self._events.append(OffloadingEvent(victims, Medium.STORAGE, removed=True,
+                                                locality=self.locality, ownership=self._label))
+        self._to_delete.extend(victims)
+        self._submit_deletes()
+        return freed
+
+    # --- results ---
+
+    def get_finished_jobs(self) -> Iterable[JobResult]:
+        self._submit_queued()
+        self._process_results()
+        finished, self._finished = self._finished, []
+        return finished
+
+    def _process_results(self) -> None:
+        self._pool.poll()
+        for res in self._pool.take(self._tier):
+            if res.flags & ResultFlag.NAMESPACE_RESET:  # before this result's outcomes
+                self._namespace_reset(listing=res.job_id == self._scan_id)
+            if res.job_id == self._scan_id:
+                if res.error:  # the worker died or failed mid-listing: list again
+                    self._scan_id = None
+                    logger.warning("%s tier %s: listing the medium failed (%s); listing again",
+                                   self.kind, self._label, res.error)
+                else:
+                    self._adopt_scan(res)
+                continue
+            carried = self._jobs.pop(res.job_id, None)
+            if carried is None:
+                continue
+            op, what = carried
+            if op == "store":
+                self._finish_stores(res, what)
+            elif op == "load":
+                start = 0
+                for job, keys in what:  # each tier job: its own keys' outcomes and figures
+                    end = start + len(keys)
+                    self._finish_load(job, keys, res.outcomes[start:end],
+                                      sum(res.seconds[start:end]),
+                                      sum(res.logical_bytes[start:end]))
+                    start = end
+            elif op == "delete":
+                self._finish_deletes(res, what)
+            elif op == "lookup":
+                self._finish_lookup_probes(res, what)
+            else:
+                self._finish_probes(res, what)
+        self._note_pool_health()
+
+    def _finish_stores(self, res: PoolResult, carried: list) -> None:
+        """Index the keys stored (written, or found there already) with their sizes;
+        probe for the files of keys whose outcome is unknown (ERROR: the worker may have
+        died after publishing); send again, after evicting, what was refused for space."""
+        label = (self._label,)
+        outcomes, sizes = res.outcomes, res.stored_bytes
+        written = sum(size for code, size in zip(outcomes, sizes) if code == Outcome.OK)
+        self._stats.increase_counter(STORED_RATIO, written, label)
+        self._stats.increase_counter(CODEC_SECONDS, res.codec_s, label)
+        index, storing = self._index, self._storing
+        refused: list[tuple[_Cascade, list, list]] = []
+        unknown: list[OffloadKey] = []
+        failed = 0
+        start = 0
+        for cascade, keys, rows in carried:
+            end = start + len(keys)
+            stored, again, again_rows = [], [], []
+            final = 0
+            for i, key in enumerate(keys):
+                code = outcomes[start + i]
+                self._reserved_bytes -= storing.pop(key, 0)
+                if code in _STORED:
+                    size = sizes[start + i]
+                    index[key] = size
+                    self._indexed_bytes += size
+                    stored.append(key)
+                    final += 1
+                elif code == Outcome.REJECTED:
+                    storing[key] = 0  # queued again, or failed below
+                    again.append(key)
+                    again_rows.append(rows[i])
+                else:
+                    final += 1
+                    failed += 1
+                    if code == Outcome.ERROR:
+                        self._hold_for_probe(key, self._file_max(key), front=False)
+                        unknown.append(key)
+            cascade.seconds += sum(res.seconds[start:end])
+            cascade.nbytes += sum(res.logical_bytes[start:end])
+            if stored and self._events_on:
+                self._events.append(OffloadingEvent(stored, Medium.STORAGE, removed=False,
+                                                    locality=self.locality,
+                                                    ownership=self._label))
+            if again:
+                refused.append((cascade, again, again_rows))
+            self._settle(cascade, final, final == len(stored))
+            start = end
+        if failed:
+            logger.warning("%s tier %s: %d of %d chunks not stored: %s%s", self.kind, self._label,
+                           failed, len(res.keys), res.error,
+                           "; probing for the chunks of those that failed with ERROR"
+                           if unknown else "")
+        if refused:
+            self._on_refused(res, refused)
+        if unknown:
+            self._submit_probes()
+
+    def _settle(self, cascade: _Cascade, final: int, all_ok: bool) -> None:
+        """``final`` more keys of ``cascade`` have their final outcome; report the tier
+        job once every key has one."""
+        if not final:
+            return
+        cascade.ok = cascade.ok and all_ok
+        cascade.pending -= final
+        if cascade.pending <= 0:
+            self._finished.append(JobResult(cascade.job.job_id, cascade.ok,
+                                            transfer_time=cascade.seconds,
+                                            transfer_bytes=cascade.nbytes))
+
+    def _on_refused(self, res: PoolResult, refused: list) -> None:
+        """Stores refused for space (the free-space floor, the disk full, or
+        ``max_bytes``): evict least recently used chunks for them and send them again
+        once the evicted files are gone, at most _SPACE_TRIES times per cascade; fail
+        them when even freeing all the tier holds would not make room. One WARNING per
+        kind, with the numbers."""
+        floor = getattr(self.config, "min_free_bytes", None)
+        free = free_bytes_in(res.error)
+        need = sum(self._file_max(key) for _, keys, _ in refused for key in keys)
+        one = self._file_max(refused[0][1][0])
+        holds = self.bytes_on_disk
+        if free is not None and floor is not None:
+            short, short_one = floor + need - free, floor + one - free
+            what = (f"{self.medium_words()} has {free} bytes free, less than "
+                    f"min_free_bytes ({floor}) and a chunk's file ({one})")
+            hint = "; lower min_free_bytes to use it"
+        else:
+            short, short_one = need, one
+            what, hint = f"stores were refused for space ({res.error})", ""
+        if short_one > holds:  # freeing all the tier holds would not make room: fail
+            self._warn_once("floor", "%s tier %s: %s, and the tier holds only %d bytes on it: "
+                            "cascades to this tier fail until space frees up (logged once%s)",
+                            self.kind, self._label, what, holds, hint)
+            for cascade, keys, _ in refused:
+                for key in keys:
+                    self._storing.pop(key, None)
+                self._settle(cascade, len(keys), False)
+            return
+        self._warn_once("evict", "%s tier %s: %s; the tier holds %d bytes on it: evicting its "
+                        "least recently used chunks to make room (logged once)",
+                        self.kind, self._label, what, holds)
+        self._evict(short - self._deleting_bytes)
+        self._space_wait = True
+        for cascade, keys, rows in reversed(refused):
+            cascade.tries += 1
+            if cascade.tries > _SPACE_TRIES:
+                for key in keys:
+                    self._storing.pop(key, None)
+                self._settle(cascade, len(keys), False)
+            else:
+                self._store_queue.appendleft([cascade, keys, rows])
+
+    def _warn_once(self, kind: str, msg: str, *args: Any) -> None:
+        if kind not in self._warned:
+            self._warned.add(kind)
+            logger.warning(msg, *args)
+
+    def _hold_for_probe(self, key: OffloadKey, nbytes: int, front: bool) -> None:
+        self._probing[key] = [nbytes, front, 0]
+        self._probing_bytes += nbytes
+        self._to_probe.append(key)
+
+    def _finish_deletes(self, res: PoolResult, keys: list[OffloadKey]) -> None:
+        """Evicted files gone (deleted, or not there): their bytes no longer count. A
+        delete whose outcome is unknown (its worker died, the unlink failed): probe."""
+        deleting = self._deleting
+        gone = 0
+        for key, code in zip(keys, res.outcomes):
+            size = deleting.pop(key, 0)
+            if code == Outcome.OK or code == Outcome.MISS:
+                gone += size
+            else:
+                self._deleting_bytes -= size
+                self._hold_for_probe(key, size, front=True)
+        self._deleting_bytes -= gone
+        if self._to_probe:
+            self._submit_probes()
+
+    def _finish_probes(self, res: PoolResult, keys: list[OffloadKey]) -> None:
+        """A file found is indexed with its size (a store's at the recent end, an evicted
+        one's at the LRU end, to be evicted again); a file absent is forgotten; a probe
+        that failed is sent again, up to _PROBE_TRIES times."""
+        probing, index = self._probing, self._index
+        adopted, front = [], []
+        unknown = 0
+        for key, code, size in zip(keys, res.outcomes, res.stored_bytes):
+            entry = probing.get(key)
+            if entry is None:
+                continue
+            if code == Outcome.ERROR and entry[2] + 1 < _PROBE_TRIES:
+                entry[2] += 1
+                self._to_probe.append(key)
+                continue
+            del probing[key]
+            self._probing_bytes -= entry[0]
+            if code == Outcome.OK:
+                index[key] = size
+                self._indexed_bytes += size
+                adopted.append(key)
+                if entry[1]:
+                    front.append(key)
+            elif code == Outcome.ERROR:
+                unknown += 1
+        if unknown:
+            logger.warning("%s tier %s: could not learn whether %d chunks exist (%s); "
+                           "they stay unknown until a lookup asks or the next start",
+                           self.kind, self._label, unknown, res.error)
+        for key in reversed(front):
+            index.move_to_end(key, last=False)
+        if adopted and self._events_on:
+            self._events.append(OffloadingEvent(adopted, Medium.STORAGE, removed=False,
+                                                locality=self.locality, ownership=self._label))
+        if self._max_bytes is not None and self.bytes_committed > self._max_bytes:
+            self._evict(self.bytes_committed - self._max_bytes - self._deleting_bytes)
+
+    def _finish_lookup_probes(self, res: PoolResult, keys: list[OffloadKey]) -> None:
+        """Lookups' probes answered: a chunk found joins the index at its recent end (a
+        request is about to load it) unless the key has a job of this tier's meanwhile;
+        absent, or not learnt (ERROR), is a MISS remembered for ``probe_ttl_s``."""
+        lookups, index = self._lookups, self._index
+        adopted = []
+        failed = 0
+        for key, code, size in zip(keys, res.outcomes, res.stored_bytes):
+            found = code == Outcome.OK
+            lookups.answered(key, found)
+            if not found:
+                failed += code == Outcome.ERROR
+                continue
+            if (key in index or key in self._storing or key in self._deleting
+                    or key in self._probing):
+                continue
+            index[key] = size
+            self._indexed_bytes += size
+            adopted.append(key)
+        if failed:
+            self._warn_once("lookup-probe", "%s tier %s: could not learn whether %d chunks "
+                            "are on the medium (%s); answered MISS (logged once)", self.kind,
+                            self._label, failed, res.error or "probe failed")
+        if adopted:
+            self._stats.increase_counter(PROBE_HITS, len(adopted), (self._label,))
+            if self._events_on:
+                self._events.append(OffloadingEvent(adopted, Medium.STORAGE, removed=False,
+                                                    locality=self.locality,
+                                                    ownership=self._label))
+            if self._max_bytes is not None and self.bytes_committed > self._max_bytes:
+                self._evict(self.bytes_committed - self._max_bytes - self._deleting_bytes)
+
+    def _finish_load(self, job: TransferJob, keys: list[OffloadKey], outcomes: list[Outcome],
+                     seconds: float, nbytes: int) -> None:
+        ok = []
+        self._unmark_loading(keys)
+        for key, code in zip(keys, outcomes):
+            if code == Outcome.OK:
+                ok.append(key)
+                continue
+            if code == Outcome.MISS or code == Outcome.CORRUPT:
+                # gone, or corrupt (removed by the worker): never a HIT again. An ERROR
+                # (the worker died, the read failed) says nothing about the file: kept.
+                size = self._index.pop(key, None)
+                if size is not None:
+                    self._indexed_bytes -= size
+                self._lookups.remember_miss(key)  # no promote-fail-promote loop
+                if code == Outcome.CORRUPT:
+                    self._stats.increase_counter(CORRUPT_CHUNKS, 1, (self._label,))
+        self._finished.append(JobResult(job.job_id, len(ok) == len(keys), successful_keys=ok,
+                                        transfer_time=seconds, transfer_bytes=nbytes))
+
+    def _namespace_reset(self, listing: bool) -> None:
+        """A worker found the tier's namespace gone or made anew: the chunks indexed are
+        not on disk any more. Drop them (lookups MISS, not HIT then a failed load) and
+        list the medium again, unless ``listing`` (the flagged result is the listing
+        itself, taken after the reset). Jobs in flight keep their bookkeeping: their
+        results describe the namespace as it is now."""
+        self.namespace_resets += 1
+        dropped = list(self._index)
+        if dropped and self._events_on:
+            self._events.append(OffloadingEvent(dropped, Medium.STORAGE, removed=True,
+                                                locality=self.locality, ownership=self._label))
+        self._index.clear()
+        self._indexed_bytes = 0
+        if dropped:  # the first flag of a reset (workers repeat it; a new root has none)
+            logger.warning("%s tier %s: the tier's namespace on %s was removed or made "
+                           "anew; %d chunks forgotten, listing it again", self.kind,
+                           self._label, self.medium_words(), len(dropped))
+        self._index_complete = False
+        if not listing:
+            self._scan_id = None  # a listing in flight may predate the reset: list anew
+
+    def _adopt_scan(self, res: PoolResult) -> None:
+        """Index what the listing found (each chunk with its file's size), as older than
+        anything stored since the tier started. A key with a store, delete or probe in
+        flight is left to that job's outcome (counting it here too would count it
+        twice). With more than ``max_bytes`` on disk (a lower bound than last time) the
+        least recently used chunks are evicted at once."""
+        index, storing, deleting, probing = (self._index, self._storing, self._deleting,
+                                             self._probing)
+        added = 0
+        for key, size in zip(res.scan_keys, res.scan_stored_bytes):
+            if key in index or key in storing or key in deleting or key in probing:
+                continue
+            index[key] = size
+            index.move_to_end(key, last=False)  # older than anything stored since
+            added += size
+        self._indexed_bytes += added
+        self._index_complete = True
+        logger.info("%s tier %s: %d chunks found on %s (%d bytes)", self.kind, self._label,
+                    len(res.scan_keys), self.medium_words(), sum(res.scan_stored_bytes))
+        if self._max_bytes is not None and self.bytes_committed > self._max_bytes:
+            self._evict(self.bytes_committed - self._max_bytes - self._deleting_bytes)
+
+    def _note_pool_health(self) -> None:
+        if self._pool.broken is not None and not self._broken:
+            # the pool logged why, once, and fails what it held; from now on lookups MISS
+            # and new jobs fail at once
+            self._broken = True
+        restarts = self._pool.restarts_total
+        if restarts != self._restarts_seen:
+            self._stats.increase_counter(WORKER_RESTARTS, restarts - self._restarts_seen, (self._label,))
+            self._restarts_seen = restarts
+        if self._scan_id is None and not self._index_complete and not self._broken:
+            self._scan_id = self._pool.submit("scan", self._tier, [])  # ring full, or failed
+
+    def drain_jobs(self) -> None:
+        """Block until every tier job is reported: stores that wait for room go once the
+        deletes they wait for are drained; what can never go (nothing in flight would
+        make room) fails."""
+        deadline = time.monotonic() + _DRAIN_S
+        while True:
+            self._submit_queued()
+            moving = (self._jobs or self._to_delete or self._to_probe
+                      or not (self._index_complete or self._broken))
+            if self._store_queue and (not moving or time.monotonic() >= deadline):
+                self._fail_waiting_stores()
+            if not (self._jobs or self._store_queue):
+                return
+            left = deadline - time.monotonic()
+            self._pool.drain(left if left > 0 else 1.0)
+            self._process_results()
+
+    def _fail_waiting_stores(self) -> None:
+        while self._store_queue:
+            cascade, keys, _ = self._store_queue.popleft()
+            for key in keys:
+                self._storing.pop(key, None)
+            self._settle(cascade, len(keys), False)
+        self._space_wait = False
+
+    def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        return RequestOffloadingContext()
+
+    def has_pending_work(self) -> bool:
+        return (bool(self._jobs or self._store_queue or self._load_queue or self._to_delete
+                     or self._to_probe) or self._lookups.has_asked
+                or not (self._index_complete or self._broken))
+
+    def on_schedule_end(self, context: ScheduleEndContext) -> None:
+        self._submit_queued()
+        self._lookups.purge()
+
+    def take_events(self) -> Iterable[OffloadingEvent]:
+        events, self._events = self._events, []
+        return events
+
+    def get_stats(self) -> metrics.OffloadingStats:
+        stats, self._stats = self._stats, metrics.OffloadingStats()
+        stats.set_gauge(self.BYTES_METRIC, self.bytes_on_disk, (self._label,))
+        expired = self._lookups.expired
+        if expired != self._expired_seen:
+            stats.increase_counter(PROBES_EXPIRED, expired - self._expired_seen, (self._label,))
+            self._expired_seen = expired
+        stats.set_gauge(RING_DEPTH, self._pool.queued_jobs(), (self._label,))
+        stats.set_gauge(POOL_BROKEN, int(self._broken), (self._label,))
+        return stats
+
+    @classmethod
+    def build_metric_definitions(cls, tier_config: dict[str, Any]) -> dict[str, Any]:
+        t = (metrics.TIER,)
+        return {
+            cls.BYTES_METRIC: metrics.GaugeMetadata(cls.BYTES_HELP, t),
+            CORRUPT_CHUNKS: metrics.CounterMetadata(
+                "Chunk files that failed verification on read (removed, served as a miss).", t),
+            STORED_RATIO: metrics.CounterMetadata("Bytes written to the tier after compression.", t),
+            CODEC_SECONDS: metrics.CounterMetadata("Seconds tier workers spent compressing.", t),
+            WORKER_RESTARTS: metrics.CounterMetadata("Tier worker processes restarted.", t),
+            cls.EVICTED_METRIC: metrics.CounterMetadata(
+                "Chunks evicted from the tier for capacity.", t),
+            PROBED_KEYS: metrics.CounterMetadata(
+                "Keys the tier's index did not know that lookups had the workers look for "
+                "on the medium (chunks other engines may have stored).", t),
+            PROBE_HITS: metrics.CounterMetadata(
+                "Chunks such lookups found on the medium (indexed from then on).", t),
+            PROBES_EXPIRED: metrics.CounterMetadata(
+                "Lookup probes not answered within probe_timeout_s (answered MISS).", t),
+            POOL_BROKEN: metrics.GaugeMetadata(
+                "1 once the tier workers failed to start repeatedly (the tier then answers "
+                "MISS and fails its jobs at once; the log says why), else 0.", t),
+            RING_DEPTH: metrics.GaugeMetadata(
+                "Jobs waiting in the tier workers' job rings (all tiers share the pool).", t),
+        }
+
+    @classmethod
+    def config_info_keys(cls, tier_config: dict[str, Any]) -> tuple[str, ...]:
+        return (cls.MAX_BYTES_INFO,)
+
+    def config_info(self) -> dict[str, Any]:
+        return {self.MAX_BYTES_INFO: self._max_bytes if self._max_bytes is not None else "None"}
+
+
+def _combined(queued: list) -> Iterator[list]:
+    """``queued`` [(job, keys, rows)] in batches of at most MAX_COMBINED_KEYS keys (one
+    item alone may have more)."""
+    batch: list = []
+    size = 0
+    for item in queued:
+        if batch and size + len(item[1]) > MAX_COMBINED_KEYS:
+            yield batch
+            batch, size = [], 0
+        batch.append(item)
+        size += len(item[1])
+    if batch:
+        yield batch
