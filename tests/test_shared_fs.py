@@ -1,0 +1,159 @@
+"""Issue 12, shared fs root: engines with separate segments and worker pools, one root.
+
+A key an engine's index does not know is probed by its workers (RETRY, then HIT or
+MISS), so an engine serves chunks another engine stored after it started; corrupt
+files and another engine's deletes never give wrong bytes."""
+
+from __future__ import annotations
+
+import time
+
+from fs_engine import END, GPU_BLOCKS, HIT, MISS, PENDING, RETRY, engines, key  # noqa: F401
+import torch
+
+from shmtier.contract import ReqContext
+from shmtier.tiers.fs import scheduler as fs_tier
+
+
+def _fs(engine):
+    return engine.manager.tiers[0]
+
+
+def _load(engine, keys, ctx, dst):
+    """Load ``keys`` (all HIT in the CPU tier) into GPU blocks ``dst``; the blocks."""
+    with engine.manager.lock:
+        spec = engine.manager.prepare_load(keys, ctx)
+    for cache in engine.caches:
+        cache[dst] = 0
+    engine.copy("load", spec, dst)
+    with engine.manager.lock:
+        engine.manager.complete_load(keys, ctx)
+        engine.manager.on_request_finished(ctx)
+    return engine.caches[0][dst]
+
+
+def test_an_engine_promotes_chunks_another_stored_after_it_started(engines, tmp_path):
+    b = engines(tmp_path, chunks=40)
+    b.settle()  # B's listing of the (empty) root has landed: B knows of no chunk
+    a = engines(tmp_path, chunks=40)
+    keys = [key(i) for i in range(32)]
+    a.offload(keys, 0, ReqContext("a"))
+    a.settle()  # cascaded: 32 files on disk
+    assert len(list(tmp_path.rglob("*.kv"))) == 32
+    ctx = ReqContext("b")
+    seen = b.until_hit(keys, ctx)
+    assert seen[0] == [RETRY] * 32  # unknown to B's index: probed first
+    got = _load(b, keys, ctx, list(range(40, 72)))
+    assert torch.equal(got, a.originals[0][:32])  # byte-exact, from A's files
+    data = b.manager.get_stats().data["data"]
+    assert data[fs_tier.PROBE_HITS][("1:fs",)] == 32
+    assert data[fs_tier.PROBED_KEYS][("1:fs",)] == 32
+    assert data[fs_tier.BYTES_ON_DISK][("1:fs",)] == sum(
+        p.stat().st_size for p in tmp_path.rglob("*.kv"))  # adopted chunks count
+
+
+def test_an_unknown_key_is_a_miss_after_one_probe_and_the_miss_is_remembered(engines, tmp_path):
+    e = engines(tmp_path)
+    e.settle()
+    ctx = ReqContext("r")
+    first = e.answers_settled([key(7)], ctx)
+    assert first == [MISS]
+    data = e.manager.get_stats().data["data"]
+    assert data[fs_tier.PROBED_KEYS][("1:fs",)] == 1
+    with e.manager.lock:  # within probe_ttl_s: MISS again without a probe
+        assert e.manager.lookup(key(7), ctx) is MISS
+        e.manager.on_schedule_end(END)
+    assert fs_tier.PROBED_KEYS not in e.manager.get_stats().data["data"]
+
+
+def test_probe_unknown_false_misses_at_once(engines, tmp_path):
+    e = engines(tmp_path, probe_unknown=False)
+    e.settle()
+    with e.manager.lock:
+        assert e.manager.lookup(key(7), ReqContext("r")) is MISS
+
+
+def test_a_corrupt_file_is_a_miss_on_both_engines(engines, tmp_path):
+    a = engines(tmp_path, chunks=4)
+    b = engines(tmp_path, chunks=8)
+    keys = [key(i) for i in range(4)]
+    a.offload(keys, 0, ReqContext("a"))
+    a.settle()
+    a.offload([key(100 + i) for i in range(4)], 4, ReqContext("a2"))  # evicts keys from A's CPU
+    a.settle()
+    victim = next(p for p in tmp_path.rglob("*.kv") if p.name == keys[0].hex() + ".kv")
+    raw = bytearray(victim.read_bytes())
+    raw[-5] ^= 0xFF
+    victim.write_bytes(bytes(raw))
+    for engine, base in ((b, 40), (a, 40)):  # B loads first: it removes the corrupt file
+        ctx = ReqContext(f"r{base}")
+        answers = engine.answers_settled(keys, ctx)
+        assert answers == [MISS, HIT, HIT, HIT], answers
+        got = _load(engine, keys[1:], ctx, list(range(base, base + 3)))
+        assert torch.equal(got, a.originals[0][1:4])
+    assert not victim.exists()
+    total = sum(engine.manager.get_stats().data["data"].get(fs_tier.CORRUPT_CHUNKS, {})
+                .get(("1:fs",), 0) for engine in (a, b))
+    assert total == 1  # found corrupt once (by B), then gone for A: a plain MISS
+
+
+def _answers_while_other_steps(engine, other, keys, ctx, timeout_s=20.0):
+    """``engine``'s answers for ``keys``, asked once per step until none is PENDING or
+    RETRY, while ``other`` steps too (its cascades and evictions go on meanwhile)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        with other.manager.lock:
+            other.manager.on_schedule_end(END)
+        with engine.manager.lock:
+            answers = [engine.manager.lookup(k, ctx) for k in keys]
+            engine.manager.on_schedule_end(END)
+        if PENDING not in answers and RETRY not in answers:
+            return answers
+        assert time.monotonic() < deadline, answers
+        time.sleep(0.002)
+
+
+def test_an_engine_evicting_files_while_another_loads_them_never_gives_wrong_bytes(
+        engines, tmp_path):
+    one = 8192 + 200  # a chunk's file at most (8 KiB of KV and the frame header)
+    a = engines(tmp_path, chunks=8, max_bytes=6 * one)
+    b = engines(tmp_path, chunks=8)
+    blocks = {}  # key -> A's GPU block holding its bytes
+    loaded = missed = 0
+    for rnd in range(12):
+        new = [key(1000 + 4 * rnd + i) for i in range(4)]
+        first = (4 * rnd) % (GPU_BLOCKS - 40)
+        a.offload(new, first, ReqContext(f"a{rnd}"))
+        a.settle()  # on disk
+        blocks.update({k: first + i for i, k in enumerate(new)})
+        # more cascades of A, which evict its oldest files while B looks and loads
+        a.offload([key(5000 + 4 * rnd + i) for i in range(4)], GPU_BLOCKS - 8, ReqContext("x"))
+        recent = list(blocks)[-8:]  # some evicted by A's max_bytes already, or about to be
+        ctx = ReqContext(f"b{rnd}")
+        answers = _answers_while_other_steps(b, a, recent, ctx)
+        hits = [k for k, ans in zip(recent, answers) if ans is HIT]
+        missed += len(recent) - len(hits)
+        if hits:
+            dst = list(range(GPU_BLOCKS - 40, GPU_BLOCKS - 40 + len(hits)))
+            got = _load(b, hits, ctx, dst)
+            for row, k in zip(got, hits):
+                assert torch.equal(row, a.originals[0][blocks[k]]), "wrong bytes served"
+            loaded += len(hits)
+        a.settle()
+        b.settle()
+    assert loaded > 0 and missed > 0, (loaded, missed)
+    data = b.manager.get_stats().data["data"]
+    assert data["vllm:kv_offload_tiering_read_bytes"][("1:fs",)] > 0  # promoted from A's files
+
+
+def test_lookups_of_keys_the_index_knows_answer_at_once_without_a_probe(engines, tmp_path):
+    e = engines(tmp_path, chunks=4)
+    keys = [key(i) for i in range(4)]
+    e.offload(keys, 0, ReqContext("a"))
+    e.settle()
+    tier = _fs(e)
+    t = time.perf_counter()
+    with e.manager.lock:
+        assert [tier.lookup(k, ReqContext("r")) for k in keys] == [HIT] * 4
+    assert time.perf_counter() - t < 0.05
+    assert fs_tier.PROBED_KEYS not in e.manager.get_stats().data["data"]
