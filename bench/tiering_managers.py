@@ -102,8 +102,10 @@ def sched_of(pid: int) -> str:
 
 
 def make_shmtier(cfg, root: str, engine_id: str, variant: str = "") -> Mut:
-    """``variant``: '+'-joined tokens, each a WORKER_SCHED key or a compression mode
-    (``raw`` = "none", ``zstd``), e.g. ``raw+nice0``."""
+    """``variant``: '+'-joined tokens, each a WORKER_SCHED key, a compression mode
+    (``raw`` = "none", ``zstd``) or ``noprobe`` (the fs tier's ``probe_unknown`` off: a key
+    its index does not know is a MISS at once, as before shared roots), e.g.
+    ``raw+nice0``."""
     tokens = [t for t in variant.split("+") if t]
     sched = next((t for t in tokens if t in WORKER_SCHED), cfg.worker_sched)
     compression = {"raw": "none", "zstd": "zstd"}.get(
@@ -115,7 +117,8 @@ def make_shmtier(cfg, root: str, engine_id: str, variant: str = "") -> Mut:
     layout = KVLayout(MODEL, "bfloat16", TOKENS_PER_CHUNK, cfg.chunk_bytes, 1)
     extra = {"cpu_bytes_to_use": cfg.cpu_bytes,
              "secondary_tiers": [{"type": "fs", "root_dir": root, "min_free_bytes": None,
-                                  "direct_io": cfg.direct_io}],
+                                  "direct_io": cfg.direct_io,
+                                  "probe_unknown": "noprobe" not in tokens}],
              "num_tier_workers": cfg.workers, "compression": compression}
     spec = TieringOffloadingSpec(extra, layout, engine_id)
     manager = spec.get_manager()

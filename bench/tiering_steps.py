@@ -41,7 +41,8 @@ step's scheduler-thread time.
 
 Variants ``shmtier@TOKENS`` (interleaved with the others) change what shmtier's
 tier workers run with after they start: scheduling (``nice0``, ``batch0``, ...,
-see --worker-sched) and/or compression (``raw`` = none, ``zstd``).
+see --worker-sched), compression (``raw`` = none, ``zstd``) and/or the fs tier's
+lookup probes of unknown keys (``noprobe``: off, the behaviour before shared roots).
 
 The parts: tiering_managers.py (building both managers), tiering_driver.py (one run:
 the driver and its timing), tiering_report.py (summaries and tables), bench/trace.py
@@ -135,9 +136,9 @@ def main(argv=None) -> int:
         base, at, variant = n.partition("@")
         tokens = variant.split("+") if at else []
         if base not in MAKERS or (at and (base != "shmtier" or not all(
-                t in WORKER_SCHED or t in ("raw", "zstd") for t in tokens))):
+                t in WORKER_SCHED or t in ("raw", "zstd", "noprobe") for t in tokens))):
             ap.error(f"unknown manager {n!r} (shmtier, vllm, or shmtier@TOKENS with "
-                     f"TOKENS '+'-joined from {', '.join(WORKER_SCHED)}, raw, zstd)")
+                     f"TOKENS '+'-joined from {', '.join(WORKER_SCHED)}, raw, zstd, noprobe)")
     if len(set(names)) != len(names):
         ap.error("--managers: a manager is listed twice")
     chunk_bytes = args.chunk_kib * 1024

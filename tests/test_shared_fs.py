@@ -157,3 +157,15 @@ def test_lookups_of_keys_the_index_knows_answer_at_once_without_a_probe(engines,
         assert [tier.lookup(k, ReqContext("r")) for k in keys] == [HIT] * 4
     assert time.perf_counter() - t < 0.05
     assert fs_tier.PROBED_KEYS not in e.manager.get_stats().data["data"]
+
+
+def test_workers_starting_on_a_fresh_root_do_not_reset_the_namespace(engines, tmp_path, caplog):
+    """The worker that makes the namespace at engine start is no reset: its first result
+    (maybe after the other worker stored chunks) must not drop the index."""
+    e = engines(tmp_path, chunks=16, workers=2)
+    for rnd in range(4):
+        e.offload([key(10 * rnd + i) for i in range(4)], 4 * rnd, ReqContext(f"a{rnd}"))
+        e.settle()
+    assert _fs(e).namespace_resets == 0
+    assert "made anew" not in caplog.text
+    assert len(_fs(e).indexed_chunks()) == 16

@@ -84,13 +84,15 @@ _POLL_WINDOW_S = 0.25
 _HURRY_BYTES = 16 << 20
 
 
-def make_backends(config: PoolConfig, namespace: str) -> list:
+def make_backends(config: PoolConfig, namespace: str, *, replacement: bool = False) -> list:
     """One backend per tier of ``config`` (None where a tier has no worker half), each
-    built by its tier type's backend class from the registry."""
+    built by its tier type's backend class from the registry. ``replacement``: this
+    worker's slot had a worker before (``WorkerContext.replacement``)."""
     from shmtier.shared.codec import CompressionConfig
 
     context = WorkerContext(namespace, config.chunk_bytes, config.element_size,
-                            CompressionConfig.from_config(config.codec or "auto"))
+                            CompressionConfig.from_config(config.codec or "auto"),
+                            replacement=replacement)
     backends = []
     for entry in config.tiers:
         tier = registry.registered(entry["type"]) if entry is not None else None
@@ -363,7 +365,8 @@ def run_worker(engine_id: str, index: int) -> int:
         g = segment.geometry
         arena = np.frombuffer(segment.arena, dtype=np.uint8).reshape(g.num_chunks, g.row_stride)
         try:
-            backends = make_backends(config, segment.header().fingerprint)
+            backends = make_backends(config, segment.header().fingerprint,
+                                     replacement=me.last_beat().claims > 1)
         except Exception as e:  # a start failure: the pool counts it (and may mark itself broken)
             logger.error("tier worker %d cannot build its tier backends: %s: %s",
                          index, type(e).__name__, e)

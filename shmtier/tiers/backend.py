@@ -141,6 +141,11 @@ class WorkerContext:
     chunk_bytes: int
     element_size: int
     codec: Any = None  # a shmtier.shared.codec.CompressionConfig (None: its defaults)
+    # This worker replaces one that served its slot before (it died, hung or was
+    # restarted): what it finds changed on the medium at open may have changed under the
+    # scheduler's index. A first worker at engine start finds the medium as the
+    # scheduler's first listing will.
+    replacement: bool = False
 
 
 class UnsupportedOp(LookupError):

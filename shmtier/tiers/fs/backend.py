@@ -67,7 +67,8 @@ class FsBackend(TierBackend):
     deletes MISS and scan lists nothing; the next store makes the namespace again (with
     the recorded fan-out) when the root exists, else fails every key (ERROR, ENOENT: the
     root is the operator's and never created here) and tries again on the next store.
-    Each change seen (removed, replaced, made again) raises ``ResultFlag.NAMESPACE_RESET``
+    Each change seen (removed, replaced, made again; with ``flag_created``, also a
+    namespace this backend had to make when it opened) raises ``ResultFlag.NAMESPACE_RESET``
     (``take_flags``) so that the scheduler half drops its index and lists the tier again,
     and zeroes ``counters.bytes_on_disk``; the process that made the namespace again logs
     it once (WARNING, with the path).
@@ -106,6 +107,7 @@ class FsBackend(TierBackend):
         stale_temp_age_s: float = DEFAULT_STALE_TEMP_AGE_S,
         direct_io: bool | str = False,
         mac_key: bytes | None = None,
+        flag_created: bool = True,
     ):
         if not isinstance(namespace, str) or not namespace:
             raise ValueError(f"fs tier namespace must be a non-empty fingerprint string, got {namespace!r}")
@@ -151,7 +153,12 @@ class FsBackend(TierBackend):
         self._generation = self.ns.generation
         # A namespace this worker had to create may have replaced one the scheduler half
         # indexed (deleted while every worker was restarting): its first result says so.
-        self._flags = ResultFlag.NAMESPACE_RESET if self.ns.created_at_open else 0
+        # Not at engine start (``flag_created`` false: a first worker, not a
+        # ``WorkerContext.replacement``): the namespace is new to everyone
+        # then, and a first worker's late first result must not drop what the others
+        # stored meanwhile.
+        self._flags = (ResultFlag.NAMESPACE_RESET
+                       if self.ns.created_at_open and flag_created else 0)
 
     @classmethod
     def open(cls, args: dict, context: WorkerContext) -> "FsBackend":
@@ -161,7 +168,7 @@ class FsBackend(TierBackend):
                    codec_config=context.codec, element_size=context.element_size,
                    max_bytes=args["max_bytes"], min_free_bytes=args["min_free_bytes"],
                    chunk_bytes_hint=context.chunk_bytes, direct_io=args["direct_io"],
-                   mac_key=args.get("mac_key"))
+                   mac_key=args.get("mac_key"), flag_created=context.replacement)
 
     def path_for(self, key: bytes) -> str:
         """The file that holds (or would hold) ``key``'s chunk."""
