@@ -25,15 +25,18 @@ def key(i: int) -> bytes:
 
 
 class Engine:
-    """Scheduler (spec manager) and ``world_size`` GPU ranks (copy workers) in one process."""
+    """Scheduler (spec manager) and ``world_size`` GPU ranks (copy workers) in one process,
+    with one storage tier: ``fs`` on ``root`` (``tier`` its other options), or with
+    ``tier_type`` another worker-backed tier whose options are ``tier`` (``root`` unused)."""
 
     def __init__(self, engine_id, root, *, page=8192, world_size=1, bpc=1, chunks=16,
-                 workers=None, **tier):
+                 workers=None, tier_type="fs", **tier):
         self.layout = KVLayout("m", "bfloat16", 16, page, world_size)
         row = -(-page * world_size * bpc // 4096) * 4096
+        if tier_type == "fs":
+            tier = {"root_dir": str(root), "min_free_bytes": None, **tier}
         extra = {"cpu_bytes_to_use": chunks * row, "blocks_per_chunk": bpc,
-                 "secondary_tiers": [{"type": "fs", "root_dir": str(root), "min_free_bytes": None,
-                                      **tier}]}
+                 "secondary_tiers": [{"type": tier_type, **tier}]}
         if workers is not None:
             extra["num_tier_workers"] = workers
         self.spec = TieringOffloadingSpec(extra, self.layout, engine_id)

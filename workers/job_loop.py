@@ -117,9 +117,14 @@ def decode_all(batch: list[bytes]) -> list:
     return decoded
 
 
+_URGENT = ("load", "probe")  # ops a request waits on: they overtake stores and deletes
+
+
 def loads_first(decoded: list, mutated: set | None = None) -> tuple[list, list]:
     """Split decoded jobs into ``(loads, rest)``: a request is waiting on each
-    promotion, while a cascade only keeps a CPU row pinned a little longer.
+    promotion and on each probe (a lookup of a key the tier's index does not know
+    answers RETRY until its probe is answered), while a cascade only keeps a CPU row
+    pinned a little longer. So loads and probes run before stores and deletes.
 
     Per-key order survives: a load of a key that an earlier job (of the batch, or in
     ``mutated``: keys of jobs already held) stores or deletes stays behind that job,
@@ -128,7 +133,8 @@ def loads_first(decoded: list, mutated: set | None = None) -> tuple[list, list]:
     """
     first, rest, mutated = [], [], set(mutated or ())
     for job in decoded:
-        if isinstance(job, jobs.Job) and job.op == "load" and mutated.isdisjoint(job.keys):
+        if (isinstance(job, jobs.Job) and job.op in _URGENT
+                and mutated.isdisjoint(job.keys)):
             first.append(job)
             continue
         rest.append(job)
