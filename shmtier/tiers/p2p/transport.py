@@ -69,6 +69,7 @@ Provider = Callable[[bytes], Any]  # key -> a buffer of the chunk's bytes, or No
 ZAP_ENDPOINT = "inproc://zeromq.zap.01"
 ZAP_DOMAIN = b"shmtier-p2p"
 SEND_HWM = 256             # messages queued in libzmq per peer before the server's outbox
+RECV_HWM = 64              # chunk messages a client buffers (libzmq memory, ~90 MiB of 1.4 MiB chunks)
 FLUSH_BUDGET = 16          # chunks sent per peer per poll round (fairness between peers)
 BLOCKED_RETRY_S = 0.002    # how often a server retries a peer whose send queue was full
 MAX_SESSIONS = 1024        # hello sessions the server remembers (oldest dropped)
@@ -818,6 +819,7 @@ class ChunkClient:
             sock = self._ctx.socket(zmq.DEALER)
             sock.linger = 0
             sock.reconnect_ivl = 100
+            sock.rcvhwm = RECV_HWM
             if not self.plaintext:
                 sock.curve_secretkey = self._keys.secret
                 sock.curve_publickey = self._keys.public
