@@ -62,7 +62,7 @@ def serve(conn, spec: dict) -> None:
 
     plaintext = spec.get("plaintext", False)
     server = ChunkServer(
-        "127.0.0.1", 0, provider=provider, fingerprint=spec["fingerprint"],
+        "127.0.0.1", spec.get("port", 0), provider=provider, fingerprint=spec["fingerprint"],
         hash_seed=spec["hash_seed"], plaintext=plaintext,
         keys=None if plaintext else load_keypair(spec["secret_file"]),
         allow=None if plaintext else AllowList.from_directory(spec["allow_dir"]),

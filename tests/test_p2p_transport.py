@@ -193,6 +193,9 @@ def test_keys_files_config_allow_list_and_their_errors(tmp_path):
         load_public_key(str(tmp_path / "short.key"))
     with pytest.raises(KeyFileError, match="peer_key: a Curve key is 40 Z85 characters, got 3"):
         parse_key("abc", "peer_key")
+    for text in ("~" * 40, "#" * 40):  # not Z85; Z85 whose groups overflow 32 bits
+        with pytest.raises(KeyFileError, match="peer_key: not valid Z85 text"):
+            parse_key(text, "peer_key")
     # config: the public key is derived from the secret, or checked against it
     assert keypair_from_config(pair.secret.decode()).public == pair.public
     other = CurveKeyPair(*zmq.curve_keypair())
@@ -364,6 +367,23 @@ def test_server_killed_mid_fetch_gives_error_within_the_timeout(keys, peers, cli
             assert np.array_equal(arena[row, :SIZE_OF[k]], p2p_peer.chunk_bytes(k, SIZE_OF[k]))
     # the peer is gone: calls fail fast, then time out within their bound once retried
     assert c.lookup([b"k1"], 1.0) is None and "circuit open" in c.last_error
+
+
+def test_a_peer_restarted_between_calls_is_served_by_the_next_call(keys, peers, clients):
+    first = peers.start(_spec(keys))
+    c = clients(first.port, keys.client, keys.server.public)
+    k = b"k%d" % SIZES[1]
+    row = np.zeros(SIZE_OF[k], np.uint8)
+    assert c.fetch([k], [row], timeout_s=5.0).all_ok
+    first.proc.kill()
+    first.proc.join(5)
+    second = peers.start(_spec(keys, port=first.port))  # the same address, a new process
+    row[:] = 0
+    r = c.fetch([k], [row], timeout_s=5.0)
+    assert r.all_ok, r.details
+    assert np.array_equal(row, p2p_peer.chunk_bytes(k, SIZE_OF[k]))
+    assert c.counters.handshakes == 2 and c.circuit.state == "closed"
+    assert second.counters()["handshakes"] == 1
 
 
 def test_stopped_server_times_out_while_another_keeps_serving(keys, peers, shared_server,

@@ -37,6 +37,7 @@ import datetime
 import logging
 import os
 import stat
+import struct
 import sys
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -92,7 +93,7 @@ def parse_key(value: str | bytes, what: str) -> bytes:
                            f"{len(value)}")
     try:
         raw = z85.decode(value)
-    except (ValueError, KeyError, IndexError):
+    except (ValueError, KeyError, IndexError, struct.error):
         raise KeyFileError(f"{what}: not valid Z85 text") from None
     if len(raw) != RAW_KEY_LEN:
         raise KeyFileError(f"{what}: decodes to {len(raw)} bytes, a Curve key has "

@@ -28,7 +28,10 @@ A client call has one deadline: connecting, the hello and the answers all fit in
 ``timeout_s``; what is not answered by then is ERROR, the socket is dropped (late answers
 are never read into a row) and the peer's :class:`PeerCircuit` opens: later calls fail at
 once until its backoff expires. A peer that drops the connection (killed) fails the call
-as soon as the client's socket monitor says so. The server never blocks on one peer: its
+as soon as the client's socket monitor says so; one restarted between calls is met with a
+new connection and hello by the next call (or, if its restart went unseen, its ``no_hello``
+answer makes the client say hello once more within the same deadline). The server never
+blocks on one peer: its
 sends are non-blocking and a peer whose queue is full waits in its own outbox
 (``stall_timeout_s``, then dropped) while the others are served.
 
@@ -642,10 +645,11 @@ class ChunkClient:
         result = FetchResult([Outcome.ERROR] * n, [""] * n, [0] * n)
         answered = [False] * n
         pending = n
+        request = {"t": "fetch", "keys": list(keys)}
         try:
-            self._open(deadline)
-            rid = self._send({"t": "fetch", "keys": list(keys)})
+            rid = self._request(request, deadline)
             self.counters.requests += 1
+            rehello = False
             while pending:
                 msg = self._next(deadline)
                 if msg.get("rid") != rid or msg["t"] not in ("chunk", "refused", "error"):
@@ -653,6 +657,11 @@ class ChunkClient:
                     continue
                 if msg["t"] != "chunk":
                     self._discard_rest()
+                    if msg.get("reason") == "no_hello" and not rehello and pending == n:
+                        rehello = True  # the server lost our session (restarted): once more
+                        self._ready = False
+                        rid = self._request(request, deadline)
+                        continue
                     raise self._refusal(msg)
                 i = msg.get("i")
                 if not isinstance(i, int) or not 0 <= i < n or answered[i]:
@@ -683,16 +692,22 @@ class ChunkClient:
             self.last_error = f"circuit open: retry in {self.circuit.retry_in():.2f} s"
             return None
         deadline = time.monotonic() + timeout_s
+        request = {"t": "lookup", "keys": list(keys)}
         try:
-            self._open(deadline)
-            rid = self._send({"t": "lookup", "keys": list(keys)})
+            rid = self._request(request, deadline)
             self.counters.lookups += 1
+            rehello = False
             while True:
                 msg = self._next(deadline)
                 self._discard_rest()
                 if msg.get("rid") != rid:
                     continue
                 if msg["t"] != "lookup_resp":
+                    if msg.get("reason") == "no_hello" and not rehello:
+                        rehello = True
+                        self._ready = False
+                        rid = self._request(request, deadline)
+                        continue
                     raise self._refusal(msg)
                 hits = msg.get("hits")
                 if not isinstance(hits, list) or len(hits) != len(keys):
@@ -843,6 +858,11 @@ class ChunkClient:
                 return
             if msg["t"] in ("refused", "error") and msg.get("rid", 0) == 0:
                 raise self._refusal(msg)
+
+    def _request(self, msg: dict, deadline: float) -> int:
+        """Open the session if needed and send ``msg`` with a new request id (returned)."""
+        self._open(deadline)
+        return self._send(msg)
 
     def _send(self, msg: dict) -> int:
         self._rid += 1
