@@ -252,6 +252,15 @@ def test_construction_demands_keys_unless_plaintext(keys):
                     keys=keys.server)
     with pytest.raises(ValueError, match="needs server_key="):
         ChunkClient("127.0.0.1", 1, fingerprint=FP, hash_seed=SEED, keys=keys.client)
+    c = ChunkClient("127.0.0.1", 1, fingerprint=FP, hash_seed=SEED, plaintext=True)
+    with pytest.raises(ValueError, match="too_many_keys"):  # a caller's bug, not the peer's
+        c.lookup([b"k"] * 5000, 1.0)
+    with pytest.raises(ValueError, match="destinations"):
+        c.fetch([b"k"], [], 1.0)
+    with pytest.raises(ValueError, match="read-only"):
+        c.fetch([b"k"], [b"\0"], 1.0)
+    assert c.circuit.state == "closed" and c.counters.requests == 0
+    c.close()
     with pytest.raises(ValueError, match="plaintext=True takes no keys"):
         ChunkClient("127.0.0.1", 1, fingerprint=FP, hash_seed=SEED, keys=keys.client,
                     plaintext=True)

@@ -238,8 +238,8 @@ class AllowList:
         """Every ``*.key`` public certificate in ``directory`` (not its subdirectories)."""
         directory = os.fspath(directory)
         if not os.path.isdir(directory):
-            raise KeyFileError(f"p2p allow-list directory {directory}: "
-                               f"{'does not exist' if not os.path.exists(directory) else 'not a directory'}")
+            problem = "not a directory" if os.path.exists(directory) else "does not exist"
+            raise KeyFileError(f"p2p allow-list directory {directory}: {problem}")
         paths = sorted(os.path.join(directory, n) for n in os.listdir(directory)
                        if n.endswith(PUBLIC_SUFFIX))
         if not paths:

@@ -72,7 +72,7 @@ Provider = Callable[[bytes], Any]  # key -> a buffer of the chunk's bytes, or No
 ZAP_ENDPOINT = "inproc://zeromq.zap.01"
 ZAP_DOMAIN = b"shmtier-p2p"
 SEND_HWM = 256             # messages queued in libzmq per peer before the server's outbox
-RECV_HWM = 64              # chunk messages a client buffers (libzmq memory, ~90 MiB of 1.4 MiB chunks)
+RECV_HWM = 64              # chunk messages a client buffers (~90 MiB of 1.4 MiB chunks)
 FLUSH_BUDGET = 16          # chunks sent per peer per poll round (fairness between peers)
 BLOCKED_RETRY_S = 0.002    # how often a server retries a peer whose send queue was full
 MAX_SESSIONS = 1024        # hello sessions the server remembers (oldest dropped)
@@ -629,11 +629,13 @@ class ChunkClient:
 
         Blocks at most ``timeout_s``. Never raises for the peer's sake: every key gets an
         outcome (see :class:`FetchResult`); raises ValueError for a malformed call
-        (lengths differ, a read-only or non-contiguous destination)."""
+        (lengths differ, a read-only or non-contiguous destination, more than
+        ``wire.MAX_KEYS`` keys, a key that is not 1..``wire.MAX_KEY_LEN`` bytes)."""
         t0 = time.monotonic()
         n = len(keys)
         if len(dests) != n:
             raise ValueError(f"fetch: {n} keys but {len(dests)} destinations")
+        keys = wire.check_keys({"keys": list(keys)})  # ProtocolError is a ValueError
         views = [_byte_view(d, writable=True, what=f"destination {i}")
                  for i, d in enumerate(dests)]
         if n == 0:
@@ -645,7 +647,7 @@ class ChunkClient:
         result = FetchResult([Outcome.ERROR] * n, [""] * n, [0] * n)
         answered = [False] * n
         pending = n
-        request = {"t": "fetch", "keys": list(keys)}
+        request = {"t": "fetch", "keys": keys}
         try:
             rid = self._request(request, deadline)
             self.counters.requests += 1
@@ -685,6 +687,7 @@ class ChunkClient:
         """Which of ``keys`` the peer holds now (index-aligned bools), or None when it
         did not answer within ``timeout_s`` (or refused us, or its circuit is open;
         :attr:`last_error` says which). Blocks at most ``timeout_s``."""
+        keys = wire.check_keys({"keys": list(keys)})
         if not keys:
             return []
         if not self.circuit.allow():
@@ -692,7 +695,7 @@ class ChunkClient:
             self.last_error = f"circuit open: retry in {self.circuit.retry_in():.2f} s"
             return None
         deadline = time.monotonic() + timeout_s
-        request = {"t": "lookup", "keys": list(keys)}
+        request = {"t": "lookup", "keys": keys}
         try:
             rid = self._request(request, deadline)
             self.counters.lookups += 1
@@ -764,7 +767,8 @@ class ChunkClient:
         st = msg.get("st")
         if msg.get("key") != key:
             self._discard_rest()
-            result.outcomes[i], result.details[i] = Outcome.CORRUPT, "key: the answer names another key"
+            result.outcomes[i] = Outcome.CORRUPT
+            result.details[i] = "key: the answer names another key"
             self.counters.errors += 1
         elif st == "miss":
             self._discard_rest()
@@ -775,7 +779,8 @@ class ChunkClient:
             result.details[i] = f"peer error: {msg.get('why', st)}"
         else:
             n = msg.get("n")
-            got = self._sock.recv_into(view) if n == view.nbytes else self._sock.recv_into(bytearray())
+            # into the row; a frame of another size is received into nothing (discarded)
+            got = self._sock.recv_into(view if n == view.nbytes else bytearray())
             self._discard_rest()
             if n != view.nbytes or got != n:
                 result.outcomes[i] = Outcome.CORRUPT
