@@ -1,7 +1,8 @@
 """The p2p transport's messages: msgpack control dicts and their checks.
 
 Runs in: the tier worker processes that run a ChunkServer or a ChunkClient. Pure
-functions on bytes; no I/O, never blocks.
+functions on bytes; no I/O, never blocks. Also what both ends share: the handshake
+monitor events, the plaintext WARNING, the byte-view check of rows.
 
 Every control message is one msgpack map with a ``"t"`` (type) field, as vLLM's p2p
 messages are (contract §10.4); chunk bytes travel as a separate, raw ZeroMQ frame after
@@ -28,11 +29,13 @@ type            direction       fields
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import msgpack
+import zmq
 
-__all__ = ["PROTOCOL_VERSION", "MAX_KEYS", "MAX_KEY_LEN", "MAX_CONTROL_BYTES", "ProtocolError",
+__all__ = ["HANDSHAKE_EVENTS", "PROTOCOL_VERSION", "byte_view", "plaintext_warning", "MAX_KEYS", "MAX_KEY_LEN", "MAX_CONTROL_BYTES", "ProtocolError",
            "pack", "unpack", "check_keys", "check_rid"]
 
 PROTOCOL_VERSION = 1
@@ -86,3 +89,30 @@ def check_keys(msg: dict) -> list[bytes]:
         if not isinstance(k, bytes) or not 0 < len(k) <= MAX_KEY_LEN:
             raise ProtocolError("malformed", f"a key must be 1..{MAX_KEY_LEN} bytes")
     return keys
+
+
+# socket-monitor events that end a CurveZMQ handshake in failure (both ends watch them)
+HANDSHAKE_EVENTS = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                    | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+
+
+def plaintext_warning(log: logging.Logger, role: str, endpoint: str) -> None:
+    """The WARNING every plaintext endpoint logs once, when it is made."""
+    log.warning("p2p %s %s runs in PLAINTEXT mode (plaintext=True): peers are not "
+                "authenticated and chunk bytes cross the network unencrypted; use it only "
+                "on a trusted network", role, endpoint)
+
+
+def byte_view(buf: Any, *, writable: bool, what: str) -> memoryview:
+    """``buf`` as a flat unsigned-byte memoryview (no copy); ValueError when it is not
+    contiguous, or read-only where ``writable`` is asked."""
+    mv = memoryview(buf)
+    if writable and mv.readonly:
+        raise ValueError(f"{what} is read-only")
+    if mv.format != "B" or mv.ndim != 1:
+        if not mv.c_contiguous:
+            raise ValueError(f"{what} is not contiguous")
+        mv = mv.cast("B")
+    elif not mv.contiguous:
+        raise ValueError(f"{what} is not contiguous")
+    return mv
