@@ -1,0 +1,236 @@
+"""Loopback GB/s of the p2p transport: raw ZeroMQ against ChunkClient.fetch into rows.
+
+    .venv/bin/python bench/p2p_transport.py                 # 64 chunks of 1.4 MiB, 7 repeats
+    .venv/bin/python bench/p2p_transport.py --quick         # smoke test: 16 chunks, 2 repeats
+    .venv/bin/python bench/p2p_transport.py --json bench/results/p2p_transport.json
+
+Method: each configuration has its own peer process (multiprocessing spawn) on
+tcp://127.0.0.1, started once; every repeat runs each configuration once, in an order
+rotated per repeat, and moves ``--chunks`` chunks of ``--chunk-mib`` MiB.
+
+- ``raw`` / ``raw+curve``: this process's DEALER sends the chunks as single frames
+  (``send(row, copy=False)`` from a numpy arena) to the peer's ROUTER, which receives
+  each with ``copy=False`` (no copy out of libzmq's buffer) and answers once the last
+  one is in; timed from the first send to that answer. ``+curve``: the same with
+  CurveZMQ encryption (no ZAP handler).
+- ``fetch`` / ``fetch+curve``: the peer runs a ``ChunkServer`` over an arena of rows
+  (the curve one with keys and an allow-list); this process's ``ChunkClient.fetch``
+  takes ``--batch`` keys per call into its own rows: zero-copy send of the row, CRC-32C
+  at the server, ``recv_into`` the destination row and CRC-32C check at the client.
+  Every fetched row is compared with the peer's bytes after the timed region.
+
+GB/s = chunk bytes / wall seconds (1e9 bytes); the table shows median [min-max] over the
+repeats. The CRC-32C line is one core's checksum speed on a chunk (context for the
+fetch/raw gap). On a shared 2-core machine both processes and libzmq's I/O threads compete
+for the cores: read the medians and mind the spreads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import shutil
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import exit_through_finally, fmt_mr, med_range, rotated, write_json  # noqa: E402
+
+FP, SEED = "bench-layout", 1
+
+
+def _arena(chunks: int, size: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, (chunks, size), dtype=np.uint8)
+
+
+def raw_peer(conn, curve: tuple | None) -> None:
+    """The raw configurations' receiving side: a ROUTER that counts frames."""
+    import zmq
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.ROUTER)
+    sock.linger = 0
+    if curve:
+        sock.curve_server = True
+        sock.curve_publickey, sock.curve_secretkey = curve
+    port = sock.bind_to_random_port("tcp://127.0.0.1")
+    conn.send(port)
+    got = 0
+    try:
+        while not conn.poll():
+            if not sock.poll(50):
+                continue
+            while True:
+                try:
+                    frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                except zmq.Again:
+                    break
+                if len(frames[1]) == 3 and frames[1].bytes == b"end":
+                    sock.send_multipart([frames[0], str(got).encode()])
+                    got = 0
+                else:
+                    got += len(frames[1])
+    finally:
+        sock.close(0)
+        ctx.term()
+
+
+def server_peer(conn, chunks: int, size: int, keydir: str | None) -> None:
+    """The fetch configurations' serving side: a ChunkServer over an arena."""
+    from shmtier.tiers.p2p.keys import AllowList, load_keypair
+    from shmtier.tiers.p2p.transport import ChunkServer
+    arena = _arena(chunks, size, 7)
+    rows = {b"chunk-%d" % i: memoryview(arena[i]) for i in range(chunks)}
+    if keydir:
+        server = ChunkServer("127.0.0.1", 0, provider=rows.get, fingerprint=FP, hash_seed=SEED,
+                             keys=load_keypair(os.path.join(keydir, "server.key_secret")),
+                             allow=AllowList.from_directory(os.path.join(keydir, "allowed")))
+    else:
+        server = ChunkServer("127.0.0.1", 0, provider=rows.get, fingerprint=FP,
+                             hash_seed=SEED, plaintext=True)
+    conn.send(server.port)
+    try:
+        while not conn.poll():
+            server.poll(0.05)
+    finally:
+        server.close()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--chunks", type=int, default=64, help="chunks moved per repeat")
+    ap.add_argument("--chunk-mib", type=float, default=1.4)
+    ap.add_argument("--batch", type=int, default=32, help="keys per fetch call")
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--quick", action="store_true", help="16 chunks, 2 repeats")
+    ap.add_argument("--json", help="write the figures here")
+    args = ap.parse_args()
+    if args.quick:
+        args.chunks, args.repeats = 16, 2
+    exit_through_finally()
+
+    import logging
+    logging.basicConfig(level=logging.ERROR)  # the plaintext WARNINGs are expected here
+    import zmq
+    from shmtier.shared.codec import crc32c
+    from shmtier.tiers.p2p.keys import generate_keypair_files, load_keypair
+    from shmtier.tiers.p2p.transport import ChunkClient
+
+    size = int(args.chunk_mib * 2 ** 20)
+    total = size * args.chunks
+    ctx = mp.get_context("spawn")
+    keydir = tempfile.mkdtemp(prefix="shmtier-p2p-bench-")
+    procs, conns, clients = [], [], []
+    try:
+        generate_keypair_files(keydir, "server")
+        generate_keypair_files(os.path.join(keydir, "allowed"), "client")
+        skeys = load_keypair(os.path.join(keydir, "server.key_secret"))
+        ckeys = load_keypair(os.path.join(keydir, "allowed", "client.key_secret"))
+
+        def start(target, *a) -> int:
+            parent, child = ctx.Pipe()
+            p = ctx.Process(target=target, args=(child, *a), daemon=True)
+            p.start()
+            child.close()
+            procs.append(p)
+            conns.append(parent)
+            if not parent.poll(60):
+                raise RuntimeError(f"peer process {target.__name__} did not start")
+            return parent.recv()
+
+        src = _arena(args.chunks, size, 7)  # the bytes the peers hold (same seed)
+        zctx = zmq.Context.instance()
+
+        def raw_runner(curve: bool):
+            port = start(raw_peer, (skeys.public, skeys.secret) if curve else None)
+            sock = zctx.socket(zmq.DEALER)
+            sock.linger = 0
+            if curve:
+                sock.curve_serverkey = skeys.public
+                sock.curve_publickey, sock.curve_secretkey = ckeys.public, ckeys.secret
+            sock.connect(f"tcp://127.0.0.1:{port}")
+            clients.append(sock)
+
+            def run() -> float:
+                t0 = time.perf_counter()
+                for i in range(args.chunks):
+                    sock.send(src[i], copy=False)
+                sock.send(b"end")
+                got = int(sock.recv())
+                dt = time.perf_counter() - t0
+                assert got == total, (got, total)
+                return dt
+            run()  # warm-up: connection and handshake
+            return run
+
+        dst = np.zeros((args.chunks, size), np.uint8)
+        keys = [b"chunk-%d" % i for i in range(args.chunks)]
+
+        def fetch_runner(curve: bool):
+            port = start(server_peer, args.chunks, size, keydir if curve else None)
+            c = (ChunkClient("127.0.0.1", port, fingerprint=FP, hash_seed=SEED, keys=ckeys,
+                             server_key=skeys.public) if curve else
+                 ChunkClient("127.0.0.1", port, fingerprint=FP, hash_seed=SEED, plaintext=True))
+            clients.append(c)
+
+            def run() -> float:
+                dst[:] = 0
+                t0 = time.perf_counter()
+                for b in range(0, args.chunks, args.batch):
+                    r = c.fetch(keys[b:b + args.batch], list(dst[b:b + args.batch]), 60.0)
+                    assert r.all_ok, r.details
+                dt = time.perf_counter() - t0
+                assert np.array_equal(dst, src), "fetched bytes differ"
+                return dt
+            run()
+            return run
+
+        runners = {"raw": raw_runner(False), "raw+curve": raw_runner(True),
+                   "fetch": fetch_runner(False), "fetch+curve": fetch_runner(True)}
+        gbps: dict[str, list[float]] = {name: [] for name in runners}
+        for rep in range(args.repeats):
+            for name in rotated(list(runners), rep):
+                gbps[name].append(total / runners[name]() / 1e9)
+        crc_t = []
+        for _ in range(20):
+            t0 = time.perf_counter()
+            crc32c(src[0])
+            crc_t.append(time.perf_counter() - t0)
+        crc_gbps = size / min(crc_t) / 1e9
+
+        print(f"p2p transport loopback, tcp://127.0.0.1, {args.chunks} chunks of "
+              f"{size} B ({args.chunk_mib} MiB) per repeat, {args.repeats} repeats, "
+              f"fetch batch {args.batch}, {os.cpu_count()} CPUs, pyzmq {zmq.__version__} / "
+              f"libzmq {zmq.zmq_version()}")
+        print(f"{'method':<12} {'GB/s median [min-max]':>26} {'vs raw (same security)':>24}")
+        med = {k: med_range(v)[0] for k, v in gbps.items()}
+        for name, values in gbps.items():
+            base = "raw+curve" if name.endswith("curve") else "raw"
+            ratio = "" if name.startswith("raw") else f"{med[name] / med[base]:.2f}x"
+            print(f"{name:<12} {fmt_mr(med_range(values)):>26} {ratio:>24}")
+        print(f"CRC-32C of one chunk, one core: {crc_gbps:.1f} GB/s (best of 20)")
+        if args.json:
+            write_json(args.json, {"chunks": args.chunks, "chunk_bytes": size,
+                                   "repeats": args.repeats, "batch": args.batch,
+                                   "gbps": gbps, "crc32c_gbps": crc_gbps})
+    finally:
+        for c in clients:
+            c.close()
+        for conn in conns:
+            try:
+                conn.send("stop")
+            except OSError:
+                pass
+        for p in procs:
+            p.join(5)
+            if p.is_alive():
+                p.kill()
+                p.join()
+        shutil.rmtree(keydir, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

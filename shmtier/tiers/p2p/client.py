@@ -1,0 +1,442 @@
+"""The fetching end of the p2p transport: ``ChunkClient`` (DEALER, CurveZMQ client) and ``FetchResult``.
+
+Runs in: tier worker processes that load chunks from a peer, one thread per client. Never
+runs in the scheduler process. The message flow, the row-memory rule and the failure
+handling of both ends: ``transport.py``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import zmq
+from zmq.utils.monitor import parse_monitor_message
+
+from shmtier.shared.codec import crc32c
+from shmtier.shared.jobs import Outcome
+from shmtier.tiers.p2p import wire
+from shmtier.tiers.p2p.circuit import PeerCircuit
+from shmtier.tiers.p2p.counters import TransportCounters
+from shmtier.tiers.p2p.keys import CurveKeyPair, parse_key
+
+__all__ = ["ChunkClient", "FetchResult"]
+
+log = logging.getLogger(__name__)
+
+RECV_HWM = 64              # chunk messages a client buffers (~90 MiB of 1.4 MiB chunks)
+
+
+@dataclass
+class FetchResult:
+    """What :meth:`ChunkClient.fetch` did, index-aligned with its keys: ``outcomes[i]``
+    (OK: ``dests[i]`` holds the verified chunk; MISS: the peer has no such chunk;
+    CORRUPT: the bytes failed the CRC-32C or had the wrong length, and the destination is
+    not to be used; ERROR: not answered: timeout, peer gone, refused, circuit open),
+    ``details[i]`` (why, in words; "" for OK/MISS), ``nbytes[i]`` (bytes received for an
+    OK key), and the call's wall time ``seconds``."""
+
+    outcomes: list[Outcome]
+    details: list[str]
+    nbytes: list[int]
+    seconds: float = 0.0
+
+    @classmethod
+    def failed(cls, n: int, detail: str) -> "FetchResult":
+        return cls([Outcome.ERROR] * n, [detail] * n, [0] * n)
+
+    def count(self, outcome: Outcome) -> int:
+        return self.outcomes.count(outcome)
+
+    @property
+    def all_ok(self) -> bool:
+        return all(o == Outcome.OK for o in self.outcomes)
+
+
+class _PeerFailure(Exception):
+    """The peer cannot answer this call (gone, refused, handshake failed)."""
+
+    def __init__(self, detail: str, refused: str = ""):
+        super().__init__(detail)
+        self.refused = refused
+
+
+class _Timeout(Exception):
+    pass
+
+
+class ChunkClient:
+    """Fetches chunks from one peer's :class:`ChunkServer` into local rows.
+
+    Who calls: a tier worker process (the worker half of the p2p tier), from one thread;
+    not thread-safe. Every call blocks at most its ``timeout_s`` (connecting, the hello
+    and the answers included), and not at all while the peer's circuit is open.
+
+    ``host``, ``port``: the peer's server. ``fingerprint``, ``hash_seed``: this engine's;
+    the server refuses a hello with other values (the call's keys: ERROR
+    ``"refused: fingerprint ..."``). ``keys``: this client's :class:`CurveKeyPair` (with
+    its secret); ``server_key``: the server's public key (Z85); both required unless
+    ``plaintext=True`` (which logs a WARNING). ``circuit``: the peer's
+    :class:`PeerCircuit` (default: a new one, 1 s doubling to 60 s). ``context``: the
+    ZeroMQ context to use (default: the process's shared ``zmq.Context.instance()``).
+
+    The connection is opened by the first call and kept; a call that fails (timeout,
+    disconnect, refusal) closes it, so no late answer is ever read into a row, and the
+    next allowed call opens a new one.
+    """
+
+    def __init__(self, host: str, port: int, *, fingerprint: str, hash_seed: Any,
+                 keys: CurveKeyPair | None = None, server_key: str | bytes | None = None,
+                 plaintext: bool = False, name: str = "", circuit: PeerCircuit | None = None,
+                 context: zmq.Context | None = None):
+        if plaintext:
+            if keys is not None or server_key is not None:
+                raise ValueError("ChunkClient: plaintext=True takes no keys and no server_key")
+        else:
+            if keys is None or keys.secret is None:
+                raise ValueError("ChunkClient: needs keys= (this client's key pair, with its "
+                                 "secret key) unless plaintext=True")
+            if server_key is None:
+                raise ValueError("ChunkClient: needs server_key= (the peer's public key) "
+                                 "unless plaintext=True")
+            server_key = parse_key(server_key, "ChunkClient server_key")
+        self.peer = f"{host}:{port}"
+        self.endpoint = f"tcp://{host}:{port}"
+        self.name = name
+        self.plaintext = plaintext
+        self.counters = TransportCounters()
+        self.circuit = circuit if circuit is not None else PeerCircuit()
+        self.last_error = ""
+        self._keys = keys
+        self._server_key = server_key
+        self._hello = wire.pack({"t": "hello", "v": wire.PROTOCOL_VERSION, "fp": fingerprint,
+                                 "seed": hash_seed, "name": name})
+        self._ctx = context if context is not None else zmq.Context.instance()
+        self._sock: zmq.Socket | None = None
+        self._mon: zmq.Socket | None = None
+        self._poller: zmq.Poller | None = None
+        self._ready = False
+        self._disconnected = False
+        self._rid = 0
+        if plaintext:
+            wire.plaintext_warning(log, "client of", self.endpoint)
+
+    # ------------------------------------------------------------------ calls
+
+    def fetch(self, keys: Sequence[bytes], dests: Sequence[Any], timeout_s: float) -> FetchResult:
+        """Fetch ``keys[i]`` into ``dests[i]`` (a writable contiguous buffer of exactly the
+        chunk's size: a numpy row slice, a memoryview of an arena row).
+
+        Blocks at most ``timeout_s``. Never raises for the peer's sake: every key gets an
+        outcome (see :class:`FetchResult`); raises ValueError for a malformed call
+        (lengths differ, a read-only or non-contiguous destination, more than
+        ``wire.MAX_KEYS`` keys, a key that is not 1..``wire.MAX_KEY_LEN`` bytes)."""
+        t0 = time.monotonic()
+        n = len(keys)
+        if len(dests) != n:
+            raise ValueError(f"fetch: {n} keys but {len(dests)} destinations")
+        keys = wire.check_keys({"keys": list(keys)})  # ProtocolError is a ValueError
+        views = [wire.byte_view(d, writable=True, what=f"destination {i}")
+                 for i, d in enumerate(dests)]
+        if n == 0:
+            return FetchResult([], [], [])
+        if not self.circuit.allow():
+            self.counters.fast_failures += 1
+            return self._fast_fail(n, t0)
+        deadline = t0 + timeout_s
+        result = FetchResult([Outcome.ERROR] * n, [""] * n, [0] * n)
+        answered = [False] * n
+        pending = n
+        request = {"t": "fetch", "keys": keys}
+        try:
+            rid = self._request(request, deadline)
+            self.counters.requests += 1
+            rehello = False
+            while pending:
+                msg = self._next(deadline)
+                if msg.get("rid") != rid or msg["t"] not in ("chunk", "refused", "error"):
+                    self._discard_rest()
+                    continue
+                if msg["t"] != "chunk":
+                    self._discard_rest()
+                    if msg.get("reason") == "no_hello" and not rehello and pending == n:
+                        rehello = True  # the server lost our session (restarted): once more
+                        self._ready = False
+                        rid = self._request(request, deadline)
+                        continue
+                    raise self._refusal(msg)
+                i = msg.get("i")
+                if not isinstance(i, int) or not 0 <= i < n or answered[i]:
+                    self._discard_rest()
+                    self.counters.errors += 1
+                    continue
+                answered[i] = True
+                pending -= 1
+                self._take_chunk(msg, keys[i], views[i], result, i)
+        except _Timeout:
+            self.counters.timeouts += 1
+            self._fail(result, answered, f"timeout: no answer within {timeout_s:g} s")
+        except _PeerFailure as e:
+            self._fail(result, answered, str(e), e.refused)
+        else:
+            self._succeeded()
+        result.seconds = time.monotonic() - t0
+        return result
+
+    def lookup(self, keys: Sequence[bytes], timeout_s: float) -> list[bool] | None:
+        """Which of ``keys`` the peer holds now (index-aligned bools), or None when it
+        did not answer within ``timeout_s`` (or refused us, or its circuit is open;
+        :attr:`last_error` says which). Blocks at most ``timeout_s``."""
+        keys = wire.check_keys({"keys": list(keys)})
+        if not keys:
+            return []
+        if not self.circuit.allow():
+            self.counters.fast_failures += 1
+            self.last_error = f"circuit open: retry in {self.circuit.retry_in():.2f} s"
+            return None
+        deadline = time.monotonic() + timeout_s
+        request = {"t": "lookup", "keys": keys}
+        try:
+            rid = self._request(request, deadline)
+            self.counters.lookups += 1
+            rehello = False
+            while True:
+                msg = self._next(deadline)
+                self._discard_rest()
+                if msg.get("rid") != rid:
+                    continue
+                if msg["t"] != "lookup_resp":
+                    if msg.get("reason") == "no_hello" and not rehello:
+                        rehello = True
+                        self._ready = False
+                        rid = self._request(request, deadline)
+                        continue
+                    raise self._refusal(msg)
+                hits = msg.get("hits")
+                if not isinstance(hits, list) or len(hits) != len(keys):
+                    raise _PeerFailure(f"malformed lookup answer from {self.peer}")
+                self._succeeded()
+                return [bool(h) for h in hits]
+        except _Timeout:
+            self.counters.timeouts += 1
+            self._fail(None, None, f"timeout: no answer within {timeout_s:g} s")
+        except _PeerFailure as e:
+            self._fail(None, None, str(e), e.refused)
+        return None
+
+    def connect(self, timeout_s: float) -> bool:
+        """Open the session now (handshake and hello) instead of on the first call;
+        True if it is open. Blocks at most ``timeout_s``; same failure handling as a call."""
+        if not self.circuit.allow():
+            self.counters.fast_failures += 1
+            self.last_error = f"circuit open: retry in {self.circuit.retry_in():.2f} s"
+            return False
+        try:
+            self._open(time.monotonic() + timeout_s)
+        except _Timeout:
+            self.counters.timeouts += 1
+            self._fail(None, None, f"timeout: no hello answer within {timeout_s:g} s")
+            return False
+        except _PeerFailure as e:
+            self._fail(None, None, str(e), e.refused)
+            return False
+        self._succeeded()
+        return True
+
+    def close(self) -> None:
+        """Close the connection (nothing waits to be sent). Idempotent. The context is
+        the caller's (or the process's shared one) and stays open."""
+        self._reset()
+
+    def __enter__(self) -> "ChunkClient":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ internals
+
+    def _fast_fail(self, n: int, t0: float) -> FetchResult:
+        detail = f"circuit open: retry in {self.circuit.retry_in():.2f} s ({self.last_error})"
+        result = FetchResult.failed(n, detail)
+        result.seconds = time.monotonic() - t0
+        return result
+
+    def _take_chunk(self, msg: dict, key: bytes, view: memoryview, result: FetchResult,
+                    i: int) -> None:
+        st = msg.get("st")
+        if msg.get("key") != key:
+            self._discard_rest()
+            result.outcomes[i] = Outcome.CORRUPT
+            result.details[i] = "key: the answer names another key"
+            self.counters.errors += 1
+        elif st == "miss":
+            self._discard_rest()
+            result.outcomes[i] = Outcome.MISS
+            self.counters.misses += 1
+        elif st != "ok" or not self._sock.rcvmore:
+            self._discard_rest()
+            result.details[i] = f"peer error: {msg.get('why', st)}"
+        else:
+            n = msg.get("n")
+            # into the row; a frame of another size is received into nothing (discarded)
+            got = self._sock.recv_into(view if n == view.nbytes else bytearray())
+            self._discard_rest()
+            if n != view.nbytes or got != n:
+                result.outcomes[i] = Outcome.CORRUPT
+                result.details[i] = (f"length: peer sent {got} bytes (header {n}) for a "
+                                     f"{view.nbytes}-byte destination")
+                self.counters.errors += 1
+            elif crc32c(view) != msg.get("crc"):
+                result.outcomes[i], result.details[i] = Outcome.CORRUPT, "checksum"
+                self.counters.checksum_failures += 1
+            else:
+                result.outcomes[i] = Outcome.OK
+                result.nbytes[i] = got
+                self.counters.chunks += 1
+                self.counters.bytes_received += got
+
+    def _refusal(self, msg: dict) -> _PeerFailure:
+        reason = str(msg.get("reason", "?"))
+        what = "refused" if msg["t"] == "refused" else "error"
+        return _PeerFailure(f"{what} by {self.peer}: {reason} ({msg.get('detail', '')})",
+                            reason if what == "refused" else "")
+
+    def _fail(self, result: FetchResult | None, answered: list[bool] | None, detail: str,
+              refused: str = "") -> None:
+        if result is not None:
+            for i, done in enumerate(answered):
+                if not done:
+                    result.outcomes[i], result.details[i] = Outcome.ERROR, detail
+        if refused:
+            self.counters.refuse(refused)
+        else:
+            self.counters.errors += 1
+        self.last_error = detail
+        was_closed = self.circuit.failures == 0
+        self.circuit.record_failure()
+        if was_closed:
+            log.warning("p2p peer %s failed: %s; failing its calls fast for %.1f s",
+                        self.peer, detail, self.circuit.backoff_s)
+        self._reset()
+
+    def _succeeded(self) -> None:
+        if self.circuit.failures:
+            log.info("p2p peer %s answers again", self.peer)
+        self.circuit.record_success()
+        self.last_error = ""
+
+    def _open(self, deadline: float) -> None:
+        """Make sure a session is open: socket, handshake, hello; raises _Timeout or
+        _PeerFailure."""
+        if self._sock is not None:
+            self._drain_monitor()
+            if self._disconnected:  # dropped while idle (peer restarted): start again
+                self._reset()
+        if self._ready:
+            return
+        if self._sock is None:
+            sock = self._ctx.socket(zmq.DEALER)
+            sock.linger = 0
+            sock.reconnect_ivl = 100
+            sock.rcvhwm = RECV_HWM
+            if not self.plaintext:
+                sock.curve_secretkey = self._keys.secret
+                sock.curve_publickey = self._keys.public
+                sock.curve_serverkey = self._server_key
+            self._mon = sock.get_monitor_socket(wire.HANDSHAKE_EVENTS | zmq.EVENT_DISCONNECTED)
+            self._sock = sock
+            self._poller = zmq.Poller()
+            self._poller.register(sock, zmq.POLLIN)
+            self._poller.register(self._mon, zmq.POLLIN)
+            sock.connect(self.endpoint)
+        try:
+            self._sock.send(self._hello, zmq.NOBLOCK)
+        except zmq.Again:
+            raise _PeerFailure(f"cannot queue the hello to {self.peer}") from None
+        while True:
+            msg = self._next(deadline)
+            self._discard_rest()
+            if msg["t"] == "hello_ok":
+                self._ready = True
+                self.counters.handshakes += 1
+                return
+            if msg["t"] in ("refused", "error") and msg.get("rid", 0) == 0:
+                raise self._refusal(msg)
+
+    def _request(self, msg: dict, deadline: float) -> int:
+        """Open the session if needed and send ``msg`` with a new request id (returned)."""
+        self._open(deadline)
+        return self._send(msg)
+
+    def _send(self, msg: dict) -> int:
+        self._rid += 1
+        msg["rid"] = self._rid
+        try:
+            self._sock.send(wire.pack(msg), zmq.NOBLOCK)
+        except zmq.Again:
+            raise _PeerFailure(f"send queue to {self.peer} is full") from None
+        return self._rid
+
+    def _next(self, deadline: float) -> dict:
+        """The header of the next message (its data frame, if any, left to read);
+        raises _Timeout at the deadline, _PeerFailure when the monitor says the peer is
+        gone or refused us (messages that arrived before are still returned first)."""
+        while True:
+            try:
+                frame = self._sock.recv(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                frame = None
+            if frame is not None:
+                try:
+                    return wire.unpack(frame.buffer)
+                except wire.ProtocolError:
+                    self._discard_rest()
+                    self.counters.errors += 1
+                    continue
+            if self._disconnected:
+                raise _PeerFailure(f"peer {self.peer} disconnected")
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise _Timeout()
+            events = dict(self._poller.poll(max(1, math.ceil(left * 1000))))
+            if self._mon in events:
+                self._drain_monitor()
+
+    def _drain_monitor(self) -> None:
+        while True:
+            try:
+                event = parse_monitor_message(self._mon.recv_multipart(zmq.NOBLOCK))
+            except zmq.Again:
+                return
+            kind = event["event"]
+            if kind == zmq.EVENT_DISCONNECTED:
+                self._disconnected = True
+            elif kind == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+                raise _PeerFailure(f"refused by {self.peer} at the CurveZMQ handshake (ZAP "
+                                   f"status {event['value']}: this client's public key is not "
+                                   f"in the peer's allow-list)", "auth")
+            elif kind in (zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL,
+                          zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL):
+                raise _PeerFailure(f"CurveZMQ handshake with {self.peer} failed (the peer's "
+                                   f"public key is not the server_key given, or it does not "
+                                   f"speak the same mechanism)", "handshake")
+
+    def _discard_rest(self) -> None:
+        while self._sock is not None and self._sock.rcvmore:
+            self._sock.recv(copy=False)
+
+    def _reset(self) -> None:
+        if self._sock is not None:
+            try:
+                self._sock.disable_monitor()
+            except zmq.ZMQError:
+                pass
+            self._mon.close(linger=0)
+            self._sock.close(linger=0)
+        self._sock = self._mon = self._poller = None
+        self._ready = False
+        self._disconnected = False
