@@ -285,7 +285,6 @@ def test_delete_in_batches_of_1000(moto_s3):
     bucket = moto_s3.new_bucket()
     with obj_backend(moto_s3, bucket) as b:
         keys = [i.to_bytes(4, "big") for i in range(1203)]
-        src = bf16_arena(1, 8192, 16)
         c = moto_s3.client()
         for k in keys[:5]:
             c.put_object(Bucket=bucket, Key=b.object_key(k), Body=b"x")
@@ -293,7 +292,6 @@ def test_delete_in_batches_of_1000(moto_s3):
         d = b.delete(keys)
         assert d.outcomes == [OK] * len(keys)
         assert bucket_keys(moto_s3, bucket) == [b.config_key]
-        del src
 
 
 # --------------------------------------------------------------------------- corrupt
