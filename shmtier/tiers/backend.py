@@ -34,7 +34,7 @@ from shmtier.shared import jobs
 from shmtier.shared.jobs import SUCCESS, Outcome
 
 __all__ = ["BatchResult", "Outcome", "ScanEntry", "TierBackend", "UnsupportedOp",
-           "WorkerContext", "as_arena", "check_batch"]
+           "WorkerContext", "as_arena", "check_batch", "row_problem"]
 
 
 _ANSWERS = frozenset((Outcome.OK, Outcome.EXISTS, Outcome.MISS))
@@ -264,3 +264,12 @@ def check_batch(keys: Sequence[bytes], rows: Sequence[int], arena: np.ndarray,
         raise ValueError(
             f"chunk_bytes={chunk_bytes} must be in 1..row_stride ({arena.shape[1]})"
         )
+
+
+def row_problem(row, num_rows: int) -> str | None:
+    """What makes ``row`` INVALID for an arena of ``num_rows`` rows (the detail), or None."""
+    if isinstance(row, bool) or not isinstance(row, (int, np.integer)):
+        return f"row {row!r} is not an integer"
+    if not 0 <= row < num_rows:
+        return f"row {row} out of range 0..{num_rows - 1}"
+    return None

@@ -60,6 +60,9 @@ BUILT_IN = (
     TierType("fs", "shmtier.tiers.fs.scheduler:FsTierManager",
              config="shmtier.tiers.fs.config:FsTierConfig",
              backend="shmtier.tiers.fs.backend:FsBackend"),
+    TierType("obj", "shmtier.tiers.obj.scheduler:ObjTierManager",
+             config="shmtier.tiers.obj.config:ObjTierConfig",
+             backend="shmtier.tiers.obj.backend:ObjBackend"),
 )
 
 _registry: dict[str, TierType] = {t.name: t for t in BUILT_IN}

@@ -37,7 +37,8 @@ from shmtier.shared.jobs import ResultFlag
 from shmtier.tiers.backend import BatchResult, Outcome, ScanEntry, TierBackend, WorkerContext
 from shmtier.tiers.fs.fileio import probe_direct_io, unlink_quietly
 from shmtier.tiers.fs.load import ChunkReader
-from shmtier.tiers.fs.namespace import TEMP_SUFFIX, LinkRefused, Namespace, chunk_key, key_problem
+from shmtier.tiers.chunk_names import chunk_key, key_problem
+from shmtier.tiers.fs.namespace import TEMP_SUFFIX, LinkRefused, Namespace
 from shmtier.tiers.fs.outcomes import FsCounters, errno_outcome
 from shmtier.tiers.fs.store import ChunkWriter
 

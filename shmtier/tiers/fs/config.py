@@ -10,18 +10,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from shmtier.options import (
-    ConfigError,
-    Secret,
-    boolean,
-    integer,
-    one_of,
-    secret_file,
-    secret_hex,
-    writable_dir,
-)
-from shmtier.shared.codec import MAC_KEY_BYTES, frame_header_size
+from shmtier.options import Secret, boolean, integer, one_of, writable_dir
 from shmtier.tiers.config import REQUIRED, TierContext, option
+from shmtier.tiers.frame_options import (
+    check_frame_options,
+    mac_key_file_option,
+    mac_key_option,
+    mac_secret,
+    with_mac_key,
+)
 from shmtier.tiers.storage.config import StorageTierConfig
 
 DEFAULT_MIN_FREE_BYTES = 1 << 30
@@ -55,35 +52,18 @@ class FsTierConfig(StorageTierConfig):
     direct_io: bool | str = option(False, one_of(False, True, "auto"), worker=True)
     n_read_threads: int | None = option(None, integer(1).or_none())
     n_write_threads: int | None = option(None, integer(1).or_none())
-    mac_key_file: Secret | None = option(None, secret_file(*MAC_KEY_BYTES).or_none())
-    mac_key: Secret | None = option(
-        None, secret_hex(*MAC_KEY_BYTES, source="mac_key").or_none())
+    mac_key_file: Secret | None = mac_key_file_option()
+    mac_key: Secret | None = mac_key_option()
 
     @property
     def mac_secret(self) -> bytes | None:
         """The MAC key's bytes (from ``mac_key_file`` or ``mac_key``), or None."""
-        secret = self.mac_key_file or self.mac_key
-        return secret.value if secret is not None else None
+        return mac_secret(self)
 
     def worker_args(self) -> dict[str, Any]:
         """The ``worker=True`` options, plus ``mac_key`` (the key's bytes) when a MAC key
         is configured."""
-        args = super().worker_args()
-        if self.mac_secret is not None:
-            args["mac_key"] = self.mac_secret
-        return args
+        return with_mac_key(self, super().worker_args())
 
     def check_together(self, where: str, context: TierContext) -> None:
-        if self.mac_key_file is not None and self.mac_key is not None:
-            raise ConfigError(
-                f"{where}.mac_key_file and {where}.mac_key are both set: give the MAC key "
-                f"one way (a file is preferred: configs get logged)")
-        if self.max_bytes is None or context.chunk_bytes is None:
-            return
-        one_file = context.chunk_bytes + frame_header_size(
-            context.key_bytes or 0, mac=self.mac_secret is not None)
-        if self.max_bytes < one_file:
-            raise ConfigError(
-                f"{where}.max_bytes = {self.max_bytes!r} is invalid: expected at least one "
-                f"chunk's file ({one_file} bytes: {context.chunk_bytes} bytes of KV and the "
-                f"frame header), or null (unbounded)")
+        check_frame_options(self, where, context, what="file")

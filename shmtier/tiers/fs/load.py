@@ -31,7 +31,7 @@ import time
 from typing import Sequence
 
 from shmtier.shared.codec import ChunkDecoder, CorruptChunkError, frame_header_size
-from shmtier.tiers.backend import BatchResult, Outcome, as_arena, check_batch
+from shmtier.tiers.backend import BatchResult, Outcome, as_arena, check_batch, row_problem
 from shmtier.tiers.fs.fileio import (
     ALIGN,
     FADV_WILLNEED,
@@ -41,8 +41,9 @@ from shmtier.tiers.fs.fileio import (
     pread_full,
     read_direct,
 )
-from shmtier.tiers.fs.namespace import LinkRefused, Namespace, key_problem
-from shmtier.tiers.fs.outcomes import FsCounters, errno_outcome, row_problem
+from shmtier.tiers.chunk_names import key_problem
+from shmtier.tiers.fs.namespace import LinkRefused, Namespace
+from shmtier.tiers.fs.outcomes import FsCounters, errno_outcome
 
 _PREFETCH = 16  # files of a load batch opened (and read ahead) at once
 

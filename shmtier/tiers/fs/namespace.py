@@ -67,6 +67,15 @@ from collections import OrderedDict
 from typing import Callable, Iterator, TypeVar
 
 from shmtier.shared import procinfo
+from shmtier.tiers.chunk_names import (  # noqa: F401 (re-exported: one source of truth)
+    CHUNK_SUFFIX,
+    MAX_KEY_BYTES,
+    NAMESPACE_PREFIX,
+    chunk_key,
+    chunk_name,
+    key_problem,
+    namespace_dir_name,
+)
 from shmtier.tiers.fs.fileio import (
     O_CLOEXEC,
     O_DIRECTORY,
@@ -82,12 +91,8 @@ logger = logging.getLogger(__name__)
 
 FORMAT_NAME = "shmtier-fs"
 FORMAT_VERSION = 1
-NAMESPACE_PREFIX = "shmtier-"
 CONFIG_NAME = "config.json"
-CHUNK_SUFFIX = ".kv"
 TEMP_SUFFIX = ".tmp"
-#: Longest key accepted: its hex name (200 chars + suffix) stays under NAME_MAX (255).
-MAX_KEY_BYTES = 100
 FILES_PER_LEAF_DIR = 512
 MIN_FANOUT_BITS, MAX_FANOUT_BITS = 2, 16
 #: Leaf directory descriptors a namespace keeps open (least recently used closed first).
@@ -122,11 +127,6 @@ def open_nofollow(name: str, flags: int, dir_fd: int, where: str, mode: int = 0o
         raise
 
 
-def namespace_dir_name(fingerprint: str) -> str:
-    """Directory name of a layout fingerprint's namespace: ``shmtier-<16 hex of sha256>``."""
-    return NAMESPACE_PREFIX + hashlib.sha256(fingerprint.encode("utf-8")).hexdigest()[:16]
-
-
 def choose_fanout_bits(capacity_bytes: int, chunk_bytes_hint: int) -> tuple[int, int]:
     """Fan-out widths (bits of level 1, level 2) for an expected capacity.
 
@@ -136,27 +136,6 @@ def choose_fanout_bits(capacity_bytes: int, chunk_bytes_hint: int) -> tuple[int,
     leaves = max(1, files // FILES_PER_LEAF_DIR)
     total = min(MAX_FANOUT_BITS, max(MIN_FANOUT_BITS, (leaves - 1).bit_length()))
     return (total + 1) // 2, total // 2
-
-
-def key_problem(key) -> str | None:
-    """What makes ``key`` unusable as a chunk name (the INVALID detail), or None."""
-    if not isinstance(key, (bytes, bytearray, memoryview)):
-        return f"key is {type(key).__name__}, not bytes"
-    n = len(key)
-    if not 0 < n <= MAX_KEY_BYTES:
-        return f"key length {n} (must be 1..{MAX_KEY_BYTES})"
-    return None
-
-
-def chunk_key(name: str) -> bytes | None:
-    """The key a chunk file name ``<key hex>.kv`` stands for, or None for any other name."""
-    if not name.endswith(CHUNK_SUFFIX):
-        return None
-    try:
-        key = bytes.fromhex(name[:-len(CHUNK_SUFFIX)])
-    except ValueError:
-        return None
-    return key if 0 < len(key) <= MAX_KEY_BYTES else None
 
 
 class Namespace:
@@ -408,7 +387,7 @@ class Namespace:
     def locate(self, key: bytes) -> tuple[str, str]:
         """``(rel, name)``: ``key``'s leaf directory relative to the namespace, and its
         chunk file's name in it (the arguments of the entry operations)."""
-        return self.rel_dir(key), key.hex() + CHUNK_SUFFIX
+        return self.rel_dir(key), chunk_name(key)
 
     def path_for(self, key: bytes) -> str:
         """The path of the file that holds (or would hold) ``key``'s chunk (for messages

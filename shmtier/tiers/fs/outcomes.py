@@ -11,8 +11,6 @@ from __future__ import annotations
 import errno
 from dataclasses import asdict, dataclass, field
 
-import numpy as np
-
 from shmtier.tiers.backend import Outcome
 
 NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
@@ -25,15 +23,6 @@ def errno_outcome(exc: OSError, step: str) -> tuple[Outcome, str]:
     name = errno.errorcode.get(code, f"E{code}")
     text = exc.strerror or str(exc)
     return (Outcome.REJECTED if code in NO_SPACE else Outcome.ERROR), f"{name} {text} ({step})"
-
-
-def row_problem(row, num_rows: int) -> str | None:
-    """What makes ``row`` INVALID (the detail), or None."""
-    if isinstance(row, bool) or not isinstance(row, (int, np.integer)):
-        return f"row {row!r} is not an integer"
-    if not 0 <= row < num_rows:
-        return f"row {row} out of range 0..{num_rows - 1}"
-    return None
 
 
 @dataclass

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from shmtier.shared.codec import ChunkEncoder, CompressionConfig
-from shmtier.tiers.backend import BatchResult, Outcome, as_arena, check_batch
+from shmtier.tiers.backend import BatchResult, Outcome, as_arena, check_batch, row_problem
 from shmtier.tiers.fs.fileio import (
     O_DIRECT,
     PageBuffer,
@@ -41,8 +41,9 @@ from shmtier.tiers.fs.fileio import (
     write_direct,
     writev_all,
 )
-from shmtier.tiers.fs.namespace import LinkRefused, Namespace, key_problem
-from shmtier.tiers.fs.outcomes import NO_SPACE, FsCounters, errno_outcome, row_problem
+from shmtier.tiers.chunk_names import key_problem
+from shmtier.tiers.fs.namespace import LinkRefused, Namespace
+from shmtier.tiers.fs.outcomes import NO_SPACE, FsCounters, errno_outcome
 
 _FS_WIDE = (errno.EROFS,) + NO_SPACE  # after one of these, the rest of a store batch fails too
 

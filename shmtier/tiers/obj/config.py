@@ -1,0 +1,290 @@
+"""``obj`` tier options (any process): what ``secondary_tiers[i]`` of type ``obj`` accepts.
+
+vLLM 0.33's obj tier config is accepted unchanged (``store_config``, ``prefix``,
+``io_threads``, ``enable_kv_events``, ``locality``), plus shmtier's own keys. Checked
+when the spec is built: every value, then (``check_together``) a HeadBucket against the
+configured endpoint (``client.check_bucket``), so wrong credentials, a missing bucket or
+an unreachable endpoint fail there, in one ConfigError naming endpoint, bucket and
+reason, before any tier worker starts.
+"""
+
+from __future__ import annotations
+
+import difflib
+import ipaddress
+import os
+import re
+import stat
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+from urllib.parse import urlsplit
+
+from shmtier.options import Check, ConfigError, Secret, choice_upper, integer, invalid, number
+from shmtier.tiers.config import REQUIRED, TierContext, option
+from shmtier.tiers.frame_options import (
+    check_frame_options,
+    mac_key_file_option,
+    mac_key_option,
+    mac_secret,
+    with_mac_key,
+)
+from shmtier.tiers.storage.config import StorageTierConfig
+
+_BUCKET = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
+#: Longest prefix: object keys (prefix, namespace, fan-out, 200 hex digits) stay far
+#: under S3's 1024 bytes.
+MAX_PREFIX_CHARS = 512
+
+
+@dataclass(frozen=True)
+class S3StoreConfig:
+    """``store_config`` checked: where the objects go and how to sign requests.
+
+    ``endpoint_override`` is normalised to a URL with its scheme (``"http://host:port"``),
+    or "" for AWS's default endpoint. ``secret_key`` and ``session_token`` are kept as
+    :class:`~shmtier.options.Secret` (their ``repr`` shows only a length), so the config
+    object can be logged; :meth:`as_plain` gives the workers plain strings. "" (or None)
+    for a credential means not given: boto3's default credential chain applies."""
+
+    bucket: str
+    endpoint_override: str = ""
+    access_key: str = ""
+    secret_key: Secret | None = None
+    session_token: Secret | None = None
+    region: str = ""
+    scheme: str | None = None  # as given (None: http for an endpoint without scheme)
+    ca_bundle: str = ""
+
+    def as_plain(self) -> dict[str, str]:
+        """The store config as msgpack-able plain data (secrets as their strings; "" for
+        what was not given): ``worker_args()["store_config"]``."""
+        out = {}
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, Secret):
+                v = v.value.decode("utf-8")
+            out[f.name] = "" if v is None else v
+        return out
+
+
+def _bucket(key: str, v: Any) -> str:
+    if not isinstance(v, str):
+        raise invalid(key, v, "a bucket name (a string)")
+    problem = None
+    if not 3 <= len(v) <= 63:
+        problem = f"{len(v)} characters"
+    elif not _BUCKET.match(v):
+        problem = ("lower-case letters, digits, '.' and '-' only, starting and ending "
+                   "with a letter or digit")
+    elif ".." in v:
+        problem = "two adjacent periods"
+    else:
+        try:
+            ipaddress.IPv4Address(v)
+            problem = "formatted as an IP address"
+        except ValueError:
+            pass
+    if problem is not None:
+        raise invalid(key, v, f"an S3 bucket name of 3..63 characters ({problem})")
+    return v
+
+
+def _scheme(key: str, v: Any) -> str | None:
+    if v is None or v == "":
+        return None
+    if isinstance(v, str) and v.lower() in ("http", "https"):
+        return v.lower()
+    raise invalid(key, v, "'http' or 'https'")
+
+
+def _endpoint(key: str, v: Any, scheme: str | None) -> str:
+    accepted = ("an endpoint as host:port or http(s)://host:port (scheme from "
+                "store_config.scheme when absent), or \"\" for AWS's default endpoint")
+    if v is None:
+        return ""
+    if not isinstance(v, str):
+        raise invalid(key, v, accepted)
+    text = v.strip()
+    if not text:
+        return ""
+    if "://" not in text:
+        text = f"{scheme or 'http'}://{text}"
+    try:
+        parts = urlsplit(text)
+        port = parts.port  # ValueError for a port out of range or not a number
+    except ValueError as e:
+        raise invalid(key, v, f"{accepted} ({e})") from None
+    problem = None
+    if parts.scheme.lower() not in ("http", "https"):
+        problem = f"scheme {parts.scheme!r}"
+    elif not parts.hostname:
+        problem = "no host"
+    elif parts.username is not None or parts.password is not None:
+        problem = "credentials in the URL: use store_config.access_key / secret_key"
+    elif parts.path not in ("", "/") or parts.query or parts.fragment:
+        problem = "a path, query or fragment"
+    if problem is not None:
+        raise invalid(key, v, f"{accepted} ({problem})")
+    host = parts.hostname
+    if ":" in host:  # IPv6 literal
+        host = f"[{host}]"
+    return f"{parts.scheme.lower()}://{host}" + (f":{port}" if port is not None else "")
+
+
+def _plain_text(key: str, v: Any, what: str) -> str:
+    if v is None:
+        return ""
+    if not isinstance(v, str):
+        raise invalid(key, v, what)
+    return v.strip()
+
+
+def _secret_text(key: str, v: Any) -> Secret | None:
+    if v is None or v == "":
+        return None
+    if not isinstance(v, str):
+        raise ConfigError(f"{key} = <secret, not shown> is invalid: expected a string "
+                          f"(got {type(v).__name__}), or \"\" for boto3's credential chain")
+    return Secret(v.encode("utf-8"), key.rsplit(".", 1)[-1])
+
+
+def _ca_bundle(key: str, v: Any) -> str:
+    accepted = "the path of an existing CA bundle file (PEM), or \"\""
+    if v is None or v == "":
+        return ""
+    if not isinstance(v, (str, os.PathLike)):
+        raise invalid(key, v, accepted)
+    path = os.path.abspath(os.fspath(v))
+    try:
+        st = os.stat(path)
+    except OSError as e:
+        raise invalid(key, v, f"{accepted} ({path}: {e.strerror})") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise invalid(key, v, f"{accepted} ({path} is not a regular file)")
+    if not os.access(path, os.R_OK):
+        raise invalid(key, v, f"{accepted} ({path} is not readable)")
+    return path
+
+
+class StoreConfigCheck(Check):
+    """``store_config``: a mapping of the keys of :class:`S3StoreConfig`. Errors name
+    the inner key (``secondary_tiers[0].store_config.bucket``) and never show a secret."""
+
+    KEYS = ("bucket", "endpoint_override", "access_key", "secret_key", "session_token",
+            "region", "scheme", "ca_bundle")
+
+    def __init__(self) -> None:
+        super().__init__(f"a mapping with keys {list(self.KEYS)} (bucket required)",
+                         lambda v: v)
+
+    def __call__(self, key: str, value: Any) -> S3StoreConfig:
+        if not isinstance(value, Mapping):
+            shown = type(value).__name__  # never the value: it may hold credentials
+            raise ConfigError(f"{key} is invalid: expected {self.accepted}, got {shown}")
+        for name in value:
+            if name not in self.KEYS:
+                close = difflib.get_close_matches(str(name), self.KEYS, n=1)
+                hint = f" (did you mean {close[0]!r}?)" if close else ""
+                raise ConfigError(f"{key}.{name} is not an accepted key{hint}; accepted "
+                                  f"keys: {list(self.KEYS)}")
+        if "bucket" not in value:
+            raise ConfigError(f"{key}.bucket is required (an S3 bucket name)")
+
+        def sub(name: str) -> str:
+            return f"{key}.{name}"
+
+        scheme = _scheme(sub("scheme"), value.get("scheme"))
+        store = S3StoreConfig(
+            bucket=_bucket(sub("bucket"), value["bucket"]),
+            endpoint_override=_endpoint(sub("endpoint_override"),
+                                        value.get("endpoint_override"), scheme),
+            access_key=_plain_text(sub("access_key"), value.get("access_key"),
+                                   "an access key id (a string), or \"\""),
+            secret_key=_secret_text(sub("secret_key"), value.get("secret_key")),
+            session_token=_secret_text(sub("session_token"), value.get("session_token")),
+            region=_plain_text(sub("region"), value.get("region"),
+                               "a region name (a string), or \"\" for us-east-1"),
+            scheme=scheme,
+            ca_bundle=_ca_bundle(sub("ca_bundle"), value.get("ca_bundle")),
+        )
+        if bool(store.access_key) != (store.secret_key is not None):
+            raise ConfigError(
+                f"{key}: access_key and secret_key go together (give both, or neither for "
+                f"boto3's credential chain)")
+        if store.session_token is not None and not store.access_key:
+            raise ConfigError(f"{key}.session_token needs access_key and secret_key")
+        return store
+
+
+def _prefix(v: Any) -> str:
+    if not isinstance(v, str):
+        raise ValueError(f"got {type(v).__name__}")
+    if any(ord(c) < 0x20 or c in "\\\x7f" for c in v):
+        raise ValueError("control characters or a backslash")
+    parts = [p for p in v.split("/") if p]
+    if any(p in (".", "..") for p in parts):
+        raise ValueError("'.' or '..' as a path part")
+    out = "/".join(parts)  # no leading or trailing '/', never '//'
+    if len(out) > MAX_PREFIX_CHARS:
+        raise ValueError(f"{len(out)} characters")
+    return out
+
+
+@dataclass(frozen=True, kw_only=True)
+class ObjTierConfig(StorageTierConfig):
+    """``store_config`` (required): where the objects go (:class:`S3StoreConfig`:
+    ``bucket``, ``endpoint_override``, ``access_key``, ``secret_key``,
+    ``session_token``, ``region``, ``scheme``, ``ca_bundle``). ``prefix``: key prefix
+    of every object (slashes at its ends dropped, repeated ones folded: no object key
+    ever holds "//"). ``io_threads``: requests a tier worker keeps in flight at once,
+    and its connection pool's size.
+
+    ``max_bytes`` (bytes of objects at most), ``probe_unknown`` / ``probe_ttl_s`` /
+    ``probe_timeout_s`` (a bucket shared by engines: a key the index does not know is
+    looked for by a HEAD in a worker), ``enable_kv_events``, ``max_pinned_fraction``:
+    ``StorageTierConfig``; ``locality`` defaults to "REMOTE" here (vLLM's obj default).
+    ``connect_timeout_s`` / ``read_timeout_s``: per request (a read timeout bounds each
+    wait for bytes, not a whole transfer). ``max_attempts``: attempts per request, the
+    first included (botocore's "standard" retry mode: throttling, 5xx, timeouts and
+    dropped connections are retried with exponential backoff).
+
+    ``mac_key_file`` / ``mac_key``: as for the fs tier (``FsTierConfig``). The tier workers receive
+    ``worker_args()``: ``store_config`` as plain data (:meth:`S3StoreConfig.as_plain`),
+    the ``worker=True`` options and the MAC key's bytes as ``mac_key``."""
+
+    store_config: S3StoreConfig = option(REQUIRED, StoreConfigCheck(), worker=True)
+    prefix: str = option("", Check(f"a key prefix of at most {MAX_PREFIX_CHARS} characters "
+                                   f"(a string)", _prefix), worker=True)
+    io_threads: int = option(4, integer(1, 256), worker=True)
+    locality: str = option("REMOTE", choice_upper("LOCAL", "REMOTE"))
+    connect_timeout_s: float = option(2.0, number(0, min_open=True), worker=True)
+    read_timeout_s: float = option(10.0, number(0, min_open=True), worker=True)
+    max_attempts: int = option(4, integer(1, 20), worker=True)
+    mac_key_file: Secret | None = mac_key_file_option()
+    mac_key: Secret | None = mac_key_option()
+
+    @property
+    def mac_secret(self) -> bytes | None:
+        """The MAC key's bytes (from ``mac_key_file`` or ``mac_key``), or None."""
+        return mac_secret(self)
+
+    def worker_args(self) -> dict[str, Any]:
+        """The ``worker=True`` options with ``store_config`` as plain data, plus
+        ``mac_key`` (the key's bytes) when a MAC key is configured."""
+        args = super().worker_args()
+        args["store_config"] = self.store_config.as_plain()
+        return with_mac_key(self, args)
+
+    def where_words(self) -> str:
+        """The bucket and endpoint in log lines and errors."""
+        endpoint = self.store_config.endpoint_override or "AWS S3's default endpoint"
+        return f"bucket {self.store_config.bucket!r} at {endpoint}"
+
+    def check_together(self, where: str, context: TierContext) -> None:
+        """The MAC options and ``max_bytes`` (``frame_options``), then one HeadBucket
+        (``client.check_bucket``: blocks for a few seconds at most)."""
+        check_frame_options(self, where, context, what="object")
+        from shmtier.tiers.obj.client import check_bucket
+
+        check_bucket(self, where)
