@@ -1,4 +1,6 @@
-"""Suite-wide guards: every test must leave /dev/shm as it found it."""
+"""Suite-wide guards: every test must leave /dev/shm as it found it. Also the S3
+servers' fixtures (``s3_servers.py``), defined here once so that the session-scoped
+servers are shared by every test module."""
 
 from __future__ import annotations
 
@@ -7,6 +9,7 @@ import uuid
 
 import pytest
 
+from s3_servers import moto_faults, moto_s3, seaweedfs_s3, seaweedfs_s3_killable  # noqa: F401
 from shmtier.shared.segment import list_segments
 
 SHM_DIR = "/dev/shm"

@@ -239,9 +239,10 @@ def test_a_worker_killed_mid_cascade_loses_no_chunk_and_leaves_no_orphan(
 
 def test_a_load_failed_by_a_worker_death_keeps_its_chunks(engines, tmp_path):
     """A promotion whose workers die fails with ERROR: that says nothing about the files,
-    so the 16 chunks stay indexed and a fresh request loads them (they used to be
-    dropped: a MISS with the files on disk)."""
-    e = engines(tmp_path, chunks=16)
+    so the 16 chunks stay indexed (they used to be dropped: a MISS with the files on
+    disk) and, once the failed load's miss window (``probe_timeout_s``: a failing medium
+    is not asked again every step) has passed, a fresh request loads them."""
+    e = engines(tmp_path, chunks=16, probe_timeout_s=0.5)
     first = [key(i) for i in range(16)]
     e.offload(first, 0, ReqContext("a"))
     e.settle()
@@ -258,6 +259,9 @@ def test_a_load_failed_by_a_worker_death_keeps_its_chunks(engines, tmp_path):
     data = e.manager.get_stats().data["data"]
     assert data["vllm:kv_offload_tiering_promotion_job_failures"][LABEL] == 1
     assert set(first) <= set(e.manager.tiers[0]._index)
+    with e.manager.lock:
+        assert [e.manager.lookup(k, ReqContext("r-now")) for k in first] == [MISS] * 16
+    time.sleep(0.6)
     reader = ReqContext("r2")
     e.until_hit(first, reader, timeout_s=30)  # never a MISS
     with e.manager.lock:

@@ -14,7 +14,7 @@ from contextlib import contextmanager
 import numpy as np
 import pytest
 
-from s3_servers import free_port, moto_faults, moto_s3, seaweedfs_s3, seaweedfs_s3_killable  # noqa: F401
+from s3_servers import free_port
 from shmtier.options import ConfigError
 from shmtier.shared.codec import CompressionConfig, parse_frame_header
 from shmtier.shared.jobs import Outcome

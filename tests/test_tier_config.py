@@ -79,8 +79,8 @@ def test_example_options_fail_when_the_spec_is_built():
 
 
 def test_every_built_in_tier_type_has_a_config_table_here():
-    assert {t.name for t in registry.BUILT_IN} == {"fs", "example"}, \
-        "a new tier type needs its invalid-option cases in this file"
+    assert {t.name for t in registry.BUILT_IN} == {"fs", "example", "obj"}, \
+        "a new tier type needs its invalid-option cases (obj's: test_obj_backend.py)"
 
 
 def test_readme_documents_every_built_in_tier_option():

@@ -70,6 +70,11 @@ class LookupProbes:
         return LookupResult.MISS
 
     @property
+    def has_missed(self) -> bool:
+        """Whether any miss is remembered (the index's HIT path checks only then)."""
+        return bool(self._missed)
+
+    @property
     def has_asked(self) -> bool:
         """Whether keys wait for a probe job to be sent."""
         return bool(self._asked)
@@ -83,21 +88,30 @@ class LookupProbes:
         """``keys`` of ``take_asked`` found no room in the job rings: sent next time."""
         self._asked[:0] = keys
 
-    def answered(self, key: OffloadKey, found: bool) -> None:
-        """The medium's answer for ``key`` (``found`` False also for a probe that failed:
-        the tier cannot load what it cannot see)."""
+    def answered(self, key: OffloadKey, found: bool, *, failed: bool = False) -> None:
+        """The medium's answer for ``key``; ``failed``: the probe itself failed (the tier
+        cannot load what it cannot see: a MISS, for ``timeout_s``)."""
         self._waiting.pop(key, None)
         if not found:
-            self.remember_miss(key)
+            self.remember_miss(key, failed=failed)
 
-    def remember_miss(self, key: OffloadKey) -> None:
-        """Answer MISS for ``key`` for ``ttl_s`` from now (also after a failed load: the
-        promotion is not retried at once from a stale verdict)."""
+    def remember_miss(self, key: OffloadKey, *, failed: bool = False) -> None:
+        """Answer MISS for ``key`` for ``ttl_s`` from now, or for ``timeout_s`` when the
+        medium ``failed`` to answer (a load or probe that ended in ERROR: a store that is
+        down is not asked again every step). Also after a failed load of an indexed key
+        (``missed_now``): the promotion is not retried at once."""
         self._missed.pop(key, None)  # re-inserted at the end: the dict stays in time order
-        self._missed[key] = time.monotonic() + self.ttl_s
+        self._missed[key] = time.monotonic() + (self.timeout_s if failed else self.ttl_s)
+
+    def missed_now(self, key: OffloadKey) -> bool:
+        """Whether a miss of ``key`` is remembered now (an indexed key whose load failed)."""
+        until = self._missed.get(key)
+        return until is not None and time.monotonic() < until
 
     def purge(self) -> None:
-        """Forget the misses remembered past their time (oldest first; once per step)."""
+        """Forget the misses remembered past their time (once per step): oldest first, up
+        to the first not yet due (a failure's longer miss may keep a few shorter ones
+        after it a little longer)."""
         missed = self._missed
         if not missed:
             return

@@ -238,6 +238,8 @@ class StorageTierManager(SecondaryTierManager):
         if self._broken:  # nothing can be loaded: a MISS, never a wait
             return LookupResult.MISS
         if key in self._index:
+            if self._lookups.has_missed and self._lookups.missed_now(key):
+                return LookupResult.MISS  # its load just failed: not promoted again at once
             self._index.move_to_end(key)
             return LookupResult.HIT
         if key in self._storing or key in self._deleting or key in self._probing:
@@ -701,7 +703,7 @@ class StorageTierManager(SecondaryTierManager):
         failed = 0
         for key, code, size in zip(keys, res.outcomes, res.stored_bytes):
             found = code == Outcome.OK
-            lookups.answered(key, found)
+            lookups.answered(key, found, failed=code == Outcome.ERROR)
             if not found:
                 failed += code == Outcome.ERROR
                 continue
@@ -732,13 +734,14 @@ class StorageTierManager(SecondaryTierManager):
             if code == Outcome.OK:
                 ok.append(key)
                 continue
+            # no promote-fail-promote loop: a MISS for a while (a failure's: longer)
+            self._lookups.remember_miss(key, failed=code == Outcome.ERROR)
             if code == Outcome.MISS or code == Outcome.CORRUPT:
                 # gone, or corrupt (removed by the worker): never a HIT again. An ERROR
-                # (the worker died, the read failed) says nothing about the file: kept.
+                # (the worker died, the read failed) says nothing about the chunk: kept.
                 size = self._index.pop(key, None)
                 if size is not None:
                     self._indexed_bytes -= size
-                self._lookups.remember_miss(key)  # no promote-fail-promote loop
                 if code == Outcome.CORRUPT:
                     self._stats.increase_counter(CORRUPT_CHUNKS, 1, (self._label,))
         self._finished.append(JobResult(job.job_id, len(ok) == len(keys), successful_keys=ok,
