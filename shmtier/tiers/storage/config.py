@@ -24,8 +24,9 @@ class StorageTierConfig(TierConfig):
     Sharing the medium with other engines: ``probe_unknown`` (default true): a key the
     tier's index does not know is looked for on the medium by a worker (RETRY until
     the answer; false: the medium is this engine's alone, such a key is a MISS at
-    once). ``probe_ttl_s``: how long a key found absent answers MISS without a new
-    probe. ``probe_timeout_s``: a probe not answered by then answers MISS."""
+    once). ``probe_ttl_s``: a key found absent answers MISS without a new probe until
+    no lookup asked for it for this long. ``probe_timeout_s``: a probe not answered by
+    then answers MISS."""
 
     max_bytes: int | None = option(None, integer(1).or_none("null (unbounded)"), worker=True)
     locality: str | None = option(None, choice_upper("LOCAL", "REMOTE").or_none())

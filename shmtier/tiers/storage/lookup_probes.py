@@ -14,9 +14,11 @@ The vLLM tiers' async lookup front end behaves the same way (docs/vllm-contract.
                                                                              ▼
     tier: answered(k, found) ──► found: indexed (HIT) │ absent: MISS remembered ttl_s
 
-A MISS is remembered for ``ttl_s`` (the tier's ``probe_ttl_s``) so a request that waits
-does not make the tier probe the key again every step; a HIT is the index's from then
-on. A probe unanswered ``timeout_s`` after it was asked (``probe_timeout_s``: a hung
+A MISS is remembered until nobody has asked for the key for ``ttl_s`` (the tier's
+``probe_ttl_s``; each lookup that gets it keeps it that long), so a request that waits
+(on other keys' promotions, say) does not make the tier probe the key again and again;
+vLLM keeps a verdict while any request references the key, which this approximates
+without per-request state. A HIT is the index's from then on. A probe unanswered ``timeout_s`` after it was asked (``probe_timeout_s``: a hung
 medium) answers MISS from then on (counted once per key in ``expired``) until its
 answer lands, so no request waits on the medium for longer.
 
@@ -51,11 +53,13 @@ class LookupProbes:
         a miss is remembered or past the probe's deadline, else RETRY (asking the medium
         if nobody has yet)."""
         now = time.monotonic()
-        until = self._missed.get(key)
+        missed = self._missed
+        until = missed.get(key)
         if until is not None:
-            if now < until:
+            del missed[key]
+            if now < until:  # asked again: kept ttl_s from now (at the end: time order)
+                missed[key] = max(until, now + self.ttl_s)
                 return LookupResult.MISS
-            del self._missed[key]
         deadline = self._waiting.get(key)
         if deadline is None:
             self._waiting[key] = now + self.timeout_s

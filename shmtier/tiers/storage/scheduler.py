@@ -27,8 +27,8 @@ medium, not the truth. A key it does not know is probed by a worker (one ``probe
 job per step for every key asked in it: one ``stat`` or ``HEAD`` per key, in the
 workers): RETRY until the answer lands, then HIT (the chunk joins the index at its
 recent end, its size counted against ``max_bytes``) or MISS, remembered for
-``probe_ttl_s``; a probe unanswered after ``probe_timeout_s`` answers MISS
-(``lookup_probes.py``). Keys the index knows answer at once. A chunk another engine
+``probe_ttl_s`` after the last lookup that asked; a probe unanswered after
+``probe_timeout_s`` answers MISS (``lookup_probes.py``). Keys the index knows answer at once. A chunk another engine
 deleted is a MISS at load (dropped, and remembered as a miss); another engine's
 delete while a worker reads gives the old bytes or a MISS, never wrong bytes (the
 workers verify every chunk). With ``probe_unknown`` false (a medium this engine has
@@ -697,7 +697,8 @@ class StorageTierManager(SecondaryTierManager):
     def _finish_lookup_probes(self, res: PoolResult, keys: list[OffloadKey]) -> None:
         """Lookups' probes answered: a chunk found joins the index at its recent end (a
         request is about to load it) unless the key has a job of this tier's meanwhile;
-        absent, or not learnt (ERROR), is a MISS remembered for ``probe_ttl_s``."""
+        absent is a MISS remembered (``LookupProbes``), not learnt (ERROR) too, for
+        ``probe_timeout_s``."""
         lookups, index = self._lookups, self._index
         adopted = []
         failed = 0
