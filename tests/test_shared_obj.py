@@ -240,3 +240,23 @@ def test_wrong_credentials_or_a_missing_bucket_fail_at_start_naming_endpoint_and
         text = str(e.value)
         assert name in text and seaweedfs_s3.host_port in text, text
         assert "s3cr3t" not in text  # the secret is never shown
+
+
+def test_slow_answers_raise_the_store_latency_until_backpressure_drops_cascades(
+        engines, tmp_path, moto_faults):
+    server = moto_faults
+    bucket = server.new_bucket("slow")
+    e = engines(tmp_path, chunks=64, **obj(server, bucket, read_timeout_s=5.0,
+                                           backpressure={"warmup_completions": 2}))
+    server.faults.slow(0.4, methods=("PUT",))  # 8 KiB in 0.4 s: ~50 s/MiB, far past high water
+    durations = []
+    for rnd in range(6):
+        t = time.perf_counter()
+        e.offload([key(10 * rnd)], rnd, ReqContext(f"s{rnd}"))
+        durations.append(time.perf_counter() - t)
+        e.settle(timeout_s=30)
+    data = e.manager.get_stats().data["data"]
+    assert data["vllm:kv_offload_tiering_backpressure_stores_dropped"][LABEL] >= 1
+    assert max(durations) < 0.25  # the scheduler side never waited on the slow store
+    stored = sum(k.endswith(".kv") for k in _objects(server, bucket))
+    assert 2 <= stored < 6  # the warm-up cascades went (slowly), later ones were dropped
