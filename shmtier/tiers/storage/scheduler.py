@@ -52,8 +52,9 @@ there is indexed with its size, none is forgotten. A load that fails with ERROR
 keeps its key (only MISS and CORRUPT drop it).
 
 Submission: ``submit_store``/``submit_load`` only queue. The queue goes to the
-pool as one job per operation (loads first) at ``on_schedule_end`` and at the
-next ``get_finished_jobs`` -- so a step's promotions of many requests, or the
+pool as one job per operation (loads first; a step's loads of many keys as one job
+per worker, LOAD_SPLIT_KEYS keys at least, so every worker reads) at
+``on_schedule_end`` and at the next ``get_finished_jobs`` -- so a step's promotions of many requests, or the
 cascades of all the stores that completed together, cost one ring put and one
 wake-up per worker instead of one per request (measured: this was the largest
 part of the slowest steps). A full job ring fails the queued jobs at once and
@@ -100,6 +101,8 @@ _STORED = SUCCESS["store"]  # written, or found there already
 # At most this many keys per pool job when queued jobs are combined (a job needs
 # one ring slot per ~200 keys; the rings hold 128 slots per worker).
 MAX_COMBINED_KEYS = 1024
+# A step's loads go to every worker when each gets at least this many keys.
+LOAD_SPLIT_KEYS = 8
 # A cascade refused for space is sent again (after evicting) at most this many times.
 _SPACE_TRIES = 3
 # A probe whose worker died (or whose stat failed) is sent again, this many tries in all.
@@ -131,6 +134,20 @@ class _Cascade:
         self.seconds = 0.0
         self.nbytes = 0
         self.tries = 0  # times its keys were refused for space and sent again
+
+
+class _Promotion:
+    """One tier promotion (load) job until each of its keys has its outcome: its keys
+    may be read by several workers at once (a large step's loads are split)."""
+
+    __slots__ = ("job", "pending", "ok", "seconds", "nbytes")
+
+    def __init__(self, job: TransferJob, pending: int):
+        self.job = job
+        self.pending = pending
+        self.ok: list[OffloadKey] = []
+        self.seconds = 0.0
+        self.nbytes = 0
 
 
 class StorageTierManager(SecondaryTierManager):
@@ -189,7 +206,7 @@ class StorageTierManager(SecondaryTierManager):
         # [(job, keys)], delete / probe keys
         self._jobs: dict[PoolJobId, tuple[str, Any]] = {}
         self._store_queue: deque[list] = deque()  # [cascade, keys, rows] not yet sent
-        self._load_queue: list[tuple[TransferJob, list[OffloadKey], list[int]]] = []
+        self._load_queue: list[tuple[_Promotion, list[OffloadKey], list[int]]] = []
         self._to_delete: list[OffloadKey] = []  # evicted; no delete job accepted yet
         self._to_probe: list[OffloadKey] = []
         self._space_wait = False  # stores refused for space wait for the deletes in flight
@@ -284,7 +301,7 @@ class StorageTierManager(SecondaryTierManager):
         keys = list(job.keys)
         for key in keys:
             self._loading[key] = self._loading.get(key, 0) + 1
-        self._load_queue.append((job, keys, job.rows))
+        self._load_queue.append((_Promotion(job, len(keys)), keys, list(job.rows)))
 
     def _submit_queued(self) -> None:
         """Hand the queued work to the pool, combined: one pool job per operation (up to
@@ -373,15 +390,34 @@ class StorageTierManager(SecondaryTierManager):
             self._settle(cascade, len(job_keys), False)
 
     def _submit_loads(self, batch: list) -> None:
-        keys = [key for _, job_keys, _ in batch for key in job_keys]
-        rows = [row for _, _, job_rows in batch for row in job_rows]
-        pool_id = self._pool.submit("load", self._tier, keys, rows)
-        if pool_id is not None:
-            self._jobs[pool_id] = ("load", [(job, job_keys) for job, job_keys, _ in batch])
+        """``batch`` [(promotion, keys, rows)] as pool jobs: one, or with many keys one
+        per worker (at least LOAD_SPLIT_KEYS keys each), so that every worker reads (an
+        object store's GETs are latency-bound: one worker's io_threads do not fill it)."""
+        flat = [(promo, key, row) for promo, keys, rows in batch
+                for key, row in zip(keys, rows)]
+        if not flat:  # promotions of no keys: done
+            for promo, _, _ in batch:
+                self._settle_load(promo, 0)
             return
-        self._unmark_loading(keys)
-        self._finished.extend(JobResult(job.job_id, False, successful_keys=[])
-                              for job, _, _ in batch)
+        parts = max(1, min(self._pool.n, len(flat) // LOAD_SPLIT_KEYS))
+        size = -(-len(flat) // parts)
+        for start in range(0, len(flat), size):
+            part = flat[start:start + size]
+            keys = [key for _, key, _ in part]
+            rows = [row for _, _, row in part]
+            carried: list[tuple[_Promotion, list[OffloadKey]]] = []
+            for promo, key, _ in part:  # runs of one promotion's keys
+                if carried and carried[-1][0] is promo:
+                    carried[-1][1].append(key)
+                else:
+                    carried.append((promo, [key]))
+            pool_id = self._pool.submit("load", self._tier, keys, rows)
+            if pool_id is not None:
+                self._jobs[pool_id] = ("load", carried)
+                continue
+            for promo, promo_keys in carried:  # the rings are full: these keys fail now
+                self._unmark_loading(promo_keys)
+                self._settle_load(promo, len(promo_keys))
 
     def _submit_deletes(self) -> None:
         self._to_delete = self._submit_keys("delete", self._to_delete)
@@ -416,9 +452,9 @@ class StorageTierManager(SecondaryTierManager):
         self._fail_waiting_stores()
         if self._load_queue:
             queued, self._load_queue = self._load_queue, []
-            for job, keys, _ in queued:
+            for promo, keys, _ in queued:
                 self._unmark_loading(keys)
-                self._finished.append(JobResult(job.job_id, False, successful_keys=[]))
+                self._settle_load(promo, len(keys))
         self._forget_unsent()
 
     def _forget_unsent(self) -> None:
@@ -506,9 +542,9 @@ class StorageTierManager(SecondaryTierManager):
                 self._finish_stores(res, what)
             elif op == "load":
                 start = 0
-                for job, keys in what:  # each tier job: its own keys' outcomes and figures
+                for promo, keys in what:  # each tier job: its own keys' outcomes and figures
                     end = start + len(keys)
-                    self._finish_load(job, keys, res.outcomes[start:end],
+                    self._finish_load(promo, keys, res.outcomes[start:end],
                                       sum(res.seconds[start:end]),
                                       sum(res.logical_bytes[start:end]))
                     start = end
@@ -727,9 +763,11 @@ class StorageTierManager(SecondaryTierManager):
             if self._max_bytes is not None and self.bytes_committed > self._max_bytes:
                 self._evict(self.bytes_committed - self._max_bytes - self._deleting_bytes)
 
-    def _finish_load(self, job: TransferJob, keys: list[OffloadKey], outcomes: list[Outcome],
-                     seconds: float, nbytes: int) -> None:
-        ok = []
+    def _finish_load(self, promo: _Promotion, keys: list[OffloadKey],
+                     outcomes: list[Outcome], seconds: float, nbytes: int) -> None:
+        ok = promo.ok
+        promo.seconds += seconds
+        promo.nbytes += nbytes
         self._unmark_loading(keys)
         for key, code in zip(keys, outcomes):
             if code == Outcome.OK:
@@ -745,8 +783,18 @@ class StorageTierManager(SecondaryTierManager):
                     self._indexed_bytes -= size
                 if code == Outcome.CORRUPT:
                     self._stats.increase_counter(CORRUPT_CHUNKS, 1, (self._label,))
-        self._finished.append(JobResult(job.job_id, len(ok) == len(keys), successful_keys=ok,
-                                        transfer_time=seconds, transfer_bytes=nbytes))
+        self._settle_load(promo, len(keys))
+
+    def _settle_load(self, promo: _Promotion, final: int) -> None:
+        """``final`` more keys of ``promo`` have their outcome; report the tier job once
+        every key has one (success only if every key loaded)."""
+        promo.pending -= final
+        if promo.pending <= 0:
+            job = promo.job
+            self._finished.append(JobResult(job.job_id, len(promo.ok) == len(job.keys),
+                                            successful_keys=promo.ok,
+                                            transfer_time=promo.seconds,
+                                            transfer_bytes=promo.nbytes))
 
     def _namespace_reset(self, listing: bool) -> None:
         """A worker found the tier's namespace gone or made anew: the chunks indexed are
