@@ -60,6 +60,9 @@ BUILT_IN = (
     TierType("fs", "shmtier.tiers.fs.scheduler:FsTierManager",
              config="shmtier.tiers.fs.config:FsTierConfig",
              backend="shmtier.tiers.fs.backend:FsBackend"),
+    # no backend: its own endpoint process (spawned by the scheduler half) does the I/O
+    TierType("p2p", "shmtier.tiers.p2p.scheduler:P2PTierManager",
+             config="shmtier.tiers.p2p.config:P2PTierConfig"),
 )
 
 _registry: dict[str, TierType] = {t.name: t for t in BUILT_IN}
