@@ -8,11 +8,11 @@ engine (``on_schedule_end`` every few ms) so the tier serves its peers. Every co
 answers ``("ok", value)`` or ``("error", text)``.
 
 - ``("produce", req_id, kvid, keys, first_block)``: a PD prefiller request
-  (``remote_decoder``) stores chunks ``keys`` from GPU blocks ``first_block...`` and
+  (``remote_decoder``; a plain request if ``kvid`` is None) stores chunks ``keys`` from GPU blocks ``first_block...`` and
   finishes; value: the GPU bytes of those blocks.
 - ``("consume", req_id, params, keys, first_block, timeout_s)``: a request with
   ``kv_transfer_params`` ``params`` looks ``keys`` up once per step until every answer is
-  HIT (then loads them into GPU blocks ``first_block...``) or one is MISS, or the
+  HIT or MISS (then loads the leading HITs into GPU blocks ``first_block...``), or the
   timeout; value: ``{"answers": [per step], "data": bytes or None, "slowest_call_s"}``.
 - ``("refs", keys)``: the primary's ref count of each key (pins; None: not resident).
 - ``("stats",)``: the tier's endpoint counters, parked rows, restarts, pid of endpoint.
@@ -50,7 +50,8 @@ def serve(conn, engine_id: str, tier: dict, layout: dict) -> None:
 
     def produce(req_id, kvid, keys, first_block):
         keys = [fs_engine.key(k) for k in keys]
-        ctx = ReqContext(req_id, {"remote_decoder": {"kv_request_id": kvid}})
+        ctx = ReqContext(req_id, None if kvid is None else
+                         {"remote_decoder": {"kv_request_id": kvid}})
         timed(m.on_new_request, ctx)
         engine.offload(keys, first_block, ctx)
         timed(m.on_request_finished, ctx)
@@ -72,15 +73,18 @@ def serve(conn, engine_id: str, tier: dict, layout: dict) -> None:
             slowest[0] = max(slowest[0], time.perf_counter() - t0)
             step()
             seen.append([a.name for a in answers])
-            if all(a is HIT for a in answers) or MISS in answers:
+            if all(a is HIT or a is MISS for a in answers):
                 break
             time.sleep(0.005)
-        if seen and all(a == HIT.name for a in seen[-1]):
+        hits = 0
+        while seen and hits < len(keys) and seen[-1][hits] == HIT.name:
+            hits += 1
+        if hits:
             with m.lock:
-                spec = m.prepare_load(keys, ctx)
-            gpu = blocks(first_block, len(keys))
+                spec = m.prepare_load(keys[:hits], ctx)
+            gpu = blocks(first_block, hits)
             engine.copy("load", spec, gpu)
-            timed(m.complete_load, keys, ctx)
+            timed(m.complete_load, keys[:hits], ctx)
             data = b"".join(c[gpu].numpy().tobytes() for c in engine.caches)
         timed(m.on_request_finished, ctx)
         step()

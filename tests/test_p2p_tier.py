@@ -136,10 +136,44 @@ def test_pd_byte_exact(engines, keys, layout):
     assert got["answers"][-1] == ["HIT"] * len(ks)
     assert got["data"] == sent
     assert got["slowest_call_s"] < 0.5
-    deadline = time.monotonic() + 10
-    while prod.call("refs", ks) != [0] * len(ks):
-        assert time.monotonic() < deadline, prod.call("refs", ks)
-        time.sleep(0.05)
+    wait_unpinned(prod, ks)
     st = wait_stats(prod, lambda st: st["counters"]["server"]["chunks"] >= len(ks))
     assert st["parked"] == 0
     assert st["counters"]["server"]["bytes_sent"] == len(sent)
+
+
+def wait_unpinned(engine: EngineProc, ks: list, timeout_s: float = 10) -> None:
+    deadline = time.monotonic() + timeout_s
+    while engine.call("refs", ks) != [0] * len(ks):
+        assert time.monotonic() < deadline, engine.call("refs", ks)
+        time.sleep(0.05)
+
+
+# --------------------------------------------------------------------------- symmetric
+
+
+@pytest.mark.timeout(120)
+def test_symmetric_retry_then_hit_and_miss(engines, keys):
+    """A consumer with remote_kv_source: RETRY until the peer answers, HIT for the chunks
+    the peer holds (fetched byte-exact), MISS for the others; the peer's pins for the
+    lookup are released after the fetch; an unknown request id at a peer with nothing
+    is all MISS."""
+    a, b = engines((tier(keys.a), {}), (tier(keys.b), {}))
+    held = [11, 12, 13, 14]
+    sent = a.call("produce", "p1", None, held, 0)
+    assert a.call("refs", held) == [0] * len(held)
+    src = {"remote_kv_source": {"kv_request_id": "sym-1", "remote_host": "127.0.0.1",
+                                "remote_port": a.port}}
+    got = b.call("consume", "c1", src, held + [15, 16], 40, 20)
+    assert got["answers"][0] == ["RETRY"] * 6
+    assert got["answers"][-1] == ["HIT"] * 4 + ["MISS"] * 2
+    assert got["data"] == sent
+    assert got["slowest_call_s"] < 0.5
+    wait_unpinned(a, held)
+    # the peer was asked through its ParentManager: nothing of this engine's stays pinned
+    st = wait_stats(a, lambda st: st["counters"]["server"]["chunks"] >= 4)
+    assert st["parked"] == 0 and st["counters"]["server"]["lookups"] >= 1
+    got = b.call("consume", "c2", {"remote_kv_source": {**src["remote_kv_source"],
+                                                        "kv_request_id": "sym-2"}},
+                 [21, 22], 50, 20)
+    assert got["answers"][-1] == ["MISS", "MISS"] and got["data"] is None
