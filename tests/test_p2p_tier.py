@@ -21,7 +21,8 @@ pytest.importorskip("zmq")
 
 import p2p_engine  # noqa: E402  (tests/ is on sys.path)
 from shmtier.options import ConfigError  # noqa: E402
-from shmtier.tiers.p2p.keys import generate_keypair_files  # noqa: E402
+from shmtier.shared.segment import clean_stale_segments  # noqa: E402
+from shmtier.tiers.p2p.keys import generate_keypair_files, load_public_key  # noqa: E402
 
 CTX = mp.get_context("spawn")
 LAYOUT = {"page": 8192, "chunks": 16}
@@ -72,7 +73,9 @@ def keys():
         for me, other in (("a", "b"), ("b", "a"), ("stranger", "a")):
             os.makedirs(os.path.join(d, f"allow-{me}"))
             shutil.copy(os.path.join(d, other, f"{other}.key"), os.path.join(d, f"allow-{me}"))
-        yield SimpleNamespace(dir=d, **{
+        pub = {n: load_public_key(os.path.join(d, n, f"{n}.key")).decode()
+               for n in ("a", "b", "stranger")}
+        yield SimpleNamespace(dir=d, pub=pub, **{
             n: {"secret_key_file": os.path.join(d, n, f"{n}.key_secret"),
                 "allow_keys_dir": os.path.join(d, f"allow-{n}")}
             for n in ("a", "b", "stranger")})
@@ -177,3 +180,113 @@ def test_symmetric_retry_then_hit_and_miss(engines, keys):
                                                         "kv_request_id": "sym-2"}},
                  [21, 22], 50, 20)
     assert got["answers"][-1] == ["MISS", "MISS"] and got["data"] is None
+
+
+# --------------------------------------------------------------------------- failures
+
+
+@pytest.mark.timeout(120)
+def test_wrong_key_unknown_peer_and_other_layout_are_refused(engines, keys):
+    """A peer whose key the producer does not allow is refused at the handshake, one
+    with another layout at the hello (both counted at the producer); a consumer that
+    does not know the producer's key does not connect at all. Nothing is served: the
+    consumers' lookups end MISS and the producer's parked chunks stay pinned for the
+    rightful consumer."""
+    two_keys = {"secret_key_file": keys.b["secret_key_file"],
+                "allow_keys": [keys.pub["a"], keys.pub["stranger"]]}
+    a, stranger, other = engines((tier(keys.a), {}), (tier(keys.stranger), {}),
+                                 (tier(two_keys), {"page": 4096}))
+    ks = [31, 32, 33]
+    a.call("produce", "p1", "kv-x", ks, 0)
+    got = stranger.call("consume", "c1", pd("kv-x", a.port), ks, 40, 20)
+    assert got["answers"][-1] == ["MISS"] * 3 and got["data"] is None
+    got = other.call("consume", "c2", pd("kv-x", a.port), ks, 40, 20)  # no key for a
+    assert got["answers"][-1] == ["MISS"] * 3 and got["data"] is None
+    with_key = pd("kv-x", a.port)
+    with_key["remote_prefiller"]["remote_public_key"] = keys.pub["a"]
+    got = other.call("consume", "c3", with_key, ks, 40, 20)
+    assert got["answers"][-1] == ["MISS"] * 3 and got["data"] is None
+    st = wait_stats(a, lambda st: {"unknown_key", "fingerprint"}
+                    <= set(st["counters"]["server"]["refused_handshakes"]))
+    server = st["counters"]["server"]
+    assert server["chunks"] == 0 and server["bytes_sent"] == 0 and server["requests"] == 0
+    assert st["parked"] == 3 and all(r > 0 for r in a.call("refs", ks))
+
+
+@pytest.mark.timeout(120)
+def test_producer_killed_mid_transfer(engines, keys):
+    """The producer (engine and endpoint) is SIGKILLed while the consumer's fetch round
+    waits for chunks it has not parked yet: the load fails cleanly (the chunks that
+    arrived are exact, the rest are freed), later lookups of the request and of a new
+    one MISS, and the consumer keeps running with nothing pinned."""
+    prod, cons = engines((tier(keys.a), {}), (tier(keys.b, fetch_timeout_s=4), {}))
+    ks = [41, 42, 43, 44, 45, 46]
+    sent = prod.call("produce", "p1", "kv-k", ks[:3], 0)
+    endpoint = prod.call("stats")["pid"]
+    cons.conn.send(("consume", "c1", pd("kv-k", prod.port), ks, 40, 20))
+    time.sleep(1.0)  # the round has the first 3 and asks again for the rest
+    for pid in (endpoint, prod.proc.pid):
+        os.kill(pid, signal.SIGKILL)
+    prod.proc.join(5)
+    try:
+        assert cons.conn.poll(30)
+        tag, got = cons.conn.recv()
+        assert tag == "ok", got
+        assert got["answers"][-1] == ["HIT"] * 3 + ["MISS"] * 3
+        assert got["data"] == sent
+        assert got["slowest_call_s"] < 0.5
+        assert cons.call("refs", ks) == [0, 0, 0, None, None, None]
+        later = cons.call("consume", "c2", pd("kv-k2", prod.port), [51, 52], 50, 20)
+        assert later["answers"][-1] == ["MISS", "MISS"] and later["data"] is None
+        assert cons.call("refs", [51, 52]) == [None, None]
+    finally:
+        deadline = time.monotonic() + 5
+        while True:  # the killed producer's endpoint may still be exiting
+            try:
+                os.kill(endpoint, 0)
+            except ProcessLookupError:
+                break
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        clean_stale_segments()
+
+
+@pytest.mark.timeout(120)
+def test_unfetched_parked_chunks_are_released_after_the_timeout(engines, keys):
+    """No consumer ever fetches: the producer's parked pins are released within
+    unbound_store_timeout_s, and a later store of the same request fails at once
+    instead of parking again."""
+    (prod,) = engines((tier(keys.a, unbound_store_timeout_s=1.0), {}))
+    ks = [61, 62, 63]
+    t0 = time.monotonic()
+    prod.call("produce", "p1", "kv-gone", ks, 0)
+    assert all(r > 0 for r in prod.call("refs", ks))
+    wait_unpinned(prod, ks, timeout_s=5)
+    assert time.monotonic() - t0 < 3.0
+    prod.call("produce", "p2", "kv-gone", [64], 10)
+    assert prod.call("refs", [64]) == [0]
+    assert prod.call("stats")["parked"] == 0
+
+
+@pytest.mark.timeout(120)
+def test_endpoint_restarts_and_releases_parked_pins(engines, keys):
+    """The producer's endpoint process dies: its parked stores fail (unpinned at once),
+    a new endpoint starts on the same port and serves the next request."""
+    prod, cons = engines((tier(keys.a), {}), (tier(keys.b), {}))
+    ks = [71, 72]
+    prod.call("produce", "p1", "kv-r1", ks, 0)
+    st = prod.call("stats")
+    os.kill(st["pid"], signal.SIGKILL)
+    wait_unpinned(prod, ks)
+    deadline = time.monotonic() + 20
+    while True:
+        new = prod.call("stats")
+        if new["restarts"] == 1 and new["pid"] not in (None, st["pid"]) and new["counters"]:
+            break
+        assert time.monotonic() < deadline, new
+        time.sleep(0.1)
+    time.sleep(0.3)  # the new endpoint binds the port
+    sent = prod.call("produce", "p2", "kv-r2", [73, 74], 4)
+    got = cons.call("consume", "c1", pd("kv-r2", prod.port), [73, 74], 40, 20)
+    assert got["data"] == sent
