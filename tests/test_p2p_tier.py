@@ -50,13 +50,16 @@ class EngineProc:
         assert tag == "ok", value
         return value
 
-    def close(self) -> None:
+    def stop(self) -> None:
         if self.proc.is_alive():
             try:
                 self.conn.send(("stop",))
             except OSError:
                 pass
-            self.proc.join(10)
+
+    def close(self) -> None:
+        self.stop()
+        self.proc.join(10)
         if self.proc.is_alive():
             self.proc.kill()
             self.proc.join(5)
@@ -95,6 +98,8 @@ def engines(engine_id):
         return [e.wait_ready() for e in new]
 
     yield start
+    for e in made:  # all at once: each takes a moment to shut its endpoint down
+        e.stop()
     for e in made:
         e.close()
 
