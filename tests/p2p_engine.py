@@ -95,7 +95,7 @@ def serve(conn, engine_id: str, tier: dict, layout: dict) -> None:
         return {"counters": p2p.endpoint_counters,
                 "parked": sum(p.rows for p in p2p._parked.values()),
                 "restarts": p2p.restarts, "pid": proc.pid if proc else None,
-                "port": p2p.port}
+                "port": p2p.port, "tmpdir": p2p._tmpdir}
 
     try:
         deadline = time.monotonic() + 30

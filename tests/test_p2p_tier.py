@@ -227,7 +227,8 @@ def test_producer_killed_mid_transfer(engines, keys):
     prod, cons = engines((tier(keys.a), {}), (tier(keys.b, fetch_timeout_s=4), {}))
     ks = [41, 42, 43, 44, 45, 46]
     sent = prod.call("produce", "p1", "kv-k", ks[:3], 0)
-    endpoint = prod.call("stats")["pid"]
+    st = prod.call("stats")
+    endpoint = st["pid"]
     cons.conn.send(("consume", "c1", pd("kv-k", prod.port), ks, 40, 20))
     time.sleep(1.0)  # the round has the first 3 and asks again for the rest
     for pid in (endpoint, prod.proc.pid):
@@ -255,6 +256,7 @@ def test_producer_killed_mid_transfer(engines, keys):
                 break
             time.sleep(0.05)
         clean_stale_segments()
+        shutil.rmtree(st["tmpdir"], ignore_errors=True)  # its scheduler was killed too
 
 
 @pytest.mark.timeout(120)

@@ -299,10 +299,21 @@ def main() -> int:
     except OSError as e:  # cannot bind: the scheduler half restarts us with backoff
         log.error("p2p endpoint cannot start: %s", e)
         return 2
+    code = 1
     try:
-        return endpoint.run()
+        code = endpoint.run()
+        return code
     finally:
         endpoint.close()
+        if code == 3:  # the engine died without shutting us down: remove its socket dir
+            _remove_socket_dir(settings["ipc"])
+
+
+def _remove_socket_dir(ipc: str) -> None:
+    import shutil
+    directory = os.path.dirname(ipc[len("ipc://"):])
+    if os.path.basename(directory).startswith("shmtier-p2p-"):
+        shutil.rmtree(directory, ignore_errors=True)
 
 
 if __name__ == "__main__":
