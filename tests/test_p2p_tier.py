@@ -169,7 +169,7 @@ def test_symmetric_retry_then_hit_and_miss(engines, keys):
     a, b = engines((tier(keys.a), {}), (tier(keys.b), {}))
     held = [11, 12, 13, 14]
     sent = a.call("produce", "p1", None, held, 0)
-    assert a.call("refs", held) == [0] * len(held)
+    wait_unpinned(a, held)  # no producer role: its cascades succeed at once, unpinned
     src = {"remote_kv_source": {"kv_request_id": "sym-1", "remote_host": "127.0.0.1",
                                 "remote_port": a.port}}
     got = b.call("consume", "c1", src, held + [15, 16], 40, 20)
@@ -272,7 +272,7 @@ def test_unfetched_parked_chunks_are_released_after_the_timeout(engines, keys):
     wait_unpinned(prod, ks, timeout_s=5)
     assert time.monotonic() - t0 < 3.0
     prod.call("produce", "p2", "kv-gone", [64], 10)
-    assert prod.call("refs", [64]) == [0]
+    wait_unpinned(prod, [64], timeout_s=2)  # its store fails at once (the id timed out)
     assert prod.call("stats")["parked"] == 0
 
 
