@@ -48,10 +48,14 @@ def test_a_probe_past_its_deadline_answers_miss_once_counted_and_its_late_answer
 def test_a_failed_probe_or_load_is_remembered_for_the_timeout_not_the_ttl():
     p = LookupProbes(ttl_s=0.05, timeout_s=0.3)
     p.remember_miss(b"k", failed=True)
+    p.load_failed(b"j")
     time.sleep(0.1)
-    assert p.missed_now(b"k") and p.has_missed
+    assert p.answer(b"k") is MISS
+    assert p.failed_now(b"j") and p.has_failed and not p.failed_now(b"k")
     time.sleep(0.25)
-    assert not p.missed_now(b"k")
+    p.purge()
+    assert not p.failed_now(b"j") and not p.has_failed
+    assert p.answer(b"k") is RETRY
 
 
 def test_keys_the_rings_refused_are_asked_again_first_and_clear_forgets_everything():
@@ -63,4 +67,4 @@ def test_keys_the_rings_refused_are_asked_again_first_and_clear_forgets_everythi
     p.answer(b"d")
     assert p.take_asked() == [b"b", b"c", b"d"]
     p.clear()
-    assert not p.has_asked and not p.has_missed and p.answer(b"a") is RETRY
+    assert not p.has_asked and not p.has_failed and p.answer(b"a") is RETRY

@@ -169,3 +169,17 @@ def test_workers_starting_on_a_fresh_root_do_not_reset_the_namespace(engines, tm
     assert _fs(e).namespace_resets == 0
     assert "made anew" not in caplog.text
     assert len(_fs(e).indexed_chunks()) == 16
+
+
+def test_a_key_probed_absent_then_stored_is_a_hit(engines, tmp_path):
+    """A miss remembered from a probe does not outlive the key's own store (it once made
+    the stored chunk a MISS for as long as requests kept asking)."""
+    e = engines(tmp_path, chunks=4)
+    keys = [key(i) for i in range(4)]
+    ctx = ReqContext("r")
+    assert e.answers_settled(keys, ctx) == [MISS] * 4  # probed: absent
+    e.offload(keys, 0, ctx)
+    e.settle()
+    e.offload([key(100 + i) for i in range(4)], 4, ReqContext("b"))  # keys leave the CPU tier
+    e.settle()
+    assert e.answers_settled(keys, ctx) == [HIT] * 4  # promoted from the tier

@@ -38,7 +38,7 @@ _EXPIRED = -1.0  # an asked key's deadline once it has passed (counted)
 class LookupProbes:
     """The keys asked, in flight and recently missed, for one tier."""
 
-    __slots__ = ("ttl_s", "timeout_s", "expired", "_asked", "_waiting", "_missed")
+    __slots__ = ("ttl_s", "timeout_s", "expired", "_asked", "_waiting", "_missed", "_failed")
 
     def __init__(self, ttl_s: float, timeout_s: float):
         self.ttl_s = ttl_s
@@ -47,6 +47,7 @@ class LookupProbes:
         self._asked: list[OffloadKey] = []  # asked, no probe job accepted yet
         self._waiting: dict[OffloadKey, float] = {}  # asked or in flight -> deadline
         self._missed: dict[OffloadKey, float] = {}  # answered absent -> until (in order)
+        self._failed: dict[OffloadKey, float] = {}  # indexed, its load failed -> until
 
     def answer(self, key: OffloadKey) -> LookupResult:
         """The lookup answer for ``key``, which the tier's index does not know: MISS while
@@ -74,11 +75,6 @@ class LookupProbes:
         return LookupResult.MISS
 
     @property
-    def has_missed(self) -> bool:
-        """Whether any miss is remembered (the index's HIT path checks only then)."""
-        return bool(self._missed)
-
-    @property
     def has_asked(self) -> bool:
         """Whether keys wait for a probe job to be sent."""
         return bool(self._asked)
@@ -100,36 +96,49 @@ class LookupProbes:
             self.remember_miss(key, failed=failed)
 
     def remember_miss(self, key: OffloadKey, *, failed: bool = False) -> None:
-        """Answer MISS for ``key`` for ``ttl_s`` from now, or for ``timeout_s`` when the
-        medium ``failed`` to answer (a load or probe that ended in ERROR: a store that is
-        down is not asked again every step). Also after a failed load of an indexed key
-        (``missed_now``): the promotion is not retried at once."""
+        """Answer MISS for ``key`` (not in the index) for ``ttl_s`` from now, or for
+        ``timeout_s`` when the medium ``failed`` to answer (a probe that ended in ERROR: a
+        store that is down is not asked again every step)."""
         self._missed.pop(key, None)  # re-inserted at the end: the dict stays in time order
         self._missed[key] = time.monotonic() + (self.timeout_s if failed else self.ttl_s)
 
-    def missed_now(self, key: OffloadKey) -> bool:
-        """Whether a miss of ``key`` is remembered now (an indexed key whose load failed)."""
-        until = self._missed.get(key)
+    def load_failed(self, key: OffloadKey) -> None:
+        """The load of ``key``, which stays indexed, failed (ERROR: says nothing about the
+        chunk): ``failed_now`` is true for ``timeout_s``, so the tier answers MISS instead
+        of promoting it again at once (no promote-fail loop against a medium that is
+        down)."""
+        self._failed.pop(key, None)
+        self._failed[key] = time.monotonic() + self.timeout_s
+
+    def failed_now(self, key: OffloadKey) -> bool:
+        """Whether ``key``'s load failed less than ``timeout_s`` ago (``load_failed``)."""
+        until = self._failed.get(key)
         return until is not None and time.monotonic() < until
+
+    @property
+    def has_failed(self) -> bool:
+        """Whether any failed load is remembered (the index's HIT path checks only then)."""
+        return bool(self._failed)
 
     def purge(self) -> None:
         """Forget the misses remembered past their time (once per step): oldest first, up
         to the first not yet due (a failure's longer miss may keep a few shorter ones
         after it a little longer)."""
-        missed = self._missed
-        if not missed:
+        if not (self._missed or self._failed):
             return
         now = time.monotonic()
-        while missed:
-            key = next(iter(missed))
-            if missed[key] > now:
-                break
-            del missed[key]
+        for remembered in (self._missed, self._failed):
+            while remembered:
+                key = next(iter(remembered))
+                if remembered[key] > now:
+                    break
+                del remembered[key]
 
     def clear(self) -> None:
         """Forget every probe (the worker pool is broken: nothing will answer)."""
-        self._asked, self._waiting, self._missed = [], {}, {}
+        self._asked, self._waiting, self._missed, self._failed = [], {}, {}, {}
 
     def __repr__(self) -> str:
         return (f"LookupProbes(asked={len(self._asked)}, waiting={len(self._waiting)}, "
-                f"missed={len(self._missed)}, expired={self.expired})")
+                f"missed={len(self._missed)}, failed={len(self._failed)}, "
+                f"expired={self.expired})")

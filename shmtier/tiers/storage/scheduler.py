@@ -255,7 +255,7 @@ class StorageTierManager(SecondaryTierManager):
         if self._broken:  # nothing can be loaded: a MISS, never a wait
             return LookupResult.MISS
         if key in self._index:
-            if self._lookups.has_missed and self._lookups.missed_now(key):
+            if self._lookups.has_failed and self._lookups.failed_now(key):
                 return LookupResult.MISS  # its load just failed: not promoted again at once
             self._index.move_to_end(key)
             return LookupResult.HIT
@@ -773,14 +773,15 @@ class StorageTierManager(SecondaryTierManager):
             if code == Outcome.OK:
                 ok.append(key)
                 continue
-            # no promote-fail-promote loop: a MISS for a while (a failure's: longer)
-            self._lookups.remember_miss(key, failed=code == Outcome.ERROR)
+            if code == Outcome.ERROR:  # no promote-fail loop: a MISS for a while
+                self._lookups.load_failed(key)
             if code == Outcome.MISS or code == Outcome.CORRUPT:
                 # gone, or corrupt (removed by the worker): never a HIT again. An ERROR
                 # (the worker died, the read failed) says nothing about the chunk: kept.
                 size = self._index.pop(key, None)
                 if size is not None:
                     self._indexed_bytes -= size
+                self._lookups.remember_miss(key)  # unknown now: not probed again at once
                 if code == Outcome.CORRUPT:
                     self._stats.increase_counter(CORRUPT_CHUNKS, 1, (self._label,))
         self._settle_load(promo, len(keys))
