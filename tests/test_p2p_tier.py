@@ -102,6 +102,8 @@ def engines(engine_id):
         e.stop()
     for e in made:
         e.close()
+    # an engine that did not stop in time was killed: its segment is stale now
+    clean_stale_segments()
 
 
 def tier(k: dict, **over) -> dict:
