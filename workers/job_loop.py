@@ -21,6 +21,9 @@ Runs in: one tier worker process (spawned by the pool, or started by
                         each slice (more=True but the last), other ops at the end
           every few seconds: owner (scheduler) alive? else exit
 
+Each result answered is also added to the slot's counters in the segment
+(``WorkerRings.tally``: job parts, logical bytes, codec ns, failed keys; read by
+``shmtier top`` and the external pool's metrics endpoint).
 After each job the backend's ``take_flags()`` (``jobs.ResultFlag`` bits it raised,
 e.g. that its namespace was reset) go with the job's result.
 A job for a tier that has no worker half, or for an op its backend does not
@@ -117,8 +120,8 @@ def decode_all(batch: list[bytes]) -> list:
     return decoded
 
 
-_URGENT = ("load", "probe")
-_FAILED = frozenset((jobs.Outcome.ERROR, jobs.Outcome.CORRUPT, jobs.Outcome.INVALID))  # ops a request waits on: they overtake stores and deletes
+_URGENT = ("load", "probe")  # ops a request waits on: they overtake stores and deletes
+_FAILED = frozenset((jobs.Outcome.ERROR, jobs.Outcome.CORRUPT, jobs.Outcome.INVALID))
 
 
 def loads_first(decoded: list, mutated: set | None = None) -> tuple[list, list]:
