@@ -444,3 +444,49 @@ def test_plaintext_mode_works_and_says_so(keys, peers, clients, caplog):
     curve = clients(server.port, keys.client, keys.server.public)
     r = curve.fetch([k], [row], timeout_s=1.0)
     assert r.outcomes == [Outcome.ERROR]
+
+
+def test_request_scoped_fetch_deferred_lookup_and_done():
+    """The p2p tier's use of the transport (plaintext, server on a thread here): a fetch
+    naming ``req`` reads only ``request_provider(req, key)``; a lookup naming ``req`` is
+    answered later by the owner (``answer_lookup``); ``done`` reaches ``on_done``."""
+    rows = {("r1", b"k1"): np.arange(64, dtype=np.uint8)}
+    tokens, done, stop = [], [], threading.Event()
+    server = ChunkServer("127.0.0.1", 0, provider=lambda key: None, fingerprint=FP,
+                         hash_seed=SEED, plaintext=True,
+                         request_provider=lambda req, key: rows.get((req, key)),
+                         lookup_handler=lambda token, req, keys: tokens.append((token, req, keys)),
+                         on_done=done.append)
+
+    def loop():
+        while not stop.is_set():
+            server.poll(0.005)
+            while tokens:
+                token, req, keys = tokens.pop()
+                server.answer_lookup(token, [req == "r1" and k == b"k1" for k in keys])
+
+    thread = threading.Thread(target=loop, daemon=True)
+    thread.start()
+    client = ChunkClient("127.0.0.1", server.port, fingerprint=FP, hash_seed=SEED,
+                         plaintext=True)
+    try:
+        dest = np.zeros(64, np.uint8)
+        assert client.fetch([b"k1"], [dest], 5, req="r1").all_ok
+        assert (dest == rows["r1", b"k1"]).all()
+        res = client.fetch([b"k1"], [np.zeros(64, np.uint8)], 5, req="r2")  # other request
+        assert res.outcomes == [Outcome.MISS]
+        res = client.fetch([b"k1"], [np.zeros(64, np.uint8)], 5)  # unscoped: provider
+        assert res.outcomes == [Outcome.MISS]
+        assert client.lookup([b"k1", b"k2"], 5, req="r1") == [True, False]
+        assert client.done("r1", 5)
+        deadline = time.monotonic() + 5
+        while done != ["r1"]:
+            assert time.monotonic() < deadline, done
+            time.sleep(0.01)
+        with pytest.raises(ValueError):
+            client.fetch([b"k1"], [dest], 5, req="x" * 300)
+    finally:
+        client.close()
+        stop.set()
+        thread.join(5)
+        server.close()

@@ -1184,7 +1184,7 @@ def test_a_stop_request_ends_the_job_queue_after_the_job_in_hand(tmp_path):
         [backend], np.zeros((1, 4096), dtype=np.uint8), 4096, 8 << 10,
         answer=lambda result: (answered.append(result), stop.append(True)),
         stop_requested=lambda: bool(stop))
-    queued = [jobs.decode_job(jobs.pack_job(i, "probe", 0, [_key(i)])) for i in range(1, 4)]
+    queued = [jobs.decode_job(jobs.pack_job(i, "delete", 0, [_key(i)])) for i in range(1, 4)]
     assert runner.admit(queued) == []
     runner.run_queue()
     assert [r.job_id for r in answered] == [1]

@@ -78,8 +78,60 @@ def test_example_options_fail_when_the_spec_is_built():
         build({"type": "example", "locality": "LOCAL"})
 
 
+P2P_INVALID = [
+    ({"port": 70000}, r"\.port = 70000 is invalid: expected an integer in 0\.\.65535"),
+    ({"unbound_store_timeout_s": 0}, r"\.unbound_store_timeout_s = 0 is invalid: expected a "
+                                     r"number > 0"),
+    ({"backends": ["tcp"]}, r"\.backends = \['tcp'\] is invalid: expected a non-empty list of "
+                            r"'zmq' and 'UCX'"),
+    ({"plaintext": "yes"}, r"\.plaintext = 'yes' is invalid: expected true or false"),
+    ({"secret_key_file": None}, r"secondary_tiers\[0\]: give this engine's key pair as exactly "
+                                r"one of secret_key_file"),
+    ({"secret_key_file": "/nonexistent/k.key_secret"},
+     r"\.secret_key_file is invalid: p2p key file /nonexistent/k\.key_secret: does not exist"),
+    ({"secret_key_file": None, "secret_key": "short"},
+     r"\.secret_key = <secret, not shown> is invalid"),
+    ({"allow_keys_dir": None}, r"give the peers' public keys in allow_keys_dir"),
+    ({"allow_keys_dir": "EMPTY"}, r"\.allow_keys_dir = '.*' is invalid: .*no \*\.key public key"),
+    ({"allow_keys": "abc"}, r"\.allow_keys = 'abc' is invalid: expected a non-empty list"),
+    ({"plaintext": True}, r"\.plaintext = true takes no keys"),
+    ({"peers": {"nohost": "x"}}, r"\.peers = .* is invalid: .*'host:port'"),
+    ({"fetch_timeout_s": -1}, r"\.fetch_timeout_s = -1 is invalid"),
+]
+
+
+@pytest.mark.parametrize("options, message", P2P_INVALID)
+def test_p2p_options_fail_when_the_spec_is_built(tmp_path, options, message):
+    pytest.importorskip("zmq")
+    from shmtier.tiers.p2p.keys import generate_keypair_files
+
+    generate_keypair_files(tmp_path / "me", "me")
+    generate_keypair_files(tmp_path / "allow", "peer")
+    (tmp_path / "empty").mkdir()
+    tier = {"type": "p2p", "secret_key_file": str(tmp_path / "me" / "me.key_secret"),
+            "allow_keys_dir": str(tmp_path / "allow"), **options}
+    if tier["allow_keys_dir"] == "EMPTY":
+        tier["allow_keys_dir"] = str(tmp_path / "empty")
+    tier = {k: v for k, v in tier.items() if v is not None}
+    with pytest.raises(ConfigError, match=message):
+        build(tier)
+    assert no_segment_made()
+
+
+def test_p2p_plaintext_needs_no_keys_and_ucx_needs_nixl():
+    pytest.importorskip("zmq")
+    spec = build({"type": "p2p", "plaintext": True, "port": 0})
+    assert spec.tiering_config.secondary_tiers[0].options.plaintext is True
+    try:
+        import nixl  # noqa: F401
+    except ImportError:
+        with pytest.raises(ConfigError, match=r"\.backends = \['UCX'\] is invalid: .*'nixl' "
+                                              r"package"):
+            build({"type": "p2p", "plaintext": True, "backends": ["UCX"]})
+
+
 def test_every_built_in_tier_type_has_a_config_table_here():
-    assert {t.name for t in registry.BUILT_IN} == {"fs", "example", "obj"}, \
+    assert {t.name for t in registry.BUILT_IN} == {"fs", "example", "obj", "p2p"}, \
         "a new tier type needs its invalid-option cases (obj's: test_obj_backend.py)"
 
 

@@ -63,6 +63,9 @@ BUILT_IN = (
     TierType("obj", "shmtier.tiers.obj.scheduler:ObjTierManager",
              config="shmtier.tiers.obj.config:ObjTierConfig",
              backend="shmtier.tiers.obj.backend:ObjBackend"),
+    # no backend: its own endpoint process (spawned by the scheduler half) does the I/O
+    TierType("p2p", "shmtier.tiers.p2p.scheduler:P2PTierManager",
+             config="shmtier.tiers.p2p.config:P2PTierConfig"),
 )
 
 _registry: dict[str, TierType] = {t.name: t for t in BUILT_IN}

@@ -8,17 +8,9 @@ fails there, naming the key, before any tier worker starts.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
-from shmtier.options import Secret, boolean, integer, one_of, writable_dir
-from shmtier.tiers.config import REQUIRED, TierContext, option
-from shmtier.tiers.frame_options import (
-    check_frame_options,
-    mac_key_file_option,
-    mac_key_option,
-    mac_secret,
-    with_mac_key,
-)
+from shmtier.options import boolean, integer, one_of, writable_dir
+from shmtier.tiers.config import REQUIRED, option
 from shmtier.tiers.storage.config import StorageTierConfig
 
 DEFAULT_MIN_FREE_BYTES = 1 << 30
@@ -37,13 +29,9 @@ class FsTierConfig(StorageTierConfig):
     ``n_read_threads``/``n_write_threads``: vLLM's fs options, accepted and unused (the
     tier workers do the I/O).
 
-    ``mac_key_file`` / ``mac_key`` (at most one; default neither): the secret of the
-    frames' keyed MAC (``shmtier/shared/codec.py``, "Authentication"), from a private
-    file (read here, when the spec is built) or as hex in the config (which gets
-    logged: prefer the file). Either is kept as a :class:`~shmtier.options.Secret` that
-    never shows its value; the tier workers receive the key bytes as ``mac_key`` in
-    ``worker_args`` (published in the engine's 0600 shared-memory segment, like every
-    worker option) and no file path, so every worker uses the key checked here."""
+    ``mac_key_file`` / ``mac_key``: ``StorageTierConfig``."""
+
+    frame_word = "file"
 
     root_dir: str = option(REQUIRED, writable_dir(), worker=True)
     min_free_bytes: int | None = option(DEFAULT_MIN_FREE_BYTES,
@@ -52,18 +40,3 @@ class FsTierConfig(StorageTierConfig):
     direct_io: bool | str = option(False, one_of(False, True, "auto"), worker=True)
     n_read_threads: int | None = option(None, integer(1).or_none())
     n_write_threads: int | None = option(None, integer(1).or_none())
-    mac_key_file: Secret | None = mac_key_file_option()
-    mac_key: Secret | None = mac_key_option()
-
-    @property
-    def mac_secret(self) -> bytes | None:
-        """The MAC key's bytes (from ``mac_key_file`` or ``mac_key``), or None."""
-        return mac_secret(self)
-
-    def worker_args(self) -> dict[str, Any]:
-        """The ``worker=True`` options, plus ``mac_key`` (the key's bytes) when a MAC key
-        is configured."""
-        return with_mac_key(self, super().worker_args())
-
-    def check_together(self, where: str, context: TierContext) -> None:
-        check_frame_options(self, where, context, what="file")

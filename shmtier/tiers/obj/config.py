@@ -22,13 +22,6 @@ from urllib.parse import urlsplit
 
 from shmtier.options import Check, ConfigError, Secret, choice_upper, integer, invalid, number
 from shmtier.tiers.config import REQUIRED, TierContext, option
-from shmtier.tiers.frame_options import (
-    check_frame_options,
-    mac_key_file_option,
-    mac_key_option,
-    mac_secret,
-    with_mac_key,
-)
 from shmtier.tiers.storage.config import StorageTierConfig
 
 _BUCKET = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
@@ -253,6 +246,8 @@ class ObjTierConfig(StorageTierConfig):
     ``worker_args()``: ``store_config`` as plain data (:meth:`S3StoreConfig.as_plain`),
     the ``worker=True`` options and the MAC key's bytes as ``mac_key``."""
 
+    frame_word = "object"
+
     store_config: S3StoreConfig = option(REQUIRED, StoreConfigCheck(), worker=True)
     prefix: str = option("", Check(f"a key prefix of at most {MAX_PREFIX_CHARS} characters "
                                    f"(a string)", _prefix), worker=True)
@@ -261,20 +256,12 @@ class ObjTierConfig(StorageTierConfig):
     connect_timeout_s: float = option(2.0, number(0, min_open=True), worker=True)
     read_timeout_s: float = option(10.0, number(0, min_open=True), worker=True)
     max_attempts: int = option(4, integer(1, 20), worker=True)
-    mac_key_file: Secret | None = mac_key_file_option()
-    mac_key: Secret | None = mac_key_option()
-
-    @property
-    def mac_secret(self) -> bytes | None:
-        """The MAC key's bytes (from ``mac_key_file`` or ``mac_key``), or None."""
-        return mac_secret(self)
-
     def worker_args(self) -> dict[str, Any]:
         """The ``worker=True`` options with ``store_config`` as plain data, plus
         ``mac_key`` (the key's bytes) when a MAC key is configured."""
         args = super().worker_args()
         args["store_config"] = self.store_config.as_plain()
-        return with_mac_key(self, args)
+        return args
 
     def where_words(self) -> str:
         """The bucket and endpoint in log lines and errors."""
@@ -282,9 +269,9 @@ class ObjTierConfig(StorageTierConfig):
         return f"bucket {self.store_config.bucket!r} at {endpoint}"
 
     def check_together(self, where: str, context: TierContext) -> None:
-        """The MAC options and ``max_bytes`` (``frame_options``), then one HeadBucket
+        """The MAC options and ``max_bytes`` (``StorageTierConfig``), then one HeadBucket
         (``client.check_bucket``: blocks for a few seconds at most)."""
-        check_frame_options(self, where, context, what="object")
+        super().check_together(where, context)
         from shmtier.tiers.obj.client import check_bucket
 
         check_bucket(self, where)

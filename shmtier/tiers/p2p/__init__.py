@@ -1,6 +1,8 @@
 """The ``p2p`` tier: engines fetch KV chunks from each other over ZeroMQ with CurveZMQ (issue 13).
 
-This package holds the transport so far (no tier registry entry yet):
+The tier: ``config.py`` (``P2PTierConfig``), ``scheduler.py`` (``P2PTierManager``, the
+scheduler half) and ``endpoint.py`` (the endpoint process it spawns: a ChunkServer and one
+ChunkClient per peer, on the engine's arena rows). The transport:
 
 - ``keys.py``: CurveZMQ key pairs in files or config, the allow-list of peer keys, and a
   command line to make keys (``python -m shmtier.tiers.p2p.keys generate DIR NAME``).

@@ -126,9 +126,11 @@ class ChunkClient:
 
     # ------------------------------------------------------------------ calls
 
-    def fetch(self, keys: Sequence[bytes], dests: Sequence[Any], timeout_s: float) -> FetchResult:
+    def fetch(self, keys: Sequence[bytes], dests: Sequence[Any], timeout_s: float,
+              req: str | None = None) -> FetchResult:
         """Fetch ``keys[i]`` into ``dests[i]`` (a writable contiguous buffer of exactly the
-        chunk's size: a numpy row slice, a memoryview of an arena row).
+        chunk's size: a numpy row slice, a memoryview of an arena row). ``req``: the
+        request whose rows the server is to serve (its ``request_provider``).
 
         Blocks at most ``timeout_s``. Never raises for the peer's sake: every key gets an
         outcome (see :class:`FetchResult`); raises ValueError for a malformed call
@@ -151,6 +153,8 @@ class ChunkClient:
         answered = [False] * n
         pending = n
         request = {"t": "fetch", "keys": keys}
+        if req is not None:
+            request["req"] = wire.check_req({"req": req})
         try:
             rid = self._request(request, deadline)
             self.counters.requests += 1
@@ -186,10 +190,12 @@ class ChunkClient:
         result.seconds = time.monotonic() - t0
         return result
 
-    def lookup(self, keys: Sequence[bytes], timeout_s: float) -> list[bool] | None:
+    def lookup(self, keys: Sequence[bytes], timeout_s: float,
+               req: str | None = None) -> list[bool] | None:
         """Which of ``keys`` the peer holds now (index-aligned bools), or None when it
         did not answer within ``timeout_s`` (or refused us, or its circuit is open;
-        :attr:`last_error` says which). Blocks at most ``timeout_s``."""
+        :attr:`last_error` says which). Blocks at most ``timeout_s``. With ``req`` the
+        server's owner answers (and may hold the hits for that request until ``done``)."""
         keys = wire.check_keys({"keys": list(keys)})
         if not keys:
             return []
@@ -199,6 +205,8 @@ class ChunkClient:
             return None
         deadline = time.monotonic() + timeout_s
         request = {"t": "lookup", "keys": keys}
+        if req is not None:
+            request["req"] = wire.check_req({"req": req})
         try:
             rid = self._request(request, deadline)
             self.counters.lookups += 1
@@ -226,6 +234,20 @@ class ChunkClient:
         except _PeerFailure as e:
             self._fail(None, None, str(e), e.refused)
         return None
+
+    def done(self, req: str, timeout_s: float) -> bool:
+        """Tell the peer this client is done with request ``req`` (it releases what it
+        holds for it); no answer is awaited. True if sent; a peer that cannot be reached
+        is not counted as a failure (it holds nothing it can serve once gone)."""
+        wire.check_req({"req": req}, required=True)
+        if not self.circuit.allow():
+            return False
+        try:
+            self._request({"t": "done", "req": req}, time.monotonic() + timeout_s)
+        except (_Timeout, _PeerFailure):
+            self._reset()
+            return False
+        return True
 
     def connect(self, timeout_s: float) -> bool:
         """Open the session now (handshake and hello) instead of on the first call;

@@ -29,6 +29,18 @@ __all__ = ["ChunkServer", "Provider"]
 log = logging.getLogger(__name__)
 
 Provider = Callable[[bytes], Any]  # key -> a buffer of the chunk's bytes, or None
+RequestProvider = Callable[[str, bytes], Any]  # (req, key) -> a buffer, or None
+
+
+@dataclass(frozen=True)
+class LookupToken:
+    """A lookup the server's owner answers later (:meth:`ChunkServer.answer_lookup`):
+    the peer's routing id, its request id, how many keys, and the peer's name."""
+
+    peer: bytes
+    rid: int
+    n: int
+    name: str
 
 ZAP_ENDPOINT = "inproc://zeromq.zap.01"
 ZAP_DOMAIN = b"shmtier-p2p"
@@ -61,6 +73,7 @@ class _Item:
     frames: list | None = None
     index: int = 0
     key: bytes = b""
+    req: str | None = None
 
 
 @dataclass
@@ -95,6 +108,13 @@ class ChunkServer:
     test hook, ``tamper(key, view) -> buffer`` called after the checksum is computed; its
     result is sent instead of the row.
 
+    Requests scoped to a tier request (a ``req`` in the message; the p2p tier's use):
+    ``request_provider(req, key)`` answers fetches that name ``req`` (the rows the owner
+    parked for that request; None: MISS); without it they go to ``provider``.
+    ``lookup_handler(token, req, keys)``: a lookup naming ``req`` is handed to the owner,
+    who answers it later with :meth:`answer_lookup` (without a handler: ``has``).
+    ``on_done(req)``: the peer says it is done with ``req`` (no answer is sent).
+
     Construction binds the socket (raises OSError when it cannot, e.g. address in use)
     and never blocks on the network.
     """
@@ -104,7 +124,10 @@ class ChunkServer:
                  allow: AllowList | None = None, plaintext: bool = False,
                  has: Callable[[bytes], bool] | None = None, name: str = "",
                  stall_timeout_s: float = 30.0,
-                 tamper: Callable[[bytes, memoryview], Any] | None = None):
+                 tamper: Callable[[bytes, memoryview], Any] | None = None,
+                 request_provider: RequestProvider | None = None,
+                 lookup_handler: Callable[[LookupToken, str, list], None] | None = None,
+                 on_done: Callable[[str], None] | None = None):
         if plaintext:
             if keys is not None or allow is not None:
                 raise ValueError("ChunkServer: plaintext=True takes no keys and no allow-list "
@@ -124,6 +147,9 @@ class ChunkServer:
         self.counters = TransportCounters()
         self._provider = provider
         self._has = has
+        self._request_provider = request_provider
+        self._lookup_handler = lookup_handler
+        self._on_done = on_done
         self._fingerprint = fingerprint
         self._hash_seed = hash_seed
         self._allow = allow
@@ -325,14 +351,24 @@ class ChunkServer:
             return
         if t == "fetch":
             keys = wire.check_keys(msg)
+            req = wire.check_req(msg)
             self.counters.requests += 1
             box = self._out.setdefault(peer, _Outbox())
-            box.items.extend(_Item(rid, None, i, k) for i, k in enumerate(keys))
+            box.items.extend(_Item(rid, None, i, k, req) for i, k in enumerate(keys))
         elif t == "lookup":
             keys = wire.check_keys(msg)
+            req = wire.check_req(msg)
             self.counters.lookups += 1
+            if req is not None and self._lookup_handler is not None:
+                self._call(self._lookup_handler, LookupToken(peer, rid, len(keys), session.name),
+                           req, keys)
+                return
             self._queue(peer, rid, {"t": "lookup_resp", "rid": rid,
                                     "hits": [self._lookup(k) for k in keys]})
+        elif t == "done":
+            req = wire.check_req(msg, required=True)
+            if self._on_done is not None:
+                self._call(self._on_done, req)
         else:
             raise wire.ProtocolError("malformed", f"unknown message type {t!r}")
 
@@ -369,6 +405,25 @@ class ChunkServer:
             self._queue(peer, 0, {"t": "hello_ok", "v": wire.PROTOCOL_VERSION,
                                   "name": self.name})
 
+    def answer_lookup(self, token: LookupToken, hits: list) -> bool:
+        """Answer a lookup handed to ``lookup_handler`` (``hits``: index-aligned bools);
+        False when that peer's session is gone (nothing sent)."""
+        if len(hits) != token.n:
+            raise ValueError(f"answer_lookup: {len(hits)} answers for {token.n} keys")
+        if token.peer not in self._sessions:
+            return False
+        self._queue(token.peer, token.rid, {"t": "lookup_resp", "rid": token.rid,
+                                            "hits": [bool(h) for h in hits]})
+        return True
+
+    def _call(self, fn: Callable, *args: Any) -> None:
+        try:
+            fn(*args)
+        except Exception as e:  # an owner bug never kills the loop
+            self.counters.errors += 1
+            log.error("p2p server %s: %s raised %s: %s", self.endpoint,
+                      getattr(fn, "__name__", "handler"), type(e).__name__, e)
+
     def _lookup(self, key: bytes) -> bool:
         try:
             if self._has is not None:
@@ -395,7 +450,10 @@ class ChunkServer:
         key = item.key
         head = {"t": "chunk", "rid": item.rid, "i": item.index, "key": key}
         try:
-            buf = self._provider(key)
+            if item.req is not None and self._request_provider is not None:
+                buf = self._request_provider(item.req, key)
+            else:
+                buf = self._provider(key)
             view = None if buf is None else wire.byte_view(buf, writable=False, what="provided row")
         except Exception as e:
             self.counters.errors += 1

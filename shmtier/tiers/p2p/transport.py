@@ -52,7 +52,7 @@ from __future__ import annotations
 from shmtier.tiers.p2p.circuit import PeerCircuit
 from shmtier.tiers.p2p.client import ChunkClient, FetchResult
 from shmtier.tiers.p2p.counters import TransportCounters
-from shmtier.tiers.p2p.server import ChunkServer, Provider
+from shmtier.tiers.p2p.server import ChunkServer, LookupToken, Provider, RequestProvider
 
-__all__ = ["ChunkClient", "ChunkServer", "FetchResult", "PeerCircuit", "Provider",
+__all__ = ["ChunkClient", "ChunkServer", "FetchResult", "LookupToken", "PeerCircuit", "Provider", "RequestProvider",
            "TransportCounters"]

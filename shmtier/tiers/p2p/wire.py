@@ -16,13 +16,17 @@ type            direction       fields
 ``hello_ok``    server->client  ``v``, ``name`` the server's name
 ``refused``     server->client  ``rid`` (0 for a hello), ``reason`` (fingerprint, hash_seed,
                                 version, no_hello), ``detail`` (words)
-``fetch``       client->server  ``rid`` request id, ``keys`` list of bytes
+``fetch``       client->server  ``rid`` request id, ``keys`` list of bytes; optional ``req``
+                                (str): the tier's request id, the rows the server may serve
 ``chunk``       server->client  ``rid``, ``i`` index into the request's keys, ``key``, ``st``
                                 ``"ok"`` / ``"miss"`` / ``"error"``, ``n`` payload bytes, ``crc``
                                 CRC-32C of the payload, ``why`` (error text); with ``"ok"`` a
                                 second frame follows: the ``n`` payload bytes
-``lookup``      client->server  ``rid``, ``keys``
+``lookup``      client->server  ``rid``, ``keys``; optional ``req`` (a lookup the server's
+                                owner answers later: ``ChunkServer.answer_lookup``)
 ``lookup_resp`` server->client  ``rid``, ``hits`` list of bool, index-aligned with ``keys``
+``done``        client->server  ``rid``, ``req``: the client is done with request ``req``
+                                (the server may release what it holds for it); no answer
 ``error``       server->client  ``rid``, ``reason`` (malformed, too_many_keys), ``detail``
 =============== =============== ==============================================================
 """
@@ -36,11 +40,12 @@ import msgpack
 import zmq
 
 __all__ = ["HANDSHAKE_EVENTS", "PROTOCOL_VERSION", "byte_view", "plaintext_warning", "MAX_KEYS", "MAX_KEY_LEN", "MAX_CONTROL_BYTES", "ProtocolError",
-           "pack", "unpack", "check_keys", "check_rid"]
+           "pack", "unpack", "check_keys", "check_rid", "check_req", "MAX_REQ_LEN"]
 
 PROTOCOL_VERSION = 1
 MAX_KEYS = 4096            # keys in one fetch or lookup
 MAX_KEY_LEN = 1024         # bytes of one key (shmtier keys are hashes: tens of bytes)
+MAX_REQ_LEN = 256          # characters of a request id (``req``)
 MAX_CONTROL_BYTES = 8 << 20  # the server's inbound message limit (ZMQ_MAXMSGSIZE)
 
 
@@ -76,6 +81,18 @@ def check_rid(msg: dict) -> int:
     if not isinstance(rid, int) or isinstance(rid, bool) or rid < 0:
         raise ProtocolError("malformed", f"rid must be an int >= 0, got {rid!r}")
     return rid
+
+
+def check_req(msg: dict, required: bool = False) -> str | None:
+    """The message's ``req`` (a string of 1..MAX_REQ_LEN characters), or None when it has
+    none (a :class:`ProtocolError` when ``required``)."""
+    req = msg.get("req")
+    if req is None and not required:
+        return None
+    if not isinstance(req, str) or not 0 < len(req) <= MAX_REQ_LEN:
+        raise ProtocolError("malformed", f"req must be a string of 1..{MAX_REQ_LEN} "
+                                         f"characters, got {req!r:.80}")
+    return req
 
 
 def check_keys(msg: dict) -> list[bytes]:

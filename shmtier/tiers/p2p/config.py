@@ -1,0 +1,191 @@
+"""``p2p`` tier options (any process): what ``secondary_tiers[i]`` of type ``p2p`` accepts.
+
+vLLM's keys (contract §10.4): ``host``, ``port``, ``backends``, ``num_threads``,
+``unbound_store_timeout_s``; and shmtier's: the CurveZMQ key pair and allow-list,
+``peers`` (which public key a peer's server has), ``plaintext``, and the endpoint's
+deadlines. Key files are read and checked here, when the spec is built, so a missing or
+wrong key fails naming its option before any process or socket is made; the endpoint
+process reads them again (``endpoint_settings``).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from shmtier.options import Check, ConfigError, Secret, SecretCheck, boolean, integer, number, text
+from shmtier.tiers.config import TierConfig, TierContext, option
+
+DEFAULT_HOST = os.environ.get("VLLM_P2P_SIDE_CHANNEL_HOST", "localhost")
+DEFAULT_PORT = int(os.environ.get("VLLM_P2P_SIDE_CHANNEL_PORT", "5710") or 5710)
+BACKENDS = ("zmq", "UCX")
+
+
+def _backends() -> Check:
+    def convert(v):
+        if isinstance(v, str):
+            v = [v]
+        if not isinstance(v, (list, tuple)) or not v:
+            raise ValueError("")
+        out = []
+        for b in v:
+            if not isinstance(b, str) or b.lower() not in ("zmq", "ucx"):
+                raise ValueError(f"unknown backend {b!r}")
+            out.append("UCX" if b.lower() == "ucx" else "zmq")
+        if "UCX" in out:
+            try:
+                import nixl  # noqa: F401
+            except ImportError:
+                raise ValueError("backend 'UCX' needs the 'nixl' package, which is not "
+                                 "installed (pip install nixl), or use ['zmq']") from None
+        return tuple(out)
+    return Check("a non-empty list of 'zmq' and 'UCX' (UCX needs the 'nixl' package)", convert)
+
+
+def _z85_secret() -> SecretCheck:
+    def convert(v):
+        from shmtier.tiers.p2p.keys import parse_key
+        return Secret(parse_key(v, "secret_key"), "config secret_key")
+    return SecretCheck("a Curve secret key as 40 Z85 characters", convert)
+
+
+def _key_list() -> Check:
+    def convert(v):
+        from shmtier.tiers.p2p.keys import parse_key
+        if isinstance(v, (str, bytes)) or not isinstance(v, (list, tuple)) or not v:
+            raise ValueError("")
+        return tuple(parse_key(k, f"entry {i}").decode() for i, k in enumerate(v))
+    return Check("a non-empty list of Curve public keys (40 Z85 characters each)", convert)
+
+
+def _peers() -> Check:
+    def convert(v):
+        from shmtier.tiers.p2p.keys import load_public_key, parse_key
+        if not isinstance(v, Mapping):
+            raise ValueError("")
+        out = {}
+        for peer, key in v.items():
+            host, _, port = str(peer).rpartition(":")
+            if not host or not port.isdigit():
+                raise ValueError(f"peer {peer!r} is not 'host:port'")
+            if isinstance(key, str) and len(key.strip()) == 40:
+                out[f"{host}:{int(port)}"] = parse_key(key, f"peer {peer}").decode()
+            else:
+                out[f"{host}:{int(port)}"] = load_public_key(str(key)).decode()
+        return tuple(sorted(out.items()))
+    return Check("a mapping 'host:port' -> the peer's public key (40 Z85 characters, or the "
+                 "path of its .key file)", convert)
+
+
+def _path() -> Check:
+    return Check("the path of an existing file or directory",
+                 lambda v: os.path.abspath(v) if isinstance(v, str) and v else _bad())
+
+
+def _bad():
+    raise ValueError("")
+
+
+@dataclass(frozen=True, kw_only=True)
+class P2PTierConfig(TierConfig):
+    """``host``/``port``: where this engine's endpoint serves its peers (``port`` 0: a
+    free port, read back from the tier's ``port`` once its endpoint runs). ``backends``:
+    ``["zmq"]`` (the default data path); ``"UCX"`` is accepted only when the ``nixl``
+    package imports (the data still moves over ZeroMQ). ``num_threads``: vLLM's UCX agent
+    threads, accepted and unused. ``unbound_store_timeout_s``: how long a producer keeps
+    a request's parked chunks pinned without the consumer fetching them.
+
+    Security: ``secret_key_file`` (a ZeroMQ secret certificate, ``NAME.key_secret``) or
+    ``secret_key`` (Z85; prefer the file: configs get logged), with an optional
+    ``public_key_file``/``public_key`` checked against it; the peers admitted:
+    ``allow_keys_dir`` (a directory of ``*.key`` public certificates) and/or
+    ``allow_keys`` (Z85 list). ``peers``: ``{"host:port": public key or .key path}``, the
+    server key this engine expects at each peer (without it: ``remote_public_key`` of
+    the request if allow-listed, else the allow-list's only key). ``plaintext``: no
+    CurveZMQ at all (no keys accepted; logged as a WARNING). ``lookup_timeout_s``: a
+    symmetric lookup not answered by then is a MISS; ``fetch_timeout_s``: a promotion's
+    fetch round (it waits for chunks the producer has not parked yet) fails by then.
+    ``hash_seed``: must equal the peers' (default: ``PYTHONHASHSEED``, as vLLM's)."""
+
+    host: str = option(DEFAULT_HOST, text())
+    port: int = option(DEFAULT_PORT, integer(0, 65535))
+    backends: tuple = option(("zmq",), _backends())
+    num_threads: int = option(4, integer(1))
+    unbound_store_timeout_s: float = option(60.0, number(0, min_open=True))
+    secret_key_file: str | None = option(None, _path().or_none())
+    public_key_file: str | None = option(None, _path().or_none())
+    secret_key: Secret | None = option(None, _z85_secret().or_none())
+    public_key: str | None = option(None, text().or_none())
+    allow_keys_dir: str | None = option(None, _path().or_none())
+    allow_keys: tuple | None = option(None, _key_list().or_none())
+    peers: tuple = option((), _peers())
+    plaintext: bool = option(False, boolean())
+    lookup_timeout_s: float = option(10.0, number(0, min_open=True))
+    fetch_timeout_s: float = option(10.0, number(0, min_open=True))
+    hash_seed: str | None = option(None, text().or_none())
+
+    def check_together(self, where: str, context: TierContext) -> None:
+        from shmtier.tiers.p2p.keys import KeyFileError
+        keyed = [k for k in ("secret_key_file", "secret_key", "public_key_file", "public_key",
+                             "allow_keys_dir", "allow_keys") if getattr(self, k) is not None]
+        if self.plaintext:
+            if keyed or self.peers:
+                raise ConfigError(f"{where}.plaintext = true takes no keys, but {keyed or ['peers']} "
+                                  f"are set: choose CurveZMQ (keys) or plaintext")
+            return
+        if (self.secret_key_file is None) == (self.secret_key is None):
+            raise ConfigError(f"{where}: give this engine's key pair as exactly one of "
+                              f"secret_key_file (preferred) or secret_key, or set "
+                              f"plaintext = true (make keys with `python -m "
+                              f"shmtier.tiers.p2p.keys generate DIR NAME`)")
+        if self.allow_keys_dir is None and self.allow_keys is None:
+            raise ConfigError(f"{where}: give the peers' public keys in allow_keys_dir and/or "
+                              f"allow_keys (or set plaintext = true)")
+        try:
+            pair = self.keypair()
+        except KeyFileError as e:
+            which = "secret_key_file" if self.secret_key_file else "secret_key"
+            raise ConfigError(f"{where}.{which} is invalid: {e}") from None
+        for name in ("public_key_file", "public_key"):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            try:
+                from shmtier.tiers.p2p.keys import load_public_key, parse_key
+                public = (load_public_key(value) if name == "public_key_file"
+                          else parse_key(value, name))
+            except KeyFileError as e:
+                raise ConfigError(f"{where}.{name} = {value!r} is invalid: {e}") from None
+            if public != pair.public:
+                raise ConfigError(f"{where}.{name} = {value!r} is invalid: it is not the "
+                                  f"public key of this engine's secret key")
+        try:
+            self.allow_list()
+        except KeyFileError as e:
+            which = "allow_keys_dir" if self.allow_keys_dir else "allow_keys"
+            raise ConfigError(f"{where}.{which} = {getattr(self, which)!r} is invalid: "
+                              f"{e}") from None
+
+    def keypair(self):
+        from shmtier.tiers.p2p.keys import keypair_from_config, load_keypair
+        if self.secret_key_file is not None:
+            return load_keypair(self.secret_key_file)
+        return keypair_from_config(self.secret_key.value)
+
+    def allow_list(self):
+        from shmtier.tiers.p2p.keys import AllowList
+        keys: list = []
+        sources = []
+        if self.allow_keys_dir is not None:
+            keys.extend(AllowList.from_directory(self.allow_keys_dir))
+            sources.append(f"directory {self.allow_keys_dir}")
+        if self.allow_keys is not None:
+            keys.extend(self.allow_keys)
+            sources.append("allow_keys")
+        return AllowList(keys, " + ".join(sources))
+
+    def effective_hash_seed(self) -> str:
+        return self.hash_seed if self.hash_seed is not None else os.environ.get(
+            "PYTHONHASHSEED", "")

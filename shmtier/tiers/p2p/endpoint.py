@@ -1,0 +1,320 @@
+"""The p2p tier's endpoint process: serves this engine's parked rows to peers, fetches theirs.
+
+Runs in: one process per engine, started (``python -m shmtier.tiers.p2p.endpoint``, its
+settings as msgpack on stdin) and supervised by the tier's scheduler half
+(``scheduler.py``). It maps the engine's segment (``join_existing``) and reads and writes
+arena rows directly; the scheduler thread never touches the network.
+
+Threads: the main thread runs the ``ChunkServer`` and the PAIR socket to the scheduler
+(``ipc://``, msgpack); one thread per peer runs that peer's ``ChunkClient`` (fetches and
+lookups block up to their deadlines there, so a slow or stopped peer delays only its own
+requests).
+
+Messages on the PAIR (every one a msgpack map with ``"t"``)::
+
+    scheduler -> endpoint                         endpoint -> scheduler
+    park {req, keys, rows}  serve these rows      ready {port}
+          for request req (until released)       load_done {job, ok: [indices], nbytes,
+    unpark {req}  serve them no more                         seconds, detail}
+    load {job, req, peer, skey, keys, rows}       lookup_done {lid, hits | None, detail}
+          fetch keys from peer into rows          released {req}  a peer is done with req
+    lookup {lid, req, peer, skey, keys}           ext_lookup {tid, req, peer, keys}
+    release {req, peer, skey}  tell the peer            a peer asks; the scheduler answers
+          this engine is done with req            counters {server, clients}  every second
+    answer {tid, hits, req, keys, rows}
+          park the hits, then answer ext_lookup tid
+    stop
+
+A promotion's fetch round asks again, every 20 ms, for keys the peer answered MISS (its
+chunks may still be on their way into its CPU tier) until ``fetch_timeout_s``; then it
+tells the peer ``done`` for the request (the peer unpins what it parked for it).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import queue
+import signal
+import sys
+import threading
+import time
+from typing import Any
+
+import msgpack
+import numpy as np
+import zmq
+
+from shmtier.shared.jobs import Outcome
+from shmtier.shared.segment import join_existing
+from shmtier.tiers.p2p.circuit import PeerCircuit
+from shmtier.tiers.p2p.client import ChunkClient
+from shmtier.tiers.p2p.keys import AllowList, keypair_from_config
+from shmtier.tiers.p2p.server import ChunkServer, LookupToken
+
+log = logging.getLogger(__name__)
+
+TICK_S = 0.002
+COUNTERS_EVERY_S = 1.0
+OWNER_CHECK_S = 1.0
+MISS_RETRY_S = 0.02
+DONE_TIMEOUT_S = 1.0
+
+
+def pack(msg: dict) -> bytes:
+    return msgpack.packb(msg, use_bin_type=True)
+
+
+def unpack(buf: Any) -> dict:
+    return msgpack.unpackb(buf, raw=False)
+
+
+class _Peer(threading.Thread):
+    """One peer: its ChunkClient and its task queue, on its own thread."""
+
+    def __init__(self, ep: "Endpoint", peer: str, server_key: str | None):
+        super().__init__(name=f"p2p-peer-{peer}", daemon=True)
+        host, _, port = peer.rpartition(":")
+        self.ep = ep
+        self.peer = peer
+        self.tasks: queue.SimpleQueue = queue.SimpleQueue()
+        self.client = ChunkClient(
+            host, int(port), fingerprint=ep.fingerprint, hash_seed=ep.hash_seed,
+            keys=ep.keys, server_key=server_key, plaintext=ep.plaintext, name=ep.name,
+            circuit=PeerCircuit(0.5, 30.0), context=ep.ctx)
+
+    def run(self) -> None:
+        try:
+            while True:
+                task = self.tasks.get()
+                if task is None:
+                    return
+                try:
+                    out = getattr(self, "_" + task["t"])(task)
+                except Exception as e:  # never lose a job: answer it failed
+                    log.exception("p2p endpoint: %s for peer %s raised", task["t"], self.peer)
+                    out = _failed(task, f"{type(e).__name__}: {e}")
+                if out is not None:
+                    self.ep.results.put(out)
+        finally:
+            self.client.close()
+
+    def _load(self, task: dict) -> dict:
+        t0 = time.monotonic()
+        deadline = t0 + self.ep.fetch_timeout_s
+        keys, rows, req = task["keys"], task["rows"], task["req"]
+        ok = [False] * len(keys)
+        nbytes, detail = 0, ""
+        todo = list(range(len(keys)))
+        while todo:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                detail = (f"timeout: {len(todo)} chunks not offered by {self.peer} within "
+                          f"{self.ep.fetch_timeout_s:g} s")
+                break
+            res = self.client.fetch([keys[i] for i in todo],
+                                    [self.ep.row(rows[i]) for i in todo], left, req)
+            missing = []
+            for j, i in enumerate(todo):
+                outcome = res.outcomes[j]
+                if outcome == Outcome.OK:
+                    ok[i] = True
+                    nbytes += res.nbytes[j]
+                elif outcome == Outcome.MISS:
+                    missing.append(i)
+                elif not detail:
+                    detail = f"{outcome.name.lower()}: {res.details[j]}"
+            if detail:
+                break
+            todo = missing
+            if todo:
+                time.sleep(min(MISS_RETRY_S, max(0.0, deadline - time.monotonic())))
+        self.client.done(req, DONE_TIMEOUT_S)
+        return {"t": "load_done", "job": task["job"], "ok": [i for i, o in enumerate(ok) if o],
+                "nbytes": nbytes, "seconds": time.monotonic() - t0, "detail": detail}
+
+    def _lookup(self, task: dict) -> dict:
+        hits = self.client.lookup(task["keys"], self.ep.lookup_timeout_s, task["req"])
+        return {"t": "lookup_done", "lid": task["lid"], "hits": hits,
+                "detail": self.client.last_error}
+
+    def _release(self, task: dict) -> None:
+        self.client.done(task["req"], DONE_TIMEOUT_S)
+        return None
+
+
+def _failed(task: dict, detail: str) -> dict | None:
+    if task["t"] == "load":
+        return {"t": "load_done", "job": task["job"], "ok": [], "nbytes": 0, "seconds": 0.0,
+                "detail": detail}
+    if task["t"] == "lookup":
+        return {"t": "lookup_done", "lid": task["lid"], "hits": None, "detail": detail}
+    return None
+
+
+class Endpoint:
+    """The endpoint of one engine (see the module docstring). ``settings``: what the
+    scheduler half wrote on stdin (``P2PTierManager._endpoint_settings``)."""
+
+    def __init__(self, settings: dict):
+        self.settings = settings
+        self.name = settings["name"]
+        self.fingerprint = settings["fingerprint"]
+        self.hash_seed = settings["hash_seed"]
+        self.plaintext = settings["plaintext"]
+        self.fetch_timeout_s = settings["fetch_timeout_s"]
+        self.lookup_timeout_s = settings["lookup_timeout_s"]
+        self.keys = None if self.plaintext else keypair_from_config(settings["secret"])
+        allow = None if self.plaintext else AllowList(settings["allow"], settings["allow_source"])
+        self.segment = join_existing(settings["engine_id"])
+        g = self.segment.geometry
+        self.payload = g.page_size_per_worker * g.world_size
+        self.arena = np.frombuffer(self.segment.arena, np.uint8).reshape(g.num_chunks,
+                                                                         g.row_stride)
+        self.ctx = zmq.Context()
+        self.pair = self.ctx.socket(zmq.PAIR)
+        self.pair.linger = 0
+        self.pair.sndhwm = self.pair.rcvhwm = 0
+        self.pair.connect(settings["ipc"])
+        self.results: queue.SimpleQueue = queue.SimpleQueue()
+        self.parked: dict[str, dict[bytes, int]] = {}
+        self.peers: dict[str, _Peer] = {}
+        self.tokens: dict[int, LookupToken] = {}
+        self._tids = itertools.count(1)
+        self.stopping = False
+        self.server = ChunkServer(
+            settings["host"], settings["port"], provider=lambda key: None,
+            request_provider=self._provide, lookup_handler=self._ext_lookup,
+            on_done=self._done, fingerprint=self.fingerprint, hash_seed=self.hash_seed,
+            keys=self.keys, allow=allow, plaintext=self.plaintext, name=self.name)
+
+    def row(self, row: int) -> memoryview:
+        return memoryview(self.arena[row, :self.payload])
+
+    # ---- the server's callbacks (main thread)
+
+    def _provide(self, req: str, key: bytes):
+        row = self.parked.get(req, {}).get(key)
+        return None if row is None else self.row(row)
+
+    def _ext_lookup(self, token: LookupToken, req: str, keys: list) -> None:
+        tid = next(self._tids)
+        self.tokens[tid] = token
+        self._send({"t": "ext_lookup", "tid": tid, "req": req, "peer": token.name,
+                    "keys": keys})
+
+    def _done(self, req: str) -> None:
+        self.parked.pop(req, None)
+        self._send({"t": "released", "req": req})
+
+    # ---- the scheduler's messages
+
+    def _send(self, msg: dict) -> None:
+        self.pair.send(pack(msg))  # no HWM: never blocks
+
+    def _handle(self, msg: dict) -> None:
+        t = msg["t"]
+        if t == "park":
+            self.parked.setdefault(msg["req"], {}).update(zip(msg["keys"], msg["rows"]))
+        elif t == "unpark":
+            self.parked.pop(msg["req"], None)
+        elif t in ("load", "lookup", "release"):
+            self._peer(msg["peer"], msg.get("skey")).tasks.put(msg)
+        elif t == "answer":
+            if msg["keys"]:
+                self.parked.setdefault(msg["req"], {}).update(zip(msg["keys"], msg["rows"]))
+            token = self.tokens.pop(msg["tid"], None)
+            if token is not None:
+                self.server.answer_lookup(token, msg["hits"])
+        elif t == "stop":
+            self.stopping = True
+        else:
+            log.error("p2p endpoint: unknown message %r from the scheduler", t)
+
+    def _peer(self, peer: str, server_key: str | None) -> _Peer:
+        worker = self.peers.get(peer)
+        if worker is None:
+            worker = self.peers[peer] = _Peer(self, peer, server_key)
+            worker.start()
+        return worker
+
+    def counters(self) -> dict:
+        return {"t": "counters", "server": self.server.counters.as_dict(),
+                "clients": {p: w.client.counters.as_dict() for p, w in self.peers.items()}}
+
+    # ---- loop
+
+    def run(self) -> int:
+        self._send({"t": "ready", "port": self.server.port})
+        next_counters = next_owner = time.monotonic()
+        while not self.stopping:
+            self.server.poll(TICK_S)
+            while True:
+                try:
+                    buf = self.pair.recv(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                self._handle(unpack(buf))
+            while True:
+                try:
+                    self._send(self.results.get_nowait())
+                except queue.Empty:
+                    break
+            now = time.monotonic()
+            if now >= next_counters:
+                next_counters = now + COUNTERS_EVERY_S
+                self._send(self.counters())
+            if now >= next_owner:
+                next_owner = now + OWNER_CHECK_S
+                if not self.segment.header().owner_alive():
+                    log.warning("p2p endpoint %s: the engine is gone; exiting", self.name)
+                    return 3
+        return 0
+
+    def close(self) -> None:
+        for worker in self.peers.values():
+            worker.tasks.put(None)
+        for worker in self.peers.values():
+            worker.join(2.0)
+        self.server.close()
+        self.pair.close(0)
+        if not any(w.is_alive() for w in self.peers.values()):
+            self.ctx.term()  # (a peer thread stuck in a fetch: the exit ends it)
+        self.arena = None
+        self.parked.clear()
+        try:
+            self.segment.close()
+        except BufferError:  # a row still referenced by a send in flight: the exit unmaps it
+            pass
+
+
+def main() -> int:
+    logging.basicConfig(level=os.environ.get("SHMTIER_LOG", "WARNING"),
+                        format="%(asctime)s %(levelname)s p2p-endpoint %(name)s: %(message)s")
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    settings = unpack(sys.stdin.buffer.read())
+    try:
+        endpoint = Endpoint(settings)
+    except OSError as e:  # cannot bind: the scheduler half restarts us with backoff
+        log.error("p2p endpoint cannot start: %s", e)
+        return 2
+    code = 1
+    try:
+        code = endpoint.run()
+        return code
+    finally:
+        endpoint.close()
+        if code == 3:  # the engine died without shutting us down: remove its socket dir
+            _remove_socket_dir(settings["ipc"])
+
+
+def _remove_socket_dir(ipc: str) -> None:
+    import shutil
+    directory = os.path.dirname(ipc[len("ipc://"):])
+    if os.path.basename(directory).startswith("shmtier-p2p-"):
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

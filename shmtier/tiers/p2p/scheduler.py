@@ -1,0 +1,642 @@
+"""``p2p``: engines hand KV chunks to each other (vLLM 0.33's p2p tier, contract §10.4).
+
+Runs in: the scheduler process (this half), under the tiering manager's lock; never
+blocks on I/O or the network. The network is the endpoint process's
+(``endpoint.py``): this half spawns and supervises it and talks to it over a ZeroMQ
+PAIR socket on ``ipc://`` with non-blocking sends and receives, polled in
+``get_finished_jobs``, ``serve_external_requests``, ``on_schedule_end`` and
+``has_pending_work`` (and by the tier-poll thread: ``tolerates_off_thread_polling``).
+
+Request roles, from ``kv_transfer_params`` (parsed once, in ``on_new_request``):
+
+- ``remote_decoder {kv_request_id}``: this engine produces (PD prefiller). The request
+  is REQUEST_LEVEL; its cascades are *parked*: their primary rows stay pinned and the
+  endpoint serves them to a peer fetching for that id, until the peer says ``done``
+  (the store jobs then succeed: unpinned) or ``unbound_store_timeout_s`` passes without
+  that (they fail: unpinned; later stores of the id fail at once).
+- ``remote_prefiller {kv_request_id, remote_host, remote_port}``: this engine consumes
+  (PD decoder). Every lookup is HIT unless the request failed; the promotion fetches the
+  chunks from that peer into the reserved rows (a failed key fails the request: MISS
+  from then on).
+- ``remote_kv_source {...same}``: symmetric consumer. A lookup is RETRY until the peer
+  answers (one ``lookup`` per request and step), then HIT or MISS; MISS at
+  ``lookup_timeout_s``. The peer pins its hits for this request until ``done``.
+
+The producer side of a symmetric lookup: the endpoint forwards it (``ext_lookup``);
+``serve_external_requests`` answers it through the ParentManager with a synthetic
+request (``parent.on_new_request``, ``parent.lookup`` per key until no key is
+RETRY/HIT_PENDING or half ``lookup_timeout_s`` passed, ``parent.create_store_job`` for
+the hits (pinned, parked like PD stores), ``parent.on_request_finished``).
+
+Cascades of requests without the producer role are answered success at once (there is
+nothing to keep). The endpoint dying fails its loads and parked stores (rows unpinned:
+it can no longer touch them) and is restarted with backoff (0.5 s doubling to 30 s).
+A load the endpoint does not answer within ``fetch_timeout_s`` + 10 s gets it killed
+first, so no row is freed while it could still be written.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+
+from shmtier import metrics
+from shmtier.contract import (CacheHitSource, LookupResult, OffloadPolicy, ReqContext,
+                              RequestOffloadingContext, ScheduleEndContext)
+from shmtier.scheduler.tiering.base import JobResult, ParentManager, SecondaryTierManager, TransferJob
+from shmtier.tiers.p2p.config import P2PTierConfig
+
+logger = logging.getLogger(__name__)
+
+HIT, MISS, RETRY, HIT_PENDING = (LookupResult.HIT, LookupResult.MISS, LookupResult.RETRY,
+                                 LookupResult.HIT_PENDING)
+ROLES = ("remote_prefiller", "remote_kv_source", "remote_decoder")
+CHECK_EVERY_S = 0.05
+RESTART_BASE_S, RESTART_CAP_S, STABLE_S = 0.5, 30.0, 30.0
+WATCHDOG_EXTRA_S = 10.0
+STOP_WAIT_S = 2.0
+
+LOOKUPS = "vllm:kv_offload_shmtier_p2p_lookups"
+LOOKUP_HITS = "vllm:kv_offload_shmtier_p2p_lookup_hits"
+FETCHED_BYTES = "vllm:kv_offload_shmtier_p2p_fetched_bytes"
+SERVED_BYTES = "vllm:kv_offload_shmtier_p2p_served_bytes"
+FETCH_SECONDS = "vllm:kv_offload_shmtier_p2p_fetch_seconds"
+REFUSED = "vllm:kv_offload_shmtier_p2p_refused_handshakes"
+FAILURES = "vllm:kv_offload_shmtier_p2p_failures"
+UNBOUND_TIMEOUTS = "vllm:kv_offload_shmtier_p2p_unbound_store_timeouts"
+PARKED_ROWS = "vllm:kv_offload_shmtier_p2p_parked_rows"
+RESTARTS = "vllm:kv_offload_shmtier_p2p_endpoint_restarts"
+
+
+@dataclass
+class _Request:
+    """A request's p2p role (ctx state)."""
+
+    role: str
+    kvid: str
+    peer: str = ""
+    server_key: str | None = None
+    failed: bool = False
+    answers: dict = field(default_factory=dict)   # key -> bool (symmetric)
+    probing: dict = field(default_factory=dict)   # key -> deadline (symmetric)
+    to_probe: list = field(default_factory=list)
+
+    @property
+    def consumer(self) -> bool:
+        return self.role != "remote_decoder"
+
+
+@dataclass
+class _Parked:
+    jobs: list = field(default_factory=list)
+    rows: int = 0
+    deadline: float = 0.0
+
+
+@dataclass
+class _External:
+    """A peer's symmetric lookup being answered through the ParentManager."""
+
+    tid: int
+    req: str
+    peer: str
+    keys: list
+    deadline: float
+    ctx: ReqContext | None = None
+    results: dict = field(default_factory=dict)
+    dead: bool = False
+
+
+class P2PTierManager(SecondaryTierManager):
+    medium = None
+    cache_hit_source = CacheHitSource.P2P
+    tolerates_off_thread_polling = True
+
+    def __init__(self, offloading_spec: Any, primary_kv_view: memoryview, tier_type: str,
+                 backpressure_detector: Any = None, *, config: P2PTierConfig | None = None):
+        super().__init__(offloading_spec, primary_kv_view, tier_type, None)
+        if backpressure_detector is not None:
+            logger.warning("p2p tier: backpressure is ignored (its stores are parked for a "
+                           "peer, not written to a medium)")
+        self.config = config if config is not None else P2PTierConfig(plaintext=True)
+        tier = getattr(offloading_spec, "tier_index_being_built", None)
+        self._label = f"{(tier or 0) + 1}:{tier_type}"
+        self._engine_id = offloading_spec.engine_id
+        self._fingerprint = offloading_spec.fingerprint
+        c = self.config
+        self._keys = None if c.plaintext else c.keypair()
+        self._allow = None if c.plaintext else c.allow_list()
+        self._peer_keys = dict(c.peers)
+        self.port: int | None = c.port or None  # the bound port, once the endpoint runs
+        self._finished: list[JobResult] = []
+        self._loads: dict[int, tuple[TransferJob, float, _Request]] = {}
+        self._parked: dict[str, _Parked] = {}
+        self._released: dict[str, float] = {}  # PD ids done or timed out -> forget at
+        self._lookups: dict[int, tuple[_Request, list]] = {}
+        self._probe_queue: dict[str, _Request] = {}
+        self._external: dict[int, _External] = {}
+        self._lids = itertools.count(1)
+        self._stats = metrics.OffloadingStats()
+        self.endpoint_counters: dict = {}
+        self._counters_seen: dict = {}
+        self.restarts = 0
+        # endpoint process
+        import zmq
+        self._zmq = zmq
+        self._zctx = zmq.Context()
+        self._tmpdir = tempfile.mkdtemp(prefix="shmtier-p2p-")
+        self._sock = None
+        self._proc: subprocess.Popen | None = None
+        self._gen = 0
+        self._outbox: collections.deque = collections.deque()
+        self._ready = False
+        self._ready_at = 0.0
+        self._backoff = RESTART_BASE_S
+        self._restart_at = 0.0
+        self._next_check = 0.0
+        self._closed = False
+        try:
+            self._start_endpoint()
+        except BaseException:
+            self.shutdown()
+            raise
+        if c.plaintext:
+            logger.warning("p2p tier %s: PLAINTEXT mode (plaintext=true): peers are not "
+                           "authenticated and KV bytes cross the network unencrypted",
+                           self._label)
+
+    # ------------------------------------------------------------------ endpoint process
+
+    def _settings(self, ipc: str) -> dict:
+        c = self.config
+        return {
+            "engine_id": self._engine_id, "ipc": ipc, "host": c.host,
+            "port": self.port or c.port, "name": f"{c.host}:{self.port or c.port}",
+            "plaintext": c.plaintext, "fingerprint": self._fingerprint,
+            "hash_seed": c.effective_hash_seed(),
+            "secret": None if c.plaintext else self._keys.secret.decode(),
+            "allow": None if c.plaintext else [k.decode() for k in self._allow],
+            "allow_source": None if c.plaintext else self._allow.source,
+            "fetch_timeout_s": c.fetch_timeout_s, "lookup_timeout_s": c.lookup_timeout_s,
+        }
+
+    def _start_endpoint(self) -> None:
+        zmq = self._zmq
+        self._gen += 1
+        path = os.path.join(self._tmpdir, f"ep{self._gen}.sock")
+        sock = self._zctx.socket(zmq.PAIR)
+        sock.linger = 0
+        sock.sndhwm = sock.rcvhwm = 0
+        sock.bind(f"ipc://{path}")
+        self._sock = sock
+        self._proc = subprocess.Popen([sys.executable, "-m", "shmtier.tiers.p2p.endpoint"],
+                                      stdin=subprocess.PIPE)
+        try:
+            self._proc.stdin.write(msgpack.packb(self._settings(f"ipc://{path}"),
+                                                 use_bin_type=True))
+            self._proc.stdin.close()
+        except OSError:
+            pass  # it died already: the next check restarts it
+        self._ready = False
+        self._next_check = time.monotonic() + CHECK_EVERY_S
+
+    def _close_socket(self) -> None:
+        if self._sock is not None:
+            self._sock.close(0)
+            self._sock = None
+        self._outbox.clear()
+
+    def _endpoint_died(self, why: str) -> None:
+        code = self._proc.poll() if self._proc is not None else None
+        logger.error("p2p tier %s: endpoint process %s (%s); failing %d loads and %d parked "
+                     "requests, restarting in %.1f s", self._label,
+                     f"exited with {code}" if code is not None else "killed", why,
+                     len(self._loads), len(self._parked), self._backoff)
+        if self._ready and time.monotonic() - self._ready_at > STABLE_S:
+            self._backoff = RESTART_BASE_S  # it had been running well: restart soon
+        self._proc = None
+        self._close_socket()
+        self._ready = False
+        self._fail_all("endpoint gone")
+        now = time.monotonic()
+        self._restart_at = now + self._backoff
+        self._backoff = min(RESTART_CAP_S, self._backoff * 2)
+        self.restarts += 1
+        self._stats.increase_counter(RESTARTS, 1, (self._label,))
+
+    def _fail_all(self, why: str) -> None:
+        for job, _, req in self._loads.values():
+            self._fail_request_keys(req, job.keys)
+            self._finished.append(JobResult(job.job_id, False, []))
+            self._count_failure()
+        self._loads.clear()
+        for kvid, parked in self._parked.items():
+            for job in parked.jobs:
+                self._finished.append(JobResult(job.job_id, False))
+        self._parked.clear()
+        for req, keys in self._lookups.values():
+            for key in keys:
+                req.answers[key] = False
+                req.probing.pop(key, None)
+        self._lookups.clear()
+        for ext in self._external.values():
+            ext.dead = True
+
+    def _kill_endpoint(self, why: str) -> None:
+        if self._proc is not None:
+            self._proc.kill()
+            self._proc.wait()
+        self._endpoint_died(why)
+
+    def _send(self, msg: dict) -> None:
+        self._outbox.append(msgpack.packb(msg, use_bin_type=True))
+        self._flush()
+
+    def _flush(self) -> None:
+        sock, zmq = self._sock, self._zmq
+        while self._outbox and sock is not None:
+            try:
+                sock.send(self._outbox[0], zmq.NOBLOCK)
+            except zmq.Again:  # no endpoint connected yet
+                return
+            self._outbox.popleft()
+
+    def _poll(self) -> None:
+        """Supervise the endpoint and take what it sent. Non-blocking."""
+        if self._closed:
+            return
+        now = time.monotonic()
+        if self._proc is None:
+            if now >= self._restart_at:
+                self._start_endpoint()
+            return
+        if now >= self._next_check:
+            self._next_check = now + CHECK_EVERY_S
+            if self._proc.poll() is not None:
+                self._endpoint_died("its process ended")
+                return
+            for job, deadline, _ in self._loads.values():
+                if now > deadline:
+                    self._kill_endpoint(f"load job {job.job_id} unanswered past "
+                                        f"fetch_timeout_s + {WATCHDOG_EXTRA_S:g} s")
+                    return
+            self._expire(now)
+        zmq, sock = self._zmq, self._sock
+        while True:
+            try:
+                buf = sock.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            self._handle(msgpack.unpackb(buf, raw=False))
+        self._flush()
+
+    def _expire(self, now: float) -> None:
+        for kvid in [k for k, p in self._parked.items() if now > p.deadline]:
+            parked = self._parked.pop(kvid)
+            self._send({"t": "unpark", "req": kvid})
+            for job in parked.jobs:
+                self._finished.append(JobResult(job.job_id, False))
+            self._released[kvid] = now + self.config.unbound_store_timeout_s
+            self._stats.increase_counter(UNBOUND_TIMEOUTS, 1, (self._label,))
+            logger.warning("p2p tier %s: request %s: %d parked chunks not fetched within "
+                           "unbound_store_timeout_s = %g s; released", self._label, kvid,
+                           parked.rows, self.config.unbound_store_timeout_s)
+        if self._released:
+            for kvid in [k for k, t in self._released.items() if now > t]:
+                del self._released[kvid]
+
+    def _handle(self, msg: dict) -> None:
+        t = msg["t"]
+        if t == "ready":
+            self._ready, self._ready_at = True, time.monotonic()
+            self.port = msg["port"]
+        elif t == "load_done":
+            self._load_done(msg)
+        elif t == "lookup_done":
+            self._lookup_done(msg)
+        elif t == "released":
+            self._release(msg["req"])
+        elif t == "ext_lookup":
+            self._external[msg["tid"]] = _External(
+                msg["tid"], msg["req"], msg["peer"], msg["keys"],
+                time.monotonic() + self.config.lookup_timeout_s / 2)
+        elif t == "counters":
+            self._take_counters(msg)
+
+    def _load_done(self, msg: dict) -> None:
+        entry = self._loads.pop(msg["job"], None)
+        if entry is None:
+            return
+        job, _, req = entry
+        keys = list(job.keys)
+        ok = [keys[i] for i in msg["ok"]]
+        success = len(ok) == len(keys)
+        self._stats.increase_counter(FETCH_SECONDS, msg["seconds"], (self._label,))
+        if not success:
+            failed = [k for k in keys if k not in set(ok)]
+            self._fail_request_keys(req, failed)
+            self._count_failure()
+            logger.warning("p2p tier %s: request %s: %d of %d chunks not fetched from %s: %s",
+                           self._label, req.kvid, len(failed), len(keys), req.peer,
+                           msg["detail"])
+        self._finished.append(JobResult(job.job_id, success, None if success else ok,
+                                        transfer_time=msg["seconds"],
+                                        transfer_bytes=msg["nbytes"]))
+
+    def _fail_request_keys(self, req: _Request, keys: Iterable) -> None:
+        if req.role == "remote_prefiller":
+            req.failed = True
+        for key in keys:
+            req.answers[key] = False
+
+    def _lookup_done(self, msg: dict) -> None:
+        entry = self._lookups.pop(msg["lid"], None)
+        if entry is None:
+            return
+        req, keys = entry
+        hits = msg["hits"]
+        if hits is None:
+            self._count_failure()
+            logger.warning("p2p tier %s: lookup for request %s at %s failed: %s",
+                           self._label, req.kvid, req.peer, msg["detail"])
+            hits = [False] * len(keys)
+        for key, hit in zip(keys, hits):
+            req.answers[key] = bool(hit)
+            req.probing.pop(key, None)
+        self._stats.increase_counter(LOOKUP_HITS, sum(map(bool, hits)), (self._label,))
+
+    def _release(self, kvid: str) -> None:
+        parked = self._parked.pop(kvid, None)
+        self._released[kvid] = time.monotonic() + self.config.unbound_store_timeout_s
+        if parked is not None:
+            for job in parked.jobs:
+                self._finished.append(JobResult(job.job_id, True, transfer_time=0.0,
+                                                transfer_bytes=len(job.keys) * self.block_size_bytes))
+
+    def _take_counters(self, msg: dict) -> None:
+        self.endpoint_counters = {"server": msg["server"], "clients": msg["clients"]}
+        clients = list(msg["clients"].values())
+        now = {
+            SERVED_BYTES: msg["server"]["bytes_sent"],
+            FETCHED_BYTES: sum(c["bytes_received"] for c in clients),
+            REFUSED: sum(msg["server"]["refused_handshakes"].values())
+                     + sum(sum(c["refused_handshakes"].values()) for c in clients),
+        }
+        for name, value in now.items():
+            delta = value - self._counters_seen.get((self._gen, name), 0)
+            if delta > 0:
+                self._stats.increase_counter(name, delta, (self._label,))
+            self._counters_seen[(self._gen, name)] = value
+
+    def _count_failure(self) -> None:
+        self._stats.increase_counter(FAILURES, 1, (self._label,))
+
+    # ------------------------------------------------------------------ the contract
+
+    def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        params = req_context.kv_transfer_params or {}
+        for role in ROLES:
+            info = params.get(role) if isinstance(params, dict) else None
+            if info is None:
+                continue
+            req = self._parse_role(role, info, req_context.req_id)
+            if req is None:
+                break
+            req_context.set_state(req)
+            if role == "remote_decoder":
+                return RequestOffloadingContext(OffloadPolicy.REQUEST_LEVEL)
+            break
+        return RequestOffloadingContext()
+
+    def _parse_role(self, role: str, info: Any, req_id: str) -> _Request | None:
+        kvid = info.get("kv_request_id") if isinstance(info, dict) else None
+        if not isinstance(kvid, str) or not kvid:
+            logger.warning("p2p tier %s: request %s: kv_transfer_params.%s has no "
+                           "kv_request_id; ignored", self._label, req_id, role)
+            return None
+        if role == "remote_decoder":
+            return _Request(role, kvid)
+        host, port = info.get("remote_host"), info.get("remote_port")
+        if not isinstance(host, str) or not isinstance(port, int) or isinstance(port, bool):
+            logger.warning("p2p tier %s: request %s: kv_transfer_params.%s needs remote_host "
+                           "and remote_port; ignored", self._label, req_id, role)
+            return None
+        peer = f"{host}:{port}"
+        req = _Request(role, kvid, peer)
+        if not self.config.plaintext:
+            req.server_key = self._server_key(peer, info.get("remote_public_key"))
+            if req.server_key is None:
+                req.failed = True
+                self._stats.increase_counter(REFUSED, 1, (self._label,))
+                logger.warning("p2p tier %s: request %s: no public key known for peer %s "
+                               "(set peers, or allow-list its key); its chunks are not "
+                               "fetched", self._label, req_id, peer)
+        return req
+
+    def _server_key(self, peer: str, offered: Any) -> str | None:
+        known = self._peer_keys.get(peer)
+        if known is not None:
+            return known
+        if isinstance(offered, str) and offered in self._allow:
+            return offered
+        if len(self._allow) == 1:
+            return next(iter(self._allow)).decode()
+        return None
+
+    def lookup(self, key, req_context: ReqContext) -> LookupResult:
+        req = req_context.get_state(_Request)
+        if req is None or not req.consumer or req.failed or self._proc is None:
+            return MISS
+        if req.role == "remote_prefiller":
+            return HIT
+        answer = req.answers.get(key)
+        if answer is not None:
+            return HIT if answer else MISS
+        deadline = req.probing.get(key)
+        if deadline is None:
+            req.probing[key] = time.monotonic() + self.config.lookup_timeout_s + 2.0
+            req.to_probe.append(key)
+            self._probe_queue[req_context.req_id] = req
+            self._stats.increase_counter(LOOKUPS, 1, (self._label,))
+            return RETRY
+        if time.monotonic() > deadline:
+            req.answers[key] = False
+            return MISS
+        return RETRY
+
+    def submit_store(self, job: TransferJob) -> None:
+        req = job.req_context.get_state(_Request)
+        if req is None or req.consumer:  # nothing to keep for a peer
+            self._finished.append(JobResult(job.job_id, True, transfer_time=0.0,
+                                            transfer_bytes=0))
+            return
+        if req.kvid in self._released or self._proc is None:
+            self._finished.append(JobResult(job.job_id, False))
+            return
+        self._park(req.kvid, job)
+
+    def _park(self, kvid: str, job: TransferJob) -> None:
+        parked = self._parked.get(kvid)
+        if parked is None:
+            parked = self._parked[kvid] = _Parked()
+        parked.jobs.append(job)
+        parked.rows += len(job.keys)
+        parked.deadline = time.monotonic() + self.config.unbound_store_timeout_s
+        self._send({"t": "park", "req": kvid, "keys": list(job.keys), "rows": job.rows})
+
+    def submit_load(self, job: TransferJob) -> None:
+        req = job.req_context.get_state(_Request)
+        if (req is None or not req.consumer or req.failed or self._proc is None
+                or (not self.config.plaintext and req.server_key is None)):
+            self._finished.append(JobResult(job.job_id, False, []))
+            return
+        deadline = time.monotonic() + self.config.fetch_timeout_s + WATCHDOG_EXTRA_S
+        self._loads[job.job_id] = (job, deadline, req)
+        self._send({"t": "load", "job": job.job_id, "req": req.kvid, "peer": req.peer,
+                    "skey": req.server_key, "keys": list(job.keys), "rows": job.rows})
+
+    def get_finished_jobs(self) -> Iterable[JobResult]:
+        self._poll()
+        finished, self._finished = self._finished, []
+        return finished
+
+    def on_request_finished(self, req_context: ReqContext) -> None:
+        req = req_context.get_state(_Request)
+        self._probe_queue.pop(req_context.req_id, None)
+        if req is not None and req.consumer and (self.config.plaintext or req.server_key):
+            self._send({"t": "release", "req": req.kvid, "peer": req.peer,
+                        "skey": req.server_key})
+
+    def on_schedule_end(self, context: ScheduleEndContext) -> None:
+        self._poll()
+        if self._probe_queue:
+            queued, self._probe_queue = self._probe_queue, {}
+            for req in queued.values():
+                keys, req.to_probe = req.to_probe, []
+                if not keys or self._proc is None:
+                    continue
+                lid = next(self._lids)
+                self._lookups[lid] = (req, keys)
+                self._send({"t": "lookup", "lid": lid, "req": req.kvid, "peer": req.peer,
+                            "skey": req.server_key, "keys": keys})
+
+    def serve_external_requests(self, parent: ParentManager) -> None:
+        self._poll()
+        if not self._external:
+            return
+        now = time.monotonic()
+        for tid, ext in list(self._external.items()):
+            if ext.dead:
+                if ext.ctx is not None:
+                    parent.on_request_finished(ext.ctx)
+                del self._external[tid]
+                continue
+            if ext.ctx is None:
+                ext.ctx = ReqContext(f"p2p:{ext.peer}:{ext.req}:lu{tid}")
+                parent.on_new_request(ext.ctx)
+            hits = []
+            for key in ext.keys:
+                if key in ext.results:
+                    continue
+                answer = parent.lookup(key, ext.ctx)
+                if answer is HIT:
+                    ext.results[key] = True
+                    hits.append(key)
+                elif answer is MISS or now > ext.deadline:
+                    ext.results[key] = False
+            if hits:
+                self._park(ext.req, parent.create_store_job(hits, ext.ctx))
+            if len(ext.results) >= len(set(ext.keys)):
+                answers = [ext.results[k] for k in ext.keys]
+                self._send({"t": "answer", "tid": tid, "hits": answers, "req": ext.req,
+                            "keys": [], "rows": []})
+                parent.on_request_finished(ext.ctx)
+                del self._external[tid]
+
+    def has_pending_work(self) -> bool:
+        self._poll()
+        return bool(self._loads or self._parked or self._lookups or self._probe_queue
+                    or self._external or self._finished)
+
+    def drain_jobs(self) -> None:
+        deadline = time.monotonic() + self.config.fetch_timeout_s + WATCHDOG_EXTRA_S
+        while self._loads and self._proc is not None:
+            self._poll()
+            if time.monotonic() > deadline:
+                self._kill_endpoint("drain_jobs: loads unanswered")
+                break
+            time.sleep(0.001)
+        for kvid in list(self._parked):
+            parked = self._parked.pop(kvid)
+            self._send({"t": "unpark", "req": kvid})
+            for job in parked.jobs:
+                self._finished.append(JobResult(job.job_id, False))
+
+    # ------------------------------------------------------------------ metrics, shutdown
+
+    def get_stats(self) -> metrics.OffloadingStats:
+        self._poll()
+        stats, self._stats = self._stats, metrics.OffloadingStats()
+        stats.set_gauge(PARKED_ROWS, sum(p.rows for p in self._parked.values()),
+                        (self._label,))
+        return stats
+
+    @classmethod
+    def build_metric_definitions(cls, tier_config: dict[str, Any]) -> dict[str, Any]:
+        t = (metrics.TIER,)
+        c = metrics.CounterMetadata
+        return {
+            LOOKUPS: c("Keys this engine asked a peer about (symmetric lookups).", t),
+            LOOKUP_HITS: c("Keys a peer answered it holds.", t),
+            FETCHED_BYTES: c("Chunk bytes fetched from peers (verified).", t),
+            SERVED_BYTES: c("Chunk bytes served to peers.", t),
+            FETCH_SECONDS: c("Seconds of fetch rounds (promotions from peers).", t),
+            REFUSED: c("Peers refused (unknown key, other layout or hash seed) or "
+                       "requests naming a peer without a known key.", t),
+            FAILURES: c("Fetch rounds and lookups that failed.", t),
+            UNBOUND_TIMEOUTS: c("Parked requests released by unbound_store_timeout_s.", t),
+            PARKED_ROWS: metrics.GaugeMetadata("Primary rows pinned for peers.", t),
+            RESTARTS: c("Endpoint process restarts.", t),
+        }
+
+    @classmethod
+    def config_info_keys(cls, tier_config: dict[str, Any]) -> tuple[str, ...]:
+        return ("p2p_endpoint",)
+
+    def config_info(self) -> dict[str, Any]:
+        return {"p2p_endpoint": f"{self.config.host}:{self.port or self.config.port}"}
+
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        if self._proc is not None and self._sock is not None:
+            try:
+                self._send({"t": "stop"})
+            except Exception:
+                pass
+            try:
+                self._proc.wait(STOP_WAIT_S)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait()
+        elif self._proc is not None:
+            self._proc.kill()
+            self._proc.wait()
+        self._closed = True
+        self._proc = None
+        self._fail_all("shutdown")
+        self._close_socket()
+        self._zctx.term()
+        shutil.rmtree(self._tmpdir, ignore_errors=True)

@@ -1,0 +1,133 @@
+"""Test helper: one engine with a ``p2p`` tier in its own process (multiprocessing spawn).
+
+``serve(conn, engine_id, tier, layout)`` is the child's entry point: it builds an
+``fs_engine.Engine`` (scheduler manager, a real segment, a fake GPU rank) with the p2p
+tier options ``tier``, waits until the tier's endpoint runs and sends
+``("ready", port)``. Then it answers commands (below) and, between them, steps the
+engine (``on_schedule_end`` every few ms) so the tier serves its peers. Every command
+answers ``("ok", value)`` or ``("error", text)``.
+
+- ``("produce", req_id, kvid, keys, first_block)``: a PD prefiller request
+  (``remote_decoder``; a plain request if ``kvid`` is None) stores chunks ``keys`` from GPU blocks ``first_block...`` and
+  finishes; value: the GPU bytes of those blocks.
+- ``("consume", req_id, params, keys, first_block, timeout_s)``: a request with
+  ``kv_transfer_params`` ``params`` looks ``keys`` up once per step until every answer is
+  HIT or MISS (then loads the leading HITs into GPU blocks ``first_block...``), or the
+  timeout; value: ``{"answers": [per step], "data": bytes or None, "slowest_call_s"}``.
+- ``("refs", keys)``: the primary's ref count of each key (pins; None: not resident).
+- ``("stats",)``: the tier's endpoint counters, parked rows, restarts, pid of endpoint.
+- ``("stop",)``.
+"""
+
+from __future__ import annotations
+
+import time
+import traceback
+
+
+def serve(conn, engine_id: str, tier: dict, layout: dict) -> None:
+    import fs_engine
+    from shmtier.contract import LookupResult, ReqContext
+
+    HIT, MISS = LookupResult.HIT, LookupResult.MISS
+    engine = fs_engine.Engine(engine_id, None, tier_type="p2p", **layout, **tier)
+    m = engine.manager
+    p2p = m.tiers[0]
+    slowest = [0.0]
+
+    def timed(fn, *args):
+        t0 = time.perf_counter()
+        with m.lock:
+            out = fn(*args)
+        slowest[0] = max(slowest[0], time.perf_counter() - t0)
+        return out
+
+    def step():
+        timed(m.on_schedule_end, fs_engine.END)
+
+    def blocks(first, n):
+        return [first + i * engine.bpc + j for i in range(n) for j in range(engine.bpc)]
+
+    def produce(req_id, kvid, keys, first_block):
+        keys = [fs_engine.key(k) for k in keys]
+        ctx = ReqContext(req_id, None if kvid is None else
+                         {"remote_decoder": {"kv_request_id": kvid}})
+        timed(m.on_new_request, ctx)
+        engine.offload(keys, first_block, ctx)
+        timed(m.on_request_finished, ctx)
+        step()
+        return b"".join(c[blocks(first_block, len(keys))].numpy().tobytes()
+                        for c in engine.caches)
+
+    def consume(req_id, params, keys, first_block, timeout_s):
+        keys = [fs_engine.key(k) for k in keys]
+        ctx = ReqContext(req_id, params)
+        timed(m.on_new_request, ctx)
+        seen, data = [], None
+        deadline = time.monotonic() + timeout_s
+        slowest[0] = 0.0
+        while time.monotonic() < deadline:
+            t0 = time.perf_counter()
+            with m.lock:
+                answers = [m.lookup(k, ctx) for k in keys]
+            slowest[0] = max(slowest[0], time.perf_counter() - t0)
+            step()
+            seen.append([a.name for a in answers])
+            if all(a is HIT or a is MISS for a in answers):
+                break
+            time.sleep(0.005)
+        hits = 0
+        while seen and hits < len(keys) and seen[-1][hits] == HIT.name:
+            hits += 1
+        if hits:
+            with m.lock:
+                spec = m.prepare_load(keys[:hits], ctx)
+            gpu = blocks(first_block, hits)
+            engine.copy("load", spec, gpu)
+            timed(m.complete_load, keys[:hits], ctx)
+            data = b"".join(c[gpu].numpy().tobytes() for c in engine.caches)
+        timed(m.on_request_finished, ctx)
+        step()
+        return {"answers": seen, "data": data, "slowest_call_s": slowest[0]}
+
+    def stats():
+        proc = p2p._proc
+        return {"counters": p2p.endpoint_counters,
+                "parked": sum(p.rows for p in p2p._parked.values()),
+                "restarts": p2p.restarts, "pid": proc.pid if proc else None,
+                "port": p2p.port, "tmpdir": p2p._tmpdir}
+
+    try:
+        deadline = time.monotonic() + 30
+        while not p2p._ready:
+            assert time.monotonic() < deadline, "p2p endpoint did not start"
+            step()
+            time.sleep(0.005)
+        conn.send(("ready", p2p.port))
+        while True:
+            if not conn.poll(0.005):
+                step()
+                continue
+            try:
+                cmd = conn.recv()
+            except EOFError:
+                return
+            if cmd[0] == "stop":
+                return
+            try:
+                if cmd[0] == "produce":
+                    out = produce(*cmd[1:])
+                elif cmd[0] == "consume":
+                    out = consume(*cmd[1:])
+                elif cmd[0] == "refs":
+                    with m.lock:
+                        out = [m.primary.ref_count(fs_engine.key(k)) for k in cmd[1]]
+                elif cmd[0] == "stats":
+                    out = stats()
+                else:
+                    raise ValueError(f"unknown command {cmd[0]!r}")
+                conn.send(("ok", out))
+            except Exception:
+                conn.send(("error", traceback.format_exc()))
+    finally:
+        engine.close()

@@ -1,0 +1,299 @@
+"""The p2p tier (shmtier/tiers/p2p/scheduler.py + endpoint.py): engines in separate processes
+on 127.0.0.1 with real segments, endpoint processes and CurveZMQ keys.
+
+Each engine runs in a spawned process (tests/p2p_engine.py); every engine, endpoint,
+socket, segment and key directory is removed at the end, also when a test fails.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import shutil
+import signal
+import tempfile
+import time
+from types import SimpleNamespace
+
+import pytest
+
+pytest.importorskip("zmq")
+
+import p2p_engine  # noqa: E402  (tests/ is on sys.path)
+from shmtier.options import ConfigError  # noqa: E402
+from shmtier.shared.segment import clean_stale_segments  # noqa: E402
+from shmtier.tiers.p2p.keys import generate_keypair_files, load_public_key  # noqa: E402
+
+CTX = mp.get_context("spawn")
+LAYOUT = {"page": 8192, "chunks": 16}
+
+
+class EngineProc:
+    def __init__(self, engine_id: str, tier: dict, layout: dict):
+        self.conn, child = CTX.Pipe()
+        self.proc = CTX.Process(target=p2p_engine.serve, args=(child, engine_id, tier, layout),
+                                daemon=True)
+        self.proc.start()
+        child.close()
+        self.port = None
+
+    def wait_ready(self, timeout_s: float = 60) -> "EngineProc":
+        assert self.conn.poll(timeout_s), "engine process did not start"
+        tag, self.port = self.conn.recv()
+        assert tag == "ready", tag
+        return self
+
+    def call(self, *cmd, timeout_s: float = 60):
+        self.conn.send(cmd)
+        assert self.conn.poll(timeout_s), f"engine did not answer {cmd[0]}"
+        tag, value = self.conn.recv()
+        assert tag == "ok", value
+        return value
+
+    def stop(self) -> None:
+        if self.proc.is_alive():
+            try:
+                self.conn.send(("stop",))
+            except OSError:
+                pass
+
+    def close(self) -> None:
+        self.stop()
+        self.proc.join(10)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join(5)
+        self.conn.close()
+
+
+@pytest.fixture(scope="module")
+def keys():
+    """Key pairs a, b (allowed by each other) and a stranger; allow dirs per engine."""
+    d = tempfile.mkdtemp(prefix="shmtier-p2p-tier-keys-")
+    try:
+        for name in ("a", "b", "stranger"):
+            generate_keypair_files(os.path.join(d, name), name)
+        for me, other in (("a", "b"), ("b", "a"), ("stranger", "a")):
+            os.makedirs(os.path.join(d, f"allow-{me}"))
+            shutil.copy(os.path.join(d, other, f"{other}.key"), os.path.join(d, f"allow-{me}"))
+        pub = {n: load_public_key(os.path.join(d, n, f"{n}.key")).decode()
+               for n in ("a", "b", "stranger")}
+        yield SimpleNamespace(dir=d, pub=pub, **{
+            n: {"secret_key_file": os.path.join(d, n, f"{n}.key_secret"),
+                "allow_keys_dir": os.path.join(d, f"allow-{n}")}
+            for n in ("a", "b", "stranger")})
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture
+def engines(engine_id):
+    made: list[EngineProc] = []
+
+    def start(*specs):
+        """Start engines (tier options, layout) in parallel; return them once ready."""
+        new = [EngineProc(f"{engine_id}-{len(made) + i}", tier, {**LAYOUT, **layout})
+               for i, (tier, layout) in enumerate(specs)]
+        made.extend(new)
+        return [e.wait_ready() for e in new]
+
+    yield start
+    for e in made:  # all at once: each takes a moment to shut its endpoint down
+        e.stop()
+    for e in made:
+        e.close()
+
+
+def tier(k: dict, **over) -> dict:
+    return {"host": "127.0.0.1", "port": 0, "unbound_store_timeout_s": 20,
+            "fetch_timeout_s": 3, "lookup_timeout_s": 3, **k, **over}
+
+
+def pd(kvid: str, port: int) -> dict:
+    return {"remote_prefiller": {"kv_request_id": kvid, "remote_host": "127.0.0.1",
+                                 "remote_port": port}}
+
+
+def wait_stats(engine: EngineProc, until, timeout_s: float = 10) -> dict:
+    """The engine's stats once ``until(stats)`` (endpoint counters come every second)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        st = engine.call("stats")
+        if st["counters"] and until(st):
+            return st
+        assert time.monotonic() < deadline, st
+        time.sleep(0.1)
+
+
+# --------------------------------------------------------------------------- PD
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("layout", [{}, {"world_size": 2, "bpc": 2, "page": 4096}],
+                         ids=["1rank", "2ranks-2bpc"])
+def test_pd_byte_exact(engines, keys, layout):
+    """The producer parks its request's chunks; the consumer looks them up HIT, the
+    promotion fetches them, and the GPU bytes loaded equal the producer's; its
+    pins are released once fetched."""
+    prod, cons = engines((tier(keys.a), layout), (tier(keys.b), layout))
+    ks = list(range(1, 6))
+    sent = prod.call("produce", "p1", "kv-1", ks, 0)
+    assert all(r is not None and r > 0 for r in prod.call("refs", ks))  # parked: pinned
+    got = cons.call("consume", "c1", pd("kv-1", prod.port), ks, 40, 20)
+    assert got["answers"][0] == ["HIT_PENDING"] * len(ks)
+    assert got["answers"][-1] == ["HIT"] * len(ks)
+    assert got["data"] == sent
+    assert got["slowest_call_s"] < 0.5
+    wait_unpinned(prod, ks)
+    st = wait_stats(prod, lambda st: st["counters"]["server"]["chunks"] >= len(ks))
+    assert st["parked"] == 0
+    assert st["counters"]["server"]["bytes_sent"] == len(sent)
+
+
+def wait_unpinned(engine: EngineProc, ks: list, timeout_s: float = 10) -> None:
+    deadline = time.monotonic() + timeout_s
+    while engine.call("refs", ks) != [0] * len(ks):
+        assert time.monotonic() < deadline, engine.call("refs", ks)
+        time.sleep(0.05)
+
+
+# --------------------------------------------------------------------------- symmetric
+
+
+@pytest.mark.timeout(120)
+def test_symmetric_retry_then_hit_and_miss(engines, keys):
+    """A consumer with remote_kv_source: RETRY until the peer answers, HIT for the chunks
+    the peer holds (fetched byte-exact), MISS for the others; the peer's pins for the
+    lookup are released after the fetch; an unknown request id at a peer with nothing
+    is all MISS."""
+    a, b = engines((tier(keys.a), {}), (tier(keys.b), {}))
+    held = [11, 12, 13, 14]
+    sent = a.call("produce", "p1", None, held, 0)
+    wait_unpinned(a, held)  # no producer role: its cascades succeed at once, unpinned
+    src = {"remote_kv_source": {"kv_request_id": "sym-1", "remote_host": "127.0.0.1",
+                                "remote_port": a.port}}
+    got = b.call("consume", "c1", src, held + [15, 16], 40, 20)
+    assert got["answers"][0] == ["RETRY"] * 6
+    assert got["answers"][-1] == ["HIT"] * 4 + ["MISS"] * 2
+    assert got["data"] == sent
+    assert got["slowest_call_s"] < 0.5
+    wait_unpinned(a, held)
+    # the peer was asked through its ParentManager: nothing of this engine's stays pinned
+    st = wait_stats(a, lambda st: st["counters"]["server"]["chunks"] >= 4)
+    assert st["parked"] == 0 and st["counters"]["server"]["lookups"] >= 1
+    got = b.call("consume", "c2", {"remote_kv_source": {**src["remote_kv_source"],
+                                                        "kv_request_id": "sym-2"}},
+                 [21, 22], 50, 20)
+    assert got["answers"][-1] == ["MISS", "MISS"] and got["data"] is None
+
+
+# --------------------------------------------------------------------------- failures
+
+
+@pytest.mark.timeout(120)
+def test_wrong_key_unknown_peer_and_other_layout_are_refused(engines, keys):
+    """A peer whose key the producer does not allow is refused at the handshake, one
+    with another layout at the hello (both counted at the producer); a consumer that
+    does not know the producer's key does not connect at all. Nothing is served: the
+    consumers' lookups end MISS and the producer's parked chunks stay pinned for the
+    rightful consumer."""
+    two_keys = {"secret_key_file": keys.b["secret_key_file"],
+                "allow_keys": [keys.pub["a"], keys.pub["stranger"]]}
+    a, stranger, other = engines((tier(keys.a), {}), (tier(keys.stranger), {}),
+                                 (tier(two_keys), {"page": 4096}))
+    ks = [31, 32, 33]
+    a.call("produce", "p1", "kv-x", ks, 0)
+    got = stranger.call("consume", "c1", pd("kv-x", a.port), ks, 40, 20)
+    assert got["answers"][-1] == ["MISS"] * 3 and got["data"] is None
+    got = other.call("consume", "c2", pd("kv-x", a.port), ks, 40, 20)  # no key for a
+    assert got["answers"][-1] == ["MISS"] * 3 and got["data"] is None
+    with_key = pd("kv-x", a.port)
+    with_key["remote_prefiller"]["remote_public_key"] = keys.pub["a"]
+    got = other.call("consume", "c3", with_key, ks, 40, 20)
+    assert got["answers"][-1] == ["MISS"] * 3 and got["data"] is None
+    st = wait_stats(a, lambda st: {"unknown_key", "fingerprint"}
+                    <= set(st["counters"]["server"]["refused_handshakes"]))
+    server = st["counters"]["server"]
+    assert server["chunks"] == 0 and server["bytes_sent"] == 0 and server["requests"] == 0
+    assert st["parked"] == 3 and all(r > 0 for r in a.call("refs", ks))
+
+
+@pytest.mark.timeout(120)
+def test_producer_killed_mid_transfer(engines, keys):
+    """The producer (engine and endpoint) is SIGKILLed while the consumer's fetch round
+    waits for chunks it has not parked yet: the load fails cleanly (the chunks that
+    arrived are exact, the rest are freed), later lookups of the request and of a new
+    one MISS, and the consumer keeps running with nothing pinned."""
+    prod, cons = engines((tier(keys.a), {}), (tier(keys.b, fetch_timeout_s=4), {}))
+    ks = [41, 42, 43, 44, 45, 46]
+    sent = prod.call("produce", "p1", "kv-k", ks[:3], 0)
+    st = prod.call("stats")
+    endpoint = st["pid"]
+    cons.conn.send(("consume", "c1", pd("kv-k", prod.port), ks, 40, 20))
+    time.sleep(1.0)  # the round has the first 3 and asks again for the rest
+    for pid in (endpoint, prod.proc.pid):
+        os.kill(pid, signal.SIGKILL)
+    prod.proc.join(5)
+    try:
+        assert cons.conn.poll(30)
+        tag, got = cons.conn.recv()
+        assert tag == "ok", got
+        assert got["answers"][-1] == ["HIT"] * 3 + ["MISS"] * 3
+        assert got["data"] == sent
+        assert got["slowest_call_s"] < 0.5
+        assert cons.call("refs", ks) == [0, 0, 0, None, None, None]
+        later = cons.call("consume", "c2", pd("kv-k2", prod.port), [51, 52], 50, 20)
+        assert later["answers"][-1] == ["MISS", "MISS"] and later["data"] is None
+        assert cons.call("refs", [51, 52]) == [None, None]
+    finally:
+        deadline = time.monotonic() + 5
+        while True:  # the killed producer's endpoint may still be exiting
+            try:
+                os.kill(endpoint, 0)
+            except ProcessLookupError:
+                break
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        clean_stale_segments()
+        shutil.rmtree(st["tmpdir"], ignore_errors=True)  # its scheduler was killed too
+
+
+@pytest.mark.timeout(120)
+def test_unfetched_parked_chunks_are_released_after_the_timeout(engines, keys):
+    """No consumer ever fetches: the producer's parked pins are released within
+    unbound_store_timeout_s, and a later store of the same request fails at once
+    instead of parking again."""
+    (prod,) = engines((tier(keys.a, unbound_store_timeout_s=1.0), {}))
+    ks = [61, 62, 63]
+    t0 = time.monotonic()
+    prod.call("produce", "p1", "kv-gone", ks, 0)
+    assert all(r > 0 for r in prod.call("refs", ks))
+    wait_unpinned(prod, ks, timeout_s=5)
+    assert time.monotonic() - t0 < 3.0
+    prod.call("produce", "p2", "kv-gone", [64], 10)
+    wait_unpinned(prod, [64], timeout_s=2)  # its store fails at once (the id timed out)
+    assert prod.call("stats")["parked"] == 0
+
+
+@pytest.mark.timeout(120)
+def test_endpoint_restarts_and_releases_parked_pins(engines, keys):
+    """The producer's endpoint process dies: its parked stores fail (unpinned at once),
+    a new endpoint starts on the same port and serves the next request."""
+    prod, cons = engines((tier(keys.a), {}), (tier(keys.b), {}))
+    ks = [71, 72]
+    prod.call("produce", "p1", "kv-r1", ks, 0)
+    st = prod.call("stats")
+    os.kill(st["pid"], signal.SIGKILL)
+    wait_unpinned(prod, ks)
+    deadline = time.monotonic() + 20
+    while True:
+        new = prod.call("stats")
+        if new["restarts"] == 1 and new["pid"] not in (None, st["pid"]) and new["counters"]:
+            break
+        assert time.monotonic() < deadline, new
+        time.sleep(0.1)
+    time.sleep(0.3)  # the new endpoint binds the port
+    sent = prod.call("produce", "p2", "kv-r2", [73, 74], 4)
+    got = cons.call("consume", "c1", pd("kv-r2", prod.port), [73, 74], 40, 20)
+    assert got["data"] == sent
