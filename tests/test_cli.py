@@ -68,8 +68,8 @@ def _namespace_with_temps(root):
         rel = b.ns.rel_dir(key(1))
         b.ns.in_leaf(rel, lambda fd: None, create=True)
         leaf = os.path.join(b.namespace_dir, rel)
-        live = os.path.join(leaf, b.ns.temp_name(key(1).hex()))
-        boot, _ = b.ns._boot_tag, None
+        live = os.path.join(leaf, b.ns.temp_name(key(1).hex()))  # this process's
+        boot = procinfo.boot_id()[:4].hex()  # a pid above pid_max: a writer that is gone
         dead = os.path.join(leaf, f".{key(2).hex()[:16]}.{boot}-{2 ** 22 + 17}-1-1.tmp")
     finally:
         b.close()
