@@ -1,4 +1,6 @@
-"""The ``shmtier`` command: ``run``, ``demo``, ``workers``, ``segments``, ``clean``."""
+"""The ``shmtier`` command: ``run``, ``demo``, ``workers``, ``ls`` (``segments``), ``top``,
+``fsck``, ``clean``. Exit codes: 0 success, 1 problems found (``fsck``), 2 usage or I/O
+error."""
 
 from __future__ import annotations
 
@@ -35,12 +37,77 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--blocks-per-chunk", type=int, default=4)
     demo.add_argument("--policy", default="lru")
     workers = sub.add_parser("workers", help="run the tier worker pool of a running engine "
-                             "(its config sets \"workers\": \"external\")")
+                             "(its config sets \"workers\": \"external\")",
+                             description="Run the tier worker pool of a running engine whose "
+                             "config sets \"workers\": \"external\". Exit codes: 0 stopped "
+                             "(SIGTERM, Ctrl-C, the engine gone), 2 refused (another pool "
+                             "serves it, spawn mode, --num-workers mismatch).")
     workers.add_argument("--engine-id", required=True)
     workers.add_argument("--num-workers", type=int, default=None,
                          help="must match the engine's num_tier_workers (default: read it)")
-    sub.add_parser("segments", help="list shmtier segments on this host")
-    sub.add_parser("clean", help="remove segments whose owner process is dead")
+    workers.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
+                         help="serve Prometheus metrics of the workers on this port "
+                         "(0: any free port, printed)")
+    workers.add_argument("--metrics-addr", default="127.0.0.1", metavar="ADDR",
+                         help="address the metrics endpoint binds (default 127.0.0.1)")
+    for name, aliases in (("ls", ["segments"]),):
+        ls = sub.add_parser(name, aliases=aliases,
+                            help="list shmtier segments on this host (alias: segments)",
+                            description="List shmtier segments on this host: owner alive "
+                            "or stale, geometry, rows used, tier workers, tiers. Exit code 0.")
+        ls.add_argument("--json", action="store_true", help="print JSON")
+    top = sub.add_parser("top", help="live view of one engine's segment (read-only)",
+                         description="A live view of one engine's segment: rows by state, "
+                         "tiers, tier workers (heartbeats, restarts, counters, ring depths, "
+                         "jobs/s and GB/s). Read-only: no lock, no semaphore, no write. "
+                         "Exit codes: 0, 2 no such segment.")
+    top.add_argument("engine_id", metavar="ENGINE_ID", help="engine id (or segment name)")
+    top.add_argument("--once", action="store_true",
+                     help="print one frame and exit (two samples --interval apart)")
+    top.add_argument("--json", action="store_true",
+                     help="print JSON (one object per frame; one per line when live)")
+    top.add_argument("--interval", type=float, default=1.0, metavar="SECONDS",
+                     help="refresh period (default 1)")
+    top.add_argument("--iterations", type=int, default=None, metavar="N",
+                     help="exit after N frames")
+    fsck = sub.add_parser(
+        "fsck", help="check (and repair) an fs tier root or an obj tier bucket",
+        description="Check every shmtier namespace under an fs tier root (or in an obj "
+        "bucket): chunks and bytes per namespace, corrupt and truncated chunks, foreign "
+        "files, orphaned temp files of dead writers, chunks in the wrong fan-out directory, "
+        "links. Safe while engines use it; never follows a link and never touches anything "
+        "outside the namespaces. Exit codes: 0 clean (or all repaired), 1 problems left, "
+        "2 usage or I/O error.")
+    fsck.add_argument("root", nargs="?", metavar="ROOT", help="fs tier root_dir")
+    fsck.add_argument("--verify", action="store_true",
+                      help="decode every chunk (all CRCs; the MAC with --mac-key-file), "
+                      "not only its header")
+    fsck.add_argument("--repair", action="store_true", help="remove what is bad")
+    fsck.add_argument("--json", action="store_true", help="print JSON")
+    fsck.add_argument("--mac-key-file", metavar="FILE",
+                      help="the tiers' MAC key (checks the tags of its namespace)")
+    fsck.add_argument("--stale-temp-age", type=float, default=None, metavar="SECONDS",
+                      help="temp files older than this are orphaned whoever wrote them "
+                      "(default: the fs tier's, 900)")
+    obj = fsck.add_argument_group("obj tier bucket (instead of ROOT); credentials from "
+                                  "--tier-config or boto3's chain (AWS_ACCESS_KEY_ID, ...)")
+    obj.add_argument("--bucket")
+    obj.add_argument("--endpoint", default="", help="endpoint URL (default: AWS)")
+    obj.add_argument("--prefix", default="", help="the tier's key prefix")
+    obj.add_argument("--region", default="")
+    obj.add_argument("--tier-config", metavar="FILE",
+                     help="a JSON secondary_tiers entry of type obj (store_config, prefix, "
+                     "mac_key_file)")
+    clean = sub.add_parser("clean", help="remove segments and semaphores of dead owners "
+                           "(and, with --root, orphaned fs temp files)",
+                           description="Remove shmtier segments and ring semaphores whose "
+                           "owner process is dead; with --root, also the temp files of dead "
+                           "writers under an fs tier root. Exit codes: 0, 2 root unusable.")
+    clean.add_argument("engine_ids", nargs="*", metavar="ENGINE_ID",
+                       help="only these engines' segments and semaphores (default: all)")
+    clean.add_argument("--root", action="append", default=[], metavar="DIR",
+                       help="an fs tier root_dir whose orphaned temp files to remove "
+                       "(repeatable)")
     args = parser.parse_args(argv)
 
     if args.command == "run":
@@ -61,19 +128,120 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "workers":
         from shmtier.workers.external import run_external_pool
 
-        return run_external_pool(args.engine_id, args.num_workers)
-    from shmtier.shared.ring import clean_stale_ring_semaphores
-    from shmtier.shared.segment import clean_stale_segments, list_segments
+        return run_external_pool(args.engine_id, args.num_workers,
+                                 metrics_port=args.metrics_port, metrics_addr=args.metrics_addr)
+    if args.command in ("ls", "segments"):
+        from shmtier.top import run_ls
 
-    if args.command == "segments":
-        for s in list_segments():
-            state = "live" if s.alive else "STALE"
-            print(f"{s.name}  {s.size >> 20} MiB  owner {s.owner_pid or '-'}  "
-                  f"creator {s.creator_pid}  {state}  {s.fingerprint}")
-        return 0
-    removed = clean_stale_segments() + clean_stale_ring_semaphores()
-    print("\n".join(f"removed {name}" for name in removed) or "nothing stale")
-    return 0
+        return run_ls(args.json)
+    if args.command == "top":
+        from shmtier.top import run_top
+
+        return run_top(args.engine_id, once=args.once, as_json=args.json,
+                       interval=args.interval, iterations=args.iterations)
+    if args.command == "fsck":
+        return _fsck(args)
+    return _clean(args.engine_ids, args.root)
+
+
+def _fsck(args) -> int:
+    import json
+
+    from shmtier.tiers.fsck import EXIT_USAGE, FsckError
+
+    obj = bool(args.bucket or args.tier_config)
+    if obj == bool(args.root):
+        print("shmtier fsck: give an fs tier ROOT, or --bucket / --tier-config for an obj "
+              "tier bucket (one of them)", file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        mac_key = _read_key(args.mac_key_file) if args.mac_key_file else None
+        if obj:
+            report = _fsck_bucket(args, mac_key)
+        else:
+            from shmtier.tiers.fs.fsck import fsck_root
+
+            kw = {} if args.stale_temp_age is None else {"stale_temp_age_s": args.stale_temp_age}
+            report = fsck_root(args.root, verify=args.verify, repair=args.repair,
+                               mac_key=mac_key, **kw)
+    except (FsckError, ValueError, OSError) as e:
+        print(f"shmtier fsck: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except Exception as e:  # e.g. ConfigError: boto3 missing, a bad tier config
+        print(f"shmtier fsck: {type(e).__name__}: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    print(json.dumps(report.as_dict(), indent=2) if args.json else report.text())
+    return report.exit_code
+
+
+def _read_key(path: str) -> bytes:
+    """A MAC key file, read and checked as the tiers' ``mac_key_file`` option is."""
+    from shmtier.options import ConfigError, secret_file
+    from shmtier.shared.codec import MAC_KEY_BYTES
+
+    try:
+        return secret_file(*MAC_KEY_BYTES)("--mac-key-file", path).value
+    except ConfigError as e:
+        raise ValueError(str(e)) from None
+
+
+def _fsck_bucket(args, mac_key: bytes | None):
+    import json
+
+    from shmtier.tiers.obj.client import endpoint_label, make_client
+    from shmtier.tiers.obj.config import StoreConfigCheck, _prefix
+    from shmtier.tiers.obj.fsck import fsck_bucket
+
+    store: dict = {}
+    prefix = args.prefix
+    if args.tier_config:
+        with open(args.tier_config) as f:
+            entry = json.load(f)
+        if not isinstance(entry, dict) or not isinstance(entry.get("store_config"), dict):
+            raise ValueError(f"{args.tier_config}: expected a JSON object with store_config")
+        store = dict(entry["store_config"])
+        prefix = prefix or entry.get("prefix", "")
+        if mac_key is None and entry.get("mac_key_file"):
+            mac_key = _read_key(entry["mac_key_file"])
+    for name, value in (("bucket", args.bucket), ("endpoint_override", args.endpoint),
+                        ("region", args.region)):
+        if value:
+            store[name] = value
+    checked = StoreConfigCheck()("store_config", store).as_plain()
+    args_ = {"store_config": checked, "io_threads": 4, "connect_timeout_s": 2.0,
+             "read_timeout_s": 10.0, "max_attempts": 3}
+    client = make_client(args_)
+    try:
+        return fsck_bucket(client, checked["bucket"], _prefix(prefix), verify=args.verify,
+                           repair=args.repair, mac_key=mac_key,
+                           endpoint=endpoint_label(checked))
+    finally:
+        client.close()
+
+
+def _clean(engine_ids: list[str], roots: list[str]) -> int:
+    from shmtier.shared.ring import clean_stale_ring_semaphores
+    from shmtier.shared.segment import clean_stale_segments
+    from shmtier.shared.snapshot import resolve
+
+    names = {resolve(e) for e in engine_ids} if engine_ids else None
+    removed = clean_stale_segments(names) + clean_stale_ring_semaphores(names)
+    lines = [f"removed {name}" for name in removed]
+    code = 0
+    for root in roots:
+        from shmtier.tiers.fs.fsck import fsck_root
+        from shmtier.tiers.fsck import FsckError
+
+        try:
+            report = fsck_root(root, repair={"orphan_temp"})
+        except FsckError as e:
+            print(f"shmtier clean: {e}", file=sys.stderr)
+            code = 2
+            continue
+        lines += [f"removed {report.target}/{p.path}" for p in report.problems
+                  if p.kind == "orphan_temp" and p.repaired]
+    print("\n".join(lines) or "nothing stale")
+    return code
 
 
 if __name__ == "__main__":

@@ -6,7 +6,8 @@ config the engine published in its segment, starts one worker process per slot
 died — but only after the engine's pool has recovered its slot (the holder
 is cleared), so every job the dead worker held is failed exactly once by the
 engine before a replacement takes new ones. Exits when the engine's segment
-owner is gone or on SIGINT/SIGTERM (stopping its workers).
+owner is gone or on SIGINT/SIGTERM (stopping its workers). With ``metrics_port`` it also
+serves the workers' Prometheus metrics (``metrics.py``).
 
 One pool per engine (every ring has one consumer): it refuses, with exit code
 2 and touching nothing, an engine whose pool runs in spawn mode (the scheduler
@@ -26,9 +27,10 @@ from shmtier.shared.ring import RingSet
 from shmtier.shared.segment import join_existing
 
 
-def run_external_pool(engine_id: str, num_workers: int | None = None) -> int:
+def run_external_pool(engine_id: str, num_workers: int | None = None, *,
+                      metrics_port: int | None = None, metrics_addr: str = "127.0.0.1") -> int:
     segment = join_existing(engine_id)
-    rings = None
+    rings = server = None
     procs: list[subprocess.Popen | None] = []
     stopping: list[bool] = []
     signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
@@ -56,8 +58,20 @@ def run_external_pool(engine_id: str, num_workers: int | None = None) -> int:
             return subprocess.Popen([sys.executable, "-m", "shmtier.workers.job_loop", engine_id, str(i)],
                                     stdin=subprocess.DEVNULL)
 
+        if metrics_port is not None:
+            from shmtier.workers.metrics import serve
+
+            try:
+                server, port = serve(engine_id, segment.rings, metrics_port, metrics_addr)
+            except OSError as e:
+                print(f"shmtier workers: cannot serve metrics on {metrics_addr}:{metrics_port}: "
+                      f"{e.strerror or e}", file=sys.stderr)
+                return 2
+            print(f"shmtier workers: metrics on http://{metrics_addr}:{port}/metrics",
+                  flush=True)
         procs = [start(i) for i in range(config.num_workers)]
-        print(f"shmtier workers: {config.num_workers} tier workers serving {segment.name}")
+        print(f"shmtier workers: {config.num_workers} tier workers serving {segment.name}",
+              flush=True)
         while not stopping and segment.header().owner_alive():
             for i, proc in enumerate(procs):
                 if proc is not None and proc.poll() is not None:
@@ -69,6 +83,9 @@ def run_external_pool(engine_id: str, num_workers: int | None = None) -> int:
     except KeyboardInterrupt:
         return 0
     finally:
+        if server is not None:  # before the ring area's view goes
+            server.shutdown()
+            server.server_close()
         for proc in procs:
             if proc is not None and proc.poll() is None:
                 proc.terminate()

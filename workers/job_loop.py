@@ -21,6 +21,9 @@ Runs in: one tier worker process (spawned by the pool, or started by
                         each slice (more=True but the last), other ops at the end
           every few seconds: owner (scheduler) alive? else exit
 
+Each result answered is also added to the slot's counters in the segment
+(``WorkerRings.tally``: job parts, logical bytes, codec ns, failed keys; read by
+``shmtier top`` and the external pool's metrics endpoint).
 After each job the backend's ``take_flags()`` (``jobs.ResultFlag`` bits it raised,
 e.g. that its namespace was reset) go with the job's result.
 A job for a tier that has no worker half, or for an op its backend does not
@@ -118,6 +121,7 @@ def decode_all(batch: list[bytes]) -> list:
 
 
 _URGENT = ("load", "probe")  # ops a request waits on: they overtake stores and deletes
+_FAILED = frozenset((jobs.Outcome.ERROR, jobs.Outcome.CORRUPT, jobs.Outcome.INVALID))
 
 
 def loads_first(decoded: list, mutated: set | None = None) -> tuple[list, list]:
@@ -153,7 +157,7 @@ class JobRunner:
 
     def __init__(self, backends: list, arena: np.ndarray, chunk_bytes: int, slot_size: int,
                  beat=lambda: None, take_new=lambda: [], answer=lambda result: None,
-                 stop_requested=lambda: False):
+                 stop_requested=lambda: False, tally=None):
         self.backends = backends
         self.arena = arena
         self.chunk_bytes = chunk_bytes
@@ -162,6 +166,9 @@ class JobRunner:
         self.take_new = take_new
         self.answer = answer
         self.stop_requested = stop_requested
+        # tally(jobs, bytes, codec_ns, failed_keys): the slot's counters in the segment
+        # (WorkerRings.tally), added to for each result answered
+        self.tally = tally
         self.queue: deque = deque()
         self._store_keys_queued = 0  # keys of the store jobs in ``queue``
 
@@ -192,7 +199,20 @@ class JobRunner:
     def run_and_answer(self, job) -> None:
         for result in self.results(job):
             self.answer(result)
+            if self.tally is not None:
+                self._count(result)
         self.beat()
+
+    def _count(self, result: jobs.Result) -> None:
+        """Add one answered result to the slot's counters: a job when its last piece is
+        answered, its keys' logical bytes, codec time and failed keys (a few list sums
+        and four 8-byte stores per result: nothing next to the I/O behind it)."""
+        failed = 0
+        for o in result.outcomes:
+            if o in _FAILED:
+                failed += 1
+        self.tally(0 if result.more else 1, sum(result.logical_bytes),
+                   int(result.codec_s * 1e9), failed)
 
     def run(self, job: "jobs.Job | jobs.MalformedJob") -> list[jobs.Result]:
         """All of :meth:`results` for ``job`` (tests, and callers that answer later)."""
@@ -380,7 +400,7 @@ def run_worker(engine_id: str, index: int) -> int:
         runner = JobRunner(backends, arena, config.chunk_bytes, config.slot_size, me.beat,
                            take_new=lambda: me.jobs.get_many(_BATCH, timeout_s=0),
                            answer=lambda result: _answer(me, result, segment),
-                           stop_requested=lambda: bool(stopping))
+                           stop_requested=lambda: bool(stopping), tally=me.tally)
         next_owner_check = time.monotonic() + _OWNER_CHECK_S
         last_job = 0.0
         while not stopping:

@@ -555,13 +555,20 @@ class ChunkDecoder:
 
     ``mac_key``: 16..64 secret bytes, or None. With a key only frames whose MAC tag
     verifies under it are served; without one, frames with a tag are refused (module
-    docstring, "Authentication"). Either refusal is ``"mac"``.
+    docstring, "Authentication"). Either refusal is ``"mac"``. ``ignore_mac`` (tools
+    that check a MAC'd namespace without its key, never a tier): a tag is neither
+    required nor checked; everything else is.
     """
 
-    def __init__(self, *, mac_key: bytes | None = None) -> None:
+    def __init__(self, *, mac_key: bytes | None = None, ignore_mac: bool = False) -> None:
         self._dctx = zstandard.ZstdDecompressor()
         self._scratch = _Scratch()
         self._mac = _mac_state(mac_key)
+        if ignore_mac and self._mac is not None:
+            raise ValueError("ignore_mac is for a decoder without a MAC key")
+        # Tools only (``shmtier fsck`` of a MAC'd namespace without its key): every check
+        # but the tag's (its presence is the caller's to judge). Never for serving.
+        self._ignore_mac = ignore_mac
 
     @property
     def mac(self) -> bool:
@@ -599,7 +606,7 @@ class ChunkDecoder:
         if omv.nbytes != h.raw_len:
             raise CorruptChunkError(
                 "length", f"destination has {omv.nbytes} bytes, frame holds {h.raw_len}")
-        if bool(h.tag) != (self._mac is not None):
+        if bool(h.tag) != (self._mac is not None) and not self._ignore_mac:
             raise CorruptChunkError("mac", "frame carries a MAC tag this reader has no key "
                                            "to check" if h.tag else "frame carries no MAC tag")
         payload = fmv[hs:]

@@ -19,7 +19,11 @@ Layout of the ring area (little-endian; every block 64-byte aligned)::
     area header   64 B   magic (written last by the creator), version, num_workers,
                          slots, slot_size, creator pid + start time, boot id
     control       64 B x num_workers: heartbeat ns (CLOCK_MONOTONIC), holder pid,
-                         holder start time, claims (how many processes claimed it)
+                         holder start time, claims (how many processes claimed it);
+                         then the worker's counters (``WorkerCounters``: jobs done,
+                         logical bytes moved, codec ns, failed keys), written only
+                         by the slot's holder, read by anyone (``shmtier top``,
+                         ``shmtier workers --metrics-port``)
     per worker i: job ring i, then result ring i; each ring:
         ring header 192 B: line 0 slots/slot_size, line 1 head (producer's counter),
                            line 2 tail (consumer's counter) - separate cache lines
@@ -118,6 +122,9 @@ _HEAD = 64 // 8  # index into the ring header cast to uint64
 _TAIL = 128 // 8
 # per-worker control block, as uint64 indexes
 _BEAT_NS, _PID, _START, _CLAIMS = 0, 1, 2, 3
+# ...and the worker's counters (monotonic over the slot's holders; zero when the rings are
+# created): one writer (the holder), aligned 8-byte words, so readers never see a torn one
+_JOBS, _BYTES, _CODEC_NS, _FAILED_KEYS = 4, 5, 6, 7
 
 KINDS = ("job", "res")
 #: Named semaphores of one worker's rings (items and spaces of each kind); each one
@@ -372,6 +379,20 @@ class Heartbeat:
         return ((time.monotonic_ns() if now_ns is None else now_ns) - self.beat_ns) / 1e9
 
 
+@dataclass(frozen=True)
+class WorkerCounters:
+    """What the holders of one worker slot did since the rings were created (the slot's
+    counter words; each holder adds to them, so they survive a worker's restart):
+    ``jobs`` (job parts run and answered), ``bytes`` (logical chunk bytes stored and
+    loaded), ``codec_ns`` (time in the codec), ``failed_keys`` (keys answered ERROR,
+    CORRUPT or INVALID)."""
+
+    jobs: int
+    bytes: int
+    codec_ns: int
+    failed_keys: int
+
+
 class WorkerRings:
     """Worker ``index``'s job ring, result ring and heartbeat word.
 
@@ -396,6 +417,20 @@ class WorkerRings:
         """The heartbeat word as last written (any process)."""
         ctl = self._ctl
         return Heartbeat(ctl[_BEAT_NS], ctl[_PID], ctl[_START], ctl[_CLAIMS])
+
+    def tally(self, jobs: int, nbytes: int, codec_ns: int, failed_keys: int) -> None:
+        """Add to the slot's counters (the holder only: one writer; four 8-byte stores,
+        no lock, never blocks)."""
+        ctl = self._ctl
+        ctl[_JOBS] += jobs
+        ctl[_BYTES] += nbytes
+        ctl[_CODEC_NS] += codec_ns
+        ctl[_FAILED_KEYS] += failed_keys
+
+    def counters(self) -> WorkerCounters:
+        """The slot's counters as last written (any process)."""
+        ctl = self._ctl
+        return WorkerCounters(ctl[_JOBS], ctl[_BYTES], ctl[_CODEC_NS], ctl[_FAILED_KEYS])
 
     def claim(self) -> None:
         """Record the calling process as this worker slot's holder and beat.
@@ -735,6 +770,74 @@ class RingSet:
         self.close()
 
 
+@dataclass(frozen=True)
+class SlotState:
+    """One worker slot as :func:`inspect_area` read it: heartbeat word, whether its holder
+    runs, its counters, and the items waiting in its job ring and its result ring."""
+
+    index: int
+    heartbeat: Heartbeat
+    holder_alive: bool
+    counters: WorkerCounters
+    job_depth: int
+    result_depth: int
+
+
+@dataclass(frozen=True)
+class AreaState:
+    """A ring area as :func:`inspect_area` read it (``creator_alive``: the scheduler that
+    created the rings still runs)."""
+
+    num_workers: int
+    slots: int
+    slot_size: int
+    creator_pid: int
+    creator_alive: bool
+    workers: list[SlotState]
+
+
+_CONTROL_WORDS = struct.Struct("<8Q")
+_COUNTER = struct.Struct("<Q")
+
+
+def inspect_area(region) -> AreaState | None:
+    """A snapshot of a ring area for tools (``shmtier top``, ``ls``): geometry, and per
+    worker slot its heartbeat word, counters and ring depths (``head - tail`` of each
+    ring). Reads bytes only: opens no semaphore, writes nothing, takes no lock, so it
+    may run in any process at any rate (``region`` may be a read-only mapping). None
+    when the area holds no rings (never created, or being torn down). Values are read
+    one word at a time while the ends run: each word is current, the set need not be
+    one instant's."""
+    if len(region) < AREA_HEADER_SIZE:
+        return None
+    magic, version, nw, ns, size, pid, _, start, boot = _AREA.unpack_from(region, 0)
+    if magic != AREA_MAGIC or version != AREA_VERSION:
+        return None
+    try:
+        need = ring_area_nbytes(nw, ns, size)
+    except ValueError:
+        return None
+    if len(region) < need:
+        return None
+    per_ring = ring_nbytes(ns, size)
+    first = AREA_HEADER_SIZE + nw * CONTROL_SIZE
+    me_boot = procinfo.boot_id()
+    workers = []
+    for i in range(nw):
+        w = _CONTROL_WORDS.unpack_from(region, AREA_HEADER_SIZE + i * CONTROL_SIZE)
+        beat = Heartbeat(w[_BEAT_NS], w[_PID], w[_START], w[_CLAIMS])
+        depths = []
+        for kind in range(len(KINDS)):
+            off = first + (2 * i + kind) * per_ring
+            head = _COUNTER.unpack_from(region, off + _HEAD * 8)[0]
+            tail = _COUNTER.unpack_from(region, off + _TAIL * 8)[0]
+            depths.append(min(max(head - tail, 0), ns))
+        alive = bool(beat.pid) and procinfo.is_alive(beat.pid, beat.start_time, me_boot)
+        workers.append(SlotState(i, beat, alive, WorkerCounters(*w[_JOBS:_FAILED_KEYS + 1]),
+                                 depths[0], depths[1]))
+    return AreaState(nw, ns, size, pid, procinfo.is_alive(pid, start, boot), workers)
+
+
 def ring_semaphore_segment(entry: str) -> str | None:
     """The segment name (no slash) a /dev/shm entry like ``sem.shmtier_e.w0.job.items``
     belongs to, or None if the entry is not a ring semaphore (for leak guards and clean)."""
@@ -751,8 +854,9 @@ def list_ring_semaphores() -> list[str]:
     return ["/" + e[4:] for e in entries if _SEM_RE.match(e)]
 
 
-def clean_stale_ring_semaphores() -> list[str]:
-    """Unlink ring semaphores whose segment is gone or whose owner is dead.
+def clean_stale_ring_semaphores(names: "set[str] | None" = None) -> list[str]:
+    """Unlink ring semaphores whose segment is gone or whose owner is dead (only those of
+    the segments named in ``names``, with their slash, when given).
 
     For ``shmtier clean``. Returns the names removed. A semaphore of a segment
     whose owner still runs is kept.
@@ -760,9 +864,11 @@ def clean_stale_ring_semaphores() -> list[str]:
     from shmtier.shared.segment import list_segments  # numpy-free, but keep ring.py lean
 
     alive = {s.name.lstrip("/") for s in list_segments() if s.alive}
+    wanted = None if names is None else {n.lstrip("/") for n in names}
     removed = []
     for name in list_ring_semaphores():
-        if ring_semaphore_segment("sem." + name[1:]) in alive:
+        segment = ring_semaphore_segment("sem." + name[1:])
+        if segment in alive or (wanted is not None and segment not in wanted):
             continue
         try:
             posix_ipc.unlink_semaphore(name)

@@ -593,11 +593,12 @@ def list_segments() -> list[SegmentStatus]:
     return found
 
 
-def clean_stale_segments() -> list[str]:
-    """Unlink every shmtier segment whose owner (or creator) is dead; returns their names."""
+def clean_stale_segments(names: "set[str] | None" = None) -> list[str]:
+    """Unlink every shmtier segment whose owner (or creator) is dead (only those named in
+    ``names``, segment names with their slash, when given); returns their names."""
     removed = []
     for status in list_segments():
-        if status.alive:
+        if status.alive or (names is not None and status.name not in names):
             continue
         try:
             posix_ipc.unlink_shared_memory(status.name)

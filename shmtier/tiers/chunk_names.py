@@ -22,6 +22,30 @@ def namespace_dir_name(fingerprint: str) -> str:
     return NAMESPACE_PREFIX + hashlib.sha256(fingerprint.encode("utf-8")).hexdigest()[:16]
 
 
+def is_namespace_name(name: str) -> bool:
+    """Whether ``name`` has the form of a namespace's name (``namespace_dir_name``)."""
+    digits = name[len(NAMESPACE_PREFIX):]
+    return (name.startswith(NAMESPACE_PREFIX) and len(digits) == 16
+            and all(c in "0123456789abcdef" for c in digits))
+
+
+#: How a namespace's fingerprint names the MAC key its frames carry tags of.
+MAC_MARK = "|mac="
+
+
+def with_mac_id(fingerprint: str, key_id: str | None) -> str:
+    """The namespace fingerprint of a layout ``fingerprint`` whose frames carry MAC tags
+    of the key with id ``key_id`` (``codec.mac_key_id``); ``fingerprint`` itself for None:
+    engines with another key, or none, never share a namespace."""
+    return fingerprint if key_id is None else f"{fingerprint}{MAC_MARK}{key_id}"
+
+
+def mac_id_of(namespace_fingerprint: str) -> str | None:
+    """The MAC key id a namespace fingerprint names (``with_mac_id``), or None."""
+    _, mark, key_id = namespace_fingerprint.rpartition(MAC_MARK)
+    return key_id if mark else None
+
+
 def key_problem(key) -> str | None:
     """What makes ``key`` unusable as a chunk name (the INVALID detail), or None."""
     if not isinstance(key, (bytes, bytearray, memoryview)):

@@ -37,7 +37,7 @@ from shmtier.shared.jobs import ResultFlag
 from shmtier.tiers.backend import BatchResult, Outcome, ScanEntry, TierBackend, WorkerContext
 from shmtier.tiers.fs.fileio import probe_direct_io, unlink_quietly
 from shmtier.tiers.fs.load import ChunkReader
-from shmtier.tiers.chunk_names import chunk_key, key_problem
+from shmtier.tiers.chunk_names import chunk_key, key_problem, with_mac_id
 from shmtier.tiers.fs.namespace import TEMP_SUFFIX, LinkRefused, Namespace
 from shmtier.tiers.fs.outcomes import FsCounters, errno_outcome
 from shmtier.tiers.fs.store import ChunkWriter
@@ -124,8 +124,7 @@ class FsBackend(TierBackend):
         if direct_io not in (True, False, "auto"):
             raise ValueError(f"fs tier direct_io={direct_io!r}: must be true, false or \"auto\"")
         self.mac_key_id = mac_key_id(mac_key) if mac_key is not None else None
-        if self.mac_key_id is not None:
-            namespace = f"{namespace}|mac={self.mac_key_id}"
+        namespace = with_mac_id(namespace, self.mac_key_id)
         self.ns = Namespace(root_dir, namespace, capacity_bytes=max_bytes,
                             chunk_bytes_hint=chunk_bytes_hint, fsync=bool(fsync))
         self.root_dir = self.ns.root_dir
@@ -382,12 +381,12 @@ class FsBackend(TierBackend):
         self.counters.links_refused += 1
 
     def _maybe_remove_temp(self, entry: os.DirEntry, dir_fd: int) -> None:
-        if self.ns.temp_writer_alive(entry.name):
+        if self.ns.temp_writer_alive(entry.name):  # else: no stat needed
             try:
-                age = time.time() - entry.stat(follow_symlinks=False).st_mtime
+                mtime = entry.stat(follow_symlinks=False).st_mtime
             except OSError:
                 return
-            if age <= self.stale_temp_age_s:
+            if not self.ns.temp_orphaned(entry.name, mtime, self.stale_temp_age_s):
                 return
         if unlink_quietly(entry.name, dir_fd=dir_fd):
             self.counters.temp_files_removed += 1

@@ -127,6 +127,28 @@ def open_nofollow(name: str, flags: int, dir_fd: int, where: str, mode: int = 0o
         raise
 
 
+def read_config(fd: int, path: str) -> dict | None:
+    """The config.json of the namespace directory open as ``fd`` (``path`` names it in
+    errors), or None when there is none. Never follows a link: ValueError for a link, for
+    a file that is not JSON or not a JSON object."""
+    try:
+        cfd = open_nofollow(CONFIG_NAME, os.O_RDONLY | os.O_NONBLOCK, fd, path)
+    except FileNotFoundError:
+        return None
+    except LinkRefused:
+        raise ValueError(f"fs tier namespace config is a symbolic link (refused): "
+                         f"{path}") from None
+    with open(cfd, "rb") as f:
+        raw = f.read()
+    try:
+        cfg = json.loads(raw)
+    except ValueError as e:
+        raise ValueError(f"fs tier namespace config is not valid JSON: {path} ({e})") from None
+    if not isinstance(cfg, dict):
+        raise ValueError(f"fs tier namespace config is not a JSON object: {path}")
+    return cfg
+
+
 def choose_fanout_bits(capacity_bytes: int, chunk_bytes_hint: int) -> tuple[int, int]:
     """Fan-out widths (bits of level 1, level 2) for an expected capacity.
 
@@ -144,7 +166,9 @@ class Namespace:
     Construction resolves and stats the root, creates the namespace directory and its
     config.json if absent (the fan-out then comes from ``capacity_bytes``, else the root
     filesystem's size, and ``chunk_bytes_hint``), opens the directory (held until
-    ``close``) and reads the recorded fan-out; it does not walk the tree. Raises
+    ``close``) and reads the recorded fan-out; it does not walk the tree. With
+    ``create=False`` (tools: ``open_existing``) nothing is created: a missing directory or
+    config.json raises FileNotFoundError. Raises
     FileNotFoundError / NotADirectoryError for a missing root, ``LinkRefused`` when the
     namespace path is a symbolic link, ValueError for a config.json that names another
     fingerprint or format, is malformed or is a link, OSError when the namespace cannot
@@ -152,7 +176,7 @@ class Namespace:
     """
 
     def __init__(self, root_dir: str, fingerprint: str, *, capacity_bytes: int | None,
-                 chunk_bytes_hint: int, fsync: bool):
+                 chunk_bytes_hint: int, fsync: bool, create: bool = True):
         root = os.path.realpath(os.path.abspath(os.fspath(root_dir)))  # resolved once
         try:
             st = os.stat(root)
@@ -176,7 +200,7 @@ class Namespace:
         self._root_missing = False  # logged once per time the root is found gone
         capacity = capacity_bytes if capacity_bytes is not None else st_capacity(root)
         fd, bits, created = self._attach(choose_fanout_bits(capacity, chunk_bytes_hint),
-                                         create=True)
+                                         create=create)
         self._adopt(fd, bits)
         #: This process made the namespace directory when it opened it: a namespace that
         #: was deleted while no worker held it (all of them restarting) is found only so.
@@ -277,7 +301,7 @@ class Namespace:
                 raise NotADirectoryError(errno.ENOTDIR, f"fs tier namespace path is not a "
                                                         f"directory: {self.dir}") from None
             try:
-                bits = self._config(fd, fanout_default)
+                bits = self._config(fd, fanout_default, create=create)
             except BaseException:
                 close_quietly(fd)
                 if created:  # nothing half-created (a racing creator's files make this fail: fine)
@@ -290,8 +314,12 @@ class Namespace:
         finally:
             os.close(root_fd)
 
-    def _config(self, fd: int, fanout_default: tuple[int, int]) -> tuple[int, int]:
+    def _config(self, fd: int, fanout_default: tuple[int, int], *,
+                create: bool = True) -> tuple[int, int]:
         cfg = self._read_config(fd)
+        if cfg is None and not create:
+            raise FileNotFoundError(errno.ENOENT, f"fs tier namespace has no {CONFIG_NAME}: "
+                                                  f"{self.dir}")
         if cfg is None:
             self._write_config(fd, fanout_default)
             cfg = self._read_config(fd)  # a racing creator may have won: its file rules
@@ -301,23 +329,36 @@ class Namespace:
         return self._check_config(os.path.join(self.dir, CONFIG_NAME), cfg)
 
     def _read_config(self, fd: int) -> dict | None:
-        path = os.path.join(self.dir, CONFIG_NAME)
+        return read_config(fd, os.path.join(self.dir, CONFIG_NAME))
+
+    @classmethod
+    def open_existing(cls, root_dir: str, dir_name: str) -> "Namespace":
+        """The namespace directory ``dir_name`` under ``root_dir`` as it is, for tools
+        (``shmtier fsck``, ``shmtier clean --root``): its fingerprint is read from its
+        config.json, which must name the fingerprint the directory is named after.
+        Creates nothing. Raises FileNotFoundError (no such directory, or no
+        config.json), ``LinkRefused`` (a link at its path), NotADirectoryError, ValueError
+        (config.json malformed, another format, or a fingerprint of another name)."""
+        root = os.path.realpath(os.path.abspath(os.fspath(root_dir)))
+        path = os.path.join(root, dir_name)
+        root_fd = os.open(root, _DIR_FLAGS | O_CLOEXEC)
         try:
-            cfd = open_nofollow(CONFIG_NAME, os.O_RDONLY | os.O_NONBLOCK, fd, path)
-        except FileNotFoundError:
-            return None
-        except LinkRefused:
-            raise ValueError(f"fs tier namespace config is a symbolic link (refused): "
-                             f"{path}") from None
-        with open(cfd, "rb") as f:
-            raw = f.read()
+            fd = open_nofollow(dir_name, _DIR_FLAGS, root_fd, f"fs tier namespace {path}")
+        finally:
+            os.close(root_fd)
         try:
-            cfg = json.loads(raw)
-        except ValueError as e:
-            raise ValueError(f"fs tier namespace config is not valid JSON: {path} ({e})") from None
-        if not isinstance(cfg, dict):
-            raise ValueError(f"fs tier namespace config is not a JSON object: {path}")
-        return cfg
+            cfg = read_config(fd, os.path.join(path, CONFIG_NAME))
+        finally:
+            os.close(fd)
+        if cfg is None:
+            raise FileNotFoundError(errno.ENOENT, f"fs tier namespace has no {CONFIG_NAME}: "
+                                                  f"{path}")
+        fingerprint = cfg.get("fingerprint")
+        if not isinstance(fingerprint, str) or namespace_dir_name(fingerprint) != dir_name:
+            raise ValueError(f"fs tier namespace {path}: its {CONFIG_NAME} names fingerprint "
+                             f"{fingerprint!r}, which is not the directory's")
+        return cls(root, fingerprint, capacity_bytes=1, chunk_bytes_hint=1, fsync=False,
+                   create=False)
 
     def _write_config(self, fd: int, fanout: tuple[int, int]) -> None:
         cfg = {
@@ -420,6 +461,13 @@ class Namespace:
             return True
         return procinfo.start_time(pid) == started
 
+    def temp_orphaned(self, name: str, mtime: float, stale_age_s: float) -> bool:
+        """Is temp file ``name`` (modified at ``mtime``, epoch s) a leftover nobody will
+        finish? Its writer is dead (``temp_writer_alive``), or it is older than
+        ``stale_age_s`` (a writer of another boot or host, or one hung that long). The
+        rule of the tier's scan and of ``shmtier fsck`` / ``clean --root``."""
+        return not self.temp_writer_alive(name) or time.time() - mtime > stale_age_s
+
     # ------------------------------------------------------------------ directories
 
     def _leaf(self, rel: str, create: bool) -> tuple[int, bool]:
@@ -516,20 +564,29 @@ class Namespace:
         """fsync leaf directory ``rel`` (makes the entries created or renamed in it durable)."""
         os.fsync(self._leaf(rel, False)[0])
 
-    def walk(self, on_error: Callable[[], None],
-             on_link: Callable[[], None]) -> Iterator[tuple[str, int, list[os.DirEntry]]]:
+    def walk(self, on_error: Callable[[], None], on_link: Callable[[], None],
+             on_other: Callable[[int, str, os.DirEntry], None] | None = None,
+             ) -> Iterator[tuple[str, int, list[os.DirEntry]]]:
         """``(rel, fd, entries)`` for every leaf directory (fan-out names only): its
         descriptor (valid until the next item) and its entries, listed through it.
         Nothing is followed: ``on_link()`` once per link in place of a fan-out
-        directory, ``on_error()`` once per directory that cannot be listed (skipped)."""
+        directory, ``on_error()`` once per directory that cannot be listed (skipped).
+        ``on_other(fd, rel, entry)``: each entry of the namespace directory (``rel``
+        "") and of a first-level fan-out directory (``rel`` its name) that is not a
+        fan-out directory of the layout, config.json apart, with its directory's
+        descriptor (valid during the call): what ``shmtier fsck`` judges."""
         if self._fd < 0:
             return
-        for d1 in self._subdirs(self._fd, self._w1, on_error, on_link):
+        top = None if on_other is None else (
+            lambda e: e.name != CONFIG_NAME and on_other(self._fd, "", e))
+        for d1 in self._subdirs(self._fd, self._w1, on_error, on_link, top):
             fd1 = self._open_listed(self._fd, d1, d1, on_error, on_link)
             if fd1 is None:
                 continue
             try:
-                for d2 in self._subdirs(fd1, self._w2, on_error, on_link):
+                mid = None if on_other is None else (
+                    lambda e, fd1=fd1, d1=d1: on_other(fd1, d1, e))
+                for d2 in self._subdirs(fd1, self._w2, on_error, on_link, mid):
                     rel = f"{d1}/{d2}"
                     fd2 = self._open_listed(fd1, d2, rel, on_error, on_link)
                     if fd2 is None:
@@ -560,7 +617,8 @@ class Namespace:
 
     @staticmethod
     def _subdirs(fd: int, width: int, on_error: Callable[[], None],
-                 on_link: Callable[[], None]) -> Iterator[str]:
+                 on_link: Callable[[], None],
+                 on_other: Callable[[os.DirEntry], None] | None = None) -> Iterator[str]:
         try:
             entries = list(os.scandir(fd))
         except OSError:
@@ -570,5 +628,12 @@ class Namespace:
             if len(e.name) == width and is_hex(e.name):
                 if e.is_symlink():
                     on_link()
-                elif e.is_dir(follow_symlinks=False):
-                    yield e.name
+                    continue
+                try:
+                    if e.is_dir(follow_symlinks=False):
+                        yield e.name
+                        continue
+                except OSError:
+                    pass
+            if on_other is not None:
+                on_other(e)

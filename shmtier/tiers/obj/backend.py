@@ -50,7 +50,13 @@ from shmtier.tiers.backend import (
     check_batch,
     row_problem,
 )
-from shmtier.tiers.chunk_names import chunk_key, chunk_name, key_problem, namespace_dir_name
+from shmtier.tiers.chunk_names import (
+    chunk_key,
+    chunk_name,
+    key_problem,
+    namespace_dir_name,
+    with_mac_id,
+)
 from shmtier.tiers.obj.client import endpoint_label, error_detail, import_boto3, make_client
 
 logger = logging.getLogger(__name__)
@@ -166,8 +172,7 @@ class ObjBackend(TierBackend):
         if prefix != prefix.strip("/") or "//" in prefix:
             raise ValueError(f"obj tier prefix={prefix!r}: no '/' at its ends, no '//'")
         self.mac_key_id = mac_key_id(mac_key) if mac_key is not None else None
-        if self.mac_key_id is not None:
-            namespace = f"{namespace}|mac={self.mac_key_id}"
+        namespace = with_mac_id(namespace, self.mac_key_id)
         self.client = client
         self.bucket = bucket
         self.endpoint = endpoint

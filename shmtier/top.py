@@ -1,0 +1,175 @@
+"""``shmtier ls`` and ``shmtier top``: what the segments on this host hold, in words.
+
+Runs in: the ``shmtier`` CLI's process. Reads segments only through
+``shmtier.shared.snapshot`` (read-only mappings: no lock, no semaphore, no write), so
+``top`` may refresh at any rate without slowing an engine. ``top`` redraws with plain
+ANSI escapes (no curses, no extra dependency); ``--once`` prints one frame (two samples
+``--interval`` apart, for the rates) and ``--json`` prints data instead of text (one JSON
+object per frame, one per line when live).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+from shmtier.shared.segment import human_bytes
+from shmtier.shared.snapshot import Snapshot, snapshot, snapshots
+
+# What the segment does not hold (shown once under the frame, and in --json as "absent").
+ABSENT = ("hit rates, bytes per tier and backpressure drops are the scheduler's "
+          "statistics (its process, vLLM's /metrics), not in the segment")
+
+
+def _tiers_words(s: Snapshot) -> str:
+    words = ["cpu"]
+    for t in s.tiers:
+        if t.type is None:
+            words.append(f"tier{t.index}")
+            continue
+        where = t.where.get("root_dir") or t.where.get("bucket") or ""
+        words.append(f"{t.type}" + (f"({where})" if where else ""))
+    return ",".join(words)
+
+
+def ls_rows(snaps: list[Snapshot]) -> list[dict]:
+    """``shmtier ls --json``: one object per segment."""
+    out = []
+    for s in snaps:
+        d = s.as_dict()
+        d.pop("workers")
+        d["workers"] = len(s.workers)
+        d["workers_alive"] = sum(w.alive for w in s.workers)
+        out.append(d)
+    return out
+
+
+def ls_text(snaps: list[Snapshot]) -> str:
+    """``shmtier ls``: one line per segment."""
+    if not snaps:
+        return "no shmtier segments on this host"
+    head = (f"{'ENGINE':24s} {'STATE':6s} {'OWNER':>8s} {'SIZE':>10s} {'ROWS USED':>13s} "
+            f"{'ROW':>9s} {'WS':>3s} {'WORKERS':>7s}  TIERS")
+    lines = [head]
+    for s in snaps:
+        state = "live" if s.alive else "STALE"
+        rows = f"{s.rows.used}/{s.rows.total}" if s.rows else "-"
+        g = s.geometry or {}
+        workers = (f"{sum(w.alive for w in s.workers)}/{len(s.workers)}" if s.workers
+                   else "-")
+        lines.append(f"{s.engine_id[:24]:24s} {state:6s} {s.owner_pid or s.creator_pid:>8d} "
+                     f"{human_bytes(s.size):>10s} {rows:>13s} "
+                     f"{human_bytes(g['row_stride']) if g else '-':>9s} "
+                     f"{g.get('world_size', '-'):>3} {workers:>7s}  {_tiers_words(s)}"
+                     + (f"  ({s.note})" if s.note else ""))
+    return "\n".join(lines)
+
+
+def frame_data(cur: Snapshot, prev: Snapshot | None) -> dict:
+    """One frame of ``top`` as data: the snapshot, and rates against ``prev``."""
+    d = cur.as_dict()
+    dt = (cur.taken_ns - prev.taken_ns) / 1e9 if prev is not None else 0.0
+    rates = {"interval_s": round(dt, 3), "jobs_per_s": None, "gb_per_s": None, "workers": []}
+    if prev is not None and dt > 0:
+        before = {w.index: w for w in prev.workers}
+        tj = tb = 0.0
+        for w in cur.workers:
+            p = before.get(w.index)
+            jobs = max(0, w.jobs - p.jobs) / dt if p else 0.0
+            gb = max(0, w.bytes - p.bytes) / dt / 1e9 if p else 0.0
+            tj, tb = tj + jobs, tb + gb
+            rates["workers"].append({"index": w.index, "jobs_per_s": round(jobs, 2),
+                                     "gb_per_s": round(gb, 4)})
+        rates["jobs_per_s"], rates["gb_per_s"] = round(tj, 2), round(tb, 4)
+    d["rates"] = rates
+    d["absent"] = ABSENT
+    return d
+
+
+def frame_text(cur: Snapshot, prev: Snapshot | None) -> str:
+    """One frame of ``top`` in words."""
+    data = frame_data(cur, prev)
+    rates = data["rates"]
+    state = "live" if cur.alive else "STALE (owner gone)"
+    lines = [f"shmtier top  {cur.engine_id}  {state}  owner pid {cur.owner_pid}  "
+             f"generation {cur.generation}  {time.strftime('%H:%M:%S', time.localtime(cur.taken))}"]
+    if cur.note:
+        lines.append(f"  {cur.note}")
+    g = cur.geometry
+    if g:
+        lines.append(f"arena  {g['num_chunks']} rows x {human_bytes(g['row_stride'])}"
+                     f" ({human_bytes(g['arena_bytes'])}), world size {g['world_size']}")
+    r = cur.rows
+    if r:
+        pct = 100.0 * r.used / r.total if r.total else 0.0
+        lines.append(f"rows   used {r.used}/{r.total} ({pct:.1f}%)  free {r.free}  "
+                     f"pending {r.pending}  ready {r.ready}  pinned {r.pinned}")
+    for t in cur.tiers:
+        where = " ".join(f"{k}={v}" for k, v in t.where.items())
+        lines.append(f"tier {t.index}  {t.type or '(no workers)'}  {where}")
+    if cur.pool:
+        p = cur.pool
+        total = ("" if rates["jobs_per_s"] is None else
+                 f"  {rates['jobs_per_s']:.1f} jobs/s  {rates['gb_per_s']:.3f} GB/s")
+        lines.append(f"pool   {p['mode']}, {p['num_workers']} workers, rings {p['slots']} x "
+                     f"{p['slot_size']} B{total}")
+    if cur.workers:
+        per = {w["index"]: w for w in rates["workers"]}
+        lines.append(f"  {'W':>2s} {'PID':>8s} {'STATE':6s} {'BEAT':>7s} {'RESTARTS':>8s} "
+                     f"{'JOBS':>9s} {'BYTES':>10s} {'CODEC S':>8s} {'FAILED':>6s} "
+                     f"{'JOBQ':>5s} {'RESQ':>5s} {'JOBS/S':>8s} {'GB/S':>7s}")
+        for w in cur.workers:
+            beat = "-" if w.beat_age_s is None else f"{w.beat_age_s:.2f}s"
+            st = "alive" if w.alive else ("dead" if w.pid else "none")
+            pr = per.get(w.index)
+            js = "-" if pr is None else f"{pr['jobs_per_s']:.1f}"
+            gs = "-" if pr is None else f"{pr['gb_per_s']:.3f}"
+            lines.append(f"  {w.index:>2d} {w.pid:>8d} {st:6s} {beat:>7s} {w.restarts:>8d} "
+                         f"{w.jobs:>9d} {human_bytes(w.bytes):>10s} {w.codec_s:>8.2f} "
+                         f"{w.failed_keys:>6d} {w.job_depth:>5d} {w.result_depth:>5d} "
+                         f"{js:>8s} {gs:>7s}")
+    lines.append(f"(not in the segment: {ABSENT})")
+    return "\n".join(lines)
+
+
+def run_ls(as_json: bool) -> int:
+    snaps = snapshots()
+    print(json.dumps(ls_rows(snaps), indent=2) if as_json else ls_text(snaps))
+    return 0
+
+
+def run_top(engine: str, *, once: bool, as_json: bool, interval: float,
+            iterations: int | None = None, out=None) -> int:
+    """``shmtier top``: 2 when the engine has no segment, else 0 (after ``iterations``
+    frames, or on Ctrl-C)."""
+    out = out or sys.stdout
+    try:
+        prev = snapshot(engine)
+    except FileNotFoundError:
+        print(f"shmtier top: no segment for engine {engine!r} (`shmtier ls` lists them)",
+              file=sys.stderr)
+        return 2
+    live_text = not once and not as_json
+    shown = 0
+    try:
+        while True:
+            time.sleep(interval)
+            try:
+                cur = snapshot(engine)
+            except FileNotFoundError:
+                print(f"shmtier top: the segment of {engine!r} is gone", file=sys.stderr)
+                return 0 if shown else 2
+            if as_json:
+                out.write(json.dumps(frame_data(cur, prev), indent=2 if once else None) + "\n")
+            elif live_text:
+                out.write("\x1b[H\x1b[2J" + frame_text(cur, prev) + "\n")
+            else:
+                out.write(frame_text(cur, prev) + "\n")
+            out.flush()
+            shown += 1
+            prev = cur
+            if once or (iterations is not None and shown >= iterations):
+                return 0
+    except KeyboardInterrupt:
+        return 0

@@ -1,0 +1,440 @@
+"""The ``shmtier`` CLI against real segments, roots, buckets and worker pools: ``ls`` and
+``clean`` after a SIGKILLed owner, ``fsck`` of an fs root an engine is using and of an
+obj bucket, ``top`` reading a live engine (and not slowing its scheduler), the external
+pool's metrics endpoint scraped over HTTP."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+
+import numpy as np
+import pytest
+
+from fs_engine import END, Engine, key
+from shmtier.cli import main
+from shmtier.config import KVLayout
+from shmtier.contract import ReqContext
+from shmtier.shared import procinfo
+from shmtier.shared.snapshot import snapshot
+from shmtier.spec import TieringOffloadingSpec
+from shmtier.tiers.chunk_names import chunk_key
+from shmtier.tiers.fs.fsck import fsck_root
+
+
+def run_cli(*argv: str) -> tuple[int, str]:
+    """``main(argv)`` in this process: (exit code, stdout)."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = main(list(argv))
+    return code, out.getvalue()
+
+
+def cli_json(*argv: str) -> tuple[int, object]:
+    code, text = run_cli(*argv, "--json")
+    return code, json.loads(text)
+
+
+# ------------------------------------------------------------------ ls / clean
+
+_OWNER = """
+import sys, time
+from shmtier.shared.layout import ArenaGeometry
+from shmtier.shared.ring import RingSet, ring_area_nbytes
+from shmtier.shared.segment import open_segment
+seg = open_segment(sys.argv[1], ArenaGeometry(4, 4096, 4096, 1), "fp", owner=True,
+                   rings_len=ring_area_nbytes(1, 4, 512))
+rings = RingSet.create(seg.name, seg.rings, 1, 4, 512)
+print("ready", flush=True)
+time.sleep(60)
+"""
+
+
+def _namespace_with_temps(root):
+    """A namespace under ``root`` with one temp file of a dead writer and one of a live
+    one (this process); returns their paths."""
+    from shmtier.tiers.fs.backend import FsBackend
+
+    b = FsBackend(str(root), "fp-clean", min_free_bytes=None)
+    try:
+        rel = b.ns.rel_dir(key(1))
+        b.ns.in_leaf(rel, lambda fd: None, create=True)
+        leaf = os.path.join(b.namespace_dir, rel)
+        live = os.path.join(leaf, b.ns.temp_name(key(1).hex()))  # this process's
+        boot = procinfo.boot_id()[:4].hex()  # a pid above pid_max: a writer that is gone
+        dead = os.path.join(leaf, f".{key(2).hex()[:16]}.{boot}-{2 ** 22 + 17}-1-1.tmp")
+    finally:
+        b.close()
+    for p in (live, dead):
+        with open(p, "wb") as f:
+            f.write(b"partial")
+    return dead, live
+
+
+def test_ls_and_clean_after_a_sigkilled_owner(engine_id, tmp_path):
+    owner = subprocess.Popen([sys.executable, "-c", _OWNER, engine_id], stdout=subprocess.PIPE,
+                             text=True)
+    try:
+        assert owner.stdout.readline().strip() == "ready"
+        code, rows = cli_json("ls")
+        mine = [r for r in rows if r["engine_id"] == engine_id]
+        assert code == 0 and len(mine) == 1 and mine[0]["alive"]
+        assert mine[0]["rows"] == {"total": 4, "free": 4, "pending": 0, "ready": 0,
+                                   "pinned": 0, "used": 0}
+        assert mine[0]["geometry"]["num_chunks"] == 4 and mine[0]["owner_pid"] == owner.pid
+        os.kill(owner.pid, signal.SIGKILL)
+        owner.wait(10)
+        # the alias, in words
+        code, text = run_cli("segments")
+        line = next(ln for ln in text.splitlines() if ln.startswith(engine_id))
+        assert code == 0 and "STALE" in line and "0/4" in line, text
+        code, rows = cli_json("ls")
+        assert [r["alive"] for r in rows if r["engine_id"] == engine_id] == [False]
+        dead, live = _namespace_with_temps(tmp_path)
+        code, text = run_cli("clean", engine_id, "--root", str(tmp_path))
+        assert code == 0
+        assert f"removed /shmtier_{engine_id}" in text
+        assert text.count(".job.") == 2 and text.count(".res.") == 2  # its ring semaphores
+        assert "removed " + dead in text.replace(str(tmp_path.resolve()), str(tmp_path))
+        assert not os.path.exists(dead) and os.path.exists(live)
+        assert not [e for e in os.listdir("/dev/shm") if engine_id in e]
+        code, rows = cli_json("ls")
+        assert not [r for r in rows if r["engine_id"] == engine_id]
+        assert run_cli("clean", engine_id)[1].strip() == "nothing stale"
+        assert main(["clean", engine_id, "--root", str(tmp_path / "nope")]) == 2
+    finally:
+        if owner.poll() is None:
+            owner.kill()
+            owner.wait(10)
+
+
+# ------------------------------------------------------------------ fsck: fs root
+
+def _chunk_files(root) -> list[str]:
+    return sorted(str(p) for p in root.rglob("*.kv"))
+
+
+def _flip(path: str, offset: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ 0x40]))
+
+
+def test_fsck_finds_and_repairs_a_root_while_an_engine_uses_it(engine_id, tmp_path):
+    root = tmp_path / "root"
+    root.mkdir()
+    # vLLM's own fs tier files beside ours (and a .bin file named like nothing of ours)
+    vllm = root / "vllm-kv" / "ab" / "cd"
+    vllm.mkdir(parents=True)
+    (vllm / "0123abcd.bin").write_bytes(b"vllm" * 100)
+    (root / "other.bin").write_bytes(b"x" * 10)
+    e = Engine(engine_id, root, chunks=16, workers=1)
+    try:
+        ctx = ReqContext("a")
+        e.offload([key(i) for i in range(12)], 0, ctx)
+        e.settle()
+        files = _chunk_files(root)
+        assert len(files) == 12
+        assert main(["fsck", str(root)]) == 0
+        by_key = {chunk_key(os.path.basename(p)): p for p in files}
+        payload_flip, header_flip, truncated, moved = (by_key[key(i)] for i in range(4))
+        _flip(payload_flip, os.path.getsize(payload_flip) - 10)  # found by --verify only
+        _flip(header_flip, 20)
+        os.truncate(truncated, os.path.getsize(truncated) // 2)
+        leaf = os.path.dirname(by_key[key(5)])
+        other_leaf = next(os.path.dirname(p) for p in files if os.path.dirname(p) not in
+                          (leaf, os.path.dirname(moved)))
+        misplaced = os.path.join(other_leaf, os.path.basename(moved))
+        os.rename(moved, misplaced)
+        foreign = os.path.join(leaf, "notes.txt")
+        with open(foreign, "w") as f:
+            f.write("not a chunk")
+        boot = procinfo.boot_id()[:4].hex()
+        orphan = os.path.join(leaf, f".{key(6).hex()[:16]}.{boot}-{2 ** 22 + 17}-1-1.tmp")
+        pid, started = procinfo.me()
+        live = os.path.join(leaf, f".{key(7).hex()[:16]}.{boot}-{pid}-{started}-1.tmp")
+        for p in (orphan, live):
+            with open(p, "wb") as f:
+                f.write(b"partial frame")
+        planted = {"corrupt": 1, "truncated": 1, "misplaced": 1, "foreign": 1, "orphan_temp": 1}
+
+        code, report = cli_json("fsck", str(root))
+        assert code == 1 and report["counts"] == planted, report["problems"]
+        assert report["other_entries"] == 2 and len(report["namespaces"]) == 1
+        assert report["namespaces"][0]["temp_live"] == 1
+        # --verify while the engine stores more (files appear mid-walk: fine)
+        found = []  # the walk in a thread (stdout is the main thread's)
+        walker = threading.Thread(target=lambda: found.append(
+            fsck_root(str(root), verify=True).as_dict()))
+        walker.start()
+        e.offload([key(i) for i in range(100, 112)], 20, ctx)
+        e.settle()
+        walker.join(60)
+        assert found[0]["exit_code"] == 1
+        assert found[0]["counts"] == {**planted, "corrupt": 2}, found[0]["problems"]
+        paths = {p["kind"]: p["path"] for p in found[0]["problems"]}
+        assert paths["misplaced"].endswith(os.path.basename(moved))
+
+        code, report = cli_json("fsck", str(root), "--verify", "--repair")
+        assert code == 0 and report["repaired"] == 6 and all(
+            p["repaired"] for p in report["problems"])
+        for p in (payload_flip, header_flip, truncated, misplaced, foreign, orphan):
+            assert not os.path.exists(p), p
+        assert os.path.exists(live)
+        assert (vllm / "0123abcd.bin").read_bytes() == b"vllm" * 100
+        assert (root / "other.bin").read_bytes() == b"x" * 10
+        code, report = cli_json("fsck", str(root), "--verify")
+        assert code == 0 and report["problems"] == []
+        assert report["chunks"] == len(_chunk_files(root)) == 24 - 4
+        # the engine still serves what is left: chunks evicted from its CPU tier come back
+        e.until_hit([key(4), key(5)], ctx)
+    finally:
+        e.close()
+    assert main(["fsck", str(tmp_path / "missing")]) == 2
+    assert main(["fsck"]) == 2
+
+
+def test_fsck_checks_macs_with_the_key_and_never_follows_links(tmp_path):
+    from shmtier.tiers.fs.backend import FsBackend
+
+    root = tmp_path / "root"
+    root.mkdir()
+    key_file = tmp_path / "mac.key"
+    key_file.write_text(os.urandom(32).hex())
+    key_file.chmod(0o600)
+    mac = bytes.fromhex(key_file.read_text())
+    arena = np.random.default_rng(0).integers(0, 256, (4, 4096), dtype=np.uint8)
+    b = FsBackend(str(root), "fp-mac", min_free_bytes=None, mac_key=mac)
+    try:
+        assert b.store([key(i) for i in range(4)], list(range(4)), arena, 4096).all_ok
+        tagged = b.path_for(key(0))
+    finally:
+        b.close()
+    target = tmp_path / "outside.kv"
+    target.write_bytes(b"keep me")
+    link = os.path.join(os.path.dirname(tagged), key(9).hex() + ".kv")
+    os.symlink(target, link)
+    # the last byte of the frame's tag (just before the payload): only the MAC catches it
+    with open(tagged, "rb") as f:
+        data = f.read()
+    _flip(tagged, 40 + len(key(0)) + 31)
+    code, report = cli_json("fsck", str(root), "--verify")
+    ns = report["namespaces"][0]
+    assert code == 1 and ns["mac"] and not ns["mac_checked"]
+    assert report["counts"] == {"link": 1}
+    code, report = cli_json("fsck", str(root), "--verify", "--mac-key-file", str(key_file))
+    assert report["namespaces"][0]["mac_checked"]
+    assert report["counts"] == {"link": 1, "corrupt": 1}
+    assert [p["detail"] for p in report["problems"] if p["kind"] == "corrupt"][0].startswith("mac")
+    code, report = cli_json("fsck", str(root), "--repair", "--verify", "--mac-key-file",
+                            str(key_file))
+    assert code == 0 and not os.path.lexists(link) and target.read_bytes() == b"keep me"
+    assert len(data) and not os.path.exists(tagged)
+
+
+# ------------------------------------------------------------------ fsck: obj bucket
+
+def test_fsck_of_an_obj_bucket(moto_s3, tmp_path):
+    from shmtier.shared.codec import CompressionConfig
+    from shmtier.tiers.backend import WorkerContext
+    from shmtier.tiers.obj.backend import ObjBackend
+
+    bucket = moto_s3.new_bucket("fsck")
+    entry = {"type": "obj", "store_config": moto_s3.store_config(bucket), "prefix": "kv"}
+    cfg = tmp_path / "tier.json"
+    cfg.write_text(json.dumps(entry))
+    args = {"store_config": {**entry["store_config"], "endpoint_override": moto_s3.endpoint},
+            "prefix": "kv", "io_threads": 2}
+    arena = np.random.default_rng(1).integers(0, 256, (6, 4096), dtype=np.uint8)
+    b = ObjBackend.open(args, WorkerContext("fp-obj", 4096, 2, CompressionConfig()))
+    c = moto_s3.client()
+    try:
+        assert b.store([key(i) for i in range(6)], list(range(6)), arena, 4096).all_ok
+        assert main(["fsck", "--tier-config", str(cfg), "--verify"]) == 0
+        body = lambda i: c.get_object(Bucket=bucket, Key=b.object_key(key(i)))["Body"].read()
+        bad = bytearray(body(0))
+        bad[-5] ^= 1
+        c.put_object(Bucket=bucket, Key=b.object_key(key(0)), Body=bytes(bad))
+        c.put_object(Bucket=bucket, Key=b.object_key(key(1)), Body=body(1)[:100])
+        wrong_fan = f"{b.base}/fff/{key(2).hex()}.kv"
+        c.put_object(Bucket=bucket, Key=wrong_fan, Body=body(2))
+        c.put_object(Bucket=bucket, Key=f"{b.base}/abc/readme.txt", Body=b"hi")
+        c.put_object(Bucket=bucket, Key="kv/vllm/0001.bin", Body=b"not ours")
+        code, report = cli_json("fsck", "--tier-config", str(cfg))
+        assert code == 1 and report["counts"] == {"truncated": 1, "misplaced": 1, "foreign": 1}
+        assert report["other_entries"] == 1 and report["chunks"] == 5
+        code, report = cli_json("fsck", "--tier-config", str(cfg), "--verify", "--repair")
+        assert code == 0 and report["counts"] == {"corrupt": 1, "truncated": 1,
+                                                  "misplaced": 1, "foreign": 1}
+        assert report["chunks"] == 4
+        left = {o["Key"] for o in c.list_objects_v2(Bucket=bucket)["Contents"]}
+        assert "kv/vllm/0001.bin" in left and wrong_fan not in left
+        assert b.object_key(key(0)) not in left and b.object_key(key(5)) in left
+        # --bucket/--endpoint with credentials from boto3's chain
+        env = {"AWS_ACCESS_KEY_ID": moto_s3.access_key,
+               "AWS_SECRET_ACCESS_KEY": moto_s3.secret_key}
+        with pytest.MonkeyPatch.context() as mp:
+            for k, v in env.items():
+                mp.setenv(k, v)
+            code, report = cli_json("fsck", "--bucket", bucket, "--endpoint", moto_s3.endpoint,
+                                    "--prefix", "kv")
+        assert code == 0 and report["chunks"] == 4
+        assert main(["fsck", "--bucket", "no-such-bucket-x", "--endpoint",
+                     moto_s3.endpoint]) == 2
+    finally:
+        c.close()
+        b.close()
+
+
+# ------------------------------------------------------------------ top
+
+def _step_times(e: Engine, keys: list, n: int) -> np.ndarray:
+    """Seconds of n scheduler steps (a lookup of every key and on_schedule_end, under
+    the manager's lock, as the connector makes them)."""
+    m, ctx, out = e.manager, ReqContext("t"), []
+    for _ in range(n):
+        t = time.perf_counter()
+        with m.lock:
+            for k in keys:
+                m.lookup(k, ctx)
+            m.on_schedule_end(END)
+        out.append(time.perf_counter() - t)
+        time.sleep(0.002)
+    return np.array(out)
+
+
+def test_top_reads_a_live_engine_without_slowing_its_scheduler(engine_id, tmp_path):
+    e = Engine(engine_id, tmp_path, chunks=16, workers=2)
+    try:
+        keys = [key(i) for i in range(10)]
+        e.offload(keys, 0, ReqContext("a"))
+        e.settle()
+        got = subprocess.run([sys.executable, "-m", "shmtier", "top", engine_id, "--once",
+                              "--json", "--interval", "0.1"], capture_output=True, text=True,
+                             timeout=60)
+        assert got.returncode == 0, got.stderr
+        frame = json.loads(got.stdout)
+        assert frame["alive"] and frame["rows"]["used"] == 10 and frame["rows"]["ready"] == 10
+        assert frame["pool"]["mode"] == "spawn" and frame["tiers"][0]["type"] == "fs"
+        assert frame["tiers"][0]["where"]["root_dir"] == str(tmp_path.resolve())
+        workers = frame["workers"]
+        assert [w["alive"] for w in workers] == [True, True]
+        assert sum(w["bytes"] for w in workers) == 10 * 8192  # the cascades' chunk bytes
+        assert sum(w["jobs"] for w in workers) >= 2 and frame["rates"]["interval_s"] > 0
+        assert all(w["job_depth"] == 0 and w["beat_age_s"] < 5 for w in workers)
+        code, text = run_cli("top", engine_id, "--once", "--interval", "0.05")
+        assert code == 0 and "rows   used 10/16" in text and "pool   spawn, 2 workers" in text
+
+        # a reader at 10 Hz (the live JSON stream) against the scheduler's step times
+        _step_times(e, keys, 50)  # warm
+        alone = _step_times(e, keys, 300)
+        reader = subprocess.Popen([sys.executable, "-m", "shmtier", "top", engine_id, "--json",
+                                   "--interval", "0.1"], stdout=subprocess.PIPE, text=True)
+        try:
+            assert json.loads(reader.stdout.readline())["alive"]  # it runs
+            watched = _step_times(e, keys, 300)
+            frames = 1 + sum(1 for _ in iter(lambda: _ready_line(reader), None))
+        finally:
+            reader.terminate()
+            reader.wait(10)
+        a50, w50 = np.median(alone) * 1e6, np.median(watched) * 1e6
+        a99, w99 = np.percentile(alone, 99) * 1e6, np.percentile(watched, 99) * 1e6
+        print(f"\nstep p50 {a50:.1f} us alone, {w50:.1f} us with top at 10 Hz "
+              f"({frames} frames); p99 {a99:.1f} / {w99:.1f} us")
+        assert frames >= 5
+        assert w50 < 2 * a50 + 50, (a50, w50)
+    finally:
+        e.close()
+    assert main(["top", "no-such-engine-xyz", "--once"]) == 2
+
+
+def _ready_line(proc) -> str | None:
+    """A line the reader already wrote, or None (never waits)."""
+    import select
+
+    if select.select([proc.stdout], [], [], 0)[0]:
+        return proc.stdout.readline() or None
+    return None
+
+
+# ------------------------------------------------------------------ metrics endpoint
+
+def _scrape(url: str) -> dict[tuple[str, str], float]:
+    text = urllib.request.urlopen(url, timeout=10).read().decode()
+    out = {}
+    for line in text.splitlines():
+        if line.startswith("shmtier_worker_") and "{" in line:
+            name, rest = line.split("{", 1)
+            labels, value = rest.rsplit("} ", 1)
+            worker = labels.split('worker="')[1].split('"')[0]
+            out[(name, worker)] = float(value)
+    return out
+
+
+def test_external_pool_serves_prometheus_metrics(engine_id, tmp_path):
+    layout = KVLayout("m", "bfloat16", 16, 8192, 1)
+    extra = {"cpu_bytes_to_use": 16 * 8192, "workers": "external", "num_tier_workers": 2,
+             "secondary_tiers": [{"type": "fs", "root_dir": str(tmp_path),
+                                  "min_free_bytes": None}]}
+    spec = TieringOffloadingSpec(extra, layout, engine_id)
+    manager = spec.get_manager()
+    pool = subprocess.Popen([sys.executable, "-m", "shmtier", "workers", "--engine-id",
+                             engine_id, "--metrics-port", "0"], stdout=subprocess.PIPE,
+                            text=True)
+    try:
+        first = pool.stdout.readline()
+        assert "metrics on http://127.0.0.1:" in first, first
+        url = first.split("metrics on ", 1)[1].strip()
+        assert "2 tier workers" in pool.stdout.readline()
+        rows = np.asarray(manager.primary.get_kv_memoryview())
+        ctx = ReqContext("a")
+        keys = [key(i) for i in range(8)]
+        with manager.lock:
+            out = manager.prepare_store(keys, ctx)
+        rows[out.store_spec.chunk_ids] = np.arange(8, dtype=np.uint8)[:, None]
+        with manager.lock:
+            manager.complete_store(keys, ctx)
+
+        def until(check, what, timeout_s=30.0):
+            deadline = time.monotonic() + timeout_s
+            while True:
+                with manager.lock:
+                    manager.on_schedule_end(END)
+                    idle = not manager.has_pending_work()
+                m = _scrape(url)
+                if idle and check(m):
+                    return m
+                assert time.monotonic() < deadline, f"{what}: {m}"
+                time.sleep(0.02)
+
+        m = until(lambda m: sum(v for (n, _), v in m.items()
+                                if n == "shmtier_worker_bytes_total") == 8 * 8192, "bytes")
+        for w in ("0", "1"):
+            assert m[("shmtier_worker_up", w)] == 1
+            assert m[("shmtier_worker_restarts_total", w)] == 0
+            assert m[("shmtier_worker_errors_total", w)] == 0
+            assert m[("shmtier_worker_job_ring_depth", w)] == 0
+            assert m[("shmtier_worker_heartbeat_age_seconds", w)] < 5
+            assert ("shmtier_worker_codec_seconds_total", w) in m
+        assert sum(m[("shmtier_worker_jobs_total", w)] for w in ("0", "1")) >= 2
+        # a worker killed: the pool starts another; the slot's counters carry on
+        victim = snapshot(engine_id).workers[0].pid
+        os.kill(victim, signal.SIGKILL)
+        m = until(lambda m: m[("shmtier_worker_restarts_total", "0")] == 1
+                  and m[("shmtier_worker_up", "0")] == 1, "restart")
+        assert sum(m[("shmtier_worker_bytes_total", w)] for w in ("0", "1")) == 8 * 8192
+        del rows
+    finally:
+        pool.terminate()
+        pool.wait(15)
+        manager.shutdown()
