@@ -44,8 +44,15 @@ class EngineProc:
         return self
 
     def call(self, *cmd, timeout_s: float = 60):
+        self.send(*cmd)
+        return self.result(cmd[0], timeout_s)
+
+    def send(self, *cmd) -> None:
+        """Start a command; ``result`` takes its answer (engines work side by side)."""
         self.conn.send(cmd)
-        assert self.conn.poll(timeout_s), f"engine did not answer {cmd[0]}"
+
+    def result(self, what: str = "", timeout_s: float = 60):
+        assert self.conn.poll(timeout_s), f"engine did not answer {what}"
         tag, value = self.conn.recv()
         assert tag == "ok", value
         return value
@@ -112,6 +119,11 @@ def tier(k: dict, **over) -> dict:
 def pd(kvid: str, port: int) -> dict:
     return {"remote_prefiller": {"kv_request_id": kvid, "remote_host": "127.0.0.1",
                                  "remote_port": port}}
+
+
+def metric(st: dict, name: str) -> float:
+    """A tier counter (short name: after ``p2p_``) summed over its labels."""
+    return sum(st["metrics"].get(name, {}).values())
 
 
 def wait_stats(engine: EngineProc, until, timeout_s: float = 10) -> dict:
@@ -191,16 +203,18 @@ def test_symmetric_retry_then_hit_and_miss(engines, keys):
 
 
 @pytest.mark.timeout(120)
-def test_wrong_key_unknown_peer_and_other_layout_are_refused(engines, keys):
+def test_wrong_key_unknown_peer_other_layout_and_hash_seed_are_refused(engines, keys):
     """A peer whose key the producer does not allow is refused at the handshake, one
-    with another layout at the hello (both counted at the producer); a consumer that
-    does not know the producer's key does not connect at all. Nothing is served: the
-    consumers' lookups end MISS and the producer's parked chunks stay pinned for the
-    rightful consumer."""
+    with another layout or another hash seed at the hello (all counted at the producer,
+    the seed also in both tiers' refused metric); a consumer that does not know the
+    producer's key does not connect at all. Nothing is served: the consumers' lookups
+    end MISS and the producer's parked chunks stay pinned for the rightful consumer."""
     two_keys = {"secret_key_file": keys.b["secret_key_file"],
                 "allow_keys": [keys.pub["a"], keys.pub["stranger"]]}
-    a, stranger, other = engines((tier(keys.a), {}), (tier(keys.stranger), {}),
-                                 (tier(two_keys), {"page": 4096}))
+    a, stranger, other, seeded = engines(
+        (tier(keys.a, hash_seed="seed-1"), {}), (tier(keys.stranger, hash_seed="seed-1"), {}),
+        (tier(two_keys, hash_seed="seed-1"), {"page": 4096}),
+        (tier(keys.b, hash_seed="seed-2"), {}))
     ks = [31, 32, 33]
     a.call("produce", "p1", "kv-x", ks, 0)
     got = stranger.call("consume", "c1", pd("kv-x", a.port), ks, 40, 20)
@@ -211,11 +225,17 @@ def test_wrong_key_unknown_peer_and_other_layout_are_refused(engines, keys):
     with_key["remote_prefiller"]["remote_public_key"] = keys.pub["a"]
     got = other.call("consume", "c3", with_key, ks, 40, 20)
     assert got["answers"][-1] == ["MISS"] * 3 and got["data"] is None
-    st = wait_stats(a, lambda st: {"unknown_key", "fingerprint"}
+    got = seeded.call("consume", "c4", pd("kv-x", a.port), ks, 40, 20)
+    assert got["answers"][-1] == ["MISS"] * 3 and got["data"] is None
+    st = wait_stats(a, lambda st: {"unknown_key", "fingerprint", "hash_seed"}
                     <= set(st["counters"]["server"]["refused_handshakes"]))
     server = st["counters"]["server"]
     assert server["chunks"] == 0 and server["bytes_sent"] == 0 and server["requests"] == 0
     assert st["parked"] == 3 and all(r > 0 for r in a.call("refs", ks))
+    assert metric(st, "refused_handshakes") >= 3  # unknown key, fingerprint, hash seed
+    st = wait_stats(seeded, lambda st: metric(st, "refused_handshakes") >= 1)
+    (client,) = st["counters"]["clients"].values()
+    assert set(client["refused_handshakes"]) == {"hash_seed"} and client["chunks"] == 0
 
 
 @pytest.mark.timeout(120)
@@ -247,13 +267,7 @@ def test_producer_killed_mid_transfer(engines, keys):
         assert cons.call("refs", [51, 52]) == [None, None]
     finally:
         deadline = time.monotonic() + 5
-        while True:  # the killed producer's endpoint may still be exiting
-            try:
-                os.kill(endpoint, 0)
-            except ProcessLookupError:
-                break
-            if time.monotonic() > deadline:
-                break
+        while _alive(endpoint) and time.monotonic() < deadline:  # may still be exiting
             time.sleep(0.05)
         clean_stale_segments()
         shutil.rmtree(st["tmpdir"], ignore_errors=True)  # its scheduler was killed too
@@ -297,3 +311,117 @@ def test_endpoint_restarts_and_releases_parked_pins(engines, keys):
     sent = prod.call("produce", "p2", "kv-r2", [73, 74], 4)
     got = cons.call("consume", "c1", pd("kv-r2", prod.port), [73, 74], 40, 20)
     assert got["data"] == sent
+
+
+# --------------------------------------------------------------------------- three engines
+
+
+def src(kvid: str, port: int) -> dict:
+    return {"remote_kv_source": {"kv_request_id": kvid, "remote_host": "127.0.0.1",
+                                 "remote_port": port}}
+
+
+@pytest.mark.timeout(180)
+def test_one_producer_serves_two_consumers_at_once(engines, keys):
+    """Three engines: one producer parks a PD request and holds other chunks; one
+    consumer fetches the PD request while the other looks up and fetches the held
+    chunks symmetrically, at the same time. Both get the producer's bytes exactly, and
+    the producer's pins are released once both are done."""
+    layout = {"world_size": 2, "page": 4096}
+    prod, c1, c2 = engines((tier(keys.a), layout), (tier(keys.b), layout),
+                           (tier(keys.b), layout))
+    parked, held = [81, 82, 83, 84], [85, 86, 87]
+    sent_pd = prod.call("produce", "p1", "kv-3a", parked, 0)
+    sent_sym = prod.call("produce", "p2", None, held, 10)
+    c1.send("consume", "c1", pd("kv-3a", prod.port), parked, 40, 30)
+    c2.send("consume", "c2", src("sym-3b", prod.port), held + [88], 50, 30)
+    got1, got2 = c1.result("consume"), c2.result("consume")
+    assert got1["answers"][-1] == ["HIT"] * 4 and got1["data"] == sent_pd
+    assert got2["answers"][-1] == ["HIT"] * 3 + ["MISS"] and got2["data"] == sent_sym
+    assert max(got1["slowest_call_s"], got2["slowest_call_s"]) < 0.5
+    wait_unpinned(prod, parked + held)
+    st = wait_stats(prod, lambda st: st["counters"]["server"]["chunks"] >= 7)
+    assert st["parked"] == 0
+    assert st["counters"]["server"]["bytes_sent"] == len(sent_pd) + len(sent_sym)
+    assert st["counters"]["server"]["handshakes"] == 2
+
+
+@pytest.mark.timeout(180)
+def test_a_stalled_peer_slows_only_its_own_requests(engines, keys):
+    """The consumer fetches from two producers at once while one producer's endpoint is
+    stopped (SIGSTOP): the other producer's request completes as usual, the consumer's
+    scheduler calls stay fast, the stalled request fails by fetch_timeout_s (its rows
+    freed, nothing pinned). After SIGCONT the same producer serves a new request."""
+    p1, p2, cons = engines((tier(keys.a), {}), (tier(keys.a), {}),
+                           (tier(keys.b, fetch_timeout_s=4), {}))
+    ks1, ks2 = [91, 92, 93], [94, 95, 96]
+    p1.call("produce", "a1", "kv-s1", ks1, 0)
+    sent2 = p2.call("produce", "b1", "kv-s2", ks2, 10)
+    stopped = p1.call("stats")["pid"]
+    os.kill(stopped, signal.SIGSTOP)
+    try:
+        got = cons.call("consume_many", [("c1", pd("kv-s1", p1.port), ks1, 40),
+                                         ("c2", pd("kv-s2", p2.port), ks2, 50)], 30)
+    finally:
+        os.kill(stopped, signal.SIGCONT)
+    r1, r2 = got["requests"]
+    assert r2["answers"][-1] == ["HIT"] * 3 and r2["data"] == sent2
+    assert r2["done_s"] < 3.0, r2["done_s"]  # unstalled: normally ~0.1 s
+    assert r1["answers"][-1] == ["MISS"] * 3 and r1["data"] is None
+    assert r1["done_s"] is not None and r1["done_s"] > r2["done_s"]
+    assert got["slowest_call_s"] < 0.5
+    assert cons.call("refs", ks1) == [None] * 3  # the rows reserved for it were freed
+    assert cons.call("refs", ks2) == [0] * 3
+    # the stalled producer works again (its circuit at the consumer allows a trial)
+    sent3 = p1.call("produce", "a2", "kv-s3", [97, 98], 20)
+    deadline = time.monotonic() + 20
+    while True:
+        again = cons.call("consume", "c3", pd("kv-s3", p1.port), [97, 98], 60, 20)
+        if again["data"] is not None or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)  # the circuit was still open: fail fast, try again
+    assert again["data"] == sent3
+
+
+@pytest.mark.timeout(180)
+def test_consumer_killed_mid_request_releases_the_producers_pins(engines, keys):
+    """The consumer's engine is SIGKILLed while its fetch round waits for chunks the
+    producer has not parked yet: the producer's parked pins are released within
+    unbound_store_timeout_s (counted), its endpoint keeps running, and the consumer's
+    endpoint notices its engine is gone, exits and removes its socket directory."""
+    prod, cons = engines((tier(keys.a, unbound_store_timeout_s=2.0), {}),
+                         (tier(keys.b, fetch_timeout_s=20), {}))
+    ks = [101, 102, 103, 104, 105]
+    t_parked = time.monotonic()
+    prod.call("produce", "p1", "kv-ck", ks[:3], 0)
+    cst = cons.call("stats")
+    cons.send("consume", "c1", pd("kv-ck", prod.port), ks, 40, 30)
+    wait_stats(prod, lambda st: st["counters"]["server"]["chunks"] >= 3)  # mid-request
+    os.kill(cons.proc.pid, signal.SIGKILL)
+    cons.proc.join(5)
+    try:
+        wait_unpinned(prod, ks[:3], timeout_s=15)
+        assert time.monotonic() - t_parked < 2.0 + 6.0
+        st = wait_stats(prod, lambda st: metric(st, "unbound_store_timeouts") >= 1)
+        assert st["parked"] == 0 and st["restarts"] == 0 and st["pid"] is not None
+        deadline = time.monotonic() + 15  # the orphaned endpoint checks its owner each second
+        while os.path.exists(cst["tmpdir"]) or _alive(cst["pid"]):
+            assert time.monotonic() < deadline, "the consumer's endpoint did not exit"
+            time.sleep(0.1)
+    finally:
+        deadline = time.monotonic() + 5
+        while _alive(cst["pid"]) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if _alive(cst["pid"]):
+            os.kill(cst["pid"], signal.SIGKILL)
+        clean_stale_segments()
+        shutil.rmtree(cst["tmpdir"], ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    """The process runs (an exited one not yet reaped, a zombie, counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return False
