@@ -11,6 +11,7 @@ import multiprocessing as mp
 import os
 import shutil
 import signal
+import socket
 import tempfile
 import time
 from types import SimpleNamespace
@@ -321,15 +322,27 @@ def src(kvid: str, port: int) -> dict:
                                  "remote_port": port}}
 
 
+def free_port_base(dp: int) -> int:
+    """A port ``base`` such that ``base + dp`` is free now (for a configured port)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    assert port - dp >= 1024
+    return port - dp
+
+
 @pytest.mark.timeout(180)
 def test_one_producer_serves_two_consumers_at_once(engines, keys):
     """Three engines: one producer parks a PD request and holds other chunks; one
     consumer fetches the PD request while the other looks up and fetches the held
     chunks symmetrically, at the same time. Both get the producer's bytes exactly, and
-    the producer's pins are released once both are done."""
+    the producer's pins are released once both are done. The producer is data-parallel
+    rank 2 with ``port`` = base: it listens on base + 2 (vLLM's rule)."""
     layout = {"world_size": 2, "page": 4096}
-    prod, c1, c2 = engines((tier(keys.a), layout), (tier(keys.b), layout),
-                           (tier(keys.b), layout))
+    base = free_port_base(2)
+    prod, c1, c2 = engines((tier(keys.a, port=base), {**layout, "data_parallel_index": 2}),
+                           (tier(keys.b), layout), (tier(keys.b), layout))
+    assert prod.port == base + 2
     parked, held = [81, 82, 83, 84], [85, 86, 87]
     sent_pd = prod.call("produce", "p1", "kv-3a", parked, 0)
     sent_sym = prod.call("produce", "p2", None, held, 10)

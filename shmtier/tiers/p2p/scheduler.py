@@ -139,7 +139,9 @@ class P2PTierManager(SecondaryTierManager):
         self._keys = None if c.plaintext else c.keypair()
         self._allow = None if c.plaintext else c.allow_list()
         self._peer_keys = dict(c.peers)
-        self.port: int | None = c.port or None  # the bound port, once the endpoint runs
+        # vLLM's rule: the endpoint binds port + the engine's data-parallel index
+        self.data_parallel_index = int(getattr(offloading_spec, "data_parallel_index", 0) or 0)
+        self.port: int | None = c.listen_port(self.data_parallel_index) or None
         self._finished: list[JobResult] = []
         self._loads: dict[int, tuple[TransferJob, float, _Request]] = {}
         self._parked: dict[str, _Parked] = {}
@@ -183,7 +185,7 @@ class P2PTierManager(SecondaryTierManager):
         c = self.config
         return {
             "engine_id": self._engine_id, "ipc": ipc, "host": c.host,
-            "port": self.port or c.port, "name": f"{c.host}:{self.port or c.port}",
+            "port": self.port or 0, "name": f"{c.host}:{self.port or 0}",
             "plaintext": c.plaintext, "fingerprint": self._fingerprint,
             "hash_seed": c.effective_hash_seed(),
             "secret": None if c.plaintext else self._keys.secret.decode(),
@@ -616,7 +618,7 @@ class P2PTierManager(SecondaryTierManager):
         return ("p2p_endpoint",)
 
     def config_info(self) -> dict[str, Any]:
-        return {"p2p_endpoint": f"{self.config.host}:{self.port or self.config.port}"}
+        return {"p2p_endpoint": f"{self.config.host}:{self.port or 0}"}
 
     def shutdown(self) -> None:
         if self._closed:
