@@ -24,6 +24,7 @@ import p2p_engine  # noqa: E402  (tests/ is on sys.path)
 from shmtier.options import ConfigError  # noqa: E402
 from shmtier.shared.segment import clean_stale_segments  # noqa: E402
 from shmtier.tiers.p2p.keys import generate_keypair_files, load_public_key  # noqa: E402
+from shmtier.tiers.p2p.status import p2p_sessions  # noqa: E402
 
 CTX = mp.get_context("spawn")
 LAYOUT = {"page": 8192, "chunks": 16}
@@ -36,6 +37,7 @@ class EngineProc:
                                 daemon=True)
         self.proc.start()
         child.close()
+        self.engine_id = engine_id
         self.port = None
 
     def wait_ready(self, timeout_s: float = 60) -> "EngineProc":
@@ -161,6 +163,33 @@ def test_pd_byte_exact(engines, keys, layout):
     st = wait_stats(prod, lambda st: st["counters"]["server"]["chunks"] >= len(ks))
     assert st["parked"] == 0
     assert st["counters"]["server"]["bytes_sent"] == len(sent)
+    # per-peer series, labelled with the other engine's "host:port"
+    st = wait_stats(prod, lambda st: metric(st, "served_bytes") == len(sent))
+    assert st["metrics"]["served_bytes"] == {f"1:p2p,127.0.0.1:{cons.port}": len(sent)}
+    st = wait_stats(cons, lambda st: metric(st, "fetched_bytes") == len(sent))
+    assert st["metrics"]["fetched_bytes"] == {f"1:p2p,127.0.0.1:{prod.port}": len(sent)}
+    assert set(st["metrics"]["fetch_seconds"]) == {f"1:p2p,127.0.0.1:{prod.port}"}
+    # the sessions as the CLI can read them (status.json of each endpoint)
+    (ps,) = wait_sessions(prod.engine_id, lambda s: s["inbound"] and s["inbound"][0]["bytes_sent"])
+    assert ps["endpoint"] == f"127.0.0.1:{prod.port}" and ps["alive"] and ps["parked"]["rows"] == 0
+    assert [(i["name"], i["refused"], i["bytes_sent"]) for i in ps["inbound"]] == [
+        (f"127.0.0.1:{cons.port}", "", len(sent))]
+    assert ps["inbound"][0]["key"] == keys.pub["b"] and ps["outbound"] == []
+    (cs,) = wait_sessions(cons.engine_id, lambda s: s["outbound"] and s["outbound"][0]["chunks"])
+    (out,) = cs["outbound"]
+    assert out["peer"] == f"127.0.0.1:{prod.port}" and out["circuit"] == "closed"
+    assert out["chunks"] == len(ks) and out["bytes_received"] == len(sent)
+
+
+def wait_sessions(engine_id: str, until, timeout_s: float = 10) -> list:
+    """``p2p_sessions(engine_id)`` once ``until(status)`` holds for its one status."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        got = p2p_sessions(engine_id)
+        if len(got) == 1 and until(got[0]):
+            return got
+        assert time.monotonic() < deadline, got
+        time.sleep(0.1)
 
 
 def wait_unpinned(engine: EngineProc, ks: list, timeout_s: float = 10) -> None:
@@ -233,8 +262,9 @@ def test_wrong_key_unknown_peer_other_layout_and_hash_seed_are_refused(engines, 
     server = st["counters"]["server"]
     assert server["chunks"] == 0 and server["bytes_sent"] == 0 and server["requests"] == 0
     assert st["parked"] == 3 and all(r > 0 for r in a.call("refs", ks))
-    assert metric(st, "refused_handshakes") >= 3  # unknown key, fingerprint, hash seed
+    assert st["metrics"]["refused_handshakes"]["1:p2p,inbound"] >= 3  # key, layout, seed
     st = wait_stats(seeded, lambda st: metric(st, "refused_handshakes") >= 1)
+    assert set(st["metrics"]["refused_handshakes"]) == {f"1:p2p,127.0.0.1:{a.port}"}
     (client,) = st["counters"]["clients"].values()
     assert set(client["refused_handshakes"]) == {"hash_seed"} and client["chunks"] == 0
 

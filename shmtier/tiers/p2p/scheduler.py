@@ -33,6 +33,12 @@ nothing to keep). The endpoint dying fails its loads and parked stores (rows unp
 it can no longer touch them) and is restarted with backoff (0.5 s doubling to 30 s).
 A load the endpoint does not answer within ``fetch_timeout_s`` + 10 s gets it killed
 first, so no row is freed while it could still be written.
+
+Metrics: the per-peer counters carry the label ``peer`` (the other engine's "host:port";
+``"inbound"`` for refusals at this engine's server; at most ``MAX_PEER_LABELS`` peers by
+name, then ``"other"``). No KV events (``take_events`` is the base's, empty): the tier
+owns no medium; what it parks are the CPU tier's rows, as in vLLM's p2p tier. Sessions
+for the CLI: ``status.py`` (``p2p_sessions``), written by the endpoint.
 """
 
 from __future__ import annotations
@@ -57,6 +63,7 @@ from shmtier.contract import (CacheHitSource, LookupResult, OffloadPolicy, ReqCo
                               RequestOffloadingContext, ScheduleEndContext)
 from shmtier.scheduler.tiering.base import JobResult, ParentManager, SecondaryTierManager, TransferJob
 from shmtier.tiers.p2p.config import P2PTierConfig
+from shmtier.tiers.p2p.status import STATUS_FILE
 
 logger = logging.getLogger(__name__)
 
@@ -78,6 +85,9 @@ FAILURES = "vllm:kv_offload_shmtier_p2p_failures"
 UNBOUND_TIMEOUTS = "vllm:kv_offload_shmtier_p2p_unbound_store_timeouts"
 PARKED_ROWS = "vllm:kv_offload_shmtier_p2p_parked_rows"
 RESTARTS = "vllm:kv_offload_shmtier_p2p_endpoint_restarts"
+PEER = "peer"  # label: the peer's "host:port" (MAX_PEER_LABELS of them, then "other")
+MAX_PEER_LABELS = 64
+INBOUND = "inbound"  # the peer label of refusals at this engine's own server
 
 
 @dataclass
@@ -153,12 +163,14 @@ class P2PTierManager(SecondaryTierManager):
         self._stats = metrics.OffloadingStats()
         self.endpoint_counters: dict = {}
         self._counters_seen: dict = {}
+        self._peer_labels: set[str] = set()
         self.restarts = 0
         # endpoint process
         import zmq
         self._zmq = zmq
         self._zctx = zmq.Context()
-        self._tmpdir = tempfile.mkdtemp(prefix="shmtier-p2p-")
+        # named after the engine: its endpoint's status file is found by it (status.py)
+        self._tmpdir = tempfile.mkdtemp(prefix=f"shmtier-p2p-{self._engine_id}-")
         self._sock = None
         self._proc: subprocess.Popen | None = None
         self._gen = 0
@@ -192,6 +204,7 @@ class P2PTierManager(SecondaryTierManager):
             "allow": None if c.plaintext else [k.decode() for k in self._allow],
             "allow_source": None if c.plaintext else self._allow.source,
             "fetch_timeout_s": c.fetch_timeout_s, "lookup_timeout_s": c.lookup_timeout_s,
+            "status": os.path.join(self._tmpdir, STATUS_FILE),
         }
 
     def _start_endpoint(self) -> None:
@@ -203,6 +216,7 @@ class P2PTierManager(SecondaryTierManager):
         sock.sndhwm = sock.rcvhwm = 0
         sock.bind(f"ipc://{path}")
         self._sock = sock
+        self._counters_seen = {}  # the new endpoint counts from 0
         self._proc = subprocess.Popen([sys.executable, "-m", "shmtier.tiers.p2p.endpoint"],
                                       stdin=subprocess.PIPE)
         try:
@@ -242,7 +256,7 @@ class P2PTierManager(SecondaryTierManager):
         for job, _, req in self._loads.values():
             self._fail_request_keys(req, job.keys)
             self._finished.append(JobResult(job.job_id, False, []))
-            self._count_failure()
+            self._count_failure(req.peer)
         self._loads.clear()
         for kvid, parked in self._parked.items():
             for job in parked.jobs:
@@ -345,11 +359,11 @@ class P2PTierManager(SecondaryTierManager):
         keys = list(job.keys)
         ok = [keys[i] for i in msg["ok"]]
         success = len(ok) == len(keys)
-        self._stats.increase_counter(FETCH_SECONDS, msg["seconds"], (self._label,))
+        self._stats.increase_counter(FETCH_SECONDS, msg["seconds"], self._peer(req.peer))
         if not success:
             failed = [k for k in keys if k not in set(ok)]
             self._fail_request_keys(req, failed)
-            self._count_failure()
+            self._count_failure(req.peer)
             logger.warning("p2p tier %s: request %s: %d of %d chunks not fetched from %s: %s",
                            self._label, req.kvid, len(failed), len(keys), req.peer,
                            msg["detail"])
@@ -370,14 +384,14 @@ class P2PTierManager(SecondaryTierManager):
         req, keys = entry
         hits = msg["hits"]
         if hits is None:
-            self._count_failure()
+            self._count_failure(req.peer)
             logger.warning("p2p tier %s: lookup for request %s at %s failed: %s",
                            self._label, req.kvid, req.peer, msg["detail"])
             hits = [False] * len(keys)
         for key, hit in zip(keys, hits):
             req.answers[key] = bool(hit)
             req.probing.pop(key, None)
-        self._stats.increase_counter(LOOKUP_HITS, sum(map(bool, hits)), (self._label,))
+        self._stats.increase_counter(LOOKUP_HITS, sum(map(bool, hits)), self._peer(req.peer))
 
     def _release(self, kvid: str) -> None:
         parked = self._parked.pop(kvid, None)
@@ -388,22 +402,32 @@ class P2PTierManager(SecondaryTierManager):
                                                 transfer_bytes=len(job.keys) * self.block_size_bytes))
 
     def _take_counters(self, msg: dict) -> None:
-        self.endpoint_counters = {"server": msg["server"], "clients": msg["clients"]}
-        clients = list(msg["clients"].values())
-        now = {
-            SERVED_BYTES: msg["server"]["bytes_sent"],
-            FETCHED_BYTES: sum(c["bytes_received"] for c in clients),
-            REFUSED: sum(msg["server"]["refused_handshakes"].values())
-                     + sum(sum(c["refused_handshakes"].values()) for c in clients),
-        }
-        for name, value in now.items():
-            delta = value - self._counters_seen.get((self._gen, name), 0)
-            if delta > 0:
-                self._stats.increase_counter(name, delta, (self._label,))
-            self._counters_seen[(self._gen, name)] = value
+        """The endpoint's running totals (every second) as metric deltas, per peer."""
+        self.endpoint_counters = {"server": msg["server"], "clients": msg["clients"],
+                                  "served": msg.get("served", {})}
+        now = {(REFUSED, INBOUND): sum(msg["server"]["refused_handshakes"].values())}
+        for name, n in msg.get("served", {}).items():
+            now[(SERVED_BYTES, name)] = n
+        for peer, c in msg["clients"].items():
+            now[(FETCHED_BYTES, peer)] = c["bytes_received"]
+            now[(REFUSED, peer)] = sum(c["refused_handshakes"].values())
+        for (name, peer), value in now.items():
+            seen = self._counters_seen.get((name, peer), 0)
+            if value > seen:
+                self._stats.increase_counter(name, value - seen, self._peer(peer))
+            self._counters_seen[(name, peer)] = value
 
-    def _count_failure(self) -> None:
-        self._stats.increase_counter(FAILURES, 1, (self._label,))
+    def _peer(self, peer: str) -> tuple[str, str]:
+        """The labels of a per-peer series: the tier and the peer's "host:port" (the
+        first MAX_PEER_LABELS peers by name, later ones together as "other")."""
+        if peer not in self._peer_labels:
+            if len(self._peer_labels) >= MAX_PEER_LABELS:
+                return (self._label, "other")
+            self._peer_labels.add(peer)
+        return (self._label, peer)
+
+    def _count_failure(self, peer: str) -> None:
+        self._stats.increase_counter(FAILURES, 1, self._peer(peer))
 
     # ------------------------------------------------------------------ the contract
 
@@ -441,7 +465,7 @@ class P2PTierManager(SecondaryTierManager):
             req.server_key = self._server_key(peer, info.get("remote_public_key"))
             if req.server_key is None:
                 req.failed = True
-                self._stats.increase_counter(REFUSED, 1, (self._label,))
+                self._stats.increase_counter(REFUSED, 1, self._peer(peer))
                 logger.warning("p2p tier %s: request %s: no public key known for peer %s "
                                "(set peers, or allow-list its key); its chunks are not "
                                "fetched", self._label, req_id, peer)
@@ -471,7 +495,7 @@ class P2PTierManager(SecondaryTierManager):
             req.probing[key] = time.monotonic() + self.config.lookup_timeout_s + 2.0
             req.to_probe.append(key)
             self._probe_queue[req_context.req_id] = req
-            self._stats.increase_counter(LOOKUPS, 1, (self._label,))
+            self._stats.increase_counter(LOOKUPS, 1, self._peer(req.peer))
             return RETRY
         if time.monotonic() > deadline:
             req.answers[key] = False
@@ -597,17 +621,18 @@ class P2PTierManager(SecondaryTierManager):
 
     @classmethod
     def build_metric_definitions(cls, tier_config: dict[str, Any]) -> dict[str, Any]:
-        t = (metrics.TIER,)
+        t, tp = (metrics.TIER,), (metrics.TIER, PEER)
         c = metrics.CounterMetadata
         return {
-            LOOKUPS: c("Keys this engine asked a peer about (symmetric lookups).", t),
-            LOOKUP_HITS: c("Keys a peer answered it holds.", t),
-            FETCHED_BYTES: c("Chunk bytes fetched from peers (verified).", t),
-            SERVED_BYTES: c("Chunk bytes served to peers.", t),
-            FETCH_SECONDS: c("Seconds of fetch rounds (promotions from peers).", t),
-            REFUSED: c("Peers refused (unknown key, other layout or hash seed) or "
-                       "requests naming a peer without a known key.", t),
-            FAILURES: c("Fetch rounds and lookups that failed.", t),
+            LOOKUPS: c("Keys this engine asked a peer about (symmetric lookups).", tp),
+            LOOKUP_HITS: c("Keys a peer answered it holds.", tp),
+            FETCHED_BYTES: c("Chunk bytes fetched from a peer (verified).", tp),
+            SERVED_BYTES: c("Chunk bytes served to a peer (by the name its hello gave).", tp),
+            FETCH_SECONDS: c("Seconds of fetch rounds (promotions from a peer).", tp),
+            REFUSED: c("Handshakes refused (unknown key, other layout or hash seed): by a "
+                       "peer, or at this engine's server (peer=\"inbound\"); and requests "
+                       "naming a peer without a known key.", tp),
+            FAILURES: c("Fetch rounds and lookups that failed, per peer.", tp),
             UNBOUND_TIMEOUTS: c("Parked requests released by unbound_store_timeout_s.", t),
             PARKED_ROWS: metrics.GaugeMetadata("Primary rows pinned for peers.", t),
             RESTARTS: c("Endpoint process restarts.", t),
