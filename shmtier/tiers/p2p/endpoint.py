@@ -10,7 +10,8 @@ Threads: the main thread runs the ``ChunkServer`` and the PAIR socket to the sch
 lookups block up to their deadlines there, so a slow or stopped peer delays only its own
 requests).
 
-Messages on the PAIR (every one a msgpack map with ``"t"``)::
+Messages on the PAIR (every one a msgpack map with ``"t"``; the scheduler half sends what
+one step queued as one msgpack array of them)::
 
     scheduler -> endpoint                         endpoint -> scheduler
     park {req, keys, rows}  serve these rows      ready {port}
@@ -295,7 +296,9 @@ class Endpoint:
                     buf = self.pair.recv(zmq.NOBLOCK)
                 except zmq.Again:
                     break
-                self._handle(unpack(buf))
+                msg = unpack(buf)
+                for one in msg if isinstance(msg, list) else (msg,):  # a step's batch
+                    self._handle(one)
             while True:
                 try:
                     self._send(self.results.get_nowait())

@@ -73,6 +73,7 @@ ROLES = ("remote_prefiller", "remote_kv_source", "remote_decoder")
 CHECK_EVERY_S = 0.05
 RESTART_BASE_S, RESTART_CAP_S, STABLE_S = 0.5, 30.0, 30.0
 WATCHDOG_EXTRA_S = 10.0
+FLUSH_AFTER_S = 0.002  # messages queued this long go at the next poll, not only at step end
 STOP_WAIT_S = 2.0
 
 LOOKUPS = "vllm:kv_offload_shmtier_p2p_lookups"
@@ -100,6 +101,7 @@ class _Request:
     server_key: str | None = None
     failed: bool = False
     answers: dict = field(default_factory=dict)   # key -> bool (symmetric)
+    unsettled: bool = False  # a lookup or load went to the peer and no load finished since
     probing: dict = field(default_factory=dict)   # key -> deadline (symmetric)
     to_probe: list = field(default_factory=list)
 
@@ -174,7 +176,9 @@ class P2PTierManager(SecondaryTierManager):
         self._sock = None
         self._proc: subprocess.Popen | None = None
         self._gen = 0
-        self._outbox: collections.deque = collections.deque()
+        self._outbox: collections.deque = collections.deque()  # packed, to send
+        self._pending: list[dict] = []  # queued this step: one send at its end (_flush)
+        self._queued_at = 0.0
         self._ready = False
         self._ready_at = 0.0
         self._backoff = RESTART_BASE_S
@@ -233,6 +237,7 @@ class P2PTierManager(SecondaryTierManager):
             self._sock.close(0)
             self._sock = None
         self._outbox.clear()
+        self._pending = []
 
     def _endpoint_died(self, why: str) -> None:
         code = self._proc.poll() if self._proc is not None else None
@@ -277,11 +282,19 @@ class P2PTierManager(SecondaryTierManager):
         self._endpoint_died(why)
 
     def _send(self, msg: dict) -> None:
-        self._outbox.append(msgpack.packb(msg, use_bin_type=True))
-        self._flush()
+        """Queue ``msg`` for the endpoint: what a step queues goes as one message at
+        ``on_schedule_end`` (an ipc send costs the scheduler thread tens of µs), or at a
+        poll FLUSH_AFTER_S later (an engine with no step to run)."""
+        if not self._pending:
+            self._queued_at = time.monotonic()
+        self._pending.append(msg)
 
     def _flush(self) -> None:
         sock, zmq = self._sock, self._zmq
+        if self._pending and sock is not None:
+            batch = self._pending[0] if len(self._pending) == 1 else self._pending
+            self._outbox.append(msgpack.packb(batch, use_bin_type=True))
+            self._pending = []
         while self._outbox and sock is not None:
             try:
                 sock.send(self._outbox[0], zmq.NOBLOCK)
@@ -318,7 +331,8 @@ class P2PTierManager(SecondaryTierManager):
             except zmq.Again:
                 break
             self._handle(msgpack.unpackb(buf, raw=False))
-        self._flush()
+        if self._outbox or (self._pending and now - self._queued_at >= FLUSH_AFTER_S):
+            self._flush()
 
     def _expire(self, now: float) -> None:
         for kvid in [k for k, p in self._parked.items() if now > p.deadline]:
@@ -361,6 +375,8 @@ class P2PTierManager(SecondaryTierManager):
         keys = list(job.keys)
         ok = [keys[i] for i in msg["ok"]]
         success = len(ok) == len(keys)
+        if success:  # the endpoint told the peer "done" after this round
+            req.unsettled = False
         self._stats.increase_counter(FETCH_SECONDS, msg["seconds"], self._peer(req.peer))
         if not success:
             failed = [k for k in keys if k not in set(ok)]
@@ -532,6 +548,7 @@ class P2PTierManager(SecondaryTierManager):
             return
         deadline = time.monotonic() + self.config.fetch_timeout_s + WATCHDOG_EXTRA_S
         self._loads[job.job_id] = (job, deadline, req)
+        req.unsettled = True
         self._send({"t": "load", "job": job.job_id, "req": req.kvid, "peer": req.peer,
                     "skey": req.server_key, "keys": list(job.keys), "rows": job.rows})
 
@@ -543,7 +560,9 @@ class P2PTierManager(SecondaryTierManager):
     def on_request_finished(self, req_context: ReqContext) -> None:
         req = req_context.get_state(_Request)
         self._probe_queue.pop(req_context.req_id, None)
-        if req is not None and req.consumer and (self.config.plaintext or req.server_key):
+        # a request whose last round the endpoint closed with "done" needs no release
+        if (req is not None and req.consumer and req.unsettled
+                and (self.config.plaintext or req.server_key)):
             self._send({"t": "release", "req": req.kvid, "peer": req.peer,
                         "skey": req.server_key})
 
@@ -557,8 +576,10 @@ class P2PTierManager(SecondaryTierManager):
                     continue
                 lid = next(self._lids)
                 self._lookups[lid] = (req, keys)
+                req.unsettled = True
                 self._send({"t": "lookup", "lid": lid, "req": req.kvid, "peer": req.peer,
                             "skey": req.server_key, "keys": keys})
+        self._flush()  # what this step queued (loads, parks, lookups, releases): one send
 
     def serve_external_requests(self, parent: ParentManager) -> None:
         self._poll()
@@ -600,6 +621,7 @@ class P2PTierManager(SecondaryTierManager):
 
     def drain_jobs(self) -> None:
         deadline = time.monotonic() + self.config.fetch_timeout_s + WATCHDOG_EXTRA_S
+        self._flush()
         while self._loads and self._proc is not None:
             self._poll()
             if time.monotonic() > deadline:
@@ -611,6 +633,7 @@ class P2PTierManager(SecondaryTierManager):
             self._send({"t": "unpark", "req": kvid})
             for job in parked.jobs:
                 self._finished.append(JobResult(job.job_id, False))
+        self._flush()
 
     # ------------------------------------------------------------------ metrics, shutdown
 
@@ -653,6 +676,7 @@ class P2PTierManager(SecondaryTierManager):
         if self._proc is not None and self._sock is not None:
             try:
                 self._send({"t": "stop"})
+                self._flush()
             except Exception:
                 pass
             try:
