@@ -78,6 +78,60 @@ def raw_peer(conn, curve: tuple | None) -> None:
         ctx.term()
 
 
+class RawLoopback:
+    """The ``raw`` / ``raw+curve`` measurement (one source of truth: bench/p2p_tier.py
+    uses it too): a ``raw_peer`` process and this process's DEALER connected to it.
+    ``run(rows)`` sends each row as one frame (``copy=False``) and returns the seconds
+    from the first send to the peer's answer that it has them all. ``curve``: (server
+    key pair, client key pair), CurveZMQ without ZAP. Close with ``close()``."""
+
+    def __init__(self, ctx, curve: tuple | None = None):
+        import zmq
+        skeys, ckeys = curve if curve else (None, None)
+        parent, child = ctx.Pipe()
+        self.proc = ctx.Process(target=raw_peer, args=(
+            child, (skeys.public, skeys.secret) if curve else None), daemon=True)
+        self.proc.start()
+        child.close()
+        self.conn = parent
+        self.sock = None
+        if not parent.poll(60):
+            self.close()
+            raise RuntimeError("raw_peer process did not start")
+        port = parent.recv()
+        self._zctx = zmq.Context.instance()
+        sock = self.sock = self._zctx.socket(zmq.DEALER)
+        sock.linger = 0
+        if curve:
+            sock.curve_serverkey = skeys.public
+            sock.curve_publickey, sock.curve_secretkey = ckeys.public, ckeys.secret
+        sock.connect(f"tcp://127.0.0.1:{port}")
+
+    def run(self, rows) -> float:
+        total = sum(len(r) for r in rows)
+        t0 = time.perf_counter()
+        for row in rows:
+            self.sock.send(row, copy=False)
+        self.sock.send(b"end")
+        got = int(self.sock.recv())
+        dt = time.perf_counter() - t0
+        assert got == total, (got, total)
+        return dt
+
+    def close(self) -> None:
+        if self.sock is not None:
+            self.sock.close(0)
+            self.sock = None
+        try:
+            self.conn.send("stop")
+        except OSError:
+            pass
+        self.proc.join(5)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join()
+
+
 def server_peer(conn, chunks: int, size: int, keydir: str | None) -> None:
     """The fetch configurations' serving side: a ChunkServer over an arena."""
     from shmtier.tiers.p2p.keys import AllowList, load_keypair
@@ -142,29 +196,13 @@ def main() -> None:
             return parent.recv()
 
         src = _arena(args.chunks, size, 7)  # the bytes the peers hold (same seed)
-        zctx = zmq.Context.instance()
 
         def raw_runner(curve: bool):
-            port = start(raw_peer, (skeys.public, skeys.secret) if curve else None)
-            sock = zctx.socket(zmq.DEALER)
-            sock.linger = 0
-            if curve:
-                sock.curve_serverkey = skeys.public
-                sock.curve_publickey, sock.curve_secretkey = ckeys.public, ckeys.secret
-            sock.connect(f"tcp://127.0.0.1:{port}")
-            clients.append(sock)
-
-            def run() -> float:
-                t0 = time.perf_counter()
-                for i in range(args.chunks):
-                    sock.send(src[i], copy=False)
-                sock.send(b"end")
-                got = int(sock.recv())
-                dt = time.perf_counter() - t0
-                assert got == total, (got, total)
-                return dt
-            run()  # warm-up: connection and handshake
-            return run
+            raw = RawLoopback(ctx, (skeys, ckeys) if curve else None)
+            clients.append(raw)
+            rows = list(src)
+            raw.run(rows)  # warm-up: connection and handshake
+            return lambda: raw.run(rows)
 
         dst = np.zeros((args.chunks, size), np.uint8)
         keys = [b"chunk-%d" % i for i in range(args.chunks)]

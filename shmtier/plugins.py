@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import importlib
 import logging
-from typing import Any
+from typing import Any, Callable
 
 logger = logging.getLogger(__name__)
 
@@ -67,15 +67,18 @@ class LazyRegistry:
     def names(self) -> list[str]:
         return list(self._paths)
 
-    def resolve(self, name: str, module_path: str | None, bases: tuple[type, ...], *,
+    def resolve(self, name: str, module_path: str | None,
+                bases: tuple[type, ...] | Callable[[], tuple[type, ...]], *,
                 key: str, module_key: str) -> type:
-        """The class for ``name`` (from the registry, else from ``module_path``)."""
+        """The class for ``name`` (from the registry, else from ``module_path``, which
+        must subclass one of ``bases``: a tuple, or a function returning one, called only
+        for an out-of-tree class, so a registered name never imports vLLM)."""
         if name in self._paths:
             return import_attr(self._paths[name])
         if not module_path:
             raise unknown_name_error(self.what, name, self.names(), key=key, module_key=module_key)
-        return load_out_of_tree(name, module_path, bases, what=self.what, key=key,
-                                module_key=module_key)
+        return load_out_of_tree(name, module_path, bases() if callable(bases) else bases,
+                                what=self.what, key=key, module_key=module_key)
 
 
 def with_vllm_base(own: type, vllm_module: str, vllm_name: str) -> tuple[type, ...]:

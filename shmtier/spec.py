@@ -30,13 +30,22 @@ from shmtier.shared.segment import Segment, SegmentSpaceError, human_bytes, open
 
 class TieringOffloadingSpec:
     """``extra_config`` is ``kv_connector_extra_config``; ``layout`` the engine's
-    KV layout; ``engine_id`` names the segment (one per engine / DP replica)."""
+    KV layout; ``engine_id`` names the segment (one per engine / DP replica);
+    ``data_parallel_index``: the engine's data-parallel rank (vLLM's
+    ``OffloadingConfig.parallel.data_parallel_index``; a tier that listens on a port,
+    ``p2p``, adds it to its configured port, as vLLM does)."""
 
     def __init__(self, extra_config: Mapping[str, Any], layout: KVLayout, engine_id: str, *,
-                 enable_events: bool = False, max_model_len: int | None = None):
+                 enable_events: bool = False, max_model_len: int | None = None,
+                 data_parallel_index: int = 0):
+        if (not isinstance(data_parallel_index, int) or isinstance(data_parallel_index, bool)
+                or data_parallel_index < 0):
+            raise ConfigError(f"data_parallel_index must be an int >= 0, got "
+                              f"{data_parallel_index!r}")
         self.extra_config = dict(extra_config)
         self.layout = layout
         self.engine_id = engine_id
+        self.data_parallel_index = data_parallel_index
         self.enable_events = enable_events
         self.max_model_len = max_model_len
         self.primary_config = PrimaryTierConfig.from_extra_config(extra_config, layout)
@@ -46,7 +55,8 @@ class TieringOffloadingSpec:
         # bytes of a row that hold KV (all ranks' slots, without the page padding)
         self.chunk_payload_bytes = self.geometry.page_size_per_worker * self.geometry.world_size
         self.tiering_config = TieringConfig.from_extra_config(
-            extra_config, TierContext(self.chunk_payload_bytes, self.primary_config.key_width))
+            extra_config, TierContext(self.chunk_payload_bytes, self.primary_config.key_width,
+                                      data_parallel_index))
         self.pool_config = self._pool_config()
         # Set while get_manager builds tiers; a worker-backed tier's scheduler half reads
         # them in its constructor: the pool that runs its jobs and its own index.

@@ -115,7 +115,7 @@ REQUIRED_INTERFACES: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     (_CONFIG, "OffloadingGroupConfig", ("tokens_per_block",)),
     (_CONFIG, "OffloadingModelConfig", ("name", "dtype", "max_model_len")),
     (_CONFIG, "OffloadingCacheConfig", ("tokens_per_hash", "blocks_per_chunk")),
-    (_CONFIG, "OffloadingParallelConfig", ("rank", "world_size")),
+    (_CONFIG, "OffloadingParallelConfig", ("rank", "world_size", "data_parallel_index")),
     ("vllm.v1.kv_offload.cpu.common", "CPULoadStoreSpec", ("chunk_ids",)),
     ("vllm.v1.kv_offload.factory", "OffloadingSpecFactory", ("get_spec_cls", "create_spec")),
     ("vllm.v1.metrics.cache_hit_source", "CacheHitSource", (
@@ -464,7 +464,8 @@ class ShmTierOffloadingSpec(_vb.OffloadingSpec):
         self.replicated_layout = bool(config.replicated_layout)
         self.core = CoreSpec(core_extra_config(config), kv_layout_from_offloading_config(config),
                              config.engine_id, enable_events=config.enable_kv_cache_events,
-                             max_model_len=config.model.max_model_len or None)
+                             max_model_len=config.model.max_model_len or None,
+                             data_parallel_index=int(config.parallel.data_parallel_index or 0))
         # A tier written for vLLM (loaded through module_path) receives the core
         # spec as its `offloading_spec`; give it the attributes vLLM's spec has.
         for name, value in (("config", config), ("kv_events_config", self.kv_events_config),

@@ -30,7 +30,7 @@ class Engine:
     ``tier_type`` another worker-backed tier whose options are ``tier`` (``root`` unused)."""
 
     def __init__(self, engine_id, root, *, page=8192, world_size=1, bpc=1, chunks=16,
-                 workers=None, tier_type="fs", **tier):
+                 workers=None, tier_type="fs", data_parallel_index=0, **tier):
         self.layout = KVLayout("m", "bfloat16", 16, page, world_size)
         row = -(-page * world_size * bpc // 4096) * 4096
         if tier_type == "fs":
@@ -39,7 +39,8 @@ class Engine:
                  "secondary_tiers": [{"type": tier_type, **tier}]}
         if workers is not None:
             extra["num_tier_workers"] = workers
-        self.spec = TieringOffloadingSpec(extra, self.layout, engine_id)
+        self.spec = TieringOffloadingSpec(extra, self.layout, engine_id,
+                                          data_parallel_index=data_parallel_index)
         self.manager = self.spec.get_manager()
         self.bpc = bpc
         self.caches, self.originals, self.workers = [], [], []

@@ -14,8 +14,14 @@ answers ``("ok", value)`` or ``("error", text)``.
   ``kv_transfer_params`` ``params`` looks ``keys`` up once per step until every answer is
   HIT or MISS (then loads the leading HITs into GPU blocks ``first_block...``), or the
   timeout; value: ``{"answers": [per step], "data": bytes or None, "slowest_call_s"}``.
+- ``("consume_many", [(req_id, params, keys, first_block), ...], timeout_s)``: those
+  requests side by side (each as ``consume``; the steps are shared); value:
+  ``{"requests": [{"answers", "data", "done_s": seconds from the start until its answers
+  were final, or None}], "slowest_call_s"}``.
 - ``("refs", keys)``: the primary's ref count of each key (pins; None: not resident).
-- ``("stats",)``: the tier's endpoint counters, parked rows, restarts, pid of endpoint.
+- ``("stats",)``: the tier's endpoint counters, parked rows, restarts, pid of endpoint,
+  and ``metrics``: the tier's counters so far (``get_stats``), ``{short name: {labels
+  joined by ",": value}}`` (short name: after ``p2p_``).
 - ``("stop",)``.
 """
 
@@ -60,39 +66,68 @@ def serve(conn, engine_id: str, tier: dict, layout: dict) -> None:
                         for c in engine.caches)
 
     def consume(req_id, params, keys, first_block, timeout_s):
-        keys = [fs_engine.key(k) for k in keys]
-        ctx = ReqContext(req_id, params)
-        timed(m.on_new_request, ctx)
-        seen, data = [], None
-        deadline = time.monotonic() + timeout_s
+        (out,), slowest_s = consume_many([(req_id, params, keys, first_block)], timeout_s)
+        return {**out, "slowest_call_s": slowest_s}
+
+    def consume_many(requests, timeout_s):
+        """Several requests side by side, each looked up once per step until its answers
+        are all HIT or MISS (then its leading HITs loaded and it finishes)."""
         slowest[0] = 0.0
-        while time.monotonic() < deadline:
-            t0 = time.perf_counter()
-            with m.lock:
-                answers = [m.lookup(k, ctx) for k in keys]
-            slowest[0] = max(slowest[0], time.perf_counter() - t0)
+        t0 = time.monotonic()
+        deadline = t0 + timeout_s
+        reqs = []
+        for req_id, params, keys, first_block in requests:
+            ctx = ReqContext(req_id, params)
+            timed(m.on_new_request, ctx)
+            reqs.append({"ctx": ctx, "keys": [fs_engine.key(k) for k in keys],
+                         "first": first_block, "answers": [], "data": None, "done_s": None})
+        pending = list(reqs)
+        while pending and time.monotonic() < deadline:
+            for r in list(pending):
+                t1 = time.perf_counter()
+                with m.lock:
+                    answers = [m.lookup(k, r["ctx"]) for k in r["keys"]]
+                slowest[0] = max(slowest[0], time.perf_counter() - t1)
+                r["answers"].append([a.name for a in answers])
+                if all(a is HIT or a is MISS for a in answers):
+                    finish(r)
+                    r["done_s"] = time.monotonic() - t0
+                    pending.remove(r)
             step()
-            seen.append([a.name for a in answers])
-            if all(a is HIT or a is MISS for a in answers):
-                break
             time.sleep(0.005)
+        for r in pending:
+            finish(r)
+        step()
+        return ([{k: r[k] for k in ("answers", "data", "done_s")} for r in reqs],
+                slowest[0])
+
+    def finish(r):
+        keys, ctx, seen = r["keys"], r["ctx"], r["answers"]
         hits = 0
         while seen and hits < len(keys) and seen[-1][hits] == HIT.name:
             hits += 1
         if hits:
             with m.lock:
                 spec = m.prepare_load(keys[:hits], ctx)
-            gpu = blocks(first_block, hits)
+            gpu = blocks(r["first"], hits)
             engine.copy("load", spec, gpu)
             timed(m.complete_load, keys[:hits], ctx)
-            data = b"".join(c[gpu].numpy().tobytes() for c in engine.caches)
+            r["data"] = b"".join(c[gpu].numpy().tobytes() for c in engine.caches)
         timed(m.on_request_finished, ctx)
-        step()
-        return {"answers": seen, "data": data, "slowest_call_s": slowest[0]}
+
+    metrics_seen: dict = {}
 
     def stats():
         proc = p2p._proc
-        return {"counters": p2p.endpoint_counters,
+        with m.lock:
+            data = p2p.get_stats().data["data"]
+        for name, values in data.items():
+            if name.endswith("parked_rows"):  # a gauge
+                continue
+            for labels, v in values.items():
+                per = metrics_seen.setdefault(name.rpartition("p2p_")[2], {})
+                per[",".join(labels)] = per.get(",".join(labels), 0) + v
+        return {"counters": p2p.endpoint_counters, "metrics": metrics_seen,
                 "parked": sum(p.rows for p in p2p._parked.values()),
                 "restarts": p2p.restarts, "pid": proc.pid if proc else None,
                 "port": p2p.port, "tmpdir": p2p._tmpdir}
@@ -119,6 +154,9 @@ def serve(conn, engine_id: str, tier: dict, layout: dict) -> None:
                     out = produce(*cmd[1:])
                 elif cmd[0] == "consume":
                     out = consume(*cmd[1:])
+                elif cmd[0] == "consume_many":
+                    out, slowest_s = consume_many(*cmd[1:])
+                    out = {"requests": out, "slowest_call_s": slowest_s}
                 elif cmd[0] == "refs":
                     with m.lock:
                         out = [m.primary.ref_count(fs_engine.key(k)) for k in cmd[1]]

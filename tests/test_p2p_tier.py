@@ -11,6 +11,7 @@ import multiprocessing as mp
 import os
 import shutil
 import signal
+import socket
 import tempfile
 import time
 from types import SimpleNamespace
@@ -23,6 +24,7 @@ import p2p_engine  # noqa: E402  (tests/ is on sys.path)
 from shmtier.options import ConfigError  # noqa: E402
 from shmtier.shared.segment import clean_stale_segments  # noqa: E402
 from shmtier.tiers.p2p.keys import generate_keypair_files, load_public_key  # noqa: E402
+from shmtier.tiers.p2p.status import p2p_sessions  # noqa: E402
 
 CTX = mp.get_context("spawn")
 LAYOUT = {"page": 8192, "chunks": 16}
@@ -35,6 +37,7 @@ class EngineProc:
                                 daemon=True)
         self.proc.start()
         child.close()
+        self.engine_id = engine_id
         self.port = None
 
     def wait_ready(self, timeout_s: float = 60) -> "EngineProc":
@@ -44,8 +47,15 @@ class EngineProc:
         return self
 
     def call(self, *cmd, timeout_s: float = 60):
+        self.send(*cmd)
+        return self.result(cmd[0], timeout_s)
+
+    def send(self, *cmd) -> None:
+        """Start a command; ``result`` takes its answer (engines work side by side)."""
         self.conn.send(cmd)
-        assert self.conn.poll(timeout_s), f"engine did not answer {cmd[0]}"
+
+    def result(self, what: str = "", timeout_s: float = 60):
+        assert self.conn.poll(timeout_s), f"engine did not answer {what}"
         tag, value = self.conn.recv()
         assert tag == "ok", value
         return value
@@ -116,6 +126,11 @@ def pd(kvid: str, port: int) -> dict:
                                  "remote_port": port}}
 
 
+def metric(st: dict, name: str) -> float:
+    """A tier counter (short name: after ``p2p_``) summed over its labels."""
+    return sum(st["metrics"].get(name, {}).values())
+
+
 def wait_stats(engine: EngineProc, until, timeout_s: float = 10) -> dict:
     """The engine's stats once ``until(stats)`` (endpoint counters come every second)."""
     deadline = time.monotonic() + timeout_s
@@ -150,6 +165,33 @@ def test_pd_byte_exact(engines, keys, layout):
     st = wait_stats(prod, lambda st: st["counters"]["server"]["chunks"] >= len(ks))
     assert st["parked"] == 0
     assert st["counters"]["server"]["bytes_sent"] == len(sent)
+    # per-peer series, labelled with the other engine's "host:port"
+    st = wait_stats(prod, lambda st: metric(st, "served_bytes") == len(sent))
+    assert st["metrics"]["served_bytes"] == {f"1:p2p,127.0.0.1:{cons.port}": len(sent)}
+    st = wait_stats(cons, lambda st: metric(st, "fetched_bytes") == len(sent))
+    assert st["metrics"]["fetched_bytes"] == {f"1:p2p,127.0.0.1:{prod.port}": len(sent)}
+    assert set(st["metrics"]["fetch_seconds"]) == {f"1:p2p,127.0.0.1:{prod.port}"}
+    # the sessions as the CLI can read them (status.json of each endpoint)
+    (ps,) = wait_sessions(prod.engine_id, lambda s: s["inbound"] and s["inbound"][0]["bytes_sent"])
+    assert ps["endpoint"] == f"127.0.0.1:{prod.port}" and ps["alive"] and ps["parked"]["rows"] == 0
+    assert [(i["name"], i["refused"], i["bytes_sent"]) for i in ps["inbound"]] == [
+        (f"127.0.0.1:{cons.port}", "", len(sent))]
+    assert ps["inbound"][0]["key"] == keys.pub["b"] and ps["outbound"] == []
+    (cs,) = wait_sessions(cons.engine_id, lambda s: s["outbound"] and s["outbound"][0]["chunks"])
+    (out,) = cs["outbound"]
+    assert out["peer"] == f"127.0.0.1:{prod.port}" and out["circuit"] == "closed"
+    assert out["chunks"] == len(ks) and out["bytes_received"] == len(sent)
+
+
+def wait_sessions(engine_id: str, until, timeout_s: float = 10) -> list:
+    """``p2p_sessions(engine_id)`` once ``until(status)`` holds for its one status."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        got = p2p_sessions(engine_id)
+        if len(got) == 1 and until(got[0]):
+            return got
+        assert time.monotonic() < deadline, got
+        time.sleep(0.1)
 
 
 def wait_unpinned(engine: EngineProc, ks: list, timeout_s: float = 10) -> None:
@@ -193,16 +235,18 @@ def test_symmetric_retry_then_hit_and_miss(engines, keys):
 
 
 @pytest.mark.timeout(120)
-def test_wrong_key_unknown_peer_and_other_layout_are_refused(engines, keys):
+def test_wrong_key_unknown_peer_other_layout_and_hash_seed_are_refused(engines, keys):
     """A peer whose key the producer does not allow is refused at the handshake, one
-    with another layout at the hello (both counted at the producer); a consumer that
-    does not know the producer's key does not connect at all. Nothing is served: the
-    consumers' lookups end MISS and the producer's parked chunks stay pinned for the
-    rightful consumer."""
+    with another layout or another hash seed at the hello (all counted at the producer,
+    the seed also in both tiers' refused metric); a consumer that does not know the
+    producer's key does not connect at all. Nothing is served: the consumers' lookups
+    end MISS and the producer's parked chunks stay pinned for the rightful consumer."""
     two_keys = {"secret_key_file": keys.b["secret_key_file"],
                 "allow_keys": [keys.pub["a"], keys.pub["stranger"]]}
-    a, stranger, other = engines((tier(keys.a), {}), (tier(keys.stranger), {}),
-                                 (tier(two_keys), {"page": 4096}))
+    a, stranger, other, seeded = engines(
+        (tier(keys.a, hash_seed="seed-1"), {}), (tier(keys.stranger, hash_seed="seed-1"), {}),
+        (tier(two_keys, hash_seed="seed-1"), {"page": 4096}),
+        (tier(keys.b, hash_seed="seed-2"), {}))
     ks = [31, 32, 33]
     a.call("produce", "p1", "kv-x", ks, 0)
     got = stranger.call("consume", "c1", pd("kv-x", a.port), ks, 40, 20)
@@ -213,11 +257,18 @@ def test_wrong_key_unknown_peer_and_other_layout_are_refused(engines, keys):
     with_key["remote_prefiller"]["remote_public_key"] = keys.pub["a"]
     got = other.call("consume", "c3", with_key, ks, 40, 20)
     assert got["answers"][-1] == ["MISS"] * 3 and got["data"] is None
-    st = wait_stats(a, lambda st: {"unknown_key", "fingerprint"}
+    got = seeded.call("consume", "c4", pd("kv-x", a.port), ks, 40, 20)
+    assert got["answers"][-1] == ["MISS"] * 3 and got["data"] is None
+    st = wait_stats(a, lambda st: {"unknown_key", "fingerprint", "hash_seed"}
                     <= set(st["counters"]["server"]["refused_handshakes"]))
     server = st["counters"]["server"]
     assert server["chunks"] == 0 and server["bytes_sent"] == 0 and server["requests"] == 0
     assert st["parked"] == 3 and all(r > 0 for r in a.call("refs", ks))
+    assert st["metrics"]["refused_handshakes"]["1:p2p,inbound"] >= 3  # key, layout, seed
+    st = wait_stats(seeded, lambda st: metric(st, "refused_handshakes") >= 1)
+    assert set(st["metrics"]["refused_handshakes"]) == {f"1:p2p,127.0.0.1:{a.port}"}
+    (client,) = st["counters"]["clients"].values()
+    assert set(client["refused_handshakes"]) == {"hash_seed"} and client["chunks"] == 0
 
 
 @pytest.mark.timeout(120)
@@ -249,13 +300,7 @@ def test_producer_killed_mid_transfer(engines, keys):
         assert cons.call("refs", [51, 52]) == [None, None]
     finally:
         deadline = time.monotonic() + 5
-        while True:  # the killed producer's endpoint may still be exiting
-            try:
-                os.kill(endpoint, 0)
-            except ProcessLookupError:
-                break
-            if time.monotonic() > deadline:
-                break
+        while _alive(endpoint) and time.monotonic() < deadline:  # may still be exiting
             time.sleep(0.05)
         clean_stale_segments()
         shutil.rmtree(st["tmpdir"], ignore_errors=True)  # its scheduler was killed too
@@ -299,3 +344,129 @@ def test_endpoint_restarts_and_releases_parked_pins(engines, keys):
     sent = prod.call("produce", "p2", "kv-r2", [73, 74], 4)
     got = cons.call("consume", "c1", pd("kv-r2", prod.port), [73, 74], 40, 20)
     assert got["data"] == sent
+
+
+# --------------------------------------------------------------------------- three engines
+
+
+def src(kvid: str, port: int) -> dict:
+    return {"remote_kv_source": {"kv_request_id": kvid, "remote_host": "127.0.0.1",
+                                 "remote_port": port}}
+
+
+def free_port_base(dp: int) -> int:
+    """A port ``base`` such that ``base + dp`` is free now (for a configured port)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    assert port - dp >= 1024
+    return port - dp
+
+
+@pytest.mark.timeout(180)
+def test_one_producer_serves_two_consumers_at_once(engines, keys):
+    """Three engines: one producer parks a PD request and holds other chunks; one
+    consumer fetches the PD request while the other looks up and fetches the held
+    chunks symmetrically, at the same time. Both get the producer's bytes exactly, and
+    the producer's pins are released once both are done. The producer is data-parallel
+    rank 2 with ``port`` = base: it listens on base + 2 (vLLM's rule)."""
+    layout = {"world_size": 2, "page": 4096}
+    base = free_port_base(2)
+    prod, c1, c2 = engines((tier(keys.a, port=base), {**layout, "data_parallel_index": 2}),
+                           (tier(keys.b), layout), (tier(keys.b), layout))
+    assert prod.port == base + 2
+    parked, held = [81, 82, 83, 84], [85, 86, 87]
+    sent_pd = prod.call("produce", "p1", "kv-3a", parked, 0)
+    sent_sym = prod.call("produce", "p2", None, held, 10)
+    c1.send("consume", "c1", pd("kv-3a", prod.port), parked, 40, 30)
+    c2.send("consume", "c2", src("sym-3b", prod.port), held + [88], 50, 30)
+    got1, got2 = c1.result("consume"), c2.result("consume")
+    assert got1["answers"][-1] == ["HIT"] * 4 and got1["data"] == sent_pd
+    assert got2["answers"][-1] == ["HIT"] * 3 + ["MISS"] and got2["data"] == sent_sym
+    assert max(got1["slowest_call_s"], got2["slowest_call_s"]) < 0.5
+    wait_unpinned(prod, parked + held)
+    st = wait_stats(prod, lambda st: st["counters"]["server"]["chunks"] >= 7)
+    assert st["parked"] == 0
+    assert st["counters"]["server"]["bytes_sent"] == len(sent_pd) + len(sent_sym)
+    assert st["counters"]["server"]["handshakes"] == 2
+
+
+@pytest.mark.timeout(180)
+def test_a_stalled_peer_slows_only_its_own_requests(engines, keys):
+    """The consumer fetches from two producers at once while one producer's endpoint is
+    stopped (SIGSTOP): the other producer's request completes as usual, the consumer's
+    scheduler calls stay fast, the stalled request fails by fetch_timeout_s (its rows
+    freed, nothing pinned). After SIGCONT the same producer serves a new request."""
+    p1, p2, cons = engines((tier(keys.a), {}), (tier(keys.a), {}),
+                           (tier(keys.b, fetch_timeout_s=4), {}))
+    ks1, ks2 = [91, 92, 93], [94, 95, 96]
+    p1.call("produce", "a1", "kv-s1", ks1, 0)
+    sent2 = p2.call("produce", "b1", "kv-s2", ks2, 10)
+    stopped = p1.call("stats")["pid"]
+    os.kill(stopped, signal.SIGSTOP)
+    try:
+        got = cons.call("consume_many", [("c1", pd("kv-s1", p1.port), ks1, 40),
+                                         ("c2", pd("kv-s2", p2.port), ks2, 50)], 30)
+    finally:
+        os.kill(stopped, signal.SIGCONT)
+    r1, r2 = got["requests"]
+    assert r2["answers"][-1] == ["HIT"] * 3 and r2["data"] == sent2
+    assert r2["done_s"] < 3.0, r2["done_s"]  # unstalled: normally ~0.1 s
+    assert r1["answers"][-1] == ["MISS"] * 3 and r1["data"] is None
+    assert r1["done_s"] is not None and r1["done_s"] > r2["done_s"]
+    assert got["slowest_call_s"] < 0.5
+    assert cons.call("refs", ks1) == [None] * 3  # the rows reserved for it were freed
+    assert cons.call("refs", ks2) == [0] * 3
+    # the stalled producer works again (its circuit at the consumer allows a trial)
+    sent3 = p1.call("produce", "a2", "kv-s3", [97, 98], 20)
+    deadline = time.monotonic() + 20
+    while True:
+        again = cons.call("consume", "c3", pd("kv-s3", p1.port), [97, 98], 60, 20)
+        if again["data"] is not None or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)  # the circuit was still open: fail fast, try again
+    assert again["data"] == sent3
+
+
+@pytest.mark.timeout(180)
+def test_consumer_killed_mid_request_releases_the_producers_pins(engines, keys):
+    """The consumer's engine is SIGKILLed while its fetch round waits for chunks the
+    producer has not parked yet: the producer's parked pins are released within
+    unbound_store_timeout_s (counted), its endpoint keeps running, and the consumer's
+    endpoint notices its engine is gone, exits and removes its socket directory."""
+    prod, cons = engines((tier(keys.a, unbound_store_timeout_s=2.0), {}),
+                         (tier(keys.b, fetch_timeout_s=20), {}))
+    ks = [101, 102, 103, 104, 105]
+    t_parked = time.monotonic()
+    prod.call("produce", "p1", "kv-ck", ks[:3], 0)
+    cst = cons.call("stats")
+    cons.send("consume", "c1", pd("kv-ck", prod.port), ks, 40, 30)
+    wait_stats(prod, lambda st: st["counters"]["server"]["chunks"] >= 3)  # mid-request
+    os.kill(cons.proc.pid, signal.SIGKILL)
+    cons.proc.join(5)
+    try:
+        wait_unpinned(prod, ks[:3], timeout_s=15)
+        assert time.monotonic() - t_parked < 2.0 + 6.0
+        st = wait_stats(prod, lambda st: metric(st, "unbound_store_timeouts") >= 1)
+        assert st["parked"] == 0 and st["restarts"] == 0 and st["pid"] is not None
+        deadline = time.monotonic() + 15  # the orphaned endpoint checks its owner each second
+        while os.path.exists(cst["tmpdir"]) or _alive(cst["pid"]):
+            assert time.monotonic() < deadline, "the consumer's endpoint did not exit"
+            time.sleep(0.1)
+    finally:
+        deadline = time.monotonic() + 5
+        while _alive(cst["pid"]) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if _alive(cst["pid"]):
+            os.kill(cst["pid"], signal.SIGKILL)
+        clean_stale_segments()
+        shutil.rmtree(cst["tmpdir"], ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    """The process runs (an exited one not yet reaped, a zombie, counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return False

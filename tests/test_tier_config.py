@@ -130,6 +130,27 @@ def test_p2p_plaintext_needs_no_keys_and_ucx_needs_nixl():
             build({"type": "p2p", "plaintext": True, "backends": ["UCX"]})
 
 
+def test_p2p_port_is_the_base_plus_the_data_parallel_index():
+    """vLLM's rule: the endpoint binds ``port`` + the engine's data-parallel index (0
+    stays 0: a free port); a sum past 65535 fails when the spec is built, naming both."""
+    pytest.importorskip("zmq")
+
+    def built(port, dp):
+        spec = TieringOffloadingSpec(
+            {"cpu_bytes_to_use": 1 << 20,
+             "secondary_tiers": [{"type": "p2p", "plaintext": True, "port": port}]},
+            LAYOUT, "never-created", data_parallel_index=dp)
+        return spec.tiering_config.secondary_tiers[0].options.listen_port(dp)
+
+    assert built(5710, 0) == 5710 and built(5710, 3) == 5713 and built(0, 3) == 0
+    with pytest.raises(ConfigError, match=r"\.port = 65535 is invalid: this engine's "
+                                          r"data-parallel index 1 is added to it and 65536"):
+        built(65535, 1)
+    with pytest.raises(ConfigError, match=r"data_parallel_index must be an int >= 0"):
+        built(5710, -1)
+    assert no_segment_made()
+
+
 def test_every_built_in_tier_type_has_a_config_table_here():
     assert {t.name for t in registry.BUILT_IN} == {"fs", "example", "obj", "p2p"}, \
         "a new tier type needs its invalid-option cases (obj's: test_obj_backend.py)"

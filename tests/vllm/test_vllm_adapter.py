@@ -110,6 +110,20 @@ def test_the_factory_loads_the_spec_by_name(engine_id):
     assert spec.offload_prompt_only is True and spec.tokens_per_block == (16,)
     assert spec.kv_events_config.enable_kv_cache_events is True
     assert spec.core.engine_id == engine_id and spec.core.layout.model == "tiny-llama"
+    assert spec.core.data_parallel_index == 0
+
+
+def test_the_data_parallel_index_reaches_the_core_spec(engine_id):
+    """vLLM's parallel.data_parallel_index is what a p2p tier adds to its port."""
+    import dataclasses
+    extra = {**SPEC, "cpu_bytes_to_use": 1 << 20,
+             "secondary_tiers": [{"type": "p2p", "plaintext": True, "port": 6000}]}
+    config = offloading_config(extra, engine_id)
+    config = dataclasses.replace(config, parallel=dataclasses.replace(config.parallel,
+                                                                      data_parallel_index=3))
+    spec = sv.ShmTierOffloadingSpec(config)
+    assert spec.core.data_parallel_index == 3
+    assert spec.core.tiering_config.secondary_tiers[0].options.listen_port(3) == 6003
 
 
 @pytest.mark.parametrize("case", [

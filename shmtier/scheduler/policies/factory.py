@@ -28,7 +28,10 @@ class CachePolicyFactory:
     @classmethod
     def get_cache_policy_cls(cls, name: str, module_path: str | None = None) -> type:
         """The policy class for ``name``; ValueError naming what is accepted otherwise."""
-        bases = with_vllm_base(CachePolicy, "vllm.v1.kv_offload.cpu.policies.base", "CachePolicy")
+        # vLLM's base only for an out-of-tree policy: importing vLLM takes seconds
+        def bases():
+            return with_vllm_base(CachePolicy, "vllm.v1.kv_offload.cpu.policies.base",
+                                  "CachePolicy")
         return cls._registry.resolve(name, module_path, bases, key="eviction_policy",
                                      module_key="cache_policy_module_path")
 

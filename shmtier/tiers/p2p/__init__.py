@@ -11,6 +11,9 @@ ChunkClient per peer, on the engine's arena rows). The transport:
   (``client.py``: fetches them into local rows), both for tier worker processes.
 - ``wire.py``: the msgpack control messages; ``counters.py``: ``TransportCounters``;
   ``circuit.py``: ``PeerCircuit``, the per-peer circuit breaker with backoff.
+- ``status.py``: each endpoint's sessions in a status file, and ``p2p_sessions`` that
+  reads them on the engine's host (for the ``shmtier`` CLI; no zmq needed).
 
-Importing this package imports nothing; each module needs pyzmq (extra ``p2p``).
+Importing this package imports nothing; each module but ``status.py`` needs pyzmq
+(extra ``p2p``).
 """

@@ -90,8 +90,9 @@ def _bad():
 
 @dataclass(frozen=True, kw_only=True)
 class P2PTierConfig(TierConfig):
-    """``host``/``port``: where this engine's endpoint serves its peers (``port`` 0: a
-    free port, read back from the tier's ``port`` once its endpoint runs). ``backends``:
+    """``host``/``port``: where this engine's endpoint serves its peers; it binds
+    ``port`` + the engine's data-parallel index (``listen_port``; ``port`` 0: a free
+    port, read back from the tier's ``port`` once its endpoint runs). ``backends``:
     ``["zmq"]`` (the default data path); ``"UCX"`` is accepted only when the ``nixl``
     package imports (the data still moves over ZeroMQ). ``num_threads``: vLLM's UCX agent
     threads, accepted and unused. ``unbound_store_timeout_s``: how long a producer keeps
@@ -128,6 +129,11 @@ class P2PTierConfig(TierConfig):
 
     def check_together(self, where: str, context: TierContext) -> None:
         from shmtier.tiers.p2p.keys import KeyFileError
+        if self.port and self.port + context.data_parallel_index > 65535:
+            raise ConfigError(f"{where}.port = {self.port} is invalid: this engine's "
+                              f"data-parallel index {context.data_parallel_index} is added "
+                              f"to it and {self.port + context.data_parallel_index} is no "
+                              f"TCP port (at most 65535)")
         keyed = [k for k in ("secret_key_file", "secret_key", "public_key_file", "public_key",
                              "allow_keys_dir", "allow_keys") if getattr(self, k) is not None]
         if self.plaintext:
@@ -167,6 +173,12 @@ class P2PTierConfig(TierConfig):
             which = "allow_keys_dir" if self.allow_keys_dir else "allow_keys"
             raise ConfigError(f"{where}.{which} = {getattr(self, which)!r} is invalid: "
                               f"{e}") from None
+
+    def listen_port(self, data_parallel_index: int = 0) -> int:
+        """The port this engine's endpoint binds: ``port`` + the engine's data-parallel
+        index (vLLM's rule, so DP ranks on one host do not collide); 0 stays 0 (a free
+        port)."""
+        return self.port + data_parallel_index if self.port else 0
 
     def keypair(self):
         from shmtier.tiers.p2p.keys import keypair_from_config, load_keypair

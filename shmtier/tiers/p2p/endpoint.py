@@ -10,7 +10,8 @@ Threads: the main thread runs the ``ChunkServer`` and the PAIR socket to the sch
 lookups block up to their deadlines there, so a slow or stopped peer delays only its own
 requests).
 
-Messages on the PAIR (every one a msgpack map with ``"t"``)::
+Messages on the PAIR (every one a msgpack map with ``"t"``; the scheduler half sends what
+one step queued as one msgpack array of them)::
 
     scheduler -> endpoint                         endpoint -> scheduler
     park {req, keys, rows}  serve these rows      ready {port}
@@ -20,10 +21,11 @@ Messages on the PAIR (every one a msgpack map with ``"t"``)::
           fetch keys from peer into rows          released {req}  a peer is done with req
     lookup {lid, req, peer, skey, keys}           ext_lookup {tid, req, peer, keys}
     release {req, peer, skey}  tell the peer            a peer asks; the scheduler answers
-          this engine is done with req            counters {server, clients}  every second
-    answer {tid, hits, req, keys, rows}
-          park the hits, then answer ext_lookup tid
-    stop
+          this engine is done with req
+    answer {tid, hits, req, keys, rows}           counters {server, served: {peer name:
+          park the hits, then answer ext_lookup tid          bytes}, clients: {peer: ...}}
+    stop                                                every second (also written, with the
+                                                        sessions, to status.json: status.py)
 
 A promotion's fetch round asks again, every 20 ms, for keys the peer answered MISS (its
 chunks may still be on their way into its CPU tier) until ``fetch_timeout_s``; then it
@@ -52,6 +54,7 @@ from shmtier.tiers.p2p.circuit import PeerCircuit
 from shmtier.tiers.p2p.client import ChunkClient
 from shmtier.tiers.p2p.keys import AllowList, keypair_from_config
 from shmtier.tiers.p2p.server import ChunkServer, LookupToken
+from shmtier.tiers.p2p.status import write_status
 
 log = logging.getLogger(__name__)
 
@@ -188,6 +191,10 @@ class Endpoint:
             request_provider=self._provide, lookup_handler=self._ext_lookup,
             on_done=self._done, fingerprint=self.fingerprint, hash_seed=self.hash_seed,
             keys=self.keys, allow=allow, plaintext=self.plaintext, name=self.name)
+        # with port 0 the bound port is known now: peers see this name (their metrics' label)
+        self.name = f"{settings['host']}:{self.server.port}"
+        self.status_path = settings.get("status")  # status.json for the CLI (status.py)
+        self._status_failed = False
 
     def row(self, row: int) -> memoryview:
         return memoryview(self.arena[row, :self.payload])
@@ -241,7 +248,41 @@ class Endpoint:
 
     def counters(self) -> dict:
         return {"t": "counters", "server": self.server.counters.as_dict(),
+                "served": dict(self.server.peer_bytes),
                 "clients": {p: w.client.counters.as_dict() for p, w in self.peers.items()}}
+
+    def status(self, counters: dict) -> dict:
+        """What ``status.p2p_sessions`` shows for this engine (read by the CLI)."""
+        outbound = []
+        for peer, w in list(self.peers.items()):
+            c, circuit = counters["clients"].get(peer, {}), w.client.circuit
+            outbound.append({
+                "peer": peer, "circuit": circuit.state, "failures": circuit.failures,
+                "retry_in_s": round(circuit.retry_in(), 3), "last_error": w.client.last_error,
+                "refused": sum(c.get("refused_handshakes", {}).values()),
+                **{k: c.get(k, 0) for k in ("requests", "lookups", "chunks", "bytes_received",
+                                            "timeouts", "errors")}})
+        return {"engine_id": self.settings["engine_id"], "endpoint": self.name,
+                "pid": os.getpid(), "plaintext": self.plaintext, "updated": time.time(),
+                "parked": {"requests": len(self.parked),
+                           "rows": sum(len(rows) for rows in self.parked.values())},
+                "inbound": self.server.sessions(), "outbound": outbound,
+                "server": counters["server"]}
+
+    def _report(self) -> None:
+        try:
+            counters = self.counters()
+        except RuntimeError:  # a peer thread changed a dict being copied: next second
+            return
+        self._send(counters)
+        if self.status_path:
+            try:
+                write_status(self.status_path, self.status(counters))
+            except (OSError, RuntimeError) as e:
+                if not self._status_failed:
+                    self._status_failed = True
+                    log.warning("p2p endpoint %s: cannot write its status file %s: %s",
+                                self.name, self.status_path, e)
 
     # ---- loop
 
@@ -255,7 +296,9 @@ class Endpoint:
                     buf = self.pair.recv(zmq.NOBLOCK)
                 except zmq.Again:
                     break
-                self._handle(unpack(buf))
+                msg = unpack(buf)
+                for one in msg if isinstance(msg, list) else (msg,):  # a step's batch
+                    self._handle(one)
             while True:
                 try:
                     self._send(self.results.get_nowait())
@@ -264,7 +307,7 @@ class Endpoint:
             now = time.monotonic()
             if now >= next_counters:
                 next_counters = now + COUNTERS_EVERY_S
-                self._send(self.counters())
+                self._report()
             if now >= next_owner:
                 next_owner = now + OWNER_CHECK_S
                 if not self.segment.header().owner_alive():

@@ -33,6 +33,12 @@ nothing to keep). The endpoint dying fails its loads and parked stores (rows unp
 it can no longer touch them) and is restarted with backoff (0.5 s doubling to 30 s).
 A load the endpoint does not answer within ``fetch_timeout_s`` + 10 s gets it killed
 first, so no row is freed while it could still be written.
+
+Metrics: the per-peer counters carry the label ``peer`` (the other engine's "host:port";
+``"inbound"`` for refusals at this engine's server; at most ``MAX_PEER_LABELS`` peers by
+name, then ``"other"``). No KV events (``take_events`` is the base's, empty): the tier
+owns no medium; what it parks are the CPU tier's rows, as in vLLM's p2p tier. Sessions
+for the CLI: ``status.py`` (``p2p_sessions``), written by the endpoint.
 """
 
 from __future__ import annotations
@@ -57,6 +63,7 @@ from shmtier.contract import (CacheHitSource, LookupResult, OffloadPolicy, ReqCo
                               RequestOffloadingContext, ScheduleEndContext)
 from shmtier.scheduler.tiering.base import JobResult, ParentManager, SecondaryTierManager, TransferJob
 from shmtier.tiers.p2p.config import P2PTierConfig
+from shmtier.tiers.p2p.status import STATUS_FILE
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +73,7 @@ ROLES = ("remote_prefiller", "remote_kv_source", "remote_decoder")
 CHECK_EVERY_S = 0.05
 RESTART_BASE_S, RESTART_CAP_S, STABLE_S = 0.5, 30.0, 30.0
 WATCHDOG_EXTRA_S = 10.0
+FLUSH_AFTER_S = 0.002  # messages queued this long go at the next poll, not only at step end
 STOP_WAIT_S = 2.0
 
 LOOKUPS = "vllm:kv_offload_shmtier_p2p_lookups"
@@ -78,6 +86,9 @@ FAILURES = "vllm:kv_offload_shmtier_p2p_failures"
 UNBOUND_TIMEOUTS = "vllm:kv_offload_shmtier_p2p_unbound_store_timeouts"
 PARKED_ROWS = "vllm:kv_offload_shmtier_p2p_parked_rows"
 RESTARTS = "vllm:kv_offload_shmtier_p2p_endpoint_restarts"
+PEER = "peer"  # label: the peer's "host:port" (MAX_PEER_LABELS of them, then "other")
+MAX_PEER_LABELS = 64
+INBOUND = "inbound"  # the peer label of refusals at this engine's own server
 
 
 @dataclass
@@ -90,6 +101,7 @@ class _Request:
     server_key: str | None = None
     failed: bool = False
     answers: dict = field(default_factory=dict)   # key -> bool (symmetric)
+    unsettled: bool = False  # a lookup or load went to the peer and no load finished since
     probing: dict = field(default_factory=dict)   # key -> deadline (symmetric)
     to_probe: list = field(default_factory=list)
 
@@ -139,7 +151,9 @@ class P2PTierManager(SecondaryTierManager):
         self._keys = None if c.plaintext else c.keypair()
         self._allow = None if c.plaintext else c.allow_list()
         self._peer_keys = dict(c.peers)
-        self.port: int | None = c.port or None  # the bound port, once the endpoint runs
+        # vLLM's rule: the endpoint binds port + the engine's data-parallel index
+        self.data_parallel_index = int(getattr(offloading_spec, "data_parallel_index", 0) or 0)
+        self.port: int | None = c.listen_port(self.data_parallel_index) or None
         self._finished: list[JobResult] = []
         self._loads: dict[int, tuple[TransferJob, float, _Request]] = {}
         self._parked: dict[str, _Parked] = {}
@@ -151,16 +165,20 @@ class P2PTierManager(SecondaryTierManager):
         self._stats = metrics.OffloadingStats()
         self.endpoint_counters: dict = {}
         self._counters_seen: dict = {}
+        self._peer_labels: set[str] = set()
         self.restarts = 0
         # endpoint process
         import zmq
         self._zmq = zmq
         self._zctx = zmq.Context()
-        self._tmpdir = tempfile.mkdtemp(prefix="shmtier-p2p-")
+        # named after the engine: its endpoint's status file is found by it (status.py)
+        self._tmpdir = tempfile.mkdtemp(prefix=f"shmtier-p2p-{self._engine_id}-")
         self._sock = None
         self._proc: subprocess.Popen | None = None
         self._gen = 0
-        self._outbox: collections.deque = collections.deque()
+        self._outbox: collections.deque = collections.deque()  # packed, to send
+        self._pending: list[dict] = []  # queued this step: one send at its end (_flush)
+        self._queued_at = 0.0
         self._ready = False
         self._ready_at = 0.0
         self._backoff = RESTART_BASE_S
@@ -183,13 +201,14 @@ class P2PTierManager(SecondaryTierManager):
         c = self.config
         return {
             "engine_id": self._engine_id, "ipc": ipc, "host": c.host,
-            "port": self.port or c.port, "name": f"{c.host}:{self.port or c.port}",
+            "port": self.port or 0, "name": f"{c.host}:{self.port or 0}",
             "plaintext": c.plaintext, "fingerprint": self._fingerprint,
             "hash_seed": c.effective_hash_seed(),
             "secret": None if c.plaintext else self._keys.secret.decode(),
             "allow": None if c.plaintext else [k.decode() for k in self._allow],
             "allow_source": None if c.plaintext else self._allow.source,
             "fetch_timeout_s": c.fetch_timeout_s, "lookup_timeout_s": c.lookup_timeout_s,
+            "status": os.path.join(self._tmpdir, STATUS_FILE),
         }
 
     def _start_endpoint(self) -> None:
@@ -201,6 +220,7 @@ class P2PTierManager(SecondaryTierManager):
         sock.sndhwm = sock.rcvhwm = 0
         sock.bind(f"ipc://{path}")
         self._sock = sock
+        self._counters_seen = {}  # the new endpoint counts from 0
         self._proc = subprocess.Popen([sys.executable, "-m", "shmtier.tiers.p2p.endpoint"],
                                       stdin=subprocess.PIPE)
         try:
@@ -217,6 +237,7 @@ class P2PTierManager(SecondaryTierManager):
             self._sock.close(0)
             self._sock = None
         self._outbox.clear()
+        self._pending = []
 
     def _endpoint_died(self, why: str) -> None:
         code = self._proc.poll() if self._proc is not None else None
@@ -240,7 +261,7 @@ class P2PTierManager(SecondaryTierManager):
         for job, _, req in self._loads.values():
             self._fail_request_keys(req, job.keys)
             self._finished.append(JobResult(job.job_id, False, []))
-            self._count_failure()
+            self._count_failure(req.peer)
         self._loads.clear()
         for kvid, parked in self._parked.items():
             for job in parked.jobs:
@@ -261,11 +282,19 @@ class P2PTierManager(SecondaryTierManager):
         self._endpoint_died(why)
 
     def _send(self, msg: dict) -> None:
-        self._outbox.append(msgpack.packb(msg, use_bin_type=True))
-        self._flush()
+        """Queue ``msg`` for the endpoint: what a step queues goes as one message at
+        ``on_schedule_end`` (an ipc send costs the scheduler thread tens of µs), or at a
+        poll FLUSH_AFTER_S later (an engine with no step to run)."""
+        if not self._pending:
+            self._queued_at = time.monotonic()
+        self._pending.append(msg)
 
     def _flush(self) -> None:
         sock, zmq = self._sock, self._zmq
+        if self._pending and sock is not None:
+            batch = self._pending[0] if len(self._pending) == 1 else self._pending
+            self._outbox.append(msgpack.packb(batch, use_bin_type=True))
+            self._pending = []
         while self._outbox and sock is not None:
             try:
                 sock.send(self._outbox[0], zmq.NOBLOCK)
@@ -294,13 +323,16 @@ class P2PTierManager(SecondaryTierManager):
                     return
             self._expire(now)
         zmq, sock = self._zmq, self._sock
-        while True:
+        # ask first: a recv that raises zmq.Again costs ~20 µs, and this runs several
+        # times a step, mostly with nothing to read
+        while sock.get(zmq.EVENTS) & zmq.POLLIN:
             try:
                 buf = sock.recv(zmq.NOBLOCK)
             except zmq.Again:
                 break
             self._handle(msgpack.unpackb(buf, raw=False))
-        self._flush()
+        if self._outbox or (self._pending and now - self._queued_at >= FLUSH_AFTER_S):
+            self._flush()
 
     def _expire(self, now: float) -> None:
         for kvid in [k for k, p in self._parked.items() if now > p.deadline]:
@@ -343,11 +375,13 @@ class P2PTierManager(SecondaryTierManager):
         keys = list(job.keys)
         ok = [keys[i] for i in msg["ok"]]
         success = len(ok) == len(keys)
-        self._stats.increase_counter(FETCH_SECONDS, msg["seconds"], (self._label,))
+        if success:  # the endpoint told the peer "done" after this round
+            req.unsettled = False
+        self._stats.increase_counter(FETCH_SECONDS, msg["seconds"], self._peer(req.peer))
         if not success:
             failed = [k for k in keys if k not in set(ok)]
             self._fail_request_keys(req, failed)
-            self._count_failure()
+            self._count_failure(req.peer)
             logger.warning("p2p tier %s: request %s: %d of %d chunks not fetched from %s: %s",
                            self._label, req.kvid, len(failed), len(keys), req.peer,
                            msg["detail"])
@@ -368,14 +402,14 @@ class P2PTierManager(SecondaryTierManager):
         req, keys = entry
         hits = msg["hits"]
         if hits is None:
-            self._count_failure()
+            self._count_failure(req.peer)
             logger.warning("p2p tier %s: lookup for request %s at %s failed: %s",
                            self._label, req.kvid, req.peer, msg["detail"])
             hits = [False] * len(keys)
         for key, hit in zip(keys, hits):
             req.answers[key] = bool(hit)
             req.probing.pop(key, None)
-        self._stats.increase_counter(LOOKUP_HITS, sum(map(bool, hits)), (self._label,))
+        self._stats.increase_counter(LOOKUP_HITS, sum(map(bool, hits)), self._peer(req.peer))
 
     def _release(self, kvid: str) -> None:
         parked = self._parked.pop(kvid, None)
@@ -386,22 +420,32 @@ class P2PTierManager(SecondaryTierManager):
                                                 transfer_bytes=len(job.keys) * self.block_size_bytes))
 
     def _take_counters(self, msg: dict) -> None:
-        self.endpoint_counters = {"server": msg["server"], "clients": msg["clients"]}
-        clients = list(msg["clients"].values())
-        now = {
-            SERVED_BYTES: msg["server"]["bytes_sent"],
-            FETCHED_BYTES: sum(c["bytes_received"] for c in clients),
-            REFUSED: sum(msg["server"]["refused_handshakes"].values())
-                     + sum(sum(c["refused_handshakes"].values()) for c in clients),
-        }
-        for name, value in now.items():
-            delta = value - self._counters_seen.get((self._gen, name), 0)
-            if delta > 0:
-                self._stats.increase_counter(name, delta, (self._label,))
-            self._counters_seen[(self._gen, name)] = value
+        """The endpoint's running totals (every second) as metric deltas, per peer."""
+        self.endpoint_counters = {"server": msg["server"], "clients": msg["clients"],
+                                  "served": msg.get("served", {})}
+        now = {(REFUSED, INBOUND): sum(msg["server"]["refused_handshakes"].values())}
+        for name, n in msg.get("served", {}).items():
+            now[(SERVED_BYTES, name)] = n
+        for peer, c in msg["clients"].items():
+            now[(FETCHED_BYTES, peer)] = c["bytes_received"]
+            now[(REFUSED, peer)] = sum(c["refused_handshakes"].values())
+        for (name, peer), value in now.items():
+            seen = self._counters_seen.get((name, peer), 0)
+            if value > seen:
+                self._stats.increase_counter(name, value - seen, self._peer(peer))
+            self._counters_seen[(name, peer)] = value
 
-    def _count_failure(self) -> None:
-        self._stats.increase_counter(FAILURES, 1, (self._label,))
+    def _peer(self, peer: str) -> tuple[str, str]:
+        """The labels of a per-peer series: the tier and the peer's "host:port" (the
+        first MAX_PEER_LABELS peers by name, later ones together as "other")."""
+        if peer not in self._peer_labels:
+            if len(self._peer_labels) >= MAX_PEER_LABELS:
+                return (self._label, "other")
+            self._peer_labels.add(peer)
+        return (self._label, peer)
+
+    def _count_failure(self, peer: str) -> None:
+        self._stats.increase_counter(FAILURES, 1, self._peer(peer))
 
     # ------------------------------------------------------------------ the contract
 
@@ -439,7 +483,7 @@ class P2PTierManager(SecondaryTierManager):
             req.server_key = self._server_key(peer, info.get("remote_public_key"))
             if req.server_key is None:
                 req.failed = True
-                self._stats.increase_counter(REFUSED, 1, (self._label,))
+                self._stats.increase_counter(REFUSED, 1, self._peer(peer))
                 logger.warning("p2p tier %s: request %s: no public key known for peer %s "
                                "(set peers, or allow-list its key); its chunks are not "
                                "fetched", self._label, req_id, peer)
@@ -469,7 +513,7 @@ class P2PTierManager(SecondaryTierManager):
             req.probing[key] = time.monotonic() + self.config.lookup_timeout_s + 2.0
             req.to_probe.append(key)
             self._probe_queue[req_context.req_id] = req
-            self._stats.increase_counter(LOOKUPS, 1, (self._label,))
+            self._stats.increase_counter(LOOKUPS, 1, self._peer(req.peer))
             return RETRY
         if time.monotonic() > deadline:
             req.answers[key] = False
@@ -504,6 +548,7 @@ class P2PTierManager(SecondaryTierManager):
             return
         deadline = time.monotonic() + self.config.fetch_timeout_s + WATCHDOG_EXTRA_S
         self._loads[job.job_id] = (job, deadline, req)
+        req.unsettled = True
         self._send({"t": "load", "job": job.job_id, "req": req.kvid, "peer": req.peer,
                     "skey": req.server_key, "keys": list(job.keys), "rows": job.rows})
 
@@ -515,7 +560,9 @@ class P2PTierManager(SecondaryTierManager):
     def on_request_finished(self, req_context: ReqContext) -> None:
         req = req_context.get_state(_Request)
         self._probe_queue.pop(req_context.req_id, None)
-        if req is not None and req.consumer and (self.config.plaintext or req.server_key):
+        # a request whose last round the endpoint closed with "done" needs no release
+        if (req is not None and req.consumer and req.unsettled
+                and (self.config.plaintext or req.server_key)):
             self._send({"t": "release", "req": req.kvid, "peer": req.peer,
                         "skey": req.server_key})
 
@@ -529,8 +576,10 @@ class P2PTierManager(SecondaryTierManager):
                     continue
                 lid = next(self._lids)
                 self._lookups[lid] = (req, keys)
+                req.unsettled = True
                 self._send({"t": "lookup", "lid": lid, "req": req.kvid, "peer": req.peer,
                             "skey": req.server_key, "keys": keys})
+        self._flush()  # what this step queued (loads, parks, lookups, releases): one send
 
     def serve_external_requests(self, parent: ParentManager) -> None:
         self._poll()
@@ -572,6 +621,7 @@ class P2PTierManager(SecondaryTierManager):
 
     def drain_jobs(self) -> None:
         deadline = time.monotonic() + self.config.fetch_timeout_s + WATCHDOG_EXTRA_S
+        self._flush()
         while self._loads and self._proc is not None:
             self._poll()
             if time.monotonic() > deadline:
@@ -583,6 +633,7 @@ class P2PTierManager(SecondaryTierManager):
             self._send({"t": "unpark", "req": kvid})
             for job in parked.jobs:
                 self._finished.append(JobResult(job.job_id, False))
+        self._flush()
 
     # ------------------------------------------------------------------ metrics, shutdown
 
@@ -595,17 +646,18 @@ class P2PTierManager(SecondaryTierManager):
 
     @classmethod
     def build_metric_definitions(cls, tier_config: dict[str, Any]) -> dict[str, Any]:
-        t = (metrics.TIER,)
+        t, tp = (metrics.TIER,), (metrics.TIER, PEER)
         c = metrics.CounterMetadata
         return {
-            LOOKUPS: c("Keys this engine asked a peer about (symmetric lookups).", t),
-            LOOKUP_HITS: c("Keys a peer answered it holds.", t),
-            FETCHED_BYTES: c("Chunk bytes fetched from peers (verified).", t),
-            SERVED_BYTES: c("Chunk bytes served to peers.", t),
-            FETCH_SECONDS: c("Seconds of fetch rounds (promotions from peers).", t),
-            REFUSED: c("Peers refused (unknown key, other layout or hash seed) or "
-                       "requests naming a peer without a known key.", t),
-            FAILURES: c("Fetch rounds and lookups that failed.", t),
+            LOOKUPS: c("Keys this engine asked a peer about (symmetric lookups).", tp),
+            LOOKUP_HITS: c("Keys a peer answered it holds.", tp),
+            FETCHED_BYTES: c("Chunk bytes fetched from a peer (verified).", tp),
+            SERVED_BYTES: c("Chunk bytes served to a peer (by the name its hello gave).", tp),
+            FETCH_SECONDS: c("Seconds of fetch rounds (promotions from a peer).", tp),
+            REFUSED: c("Handshakes refused (unknown key, other layout or hash seed): by a "
+                       "peer, or at this engine's server (peer=\"inbound\"); and requests "
+                       "naming a peer without a known key.", tp),
+            FAILURES: c("Fetch rounds and lookups that failed, per peer.", tp),
             UNBOUND_TIMEOUTS: c("Parked requests released by unbound_store_timeout_s.", t),
             PARKED_ROWS: metrics.GaugeMetadata("Primary rows pinned for peers.", t),
             RESTARTS: c("Endpoint process restarts.", t),
@@ -616,7 +668,7 @@ class P2PTierManager(SecondaryTierManager):
         return ("p2p_endpoint",)
 
     def config_info(self) -> dict[str, Any]:
-        return {"p2p_endpoint": f"{self.config.host}:{self.port or self.config.port}"}
+        return {"p2p_endpoint": f"{self.config.host}:{self.port or 0}"}
 
     def shutdown(self) -> None:
         if self._closed:
@@ -624,6 +676,7 @@ class P2PTierManager(SecondaryTierManager):
         if self._proc is not None and self._sock is not None:
             try:
                 self._send({"t": "stop"})
+                self._flush()
             except Exception:
                 pass
             try:

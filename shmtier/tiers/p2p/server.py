@@ -48,6 +48,7 @@ SEND_HWM = 256             # messages queued in libzmq per peer before the serve
 FLUSH_BUDGET = 16          # chunks sent per peer per poll round (fairness between peers)
 BLOCKED_RETRY_S = 0.002    # how often a server retries a peer whose send queue was full
 MAX_SESSIONS = 1024        # hello sessions the server remembers (oldest dropped)
+MAX_PEER_NAMES = 64        # peers whose served bytes are counted by name (the rest: "other")
 _RECV_BATCH = 64           # inbound messages a server handles per poll round
 
 _PROTOCOL_REASONS = {
@@ -145,6 +146,9 @@ class ChunkServer:
         self.name = name or f"{host}:{port}"
         self.plaintext = plaintext
         self.counters = TransportCounters()
+        # chunk bytes sent per admitted peer, by the name its hello gave (MAX_PEER_NAMES
+        # names, then "other"): for per-peer metrics and status
+        self.peer_bytes: dict[str, int] = {}
         self._provider = provider
         self._has = has
         self._request_provider = request_provider
@@ -416,6 +420,23 @@ class ChunkServer:
                                             "hits": [bool(h) for h in hits]})
         return True
 
+    def _count_peer_bytes(self, peer: bytes, n: int) -> None:
+        session = self._sessions.get(peer)
+        name = session.name if session is not None and session.name else "?"
+        if name not in self.peer_bytes and len(self.peer_bytes) >= MAX_PEER_NAMES:
+            name = "other"
+        self.peer_bytes[name] = self.peer_bytes.get(name, 0) + n
+
+    def sessions(self) -> list[dict]:
+        """The peers this server knows now (most recently active last): ``name`` (what
+        its hello said), ``key`` (its Curve public key, Z85; "" in plaintext),
+        ``refused`` (why its hello was refused; "" admitted), ``queued`` (answers
+        waiting in its outbox), ``bytes_sent`` (chunk bytes sent to that name)."""
+        return [{"name": s.name, "key": s.user_id, "refused": s.refused,
+                 "queued": len(self._out[peer].items) if peer in self._out else 0,
+                 "bytes_sent": self.peer_bytes.get(s.name, 0)}
+                for peer, s in self._sessions.items()]
+
     def _call(self, fn: Callable, *args: Any) -> None:
         try:
             fn(*args)
@@ -500,6 +521,8 @@ class ChunkServer:
                 last = len(item.frames) - 1
                 for j, f in enumerate(item.frames):
                     self._sock.send(f, zmq.SNDMORE if j < last else 0, copy=j == 0)
+                if last:  # a chunk's data frame went
+                    self._count_peer_bytes(peer, len(item.frames[1]))
                 box.items.popleft()
                 box.blocked_since = None
                 budget -= 1

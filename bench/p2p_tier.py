@@ -1,0 +1,493 @@
+"""Cross-engine promotion GB/s of the p2p tier against raw ZeroMQ, and the scheduler's step time.
+
+    .venv/bin/python bench/p2p_tier.py                  # 32 chunks of 1.4 MiB, 5 repeats (~1-2 min)
+    .venv/bin/python bench/p2p_tier.py --quick          # smoke test: 8 chunks, 2 repeats, short step runs
+    .venv/bin/python bench/p2p_tier.py --json bench/results/p2p_tier.json
+    .venv/bin/python bench/p2p_tier.py --profile        # + cProfile of the consumer's scheduler process
+
+Method. Two engines per security mode (CurveZMQ with keys and allow-lists, the default;
+and ``plaintext``), each in its own spawned process on 127.0.0.1: a scheduler (shmtier's
+``TieringOffloadingSpec(...).get_manager()``, a real segment, a ``p2p`` tier and its
+endpoint process); no GPU: the producer writes random bytes into the arena rows
+``prepare_store`` gave it (standing in for the GPU copy), and every promoted row is
+checked against the producer's (BLAKE2b of the chunks) after the timed region. The p2p
+tier runs no tier workers: its I/O is the endpoint's (one thread per peer), so the
+issue's "2 workers" does not apply.
+
+- ``pd`` / ``pd+curve``: the producer stores a request of ``--chunks`` chunks with
+  ``remote_decoder`` (parked); the consumer's request (``remote_prefiller``) looks its
+  keys up (HIT, rows reserved), calls ``on_schedule_end`` (the load goes to the endpoint),
+  then looks up again every millisecond until every key is HIT (loaded). Timed: first
+  lookup to all HIT. ``fetch`` is the endpoint's own time for the fetch round.
+- ``sym`` / ``sym+curve``: the producer holds the chunks in its CPU tier (no role); the
+  consumer's request (``remote_kv_source``) looks up (RETRY until the peer has answered
+  through its ParentManager, then HIT: rows reserved, load), timed the same way.
+- ``raw`` / ``raw+curve``: bench/p2p_transport.py's raw measurement (``RawLoopback``, the
+  same code): a DEALER sends the same number of chunks as single zero-copy frames to a
+  ROUTER in another process, which answers after the last.
+
+Every repeat runs each configuration once, in an order rotated per repeat; GB/s = chunk
+bytes / seconds; tables show median [min-max] over the repeats.
+
+Step time: the consumer engine runs ``--steps`` scheduler steps (one every
+``--step-ms``) in two modes, interleaved ``--step-repeats`` times (CurveZMQ engines):
+``idle``: a new request every step without ``kv_transfer_params`` (the p2p tier
+attached, no peer traffic; lookups MISS); ``peer``: PD requests of ``--step-chunks``
+chunks each, fetched one after the other (lookups HIT_PENDING until loaded, then
+``prepare_load``/``complete_load``) while the producer parks the next ones (2 ahead);
+the run ends when its ``--steps`` // 4 requests are done. A step's time is the wall time of its
+manager calls under ``manager.lock`` (lookups, loads, ``on_new_request`` /
+``on_request_finished``, ``on_schedule_end``, ``has_pending_work``, ``get_stats``,
+``take_events``), and its on-CPU part (``thread_time``: the wall time less what other
+processes took of the 2 cores meanwhile); p50/p99 per run, median [min-max] over runs;
+``noload_p99``: the p99 of the steps in which no request's load completed (the ``peer``
+run's other steps also run ``prepare_load``/``complete_load``, which ``idle`` never does).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import multiprocessing as mp
+import os
+import shutil
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import exit_through_finally, fmt_mr, med_range, pct, rotated, write_json  # noqa: E402
+from p2p_transport import RawLoopback  # noqa: E402
+
+IDLE_STEP_S = 0.005
+STREAM_AHEAD = 2  # PD requests the producer keeps parked ahead of the consumer (step runs)
+
+
+def _key(i: int) -> bytes:
+    return i.to_bytes(32, "big") + b"\0\0\0\0"
+
+
+def engine_proc(conn, engine_id: str, tier: dict, rows: int, chunk: int, profile: str | None):
+    """One engine (scheduler + p2p tier) answering commands on ``conn``; steps every
+    IDLE_STEP_S between them so its tier serves peers."""
+    import logging
+    logging.basicConfig(level=logging.ERROR)
+    from shmtier.config import KVLayout
+    from shmtier.contract import LookupResult, ReqContext, ScheduleEndContext
+    from shmtier.spec import TieringOffloadingSpec
+    from shmtier.tiers.p2p.scheduler import FETCH_SECONDS
+
+    HIT, MISS = LookupResult.HIT, LookupResult.MISS
+    END = ScheduleEndContext((), ())
+    stride = -(-chunk // 4096) * 4096
+    extra = {"cpu_bytes_to_use": rows * stride, "blocks_per_chunk": 1,
+             "secondary_tiers": [{"type": "p2p", **tier}]}
+    spec = TieringOffloadingSpec(extra, KVLayout("bench", "bfloat16", 16, chunk, 1), engine_id)
+    m = spec.get_manager()
+    p2p = m.tiers[0]
+    arena = np.asarray(m.primary.get_kv_memoryview())
+    # the bytes a producer "computes": rows of a random pool, each stamped with its key
+    # (cheap, so the producer does not take the 2 cores from the others)
+    pool = np.random.default_rng(abs(hash(engine_id)) % 2 ** 32).integers(
+        0, 256, (16, chunk), dtype=np.uint8)
+    nreq = iter(range(1, 1 << 30))
+    prof = None
+    if profile:
+        import cProfile
+        prof = cProfile.Profile()
+
+    def step():
+        with m.lock:
+            m.on_schedule_end(END)
+
+    def digest(row_ids) -> str:
+        h = hashlib.blake2b(digest_size=16)
+        for r in row_ids:
+            h.update(arena[r, :chunk])
+        return h.hexdigest()
+
+    def produce(kvid, keys):
+        keys = [_key(k) for k in keys]
+        ctx = ReqContext(f"p{next(nreq)}", {"remote_decoder": {"kv_request_id": kvid}}
+                         if kvid else None)
+        with m.lock:
+            m.on_new_request(ctx)
+            out = m.prepare_store(keys, ctx)
+        assert out is not None and out.keys_to_store == keys, "no rows to store into"
+        row_ids = np.asarray(out.store_spec.block_ids).tolist()
+        for i, (r, k) in enumerate(zip(row_ids, keys)):
+            arena[r, :chunk] = pool[(i + k[31]) % len(pool)]
+            arena[r, :len(k)] = np.frombuffer(k, np.uint8)
+        with m.lock:
+            m.complete_store(keys, ctx)
+            m.on_request_finished(ctx)
+        deadline = time.monotonic() + 30
+        while True:  # parked (PD) or cascaded (no role: answered at once)
+            step()
+            with m.lock:
+                parked = sum(p.rows for p in p2p._parked.values())
+                refs = [m.primary.ref_count(k) for k in keys]
+            if (parked >= len(keys)) if kvid else all(r == 0 for r in refs):
+                break
+            assert time.monotonic() < deadline, "stores not parked"
+            time.sleep(0.001)
+        return digest(row_ids)
+
+    def promote(params, keys, timeout_s):
+        keys = [_key(k) for k in keys]
+        with m.lock:
+            p2p.get_stats()  # drain: FETCH_SECONDS of this promotion only
+        ctx = ReqContext(f"c{next(nreq)}", params)
+        t0 = time.perf_counter()
+        with m.lock:
+            m.on_new_request(ctx)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            with m.lock:
+                answers = [m.lookup(k, ctx) for k in keys]
+                m.on_schedule_end(END)
+            if all(a is HIT for a in answers) or any(a is MISS for a in answers):
+                break
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.001)
+        seconds = time.perf_counter() - t0
+        ok = all(a is HIT for a in answers)
+        out = {"seconds": seconds, "ok": ok, "answers": sorted({a.name for a in answers})}
+        with m.lock:
+            if ok:
+                load = m.prepare_load(keys, ctx)
+            fetch = p2p.get_stats().data["data"].get(FETCH_SECONDS, {})
+        out["fetch_s"] = sum(fetch.values())
+        if ok:
+            out["digest"] = digest(np.asarray(load.block_ids).tolist())
+            with m.lock:
+                m.complete_load(keys, ctx)
+        with m.lock:
+            m.on_request_finished(ctx)
+        step()
+        return out
+
+    def produce_stream(requests, ahead):
+        """PD requests ``(kvid, keys)`` parked one after the other, at most ``ahead``
+        parked at a time (a prefiller a little ahead of its decoder)."""
+        for kvid, keys in requests:
+            deadline = time.monotonic() + 60
+            while len(p2p._parked) >= ahead:
+                assert time.monotonic() < deadline, "the consumer fetches nothing"
+                step()
+                time.sleep(0.002)
+            produce(kvid, keys)
+        return len(requests)
+
+    def wait_unparked(timeout_s):
+        deadline = time.monotonic() + timeout_s
+        while p2p._parked:
+            assert time.monotonic() < deadline, "parked chunks not released"
+            step()
+            time.sleep(0.002)
+        return True
+
+    def steps(requests, n_steps, period_s, profile_it=False):
+        """Scheduler steps; ``requests``: (params, keys) served one after the other,
+        until all are done (at most ``n_steps``)."""
+        todo = list(requests)
+        times, cpu, loaded, done, hits = [], [], [], 0, 0
+        active = None
+        if prof and profile_it:
+            prof.enable()
+        for _ in range(n_steps):
+            if active is None and not todo:
+                break
+            t_step, c_step = time.perf_counter(), time.thread_time()
+            load = False
+            with m.lock:
+                if active is None and todo:
+                    params, keys = todo.pop(0)
+                    active = (ReqContext(f"s{next(nreq)}", params), [_key(k) for k in keys])
+                    m.on_new_request(active[0])
+                if active is not None:
+                    ctx, keys = active
+                    answers = [m.lookup(k, ctx) for k in keys]
+                    if all(a is HIT for a in answers):
+                        m.prepare_load(keys, ctx)
+                        m.complete_load(keys, ctx)
+                        hits += len(keys)
+                        load = True
+                    if all(a is HIT or a is MISS for a in answers):
+                        m.on_request_finished(ctx)
+                        active = None
+                        done += 1
+                m.on_schedule_end(END)
+                m.has_pending_work()
+                m.get_stats()
+                list(m.take_events())
+            dt = time.perf_counter() - t_step
+            times.append(dt)
+            cpu.append(time.thread_time() - c_step)
+            loaded.append(load)
+            time.sleep(max(0.0, period_s - dt))
+        if prof and profile_it:
+            prof.disable()
+        return {"times": times, "cpu": cpu, "loaded": loaded, "requests_done": done,
+                "hits": hits}
+
+    try:
+        deadline = time.monotonic() + 60
+        while not p2p._ready:
+            assert time.monotonic() < deadline, "p2p endpoint did not start"
+            step()
+            time.sleep(0.005)
+        conn.send(("ready", p2p.port))
+        handlers = {"produce": produce, "promote": promote, "wait_unparked": wait_unparked,
+                    "steps": steps, "produce_stream": produce_stream}
+        while True:
+            if not conn.poll(IDLE_STEP_S):
+                step()
+                continue
+            cmd = conn.recv()
+            if cmd[0] == "stop":
+                return
+            try:
+                conn.send(("ok", handlers[cmd[0]](*cmd[1:])))
+            except Exception as e:  # the bench reports it and stops
+                import traceback
+                conn.send(("error", f"{e}\n{traceback.format_exc()}"))
+    finally:
+        if prof and profile:
+            prof.dump_stats(profile)
+        m.shutdown()
+
+
+class Engine:
+    def __init__(self, ctx, engine_id, tier, rows, chunk, profile=None):
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=engine_proc, args=(child, engine_id, tier, rows, chunk,
+                                                          profile), daemon=True)
+        self.proc.start()
+        child.close()
+        self.port = None
+
+    def ready(self) -> "Engine":
+        if not self.conn.poll(120):
+            raise RuntimeError("engine process did not start")
+        tag, self.port = self.conn.recv()
+        assert tag == "ready", self.port
+        return self
+
+    def call(self, *cmd, timeout_s: float = 300):
+        self.conn.send(cmd)
+        return self.result(cmd[0], timeout_s)
+
+    def result(self, what: str, timeout_s: float = 300):
+        if not self.conn.poll(timeout_s):
+            raise RuntimeError(f"engine did not answer {what}")
+        tag, value = self.conn.recv()
+        if tag != "ok":
+            raise RuntimeError(value)
+        return value
+
+    def close(self) -> None:
+        try:
+            self.conn.send(("stop",))
+        except OSError:
+            pass
+        self.proc.join(15)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--chunks", type=int, default=32, help="chunks per promotion")
+    ap.add_argument("--chunk-mib", type=float, default=1.4)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=600, help="steps per step-time run")
+    ap.add_argument("--step-ms", type=float, default=10.0, help="step period")
+    ap.add_argument("--step-chunks", type=int, default=4, help="chunks per PD request (steps)")
+    ap.add_argument("--step-repeats", type=int, default=3)
+    ap.add_argument("--quick", action="store_true", help="8 chunks, 2 repeats, 150 steps x 1")
+    ap.add_argument("--profile", action="store_true",
+                    help="cProfile the consumer's peer step runs (bench/results/p2p_tier_steps.prof)")
+    ap.add_argument("--json", help="write the figures here")
+    args = ap.parse_args()
+    if args.quick:
+        args.chunks, args.repeats, args.steps, args.step_repeats = 8, 2, 150, 1
+    exit_through_finally()
+
+    import logging
+    logging.basicConfig(level=logging.ERROR)
+    import zmq
+    from shmtier.tiers.p2p.keys import generate_keypair_files, load_keypair
+
+    chunk = int(args.chunk_mib * 2 ** 20)
+    total = chunk * args.chunks
+    step_requests = max(1, args.steps // 4)  # PD requests per peer run (each takes a few steps)
+    ctx = mp.get_context("spawn")
+    tmp = tempfile.mkdtemp(prefix="shmtier-p2p-tier-bench-")
+    engines: list[Engine] = []
+    raws: list[RawLoopback] = []
+    try:
+        for name in ("prod", "cons"):
+            generate_keypair_files(os.path.join(tmp, name), name)
+            os.makedirs(os.path.join(tmp, f"allow-{name}"))
+        shutil.copy(os.path.join(tmp, "cons", "cons.key"), os.path.join(tmp, "allow-prod"))
+        shutil.copy(os.path.join(tmp, "prod", "prod.key"), os.path.join(tmp, "allow-cons"))
+        skeys = load_keypair(os.path.join(tmp, "prod", "prod.key_secret"))
+        ckeys = load_keypair(os.path.join(tmp, "cons", "cons.key_secret"))
+        common = {"host": "127.0.0.1", "port": 0, "fetch_timeout_s": 60,
+                  "lookup_timeout_s": 60, "unbound_store_timeout_s": 600}
+
+        def keyed(name):
+            return {"secret_key_file": os.path.join(tmp, name, f"{name}.key_secret"),
+                    "allow_keys_dir": os.path.join(tmp, f"allow-{name}")}
+
+        rows_prod = max(args.chunks, args.step_chunks * STREAM_AHEAD) + 8
+        rows_cons = args.chunks + 8
+        prof_path = None
+        if args.profile:
+            os.makedirs(os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"),
+                        exist_ok=True)
+            prof_path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
+                                     "p2p_tier_steps.prof")
+        pid = os.getpid()
+        pairs = {}
+        for mode, (pt, ct) in {"curve": (keyed("prod"), keyed("cons")),
+                               "plain": ({"plaintext": True}, {"plaintext": True})}.items():
+            prod = Engine(ctx, f"bench-p2p-{pid}-{mode}-p", {**common, **pt}, rows_prod, chunk)
+            cons = Engine(ctx, f"bench-p2p-{pid}-{mode}-c", {**common, **ct}, rows_cons, chunk,
+                          prof_path if mode == "curve" else None)
+            engines += [prod, cons]
+            pairs[mode] = (prod, cons)
+        for e in engines:
+            e.ready()
+        raws.append(RawLoopback(ctx, None))
+        raws.append(RawLoopback(ctx, (skeys, ckeys)))
+        src = np.random.default_rng(7).integers(0, 256, (args.chunks, chunk), dtype=np.uint8)
+        src_rows = list(src)
+        for raw in raws:
+            raw.run(src_rows)  # warm-up: connection and handshake
+
+        next_key = iter(range(1, 1 << 40))
+
+        def promotion(mode: str, flow: str) -> dict:
+            prod, cons = pairs[mode]
+            keys = [next(next_key) for _ in range(args.chunks)]
+            kvid = f"kv-{keys[0]}"
+            want = prod.call("produce", kvid if flow == "pd" else None, keys)
+            role = "remote_prefiller" if flow == "pd" else "remote_kv_source"
+            params = {role: {"kv_request_id": kvid, "remote_host": "127.0.0.1",
+                             "remote_port": prod.port}}
+            got = cons.call("promote", params, keys, 120)
+            if not got["ok"]:
+                raise RuntimeError(f"{flow} {mode}: promotion failed: {got}")
+            if got["digest"] != want:
+                raise RuntimeError(f"{flow} {mode}: promoted bytes differ from the producer's")
+            if flow == "pd":
+                prod.call("wait_unparked", 30)
+            return got
+
+        for mode, flow in (("curve", "pd"), ("plain", "pd"), ("curve", "sym"), ("plain", "sym")):
+            promotion(mode, flow)  # warm-up: sessions, first rows
+        names = ["raw", "raw+curve", "pd", "pd+curve", "sym", "sym+curve"]
+        gbps = {n: [] for n in names}
+        fetch_gbps = {n: [] for n in names if not n.startswith("raw")}
+        for rep in range(args.repeats):
+            for name in rotated(names, rep):
+                if name.startswith("raw"):
+                    gbps[name].append(total / raws[name == "raw+curve"].run(src_rows) / 1e9)
+                    continue
+                flow, _, sec = name.partition("+")
+                got = promotion("curve" if sec else "plain", flow)
+                gbps[name].append(total / got["seconds"] / 1e9)
+                fetch_gbps[name].append(total / got["fetch_s"] / 1e9 if got["fetch_s"] else None)
+
+        # step time: idle vs a peer's promotions every step (CurveZMQ engines)
+        prod, cons = pairs["curve"]
+        step_stats = {"idle": [], "peer": []}
+        step_info = {"idle": [], "peer": []}
+        step_len = {"idle": [], "peer": []}
+        period = args.step_ms / 1000
+        for rep in range(args.step_repeats):
+            for kind in rotated(["idle", "peer"], rep):
+                if kind == "idle":  # a new request every step (its lookups MISS at once)
+                    reqs = [(None, [next(next_key) for _ in range(args.step_chunks)])
+                            for _ in range(args.steps)]
+                else:  # the producer parks them as the consumer fetches
+                    stream = []
+                    for _ in range(step_requests):
+                        keys = [next(next_key) for _ in range(args.step_chunks)]
+                        stream.append((f"kv-{keys[0]}", keys))
+                    prod.conn.send(("produce_stream", stream, STREAM_AHEAD))
+                    reqs = [({"remote_prefiller": {"kv_request_id": kvid,
+                                                   "remote_host": "127.0.0.1",
+                                                   "remote_port": prod.port}}, keys)
+                            for kvid, keys in stream]
+                # a peer run ends when its requests are done (the producer streams them)
+                cap = args.steps if kind == "idle" else 8 * args.steps
+                out = cons.call("steps", reqs, cap, period, kind == "peer", timeout_s=600)
+                if kind == "peer":
+                    prod.result("produce_stream", 60)
+                t = [x * 1e6 for x in out["times"]]
+                c = [x * 1e6 for x in out["cpu"]]
+                quiet = [x for x, load in zip(t, out["loaded"]) if not load]
+                step_stats[kind].append({"p50": pct(t, 50), "p90": pct(t, 90),
+                                         "p99": pct(t, 99), "max": max(t),
+                                         "cpu_p50": pct(c, 50), "cpu_p99": pct(c, 99),
+                                         "noload_p99": pct(quiet, 99)})
+                step_info[kind].append({"requests": out["requests_done"], "hits": out["hits"]})
+                step_len[kind].append(len(t))
+                if kind == "peer":
+                    prod.call("wait_unparked", 60)
+
+        print(f"p2p tier loopback, 127.0.0.1, {args.chunks} chunks of {chunk} B "
+              f"({args.chunk_mib} MiB) per promotion, {args.repeats} repeats, "
+              f"{os.cpu_count()} CPUs, pyzmq {zmq.__version__} / libzmq {zmq.zmq_version()}")
+        print(f"{'method':<11} {'GB/s median [min-max]':>24} {'vs raw (same security)':>23} "
+              f"{'fetch round GB/s':>22}")
+        med = {k: med_range(v)[0] for k, v in gbps.items()}
+        for name in names:
+            base = "raw+curve" if name.endswith("curve") else "raw"
+            ratio = "" if name.startswith("raw") else f"{med[name] / med[base]:.2f}x"
+            fetch = fmt_mr(med_range(fetch_gbps[name])) if name in fetch_gbps else ""
+            print(f"{name:<11} {fmt_mr(med_range(gbps[name])):>24} {ratio:>23} {fetch:>22}")
+        print(f"\nconsumer scheduler step time (µs), a step every {args.step_ms:g} ms, "
+              f"{args.step_repeats} runs each; idle: {args.steps} steps; peer: "
+              f"{step_requests} PD requests of {args.step_chunks} chunks fetched one after "
+              f"the other (CurveZMQ); steps/run: "
+              + ", ".join(f"{k} {'/'.join(str(len_) for len_ in step_len[k])}"
+                          for k in ("idle", "peer")))
+        cols = ("p50", "p90", "p99", "cpu_p50", "cpu_p99", "noload_p99")
+        print(f"{'mode':<6} " + " ".join(f"{c:>19}" for c in cols) + f" {'requests/run':>14}")
+        for kind in ("idle", "peer"):
+            row = [fmt_mr(med_range([s[q] for s in step_stats[kind]]), 0) for q in cols]
+            reqs = "/".join(str(i["requests"]) for i in step_info[kind])
+            print(f"{kind:<6} " + " ".join(f"{r:>19}" for r in row) + f" {reqs:>14}")
+        for q in ("p50", "p99", "cpu_p99", "noload_p99"):
+            v = {k: med_range([s[q] for s in step_stats[k]])[0] for k in step_stats}
+            print(f"step {q} peer / idle: {v['peer'] / v['idle']:.2f}x")
+        if args.json:
+            write_json(args.json, {"chunks": args.chunks, "chunk_bytes": chunk,
+                                   "repeats": args.repeats, "gbps": gbps,
+                                   "fetch_round_gbps": fetch_gbps, "steps": step_stats,
+                                   "step_runs": step_info, "step_ms": args.step_ms})
+        if prof_path:
+            print(f"cProfile of the consumer's step runs: {prof_path}")
+    finally:
+        for raw in raws:
+            raw.close()
+        for e in engines:
+            try:
+                e.conn.send(("stop",))
+            except OSError:
+                pass
+        for e in engines:
+            e.close()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
