@@ -33,12 +33,16 @@ def run_stress_bench(args) -> int:
     out_dir = args.out or os.path.abspath(time.strftime("shmtier-bench-stress-%Y%m%d-%H%M%S"))
     os.makedirs(out_dir, exist_ok=True)
     buf = io.StringIO()
+    real = sys.stdout
 
     class Tee(io.TextIOBase):
         def write(self, text):
             buf.write(text)
-            sys.stdout.write(text)
+            real.write(text)
             return len(text)
+
+        def flush(self):
+            real.flush()
 
     t0 = time.monotonic()
     with contextlib.redirect_stdout(Tee()):
