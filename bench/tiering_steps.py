@@ -259,7 +259,7 @@ def main(argv=None) -> int:
     print("lookup answers (first run): " + "; ".join(
         f"{label(n)} {sums[n][0]['lookup_results']}" for n in names))
     wrong = {n: sum(s["wrong_kv"] for s in sums[n]) for n in names}
-    print("wrong KV served (row stamp mismatch at load): " + ", ".join(
+    print("wrong KV served (loaded row differs from what its key stored, byte for byte): " + ", ".join(
         f"{label(n)} {wrong[n]} of {sum(s['verified'] for s in sums[n])}" for n in names))
 
     if "vllm" in names:
