@@ -53,7 +53,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from common import fmt_mr, med_range  # noqa: E402
-from tiering_driver import make_data_pool  # noqa: E402
+from shmtier.bench.driver import make_data_pool  # noqa: E402
 
 from shmtier.config import KVLayout  # noqa: E402
 from shmtier.contract import LookupResult, ReqContext, ScheduleEndContext  # noqa: E402

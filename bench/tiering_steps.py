@@ -11,7 +11,7 @@ Run from a checkout::
 
 Two managers, built the same size (CPU tier bytes, chunk bytes) with an ``fs``
 secondary tier on a fresh temp directory each run (unbounded), are driven by the
-same driver on the same multi-turn chat trace (bench/trace.py):
+same driver on the same multi-turn chat trace (shmtier/bench/trace.py):
 
 * ``shmtier``: ``shmtier.spec.TieringOffloadingSpec(...).get_manager()`` - primary
   tier in one POSIX shm segment, fs tier I/O and compression in tier worker
@@ -44,16 +44,16 @@ tier workers run with after they start: scheduling (``nice0``, ``batch0``, ...,
 see --worker-sched), compression (``raw`` = none, ``zstd``) and/or the fs tier's
 lookup probes of unknown keys (``noprobe``: off, the behaviour before shared roots).
 
-The parts: tiering_managers.py (building both managers), tiering_driver.py (one run:
-the driver and its timing), tiering_report.py (summaries and tables), bench/trace.py
-(the trace), common.py (what every bench shares); this file is the command line.
+The parts live in the package (``shmtier bench`` ships them): shmtier/bench/managers.py
+(building both managers), shmtier/bench/driver.py (one run: the driver and its timing),
+shmtier/bench/report.py (summaries and tables), shmtier/bench/trace.py (the trace),
+shmtier/bench/common.py (what every bench shares); this file is the command line.
 """
 
 from __future__ import annotations
 
 import argparse
 import cProfile
-import importlib.util
 import os
 import platform
 import pstats
@@ -67,23 +67,11 @@ REPO_ROOT = os.path.dirname(BENCH_DIR)
 if REPO_ROOT not in sys.path:
     sys.path.insert(0, REPO_ROOT)
 
-from common import exit_through_finally, rotated, write_json  # noqa: E402
-from tiering_driver import Config, make_data_pool, run_one  # noqa: E402
-from tiering_managers import MAKERS, WORKER_SCHED  # noqa: E402
-from tiering_report import label, print_kinds, print_table, summarise  # noqa: E402
-
-
-def _load_trace_module():
-    """bench/trace.py by path: the name ``trace`` is also a stdlib module."""
-    spec = importlib.util.spec_from_file_location("shmtier_bench_trace",
-                                                  os.path.join(BENCH_DIR, "trace.py"))
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses resolve their module by name
-    spec.loader.exec_module(module)
-    return module
-
-
-bench_trace = _load_trace_module()
+from shmtier.bench import trace as bench_trace  # noqa: E402
+from shmtier.bench.common import exit_through_finally, rotated, write_json  # noqa: E402
+from shmtier.bench.driver import Config, make_data_pool, run_one  # noqa: E402
+from shmtier.bench.managers import MAKERS, WORKER_SCHED  # noqa: E402
+from shmtier.bench.report import label, print_kinds, print_table, summarise  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -199,7 +187,7 @@ def main(argv=None) -> int:
           f"(shared, noisy: read medians, mind the spreads), load avg {os.getloadavg()[0]:.2f} "
           f"at start; {vllm_note or 'vLLM not requested'}")
     print("method:")
-    print(f"  trace (bench/trace.py, seed {args.seed}, generated in {gen_s:.2f} s, the same for "
+    print(f"  trace (shmtier/bench/trace.py, seed {args.seed}, generated in {gen_s:.2f} s, the same for "
           f"every run): {trace.describe(capacity)}")
     print(f"  sizes: chunk {args.chunk_kib} KiB (= arena row, no padding), CPU tier "
           f"{args.cpu_mib} MiB = {capacity} chunks for both managers, LRU, events off; fs tier "
@@ -271,7 +259,7 @@ def main(argv=None) -> int:
     print("lookup answers (first run): " + "; ".join(
         f"{label(n)} {sums[n][0]['lookup_results']}" for n in names))
     wrong = {n: sum(s["wrong_kv"] for s in sums[n]) for n in names}
-    print("wrong KV served (row stamp mismatch at load): " + ", ".join(
+    print("wrong KV served (loaded row differs from what its key stored, byte for byte): " + ", ".join(
         f"{label(n)} {wrong[n]} of {sum(s['verified'] for s in sums[n])}" for n in names))
 
     if "vllm" in names:

@@ -1,6 +1,6 @@
 """The ``shmtier`` command: ``run``, ``demo``, ``workers``, ``ls`` (``segments``), ``top``,
-``fsck``, ``clean``. Exit codes: 0 success, 1 problems found (``fsck``), 2 usage or I/O
-error."""
+``fsck``, ``clean``, ``bench``. Exit codes: 0 success, 1 problems found (``fsck``, a
+failed ``bench`` verification or stress verdict), 2 usage or I/O error."""
 
 from __future__ import annotations
 
@@ -108,6 +108,17 @@ def main(argv: list[str] | None = None) -> int:
     clean.add_argument("--root", action="append", default=[], metavar="DIR",
                        help="an fs tier root_dir whose orphaned temp files to remove "
                        "(repeatable)")
+    bench = sub.add_parser(
+        "bench", help="benchmark shmtier against vLLM 0.33's tiering on a trace; a report",
+        description="Drive the connector's scheduler-side call sequence over a trace (seeded "
+        "generator or a JSON-lines file) through shmtier's spec with its tier workers and, "
+        "when vLLM is importable, vLLM 0.33's own tiering manager, the same capacity, runs "
+        "alternated; every loaded chunk checked byte for byte. Writes report.json, report.md "
+        "and PNG plots (matplotlib) under --out. Exit codes: 0 verified, 1 a wrong byte "
+        "served (or a failed stress verdict), 2 usage error.")
+    from shmtier.bench.run import add_arguments
+
+    add_arguments(bench)
     args = parser.parse_args(argv)
 
     if args.command == "run":
@@ -141,6 +152,10 @@ def main(argv: list[str] | None = None) -> int:
                        interval=args.interval, iterations=args.iterations)
     if args.command == "fsck":
         return _fsck(args)
+    if args.command == "bench":
+        from shmtier.bench.run import run_bench
+
+        return run_bench(args)
     return _clean(args.engine_ids, args.root)
 
 

@@ -1,13 +1,13 @@
 """The driver of tiering_steps.py: one run of the trace through one manager.
 
-``run_one`` builds the manager (tiering_managers.py) on a fresh temp directory, freezes
+``run_one`` builds the manager (shmtier/bench/managers.py) on a fresh temp directory, freezes
 the GC heap as vLLM's engine core does, and ``drive`` plays the OffloadingConnector's
 scheduler half over the whole trace, one engine step at a time: admit waiting requests
 (on_new_request, lookup scan, prepare_load + get_load_source), offer each running
 request's next chunks to prepare_store (the rows then filled, standing in for the GPU
 copy), on_request_finished, on_schedule_end; sleep out the step; complete last step's
 jobs; has_pending_work, get_stats, take_events. Every manager call is timed (wall and
-on-CPU); the run's raw figures come back as a dict for tiering_report.py. After the
+on-CPU); the run's raw figures come back as a dict for shmtier/bench/report.py. After the
 run the manager, its directory and its /dev/shm entries are removed, also on error.
 """
 
@@ -26,8 +26,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from common import DrivenRequest, request_context
-from tiering_managers import MAKERS, TOKENS_PER_CHUNK, Mut, make_shmtier, sched_of, sweep_shm
+from shmtier.bench.common import DrivenRequest, request_context
+from shmtier.bench.managers import MAKERS, TOKENS_PER_CHUNK, Mut, make_shmtier, sched_of, sweep_shm
 
 TAG = f"bench-ts-{os.getpid()}-"
 KINDS = ("lock wait", "on_new_request", "lookup", "prepare_load", "get_load_source",
@@ -50,6 +50,22 @@ class Config:
     direct_io: bool | str = False
     drain_timeout_s: float = 60.0
     max_extra_steps: int = 20_000
+    samples: int = 0  # >0: sample the fs tier's bytes on disk about this many times per run
+    progress: object = None  # callable(run_fraction) called about every 2% of the trace
+
+
+def pool_index(key: bytes, n_pool: int) -> int:
+    """The data-pool chunk a key's row is filled from: a function of the key alone, so a
+    loaded row can be checked byte for byte against what its key's store wrote."""
+    return int.from_bytes(key[16:20], "little") % n_pool
+
+
+def verify_row(row: np.ndarray, key: bytes, data_pool: np.ndarray, payload: int) -> bool:
+    """Whether an arena row holds exactly what the driver wrote for ``key``: the key's first
+    16 bytes, then its data-pool chunk (every byte of the chunk)."""
+    if row[:16].tobytes() != key[:16]:
+        return False
+    return bool(np.array_equal(row[16:payload], data_pool[pool_index(key, len(data_pool))][16:payload]))
 
 
 def make_data_pool(chunk_bytes: int, n: int, seed: int) -> np.ndarray:
@@ -78,15 +94,30 @@ def _proc_cpu_s(pid: int) -> float | None:
         return None
 
 
-def _proc_rss_anon_mib(pid: int) -> float | None:
+def _proc_status_mib(pid: int, field_: str = "RssAnon") -> float | None:
     try:
         with open(f"/proc/{pid}/status") as f:
             for line in f:
-                if line.startswith("RssAnon:"):
+                if line.startswith(field_ + ":"):
                     return int(line.split()[1]) / 1024
     except OSError:
         pass
     return None
+
+
+def _proc_rss_anon_mib(pid: int) -> float | None:
+    return _proc_status_mib(pid, "RssAnon")
+
+
+def _dir_bytes(root: str) -> int:
+    size = 0
+    for dirpath, _dirnames, filenames in os.walk(root):
+        for name in filenames:
+            try:
+                size += os.lstat(os.path.join(dirpath, name)).st_size
+            except OSError:
+                pass
+    return size
 
 
 class NoProgress(RuntimeError):
@@ -161,6 +192,13 @@ def drive(mut: Mut, trace, cfg, data_pool: np.ndarray) -> dict:
     eligible = 0
     alloc_failures = 0
     wrong_kv = verified = 0
+    wrong_by_source = Counter()
+    step_hits = []  # per step: (eligible chunks, CPU-tier hits, other-tier hits) of admitted requests
+    samples = []  # (step, fs bytes on disk, CPU tier rows holding a stored chunk)
+    sample_every = max(1, (trace.last_arrival_step + 1) // cfg.samples) if cfg.samples else 0
+    progress_every = max(1, len(trace.requests) // 50)
+    next_progress = progress_every
+    cpu_rows = set()  # rows the driver filled (an upper bound of the CPU tier's use)
     stored_chunks = 0
     fill_cpu = 0.0
     inflight_store = Counter()  # keys with a store prepared and not yet completed
@@ -175,6 +213,11 @@ def drive(mut: Mut, trace, cfg, data_pool: np.ndarray) -> dict:
     fill_i = 0
     max_steps = trace.last_arrival_step + cfg.max_extra_steps
 
+    try:  # reset this process's peak RSS (VmHWM) so it is this run's
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
     pids = list(mut.worker_pids)
     w_cpu0 = [_proc_cpu_s(p) for p in pids]
     ru0 = resource.getrusage(resource.RUSAGE_SELF)
@@ -188,8 +231,12 @@ def drive(mut: Mut, trace, cfg, data_pool: np.ndarray) -> dict:
         while ai < len(reqs) and reqs[ai].arrival_step <= step:
             waiting.append(_Req(reqs[ai]))
             ai += 1
+        if cfg.progress is not None and ai >= next_progress:
+            next_progress += progress_every
+            cfg.progress(ai / len(reqs))
         acc[0] = acc[1] = 0
         step_kind = cur_kind[0] = [0] * len(KINDS)
+        st_elig = st_host = st_other = 0
         lookups_before = calls["lookup"]
         new_jobs = []
         new_ids = []
@@ -242,6 +289,7 @@ def drive(mut: Mut, trace, cfg, data_pool: np.ndarray) -> dict:
                     skipped.append(req)
                     continue
                 eligible += n - g
+                st_elig += n - g
                 load_keys = req.admit(hits)
                 if load_keys:
                     spec = timed("prepare_load", m.prepare_load, load_keys, ctx)
@@ -251,12 +299,17 @@ def drive(mut: Mut, trace, cfg, data_pool: np.ndarray) -> dict:
                     w1 = pc()
                     c1 = tt()
                     charge("get_load_source", w1 - w0, c1 - c0, len(load_keys))
-                    for s in sources:
-                        loaded[getattr(s, "value", str(s))] += 1
-                    for key, cid in zip(load_keys, np.asarray(spec.block_ids).tolist()):
+                    for key, cid, s in zip(load_keys, np.asarray(spec.block_ids).tolist(), sources):
+                        src = getattr(s, "value", str(s))
+                        loaded[src] += 1
+                        if src == "host":
+                            st_host += 1
+                        else:
+                            st_other += 1
                         verified += 1
-                        if rows[cid, :16].tobytes() != key[:16]:
+                        if not verify_row(rows[cid], key, data_pool, payload):
                             wrong_kv += 1
+                            wrong_by_source[src] += 1
                     new_jobs.append((False, req, load_keys))
                 req.admitted = step
                 deferrals.append(req.deferrals)
@@ -299,10 +352,14 @@ def drive(mut: Mut, trace, cfg, data_pool: np.ndarray) -> dict:
         for keys, cids in to_fill:
             for key, cid in zip(keys, cids):
                 row = rows[cid]
-                row[:payload] = data_pool[fill_i % n_pool]
+                row[:payload] = data_pool[pool_index(key, n_pool)]
                 row[:16] = np.frombuffer(key[:16], dtype=np.uint8)
                 fill_i += 1
+                if sample_every:
+                    cpu_rows.add(cid)
         fill_cpu += time.thread_time() - f0
+        if sample_every and step % sample_every == 0:  # untimed, inside the forward pass's sleep
+            samples.append((step, _dir_bytes(mut.root), len(cpu_rows)))
         left = step_s - (time.perf_counter() - t_step0)
         if left > 0:
             time.sleep(left)
@@ -331,6 +388,7 @@ def drive(mut: Mut, trace, cfg, data_pool: np.ndarray) -> dict:
         step_cpu_ns.append(acc[1])
         step_kinds.append(step_kind)
         step_lookups.append(calls["lookup"] - lookups_before)
+        step_hits.append((st_elig, st_host, st_other))
         step += 1
 
     # drain: idle engine steps until the manager has nothing in flight (not in step stats)
@@ -360,6 +418,9 @@ def drive(mut: Mut, trace, cfg, data_pool: np.ndarray) -> dict:
     if pids:
         workers_cpu = sum((b or 0) - (a or 0) for a, b in zip(w_cpu0, w_cpu1))
     rss = [_proc_rss_anon_mib(p.pid) for p in alive]
+    worker_hwm = [_proc_status_mib(p.pid, "VmHWM") for p in alive]
+    if sample_every:
+        samples.append((step, _dir_bytes(mut.root), len(cpu_rows)))
     return {
         "steps": len(step_ns), "drain_steps": drain_steps, "step_ns": step_ns,
         "step_cpu_ns": step_cpu_ns, "step_kinds": step_kinds, "step_lookups": step_lookups,
@@ -369,6 +430,9 @@ def drive(mut: Mut, trace, cfg, data_pool: np.ndarray) -> dict:
         "deferrals": deferrals, "queue_steps": queue_steps,
         "loaded": dict(loaded), "eligible": eligible, "alloc_failures": alloc_failures,
         "wrong_kv": wrong_kv, "verified": verified, "stored_chunks": stored_chunks,
+        "wrong_by_source": dict(wrong_by_source), "verified_bytes": verified * payload,
+        "step_hits": step_hits, "samples": samples,
+        "peak_rss_mib": _proc_status_mib(os.getpid(), "VmHWM"), "worker_peak_rss_mib": worker_hwm,
         "wall_s": wall, "cpu_s": cpu, "main_thread_cpu_s": main_cpu, "fill_cpu_s": fill_cpu,
         "ru_user_s": ru1.ru_utime - ru0.ru_utime, "ru_sys_s": ru1.ru_stime - ru0.ru_stime,
         "ru_nvcsw": ru1.ru_nvcsw - ru0.ru_nvcsw, "ru_nivcsw": ru1.ru_nivcsw - ru0.ru_nivcsw,

@@ -123,7 +123,7 @@ def make_shmtier(cfg, root: str, engine_id: str, variant: str = "") -> Mut:
     spec = TieringOffloadingSpec(extra, layout, engine_id)
     manager = spec.get_manager()
     try:
-        rows = np.asarray(manager.primary.get_kv_memoryview())
+        rows = np.asarray(manager.primary.get_kv_memoryview()).view(np.uint8)
         pool = spec.worker_pool
         pids = [p.pid for p in pool._procs if p is not None]
         # Wait until every worker is up (claimed its ring slot: past its own start-up
@@ -184,7 +184,7 @@ def make_vllm(cfg, root: str, engine_id: str) -> Mut:
             {"type": "fs", "root_dir": root}, primary.get_kv_memoryview(), _vllm_spec_standin(cfg))
         undo.insert(0, tier.shutdown)
         manager = TieringOffloadingManager(primary, [tier])  # default poll interval (no poll thread for fs)
-        rows = np.asarray(primary.get_kv_memoryview())
+        rows = np.asarray(primary.get_kv_memoryview()).view(np.uint8)  # vLLM: int8
         return Mut("vllm", manager, rows, ReqContext, LookupResult, ScheduleEndContext, root,
                    ".bin", engine_id)
     except BaseException:

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import statistics
 
-from common import fmt_mr, med_range, pct
-from tiering_driver import KINDS, MANAGER_COUNTERS, RING_DEPTH
+from shmtier.bench.common import fmt_mr, med_range, pct
+from shmtier.bench.driver import KINDS, MANAGER_COUNTERS, RING_DEPTH
 
 LABELS = {"shmtier": "shmtier", "vllm": "vLLM 0.33"}
 

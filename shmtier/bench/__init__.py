@@ -1,0 +1,1 @@
+"""shmtier bench: traces, the connector-sequence driver, the managers it compares, reports."""

@@ -1,0 +1,228 @@
+"""``shmtier bench``: one trace through shmtier's spec (its real tier worker processes)
+and, when vLLM is importable, through vLLM 0.33's own tiering manager with its fs tier,
+the same capacity, runs alternated (``--repeats``); every loaded chunk checked byte for
+byte; this machine's limits measured in the same run; a JSON report, a Markdown summary
+and PNG plots (matplotlib, if importable) under ``--out``.
+
+The parts: ``trace.py`` (generators, JSON lines), ``managers.py`` (both managers, built
+the same size), ``driver.py`` (one run: the connector's scheduler-side call sequence, timed),
+``report.py`` (per-run summary, the tables), ``limits.py``, ``output.py`` (JSON, Markdown,
+plots). bench/tiering_steps.py is the same driver with the longer text tables.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import sys
+import tempfile
+import time
+
+# the bench's machinery (numpy, the managers) is imported by run_bench, not by the CLI's
+# argument parsing: `shmtier ls` and friends do not pay for it
+GENERATORS = ("chat", "docqa", "agent")  # shmtier.bench.trace.GENERATORS
+
+
+def add_arguments(p) -> None:
+    size = p.add_mutually_exclusive_group()
+    size.add_argument("--quick", action="store_true",
+                      help="seconds: a small trace, 1 run per manager, small CPU tier")
+    size.add_argument("--soak", action="store_true",
+                      help="tens of minutes: a long trace (60k requests per run)")
+    p.add_argument("--workload", default="chat", choices=GENERATORS,
+                   help="seeded generator: chat (multi-turn chat), docqa (long documents, many "
+                   "readers), agent (agentic loops with branching); default chat")
+    p.add_argument("--trace", metavar="FILE", help="replay a JSON-lines trace instead (schema: "
+                   "README, 'shmtier bench'; python -m shmtier.bench.trace --write makes one)")
+    p.add_argument("--write-trace", metavar="FILE", help="also write the trace as JSON lines")
+    p.add_argument("--requests", type=int, default=None, help="override the generator's size")
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--repeats", type=int, default=None,
+                   help="runs per manager, alternated (default 3; 1 with --quick)")
+    p.add_argument("--managers", default="shmtier,vllm",
+                   help="comma-separated: shmtier, vllm (dropped with a note when vLLM is not "
+                   "importable), shmtier@TOKENS variants as in bench/tiering_steps.py")
+    p.add_argument("--no-vllm", action="store_true", help="measure shmtier alone")
+    p.add_argument("--chunk-kib", type=int, default=256, help="chunk (arena row) KiB")
+    p.add_argument("--cpu-mib", type=int, default=None, help="CPU tier MiB (default 128; 32 quick)")
+    p.add_argument("--step-ms", type=float, default=None,
+                   help="engine step period; the simulated forward pass sleeps the rest "
+                   "(default 5; 2 quick)")
+    p.add_argument("--max-running", type=int, default=16)
+    p.add_argument("--batch", type=int, default=4, help="chunks a running request offers per step")
+    p.add_argument("--workers", type=int, default=2, help="shmtier num_tier_workers")
+    p.add_argument("--compression", default="auto", choices=("auto", "zstd", "none"))
+    p.add_argument("--dir", default=None, help="parent of the fs tiers' temp dirs and of the "
+                   "disk limit's file (default: the system temp dir)")
+    p.add_argument("--out", default=None, metavar="DIR",
+                   help="where the report goes (default ./shmtier-bench-<time>)")
+    p.add_argument("--no-plots", action="store_true", help="no PNG plots")
+    p.add_argument("--no-limits", action="store_true", help="do not measure the machine's limits")
+    p.add_argument("--stress", action="store_true",
+                   help="stress mode instead: sustained load with fault injection and "
+                   "invariants checked, a pass/fail verdict (see shmtier run)")
+
+
+def label(name: str) -> str:  # replaced by report.label once run_bench imported it
+    return name
+
+
+class Progress:
+    """One progress line on stderr for runs longer than a couple of seconds: rewritten in
+    place on a terminal, else a line every 10 s."""
+
+    def __init__(self, total_runs: int) -> None:
+        self.total = total_runs
+        self.tty = sys.stderr.isatty()
+        self.run_no, self.name, self.t0, self.last = 0, "", 0.0, 0.0
+
+    def start(self, run_no: int, name: str) -> None:
+        self.run_no, self.name, self.t0 = run_no, name, time.monotonic()
+        self.last = self.t0
+
+    def __call__(self, fraction: float) -> None:
+        now = time.monotonic()
+        if now - self.t0 < 2 or now - self.last < (0.5 if self.tty else 10):
+            return
+        self.last = now
+        eta = (now - self.t0) * (1 - fraction) / max(fraction, 1e-3)
+        width = 30
+        bar = "#" * int(width * fraction) + "-" * (width - int(width * fraction))
+        text = (f"run {self.run_no}/{self.total} {label(self.name):>10} [{bar}] "
+                f"{fraction * 100:3.0f}%  {now - self.t0:5.0f} s, ~{eta:.0f} s left")
+        sys.stderr.write(("\r" + text) if self.tty else text + "\n")
+        sys.stderr.flush()
+
+    def done(self) -> None:
+        if self.tty and time.monotonic() - self.t0 >= 2:
+            sys.stderr.write("\r" + " " * 90 + "\r")
+            sys.stderr.flush()
+
+
+def _vllm_note(names: list) -> str:
+    t0 = time.perf_counter()
+    try:
+        import vllm
+        import vllm.v1.kv_offload.tiering.manager  # noqa: F401 - fail here, not mid-run
+    except Exception as e:  # noqa: BLE001
+        names.remove("vllm")
+        return f"vLLM NOT importable ({type(e).__name__}: {e}): shmtier measured alone"
+    note = f"vLLM {vllm.__version__} imported in {time.perf_counter() - t0:.1f} s (not timed)"
+    try:
+        import vllm.fs_io_C  # noqa: F401
+        note += "; its fs tier uses the fs_io_C extension"
+    except Exception as e:  # noqa: BLE001
+        note += (f"; fs_io_C not importable ({type(e).__name__}), so its fs tier runs its "
+                 "pure-Python I/O path")
+    return note
+
+
+def run_bench(args) -> int:
+    global label
+    from shmtier.bench import limits as bench_limits
+    from shmtier.bench import trace as bench_trace
+    from shmtier.bench.common import exit_through_finally, rotated
+    from shmtier.bench.driver import Config, make_data_pool, run_one
+    from shmtier.bench.output import extend_summary, write_reports
+    from shmtier.bench.report import label, summarise
+
+    if args.stress:
+        from shmtier.bench.stress import run_stress_bench
+
+        return run_stress_bench(args)
+    size = "quick" if args.quick else "soak" if args.soak else "default"
+    repeats = args.repeats or (1 if args.quick else 3)
+    cpu_mib = args.cpu_mib or (32 if args.quick else 128)
+    step_ms = args.step_ms if args.step_ms is not None else (2.0 if args.quick else 5.0)
+    chunk_bytes = args.chunk_kib * 1024
+    if chunk_bytes % 4096 or chunk_bytes <= 0:
+        print("shmtier bench: --chunk-kib must be a positive multiple of 4", file=sys.stderr)
+        return 2
+    names = [n.strip() for n in args.managers.split(",") if n.strip()]
+    if args.no_vllm and "vllm" in names:
+        names.remove("vllm")
+    from shmtier.bench.managers import MAKERS, WORKER_SCHED
+
+    for n in names:
+        base, at, variant = n.partition("@")
+        ok_tokens = all(t in WORKER_SCHED or t in ("raw", "zstd", "noprobe")
+                        for t in variant.split("+")) if at else True
+        if base not in MAKERS or (at and (base != "shmtier" or not ok_tokens)) or names.count(n) > 1:
+            print(f"shmtier bench: bad --managers entry {n!r}", file=sys.stderr)
+            return 2
+    if not names:
+        print("shmtier bench: no manager to run", file=sys.stderr)
+        return 2
+    out_dir = args.out or os.path.abspath(time.strftime("shmtier-bench-%Y%m%d-%H%M%S"))
+    os.makedirs(out_dir, exist_ok=True)
+    work_dir = args.dir or tempfile.gettempdir()
+    exit_through_finally()
+
+    vllm_note = _vllm_note(names) if "vllm" in names else "vLLM not requested"
+    t0 = time.perf_counter()
+    try:
+        if args.trace:
+            trace = bench_trace.read_jsonl(args.trace)
+        else:
+            trace = bench_trace.generate(args.workload, size, args.seed, requests=args.requests)
+    except (OSError, ValueError) as e:
+        print(f"shmtier bench: {e}", file=sys.stderr)
+        return 2
+    gen_s = time.perf_counter() - t0
+    if args.write_trace:
+        bench_trace.write_jsonl(trace, args.write_trace)
+    capacity = (cpu_mib << 20) // chunk_bytes
+    print(f"shmtier bench: {', '.join(label(n) for n in names)}; {vllm_note}")
+    print(f"  trace: {trace.describe(capacity)} ({'read' if args.trace else 'generated'} in "
+          f"{gen_s:.2f} s)")
+    print(f"  chunk {args.chunk_kib} KiB, CPU tier {cpu_mib} MiB ({capacity} chunks), fs tier "
+          f"under {work_dir}, step {step_ms:g} ms, {repeats} run(s) per manager alternated; "
+          f"report in {out_dir}", flush=True)
+
+    limits = None
+    if not args.no_limits:
+        limits = bench_limits.measure(work_dir, chunk_bytes, quick=args.quick)
+        print(f"  this machine: memcpy {limits['memcpy_gbps']:.1f} GB/s, codec "
+              f"{limits['codec_encode_gbps_per_core']:.2f}/{limits['codec_decode_gbps_per_core']:.2f}"
+              f" GB/s per core (encode/decode), disk {limits['disk_write_gbps']:.2f}/"
+              f"{limits['disk_read_gbps']:.2f} GB/s (write/read), measured in "
+              f"{limits['measured_in_s']:.1f} s", flush=True)
+
+    progress = Progress(repeats * len(names))
+    cfg = Config(chunk_bytes=chunk_bytes, cpu_bytes=cpu_mib << 20, step_ms=step_ms,
+                 max_running=args.max_running, batch=args.batch, workers=args.workers,
+                 dir=work_dir, compression=args.compression, samples=60, progress=progress)
+    data_pool = make_data_pool(chunk_bytes, 16, args.seed)
+    meta = {"bench": "shmtier bench", "size": size, "repeats": repeats, "managers": names,
+            "vllm": vllm_note, "trace": trace.summary(), "trace_text": trace.describe(capacity),
+            "trace_file": args.trace, "python": platform.python_version(),
+            "machine": platform.machine(), "cpus": os.cpu_count(),
+            "load_avg_start": os.getloadavg()[0], "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+            "config": {"chunk_bytes": chunk_bytes, "cpu_mib": cpu_mib, "capacity_chunks": capacity,
+                       "step_ms": step_ms, "max_running": args.max_running, "batch": args.batch,
+                       "workers": args.workers, "compression": args.compression,
+                       "dir": work_dir, "seed": args.seed}}
+    sums = {n: [] for n in names}
+    raws = {n: [] for n in names}
+    run_no = 0
+    for r in range(repeats):
+        for n in rotated(names, r):
+            run_no += 1
+            progress.start(run_no, n)
+            res = run_one(n, trace, cfg, data_pool, run_no)
+            progress.done()
+            s = extend_summary(summarise(res, chunk_bytes), res, chunk_bytes, limits)
+            sums[n].append(s)
+            raws[n].append(res)
+            print(f"  run {r + 1}/{repeats} {label(n):>10}: {s['steps']} steps, step p50 "
+                  f"{s['step_us_p50']:.0f} µs p99 {s['step_us_p99']:.0f} µs, hits CPU "
+                  f"{s['hit_cpu']:.2f} fs {s['hit_fs']:.2f}, {s['verified']} loaded chunks "
+                  f"checked, {s['wrong_kv']} wrong, wall {s['wall_s']:.1f} s", flush=True)
+    meta["load_avg_end"] = os.getloadavg()[0]
+    report = write_reports(out_dir, meta, limits, sums, raws, plots=not args.no_plots)
+    print(f"  verification: {report['verification']['text']}")
+    for line in report["ratio_lines"]:
+        print(f"  {line}")
+    print(f"  plots: {report['plots_text']}")
+    print(f"wrote {os.path.join(out_dir, 'report.json')} and report.md")
+    return 0 if report["verification"]["passed"] else 1

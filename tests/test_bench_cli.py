@@ -1,0 +1,166 @@
+"""``shmtier bench``: traces as JSON lines (round trip, replay, schema errors), the seeded
+generators, and one ``--quick`` run whose report is checked for shape and sanity."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from shmtier.bench import trace as bench_trace
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HAVE_VLLM = (os.environ.get("SHMTIER_SKIP_VLLM") != "1"
+             and importlib.util.find_spec("vllm") is not None)
+HAVE_MPL = importlib.util.find_spec("matplotlib") is not None
+
+
+@pytest.mark.parametrize("kind", sorted(bench_trace.GENERATORS))
+def test_generators_seeded_and_round_trip(kind, tmp_path):
+    a = bench_trace.generate(kind, "quick", seed=7)
+    b = bench_trace.generate(kind, "quick", seed=7)
+    c = bench_trace.generate(kind, "quick", seed=8)
+    assert [r.keys for r in a.requests] == [r.keys for r in b.requests]
+    assert [r.keys for r in a.requests] != [r.keys for r in c.requests]
+    steps = [r.arrival_step for r in a.requests]
+    assert steps == sorted(steps)
+    for r in a.requests:
+        assert 0 <= r.gpu_cached < len(r.keys) and all(len(k) == 36 for k in r.keys)
+    path = tmp_path / f"{kind}.jsonl"
+    bench_trace.write_jsonl(a, path)
+    lines = path.read_text().splitlines()
+    assert json.loads(lines[0])["shmtier_trace"] == 1 and len(lines) == len(a.requests) + 1
+    back = bench_trace.read_jsonl(path)
+    for x, y in zip(a.requests, back.requests, strict=True):
+        assert (x.keys, x.arrival_step, x.gpu_cached, x.decode_steps, x.new_chunks, x.conv,
+                x.turn) == (y.keys, y.arrival_step, y.gpu_cached, y.decode_steps, y.new_chunks,
+                            y.conv, y.turn)
+    assert back.distinct_keys == a.distinct_keys
+
+
+def test_generators_have_their_shapes():
+    docqa = bench_trace.generate("docqa", "quick")
+    # many readers per document: documents are shared prefixes read again and again
+    assert len(docqa.requests) / docqa.conversations_used >= 5
+    agent = bench_trace.generate("agent", "default")
+    # branching: some session has two requests whose prefixes diverge after a shared part
+    by_session = {}
+    for r in agent.requests:
+        by_session.setdefault(r.conv, []).append(r.keys)
+    forks = 0
+    for prefixes in by_session.values():
+        for p, q in zip(prefixes, prefixes[1:]):
+            if q[:len(p)] != p:
+                forks += 1
+    assert forks > 0
+
+
+def test_foreign_trace_replays(tmp_path):
+    """A trace from elsewhere: integer block hashes and strings, no header, comments."""
+    path = tmp_path / "mine.jsonl"
+    path.write_text("# exported from my serving logs\n"
+                    + json.dumps({"arrival_step": 3, "keys": [11, 12, 13], "output_steps": 2}) + "\n"
+                    + json.dumps({"arrival_step": 0, "keys": ["sys", "a"], "gpu_cached": 1}) + "\n"
+                    + "\n")
+    t = bench_trace.read_jsonl(path)
+    assert [r.arrival_step for r in t.requests] == [0, 3]
+    assert t.requests[1].keys[0] == bench_trace.key_of(11)
+    assert t.requests[0].gpu_cached == 1 and t.requests[1].decode_steps == 2
+    assert t.distinct_keys == 5
+    for bad in ({"keys": [1]}, {"arrival_step": 0, "keys": []},
+                {"arrival_step": 0, "keys": [1], "gpu_cached": 1},
+                {"arrival_step": 0, "keys": [1, 2], "prompt_chunks": 3}):
+        path.write_text(json.dumps(bad) + "\n")
+        with pytest.raises(ValueError):
+            bench_trace.read_jsonl(path)
+
+
+def _bench(tmp_path, *extra):
+    env = dict(os.environ)
+    env.pop("DISPLAY", None)
+    return subprocess.run([sys.executable, "-m", "shmtier", "bench", "--quick",
+                           "--out", str(tmp_path / "out"), "--dir", str(tmp_path), *extra],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
+
+
+def test_bench_quick_report(tmp_path):
+    trace_file = tmp_path / "trace.jsonl"
+    shm_before = {e for e in os.listdir("/dev/shm") if "bench-ts-" in e}
+    p = _bench(tmp_path, "--write-trace", str(trace_file))
+    assert p.returncode == 0, p.stdout + p.stderr
+    rep = json.loads((tmp_path / "out" / "report.json").read_text())
+    md = (tmp_path / "out" / "report.md").read_text()
+    assert rep["verification"]["passed"] and rep["verification"]["wrong"] == 0
+    assert rep["verification"]["checked"] > 0
+    names = rep["managers"]
+    assert names[0] == "shmtier" and ("vllm" in names) == HAVE_VLLM
+    for n in names:
+        (s,) = rep["runs"][n]
+        assert s["wrong_kv"] == 0 and s["verified"] > 0
+        assert 0 < s["step_us_p50"] <= s["step_us_p90"] <= s["step_us_p99"] <= s["step_us_p999"] \
+            <= s["step_us_max"]
+        assert abs(s["hit_cpu"] + s["hit_fs"] + s["miss"] + s["hit_other"] - 1) < 1e-9
+        assert s["cpu_s"] > 0 and s["peak_rss_mib"] > 0
+        assert s["cascade_gbps"] > 0 and s["disk_per_logical"] > 0
+        assert len(s["step_us_cdf"]) == 201 and s["hits_over_time"] and s["bytes_over_time"]
+        assert set(s["fraction_of_limit"]) >= {"cascade_gbps", "promo_gbps"}
+    assert rep["runs"]["shmtier"][0]["workers_cpu_s"] > 0
+    lim = rep["limits"]
+    for key in ("memcpy_gbps", "codec_encode_gbps_per_core", "codec_decode_gbps_per_core",
+                "disk_write_gbps", "disk_read_gbps"):
+        assert lim[key] > 0
+    if HAVE_VLLM:
+        r = rep["ratios"]["shmtier"]["step_us_p99"]
+        assert r["min"] <= r["median"] <= r["max"] and r["median"] > 0
+        assert "shmtier/vLLM" in md
+    else:
+        assert rep["ratios"] == {}
+    if HAVE_MPL:
+        assert len(rep["plots"]) == 3
+        for name in rep["plots"]:
+            assert (tmp_path / "out" / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    else:
+        assert "plots skipped" in rep["plots_text"] and "plots skipped" in md
+    assert "verification: PASSED" in md and "## This machine's limits" in md
+    # the trace it wrote replays the same run (shmtier alone, no plots: seconds)
+    back = bench_trace.read_jsonl(trace_file)
+    assert len(back.requests) == rep["trace"]["requests"]
+    p2 = subprocess.run([sys.executable, "-m", "shmtier", "bench", "--trace", str(trace_file),
+                         "--no-vllm", "--no-plots", "--no-limits", "--cpu-mib", "32",
+                         "--step-ms", "2", "--repeats", "1", "--out", str(tmp_path / "replay"),
+                         "--dir", str(tmp_path)],
+                        cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert p2.returncode == 0, p2.stdout + p2.stderr
+    rep2 = json.loads((tmp_path / "replay" / "report.json").read_text())
+    assert rep2["managers"] == ["shmtier"] and rep2["verification"]["passed"]
+    assert rep2["trace"]["distinct_keys"] == rep["trace"]["distinct_keys"]
+    assert rep2["plots_text"] == "plots skipped: --no-plots" and rep2["limits"] is None
+    assert "plots skipped" in (tmp_path / "replay" / "report.md").read_text()
+    # every fs root and /dev/shm entry the runs made is gone
+    assert {e for e in os.listdir("/dev/shm") if "bench-ts-" in e} <= shm_before
+    assert sorted(os.listdir(tmp_path)) == ["out", "replay", "trace.jsonl"]
+
+
+def test_bench_usage_errors(tmp_path):
+    p = subprocess.run([sys.executable, "-m", "shmtier", "bench", "--managers", "nope",
+                        "--out", str(tmp_path / "o")], cwd=REPO, capture_output=True, text=True,
+                       timeout=60)
+    assert p.returncode == 2 and "bad --managers" in p.stderr
+    p = subprocess.run([sys.executable, "-m", "shmtier", "bench", "--trace",
+                        str(tmp_path / "missing.jsonl"), "--no-vllm", "--out", str(tmp_path / "o")],
+                       cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2
+
+
+def test_bench_stress_quick_verdict(tmp_path):
+    p = subprocess.run([sys.executable, "-m", "shmtier", "bench", "--stress", "--quick",
+                        "--out", str(tmp_path / "s")], cwd=REPO, capture_output=True, text=True,
+                       timeout=180)
+    assert p.returncode == 0, p.stdout + p.stderr
+    v = json.loads((tmp_path / "s" / "stress.json").read_text())
+    assert v["verdict"] == "PASS" and v["failed"] == 0 and v["passed"] >= 5
+    assert v["chaos_counts"].startswith("chaos:")
