@@ -40,6 +40,7 @@ from shmtier.shared.codec import (
     frame_header_size,
     mac_key_id,
 )
+from shmtier.shared.codec_choice import CodecChooser
 from shmtier.tiers.backend import (
     BatchResult,
     Outcome,
@@ -86,7 +87,8 @@ class ObjCounters:
     objects_deleted: int = 0  # keys a DeleteObjects reported deleted
     store_full: int = 0  # REJECTED "max_bytes"
     store_errors: int = 0
-    stores_raw_hurried: int = 0  # stored raw (mode "auto") because the worker was behind
+    stores_raw_hurried: int = 0  # stored raw (mode "auto"): the worker behind, raw cheaper
+    stores_raw_by_cost: int = 0  # stored raw (mode "auto"): a busy host, raw cheaper
     load_missing: int = 0
     load_errors: int = 0
     corrupt_objects_detected: int = 0
@@ -185,6 +187,11 @@ class ObjBackend(TierBackend):
         self.max_bytes = max_bytes
         self._mac_key = mac_key
         self.counters = ObjCounters()
+        # mode "auto": compress or not by measured cost (shared/codec_choice.py), decided
+        # once per store batch; its rates are measured by the I/O threads (EMAs of floats:
+        # a lost update under the GIL only delays a measurement)
+        self.chooser = (CodecChooser(f"obj {bucket}", self.codec_config.min_gain)
+                        if self.codec_config.mode == "auto" else None)
         self._bx = import_boto3()[2]
         self._local = _Thread()
         self._lock = threading.Lock()  # the max_bytes reservations of a store batch
@@ -348,7 +355,8 @@ class ObjBackend(TierBackend):
         if self._config_pending:
             self._retry_config()
         c = self.counters
-        raw = hurry and self.codec_config.mode == "auto"
+        raw = self.chooser is not None and not self.chooser.compress_next(hurry)
+        note = "raw" if hurry else "raw by cost"
         budget = [c.bytes_stored if bytes_in_use is None else int(bytes_in_use)]
         items = []
         for i in range(n):
@@ -356,11 +364,14 @@ class ObjBackend(TierBackend):
             if bad is not None:
                 res.set(i, Outcome.INVALID, bad)
             else:
-                items.append((i, bytes(keys[i]), a[rows[i], :chunk_bytes].data, raw, budget))
+                items.append((i, bytes(keys[i]), a[rows[i], :chunk_bytes].data,
+                              note if raw else "", budget))
         for (i, *_), done in zip(items, self._each(self._store_one, items)):
             self._record(res, i, done)
             if done.note == "raw":
                 c.stores_raw_hurried += 1
+            elif done.note == "raw by cost":
+                c.stores_raw_by_cost += 1
             if done.outcome is Outcome.OK:
                 c.objects_written += 1
                 c.bytes_written += done.stored
@@ -371,14 +382,16 @@ class ObjBackend(TierBackend):
                 c.store_errors += 1
         return res
 
-    def _store_one(self, i: int, key: bytes, raw: memoryview, hurried: bool,
+    def _store_one(self, i: int, key: bytes, raw: memoryview, note: str,
                    budget: list[int]) -> _KeyDone:
         t = time.perf_counter()
         codec = self._codec()
-        encoder = codec.raw_encoder if hurried else codec.encoder
+        encoder = codec.raw_encoder if note else codec.encoder
         parts, est = encoder.encode(raw, key, self.element_size)
         size = est.stored_bytes
-        note = "raw" if hurried else ""
+        chooser = self.chooser
+        if chooser is not None:
+            chooser.note_encode(not note, est.raw_bytes, size, est.seconds)
         if self.max_bytes is not None:
             with self._lock:
                 if budget[0] + size > self.max_bytes:
@@ -386,6 +399,7 @@ class ObjBackend(TierBackend):
                                     codec_s=est.seconds, note=note)
                 budget[0] += size
         body = b"".join(parts)  # parts may be views of the encoder's scratch: copied here
+        tw, cw = time.perf_counter(), time.thread_time()
         try:
             self.client.put_object(Bucket=self.bucket, Key=self.object_key(key), Body=body)
         except Exception as e:
@@ -394,6 +408,8 @@ class ObjBackend(TierBackend):
                     budget[0] -= size
             return _KeyDone(Outcome.ERROR, f"{error_detail(e)} (put)",
                             seconds=time.perf_counter() - t, codec_s=est.seconds, note=note)
+        if chooser is not None:
+            chooser.note_write(size, time.thread_time() - cw, time.perf_counter() - tw)
         return _KeyDone(Outcome.OK, "", est.raw_bytes, size, time.perf_counter() - t,
                         est.seconds, note)
 
