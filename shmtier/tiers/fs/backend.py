@@ -416,8 +416,12 @@ class FsBackend(TierBackend):
     def take_flags(self) -> int:
         """``ResultFlag`` bits raised since the last call (``NAMESPACE_RESET``: the
         namespace directory was removed, replaced or made again, seen by this process;
-        the scheduler half should drop its index of the tier and scan again), cleared."""
+        the scheduler half should drop its index of the tier and scan again), cleared;
+        plus ``COMPRESSION_OFF`` while compression by cost chose raw frames."""
         flags, self._flags = self._flags, 0
+        chooser = self._writer.chooser
+        if chooser is not None and chooser.decision is not None and not chooser.decision.compress:
+            flags |= ResultFlag.COMPRESSION_OFF  # the compression-by-cost choice: raw
         return int(flags)
 
     # ------------------------------------------------------------------ misc

@@ -41,6 +41,7 @@ from shmtier.shared.codec import (
     mac_key_id,
 )
 from shmtier.shared.codec_choice import CodecChooser
+from shmtier.shared.jobs import ResultFlag
 from shmtier.tiers.backend import (
     BatchResult,
     Outcome,
@@ -641,6 +642,11 @@ class ObjBackend(TierBackend):
         res.stored_bytes[i] = done.stored
         res.seconds[i] += done.seconds
         res.codec_seconds += done.codec_s
+
+    def take_flags(self) -> int:
+        """``ResultFlag.COMPRESSION_OFF`` while compression by cost chose raw frames."""
+        d = self.chooser.decision if self.chooser is not None else None
+        return int(ResultFlag.COMPRESSION_OFF) if d is not None and not d.compress else 0
 
     def close(self) -> None:
         """Stop the thread pool (waiting for requests in flight, which end within the
