@@ -16,8 +16,8 @@ GB = 1e9
 CODEC = dict(compress_s=1 / GB, raw_s=0.12 / GB, ratio=1.5)
 LOCAL_DISK = dict(write_cpu_s=0.5 / GB, write_wall_s=0.5 / GB)  # a copy into the page cache
 SLOW_NET = dict(write_cpu_s=0.1 / GB, write_wall_s=10 / GB)  # 100 MB/s link, little CPU
-IDLE = dict(idle_cores=1.5, own_cores=0.3)
-BUSY = dict(idle_cores=0.0, own_cores=0.3)
+IDLE = dict(idle_cores=1.5, share=1.0)
+BUSY = dict(idle_cores=0.0, share=0.3)  # others run: the worker gets 30% of a core
 
 
 def inputs(**kw) -> CostInputs:
@@ -75,19 +75,19 @@ def test_rule4_a_near_tie_compresses():
 
 
 def test_worker_seconds_model():
-    i = inputs(**{**SLOW_NET, "idle_cores": 0.2, "own_cores": 0.3})
+    i = inputs(**{**SLOW_NET, "idle_cores": 0.2, "share": 0.5})
     t_raw, t_z = worker_seconds(i)
     wait = (10 - 0.1) / GB
     assert t_raw == pytest.approx(wait + (0.12 + 0.1) / GB / 0.5)
     assert t_z == pytest.approx(wait / 1.5 + (1 + 0.1 / 1.5) / GB / 0.5)
     # no CPU at all still counts as a little (0.05 core), never a division by zero
-    t_raw, _ = worker_seconds(inputs(idle_cores=0.0, own_cores=0.0))
+    t_raw, _ = worker_seconds(inputs(idle_cores=0.0, share=0.0))
     assert t_raw == pytest.approx((0.12 + 0.5) / GB / 0.05)
 
 
 class _Host:
-    def __init__(self, idle_cores, own_cores):
-        self.idle_cores, self.own_cores = idle_cores, own_cores
+    def __init__(self, idle_cores, share):
+        self.idle_cores, self.share = idle_cores, share
 
     def update(self):
         pass
@@ -99,9 +99,9 @@ def test_chooser_measures_decides_probes_and_logs_changes(caplog):
     assert ch.compress_next(behind=False) is True  # unmeasured
     mib = 1 << 20
     for _ in range(5):
-        ch.note_encode(True, mib, int(mib / 1.5), mib / GB)  # 1 GB/s, ratio 1.5
-        ch.note_encode(False, mib, mib, 0.12 * mib / GB)
-        ch.note_write(mib, 0.5 * mib / GB, 0.5 * mib / GB)
+        ch.add_encode(True, mib, int(mib / 1.5), mib / GB)  # 1 GB/s, ratio 1.5
+        ch.add_encode(False, mib, mib, 0.12 * mib / GB)
+        ch.add_write(mib, 0.5 * mib / GB, 0.5 * mib / GB)
     assert ch.ratio == pytest.approx(1.5) and ch.compress_s == pytest.approx(1 / GB)
     with caplog.at_level(logging.INFO, logger=codec_choice.__name__):
         picks = [ch.compress_next(behind=False) for _ in range(2 * codec_choice.PROBE_EVERY)]
@@ -117,8 +117,19 @@ def test_chooser_measures_decides_probes_and_logs_changes(caplog):
     assert ch.changes == 2 and len(caplog.records) == 1
 
 
-def test_host_cpu_reads_proc_stat():
+def test_host_cpu_reads_proc_stat_and_schedstat():
     h = codec_choice.HostCpu()
-    h._last = (h._last[0] - 1.0, h._last[1], h._last[2])  # pretend the sample is old
+    h._last = (h._last[0] - 1.0, *h._last[1:])  # pretend the sample is old
     h.update()
-    assert 0.0 <= h.idle_cores <= 64 and h.own_cores >= 0.0
+    assert 0.0 <= h.idle_cores <= 64 and 0.0 <= h.share <= 1.0
+
+
+def test_the_chooser_clock_measures_this_threads_cpu_and_wall():
+    ch = CodecChooser("fs /x", 0.05, host=_Host(**IDLE))
+    since = ch.clock()
+    sum(range(200_000))  # some CPU
+    ch.note_encode(True, 1 << 20, 1 << 19, since)
+    since = ch.clock()
+    ch.note_write(1 << 20, since)
+    assert ch.compress_s > 0 and ch.ratio == 2.0
+    assert ch.write_wall_s >= ch.write_cpu_s >= 0

@@ -16,8 +16,12 @@ seconds per stored byte (device or link included)::
     wait raw: W - w              compressed: (W - w) / r     (device / link time)
     worker seconds per byte  T = wait + CPU / share
 
-``share``: the CPU a worker can get now (idle cores of the host plus what this worker
-itself uses, at most 1 core, at least 0.05). In order:
+CPU figures are the thread's CPU time (``time.thread_time``); the write's wait is its
+wall time less its CPU and less the time the thread sat runnable in the run queue
+(``/proc/thread-self/schedstat``), so a busy host's scheduling delays are not taken for
+a slow device. ``share``: the CPU share the worker gets while it wants to run (its run
+time over run + run-queue time, from ``schedstat``; where that cannot be read, the
+host's idle cores plus the worker's own use, at most 1), at least 0.05. In order:
 
 1. ``incompressible``: ``r`` below what ``min_gain`` asks -> raw (the encoder would store
    raw frames anyway, after paying for the attempt).
@@ -37,6 +41,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from dataclasses import dataclass
 
@@ -59,10 +64,10 @@ class CostInputs:
 
     ``compress_s``: encoder CPU s per raw byte compressed (split + zstd + CRCs);
     ``raw_s``: per raw byte framed raw (CRC); ``ratio``: raw / stored of compressed
-    frames; ``write_cpu_s`` and ``write_wall_s``: the tier's write, CPU of this process
-    and wall, per stored byte; ``idle_cores``: idle cores of the host (others' load
-    excluded, this worker's own use not counted as busy); ``own_cores``: cores this
-    worker uses; ``behind``: the worker holds more store work than ``_HURRY_BYTES``;
+    frames; ``write_cpu_s`` and ``write_wall_s``: the tier's write per stored byte, CPU of
+    this thread and wall less run-queue time; ``idle_cores``: idle cores of the host;
+    ``share``: the CPU share (0..1) the worker gets while it wants to run;
+    ``behind``: the worker holds more store work than ``_HURRY_BYTES``;
     ``min_gain``: the codec config's; ``busy_idle_cores``: idle cores below which the
     host counts as busy; ``prefer_compress``: the margin by which compressing may be
     slower and still be chosen.
@@ -74,7 +79,7 @@ class CostInputs:
     write_cpu_s: float | None
     write_wall_s: float | None
     idle_cores: float
-    own_cores: float
+    share: float
     behind: bool
     min_gain: float = 0.05
     busy_idle_cores: float = 0.5
@@ -98,7 +103,7 @@ def worker_seconds(i: CostInputs) -> tuple[float, float]:
     """``(T_raw, T_compressed)``: worker seconds per raw byte of each option (module
     docstring). Needs every rate measured."""
     r = i.ratio
-    share = min(1.0, max(0.05, i.idle_cores + i.own_cores))
+    share = min(1.0, max(0.05, i.share))
     wait = max(0.0, i.write_wall_s - i.write_cpu_s)
     t_raw = wait + ((i.raw_s or 0.0) + i.write_cpu_s) / share
     t_z = wait / r + (i.compress_s + i.write_cpu_s / r) / share
@@ -121,20 +126,40 @@ def _ema(old: float | None, new: float) -> float:
     return new if old is None else old + _ALPHA * (new - old)
 
 
+def _schedstat(fd: int | None) -> tuple[int, int] | None:
+    """(run ns, run-queue wait ns) of a thread from its open ``schedstat`` file."""
+    if fd is None:
+        return None
+    try:
+        f = os.pread(fd, 64, 0).split()
+        return int(f[0]), int(f[1])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _open_schedstat(path: str) -> int | None:
+    try:
+        return os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    except OSError:
+        return None
+
+
 class HostCpu:
-    """Idle cores of the host and cores this process uses, from ``/proc/stat`` and
-    ``getrusage`` deltas between samples at least ``_HOST_EVERY_S`` apart. Where
-    ``/proc/stat`` cannot be read, the host counts as idle (the decision then rests on
-    the backlog, as before)."""
+    """Idle cores of the host (``/proc/stat``) and the CPU share this process's main
+    thread gets while it wants to run (``/proc/self/schedstat``: run time over run +
+    run-queue time), from deltas between samples at least ``_HOST_EVERY_S`` apart (the
+    first 0.05 s after construction). Where ``/proc/stat`` cannot be read the host counts
+    as idle; where ``schedstat`` cannot, the share is idle cores + own use, at most 1."""
 
     def __init__(self) -> None:
         self.idle_cores = float(os.cpu_count() or 1)
-        self.own_cores = 0.0
-        self._last = self._sample()
+        self.share = 1.0
         self._tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+        self._sched_fd = _open_schedstat("/proc/self/schedstat")
+        self._last = self._sample()
+        self._every = 0.05  # the first sample soon, then every _HOST_EVERY_S
 
-    @staticmethod
-    def _sample() -> tuple[float, float | None, float]:
+    def _sample(self) -> tuple:
         idle = None
         try:
             with open("/proc/stat", "rb") as f:
@@ -142,29 +167,36 @@ class HostCpu:
             idle = float(int(fields[4]) + int(fields[5]))  # idle + iowait, in ticks
         except (OSError, ValueError, IndexError):
             pass
-        return time.monotonic(), idle, time.process_time()
+        return time.monotonic(), idle, time.process_time(), _schedstat(self._sched_fd)
 
     def update(self) -> None:
         now = time.monotonic()
-        if now - self._last[0] < _HOST_EVERY_S:
+        if now - self._last[0] < self._every:
             return
-        t, idle, own = self._sample()
-        t0, idle0, own0 = self._last
-        self._last = (t, idle, own)
+        self._every = _HOST_EVERY_S
+        t, idle, own, sched = self._sample()
+        t0, idle0, own0, sched0 = self._last
+        self._last = (t, idle, own, sched)
         dt = t - t0
         if dt <= 0:
             return
-        self.own_cores = max(0.0, (own - own0) / dt)
         if idle is not None and idle0 is not None:
             self.idle_cores = max(0.0, (idle - idle0) / self._tick / dt)
+        if sched is not None and sched0 is not None:
+            run, wait = sched[0] - sched0[0], sched[1] - sched0[1]
+            if run + wait > 5_000_000:  # it wanted to run for 5 ms at least: a figure
+                self.share = run / (run + wait)
+        else:
+            self.share = min(1.0, self.idle_cores + max(0.0, (own - own0) / dt))
 
 
 class CodecChooser:
     """Measures a tier's rates in one worker and applies :func:`choose` (mode "auto").
 
-    The write path calls :meth:`compress_next` before encoding a chunk, then
-    :meth:`note_encode` with the encoder's stats and :meth:`note_write` with what the
-    write cost. ``decision`` and ``inputs`` are the last ones (exported by the backend's
+    The write path calls :meth:`compress_next` before encoding a chunk, :meth:`clock`
+    before the encode and before the write, and :meth:`note_encode` and
+    :meth:`note_write` after each with that clock (per thread: the obj backend's I/O
+    threads each keep theirs). ``decision`` and ``inputs`` are the last ones (exported by the backend's
     counters and one INFO line per change). ``tier``: a name for the log line.
     """
 
@@ -180,6 +212,7 @@ class CodecChooser:
         self.decision: Decision | None = None
         self.inputs: CostInputs | None = None
         self.changes = 0
+        self._tls = threading.local()  # per thread: its schedstat descriptor
         self._raw_run = 0
         self._logged: bool | None = None  # the choice the last INFO line announced
         self._logged_at = -_LOG_EVERY_S
@@ -188,7 +221,7 @@ class CodecChooser:
         """Whether to compress the next chunk (a raw choice is probed now and then)."""
         self.host.update()
         i = CostInputs(self.compress_s, self.raw_s, self.ratio, self.write_cpu_s,
-                       self.write_wall_s, self.host.idle_cores, self.host.own_cores, behind,
+                       self.write_wall_s, self.host.idle_cores, self.host.share, behind,
                        self.min_gain)
         d = choose(i)
         self.inputs = i
@@ -204,21 +237,52 @@ class CodecChooser:
         self._raw_run += 1
         return self._raw_run % PROBE_EVERY == 0  # a probe keeps the rates measured
 
+    def clock(self) -> tuple:
+        """Now, for :meth:`note_encode` / :meth:`note_write`: (wall, thread CPU, the
+        thread's run-queue ns or None)."""
+        fd = getattr(self._tls, "fd", -1)
+        if fd == -1:
+            fd = self._tls.fd = _open_schedstat("/proc/thread-self/schedstat")
+        st = _schedstat(fd)
+        return time.perf_counter(), time.thread_time(), None if st is None else st[1]
+
+    def _spent(self, since: tuple) -> tuple[float, float]:
+        """(thread CPU s, wall s less run-queue time) since ``since``."""
+        now = self.clock()
+        cpu = now[1] - since[1]
+        wall = now[0] - since[0]
+        if now[2] is not None and since[2] is not None:
+            wall -= (now[2] - since[2]) / 1e9
+        return cpu, max(wall, cpu)
+
     def note_encode(self, compressed_attempt: bool, raw_bytes: int, stored_bytes: int,
-                    seconds: float) -> None:
+                    since: tuple) -> None:
+        """One encode of ``raw_bytes`` into a frame of ``stored_bytes``, begun at
+        ``since`` (:meth:`clock`); a compressed attempt (whatever codec it ended with)
+        measures the codec and the ratio, a raw frame the CRC."""
+        self.add_encode(compressed_attempt, raw_bytes, stored_bytes, self._spent(since)[0])
+
+    def add_encode(self, compressed_attempt: bool, raw_bytes: int, stored_bytes: int,
+                   cpu: float) -> None:
+        """:meth:`note_encode` with the encode's CPU seconds given."""
         if raw_bytes <= 0:
             return
         if compressed_attempt:
-            self.compress_s = _ema(self.compress_s, seconds / raw_bytes)
+            self.compress_s = _ema(self.compress_s, cpu / raw_bytes)
             self.ratio = _ema(self.ratio, raw_bytes / max(1, stored_bytes))
         else:
-            self.raw_s = _ema(self.raw_s, seconds / raw_bytes)
+            self.raw_s = _ema(self.raw_s, cpu / raw_bytes)
 
-    def note_write(self, stored_bytes: int, cpu_s: float, wall_s: float) -> None:
+    def note_write(self, stored_bytes: int, since: tuple) -> None:
+        """One write of ``stored_bytes`` to the tier, begun at ``since``."""
+        self.add_write(stored_bytes, *self._spent(since))
+
+    def add_write(self, stored_bytes: int, cpu: float, wall: float) -> None:
+        """:meth:`note_write` with the write's CPU and wall (less run-queue) seconds."""
         if stored_bytes <= 0:
             return
-        self.write_cpu_s = _ema(self.write_cpu_s, cpu_s / stored_bytes)
-        self.write_wall_s = _ema(self.write_wall_s, max(wall_s, cpu_s) / stored_bytes)
+        self.write_cpu_s = _ema(self.write_cpu_s, cpu / stored_bytes)
+        self.write_wall_s = _ema(self.write_wall_s, wall / stored_bytes)
 
     def _log(self, d: Decision, i: CostInputs) -> None:
         now = time.monotonic()
@@ -231,9 +295,9 @@ class CodecChooser:
 
         logger.info(
             "tier %s: compression %s (%s): codec %s GB/s per core, ratio %s, write %s GB/s "
-            "(CPU %s GB/s), host idle %.2f cores, worker %.2f cores, behind %s; worker s/GB "
+            "(CPU %s GB/s), host idle %.2f cores, CPU share %.2f, behind %s; worker s/GB "
             "raw %s compressed %s", self.tier, "on" if d.compress else "off", d.reason,
             gbps(i.compress_s), "?" if i.ratio is None else f"{i.ratio:.2f}",
-            gbps(i.write_wall_s), gbps(i.write_cpu_s), i.idle_cores, i.own_cores, i.behind,
+            gbps(i.write_wall_s), gbps(i.write_cpu_s), i.idle_cores, i.share, i.behind,
             "?" if d.t_raw is None else f"{d.t_raw * 1e9:.2f}",
             "?" if d.t_compressed is None else f"{d.t_compressed * 1e9:.2f}")

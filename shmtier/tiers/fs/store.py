@@ -131,6 +131,8 @@ class ChunkWriter:
                         continue
                 compress = chooser is None or chooser.compress_next(hurry)
                 encoder = self._encoder if compress else self._raw_encoder
+                if chooser is not None:
+                    since = chooser.clock()
                 parts, est = encoder.encode(a[row, :chunk_bytes].data, key, self.element_size)
                 if not compress:
                     if hurry:
@@ -138,8 +140,8 @@ class ChunkWriter:
                     else:
                         c.stores_raw_by_cost += 1
                 if chooser is not None:
-                    chooser.note_encode(compress, est.raw_bytes, est.stored_bytes, est.seconds)
-                    tw, cw = time.perf_counter(), time.thread_time()
+                    chooser.note_encode(compress, est.raw_bytes, est.stored_bytes, since)
+                    since = chooser.clock()
                 codec_s += est.seconds
                 size = est.stored_bytes
                 if self.max_bytes is not None and used - old_size + size > self.max_bytes:
@@ -159,7 +161,7 @@ class ChunkWriter:
                         fail_rest = failure
                     continue
                 if chooser is not None:
-                    chooser.note_write(size, time.thread_time() - cw, time.perf_counter() - tw)
+                    chooser.note_write(size, since)
                 res.set(i, Outcome.OK)
                 res.logical_bytes[i] = est.raw_bytes
                 res.stored_bytes[i] = size

@@ -388,11 +388,12 @@ class ObjBackend(TierBackend):
         t = time.perf_counter()
         codec = self._codec()
         encoder = codec.raw_encoder if note else codec.encoder
+        chooser = self.chooser
+        since = chooser.clock() if chooser is not None else None
         parts, est = encoder.encode(raw, key, self.element_size)
         size = est.stored_bytes
-        chooser = self.chooser
         if chooser is not None:
-            chooser.note_encode(not note, est.raw_bytes, size, est.seconds)
+            chooser.note_encode(not note, est.raw_bytes, size, since)
         if self.max_bytes is not None:
             with self._lock:
                 if budget[0] + size > self.max_bytes:
@@ -400,7 +401,7 @@ class ObjBackend(TierBackend):
                                     codec_s=est.seconds, note=note)
                 budget[0] += size
         body = b"".join(parts)  # parts may be views of the encoder's scratch: copied here
-        tw, cw = time.perf_counter(), time.thread_time()
+        since = chooser.clock() if chooser is not None else None
         try:
             self.client.put_object(Bucket=self.bucket, Key=self.object_key(key), Body=body)
         except Exception as e:
@@ -410,7 +411,7 @@ class ObjBackend(TierBackend):
             return _KeyDone(Outcome.ERROR, f"{error_detail(e)} (put)",
                             seconds=time.perf_counter() - t, codec_s=est.seconds, note=note)
         if chooser is not None:
-            chooser.note_write(size, time.thread_time() - cw, time.perf_counter() - tw)
+            chooser.note_write(size, since)
         return _KeyDone(Outcome.OK, "", est.raw_bytes, size, time.perf_counter() - t,
                         est.seconds, note)
 
