@@ -196,8 +196,9 @@ class CodecChooser:
     The write path calls :meth:`compress_next` before encoding a chunk, :meth:`clock`
     before the encode and before the write, and :meth:`note_encode` and
     :meth:`note_write` after each with that clock (per thread: the obj backend's I/O
-    threads each keep theirs). ``decision`` and ``inputs`` are the last ones (exported by the backend's
-    counters and one INFO line per change). ``tier``: a name for the log line.
+    threads each keep theirs). ``decision`` and ``inputs`` are the last ones (exported
+    as ``ResultFlag.COMPRESSION_OFF`` on store answers and one INFO line per change).
+    ``tier``: a name for the log line.
     """
 
     def __init__(self, tier: str, min_gain: float, *, host: HostCpu | None = None) -> None:

@@ -194,8 +194,10 @@ class FsBackend(TierBackend):
         ... (namespace)"``). ``bytes_in_use``: the
         scheduler's count of the tier's stored bytes, for the ``max_bytes`` check (else
         this process's ``counters.bytes_on_disk``). ``hurry``: the worker is behind; in
-        codec mode ``auto`` the chunks are stored as raw frames (checksummed, not
-        compressed; counted in ``stores_raw_hurried``). A key's seconds cover its stat,
+        codec mode ``auto`` that is one input of compression by cost
+        (``shared/codec_choice.py``), which may then store raw frames (checksummed, not
+        compressed; counted in ``stores_raw_hurried``, or ``stores_raw_by_cost`` when
+        not behind). A key's seconds cover its stat,
         encode and publish; the batch's free-space query is charged to its first key, a
         directory fsync (``fsync=True``) shared by the keys published in that directory.
         Raises ValueError only for a malformed batch.

@@ -345,8 +345,10 @@ class ObjBackend(TierBackend):
         ``"connection refused (errno 111) (put)"``, ``"read timeout (put)"``... after
         botocore's retries), INVALID. ``bytes_in_use``: the scheduler's count of the
         tier's stored bytes, for the ``max_bytes`` check (else
-        ``counters.bytes_stored``). ``hurry``: in codec mode ``auto`` the chunks are
-        stored as raw frames (counted in ``stores_raw_hurried``). A key's seconds cover
+        ``counters.bytes_stored``). ``hurry``: the worker is behind, an input of
+        compression by cost in codec mode ``auto`` (decided once per batch,
+        ``shared/codec_choice.py``), which may store raw frames (counted in
+        ``stores_raw_hurried``, or ``stores_raw_by_cost`` when not behind). A key's seconds cover
         its encode and its PUT (with retries). Raises ValueError only for a malformed
         batch."""
         a = as_arena(arena)
