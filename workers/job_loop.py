@@ -83,8 +83,9 @@ _BATCH = 128  # jobs taken per wake-up: the whole ring, so a load can overtake t
 _POLL_S = 0.0005
 _POLL_WINDOW_S = 0.25
 # A worker this far behind on stores (chunk bytes of the store jobs it holds, the one in
-# hand included) stores raw frames in codec mode "auto": a waiting cascade keeps its CPU
-# row pinned, and promotions need rows (bench/README.md, "Tier workers behind").
+# hand included) is behind: in codec mode "auto" it then stores whichever of raw and
+# compressed frames costs it less time per byte (shared/codec_choice.py): a waiting cascade
+# keeps its CPU row pinned, and promotions need rows (bench/README.md, "Tier workers behind").
 _HURRY_BYTES = 16 << 20
 
 
