@@ -190,6 +190,28 @@ class HostCpu:
             self.share = min(1.0, self.idle_cores + max(0.0, (own - own0) / dt))
 
 
+_host: HostCpu | None = None
+_host_lock = threading.Lock()
+_threads = threading.local()  # per thread: its open schedstat file (one per thread, kept)
+
+
+def _process_host() -> HostCpu:
+    """The process's one :class:`HostCpu` (every chooser of the process shares it, and
+    its one open descriptor)."""
+    global _host
+    with _host_lock:
+        if _host is None:
+            _host = HostCpu()
+        return _host
+
+
+def _thread_schedstat_fd() -> int | None:
+    fd = getattr(_threads, "fd", -1)
+    if fd == -1:
+        fd = _threads.fd = _open_schedstat("/proc/thread-self/schedstat")
+    return fd
+
+
 class CodecChooser:
     """Measures a tier's rates in one worker and applies :func:`choose` (mode "auto").
 
@@ -204,7 +226,7 @@ class CodecChooser:
     def __init__(self, tier: str, min_gain: float, *, host: HostCpu | None = None) -> None:
         self.tier = tier
         self.min_gain = min_gain
-        self.host = host if host is not None else HostCpu()
+        self.host = host if host is not None else _process_host()
         self.compress_s: float | None = None
         self.raw_s: float | None = None
         self.ratio: float | None = None
@@ -213,8 +235,8 @@ class CodecChooser:
         self.decision: Decision | None = None
         self.inputs: CostInputs | None = None
         self.changes = 0
-        self._tls = threading.local()  # per thread: its schedstat descriptor
         self._raw_run = 0
+        _thread_schedstat_fd()  # the constructing thread's (the fs worker's only one) now
         self._logged: bool | None = None  # the choice the last INFO line announced
         self._logged_at = -_LOG_EVERY_S
 
@@ -241,10 +263,7 @@ class CodecChooser:
     def clock(self) -> tuple:
         """Now, for :meth:`note_encode` / :meth:`note_write`: (wall, thread CPU, the
         thread's run-queue ns or None)."""
-        fd = getattr(self._tls, "fd", -1)
-        if fd == -1:
-            fd = self._tls.fd = _open_schedstat("/proc/thread-self/schedstat")
-        st = _schedstat(fd)
+        st = _schedstat(_thread_schedstat_fd())
         return time.perf_counter(), time.thread_time(), None if st is None else st[1]
 
     def _spent(self, since: tuple) -> tuple[float, float]:
