@@ -15,8 +15,9 @@ Runs in: one tier worker process (spawned by the pool, or started by
                         HANDLERS table), run in slices (8 keys; stores also at most 2 MiB);
                         before each slice of a store: take new jobs from the ring, run
                         their loads at once (a request waits on each), queue the rest;
-                        store raw instead of compressed while the queued store work
-                        exceeds _HURRY_BYTES (codec mode "auto")
+                        tell the backend it is behind while the queued store work
+                        exceeds _HURRY_BYTES (codec mode "auto": an input of
+                        compression by cost, shared/codec_choice.py)
                         results.try_put(encoded result): a store or delete after
                         each slice (more=True but the last), other ops at the end
           every few seconds: owner (scheduler) alive? else exit
@@ -82,8 +83,9 @@ _BATCH = 128  # jobs taken per wake-up: the whole ring, so a load can overtake t
 _POLL_S = 0.0005
 _POLL_WINDOW_S = 0.25
 # A worker this far behind on stores (chunk bytes of the store jobs it holds, the one in
-# hand included) stores raw frames in codec mode "auto": a waiting cascade keeps its CPU
-# row pinned, and promotions need rows (bench/README.md, "Tier workers behind").
+# hand included) is behind: in codec mode "auto" it then stores whichever of raw and
+# compressed frames costs it less time per byte (shared/codec_choice.py): a waiting cascade
+# keeps its CPU row pinned, and promotions need rows (bench/README.md, "Tier workers behind").
 _HURRY_BYTES = 16 << 20
 
 
@@ -308,7 +310,8 @@ class JobRunner:
         slices, beating between them, so a long job on a slow medium is not mistaken for
         a hung worker; yields ``(first key's index, keys, BatchResult)`` per slice. Before
         each slice of a store, loads that reached the ring meanwhile run first, and the
-        slice is stored raw (in codec mode "auto") while the store work held exceeds
+        backend is told it is behind (``hurry``: in codec mode "auto" compression by cost
+        then picks the faster of raw and compressed) while the store work held exceeds
         _HURRY_BYTES. A store slice refused for the free-space floor gets the free bytes
         the worker sees in its detail (``jobs.min_free_detail``)."""
         n = len(job.keys)

@@ -636,6 +636,47 @@ class ChunkDecoder:
             merge(hi, lo, omv)
         return DecodeStats(h.raw_len, fmv.nbytes, time.perf_counter() - t0, h.codec)
 
+    def decode_raw_in_place(self, head: memoryview, key: bytes, out: memoryview,
+                            frame_size: int) -> DecodeStats | None:
+        """Verify a raw frame whose payload was read straight into ``out`` (the
+        destination row: one vectored read of the header into ``head`` and the payload into
+        ``out``, no copy). ``head``: the frame's first ``frame_header_size`` bytes;
+        ``frame_size``: the whole frame's size as read. The same checks as
+        :meth:`decode_into` for a raw frame, in the same order, but ``out`` already holds the
+        payload, so on a :class:`CorruptChunkError` it holds those (unverified) bytes and must
+        not be published. Returns None, checking nothing more, when the header is sound but
+        names another codec (its payload, now in ``out``, is then to be read again and
+        decoded with :meth:`decode_into`)."""
+        t0 = time.perf_counter()
+        hmv = _byte_view(head, what="head")
+        omv = _byte_view(out, writable=True, what="out")
+        h = parse_frame_header(hmv)
+        key = bytes(key)
+        if h.key != key:
+            raise CorruptChunkError("key", f"frame holds key {h.key.hex()}, expected {key.hex()}")
+        hs = h.header_size
+        if hmv.nbytes != hs or frame_size != hs + h.stored_len:
+            raise CorruptChunkError(
+                "length", f"frame has {frame_size} bytes, header says {hs + h.stored_len}")
+        if omv.nbytes != h.raw_len:
+            raise CorruptChunkError(
+                "length", f"destination has {omv.nbytes} bytes, frame holds {h.raw_len}")
+        if bool(h.tag) != (self._mac is not None) and not self._ignore_mac:
+            raise CorruptChunkError("mac", "frame carries a MAC tag this reader has no key "
+                                           "to check" if h.tag else "frame carries no MAC tag")
+        if h.codec != "raw":
+            return None
+        if crc32c(omv) != h.checksum:
+            raise CorruptChunkError("checksum", "raw bytes CRC mismatch")
+        if self._mac is not None:
+            mac = self._mac.copy()
+            mac.update(hmv[:hs - MAC_TAG_BYTES])
+            mac.update(omv)
+            if not hmac.compare_digest(mac.digest(), h.tag):
+                raise CorruptChunkError("mac", "MAC tag does not verify (forged, or written "
+                                               "under another key)")
+        return DecodeStats(h.raw_len, frame_size, time.perf_counter() - t0, h.codec)
+
     def _authenticate(self, fmv: memoryview, h: FrameHeader) -> None:
         """Check the MAC tag of the whole frame ``fmv`` (header ``h``), if this decoder
         has a key: BLAKE2b over the header up to the tag and the payload."""

@@ -142,6 +142,10 @@ class ResultFlag(enum.IntFlag):
     """
 
     NAMESPACE_RESET = 1
+    #: On a store's result: the worker's compression-by-cost choice for the tier
+    #: (codec mode "auto", ``shared/codec_choice.py``) was raw when it answered (the
+    #: scheduler half's gauge ``vllm:kv_offload_shmtier_compression_on``).
+    COMPRESSION_OFF = 2
 
 
 #: Which outcomes count as a success, per op.

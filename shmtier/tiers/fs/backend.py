@@ -194,8 +194,10 @@ class FsBackend(TierBackend):
         ... (namespace)"``). ``bytes_in_use``: the
         scheduler's count of the tier's stored bytes, for the ``max_bytes`` check (else
         this process's ``counters.bytes_on_disk``). ``hurry``: the worker is behind; in
-        codec mode ``auto`` the chunks are stored as raw frames (checksummed, not
-        compressed; counted in ``stores_raw_hurried``). A key's seconds cover its stat,
+        codec mode ``auto`` that is one input of compression by cost
+        (``shared/codec_choice.py``), which may then store raw frames (checksummed, not
+        compressed; counted in ``stores_raw_hurried``, or ``stores_raw_by_cost`` when
+        not behind). A key's seconds cover its stat,
         encode and publish; the batch's free-space query is charged to its first key, a
         directory fsync (``fsync=True``) shared by the keys published in that directory.
         Raises ValueError only for a malformed batch.
@@ -416,8 +418,12 @@ class FsBackend(TierBackend):
     def take_flags(self) -> int:
         """``ResultFlag`` bits raised since the last call (``NAMESPACE_RESET``: the
         namespace directory was removed, replaced or made again, seen by this process;
-        the scheduler half should drop its index of the tier and scan again), cleared."""
+        the scheduler half should drop its index of the tier and scan again), cleared;
+        plus ``COMPRESSION_OFF`` while compression by cost chose raw frames."""
         flags, self._flags = self._flags, 0
+        chooser = self._writer.chooser
+        if chooser is not None and chooser.decision is not None and not chooser.decision.compress:
+            flags |= ResultFlag.COMPRESSION_OFF  # the compression-by-cost choice: raw
         return int(flags)
 
     # ------------------------------------------------------------------ misc

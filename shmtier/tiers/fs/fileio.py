@@ -85,6 +85,25 @@ def pread_full(fd: int, view: memoryview, size: int) -> int:
     return got
 
 
+def pread_full_into(fd: int, head: memoryview, body: memoryview, size: int) -> int:
+    """Read the first ``size`` bytes of the file into ``head`` then ``body`` (one
+    ``preadv`` when the kernel gives it all, as it does for a regular file); the bytes
+    read (fewer only if the file ends early, or if ``size`` exceeds both)."""
+    got = 0
+    hn = head.nbytes
+    size = min(size, hn + body.nbytes)
+    while got < size:
+        if got < hn:
+            bufs = [head[got:], body[:size - hn]]
+        else:
+            bufs = [body[got - hn:size - hn]]
+        n = os.preadv(fd, bufs, got)
+        if n == 0:
+            break
+        got += n
+    return got
+
+
 def write_direct(fd: int, parts, size: int, buf: PageBuffer) -> None:
     """O_DIRECT write of ``parts`` (``size`` bytes) from offset 0: gathered into ``buf``,
     written in whole pages (DMA from that buffer, no page-cache copy; bench/README.md,

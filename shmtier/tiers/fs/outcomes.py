@@ -44,7 +44,8 @@ class FsCounters:
     store_exists: int = 0
     store_full: int = 0
     store_errors: int = 0
-    stores_raw_hurried: int = 0  # stored raw (mode "auto") because the worker was behind
+    stores_raw_hurried: int = 0  # stored raw (mode "auto"): the worker behind, raw cheaper
+    stores_raw_by_cost: int = 0  # stored raw (mode "auto"): a busy host, raw cheaper
     load_missing: int = 0
     load_errors: int = 0
     corrupt_files_detected: int = 0

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from shmtier.shared.codec import ChunkEncoder, CompressionConfig
+from shmtier.shared.codec_choice import CodecChooser
 from shmtier.tiers.backend import BatchResult, Outcome, as_arena, check_batch, row_problem
 from shmtier.tiers.fs.fileio import (
     O_DIRECT,
@@ -68,15 +69,16 @@ class ChunkWriter:
         self._encoder = ChunkEncoder(self.codec_config, mac_key=self.mac_key)
         self._raw_encoder = ChunkEncoder(CompressionConfig(mode="none"), mac_key=self.mac_key)
         self._wbuf = PageBuffer(doubling=False)  # reusable O_DIRECT write buffer
+        # mode "auto": compress or not by measured cost (shared/codec_choice.py)
+        self.chooser = (CodecChooser(f"fs {self.ns.root_dir}", self.codec_config.min_gain)
+                        if self.codec_config.mode == "auto" else None)
 
     def store(self, keys: Sequence[bytes], rows: Sequence[int], arena, chunk_bytes: int, *,
               skip_existing: bool, bytes_in_use: int | None, hurry: bool,
               blocked: OSError | None = None) -> BatchResult:
         """``FsBackend.store`` (its docstring is the contract). ``blocked``: why the
         namespace cannot be written now (``Namespace.sync``): every valid key fails so."""
-        encoder = self._encoder
-        if hurry and self.codec_config.mode == "auto":
-            encoder = self._raw_encoder
+        chooser = self.chooser
         a = as_arena(arena)
         check_batch(keys, rows, a, chunk_bytes)
         n = len(keys)
@@ -127,9 +129,19 @@ class ChunkWriter:
                         res.stored_bytes[i] = old_size
                         c.store_exists += 1
                         continue
+                compress = chooser is None or chooser.compress_next(hurry)
+                encoder = self._encoder if compress else self._raw_encoder
+                if chooser is not None:
+                    since = chooser.clock()
                 parts, est = encoder.encode(a[row, :chunk_bytes].data, key, self.element_size)
-                if encoder is not self._encoder:
-                    c.stores_raw_hurried += 1
+                if not compress:
+                    if hurry:
+                        c.stores_raw_hurried += 1
+                    else:
+                        c.stores_raw_by_cost += 1
+                if chooser is not None:
+                    chooser.note_encode(compress, est.raw_bytes, est.stored_bytes, since)
+                    since = chooser.clock()
                 codec_s += est.seconds
                 size = est.stored_bytes
                 if self.max_bytes is not None and used - old_size + size > self.max_bytes:
@@ -148,6 +160,8 @@ class ChunkWriter:
                     if code in _FS_WIDE:
                         fail_rest = failure
                     continue
+                if chooser is not None:
+                    chooser.note_write(size, since)
                 res.set(i, Outcome.OK)
                 res.logical_bytes[i] = est.raw_bytes
                 res.stored_bytes[i] = size

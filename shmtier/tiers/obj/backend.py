@@ -40,6 +40,8 @@ from shmtier.shared.codec import (
     frame_header_size,
     mac_key_id,
 )
+from shmtier.shared.codec_choice import CodecChooser
+from shmtier.shared.jobs import ResultFlag
 from shmtier.tiers.backend import (
     BatchResult,
     Outcome,
@@ -86,7 +88,8 @@ class ObjCounters:
     objects_deleted: int = 0  # keys a DeleteObjects reported deleted
     store_full: int = 0  # REJECTED "max_bytes"
     store_errors: int = 0
-    stores_raw_hurried: int = 0  # stored raw (mode "auto") because the worker was behind
+    stores_raw_hurried: int = 0  # stored raw (mode "auto"): the worker behind, raw cheaper
+    stores_raw_by_cost: int = 0  # stored raw (mode "auto"): a busy host, raw cheaper
     load_missing: int = 0
     load_errors: int = 0
     corrupt_objects_detected: int = 0
@@ -185,6 +188,11 @@ class ObjBackend(TierBackend):
         self.max_bytes = max_bytes
         self._mac_key = mac_key
         self.counters = ObjCounters()
+        # mode "auto": compress or not by measured cost (shared/codec_choice.py), decided
+        # once per store batch; its rates are measured by the I/O threads (EMAs of floats:
+        # a lost update under the GIL only delays a measurement)
+        self.chooser = (CodecChooser(f"obj {bucket}", self.codec_config.min_gain)
+                        if self.codec_config.mode == "auto" else None)
         self._bx = import_boto3()[2]
         self._local = _Thread()
         self._lock = threading.Lock()  # the max_bytes reservations of a store batch
@@ -337,8 +345,10 @@ class ObjBackend(TierBackend):
         ``"connection refused (errno 111) (put)"``, ``"read timeout (put)"``... after
         botocore's retries), INVALID. ``bytes_in_use``: the scheduler's count of the
         tier's stored bytes, for the ``max_bytes`` check (else
-        ``counters.bytes_stored``). ``hurry``: in codec mode ``auto`` the chunks are
-        stored as raw frames (counted in ``stores_raw_hurried``). A key's seconds cover
+        ``counters.bytes_stored``). ``hurry``: the worker is behind, an input of
+        compression by cost in codec mode ``auto`` (decided once per batch,
+        ``shared/codec_choice.py``), which may store raw frames (counted in
+        ``stores_raw_hurried``, or ``stores_raw_by_cost`` when not behind). A key's seconds cover
         its encode and its PUT (with retries). Raises ValueError only for a malformed
         batch."""
         a = as_arena(arena)
@@ -348,7 +358,8 @@ class ObjBackend(TierBackend):
         if self._config_pending:
             self._retry_config()
         c = self.counters
-        raw = hurry and self.codec_config.mode == "auto"
+        raw = self.chooser is not None and not self.chooser.compress_next(hurry)
+        note = "raw" if hurry else "raw by cost"
         budget = [c.bytes_stored if bytes_in_use is None else int(bytes_in_use)]
         items = []
         for i in range(n):
@@ -356,11 +367,14 @@ class ObjBackend(TierBackend):
             if bad is not None:
                 res.set(i, Outcome.INVALID, bad)
             else:
-                items.append((i, bytes(keys[i]), a[rows[i], :chunk_bytes].data, raw, budget))
+                items.append((i, bytes(keys[i]), a[rows[i], :chunk_bytes].data,
+                              note if raw else "", budget))
         for (i, *_), done in zip(items, self._each(self._store_one, items)):
             self._record(res, i, done)
             if done.note == "raw":
                 c.stores_raw_hurried += 1
+            elif done.note == "raw by cost":
+                c.stores_raw_by_cost += 1
             if done.outcome is Outcome.OK:
                 c.objects_written += 1
                 c.bytes_written += done.stored
@@ -371,14 +385,17 @@ class ObjBackend(TierBackend):
                 c.store_errors += 1
         return res
 
-    def _store_one(self, i: int, key: bytes, raw: memoryview, hurried: bool,
+    def _store_one(self, i: int, key: bytes, raw: memoryview, note: str,
                    budget: list[int]) -> _KeyDone:
         t = time.perf_counter()
         codec = self._codec()
-        encoder = codec.raw_encoder if hurried else codec.encoder
+        encoder = codec.raw_encoder if note else codec.encoder
+        chooser = self.chooser
+        since = chooser.clock() if chooser is not None else None
         parts, est = encoder.encode(raw, key, self.element_size)
         size = est.stored_bytes
-        note = "raw" if hurried else ""
+        if chooser is not None:
+            chooser.note_encode(not note, est.raw_bytes, size, since)
         if self.max_bytes is not None:
             with self._lock:
                 if budget[0] + size > self.max_bytes:
@@ -386,6 +403,7 @@ class ObjBackend(TierBackend):
                                     codec_s=est.seconds, note=note)
                 budget[0] += size
         body = b"".join(parts)  # parts may be views of the encoder's scratch: copied here
+        since = chooser.clock() if chooser is not None else None
         try:
             self.client.put_object(Bucket=self.bucket, Key=self.object_key(key), Body=body)
         except Exception as e:
@@ -394,6 +412,8 @@ class ObjBackend(TierBackend):
                     budget[0] -= size
             return _KeyDone(Outcome.ERROR, f"{error_detail(e)} (put)",
                             seconds=time.perf_counter() - t, codec_s=est.seconds, note=note)
+        if chooser is not None:
+            chooser.note_write(size, since)
         return _KeyDone(Outcome.OK, "", est.raw_bytes, size, time.perf_counter() - t,
                         est.seconds, note)
 
@@ -625,6 +645,11 @@ class ObjBackend(TierBackend):
         res.stored_bytes[i] = done.stored
         res.seconds[i] += done.seconds
         res.codec_seconds += done.codec_s
+
+    def take_flags(self) -> int:
+        """``ResultFlag.COMPRESSION_OFF`` while compression by cost chose raw frames."""
+        d = self.chooser.decision if self.chooser is not None else None
+        return int(ResultFlag.COMPRESSION_OFF) if d is not None and not d.compress else 0
 
     def close(self) -> None:
         """Stop the thread pool (waiting for requests in flight, which end within the

@@ -118,6 +118,7 @@ POOL_BROKEN = "vllm:kv_offload_shmtier_worker_pool_broken"
 PROBED_KEYS = "vllm:kv_offload_shmtier_lookup_probed_keys"
 PROBE_HITS = "vllm:kv_offload_shmtier_lookup_probe_hits"
 PROBES_EXPIRED = "vllm:kv_offload_shmtier_lookup_probes_expired"
+COMPRESSION_ON = "vllm:kv_offload_shmtier_compression_on"
 
 
 class _Cascade:
@@ -219,6 +220,7 @@ class StorageTierManager(SecondaryTierManager):
         self._index_complete = False
         self._broken = False  # the pool is broken: MISS, and fail jobs at once
         self.namespace_resets = 0  # results flagged NAMESPACE_RESET (each worker's, each change)
+        self._compression_on = True  # last store result without COMPRESSION_OFF
 
     # --- byte counts ---
 
@@ -539,6 +541,8 @@ class StorageTierManager(SecondaryTierManager):
                 continue
             op, what = carried
             if op == "store":
+                # the workers' compression-by-cost choice, as of this answer
+                self._compression_on = not res.flags & ResultFlag.COMPRESSION_OFF
                 self._finish_stores(res, what)
             elif op == "load":
                 start = 0
@@ -902,6 +906,7 @@ class StorageTierManager(SecondaryTierManager):
             self._expired_seen = expired
         stats.set_gauge(RING_DEPTH, self._pool.queued_jobs(), (self._label,))
         stats.set_gauge(POOL_BROKEN, int(self._broken), (self._label,))
+        stats.set_gauge(COMPRESSION_ON, int(self._compression_on), (self._label,))
         return stats
 
     @classmethod
@@ -926,6 +931,11 @@ class StorageTierManager(SecondaryTierManager):
             POOL_BROKEN: metrics.GaugeMetadata(
                 "1 once the tier workers failed to start repeatedly (the tier then answers "
                 "MISS and fails its jobs at once; the log says why), else 0.", t),
+            COMPRESSION_ON: metrics.GaugeMetadata(
+                "1 while the tier workers compress what they store, 0 while compression by "
+                "cost (compression \"auto\") has them store raw frames (as of the last "
+                "store answered; each change and its measured inputs are logged by the "
+                "worker at INFO).", t),
             RING_DEPTH: metrics.GaugeMetadata(
                 "Jobs waiting in the tier workers' job rings (all tiers share the pool).", t),
         }
