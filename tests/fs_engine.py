@@ -80,6 +80,34 @@ class Engine:
                 m.complete_store(out.keys_to_store, ctx)
         return out
 
+    def load(self, keys, ctx, dst):
+        """Load ``keys`` (all HIT in the CPU tier for ``ctx``) into GPU blocks ``dst`` and
+        finish ``ctx``; rank 0's blocks ``dst`` afterwards."""
+        with self.manager.lock:
+            spec = self.manager.prepare_load(keys, ctx)
+        for cache in self.caches:
+            cache[dst] = 0
+        self.copy("load", spec, dst)
+        with self.manager.lock:
+            self.manager.complete_load(keys, ctx)
+            self.manager.on_request_finished(ctx)
+        return self.caches[0][dst]
+
+    def answers_while(self, other, keys, ctx, timeout_s=20.0):
+        """This engine's answers for ``keys``, asked once per step until none is PENDING
+        or RETRY, while engine ``other`` steps too (its cascades and evictions go on)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            with other.manager.lock:
+                other.manager.on_schedule_end(END)
+            with self.manager.lock:
+                answers = [self.manager.lookup(k, ctx) for k in keys]
+                self.manager.on_schedule_end(END)
+            if PENDING not in answers and RETRY not in answers:
+                return answers
+            assert time.monotonic() < deadline, answers
+            time.sleep(0.002)
+
     def settle(self, timeout_s=20.0):
         deadline = time.monotonic() + timeout_s
         while True:

@@ -19,19 +19,6 @@ def _fs(engine):
     return engine.manager.tiers[0]
 
 
-def _load(engine, keys, ctx, dst):
-    """Load ``keys`` (all HIT in the CPU tier) into GPU blocks ``dst``; the blocks."""
-    with engine.manager.lock:
-        spec = engine.manager.prepare_load(keys, ctx)
-    for cache in engine.caches:
-        cache[dst] = 0
-    engine.copy("load", spec, dst)
-    with engine.manager.lock:
-        engine.manager.complete_load(keys, ctx)
-        engine.manager.on_request_finished(ctx)
-    return engine.caches[0][dst]
-
-
 def test_an_engine_promotes_chunks_another_stored_after_it_started(engines, tmp_path):
     b = engines(tmp_path, chunks=40)
     b.settle()  # B's listing of the (empty) root has landed: B knows of no chunk
@@ -43,7 +30,7 @@ def test_an_engine_promotes_chunks_another_stored_after_it_started(engines, tmp_
     ctx = ReqContext("b")
     seen = b.until_hit(keys, ctx)
     assert seen[0] == [RETRY] * 32  # unknown to B's index: probed first
-    got = _load(b, keys, ctx, list(range(40, 72)))
+    got = b.load(keys, ctx, list(range(40, 72)))
     assert torch.equal(got, a.originals[0][:32])  # byte-exact, from A's files
     data = b.manager.get_stats().data["data"]
     assert data[fs_tier.PROBE_HITS][("1:fs",)] == 32
@@ -89,28 +76,12 @@ def test_a_corrupt_file_is_a_miss_on_both_engines(engines, tmp_path):
         ctx = ReqContext(f"r{base}")
         answers = engine.answers_settled(keys, ctx)
         assert answers == [MISS, HIT, HIT, HIT], answers
-        got = _load(engine, keys[1:], ctx, list(range(base, base + 3)))
+        got = engine.load(keys[1:], ctx, list(range(base, base + 3)))
         assert torch.equal(got, a.originals[0][1:4])
     assert not victim.exists()
     total = sum(engine.manager.get_stats().data["data"].get(fs_tier.CORRUPT_CHUNKS, {})
                 .get(("1:fs",), 0) for engine in (a, b))
     assert total == 1  # found corrupt once (by B), then gone for A: a plain MISS
-
-
-def _answers_while_other_steps(engine, other, keys, ctx, timeout_s=20.0):
-    """``engine``'s answers for ``keys``, asked once per step until none is PENDING or
-    RETRY, while ``other`` steps too (its cascades and evictions go on meanwhile)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        with other.manager.lock:
-            other.manager.on_schedule_end(END)
-        with engine.manager.lock:
-            answers = [engine.manager.lookup(k, ctx) for k in keys]
-            engine.manager.on_schedule_end(END)
-        if PENDING not in answers and RETRY not in answers:
-            return answers
-        assert time.monotonic() < deadline, answers
-        time.sleep(0.002)
 
 
 def test_an_engine_evicting_files_while_another_loads_them_never_gives_wrong_bytes(
@@ -130,12 +101,12 @@ def test_an_engine_evicting_files_while_another_loads_them_never_gives_wrong_byt
         a.offload([key(5000 + 4 * rnd + i) for i in range(4)], GPU_BLOCKS - 8, ReqContext("x"))
         recent = list(blocks)[-8:]  # some evicted by A's max_bytes already, or about to be
         ctx = ReqContext(f"b{rnd}")
-        answers = _answers_while_other_steps(b, a, recent, ctx)
+        answers = b.answers_while(a, recent, ctx)
         hits = [k for k, ans in zip(recent, answers) if ans is HIT]
         missed += len(recent) - len(hits)
         if hits:
             dst = list(range(GPU_BLOCKS - 40, GPU_BLOCKS - 40 + len(hits)))
-            got = _load(b, hits, ctx, dst)
+            got = b.load(hits, ctx, dst)
             for row, k in zip(got, hits):
                 assert torch.equal(row, a.originals[0][blocks[k]]), "wrong bytes served"
             loaded += len(hits)

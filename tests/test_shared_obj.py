@@ -24,18 +24,6 @@ def obj(server, bucket, **options):
     return {"tier_type": "obj", "store_config": server.store_config(bucket), **options}
 
 
-def _load(engine, keys, ctx, dst):
-    with engine.manager.lock:
-        spec = engine.manager.prepare_load(keys, ctx)
-    for cache in engine.caches:
-        cache[dst] = 0
-    engine.copy("load", spec, dst)
-    with engine.manager.lock:
-        engine.manager.complete_load(keys, ctx)
-        engine.manager.on_request_finished(ctx)
-    return engine.caches[0][dst]
-
-
 def _objects(server, bucket) -> dict[str, int]:
     client = server.client()
     try:
@@ -87,7 +75,7 @@ def test_an_engine_promotes_chunks_another_stored_in_the_bucket(engines, tmp_pat
     ctx = ReqContext("b")
     seen = b.until_hit(keys, ctx)
     assert seen[0] == [RETRY] * 16  # HEAD in B's workers first
-    assert torch.equal(_load(b, keys, ctx, list(range(40, 56))), a.originals[0][:16])
+    assert torch.equal(b.load(keys, ctx, list(range(40, 56))), a.originals[0][:16])
     data = b.manager.get_stats().data["data"]
     assert data[storage_tier.PROBE_HITS][LABEL] == 16
 
@@ -112,7 +100,7 @@ def test_a_corrupt_object_is_a_miss_on_both_engines(engines, tmp_path, seaweedfs
     for engine in (b, a):
         ctx = ReqContext(f"r{id(engine)}")
         assert engine.answers_settled(keys, ctx) == [MISS, HIT, HIT, HIT]
-        assert torch.equal(_load(engine, keys[1:], ctx, [40, 41, 42]), a.originals[0][1:4])
+        assert torch.equal(engine.load(keys[1:], ctx, [40, 41, 42]), a.originals[0][1:4])
     assert name not in _objects(seaweedfs_s3, bucket)  # deleted by the engine that found it
 
 
@@ -132,21 +120,11 @@ def test_an_engine_deleting_objects_while_another_loads_them_never_gives_wrong_b
         a.offload([key(5000 + 4 * rnd + i) for i in range(4)], GPU_BLOCKS - 8, ReqContext("x"))
         recent = list(blocks)[-8:]
         ctx = ReqContext(f"b{rnd}")
-        deadline = time.monotonic() + 20
-        while True:  # B looks up while A's cascades evict (delete) objects
-            with a.manager.lock:
-                a.manager.on_schedule_end(END)
-            with b.manager.lock:
-                answers = [b.manager.lookup(k, ctx) for k in recent]
-                b.manager.on_schedule_end(END)
-            if PENDING not in answers and RETRY not in answers:
-                break
-            assert time.monotonic() < deadline
-            time.sleep(0.002)
+        answers = b.answers_while(a, recent, ctx)  # A's cascades evict objects meanwhile
         hits = [k for k, ans in zip(recent, answers) if ans is HIT]
         missed += len(recent) - len(hits)
         if hits:
-            got = _load(b, hits, ctx, list(range(48, 48 + len(hits))))
+            got = b.load(hits, ctx, list(range(48, 48 + len(hits))))
             for row, k in zip(got, hits):
                 assert torch.equal(row, a.originals[0][blocks[k]]), "wrong bytes served"
             loaded += len(hits)
