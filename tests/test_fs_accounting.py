@@ -321,8 +321,19 @@ def test_workers_killed_at_random_keep_the_bound_and_the_count(engines, tmp_path
             while time.monotonic() < until:
                 step(e)
                 time.sleep(0.002)
-            healthy = [i for i, s in enumerate(pool.worker_states()) if s is WorkerState.HEALTHY]
-            if healthy and rng.random() < 0.6:
+            if rng.random() >= 0.6:
+                e.settle(timeout_s=30)
+                continue
+            # a worker killed in an earlier round may still be restarting: wait for one up
+            deadline = time.monotonic() + 10
+            while True:
+                healthy = [i for i, s in enumerate(pool.worker_states())
+                           if s is WorkerState.HEALTHY]
+                if healthy or time.monotonic() > deadline:
+                    break
+                step(e)
+                time.sleep(0.005)
+            if healthy:
                 proc = pool._procs[rng.choice(healthy)]
                 if proc is not None and proc.poll() is None:
                     os.kill(proc.pid, signal.SIGKILL)
