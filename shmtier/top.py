@@ -5,7 +5,9 @@ Runs in: the ``shmtier`` CLI's process. Reads segments only through
 ``top`` may refresh at any rate without slowing an engine. ``top`` redraws with plain
 ANSI escapes (no curses, no extra dependency); ``--once`` prints one frame (two samples
 ``--interval`` apart, for the rates) and ``--json`` prints data instead of text (one JSON
-object per frame, one per line when live).
+object per frame, one per line when live). An engine with a ``p2p`` tier also shows its
+endpoint's sessions (``shmtier.tiers.p2p.status``: a status file the endpoint rewrites
+each second; no socket is touched).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import time
 
 from shmtier.shared.segment import human_bytes
 from shmtier.shared.snapshot import Snapshot, snapshot, snapshots
+from shmtier.tiers.p2p.status import p2p_sessions
 
 # What the segment does not hold (shown once under the frame, and in --json as "absent").
 ABSENT = ("hit rates, bytes per tier and backpressure drops are the scheduler's "
@@ -83,6 +86,7 @@ def frame_data(cur: Snapshot, prev: Snapshot | None) -> dict:
                                      "gb_per_s": round(gb, 4)})
         rates["jobs_per_s"], rates["gb_per_s"] = round(tj, 2), round(tb, 4)
     d["rates"] = rates
+    d["p2p"] = p2p_sessions(cur.engine_id)
     d["absent"] = ABSENT
     return d
 
@@ -129,8 +133,28 @@ def frame_text(cur: Snapshot, prev: Snapshot | None) -> str:
                          f"{w.jobs:>9d} {human_bytes(w.bytes):>10s} {w.codec_s:>8.2f} "
                          f"{w.failed_keys:>6d} {w.job_depth:>5d} {w.result_depth:>5d} "
                          f"{js:>8s} {gs:>7s}")
+    for p in data["p2p"]:
+        lines.extend(_p2p_lines(p))
     lines.append(f"(not in the segment: {ABSENT})")
     return "\n".join(lines)
+
+
+def _p2p_lines(p: dict) -> list[str]:
+    """One p2p endpoint's status (``p2p_sessions``) in words."""
+    state = "alive" if p.get("alive") else "GONE"
+    parked = p.get("parked") or {}
+    lines = [f"p2p    endpoint {p.get('endpoint')} pid {p.get('pid')} {state} "
+             f"(status {p.get('age_s', 0):.1f}s old){'  PLAINTEXT' if p.get('plaintext') else ''}"
+             f"  parked {parked.get('rows', 0)} rows of {parked.get('requests', 0)} requests"]
+    for i in p.get("inbound") or []:
+        refused = f"  REFUSED {i['refused']}" if i.get("refused") else ""
+        lines.append(f"  in  {i.get('name')}  sent {human_bytes(i.get('bytes_sent', 0))}{refused}")
+    for o in p.get("outbound") or []:
+        lines.append(f"  out {o.get('peer')}  circuit {o.get('circuit')}  failures "
+                     f"{o.get('failures', 0)}  chunks {o.get('chunks', 0)}  received "
+                     f"{human_bytes(o.get('bytes_received', 0))}"
+                     + (f"  last error {o['last_error']}" if o.get("last_error") else ""))
+    return lines
 
 
 def run_ls(as_json: bool) -> int:

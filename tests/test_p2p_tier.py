@@ -7,11 +7,14 @@ socket, segment and key directory is removed at the end, also when a test fails.
 
 from __future__ import annotations
 
+import json
 import multiprocessing as mp
 import os
 import shutil
 import signal
 import socket
+import subprocess
+import sys
 import tempfile
 import time
 from types import SimpleNamespace
@@ -181,6 +184,17 @@ def test_pd_byte_exact(engines, keys, layout):
     (out,) = cs["outbound"]
     assert out["peer"] == f"127.0.0.1:{prod.port}" and out["circuit"] == "closed"
     assert out["chunks"] == len(ks) and out["bytes_received"] == len(sent)
+    # and in `shmtier top`
+    got = subprocess.run([sys.executable, "-m", "shmtier", "top", cons.engine_id, "--once",
+                          "--json", "--interval", "0.05"], capture_output=True, text=True,
+                         timeout=60)
+    assert got.returncode == 0, got.stderr
+    (top_p2p,) = json.loads(got.stdout)["p2p"]
+    assert top_p2p["outbound"][0]["peer"] == f"127.0.0.1:{prod.port}"
+    got = subprocess.run([sys.executable, "-m", "shmtier", "top", prod.engine_id, "--once",
+                          "--interval", "0.05"], capture_output=True, text=True, timeout=60)
+    assert f"p2p    endpoint 127.0.0.1:{prod.port}" in got.stdout, got.stdout + got.stderr
+    assert f"in  127.0.0.1:{cons.port}" in got.stdout
 
 
 def wait_sessions(engine_id: str, until, timeout_s: float = 10) -> list:
