@@ -596,29 +596,18 @@ class ChunkDecoder:
         fmv = _byte_view(frame, what="frame")
         omv = _byte_view(out, writable=True, what="out")
         h = parse_frame_header(fmv)
-        key = bytes(key)
-        if h.key != key:
-            raise CorruptChunkError("key", f"frame holds key {h.key.hex()}, expected {key.hex()}")
+        self._check_header(h, key, fmv.nbytes, omv.nbytes)
         hs = h.header_size
-        if fmv.nbytes != hs + h.stored_len:
-            raise CorruptChunkError(
-                "length", f"frame has {fmv.nbytes} bytes, header says {hs + h.stored_len}")
-        if omv.nbytes != h.raw_len:
-            raise CorruptChunkError(
-                "length", f"destination has {omv.nbytes} bytes, frame holds {h.raw_len}")
-        if bool(h.tag) != (self._mac is not None) and not self._ignore_mac:
-            raise CorruptChunkError("mac", "frame carries a MAC tag this reader has no key "
-                                           "to check" if h.tag else "frame carries no MAC tag")
         payload = fmv[hs:]
         if h.codec == "raw":
             if crc32c(payload) != h.checksum:
                 raise CorruptChunkError("checksum", "raw bytes CRC mismatch")
-            self._authenticate(fmv, h)
+            self._authenticate(fmv, payload, h)
             omv[:] = payload  # only once the CRC passed: a corrupt frame writes nothing
         elif h.codec == "zstd":
             if crc32c(payload) != h.payload_crc:
                 raise CorruptChunkError("checksum", "payload CRC mismatch")
-            self._authenticate(fmv, h)
+            self._authenticate(fmv, payload, h)
             self._decompress(payload, omv)
             if crc32c(omv) != h.checksum:
                 raise CorruptChunkError("checksum", "decoded bytes CRC mismatch")
@@ -630,7 +619,7 @@ class ChunkDecoder:
             lo = payload[h.stored_len - half:]
             if crc32c(lo) != h.checksum:
                 raise CorruptChunkError("checksum", "low-byte plane CRC mismatch")
-            self._authenticate(fmv, h)
+            self._authenticate(fmv, payload, h)
             hi = self._scratch.get("hi", half)
             self._decompress(comp, memoryview(hi), checksummed=True)
             merge(hi, lo, omv)
@@ -651,41 +640,45 @@ class ChunkDecoder:
         hmv = _byte_view(head, what="head")
         omv = _byte_view(out, writable=True, what="out")
         h = parse_frame_header(hmv)
-        key = bytes(key)
-        if h.key != key:
-            raise CorruptChunkError("key", f"frame holds key {h.key.hex()}, expected {key.hex()}")
-        hs = h.header_size
-        if hmv.nbytes != hs or frame_size != hs + h.stored_len:
+        if hmv.nbytes != h.header_size:
             raise CorruptChunkError(
-                "length", f"frame has {frame_size} bytes, header says {hs + h.stored_len}")
-        if omv.nbytes != h.raw_len:
-            raise CorruptChunkError(
-                "length", f"destination has {omv.nbytes} bytes, frame holds {h.raw_len}")
-        if bool(h.tag) != (self._mac is not None) and not self._ignore_mac:
-            raise CorruptChunkError("mac", "frame carries a MAC tag this reader has no key "
-                                           "to check" if h.tag else "frame carries no MAC tag")
+                "length", f"header read has {hmv.nbytes} bytes, header says {h.header_size}")
+        self._check_header(h, key, frame_size, omv.nbytes)
         if h.codec != "raw":
             return None
         if crc32c(omv) != h.checksum:
             raise CorruptChunkError("checksum", "raw bytes CRC mismatch")
-        if self._mac is not None:
-            mac = self._mac.copy()
-            mac.update(hmv[:hs - MAC_TAG_BYTES])
-            mac.update(omv)
-            if not hmac.compare_digest(mac.digest(), h.tag):
-                raise CorruptChunkError("mac", "MAC tag does not verify (forged, or written "
-                                               "under another key)")
+        self._authenticate(hmv, omv, h)
         return DecodeStats(h.raw_len, frame_size, time.perf_counter() - t0, h.codec)
 
-    def _authenticate(self, fmv: memoryview, h: FrameHeader) -> None:
-        """Check the MAC tag of the whole frame ``fmv`` (header ``h``), if this decoder
-        has a key: BLAKE2b over the header up to the tag and the payload."""
+    def _check_header(self, h: FrameHeader, key: bytes, frame_size: int,
+                      out_size: int) -> None:
+        """The checks every decode makes before touching the payload: the frame is of
+        ``key``, ``frame_size`` bytes long as its header says, its raw length is
+        ``out_size``, and it carries a MAC tag exactly when this reader has a key (unless
+        ``ignore_mac``)."""
+        key = bytes(key)
+        if h.key != key:
+            raise CorruptChunkError("key", f"frame holds key {h.key.hex()}, expected {key.hex()}")
+        whole = h.header_size + h.stored_len
+        if frame_size != whole:
+            raise CorruptChunkError("length", f"frame has {frame_size} bytes, header says {whole}")
+        if out_size != h.raw_len:
+            raise CorruptChunkError(
+                "length", f"destination has {out_size} bytes, frame holds {h.raw_len}")
+        if bool(h.tag) != (self._mac is not None) and not self._ignore_mac:
+            raise CorruptChunkError("mac", "frame carries a MAC tag this reader has no key "
+                                           "to check" if h.tag else "frame carries no MAC tag")
+
+    def _authenticate(self, head: memoryview, payload: memoryview, h: FrameHeader) -> None:
+        """Check the MAC tag of a frame (header ``h``; ``head`` starts with its header,
+        ``payload`` is its payload), if this decoder has a key: BLAKE2b over the header up
+        to the tag and the payload."""
         if self._mac is None:
             return
-        hs = h.header_size
         mac = self._mac.copy()
-        mac.update(fmv[:hs - MAC_TAG_BYTES])
-        mac.update(fmv[hs:])
+        mac.update(head[:h.header_size - MAC_TAG_BYTES])
+        mac.update(payload)
         if not hmac.compare_digest(mac.digest(), h.tag):
             raise CorruptChunkError("mac", "MAC tag does not verify (forged, or written "
                                            "under another key)")
