@@ -170,14 +170,7 @@ def make_trace(params: TraceParams | None = None) -> Trace:
     for gen_idx in range(p.requests):
         clock += rng.expovariate(p.arrival_rate) if p.arrival_rate > 0 else 0.0
         now = int(clock)
-        # Zipf pick among conversations whose user is not still thinking (a user
-        # cannot send the next turn before reading the answer); after
-        # PICK_TRIES busy picks, the least busy of them waits.
-        tries = [pick() for _ in range(PICK_TRIES)]
-        slot = next((s for s in tries if ready_at[s] <= now), None)
-        if slot is None:
-            slot = min(tries, key=lambda s: ready_at[s])
-        arrival = max(now, ready_at[slot])
+        slot, arrival = _ready_slot(pick, ready_at, now)
         cur = length[slot]
         if cur >= final_len[slot]:  # finished: a new conversation takes the slot
             conv_id[slot] = next_conv
@@ -209,6 +202,17 @@ def make_trace(params: TraceParams | None = None) -> Trace:
 
 
 # --------------------------------------------------------------------------- other workloads
+
+
+def _ready_slot(pick, ready_at: list, now: int) -> tuple[int, int]:
+    """A Zipf pick (``pick()``) among the slots whose user is not still thinking (a user
+    cannot send the next turn before reading the answer); after PICK_TRIES busy picks the
+    least busy of them waits. Returns the slot and its request's arrival step."""
+    tries = [pick() for _ in range(PICK_TRIES)]
+    slot = next((s for s in tries if ready_at[s] <= now), None)
+    if slot is None:
+        slot = min(tries, key=lambda s: ready_at[s])
+    return slot, max(now, ready_at[slot])
 
 
 def _zipf_picker(rng: random.Random, n: int, zipf: float):
@@ -321,11 +325,7 @@ def make_agent(params: AgentParams | None = None) -> Trace:
     for gen_idx in range(p.requests):
         clock += rng.expovariate(p.arrival_rate) if p.arrival_rate > 0 else 0.0
         now = int(clock)
-        tries = [pick() for _ in range(PICK_TRIES)]
-        slot = next((s for s in tries if ready_at[s] <= now), None)
-        if slot is None:
-            slot = min(tries, key=lambda s: ready_at[s])
-        arrival = max(now, ready_at[slot])
+        slot, arrival = _ready_slot(pick, ready_at, now)
         trajs = branches[slot]
         if not trajs or all(len(t) >= p.max_chunks for t in trajs):
             if trajs:  # the session ended: a new one takes the slot
