@@ -7,7 +7,11 @@ ANSI escapes (no curses, no extra dependency); ``--once`` prints one frame (two 
 ``--interval`` apart, for the rates) and ``--json`` prints data instead of text (one JSON
 object per frame, one per line when live). An engine with a ``p2p`` tier also shows its
 endpoint's sessions (``shmtier.tiers.p2p.status``: a status file the endpoint rewrites
-each second; no socket is touched).
+each second; no socket is touched). The scheduler's statistics (per tier: chunks, bytes,
+lookups, hits, promotions, cascades, backpressure drops, evictions) come from the
+segment's stats area, which the scheduler publishes as it steps
+(``shmtier/scheduler/stats_publisher.py``); hit rates are shown since the scheduler
+started and over the frame's interval.
 """
 
 from __future__ import annotations
@@ -19,10 +23,6 @@ import time
 from shmtier.shared.segment import human_bytes
 from shmtier.shared.snapshot import Snapshot, snapshot, snapshots
 from shmtier.tiers.p2p.status import p2p_sessions
-
-# What the segment does not hold (shown once under the frame, and in --json as "absent").
-ABSENT = ("hit rates, bytes per tier and backpressure drops are the scheduler's "
-          "statistics (its process, vLLM's /metrics), not in the segment")
 
 
 def _tiers_words(s: Snapshot) -> str:
@@ -87,8 +87,65 @@ def frame_data(cur: Snapshot, prev: Snapshot | None) -> dict:
         rates["jobs_per_s"], rates["gb_per_s"] = round(tj, 2), round(tb, 4)
     d["rates"] = rates
     d["p2p"] = p2p_sessions(cur.engine_id)
-    d["absent"] = ABSENT
+    if d["stats"] is not None:
+        d["stats"]["tiers"] = _tier_stats(cur, prev)
     return d
+
+
+def _rate(hits: int | None, lookups: int | None) -> float | None:
+    return round(hits / lookups, 4) if hits is not None and lookups else None
+
+
+def _tier_stats(cur: Snapshot, prev: Snapshot | None) -> list[dict]:
+    """The published per-tier statistics, with the CPU tier's chunks and bytes from the
+    chunk table, the hit rate since start and over the interval since ``prev`` (None
+    where there were no lookups, or ``prev`` holds another publisher's values)."""
+    st = cur.stats
+    before = {}
+    if (prev is not None and prev.stats is not None and prev.stats.pid == st.pid
+            and prev.stats.started == st.started):
+        before = {t["label"]: t for t in prev.stats.tiers}
+    out = []
+    for i, t in enumerate(st.tiers):
+        t = dict(t)
+        if i == 0 and cur.rows is not None and cur.geometry:
+            t["chunks"] = cur.rows.used
+            t["bytes"] = cur.rows.used * cur.geometry["row_stride"]
+        t["hit_rate"] = _rate(t["hits"], t["lookups"])
+        p = before.get(t["label"])
+        t["interval_hit_rate"] = None
+        if p is not None and t["lookups"] is not None and p["lookups"] is not None:
+            t["interval_hit_rate"] = _rate(t["hits"] - p["hits"], t["lookups"] - p["lookups"])
+        out.append(t)
+    return out
+
+
+def _stats_lines(st: dict | None) -> list[str]:
+    """The scheduler's statistics (``frame_data``'s ``stats``) in words."""
+    if st is None:
+        return []
+    head = f"stats  {st['state']}"
+    if st["publishes"]:
+        head += (f", published {st['age_s']:.2f}s ago by pid {st['pid']} (every "
+                 f"{st['interval_s']:g}s, {st['publishes']} publishes)")
+    lines = [head + (f"  ({st['note']})" if st["note"] else "")]
+    if not st["tiers"]:
+        return lines
+    lines.append(f"  {'TIER':12s} {'CHUNKS':>8s} {'BYTES':>10s} {'LOOKUPS':>9s} {'HITS':>9s} "
+                 f"{'HIT%':>6s} {'NOW%':>6s} {'PROMOTED':>8s} {'CASCADED':>8s} {'FAILED':>6s} "
+                 f"{'BP DROP':>7s} {'EVICTED':>8s}")
+    num = lambda v: "-" if v is None else str(v)
+    pct = lambda v: "-" if v is None else f"{100 * v:.1f}"
+    for t in st["tiers"]:
+        failed = (None if t["promotion_failures"] is None else
+                  t["promotion_failures"] + (t["cascade_failures"] or 0))
+        size = "-" if t["bytes"] is None else human_bytes(t["bytes"])
+        lines.append(f"  {t['label'][:12]:12s} {num(t['chunks']):>8s} {size:>10s} "
+                     f"{num(t['lookups']):>9s} {num(t['hits']):>9s} {pct(t['hit_rate']):>6s} "
+                     f"{pct(t['interval_hit_rate']):>6s} {num(t['promotions']):>8s} "
+                     f"{num(t['cascades']):>8s} {num(failed):>6s} "
+                     f"{num(t['bp_dropped_jobs']):>7s} {num(t['evictions']):>8s}")
+    return lines
 
 
 def frame_text(cur: Snapshot, prev: Snapshot | None) -> str:
@@ -133,9 +190,9 @@ def frame_text(cur: Snapshot, prev: Snapshot | None) -> str:
                          f"{w.jobs:>9d} {human_bytes(w.bytes):>10s} {w.codec_s:>8.2f} "
                          f"{w.failed_keys:>6d} {w.job_depth:>5d} {w.result_depth:>5d} "
                          f"{js:>8s} {gs:>7s}")
+    lines.extend(_stats_lines(data["stats"]))
     for p in data["p2p"]:
         lines.extend(_p2p_lines(p))
-    lines.append(f"(not in the segment: {ABSENT})")
     return "\n".join(lines)
 
 

@@ -16,6 +16,11 @@ from shmtier.shared.chunk_table import control_nbytes
 PAGE_SIZE = mmap.PAGESIZE
 HUGE_PAGE_SIZE = 2 << 20
 HEADER_SIZE = 4096
+#: The header page's second half is the scheduler's statistics area (segment layout
+#: version 2; ``shmtier/shared/stats_area.py``); the first holds the header fields and the
+#: fingerprint text.
+STATS_OFFSET = 2048
+STATS_SIZE = HEADER_SIZE - STATS_OFFSET
 DEFAULT_KEY_WIDTH = 40  # a 32-byte block hash + 4-byte group index, 8-byte aligned
 
 
@@ -81,7 +86,8 @@ class ArenaGeometry:
 
 @dataclass(frozen=True)
 class SegmentLayout:
-    """Byte offsets of the areas: header | control | rings | arena."""
+    """Byte offsets of the areas: header (its second half: the stats area, at
+    ``STATS_OFFSET``) | control | rings | arena."""
 
     geometry: ArenaGeometry
     control_off: int

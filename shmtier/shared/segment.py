@@ -53,12 +53,20 @@ import posix_ipc
 from shmtier.shared import procinfo
 from shmtier.shared.ipc_wait import open_when_present
 from shmtier.shared.chunk_table import GENERATION, ChunkTable
-from shmtier.shared.layout import HEADER_SIZE, PAGE_SIZE, ArenaGeometry, SegmentLayout
+from shmtier.shared.layout import (
+    HEADER_SIZE,
+    PAGE_SIZE,
+    STATS_OFFSET,
+    ArenaGeometry,
+    SegmentLayout,
+)
 
 logger = logging.getLogger(__name__)
 
 MAGIC = b"SHMTIER\x00"
-LAYOUT_VERSION = 1
+#: 2: the header page's second half is the scheduler's stats area (``stats_area.py``); a
+#: version 1 segment has none (its fingerprint text may run into it).
+LAYOUT_VERSION = 2
 NAME_PREFIX = "shmtier_"
 SHM_DIR = "/dev/shm"
 MADV_POPULATE_WRITE = 23  # Linux >= 5.14
@@ -69,7 +77,7 @@ INITIALISING, READY, FAILED = 0, 1, 2
 _HEADER = struct.Struct("<8sII" "QQQII" "QQQQQQQ" "IQIQQ" "16s32sH")
 _STATE_OFFSET = 12
 _FINGERPRINT_TEXT_OFFSET = _HEADER.size
-_FINGERPRINT_TEXT_MAX = HEADER_SIZE - _FINGERPRINT_TEXT_OFFSET
+_FINGERPRINT_TEXT_MAX = STATS_OFFSET - _FINGERPRINT_TEXT_OFFSET  # the text shown; its digest is checked
 _OWNER = struct.Struct("<IQ")  # owner pid, owner start time
 _OWNER_OFFSET = struct.calcsize("<8sII" "QQQII" "QQQQQQQ" "IQ")
 _GENERATION = struct.Struct("<Q")
@@ -262,7 +270,8 @@ class Segment:
     Attributes: ``name``, ``layout`` (areas and geometry), ``is_creator``,
     ``is_owner``, ``table`` (the :class:`ChunkTable` over the control area),
     ``arena`` (a flat writable memoryview of all rows), ``rings`` (memoryview
-    of the ring area), ``header()`` for a fresh decode. Close with ``close()``
+    of the ring area), ``stats`` (the header's stats area: written by the owner's
+    ``StatsWriter`` only), ``header()`` for a fresh decode. Close with ``close()``
     or use as a context manager.
     """
 
@@ -282,6 +291,7 @@ class Segment:
         )
         self.arena = self._view[layout.arena_off : layout.arena_off + layout.arena_len]
         self.rings = self._view[layout.rings_off : layout.rings_off + layout.rings_len]
+        self.stats = self._view[STATS_OFFSET:HEADER_SIZE]
         self.closed = False
 
     @property
@@ -346,7 +356,7 @@ class Segment:
         if self.is_owner or (self.is_creator and self._unclaimed()):
             self.unlink()
         self.table.release()
-        for view in (self.arena, self.rings, self._view):
+        for view in (self.arena, self.rings, self.stats, self._view):
             try:
                 view.release()
             except BufferError:

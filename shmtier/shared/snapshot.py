@@ -10,9 +10,10 @@ What a segment tells (docs/architecture.md, "Who reads and writes what"): the he
 (geometry, owner, fingerprint), the chunk table (each row's state: free, pending,
 ready, pinned), the ring area (per tier
 worker slot: heartbeat, holder, claims, the worker's counters, job and result ring
-depths) and the pool config (tier types and where they store). The scheduler's own
-statistics (hit rates, backpressure drops, bytes per tier) live in its process, not in
-the segment: they reach vLLM's ``/metrics``, not this snapshot.
+depths), the pool config (tier types and where they store) and the scheduler's
+statistics area (per tier: chunks, bytes, lookups and hits, promotions, cascades,
+backpressure drops, evictions: ``shmtier/shared/stats_area.py``, read lock-free with its
+seqlock; a segment of layout version 1 has none).
 
 Values are read while the engine runs: each word is current, the set is not one
 instant's (a row counted pending may be ready by the time the next array is read).
@@ -28,10 +29,11 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 from shmtier.shared.chunk_table import GENERATION, ChunkTable
-from shmtier.shared.layout import HEADER_SIZE
+from shmtier.shared.layout import HEADER_SIZE, STATS_OFFSET
 from shmtier.shared.pool_config import CONFIG_BYTES, PoolConfig
 from shmtier.shared.ring import AreaState, inspect_area
 from shmtier.shared.segment import (
+    LAYOUT_VERSION,
     MAGIC,
     NAME_PREFIX,
     READY,
@@ -40,8 +42,11 @@ from shmtier.shared.segment import (
     list_segments,
     segment_name,
 )
+from shmtier.shared.stats_area import StatsAreaError, read_stats
 
 _STATES = {0: "initialising", 1: "ready", 2: "failed"}
+#: A publish older than this is shown as stale (the scheduler publishes as it steps).
+STALE_AFTER_S = 5.0
 #: Worker args shown per tier type (never a credential or a MAC key: only these).
 _SHOWN_ARGS = ("root_dir", "max_bytes", "prefix")
 _SHOWN_STORE = ("bucket", "endpoint_override", "region")
@@ -92,6 +97,27 @@ class WorkerInfo:
 
 
 @dataclass
+class SchedulerStats:
+    """The scheduler's statistics area as read (``state``): ``live``; ``stale`` (its
+    publisher is not the live owner, or its last publish is older than ``STALE_AFTER_S``:
+    an engine that does not step does not publish); ``unpublished`` (nothing written: an
+    older scheduler, or publishing off); ``absent`` (a segment of layout version 1);
+    ``torn`` (no consistent copy: its writer died mid-publish). ``note`` says why in words.
+    ``tiers``: one dict per tier (``stats_area.FIELDS``, None where not counted)."""
+
+    state: str
+    note: str = ""
+    pid: int = 0
+    interval_s: float = 0.0
+    publishes: int = 0
+    published: float = 0.0
+    age_s: float | None = None
+    started: float = 0.0
+    row_bytes: int = 0
+    tiers: list[dict] = field(default_factory=list)
+
+
+@dataclass
 class Snapshot:
     """One segment, read at ``taken`` (epoch s) and ``taken_ns`` (CLOCK_MONOTONIC)."""
 
@@ -112,6 +138,7 @@ class Snapshot:
     taken: float
     taken_ns: int
     note: str = ""
+    stats: SchedulerStats | None = None
 
     def as_dict(self) -> dict:
         out = asdict(self)
@@ -152,13 +179,14 @@ def snapshot(engine: str, *, rows: bool = True) -> Snapshot:
         return empty
     try:
         header = SegmentHeader.decode(buf)
+        stats = _stats(header, buf)
     finally:
         buf.close()
     engine_id = name.lstrip("/")[len(NAME_PREFIX):]
     snap = Snapshot(name, engine_id, size, header.owner_alive(),
                     _STATES.get(header.state, str(header.state)), header.owner_pid,
                     header.creator_pid, header.generation, header.fingerprint, None, None,
-                    [], None, [], taken, taken_ns)
+                    [], None, [], taken, taken_ns, stats=stats)
     g, lay = header.geometry, header.layout
     if header.magic != MAGIC or header.state != READY or g is None:
         snap.note = "not a ready shmtier segment"
@@ -191,6 +219,38 @@ def snapshot(engine: str, *, rows: bool = True) -> Snapshot:
         view.release()
         buf.close()
     return snap
+
+
+def _stats(header: SegmentHeader, buf) -> SchedulerStats | None:
+    """The stats area of the header page mapped as ``buf`` (None: not a ready segment)."""
+    if header.magic != MAGIC or header.state != READY:
+        return None
+    if header.layout_version < 2:
+        return SchedulerStats("absent", f"segment layout version {header.layout_version} "
+                              f"(an older shmtier): it has no statistics area")
+    if header.layout_version > LAYOUT_VERSION:
+        return SchedulerStats("absent", f"segment layout version {header.layout_version}: "
+                              f"this shmtier reads up to {LAYOUT_VERSION}")
+    view = memoryview(buf)[STATS_OFFSET:HEADER_SIZE]
+    try:
+        got = read_stats(view)
+    except StatsAreaError as e:
+        return SchedulerStats("torn", f"statistics area: {e}")
+    finally:
+        view.release()
+    if got is None:
+        return SchedulerStats("unpublished", "the scheduler has not published statistics "
+                              "(an older shmtier, or SHMTIER_STATS_INTERVAL_S=0)")
+    age = max(0.0, (time.monotonic_ns() - got.published_ns) / 1e9)
+    out = SchedulerStats("live", "", got.pid, got.interval_s, got.publishes, got.published,
+                         round(age, 3), got.started, got.row_bytes, got.tiers)
+    if got.pid != header.owner_pid or not header.owner_alive():
+        out.state, out.note = "stale", (f"published by pid {got.pid}, not the live owner "
+                                        f"(pid {header.owner_pid})")
+    elif age > STALE_AFTER_S:
+        out.state, out.note = "stale", (f"last published {age:.1f} s ago (the scheduler "
+                                        f"publishes as it steps: is the engine idle?)")
+    return out
 
 
 def _rows(table: ChunkTable) -> Rows:

@@ -11,6 +11,7 @@ would refuse. Pure CPU; never blocks.
 
 from __future__ import annotations
 
+import re
 import time
 from dataclasses import asdict, dataclass, field
 
@@ -22,11 +23,14 @@ from shmtier.shared.codec import (
     mac_key_id,
     parse_frame_header,
 )
+from shmtier.tiers.chunk_names import MAC_MARK
 
 #: Every kind of problem fsck reports, and what it means.
 KINDS = {
     "corrupt": "a chunk whose frame fails a check (header, key, CRC, MAC): a load refuses it",
     "truncated": "a chunk whose size is not its frame's (a torn or cut write)",
+    "wrong_size": "a chunk whose frame holds another chunk size than its namespace's layout "
+                  "(e.g. copied from another namespace): a load refuses it",
     "foreign": "an entry in a namespace directory that is none of the tier's names",
     "orphan_temp": "a temp file whose writer is dead (or older than the stale age)",
     "misplaced": "a chunk in a fan-out directory its key does not map to (never loaded)",
@@ -37,6 +41,25 @@ KINDS = {
 #: Raw bytes a chunk may decode to under ``--verify`` (a header claiming more is corrupt).
 MAX_RAW_BYTES = 1 << 30
 EXIT_CLEAN, EXIT_PROBLEMS, EXIT_USAGE = 0, 1, 2
+
+
+#: The block geometry at the end of a layout fingerprint (``PrimaryConfig.fingerprint`` in
+#: shmtier/config.py; a namespace's fingerprint is that, plus ``MAC_MARK`` and a key id).
+_GEOMETRY = re.compile(r"\bblock=\d+x(\d+) bytes_per_block=(\d+) world=(\d+) "
+                       r"replicated=([01])$")
+
+
+def layout_chunk_bytes(fingerprint: str) -> int | None:
+    """The bytes of one chunk (a frame's raw length) in the namespace of ``fingerprint``:
+    KV bytes per block x blocks per chunk x copies (the world size, or 1 when the layout
+    is replicated), as the spec sizes a chunk; None for a fingerprint that does not end in
+    the block geometry (not written by a shmtier engine): its chunk size is not checked."""
+    layout, mark, _ = fingerprint.rpartition(MAC_MARK)
+    m = _GEOMETRY.search(layout if mark else fingerprint)
+    if m is None:
+        return None
+    blocks, per_block, world, replicated = (int(g) for g in m.groups())
+    return per_block * blocks * (1 if replicated else world)
 
 
 class FsckError(Exception):
@@ -59,12 +82,13 @@ class Problem:
 
 @dataclass
 class NamespaceReport:
-    """One namespace: its directory (or key prefix) name, fingerprint, the good chunks
-    and their bytes, temp files of live writers left alone, whether it carries MAC tags
+    """One namespace: its directory (or key prefix) name, fingerprint, its chunk size
+    (``layout_chunk_bytes``), the good chunks and their bytes, temp files of live writers left alone, whether it carries MAC tags
     and whether they were checked (only with its key)."""
 
     name: str
     fingerprint: str = ""
+    chunk_bytes: int | None = None  # from the fingerprint (None: not known, not checked)
     chunks: int = 0
     bytes: int = 0
     temp_live: int = 0
@@ -135,7 +159,9 @@ class FsckReport:
             mac = "" if not n.mac else (" MAC checked" if n.mac_checked
                                         else " MAC tags not checked (no key)")
             live = f", {n.temp_live} temp file(s) of live writers" if n.temp_live else ""
-            lines.append(f"  {n.name}: {n.chunks} chunks, {n.bytes} bytes{live}{mac}")
+            size = (f", chunk size {n.chunk_bytes}" if n.chunk_bytes is not None
+                    else ", chunk size unknown (not checked)")
+            lines.append(f"  {n.name}: {n.chunks} chunks, {n.bytes} bytes{size}{live}{mac}")
         for p in self.problems[:limit]:
             state = "removed" if p.repaired else ("" if p.removable else "left alone")
             lines.append(f"  {p.kind:13s} {p.path}" + (f"  ({p.detail})" if p.detail else "")
@@ -156,9 +182,13 @@ class FrameCheck:
     """Judges the stored frames of one namespace (``mac_id``: the MAC key id its
     fingerprint names, or None) as a load would: a frame of a MAC'd namespace must carry
     a tag, one of another namespace must not. The tag itself is verified only with
-    ``mac_key`` of that id (``mac_checked``); without it, everything else is."""
+    ``mac_key`` of that id (``mac_checked``); without it, everything else is. With
+    ``chunk_bytes`` (``layout_chunk_bytes``), a frame of another raw length is
+    ``wrong_size``."""
 
-    def __init__(self, mac_id: str | None, mac_key: bytes | None = None):
+    def __init__(self, mac_id: str | None, mac_key: bytes | None = None,
+                 chunk_bytes: int | None = None):
+        self.chunk_bytes = chunk_bytes
         self.need_tag = mac_id is not None
         has_key = mac_key is not None and mac_id is not None and mac_key_id(mac_key) == mac_id
         self.mac_checked = mac_id is None or has_key
@@ -187,6 +217,9 @@ class FrameCheck:
             return "truncated", f"length: {size} bytes, the frame has {h.frame_size}"
         if h.raw_len > MAX_RAW_BYTES:
             return "corrupt", f"length: raw length {h.raw_len} exceeds {MAX_RAW_BYTES}"
+        if self.chunk_bytes is not None and h.raw_len != self.chunk_bytes:
+            return "wrong_size", (f"chunk size: the frame holds {h.raw_len} bytes, the "
+                                  f"namespace's layout {self.chunk_bytes}")
         return h
 
     def check_frame(self, frame, key: bytes, header: FrameHeader) -> tuple[str, str] | None:

@@ -78,6 +78,7 @@ from shmtier.contract import (
 )
 from shmtier.scheduler.backpressure import record_backpressure_metrics
 from shmtier.scheduler.primary import CPUPrimaryTierOffloadingManager
+from shmtier.scheduler.stats_publisher import StatsPublisher
 from shmtier.scheduler.tiering.base import (
     JobId,
     JobResult,
@@ -207,6 +208,9 @@ class TieringOffloadingManager:
         self._poll_thread: TierPollThread | None = None
         if self._polled and tier_poll_interval_s > 0:
             self._poll_thread = TierPollThread(self._lock, self.poll_tiers, tier_poll_interval_s)
+        # the step's statistics, into the segment for `shmtier top` (at most every 0.1 s)
+        self._publisher = StatsPublisher.for_manager(primary, self.tiers, self.labels,
+                                                     self._row_bytes)
 
     @property
     def lock(self) -> threading.Lock:
@@ -608,6 +612,8 @@ class TieringOffloadingManager:
             if detector is not None:
                 record_backpressure_metrics(stats, detector, label[0])
             metrics.merge_stats(stats, tier.get_stats())
+        if self._publisher is not None:
+            self._publisher.observe(stats)
         return stats
 
     def config_info(self) -> list[dict[str, Any]]:

@@ -9,7 +9,8 @@ What it walks is the tier's own layout, through the tier's own code: namespace
 directories (``shmtier-<hex>`` with a config.json, opened by ``Namespace.open_existing``),
 their fan-out directories (``Namespace.walk``), chunk names (``chunk_names.chunk_key``,
 ``Namespace.rel_dir``), temp files (``Namespace.temp_orphaned``, the rule of the tier's
-own scan) and frames (``shmtier.tiers.fsck.FrameCheck``: the codec's checks). Anything
+own scan) and frames (``shmtier.tiers.fsck.FrameCheck``: the codec's checks, and the
+chunk size the namespace's fingerprint names). Anything
 beside the namespace directories under the root (vLLM's own fs tier files, anyone
 else's) is counted and never looked into or touched.
 
@@ -33,7 +34,13 @@ from shmtier.tiers.chunk_names import chunk_key, is_namespace_name, mac_id_of
 from shmtier.tiers.fs.backend import DEFAULT_STALE_TEMP_AGE_S
 from shmtier.tiers.fs.fileio import O_CLOEXEC, close_quietly, pread_full
 from shmtier.tiers.fs.namespace import TEMP_SUFFIX, LinkRefused, Namespace, open_nofollow
-from shmtier.tiers.fsck import FrameCheck, FsckError, FsckReport, NamespaceReport
+from shmtier.tiers.fsck import (
+    FrameCheck,
+    FsckError,
+    FsckReport,
+    NamespaceReport,
+    layout_chunk_bytes,
+)
 
 def fsck_root(root: str, *, verify: bool = False, repair: bool | set[str] = False,
               mac_key: bytes | None = None,
@@ -88,8 +95,9 @@ class _Walk:
             return
         self.report.namespaces.append(self.ns_report)
         self.ns_report.fingerprint = ns.fingerprint
+        self.ns_report.chunk_bytes = layout_chunk_bytes(ns.fingerprint)
         mac_id = mac_id_of(ns.fingerprint)
-        self.check = FrameCheck(mac_id, self.mac_key)
+        self.check = FrameCheck(mac_id, self.mac_key, self.ns_report.chunk_bytes)
         self.ns_report.mac = mac_id is not None
         self.ns_report.mac_checked = self.check.mac_checked
         self.ns = ns

@@ -8,7 +8,8 @@ each namespace, one ranged GET of each chunk's header (the whole object with
 It walks the tier's own layout (``backend.py``: ``[<prefix>/]shmtier-<hex>/config.json``
 and ``<key hex[0:3]>/<key hex>.kv``) with the tier's own names (``chunk_names``,
 ``backend.FANOUT_CHARS``, ``CONFIG_NAME``, ``FORMAT_NAME``) and judges frames with the
-codec (``shmtier.tiers.fsck.FrameCheck``). Objects beside the namespaces are counted
+codec (``shmtier.tiers.fsck.FrameCheck``, with the chunk size the namespace's
+fingerprint names). Objects beside the namespaces are counted
 and never read or touched. The tier writes every object whole with one PUT, so there
 are no temp objects; an object deleted mid-walk is skipped.
 """
@@ -18,7 +19,13 @@ from __future__ import annotations
 from typing import Any
 
 from shmtier.tiers.chunk_names import chunk_key, is_namespace_name, mac_id_of, namespace_dir_name
-from shmtier.tiers.fsck import FrameCheck, FsckError, FsckReport, NamespaceReport
+from shmtier.tiers.fsck import (
+    FrameCheck,
+    FsckError,
+    FsckReport,
+    NamespaceReport,
+    layout_chunk_bytes,
+)
 from shmtier.tiers.obj.backend import (
     CONFIG_NAME,
     FANOUT_CHARS,
@@ -67,9 +74,9 @@ class _Walk:
         fingerprint = self._config()
         if fingerprint is None:
             return
-        ns = NamespaceReport(self.name, fingerprint)
+        ns = NamespaceReport(self.name, fingerprint, layout_chunk_bytes(fingerprint))
         mac_id = mac_id_of(fingerprint)
-        self.check = FrameCheck(mac_id, self.mac_key)
+        self.check = FrameCheck(mac_id, self.mac_key, ns.chunk_bytes)
         ns.mac, ns.mac_checked = mac_id is not None, self.check.mac_checked
         self.report.namespaces.append(ns)
         start = self.ns_key + "/"

@@ -231,6 +231,11 @@ class StorageTierManager(SecondaryTierManager):
         return self._indexed_bytes + self._deleting_bytes
 
     @property
+    def chunks_on_disk(self) -> int:
+        """Chunk files the tier knows are on disk, counted as ``bytes_on_disk`` is."""
+        return len(self._index) + len(self._deleting)
+
+    @property
     def bytes_committed(self) -> int:
         """What the tier may hold on disk at most right now: its files, the bytes
         reserved for stores in flight and those held for keys being probed. Kept at or
