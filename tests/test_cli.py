@@ -242,6 +242,54 @@ def test_fsck_checks_macs_with_the_key_and_never_follows_links(tmp_path):
     assert len(data) and not os.path.exists(tagged)
 
 
+def _spec_fingerprint(**layout) -> tuple[str, int]:
+    """A real engine's layout fingerprint and chunk bytes (the spec's; nothing is created)."""
+    spec = TieringOffloadingSpec({"cpu_bytes_to_use": 1 << 20, "blocks_per_chunk": 2},
+                                 KVLayout("m", "bfloat16", 16, 4096, 2, **layout), "fp-spec")
+    return spec.fingerprint, spec.chunk_payload_bytes
+
+
+def test_fsck_finds_and_repairs_a_frame_of_another_chunk_size(tmp_path):
+    from shmtier.tiers.fs.backend import FsBackend
+    from shmtier.tiers.fsck import layout_chunk_bytes
+
+    fingerprint, chunk = _spec_fingerprint()
+    assert chunk == 4096 * 2 * 2 and layout_chunk_bytes(fingerprint) == chunk
+    replicated, one_copy = _spec_fingerprint(replicated_layout=True)
+    assert layout_chunk_bytes(replicated) == one_copy == 4096 * 2
+    assert layout_chunk_bytes(fingerprint + "|mac=0123abcd") == chunk
+    root = tmp_path / "root"
+    root.mkdir()
+    rng = np.random.default_rng(2)
+    for namespace, sizes in ((fingerprint, (chunk, chunk // 2)), ("fp-free", (4096, 8192))):
+        b = FsBackend(str(root), namespace, min_free_bytes=None)
+        try:
+            for i, size in enumerate(sizes):  # one frame of the layout's size, one not
+                arena = rng.integers(0, 256, (1, size), dtype=np.uint8)
+                assert b.store([key(i)], [0], arena, size).all_ok
+            wrong = b.path_for(key(1))
+        finally:
+            b.close()
+        if namespace == fingerprint:
+            wrong_path = wrong
+    code, report = cli_json("fsck", str(root), "--verify")
+    by_fp = {n["fingerprint"]: n for n in report["namespaces"]}
+    assert by_fp[fingerprint]["chunk_bytes"] == chunk and by_fp[fingerprint]["chunks"] == 1
+    assert by_fp["fp-free"]["chunk_bytes"] is None and by_fp["fp-free"]["chunks"] == 2
+    assert code == 1 and report["counts"] == {"wrong_size": 1}
+    problem = report["problems"][0]
+    assert problem["path"].endswith(os.path.basename(wrong_path))
+    assert problem["detail"] == (f"chunk size: the frame holds {chunk // 2} bytes, the "
+                                 f"namespace's layout {chunk}")
+    code, text = run_cli("fsck", str(root))
+    assert code == 1 and f"chunk size {chunk}" in text and "chunk size unknown" in text
+    assert "wrong_size" in text
+    code, report = cli_json("fsck", str(root), "--repair")
+    assert code == 0 and report["repaired"] == 1 and not os.path.exists(wrong_path)
+    code, report = cli_json("fsck", str(root), "--verify")
+    assert code == 0 and report["chunks"] == 3
+
+
 # ------------------------------------------------------------------ fsck: obj bucket
 
 def test_fsck_of_an_obj_bucket(moto_s3, tmp_path):
@@ -293,6 +341,32 @@ def test_fsck_of_an_obj_bucket(moto_s3, tmp_path):
                      moto_s3.endpoint]) == 2
     finally:
         c.close()
+        b.close()
+
+
+def test_fsck_of_an_obj_bucket_finds_a_frame_of_another_chunk_size(moto_s3, tmp_path):
+    from shmtier.shared.codec import CompressionConfig
+    from shmtier.tiers.backend import WorkerContext
+    from shmtier.tiers.obj.backend import ObjBackend
+
+    fingerprint, chunk = _spec_fingerprint()
+    bucket = moto_s3.new_bucket("fsck-size")
+    cfg = tmp_path / "tier.json"
+    cfg.write_text(json.dumps({"type": "obj", "store_config": moto_s3.store_config(bucket)}))
+    args = {"store_config": {**moto_s3.store_config(bucket), "endpoint_override": moto_s3.endpoint},
+            "prefix": "", "io_threads": 2}
+    arena = np.random.default_rng(3).integers(0, 256, (2, chunk), dtype=np.uint8)
+    b = ObjBackend.open(args, WorkerContext(fingerprint, chunk, 2, CompressionConfig()))
+    try:
+        assert b.store([key(0)], [0], arena, chunk).all_ok
+        assert b.store([key(1)], [1], arena, chunk // 2).all_ok  # another layout's size
+        code, report = cli_json("fsck", "--tier-config", str(cfg))
+        assert code == 1 and report["counts"] == {"wrong_size": 1}
+        assert report["namespaces"][0]["chunk_bytes"] == chunk
+        assert report["problems"][0]["path"] == b.object_key(key(1))
+        code, report = cli_json("fsck", "--tier-config", str(cfg), "--verify", "--repair")
+        assert code == 0 and report["repaired"] == 1 and report["chunks"] == 1
+    finally:
         b.close()
 
 

@@ -57,7 +57,9 @@ _BODY = struct.Struct("<IIII4xQQQQQ" + f"{LABEL_BYTES}s" * MAX_RECORDS
                       + "q" * (len(FIELDS) * MAX_RECORDS))
 _CRC_OFFSET, _BODY_OFFSET = 16, 20
 _SEQ_WORD = 1  # index of seq in the area cast to uint64
-_READ_TRIES = 2000
+#: How long a reader retries before it calls the area torn: a writer descheduled in the
+#: middle of a publish (a loaded host) holds it odd for a scheduler time slice or so.
+_READ_BUDGET_S = 0.5
 assert _BODY_OFFSET + _BODY.size <= STATS_SIZE
 
 
@@ -132,14 +134,16 @@ def read_stats(area) -> StatsRead | None:
     """One consistent copy of the stats ``area`` (a ``STATS_SIZE``-byte buffer, e.g. of a
     read-only mapping), or None when nothing was ever published there. Retries while the
     writer is mid-publish; raises :class:`StatsAreaError` when no consistent copy could be
-    had in ``_READ_TRIES`` tries (a writer that died while publishing). Any process; never
-    blocks (it spins, with a 50 us sleep every 100 tries)."""
+    had within ``_READ_BUDGET_S`` (a writer that died while publishing). Any process; never
+    blocks on another process (it spins 100 tries, then sleeps 50 us between tries, for
+    at most ``_READ_BUDGET_S``)."""
     view = memoryview(area)
     words = view[:16].cast("Q")  # seq: one aligned 8-byte load each
     try:
         if bytes(view[:8]) != MAGIC:
             return None
-        for attempt in range(_READ_TRIES):
+        deadline, tries = 0.0, 0
+        while True:
             seq = words[_SEQ_WORD]
             if seq % 2 == 0:
                 blob = bytes(view[:STATS_SIZE])
@@ -148,10 +152,15 @@ def read_stats(area) -> StatsRead | None:
                     body = blob[_BODY_OFFSET:_BODY_OFFSET + _BODY.size]
                     if zlib.crc32(body) == crc:
                         return _decode(body)
-            if attempt % 100 == 99:
+            tries += 1
+            if tries >= 100:
+                now = time.monotonic()
+                if not deadline:
+                    deadline = now + _READ_BUDGET_S
+                elif now > deadline:
+                    raise StatsAreaError(f"no consistent copy in {_READ_BUDGET_S:g} s (seq "
+                                         f"{seq}: its writer died while publishing?)")
                 time.sleep(50e-6)
-        raise StatsAreaError(f"no consistent copy in {_READ_TRIES} tries (seq {seq}: its "
-                             f"writer died while publishing?)")
     finally:
         words.release()
         view.release()
