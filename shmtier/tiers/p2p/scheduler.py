@@ -13,7 +13,14 @@ Request roles, from ``kv_transfer_params`` (parsed once, in ``on_new_request``):
   is REQUEST_LEVEL; its cascades are *parked*: their primary rows stay pinned and the
   endpoint serves them to a peer fetching for that id, until the peer says ``done``
   (the store jobs then succeed: unpinned) or ``unbound_store_timeout_s`` passes without
-  that (they fail: unpinned; later stores of the id fail at once).
+  that (they fail: unpinned; later stores of the id fail at once). shmtier's extension:
+  with ``remote_host``/``remote_port`` (the decoder's endpoint; optional
+  ``remote_public_key``) the parked rows are bound to that peer: with CurveZMQ to its
+  key (from ``peers``, ``remote_public_key`` if allow-listed, or the allow-list's only
+  key), otherwise to its hello name "host:port"; other peers are refused and counted.
+  When the request finishes (all its stores submitted: the manager calls
+  ``on_request_finished`` only then) the endpoint is told ``complete``: fetchers' misses
+  of its keys are final at once instead of waiting out ``fetch_timeout_s``.
 - ``remote_prefiller {kv_request_id, remote_host, remote_port}``: this engine consumes
   (PD decoder). Every lookup is HIT unless the request failed; the promotion fetches the
   chunks from that peer into the reserved rows (a failed key fails the request: MISS
@@ -82,6 +89,7 @@ FETCHED_BYTES = "vllm:kv_offload_shmtier_p2p_fetched_bytes"
 SERVED_BYTES = "vllm:kv_offload_shmtier_p2p_served_bytes"
 FETCH_SECONDS = "vllm:kv_offload_shmtier_p2p_fetch_seconds"
 REFUSED = "vllm:kv_offload_shmtier_p2p_refused_handshakes"
+REFUSED_REQUESTS = "vllm:kv_offload_shmtier_p2p_refused_requests"
 FAILURES = "vllm:kv_offload_shmtier_p2p_failures"
 UNBOUND_TIMEOUTS = "vllm:kv_offload_shmtier_p2p_unbound_store_timeouts"
 PARKED_ROWS = "vllm:kv_offload_shmtier_p2p_parked_rows"
@@ -104,6 +112,7 @@ class _Request:
     unsettled: bool = False  # a lookup or load went to the peer and no load finished since
     probing: dict = field(default_factory=dict)   # key -> deadline (symmetric)
     to_probe: list = field(default_factory=list)
+    to: list | None = None  # producer bound to one consumer: [its "host:port", its key or ""]
 
     @property
     def consumer(self) -> bool:
@@ -208,6 +217,7 @@ class P2PTierManager(SecondaryTierManager):
             "allow": None if c.plaintext else [k.decode() for k in self._allow],
             "allow_source": None if c.plaintext else self._allow.source,
             "fetch_timeout_s": c.fetch_timeout_s, "lookup_timeout_s": c.lookup_timeout_s,
+            "complete_ttl_s": c.unbound_store_timeout_s, "niceness": c.endpoint_niceness,
             "status": os.path.join(self._tmpdir, STATUS_FILE),
         }
 
@@ -423,7 +433,8 @@ class P2PTierManager(SecondaryTierManager):
         """The endpoint's running totals (every second) as metric deltas, per peer."""
         self.endpoint_counters = {"server": msg["server"], "clients": msg["clients"],
                                   "served": msg.get("served", {})}
-        now = {(REFUSED, INBOUND): sum(msg["server"]["refused_handshakes"].values())}
+        now = {(REFUSED, INBOUND): sum(msg["server"]["refused_handshakes"].values()),
+               (REFUSED_REQUESTS, INBOUND): msg["server"].get("refused_requests", 0)}
         for name, n in msg.get("served", {}).items():
             now[(SERVED_BYTES, name)] = n
         for peer, c in msg["clients"].items():
@@ -470,15 +481,20 @@ class P2PTierManager(SecondaryTierManager):
             logger.warning("p2p tier %s: request %s: kv_transfer_params.%s has no "
                            "kv_request_id; ignored", self._label, req_id, role)
             return None
-        if role == "remote_decoder":
-            return _Request(role, kvid)
         host, port = info.get("remote_host"), info.get("remote_port")
+        if role == "remote_decoder" and host is None and port is None:
+            return _Request(role, kvid)  # any admitted peer may fetch it (vLLM's rule)
         if not isinstance(host, str) or not isinstance(port, int) or isinstance(port, bool):
             logger.warning("p2p tier %s: request %s: kv_transfer_params.%s needs remote_host "
                            "and remote_port; ignored", self._label, req_id, role)
             return None
         peer = f"{host}:{port}"
         req = _Request(role, kvid, peer)
+        if role == "remote_decoder":  # bound to that consumer
+            key = (None if self.config.plaintext
+                   else self._server_key(peer, info.get("remote_public_key")))
+            req.to = [peer, key or ""]
+            return req
         if not self.config.plaintext:
             req.server_key = self._server_key(peer, info.get("remote_public_key"))
             if req.server_key is None:
@@ -529,16 +545,19 @@ class P2PTierManager(SecondaryTierManager):
         if req.kvid in self._released or self._proc is None:
             self._finished.append(JobResult(job.job_id, False))
             return
-        self._park(req.kvid, job)
+        self._park(req.kvid, job, req.to)
 
-    def _park(self, kvid: str, job: TransferJob) -> None:
+    def _park(self, kvid: str, job: TransferJob, to: list | None = None) -> None:
         parked = self._parked.get(kvid)
         if parked is None:
             parked = self._parked[kvid] = _Parked()
         parked.jobs.append(job)
         parked.rows += len(job.keys)
         parked.deadline = time.monotonic() + self.config.unbound_store_timeout_s
-        self._send({"t": "park", "req": kvid, "keys": list(job.keys), "rows": job.rows})
+        msg = {"t": "park", "req": kvid, "keys": list(job.keys), "rows": job.rows}
+        if to is not None:
+            msg["to"] = to
+        self._send(msg)
 
     def submit_load(self, job: TransferJob) -> None:
         req = job.req_context.get_state(_Request)
@@ -560,6 +579,9 @@ class P2PTierManager(SecondaryTierManager):
     def on_request_finished(self, req_context: ReqContext) -> None:
         req = req_context.get_state(_Request)
         self._probe_queue.pop(req_context.req_id, None)
+        if req is not None and not req.consumer:  # every store of it is parked by now
+            self._send({"t": "complete", "req": req.kvid})
+            return
         # a request whose last round the endpoint closed with "done" needs no release
         if (req is not None and req.consumer and req.unsettled
                 and (self.config.plaintext or req.server_key)):
@@ -657,6 +679,9 @@ class P2PTierManager(SecondaryTierManager):
             REFUSED: c("Handshakes refused (unknown key, other layout or hash seed): by a "
                        "peer, or at this engine's server (peer=\"inbound\"); and requests "
                        "naming a peer without a known key.", tp),
+            REFUSED_REQUESTS: c("Fetches, lookups and dones of an admitted peer naming a "
+                                "request bound to another peer (nothing served; "
+                                "peer=\"inbound\").", tp),
             FAILURES: c("Fetch rounds and lookups that failed, per peer.", tp),
             UNBOUND_TIMEOUTS: c("Parked requests released by unbound_store_timeout_s.", t),
             PARKED_ROWS: metrics.GaugeMetadata("Primary rows pinned for peers.", t),
