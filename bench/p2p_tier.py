@@ -63,7 +63,7 @@ from p2p_transport import RawLoopback  # noqa: E402
 from shmtier.tiers.p2p.config import P2PTierConfig  # noqa: E402
 
 IDLE_STEP_S = 0.005
-STREAM_AHEAD = 2  # PD requests the producer keeps parked ahead of the consumer (step runs)
+STREAM_AHEAD = 3  # PD requests the producer keeps parked ahead of the consumer (step runs)
 
 
 def _key(i: int) -> bytes:
@@ -364,7 +364,7 @@ def main() -> None:
                     "allow_keys_dir": os.path.join(tmp, f"allow-{name}")}
 
         rows_prod = max(args.chunks, args.step_chunks * STREAM_AHEAD) + 8
-        rows_cons = args.chunks + 8
+        rows_cons = max(args.chunks, args.step_chunks * 8) + 8  # requests side by side
         prof_path = None
         if args.profile:
             os.makedirs(os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"),

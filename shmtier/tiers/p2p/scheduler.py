@@ -58,6 +58,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -81,6 +82,7 @@ CHECK_EVERY_S = 0.05
 RESTART_BASE_S, RESTART_CAP_S, STABLE_S = 0.5, 30.0, 30.0
 WATCHDOG_EXTRA_S = 10.0
 FLUSH_AFTER_S = 0.002  # messages queued this long go at the next poll, not only at step end
+OFF_THREAD_SEEN_S = 0.05  # the tier-poll thread polled this recently: it sends a step's batch
 STOP_WAIT_S = 2.0
 
 LOOKUPS = "vllm:kv_offload_shmtier_p2p_lookups"
@@ -109,7 +111,9 @@ class _Request:
     server_key: str | None = None
     failed: bool = False
     answers: dict = field(default_factory=dict)   # key -> bool (symmetric)
-    unsettled: bool = False  # a lookup or load went to the peer and no load finished since
+    # a consumer's peer may hold rows for it: true until a fetch round ended with "done"
+    # (a request that finishes unsettled sends a release, also one that never loaded)
+    unsettled: bool = True
     probing: dict = field(default_factory=dict)   # key -> deadline (symmetric)
     to_probe: list = field(default_factory=list)
     to: list | None = None  # producer bound to one consumer: [its "host:port", its key or ""]
@@ -188,6 +192,11 @@ class P2PTierManager(SecondaryTierManager):
         self._outbox: collections.deque = collections.deque()  # packed, to send
         self._pending: list[dict] = []  # queued this step: one send at its end (_flush)
         self._queued_at = 0.0
+        self._step_thread = None  # the thread that calls on_schedule_end
+        self._off_thread_at = -1.0  # when another thread (the tier-poll thread) last polled
+        self._flush_due = False  # a step's batch waits for that thread to send it
+        self._zmq_events = int(zmq.EVENTS)
+        self._zmq_pollin = int(zmq.POLLIN)
         self._ready = False
         self._ready_at = 0.0
         self._backoff = RESTART_BASE_S
@@ -293,13 +302,16 @@ class P2PTierManager(SecondaryTierManager):
 
     def _send(self, msg: dict) -> None:
         """Queue ``msg`` for the endpoint: what a step queues goes as one message at
-        ``on_schedule_end`` (an ipc send costs the scheduler thread tens of µs), or at a
-        poll FLUSH_AFTER_S later (an engine with no step to run)."""
+        ``on_schedule_end`` (an ipc send costs the scheduler thread tens of µs) or, while
+        the tier-poll thread polls this tier, at that thread's next poll (within about a
+        millisecond, off the scheduler thread); else at a poll FLUSH_AFTER_S later (an
+        engine with no step to run)."""
         if not self._pending:
             self._queued_at = time.monotonic()
         self._pending.append(msg)
 
     def _flush(self) -> None:
+        self._flush_due = False
         sock, zmq = self._sock, self._zmq
         if self._pending and sock is not None:
             batch = self._pending[0] if len(self._pending) == 1 else self._pending
@@ -317,6 +329,9 @@ class P2PTierManager(SecondaryTierManager):
         if self._closed:
             return
         now = time.monotonic()
+        off_thread = threading.get_ident() != self._step_thread
+        if off_thread:
+            self._off_thread_at = now
         if self._proc is None:
             if now >= self._restart_at:
                 self._start_endpoint()
@@ -335,13 +350,14 @@ class P2PTierManager(SecondaryTierManager):
         zmq, sock = self._zmq, self._sock
         # ask first: a recv that raises zmq.Again costs ~20 µs, and this runs several
         # times a step, mostly with nothing to read
-        while sock.get(zmq.EVENTS) & zmq.POLLIN:
+        while sock.getsockopt(self._zmq_events) & self._zmq_pollin:
             try:
                 buf = sock.recv(zmq.NOBLOCK)
             except zmq.Again:
                 break
             self._handle(msgpack.unpackb(buf, raw=False))
-        if self._outbox or (self._pending and now - self._queued_at >= FLUSH_AFTER_S):
+        if (self._outbox or (self._flush_due and off_thread)
+                or (self._pending and now - self._queued_at >= FLUSH_AFTER_S)):
             self._flush()
 
     def _expire(self, now: float) -> None:
@@ -589,6 +605,7 @@ class P2PTierManager(SecondaryTierManager):
                         "skey": req.server_key})
 
     def on_schedule_end(self, context: ScheduleEndContext) -> None:
+        self._step_thread = threading.get_ident()
         self._poll()
         if self._probe_queue:
             queued, self._probe_queue = self._probe_queue, {}
@@ -601,7 +618,12 @@ class P2PTierManager(SecondaryTierManager):
                 req.unsettled = True
                 self._send({"t": "lookup", "lid": lid, "req": req.kvid, "peer": req.peer,
                             "skey": req.server_key, "keys": keys})
-        self._flush()  # what this step queued (loads, parks, lookups, releases): one send
+        # what this step queued (loads, parks, lookups, releases): one send, by the
+        # tier-poll thread if it polls this tier (then not on the scheduler thread)
+        if time.monotonic() - self._off_thread_at < OFF_THREAD_SEEN_S:
+            self._flush_due = bool(self._pending)
+        else:
+            self._flush()
 
     def serve_external_requests(self, parent: ParentManager) -> None:
         self._poll()
