@@ -29,19 +29,24 @@ issue's "2 workers" does not apply.
 Every repeat runs each configuration once, in an order rotated per repeat; GB/s = chunk
 bytes / seconds; tables show median [min-max] over the repeats.
 
-Step time: the consumer engine runs ``--steps`` scheduler steps (one every
-``--step-ms``) in two modes, interleaved ``--step-repeats`` times (CurveZMQ engines):
-``idle``: a new request every step without ``kv_transfer_params`` (the p2p tier
-attached, no peer traffic; lookups MISS); ``peer``: PD requests of ``--step-chunks``
-chunks each, fetched one after the other (lookups HIT_PENDING until loaded, then
-``prepare_load``/``complete_load``) while the producer parks the next ones (2 ahead);
-the run ends when its ``--steps`` // 4 requests are done. A step's time is the wall time of its
-manager calls under ``manager.lock`` (lookups, loads, ``on_new_request`` /
+Step time: the consumer engine runs scheduler steps (one every ``--step-ms``) in two modes,
+interleaved ``--step-repeats`` times (CurveZMQ engines), each with the same requests
+arriving alike: ``--steps`` // ``--arrive-every`` requests of ``--step-chunks`` chunks, one
+arriving every ``--arrive-every`` steps (side by side with those still active), the run
+ending when all are done. ``idle`` ("without a peer"): the p2p tier attached, its
+endpoint running, the requests carry no ``kv_transfer_params`` (their lookups MISS at
+once; no peer traffic). ``peer`` ("with a peer attached"): the same requests as PD
+consumers (``remote_prefiller``) of the producer engine, which parks each request ahead
+of it (at most ``STREAM_AHEAD`` at a time) in its own process on the same host (standing
+in for the prefill host, at the scheduler's niceness); lookups HIT_PENDING until loaded,
+then ``prepare_load``/``complete_load``. Both engines' endpoints run at the tier's default
+``endpoint_niceness``; ``--nice0`` adds ``peer@nice0``: the same with both endpoints
+reniced to 0 for that run (every thread). A step's time is the wall time of its manager
+calls under ``manager.lock`` (lookups, loads, ``on_new_request`` /
 ``on_request_finished``, ``on_schedule_end``, ``has_pending_work``, ``get_stats``,
-``take_events``), and its on-CPU part (``thread_time``: the wall time less what other
-processes took of the 2 cores meanwhile); p50/p99 per run, median [min-max] over runs;
-``noload_p99``: the p99 of the steps in which no request's load completed (the ``peer``
-run's other steps also run ``prepare_load``/``complete_load``, which ``idle`` never does).
+``take_events``), and its on-CPU part (``thread_time``); p50/p99 per run, median
+[min-max] over runs; ``noload_p99``: the p99 of the steps in which no request's load
+completed (``idle`` never loads).
 """
 
 from __future__ import annotations
@@ -127,10 +132,11 @@ def engine_proc(conn, engine_id: str, tier: dict, rows: int, chunk: int, profile
         deadline = time.monotonic() + 30
         while True:  # parked (PD) or cascaded (no role: answered at once)
             step()
-            with m.lock:
-                parked = sum(p.rows for p in p2p._parked.values())
+            with m.lock:  # (a consumer already waiting may have fetched them: released)
+                parked = p2p._parked.get(kvid)
+                parked = kvid in p2p._released or (parked and parked.rows >= len(keys))
                 refs = [m.primary.ref_count(k) for k in keys]
-            if (parked >= len(keys)) if kvid else all(r == 0 for r in refs):
+            if parked if kvid else all(r == 0 for r in refs):
                 break
             assert time.monotonic() < deadline, "stores not parked"
             time.sleep(0.001)
