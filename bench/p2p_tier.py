@@ -29,19 +29,24 @@ issue's "2 workers" does not apply.
 Every repeat runs each configuration once, in an order rotated per repeat; GB/s = chunk
 bytes / seconds; tables show median [min-max] over the repeats.
 
-Step time: the consumer engine runs ``--steps`` scheduler steps (one every
-``--step-ms``) in two modes, interleaved ``--step-repeats`` times (CurveZMQ engines):
-``idle``: a new request every step without ``kv_transfer_params`` (the p2p tier
-attached, no peer traffic; lookups MISS); ``peer``: PD requests of ``--step-chunks``
-chunks each, fetched one after the other (lookups HIT_PENDING until loaded, then
-``prepare_load``/``complete_load``) while the producer parks the next ones (2 ahead);
-the run ends when its ``--steps`` // 4 requests are done. A step's time is the wall time of its
-manager calls under ``manager.lock`` (lookups, loads, ``on_new_request`` /
+Step time: the consumer engine runs scheduler steps (one every ``--step-ms``) in two modes,
+interleaved ``--step-repeats`` times (CurveZMQ engines), each with the same requests
+arriving alike: ``--steps`` // ``--arrive-every`` requests of ``--step-chunks`` chunks, one
+arriving every ``--arrive-every`` steps (side by side with those still active), the run
+ending when all are done. ``idle`` ("without a peer"): the p2p tier attached, its
+endpoint running, the requests carry no ``kv_transfer_params`` (their lookups MISS at
+once; no peer traffic). ``peer`` ("with a peer attached"): the same requests as PD
+consumers (``remote_prefiller``) of the producer engine, which parks each request ahead
+of it (at most ``STREAM_AHEAD`` at a time) in its own process on the same host (standing
+in for the prefill host, at the scheduler's niceness); lookups HIT_PENDING until loaded,
+then ``prepare_load``/``complete_load``. Both engines' endpoints run at the tier's default
+``endpoint_niceness``; ``--nice0`` adds ``peer@nice0``: the same with both endpoints
+reniced to 0 for that run (every thread). A step's time is the wall time of its manager
+calls under ``manager.lock`` (lookups, loads, ``on_new_request`` /
 ``on_request_finished``, ``on_schedule_end``, ``has_pending_work``, ``get_stats``,
-``take_events``), and its on-CPU part (``thread_time``: the wall time less what other
-processes took of the 2 cores meanwhile); p50/p99 per run, median [min-max] over runs;
-``noload_p99``: the p99 of the steps in which no request's load completed (the ``peer``
-run's other steps also run ``prepare_load``/``complete_load``, which ``idle`` never does).
+``take_events``), and its on-CPU part (``thread_time``); p50/p99 per run, median
+[min-max] over runs; ``noload_p99``: the p99 of the steps in which no request's load
+completed (``idle`` never loads).
 """
 
 from __future__ import annotations
@@ -60,9 +65,10 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import exit_through_finally, fmt_mr, med_range, pct, rotated, write_json  # noqa: E402
 from p2p_transport import RawLoopback  # noqa: E402
+from shmtier.tiers.p2p.config import P2PTierConfig  # noqa: E402
 
 IDLE_STEP_S = 0.005
-STREAM_AHEAD = 2  # PD requests the producer keeps parked ahead of the consumer (step runs)
+STREAM_AHEAD = 3  # PD requests the producer keeps parked ahead of the consumer (step runs)
 
 
 def _key(i: int) -> bytes:
@@ -126,10 +132,11 @@ def engine_proc(conn, engine_id: str, tier: dict, rows: int, chunk: int, profile
         deadline = time.monotonic() + 30
         while True:  # parked (PD) or cascaded (no role: answered at once)
             step()
-            with m.lock:
-                parked = sum(p.rows for p in p2p._parked.values())
+            with m.lock:  # (a consumer already waiting may have fetched them: released)
+                parked = p2p._parked.get(kvid)
+                parked = kvid in p2p._released or (parked and parked.rows >= len(keys))
                 refs = [m.primary.ref_count(k) for k in keys]
-            if (parked >= len(keys)) if kvid else all(r == 0 for r in refs):
+            if parked if kvid else all(r == 0 for r in refs):
                 break
             assert time.monotonic() < deadline, "stores not parked"
             time.sleep(0.001)
@@ -182,6 +189,14 @@ def engine_proc(conn, engine_id: str, tier: dict, rows: int, chunk: int, profile
             produce(kvid, keys)
         return len(requests)
 
+    def renice(niceness):
+        """Set every thread of this engine's endpoint process to ``niceness`` (an
+        experiment: the tier's ``endpoint_niceness`` as if configured so)."""
+        pid = p2p._proc.pid
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            os.setpriority(os.PRIO_PROCESS, int(tid), niceness)
+        return pid
+
     def wait_unparked(timeout_s):
         deadline = time.monotonic() + timeout_s
         while p2p._parked:
@@ -190,26 +205,28 @@ def engine_proc(conn, engine_id: str, tier: dict, rows: int, chunk: int, profile
             time.sleep(0.002)
         return True
 
-    def steps(requests, n_steps, period_s, profile_it=False):
-        """Scheduler steps; ``requests``: (params, keys) served one after the other,
-        until all are done (at most ``n_steps``)."""
+    def steps(requests, every, max_steps, period_s, profile_it=False):
+        """Scheduler steps; ``requests``: (params, keys), request i arriving at step
+        i * ``every`` (side by side with those still active), until all are done (at
+        most ``max_steps``)."""
         todo = list(requests)
         times, cpu, loaded, done, hits = [], [], [], 0, 0
-        active = None
+        active = []
         if prof and profile_it:
             prof.enable()
-        for _ in range(n_steps):
-            if active is None and not todo:
+        for n in range(max_steps):
+            if not active and not todo:
                 break
             t_step, c_step = time.perf_counter(), time.thread_time()
             load = False
             with m.lock:
-                if active is None and todo:
+                if todo and n % every == 0:
                     params, keys = todo.pop(0)
-                    active = (ReqContext(f"s{next(nreq)}", params), [_key(k) for k in keys])
-                    m.on_new_request(active[0])
-                if active is not None:
-                    ctx, keys = active
+                    active.append((ReqContext(f"s{next(nreq)}", params),
+                                   [_key(k) for k in keys]))
+                    m.on_new_request(active[-1][0])
+                for req in list(active):
+                    ctx, keys = req
                     answers = [m.lookup(k, ctx) for k in keys]
                     if all(a is HIT for a in answers):
                         m.prepare_load(keys, ctx)
@@ -218,7 +235,7 @@ def engine_proc(conn, engine_id: str, tier: dict, rows: int, chunk: int, profile
                         load = True
                     if all(a is HIT or a is MISS for a in answers):
                         m.on_request_finished(ctx)
-                        active = None
+                        active.remove(req)
                         done += 1
                 m.on_schedule_end(END)
                 m.has_pending_work()
@@ -231,6 +248,9 @@ def engine_proc(conn, engine_id: str, tier: dict, rows: int, chunk: int, profile
             time.sleep(max(0.0, period_s - dt))
         if prof and profile_it:
             prof.disable()
+        with m.lock:  # the cap was reached: end what is left (untimed)
+            for ctx, _ in active:
+                m.on_request_finished(ctx)
         return {"times": times, "cpu": cpu, "loaded": loaded, "requests_done": done,
                 "hits": hits}
 
@@ -242,7 +262,7 @@ def engine_proc(conn, engine_id: str, tier: dict, rows: int, chunk: int, profile
             time.sleep(0.005)
         conn.send(("ready", p2p.port))
         handlers = {"produce": produce, "promote": promote, "wait_unparked": wait_unparked,
-                    "steps": steps, "produce_stream": produce_stream}
+                    "steps": steps, "produce_stream": produce_stream, "renice": renice}
         while True:
             if not conn.poll(IDLE_STEP_S):
                 step()
@@ -309,6 +329,10 @@ def main() -> None:
     ap.add_argument("--step-ms", type=float, default=10.0, help="step period")
     ap.add_argument("--step-chunks", type=int, default=4, help="chunks per PD request (steps)")
     ap.add_argument("--step-repeats", type=int, default=3)
+    ap.add_argument("--arrive-every", type=int, default=4,
+                    help="a new request every this many steps (both step modes)")
+    ap.add_argument("--nice0", action="store_true",
+                    help="also a peer mode with both endpoints reniced to 0 (the scheduler's)")
     ap.add_argument("--quick", action="store_true", help="8 chunks, 2 repeats, 150 steps x 1")
     ap.add_argument("--profile", action="store_true",
                     help="cProfile the consumer's peer step runs (bench/results/p2p_tier_steps.prof)")
@@ -325,7 +349,7 @@ def main() -> None:
 
     chunk = int(args.chunk_mib * 2 ** 20)
     total = chunk * args.chunks
-    step_requests = max(1, args.steps // 4)  # PD requests per peer run (each takes a few steps)
+    step_requests = max(1, args.steps // args.arrive_every)  # requests per step run
     ctx = mp.get_context("spawn")
     tmp = tempfile.mkdtemp(prefix="shmtier-p2p-tier-bench-")
     engines: list[Engine] = []
@@ -346,7 +370,7 @@ def main() -> None:
                     "allow_keys_dir": os.path.join(tmp, f"allow-{name}")}
 
         rows_prod = max(args.chunks, args.step_chunks * STREAM_AHEAD) + 8
-        rows_cons = args.chunks + 8
+        rows_cons = max(args.chunks, args.step_chunks * 8) + 8  # requests side by side
         prof_path = None
         if args.profile:
             os.makedirs(os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"),
@@ -405,17 +429,21 @@ def main() -> None:
                 gbps[name].append(total / got["seconds"] / 1e9)
                 fetch_gbps[name].append(total / got["fetch_s"] / 1e9 if got["fetch_s"] else None)
 
-        # step time: idle vs a peer's promotions every step (CurveZMQ engines)
+        # step time: the same requests, arriving alike, without and with a peer (CurveZMQ)
         prod, cons = pairs["curve"]
-        step_stats = {"idle": [], "peer": []}
-        step_info = {"idle": [], "peer": []}
-        step_len = {"idle": [], "peer": []}
+        kinds = ["idle", "peer"] + (["peer@nice0"] if args.nice0 else [])
+        step_stats = {k: [] for k in kinds}
+        step_info = {k: [] for k in kinds}
+        step_len = {k: [] for k in kinds}
         period = args.step_ms / 1000
+        default_nice = os.getpriority(os.PRIO_PROCESS, 0) + P2PTierConfig(plaintext=True).endpoint_niceness
         for rep in range(args.step_repeats):
-            for kind in rotated(["idle", "peer"], rep):
-                if kind == "idle":  # a new request every step (its lookups MISS at once)
+            for kind in rotated(kinds, rep):
+                for e in (prod, cons):  # the experiment's endpoints, or the default
+                    e.call("renice", 0 if kind == "peer@nice0" else default_nice)
+                if kind == "idle":  # no kv_transfer_params: its lookups MISS at once
                     reqs = [(None, [next(next_key) for _ in range(args.step_chunks)])
-                            for _ in range(args.steps)]
+                            for _ in range(step_requests)]
                 else:  # the producer parks them as the consumer fetches
                     stream = []
                     for _ in range(step_requests):
@@ -426,10 +454,10 @@ def main() -> None:
                                                    "remote_host": "127.0.0.1",
                                                    "remote_port": prod.port}}, keys)
                             for kvid, keys in stream]
-                # a peer run ends when its requests are done (the producer streams them)
-                cap = args.steps if kind == "idle" else 8 * args.steps
-                out = cons.call("steps", reqs, cap, period, kind == "peer", timeout_s=600)
-                if kind == "peer":
+                # a run ends when its requests are done (the producer streams them)
+                out = cons.call("steps", reqs, args.arrive_every, 8 * args.steps, period,
+                                kind == "peer", timeout_s=600)
+                if kind != "idle":
                     prod.result("produce_stream", 60)
                 t = [x * 1e6 for x in out["times"]]
                 c = [x * 1e6 for x in out["cpu"]]
@@ -440,7 +468,7 @@ def main() -> None:
                                          "noload_p99": pct(quiet, 99)})
                 step_info[kind].append({"requests": out["requests_done"], "hits": out["hits"]})
                 step_len[kind].append(len(t))
-                if kind == "peer":
+                if kind != "idle":
                     prod.call("wait_unparked", 60)
 
         print(f"p2p tier loopback, 127.0.0.1, {args.chunks} chunks of {chunk} B "
@@ -455,20 +483,23 @@ def main() -> None:
             fetch = fmt_mr(med_range(fetch_gbps[name])) if name in fetch_gbps else ""
             print(f"{name:<11} {fmt_mr(med_range(gbps[name])):>24} {ratio:>23} {fetch:>22}")
         print(f"\nconsumer scheduler step time (µs), a step every {args.step_ms:g} ms, "
-              f"{args.step_repeats} runs each; idle: {args.steps} steps; peer: "
-              f"{step_requests} PD requests of {args.step_chunks} chunks fetched one after "
-              f"the other (CurveZMQ); steps/run: "
+              f"{args.step_repeats} runs each, {step_requests} requests of "
+              f"{args.step_chunks} chunks, one arriving every {args.arrive_every} steps; "
+              f"idle: without kv_transfer_params (MISS), peer: PD from the producer "
+              f"(CurveZMQ; endpoints at niceness {default_nice}"
+              + (", peer@nice0: at 0" if args.nice0 else "") + "); steps/run: "
               + ", ".join(f"{k} {'/'.join(str(len_) for len_ in step_len[k])}"
-                          for k in ("idle", "peer")))
+                          for k in kinds))
         cols = ("p50", "p90", "p99", "cpu_p50", "cpu_p99", "noload_p99")
-        print(f"{'mode':<6} " + " ".join(f"{c:>19}" for c in cols) + f" {'requests/run':>14}")
-        for kind in ("idle", "peer"):
+        print(f"{'mode':<10} " + " ".join(f"{c:>19}" for c in cols) + f" {'requests/run':>14}")
+        for kind in kinds:
             row = [fmt_mr(med_range([s[q] for s in step_stats[kind]]), 0) for q in cols]
             reqs = "/".join(str(i["requests"]) for i in step_info[kind])
-            print(f"{kind:<6} " + " ".join(f"{r:>19}" for r in row) + f" {reqs:>14}")
+            print(f"{kind:<10} " + " ".join(f"{r:>19}" for r in row) + f" {reqs:>14}")
         for q in ("p50", "p99", "cpu_p99", "noload_p99"):
             v = {k: med_range([s[q] for s in step_stats[k]])[0] for k in step_stats}
-            print(f"step {q} peer / idle: {v['peer'] / v['idle']:.2f}x")
+            for kind in kinds[1:]:
+                print(f"step {q} {kind} / idle: {v[kind] / v['idle']:.2f}x")
         if args.json:
             write_json(args.json, {"chunks": args.chunks, "chunk_bytes": chunk,
                                    "repeats": args.repeats, "gbps": gbps,

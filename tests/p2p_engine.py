@@ -7,9 +7,12 @@ tier options ``tier``, waits until the tier's endpoint runs and sends
 engine (``on_schedule_end`` every few ms) so the tier serves its peers. Every command
 answers ``("ok", value)`` or ``("error", text)``.
 
-- ``("produce", req_id, kvid, keys, first_block)``: a PD prefiller request
-  (``remote_decoder``; a plain request if ``kvid`` is None) stores chunks ``keys`` from GPU blocks ``first_block...`` and
-  finishes; value: the GPU bytes of those blocks.
+- ``("produce", req_id, kvid, keys, first_block[, finish])``: a PD prefiller request
+  (``remote_decoder``: ``{"kv_request_id": kvid}``, or ``kvid`` itself when it is a dict;
+  a plain request if ``kvid`` is None) stores chunks ``keys`` from GPU blocks
+  ``first_block...`` and finishes (unless ``finish`` is False: then ``("produce_more",
+  req_id, keys, first_block)`` stores more of it and ``("finish", req_id)`` finishes it);
+  value: the GPU bytes of those blocks.
 - ``("consume", req_id, params, keys, first_block, timeout_s)``: a request with
   ``kv_transfer_params`` ``params`` looks ``keys`` up once per step until every answer is
   HIT or MISS (then loads the leading HITs into GPU blocks ``first_block...``), or the
@@ -54,16 +57,28 @@ def serve(conn, engine_id: str, tier: dict, layout: dict) -> None:
     def blocks(first, n):
         return [first + i * engine.bpc + j for i in range(n) for j in range(engine.bpc)]
 
-    def produce(req_id, kvid, keys, first_block):
-        keys = [fs_engine.key(k) for k in keys]
-        ctx = ReqContext(req_id, None if kvid is None else
-                         {"remote_decoder": {"kv_request_id": kvid}})
+    open_requests: dict = {}
+
+    def produce(req_id, kvid, keys, first_block, finish=True):
+        if isinstance(kvid, str):
+            kvid = {"kv_request_id": kvid}
+        ctx = ReqContext(req_id, None if kvid is None else {"remote_decoder": kvid})
         timed(m.on_new_request, ctx)
-        engine.offload(keys, first_block, ctx)
-        timed(m.on_request_finished, ctx)
+        open_requests[req_id] = ctx
+        out = produce_more(req_id, keys, first_block)
+        if finish:
+            finish_request(req_id)
+        return out
+
+    def produce_more(req_id, keys, first_block):
+        engine.offload([fs_engine.key(k) for k in keys], first_block, open_requests[req_id])
         step()
         return b"".join(c[blocks(first_block, len(keys))].numpy().tobytes()
                         for c in engine.caches)
+
+    def finish_request(req_id):
+        timed(m.on_request_finished, open_requests.pop(req_id))
+        step()
 
     def consume(req_id, params, keys, first_block, timeout_s):
         (out,), slowest_s = consume_many([(req_id, params, keys, first_block)], timeout_s)
@@ -152,6 +167,10 @@ def serve(conn, engine_id: str, tier: dict, layout: dict) -> None:
             try:
                 if cmd[0] == "produce":
                     out = produce(*cmd[1:])
+                elif cmd[0] == "produce_more":
+                    out = produce_more(*cmd[1:])
+                elif cmd[0] == "finish":
+                    out = finish_request(*cmd[1:])
                 elif cmd[0] == "consume":
                     out = consume(*cmd[1:])
                 elif cmd[0] == "consume_many":

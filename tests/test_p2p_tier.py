@@ -245,6 +245,67 @@ def test_symmetric_retry_then_hit_and_miss(engines, keys):
     assert got["answers"][-1] == ["MISS", "MISS"] and got["data"] is None
 
 
+@pytest.mark.timeout(120)
+def test_a_key_the_producer_never_stores_misses_at_once(engines, keys):
+    """The producer's request finishes without storing some of the keys the consumer
+    asks for: its endpoint answers their misses final, so the consumer's fetch round
+    ends at once (MISS, well under fetch_timeout_s = 10 s) instead of waiting it out:
+    for a round started after the producer finished, and for one already waiting
+    when it finished. The chunks stored are exact; the producer's pins are released."""
+    prod, cons = engines((tier(keys.a), {}), (tier(keys.b, fetch_timeout_s=10), {}))
+    ks = [111, 112, 113, 114]
+    sent = prod.call("produce", "p1", "kv-c1", ks[:2], 0)  # 113, 114 never stored
+    t0 = time.monotonic()
+    got = cons.call("consume", "c1", pd("kv-c1", prod.port), ks, 40, 30)
+    assert time.monotonic() - t0 < 3.0
+    assert got["answers"][-1] == ["HIT"] * 2 + ["MISS"] * 2 and got["data"] == sent
+    # pending: the round waits for 122 and 123; the producer stores 122, then finishes
+    sent = prod.call("produce", "p2", "kv-c2", [121], 4, False)
+    cons.send("consume", "c2", pd("kv-c2", prod.port), [121, 122, 123], 50, 30)
+    time.sleep(1.0)
+    sent += prod.call("produce_more", "p2", [122], 5)
+    t1 = time.monotonic()
+    prod.call("finish", "p2")
+    got = cons.result("consume", 30)
+    assert time.monotonic() - t1 < 3.0
+    assert got["answers"][-1] == ["HIT"] * 2 + ["MISS"] and got["data"] == sent
+    wait_unpinned(prod, ks[:2] + [121, 122])
+    assert cons.call("refs", [113, 114, 123]) == [None] * 3
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("security", ["curve", "plaintext"])
+def test_parked_rows_are_served_only_to_the_consumer_they_are_for(engines, keys, security):
+    """Three engines: the producer admits both others, and parks a PD request whose
+    remote_decoder names one of them (host, port and, with CurveZMQ, its public key).
+    The other admitted engine asks for that request id: refused and counted (its fetch
+    and its done), nothing served, the rows stay parked; the named consumer then gets
+    the bytes exactly and the pins are released."""
+    if security == "curve":
+        both = {"secret_key_file": keys.a["secret_key_file"],
+                "allow_keys": [keys.pub["b"], keys.pub["stranger"]]}
+        prod, cons, third = engines((tier(both), {}), (tier(keys.b), {}),
+                                    (tier(keys.stranger), {}))
+    else:
+        prod, cons, third = engines(*[(tier({}, plaintext=True), {})] * 3)
+    to = {"kv_request_id": "kv-bound", "remote_host": "127.0.0.1", "remote_port": cons.port}
+    if security == "curve":
+        to["remote_public_key"] = keys.pub["b"]
+    ks = [131, 132, 133]
+    sent = prod.call("produce", "p1", to, ks, 0)
+    got = third.call("consume", "c1", pd("kv-bound", prod.port), ks, 40, 20)
+    assert got["answers"][-1] == ["MISS"] * 3 and got["data"] is None
+    st = wait_stats(prod, lambda st: st["counters"]["server"]["refused_requests"] >= 2)
+    server = st["counters"]["server"]
+    assert server["chunks"] == 0 and server["bytes_sent"] == 0
+    assert st["parked"] == 3 and all(r > 0 for r in prod.call("refs", ks))
+    st = wait_stats(prod, lambda st: metric(st, "refused_requests") >= 2)
+    assert set(st["metrics"]["refused_requests"]) == {"1:p2p,inbound"}
+    got = cons.call("consume", "c2", pd("kv-bound", prod.port), ks, 50, 20)
+    assert got["answers"][-1] == ["HIT"] * 3 and got["data"] == sent
+    wait_unpinned(prod, ks)
+
+
 # --------------------------------------------------------------------------- failures
 
 
@@ -293,7 +354,7 @@ def test_producer_killed_mid_transfer(engines, keys):
     one MISS, and the consumer keeps running with nothing pinned."""
     prod, cons = engines((tier(keys.a), {}), (tier(keys.b, fetch_timeout_s=4), {}))
     ks = [41, 42, 43, 44, 45, 46]
-    sent = prod.call("produce", "p1", "kv-k", ks[:3], 0)
+    sent = prod.call("produce", "p1", "kv-k", ks[:3], 0, False)  # more to come: not finished
     st = prod.call("stats")
     endpoint = st["pid"]
     cons.conn.send(("consume", "c1", pd("kv-k", prod.port), ks, 40, 20))
@@ -452,7 +513,7 @@ def test_consumer_killed_mid_request_releases_the_producers_pins(engines, keys):
                          (tier(keys.b, fetch_timeout_s=20), {}))
     ks = [101, 102, 103, 104, 105]
     t_parked = time.monotonic()
-    prod.call("produce", "p1", "kv-ck", ks[:3], 0)
+    prod.call("produce", "p1", "kv-ck", ks[:3], 0, False)  # more to come: not finished
     cst = cons.call("stats")
     cons.send("consume", "c1", pd("kv-ck", prod.port), ks, 40, 30)
     wait_stats(prod, lambda st: st["counters"]["server"]["chunks"] >= 3)  # mid-request

@@ -490,3 +490,48 @@ def test_request_scoped_fetch_deferred_lookup_and_done():
         stop.set()
         thread.join(5)
         server.close()
+
+
+def test_requests_bound_to_a_peer_and_complete_requests():
+    """``request_owner``: a fetch, lookup or done naming a request bound to another peer
+    is refused (counted; fetch: each key ERROR "not_bound", lookup: all False, done: not
+    delivered), nothing served; the bound peer is served. ``request_complete``: a miss
+    of a complete request is final (``FetchResult.final``), of another one is not."""
+    rows = {("r1", b"k1"): np.arange(64, dtype=np.uint8)}
+    done, stop = [], threading.Event()
+    server = ChunkServer("127.0.0.1", 0, provider=lambda key: None, fingerprint=FP,
+                         hash_seed=SEED, plaintext=True,
+                         request_provider=lambda req, key: rows.get((req, key)),
+                         request_owner={"r1": ("me:1", "")}.get,
+                         request_complete={"r2"}.__contains__, on_done=done.append)
+    thread = threading.Thread(target=lambda: server.serve(stop.is_set, 0.005), daemon=True)
+    thread.start()
+    other = ChunkClient("127.0.0.1", server.port, fingerprint=FP, hash_seed=SEED,
+                        plaintext=True, name="other:2")
+    me = ChunkClient("127.0.0.1", server.port, fingerprint=FP, hash_seed=SEED,
+                     plaintext=True, name="me:1")
+    try:
+        dest = np.zeros(64, np.uint8)
+        res = other.fetch([b"k1"], [dest], 5, req="r1")
+        assert res.outcomes == [Outcome.ERROR] and "not_bound" in res.details[0]
+        assert not dest.any()
+        assert other.lookup([b"k1"], 5, req="r1") == [False]
+        assert other.done("r1", 5)
+        assert other.circuit.failures == 0  # a refused request is no peer failure
+        res = me.fetch([b"k1"], [dest], 5, req="r1")
+        assert res.all_ok and (dest == rows["r1", b"k1"]).all()
+        assert me.fetch([b"k9"], [dest], 5, req="r2").final == [True]
+        assert me.fetch([b"k9"], [dest], 5, req="r3").final == [False]
+        assert me.done("r1", 5)
+        deadline = time.monotonic() + 5
+        while done != ["r1"]:  # only the bound peer's done arrived
+            assert time.monotonic() < deadline, done
+            time.sleep(0.01)
+        assert server.counters.refused_requests == 3
+        assert server.counters.bytes_sent == 64
+    finally:
+        other.close()
+        me.close()
+        stop.set()
+        thread.join(5)
+        server.close()

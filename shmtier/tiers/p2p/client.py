@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import zmq
@@ -37,12 +37,15 @@ class FetchResult:
     CORRUPT: the bytes failed the CRC-32C or had the wrong length, and the destination is
     not to be used; ERROR: not answered: timeout, peer gone, refused, circuit open),
     ``details[i]`` (why, in words; "" for OK/MISS), ``nbytes[i]`` (bytes received for an
-    OK key), and the call's wall time ``seconds``."""
+    OK key), ``final[i]`` (a MISS the peer says is final: the request is complete there
+    and the chunk will never come; empty when the call sent nothing), and the call's
+    wall time ``seconds``."""
 
     outcomes: list[Outcome]
     details: list[str]
     nbytes: list[int]
     seconds: float = 0.0
+    final: list[bool] = field(default_factory=list)
 
     @classmethod
     def failed(cls, n: int, detail: str) -> "FetchResult":
@@ -149,7 +152,7 @@ class ChunkClient:
             self.counters.fast_failures += 1
             return self._fast_fail(n, t0)
         deadline = t0 + timeout_s
-        result = FetchResult([Outcome.ERROR] * n, [""] * n, [0] * n)
+        result = FetchResult([Outcome.ERROR] * n, [""] * n, [0] * n, final=[False] * n)
         answered = [False] * n
         pending = n
         request = {"t": "fetch", "keys": keys}
@@ -298,6 +301,7 @@ class ChunkClient:
         elif st == "miss":
             self._discard_rest()
             result.outcomes[i] = Outcome.MISS
+            result.final[i] = bool(msg.get("fin"))
             self.counters.misses += 1
         elif st != "ok" or not self._sock.rcvmore:
             self._discard_rest()

@@ -108,7 +108,10 @@ class P2PTierConfig(TierConfig):
     CurveZMQ at all (no keys accepted; logged as a WARNING). ``lookup_timeout_s``: a
     symmetric lookup not answered by then is a MISS; ``fetch_timeout_s``: a promotion's
     fetch round (it waits for chunks the producer has not parked yet) fails by then.
-    ``hash_seed``: must equal the peers' (default: ``PYTHONHASHSEED``, as vLLM's)."""
+    ``hash_seed``: must equal the peers' (default: ``PYTHONHASHSEED``, as vLLM's).
+    ``endpoint_niceness``: added to the scheduler's niceness for the endpoint process
+    (0..19; default 10, as the tier workers): its transfers are background work and must
+    not preempt the scheduler thread on a busy host; 0 runs it at the scheduler's."""
 
     host: str = option(DEFAULT_HOST, text())
     port: int = option(DEFAULT_PORT, integer(0, 65535))
@@ -126,6 +129,7 @@ class P2PTierConfig(TierConfig):
     lookup_timeout_s: float = option(10.0, number(0, min_open=True))
     fetch_timeout_s: float = option(10.0, number(0, min_open=True))
     hash_seed: str | None = option(None, text().or_none())
+    endpoint_niceness: int = option(10, integer(0, 19))
 
     def check_together(self, where: str, context: TierContext) -> None:
         from shmtier.tiers.p2p.keys import KeyFileError

@@ -32,6 +32,8 @@ class TransportCounters:
     server key, or speaks plaintext), ``fingerprint``, ``hash_seed``, ``version`` (the
     hello did not match), ``no_hello`` (a request before any hello); client reasons: the
     peer's refusal reason, or ``auth`` / ``handshake`` as the client's socket saw them.
+    ``refused_requests`` (server): fetches, lookups and dones of an admitted peer naming
+    a request bound to another peer (``ChunkServer``'s ``request_owner``); nothing served.
     """
 
     requests: int = 0
@@ -45,6 +47,7 @@ class TransportCounters:
     timeouts: int = 0
     errors: int = 0
     fast_failures: int = 0
+    refused_requests: int = 0
     refused_handshakes: dict[str, int] = field(default_factory=dict)
 
     def refuse(self, reason: str) -> None:

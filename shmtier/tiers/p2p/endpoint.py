@@ -8,15 +8,25 @@ arena rows directly; the scheduler thread never touches the network.
 Threads: the main thread runs the ``ChunkServer`` and the PAIR socket to the scheduler
 (``ipc://``, msgpack); one thread per peer runs that peer's ``ChunkClient`` (fetches and
 lookups block up to their deadlines there, so a slow or stopped peer delays only its own
-requests).
+requests) and sends its answers, packed, on an ``inproc://`` PUSH socket to the main
+thread, which forwards them unchanged to the scheduler. The main thread's poll wakes for
+whichever socket has something (peers, the scheduler, the peer threads): no hop waits for
+a tick.
+
+Priority: the process lowers its own priority by the tier's ``endpoint_niceness`` (added
+to the scheduler's niceness; default 10, as the tier workers) before it starts any thread,
+so its transfers never preempt the latency-critical scheduler thread on a busy host.
 
 Messages on the PAIR (every one a msgpack map with ``"t"``; the scheduler half sends what
 one step queued as one msgpack array of them)::
 
     scheduler -> endpoint                         endpoint -> scheduler
-    park {req, keys, rows}  serve these rows      ready {port}
-          for request req (until released)       load_done {job, ok: [indices], nbytes,
-    unpark {req}  serve them no more                         seconds, detail}
+    park {req, keys, rows[, to]}  serve these     ready {port}
+          rows for request req (until released); load_done {job, ok: [indices], nbytes,
+          to = [name, key]: only to that peer                seconds, detail}
+    complete {req}  no more rows will be parked
+          for req: its misses are final
+    unpark {req}  serve them no more
     load {job, req, peer, skey, keys, rows}       lookup_done {lid, hits | None, detail}
           fetch keys from peer into rows          released {req}  a peer is done with req
     lookup {lid, req, peer, skey, keys}           ext_lookup {tid, req, peer, keys}
@@ -28,8 +38,15 @@ one step queued as one msgpack array of them)::
                                                         sessions, to status.json: status.py)
 
 A promotion's fetch round asks again, every 20 ms, for keys the peer answered MISS (its
-chunks may still be on their way into its CPU tier) until ``fetch_timeout_s``; then it
-tells the peer ``done`` for the request (the peer unpins what it parked for it).
+chunks may still be on their way into its CPU tier) until ``fetch_timeout_s``, or until
+the peer answers a miss final (its request is complete: ``complete``); then it tells the
+peer ``done`` for the request (the peer unpins what it parked for it).
+
+Binding (``ChunkServer``'s ``request_owner``): a request parked with ``to`` is served only
+to that peer: by its Curve public key when the scheduler knew it, else by its hello name
+("host:port"); the rows parked for a peer's symmetric lookup are bound to the session that
+asked. ``complete`` marks and bindings are forgotten ``complete_ttl_s`` after they were
+set (the scheduler half's ``unbound_store_timeout_s``).
 """
 
 from __future__ import annotations
@@ -58,11 +75,12 @@ from shmtier.tiers.p2p.status import write_status
 
 log = logging.getLogger(__name__)
 
-TICK_S = 0.002
+TICK_S = 0.05  # the poll wakes at once for any socket; this paces the 1 s chores
 COUNTERS_EVERY_S = 1.0
 OWNER_CHECK_S = 1.0
 MISS_RETRY_S = 0.02
 DONE_TIMEOUT_S = 1.0
+RESULTS = "inproc://p2p-endpoint-results"  # peer threads -> main thread (PUSH -> PULL)
 
 
 def pack(msg: dict) -> bytes:
@@ -82,6 +100,11 @@ class _Peer(threading.Thread):
         self.ep = ep
         self.peer = peer
         self.tasks: queue.SimpleQueue = queue.SimpleQueue()
+        # this thread's end of RESULTS (a socket belongs to the thread that uses it)
+        self.out = ep.ctx.socket(zmq.PUSH)
+        self.out.linger = 0
+        self.out.sndhwm = 0
+        self.out.connect(RESULTS)
         self.client = ChunkClient(
             host, int(port), fingerprint=ep.fingerprint, hash_seed=ep.hash_seed,
             keys=ep.keys, server_key=server_key, plaintext=ep.plaintext, name=ep.name,
@@ -99,9 +122,10 @@ class _Peer(threading.Thread):
                     log.exception("p2p endpoint: %s for peer %s raised", task["t"], self.peer)
                     out = _failed(task, f"{type(e).__name__}: {e}")
                 if out is not None:
-                    self.ep.results.put(out)
+                    self.out.send(pack(out))  # no HWM: never blocks
         finally:
             self.client.close()
+            self.out.close(0)
 
     def _load(self, task: dict) -> dict:
         t0 = time.monotonic()
@@ -118,16 +142,21 @@ class _Peer(threading.Thread):
                 break
             res = self.client.fetch([keys[i] for i in todo],
                                     [self.ep.row(rows[i]) for i in todo], left, req)
-            missing = []
+            missing, final = [], 0
             for j, i in enumerate(todo):
                 outcome = res.outcomes[j]
                 if outcome == Outcome.OK:
                     ok[i] = True
                     nbytes += res.nbytes[j]
+                elif outcome == Outcome.MISS and res.final[j]:
+                    final += 1
                 elif outcome == Outcome.MISS:
                     missing.append(i)
                 elif not detail:
                     detail = f"{outcome.name.lower()}: {res.details[j]}"
+            if final and not detail:
+                detail = (f"miss: {final} chunks never stored by {self.peer} (its request "
+                          f"{req} is complete)")
             if detail:
                 break
             todo = missing
@@ -180,8 +209,14 @@ class Endpoint:
         self.pair.linger = 0
         self.pair.sndhwm = self.pair.rcvhwm = 0
         self.pair.connect(settings["ipc"])
-        self.results: queue.SimpleQueue = queue.SimpleQueue()
+        self.results = self.ctx.socket(zmq.PULL)  # the peer threads' answers, packed
+        self.results.linger = 0
+        self.results.rcvhwm = 0
+        self.results.bind(RESULTS)
+        self.complete_ttl_s = float(settings.get("complete_ttl_s", 60.0))
         self.parked: dict[str, dict[bytes, int]] = {}
+        self.complete: dict[str, float] = {}  # req -> forget at (monotonic)
+        self.owners: dict[str, tuple[str, str, float]] = {}  # req -> (name, key, forget at)
         self.peers: dict[str, _Peer] = {}
         self.tokens: dict[int, LookupToken] = {}
         self._tids = itertools.count(1)
@@ -189,8 +224,12 @@ class Endpoint:
         self.server = ChunkServer(
             settings["host"], settings["port"], provider=lambda key: None,
             request_provider=self._provide, lookup_handler=self._ext_lookup,
-            on_done=self._done, fingerprint=self.fingerprint, hash_seed=self.hash_seed,
-            keys=self.keys, allow=allow, plaintext=self.plaintext, name=self.name)
+            on_done=self._done, request_complete=self.complete.__contains__,
+            request_owner=self._owner, fingerprint=self.fingerprint,
+            hash_seed=self.hash_seed, keys=self.keys, allow=allow, plaintext=self.plaintext,
+            name=self.name)
+        self.server.watch(self.pair)
+        self.server.watch(self.results)
         # with port 0 the bound port is known now: peers see this name (their metrics' label)
         self.name = f"{settings['host']}:{self.server.port}"
         self.status_path = settings.get("status")  # status.json for the CLI (status.py)
@@ -215,6 +254,21 @@ class Endpoint:
         self.parked.pop(req, None)
         self._send({"t": "released", "req": req})
 
+    def _owner(self, req: str) -> tuple[str, str] | None:
+        owner = self.owners.get(req)
+        return None if owner is None else owner[:2]
+
+    def _bind(self, req: str, name: str, key: str) -> None:
+        """Serve ``req`` only to the peer with Curve key ``key`` (if given: authenticated),
+        else to the one whose hello names it ``name``."""
+        self.owners[req] = ("" if key else name, key, time.monotonic() + self.complete_ttl_s)
+
+    def _forget_old(self, now: float) -> None:
+        for req in [r for r, t in self.complete.items() if now > t]:
+            del self.complete[req]
+        for req in [r for r, o in self.owners.items() if now > o[2] and r not in self.parked]:
+            del self.owners[req]
+
     # ---- the scheduler's messages
 
     def _send(self, msg: dict) -> None:
@@ -224,6 +278,10 @@ class Endpoint:
         t = msg["t"]
         if t == "park":
             self.parked.setdefault(msg["req"], {}).update(zip(msg["keys"], msg["rows"]))
+            if msg.get("to"):
+                self._bind(msg["req"], *msg["to"])
+        elif t == "complete":
+            self.complete[msg["req"]] = time.monotonic() + self.complete_ttl_s
         elif t == "unpark":
             self.parked.pop(msg["req"], None)
         elif t in ("load", "lookup", "release"):
@@ -233,6 +291,8 @@ class Endpoint:
                 self.parked.setdefault(msg["req"], {}).update(zip(msg["keys"], msg["rows"]))
             token = self.tokens.pop(msg["tid"], None)
             if token is not None:
+                if msg["keys"] and msg["req"] not in self.owners:
+                    self._bind(msg["req"], token.name, token.key)  # the peer that asked
                 self.server.answer_lookup(token, msg["hits"])
         elif t == "stop":
             self.stopping = True
@@ -301,13 +361,14 @@ class Endpoint:
                     self._handle(one)
             while True:
                 try:
-                    self._send(self.results.get_nowait())
-                except queue.Empty:
+                    self.pair.send(self.results.recv(zmq.NOBLOCK))  # packed by the peer
+                except zmq.Again:
                     break
             now = time.monotonic()
             if now >= next_counters:
                 next_counters = now + COUNTERS_EVERY_S
                 self._report()
+                self._forget_old(now)
             if now >= next_owner:
                 next_owner = now + OWNER_CHECK_S
                 if not self.segment.header().owner_alive():
@@ -322,6 +383,7 @@ class Endpoint:
             worker.join(2.0)
         self.server.close()
         self.pair.close(0)
+        self.results.close(0)
         if not any(w.is_alive() for w in self.peers.values()):
             self.ctx.term()  # (a peer thread stuck in a fetch: the exit ends it)
         self.arena = None
@@ -337,6 +399,8 @@ def main() -> int:
                         format="%(asctime)s %(levelname)s p2p-endpoint %(name)s: %(message)s")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     settings = unpack(sys.stdin.buffer.read())
+    # background work: below the scheduler, before any thread (they inherit it)
+    os.nice(int(settings.get("niceness", 0)))
     try:
         endpoint = Endpoint(settings)
     except OSError as e:  # cannot bind: the scheduler half restarts us with backoff

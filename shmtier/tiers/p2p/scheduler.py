@@ -13,7 +13,14 @@ Request roles, from ``kv_transfer_params`` (parsed once, in ``on_new_request``):
   is REQUEST_LEVEL; its cascades are *parked*: their primary rows stay pinned and the
   endpoint serves them to a peer fetching for that id, until the peer says ``done``
   (the store jobs then succeed: unpinned) or ``unbound_store_timeout_s`` passes without
-  that (they fail: unpinned; later stores of the id fail at once).
+  that (they fail: unpinned; later stores of the id fail at once). shmtier's extension:
+  with ``remote_host``/``remote_port`` (the decoder's endpoint; optional
+  ``remote_public_key``) the parked rows are bound to that peer: with CurveZMQ to its
+  key (from ``peers``, ``remote_public_key`` if allow-listed, or the allow-list's only
+  key), otherwise to its hello name "host:port"; other peers are refused and counted.
+  When the request finishes (all its stores submitted: the manager calls
+  ``on_request_finished`` only then) the endpoint is told ``complete``: fetchers' misses
+  of its keys are final at once instead of waiting out ``fetch_timeout_s``.
 - ``remote_prefiller {kv_request_id, remote_host, remote_port}``: this engine consumes
   (PD decoder). Every lookup is HIT unless the request failed; the promotion fetches the
   chunks from that peer into the reserved rows (a failed key fails the request: MISS
@@ -51,6 +58,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -74,6 +82,7 @@ CHECK_EVERY_S = 0.05
 RESTART_BASE_S, RESTART_CAP_S, STABLE_S = 0.5, 30.0, 30.0
 WATCHDOG_EXTRA_S = 10.0
 FLUSH_AFTER_S = 0.002  # messages queued this long go at the next poll, not only at step end
+OFF_THREAD_SEEN_S = 0.05  # the tier-poll thread polled this recently: it sends a step's batch
 STOP_WAIT_S = 2.0
 
 LOOKUPS = "vllm:kv_offload_shmtier_p2p_lookups"
@@ -82,6 +91,7 @@ FETCHED_BYTES = "vllm:kv_offload_shmtier_p2p_fetched_bytes"
 SERVED_BYTES = "vllm:kv_offload_shmtier_p2p_served_bytes"
 FETCH_SECONDS = "vllm:kv_offload_shmtier_p2p_fetch_seconds"
 REFUSED = "vllm:kv_offload_shmtier_p2p_refused_handshakes"
+REFUSED_REQUESTS = "vllm:kv_offload_shmtier_p2p_refused_requests"
 FAILURES = "vllm:kv_offload_shmtier_p2p_failures"
 UNBOUND_TIMEOUTS = "vllm:kv_offload_shmtier_p2p_unbound_store_timeouts"
 PARKED_ROWS = "vllm:kv_offload_shmtier_p2p_parked_rows"
@@ -101,9 +111,12 @@ class _Request:
     server_key: str | None = None
     failed: bool = False
     answers: dict = field(default_factory=dict)   # key -> bool (symmetric)
-    unsettled: bool = False  # a lookup or load went to the peer and no load finished since
+    # a consumer's peer may hold rows for it: true until a fetch round ended with "done"
+    # (a request that finishes unsettled sends a release, also one that never loaded)
+    unsettled: bool = True
     probing: dict = field(default_factory=dict)   # key -> deadline (symmetric)
     to_probe: list = field(default_factory=list)
+    to: list | None = None  # producer bound to one consumer: [its "host:port", its key or ""]
 
     @property
     def consumer(self) -> bool:
@@ -179,6 +192,11 @@ class P2PTierManager(SecondaryTierManager):
         self._outbox: collections.deque = collections.deque()  # packed, to send
         self._pending: list[dict] = []  # queued this step: one send at its end (_flush)
         self._queued_at = 0.0
+        self._step_thread = None  # the thread that calls on_schedule_end
+        self._off_thread_at = -1.0  # when another thread (the tier-poll thread) last polled
+        self._flush_due = False  # a step's batch waits for that thread to send it
+        self._zmq_events = int(zmq.EVENTS)
+        self._zmq_pollin = int(zmq.POLLIN)
         self._ready = False
         self._ready_at = 0.0
         self._backoff = RESTART_BASE_S
@@ -208,6 +226,7 @@ class P2PTierManager(SecondaryTierManager):
             "allow": None if c.plaintext else [k.decode() for k in self._allow],
             "allow_source": None if c.plaintext else self._allow.source,
             "fetch_timeout_s": c.fetch_timeout_s, "lookup_timeout_s": c.lookup_timeout_s,
+            "complete_ttl_s": c.unbound_store_timeout_s, "niceness": c.endpoint_niceness,
             "status": os.path.join(self._tmpdir, STATUS_FILE),
         }
 
@@ -283,13 +302,16 @@ class P2PTierManager(SecondaryTierManager):
 
     def _send(self, msg: dict) -> None:
         """Queue ``msg`` for the endpoint: what a step queues goes as one message at
-        ``on_schedule_end`` (an ipc send costs the scheduler thread tens of µs), or at a
-        poll FLUSH_AFTER_S later (an engine with no step to run)."""
+        ``on_schedule_end`` (an ipc send costs the scheduler thread tens of µs) or, while
+        the tier-poll thread polls this tier, at that thread's next poll (within about a
+        millisecond, off the scheduler thread); else at a poll FLUSH_AFTER_S later (an
+        engine with no step to run)."""
         if not self._pending:
             self._queued_at = time.monotonic()
         self._pending.append(msg)
 
     def _flush(self) -> None:
+        self._flush_due = False
         sock, zmq = self._sock, self._zmq
         if self._pending and sock is not None:
             batch = self._pending[0] if len(self._pending) == 1 else self._pending
@@ -307,6 +329,9 @@ class P2PTierManager(SecondaryTierManager):
         if self._closed:
             return
         now = time.monotonic()
+        off_thread = threading.get_ident() != self._step_thread
+        if off_thread:
+            self._off_thread_at = now
         if self._proc is None:
             if now >= self._restart_at:
                 self._start_endpoint()
@@ -325,13 +350,14 @@ class P2PTierManager(SecondaryTierManager):
         zmq, sock = self._zmq, self._sock
         # ask first: a recv that raises zmq.Again costs ~20 µs, and this runs several
         # times a step, mostly with nothing to read
-        while sock.get(zmq.EVENTS) & zmq.POLLIN:
+        while sock.getsockopt(self._zmq_events) & self._zmq_pollin:
             try:
                 buf = sock.recv(zmq.NOBLOCK)
             except zmq.Again:
                 break
             self._handle(msgpack.unpackb(buf, raw=False))
-        if self._outbox or (self._pending and now - self._queued_at >= FLUSH_AFTER_S):
+        if (self._outbox or (self._flush_due and off_thread)
+                or (self._pending and now - self._queued_at >= FLUSH_AFTER_S)):
             self._flush()
 
     def _expire(self, now: float) -> None:
@@ -423,7 +449,8 @@ class P2PTierManager(SecondaryTierManager):
         """The endpoint's running totals (every second) as metric deltas, per peer."""
         self.endpoint_counters = {"server": msg["server"], "clients": msg["clients"],
                                   "served": msg.get("served", {})}
-        now = {(REFUSED, INBOUND): sum(msg["server"]["refused_handshakes"].values())}
+        now = {(REFUSED, INBOUND): sum(msg["server"]["refused_handshakes"].values()),
+               (REFUSED_REQUESTS, INBOUND): msg["server"].get("refused_requests", 0)}
         for name, n in msg.get("served", {}).items():
             now[(SERVED_BYTES, name)] = n
         for peer, c in msg["clients"].items():
@@ -470,15 +497,20 @@ class P2PTierManager(SecondaryTierManager):
             logger.warning("p2p tier %s: request %s: kv_transfer_params.%s has no "
                            "kv_request_id; ignored", self._label, req_id, role)
             return None
-        if role == "remote_decoder":
-            return _Request(role, kvid)
         host, port = info.get("remote_host"), info.get("remote_port")
+        if role == "remote_decoder" and host is None and port is None:
+            return _Request(role, kvid)  # any admitted peer may fetch it (vLLM's rule)
         if not isinstance(host, str) or not isinstance(port, int) or isinstance(port, bool):
             logger.warning("p2p tier %s: request %s: kv_transfer_params.%s needs remote_host "
                            "and remote_port; ignored", self._label, req_id, role)
             return None
         peer = f"{host}:{port}"
         req = _Request(role, kvid, peer)
+        if role == "remote_decoder":  # bound to that consumer
+            key = (None if self.config.plaintext
+                   else self._server_key(peer, info.get("remote_public_key")))
+            req.to = [peer, key or ""]
+            return req
         if not self.config.plaintext:
             req.server_key = self._server_key(peer, info.get("remote_public_key"))
             if req.server_key is None:
@@ -529,16 +561,19 @@ class P2PTierManager(SecondaryTierManager):
         if req.kvid in self._released or self._proc is None:
             self._finished.append(JobResult(job.job_id, False))
             return
-        self._park(req.kvid, job)
+        self._park(req.kvid, job, req.to)
 
-    def _park(self, kvid: str, job: TransferJob) -> None:
+    def _park(self, kvid: str, job: TransferJob, to: list | None = None) -> None:
         parked = self._parked.get(kvid)
         if parked is None:
             parked = self._parked[kvid] = _Parked()
         parked.jobs.append(job)
         parked.rows += len(job.keys)
         parked.deadline = time.monotonic() + self.config.unbound_store_timeout_s
-        self._send({"t": "park", "req": kvid, "keys": list(job.keys), "rows": job.rows})
+        msg = {"t": "park", "req": kvid, "keys": list(job.keys), "rows": job.rows}
+        if to is not None:
+            msg["to"] = to
+        self._send(msg)
 
     def submit_load(self, job: TransferJob) -> None:
         req = job.req_context.get_state(_Request)
@@ -560,6 +595,9 @@ class P2PTierManager(SecondaryTierManager):
     def on_request_finished(self, req_context: ReqContext) -> None:
         req = req_context.get_state(_Request)
         self._probe_queue.pop(req_context.req_id, None)
+        if req is not None and not req.consumer:  # every store of it is parked by now
+            self._send({"t": "complete", "req": req.kvid})
+            return
         # a request whose last round the endpoint closed with "done" needs no release
         if (req is not None and req.consumer and req.unsettled
                 and (self.config.plaintext or req.server_key)):
@@ -567,6 +605,7 @@ class P2PTierManager(SecondaryTierManager):
                         "skey": req.server_key})
 
     def on_schedule_end(self, context: ScheduleEndContext) -> None:
+        self._step_thread = threading.get_ident()
         self._poll()
         if self._probe_queue:
             queued, self._probe_queue = self._probe_queue, {}
@@ -579,7 +618,12 @@ class P2PTierManager(SecondaryTierManager):
                 req.unsettled = True
                 self._send({"t": "lookup", "lid": lid, "req": req.kvid, "peer": req.peer,
                             "skey": req.server_key, "keys": keys})
-        self._flush()  # what this step queued (loads, parks, lookups, releases): one send
+        # what this step queued (loads, parks, lookups, releases): one send, by the
+        # tier-poll thread if it polls this tier (then not on the scheduler thread)
+        if time.monotonic() - self._off_thread_at < OFF_THREAD_SEEN_S:
+            self._flush_due = bool(self._pending)
+        else:
+            self._flush()
 
     def serve_external_requests(self, parent: ParentManager) -> None:
         self._poll()
@@ -657,6 +701,9 @@ class P2PTierManager(SecondaryTierManager):
             REFUSED: c("Handshakes refused (unknown key, other layout or hash seed): by a "
                        "peer, or at this engine's server (peer=\"inbound\"); and requests "
                        "naming a peer without a known key.", tp),
+            REFUSED_REQUESTS: c("Fetches, lookups and dones of an admitted peer naming a "
+                                "request bound to another peer (nothing served; "
+                                "peer=\"inbound\").", tp),
             FAILURES: c("Fetch rounds and lookups that failed, per peer.", tp),
             UNBOUND_TIMEOUTS: c("Parked requests released by unbound_store_timeout_s.", t),
             PARKED_ROWS: metrics.GaugeMetadata("Primary rows pinned for peers.", t),

@@ -24,23 +24,27 @@ from shmtier.tiers.p2p import wire
 from shmtier.tiers.p2p.counters import TransportCounters
 from shmtier.tiers.p2p.keys import AllowList, CurveKeyPair
 
-__all__ = ["ChunkServer", "Provider"]
+__all__ = ["ChunkServer", "LookupToken", "Provider", "RequestOwner", "RequestProvider"]
 
 log = logging.getLogger(__name__)
 
 Provider = Callable[[bytes], Any]  # key -> a buffer of the chunk's bytes, or None
 RequestProvider = Callable[[str, bytes], Any]  # (req, key) -> a buffer, or None
+# req -> the (name, key) of the one peer that may ask for it ("" = not checked), or None
+RequestOwner = Callable[[str], "tuple[str, str] | None"]
 
 
 @dataclass(frozen=True)
 class LookupToken:
     """A lookup the server's owner answers later (:meth:`ChunkServer.answer_lookup`):
-    the peer's routing id, its request id, how many keys, and the peer's name."""
+    the peer's routing id, its request id, how many keys, the peer's name (its hello)
+    and its Curve public key (Z85, authenticated by the handshake; "" in plaintext)."""
 
     peer: bytes
     rid: int
     n: int
     name: str
+    key: str = ""
 
 ZAP_ENDPOINT = "inproc://zeromq.zap.01"
 ZAP_DOMAIN = b"shmtier-p2p"
@@ -115,6 +119,13 @@ class ChunkServer:
     ``lookup_handler(token, req, keys)``: a lookup naming ``req`` is handed to the owner,
     who answers it later with :meth:`answer_lookup` (without a handler: ``has``).
     ``on_done(req)``: the peer says it is done with ``req`` (no answer is sent).
+    ``request_complete(req)``: True when no more chunks will ever be provided for ``req``
+    (the owner's request finished): a miss of that request is answered final (``fin``),
+    so the client stops asking. ``request_owner(req)``: the one peer that may ask for
+    ``req``, as ``(name, key)``: its hello name and its Curve public key (Z85); an empty
+    field is not checked; None: any admitted peer. Another peer's fetch, lookup or done
+    naming ``req`` is refused (counted ``refused_requests``): its fetch answers each key
+    ``"refused"``, its lookup all False, its done nothing; nothing is served to it.
 
     Construction binds the socket (raises OSError when it cannot, e.g. address in use)
     and never blocks on the network.
@@ -128,7 +139,9 @@ class ChunkServer:
                  tamper: Callable[[bytes, memoryview], Any] | None = None,
                  request_provider: RequestProvider | None = None,
                  lookup_handler: Callable[[LookupToken, str, list], None] | None = None,
-                 on_done: Callable[[str], None] | None = None):
+                 on_done: Callable[[str], None] | None = None,
+                 request_complete: Callable[[str], bool] | None = None,
+                 request_owner: RequestOwner | None = None):
         if plaintext:
             if keys is not None or allow is not None:
                 raise ValueError("ChunkServer: plaintext=True takes no keys and no allow-list "
@@ -154,6 +167,8 @@ class ChunkServer:
         self._request_provider = request_provider
         self._lookup_handler = lookup_handler
         self._on_done = on_done
+        self._request_complete = request_complete
+        self._request_owner = request_owner
         self._fingerprint = fingerprint
         self._hash_seed = hash_seed
         self._allow = allow
@@ -231,6 +246,12 @@ class ChunkServer:
         if self._out:
             done += self._flush()
         return done
+
+    def watch(self, sock: zmq.Socket) -> None:
+        """Make :meth:`poll` also return as soon as ``sock`` (the owner's, used on the
+        same thread) has something to read; the owner reads it after ``poll``. For an
+        owner that serves other sockets in the same loop without waiting a tick."""
+        self._poller.register(sock, zmq.POLLIN)
 
     def serve(self, should_stop: Callable[[], bool], tick_s: float = 0.1) -> None:
         """Run :meth:`poll` until ``should_stop()`` is true (checked every ``tick_s`` at
@@ -358,20 +379,31 @@ class ChunkServer:
             req = wire.check_req(msg)
             self.counters.requests += 1
             box = self._out.setdefault(peer, _Outbox())
+            if not self._may_ask(session, req):
+                box.items.extend(_Item(rid, [wire.pack(
+                    {"t": "chunk", "rid": rid, "i": i, "key": k, "st": "refused",
+                     "why": "not_bound: the request is bound to another peer"})])
+                    for i, k in enumerate(keys))
+                return
             box.items.extend(_Item(rid, None, i, k, req) for i, k in enumerate(keys))
         elif t == "lookup":
             keys = wire.check_keys(msg)
             req = wire.check_req(msg)
             self.counters.lookups += 1
+            if not self._may_ask(session, req):
+                self._queue(peer, rid, {"t": "lookup_resp", "rid": rid,
+                                        "hits": [False] * len(keys)})
+                return
             if req is not None and self._lookup_handler is not None:
-                self._call(self._lookup_handler, LookupToken(peer, rid, len(keys), session.name),
+                self._call(self._lookup_handler,
+                           LookupToken(peer, rid, len(keys), session.name, session.user_id),
                            req, keys)
                 return
             self._queue(peer, rid, {"t": "lookup_resp", "rid": rid,
                                     "hits": [self._lookup(k) for k in keys]})
         elif t == "done":
             req = wire.check_req(msg, required=True)
-            if self._on_done is not None:
+            if self._on_done is not None and self._may_ask(session, req):
                 self._call(self._on_done, req)
         else:
             raise wire.ProtocolError("malformed", f"unknown message type {t!r}")
@@ -408,6 +440,31 @@ class ChunkServer:
             self.counters.handshakes += 1
             self._queue(peer, 0, {"t": "hello_ok", "v": wire.PROTOCOL_VERSION,
                                   "name": self.name})
+
+    def _may_ask(self, session: _Session, req: str | None) -> bool:
+        """May this session ask for request ``req`` (``request_owner``)? A refusal is
+        counted and logged once per peer name."""
+        if req is None or self._request_owner is None:
+            return True
+        try:
+            owner = self._request_owner(req)
+        except Exception as e:  # an owner bug refuses, never kills the loop
+            self.counters.errors += 1
+            log.error("p2p server %s: request_owner raised %s: %s", self.endpoint,
+                      type(e).__name__, e)
+            owner = ("\0", "\0")
+        if owner is None:
+            return True
+        name, key = owner
+        if (not name or name == session.name) and (not key or key == session.user_id):
+            return True
+        self.counters.refused_requests += 1
+        if ("not_bound", session.name) not in self._logged:
+            self._logged.add(("not_bound", session.name))
+            log.warning("p2p server %s refused peer %r (key %s) a request bound to another "
+                        "peer (%s); further ones are only counted", self.endpoint,
+                        session.name, session.user_id or "-", name or key)
+        return False
 
     def answer_lookup(self, token: LookupToken, hits: list) -> bool:
         """Answer a lookup handed to ``lookup_handler`` (``hits``: index-aligned bools);
@@ -485,6 +542,14 @@ class ChunkServer:
         if view is None:
             self.counters.misses += 1
             head["st"] = "miss"
+            if item.req is not None and self._request_complete is not None:
+                try:
+                    if self._request_complete(item.req):
+                        head["fin"] = True  # no chunk will come for it: do not ask again
+                except Exception as e:
+                    self.counters.errors += 1
+                    log.error("p2p server %s: request_complete raised %s: %s", self.endpoint,
+                              type(e).__name__, e)
             return [wire.pack(head)]
         head.update(st="ok", n=view.nbytes, crc=crc32c(view))
         if self._tamper is not None:

@@ -19,9 +19,12 @@ type            direction       fields
 ``fetch``       client->server  ``rid`` request id, ``keys`` list of bytes; optional ``req``
                                 (str): the tier's request id, the rows the server may serve
 ``chunk``       server->client  ``rid``, ``i`` index into the request's keys, ``key``, ``st``
-                                ``"ok"`` / ``"miss"`` / ``"error"``, ``n`` payload bytes, ``crc``
-                                CRC-32C of the payload, ``why`` (error text); with ``"ok"`` a
-                                second frame follows: the ``n`` payload bytes
+                                ``"ok"`` / ``"miss"`` / ``"error"`` / ``"refused"`` (the
+                                request is bound to another peer), ``n`` payload bytes,
+                                ``crc`` CRC-32C of the payload, ``why`` (error text), ``fin``
+                                (with ``"miss"``: the request is complete at the server, the
+                                chunk will never come); with ``"ok"`` a second frame
+                                follows: the ``n`` payload bytes
 ``lookup``      client->server  ``rid``, ``keys``; optional ``req`` (a lookup the server's
                                 owner answers later: ``ChunkServer.answer_lookup``)
 ``lookup_resp`` server->client  ``rid``, ``hits`` list of bool, index-aligned with ``keys``
