@@ -449,7 +449,11 @@ MANAGER_COUNTERS = (  # (row label, metric name): the same names in shmtier and 
     ("cascade jobs failed", "vllm:kv_offload_tiering_cascade_job_failures"),
     ("promotions refused: no primary row", "vllm:kv_offload_tiering_promotion_allocation_failures"),
     ("cascades dropped by backpressure", "vllm:kv_offload_tiering_backpressure_stores_dropped"),
+    ("  their chunks", "vllm:kv_offload_tiering_backpressure_blocks_dropped"),
 )
+#: bytes of chunks cascaded to / promoted from the secondary tiers (successful jobs x row bytes)
+WRITE_BYTES = "vllm:kv_offload_tiering_write_bytes"
+READ_BYTES = "vllm:kv_offload_tiering_read_bytes"
 RING_DEPTH = "vllm:kv_offload_shmtier_ring_depth"
 
 
