@@ -79,6 +79,9 @@ def summarise(res: dict, chunk_bytes: int) -> dict:
         s[name] = ms["counters"].get(name, 0)
     s["ring_depth_max"] = ms["gauge_max"].get(RING_DEPTH)
     s.update(cascade_yield(ms["counters"], disk, s["hit_fs"], res.get("row_stride") or chunk_bytes))
+    # fs unbounded: one file per distinct chunk ever cascaded
+    s["cascaded_read_back"] = (res["read_back_keys"] / d["chunk_files"]
+                               if d["chunk_files"] and "read_back_keys" in res else None)
     s["promo_job_ms_p50"] = pct([v * 1e3 for v in ms["promo_job_s"]], 50)
     s["promo_job_ms_p99"] = pct([v * 1e3 for v in ms["promo_job_s"]], 99)
     s["per_kind_cpu_us_per_step"] = {k: res["cpu_ns"][k] / 1e3 / n_steps for k in KINDS}
@@ -175,6 +178,7 @@ ROWS = [  # (label, key, digits, ratio?)
     ("  GiB cascaded (logical)", "cascaded_gib", 2, True),
     ("  chunks promoted", "promoted_by_manager", 0, True),
     ("  promotions per cascaded chunk", "promotions_per_cascade", 3, True),
+    ("  share of chunk files ever read back", "cascaded_read_back", 3, True),
     ("  MiB cascaded per fs-tier hit", "cascaded_mib_per_fs_hit", 1, True),
     ("  fs hit rate per GiB cascaded", "hit_fs_per_gib_cascaded", 4, True),
     ("manager's own counters over the run (get_stats)", None, 0, False),

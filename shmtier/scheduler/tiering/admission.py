@@ -153,10 +153,15 @@ class CascadeAdmission:
 
     def on_store(self, keys: list, exempt: Iterable[int] = ()) -> list[tuple[int, list]]:
         """(tier index, keys to cascade now) for chunks just stored; tiers in ``exempt``
-        (the request's request-level tiers) get every key."""
+        (the request's request-level tiers) get every key, and their rules count the keys
+        as held by the tier."""
         out = []
         for i, rule in enumerate(self.rules):
-            admitted = keys if i in exempt else rule.on_store(keys)
+            if i in exempt:
+                rule.on_promoted(keys)  # the tier will hold them: a hit must not cascade them
+                admitted = keys
+            else:
+                admitted = rule.on_store(keys)
             if admitted:
                 out.append((i, admitted))
         return out
