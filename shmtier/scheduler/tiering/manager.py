@@ -15,6 +15,8 @@ Data flow::
                                           ─▶ tier.submit_load
     complete_store(success) ──▶ one cascade job per tier (backpressure permitting):
                                 pin rows (prepare_read) ─▶ tier.submit_store
+       (with an ``admission`` rule other than write-through, only the chunks it admits;
+        the CPU-tier hits of a lookup scan may admit more when the scan ends)
     tier.get_finished_jobs ──(polled once per step, and always in prepare_store)──▶
          promotion: rows become ready (or are freed: MISS next time)
          cascade:   rows unpinned, backpressure detector updated
