@@ -11,7 +11,8 @@ Run from a checkout::
 
 Two managers, built the same size (CPU tier bytes, chunk bytes) with an ``fs``
 secondary tier on a fresh temp directory each run (unbounded), are driven by the
-same driver on the same multi-turn chat trace (shmtier/bench/trace.py):
+same driver on the same trace (shmtier/bench/trace.py; multi-turn chat unless
+``--workload docqa`` or ``agent``):
 
 * ``shmtier``: ``shmtier.spec.TieringOffloadingSpec(...).get_manager()`` - primary
   tier in one POSIX shm segment, fs tier I/O and compression in tier worker
@@ -41,8 +42,9 @@ step's scheduler-thread time.
 
 Variants ``shmtier@TOKENS`` (interleaved with the others) change what shmtier's
 tier workers run with after they start: scheduling (``nice0``, ``batch0``, ...,
-see --worker-sched), compression (``raw`` = none, ``zstd``) and/or the fs tier's
-lookup probes of unknown keys (``noprobe``: off, the behaviour before shared roots).
+see --worker-sched), compression (``raw`` = none, ``zstd``), the fs tier's
+lookup probes of unknown keys (``noprobe``: off, the behaviour before shared roots) and/or
+cascade admission (``second_touch``; the default is vLLM's write-through).
 
 The parts live in the package (``shmtier bench`` ships them): shmtier/bench/managers.py
 (building both managers), shmtier/bench/driver.py (one run: the driver and its timing),
@@ -70,7 +72,7 @@ if REPO_ROOT not in sys.path:
 from shmtier.bench import trace as bench_trace  # noqa: E402
 from shmtier.bench.common import exit_through_finally, rotated, write_json  # noqa: E402
 from shmtier.bench.driver import Config, make_data_pool, run_one  # noqa: E402
-from shmtier.bench.managers import MAKERS, WORKER_SCHED  # noqa: E402
+from shmtier.bench.managers import VARIANT_TOKENS, WORKER_SCHED, known_manager  # noqa: E402
 from shmtier.bench.report import label, print_kinds, print_table, summarise  # noqa: E402
 
 
@@ -87,8 +89,13 @@ def main(argv=None) -> int:
                          "interleaved")
     ap.add_argument("--chunk-kib", type=int, default=256, help="chunk (arena row) KiB, page multiple")
     ap.add_argument("--cpu-mib", type=int, default=128, help="CPU tier MiB (both managers)")
-    ap.add_argument("--conversations", type=int, default=300)
-    ap.add_argument("--requests", type=int, default=900)
+    ap.add_argument("--workload", default="chat", choices=tuple(bench_trace.GENERATORS),
+                    help="trace generator (shmtier/bench/trace.py): chat (multi-turn chat, "
+                         "the flags below), docqa or agent (their default size; --requests "
+                         "overrides)")
+    ap.add_argument("--conversations", type=int, default=300, help="chat only")
+    ap.add_argument("--requests", type=int, default=None,
+                    help="requests in the trace (default: 900 for chat, the generator's for others)")
     ap.add_argument("--zipf", type=float, default=1.0)
     ap.add_argument("--arrival-rate", type=float, default=1.0, help="requests per step")
     ap.add_argument("--step-ms", type=float, default=5.0,
@@ -116,17 +123,14 @@ def main(argv=None) -> int:
     if args.quick:
         args.repeats = 1
         args.conversations = min(args.conversations, 80)
-        args.requests = min(args.requests, 200)
+        args.requests = min(args.requests or 200, 200)
         args.cpu_mib = min(args.cpu_mib, 32)
         args.step_ms = min(args.step_ms, 3.0)
     names = [n.strip() for n in args.managers.split(",") if n.strip()]
     for n in names + ([args.profile] if args.profile else []):
-        base, at, variant = n.partition("@")
-        tokens = variant.split("+") if at else []
-        if base not in MAKERS or (at and (base != "shmtier" or not all(
-                t in WORKER_SCHED or t in ("raw", "zstd", "noprobe") for t in tokens))):
+        if not known_manager(n):
             ap.error(f"unknown manager {n!r} (shmtier, vllm, or shmtier@TOKENS with "
-                     f"TOKENS '+'-joined from {', '.join(WORKER_SCHED)}, raw, zstd, noprobe)")
+                     f"TOKENS '+'-joined from {', '.join(VARIANT_TOKENS)})")
     if len(set(names)) != len(names):
         ap.error("--managers: a manager is listed twice")
     chunk_bytes = args.chunk_kib * 1024
@@ -159,9 +163,12 @@ def main(argv=None) -> int:
             vllm_note = f"vLLM NOT importable ({type(e).__name__}: {e}): shmtier measured alone"
 
     t0 = time.perf_counter()
-    trace = bench_trace.make_trace(bench_trace.TraceParams(
-        conversations=args.conversations, requests=args.requests, zipf=args.zipf,
-        arrival_rate=args.arrival_rate, seed=args.seed))
+    if args.workload == "chat":
+        trace = bench_trace.make_trace(bench_trace.TraceParams(
+            conversations=args.conversations, requests=args.requests or 900, zipf=args.zipf,
+            arrival_rate=args.arrival_rate, seed=args.seed))
+    else:
+        trace = bench_trace.generate(args.workload, "default", args.seed, requests=args.requests)
     gen_s = time.perf_counter() - t0
     capacity = cfg.cpu_bytes // chunk_bytes
     data_pool = make_data_pool(chunk_bytes, 16, args.seed)
@@ -243,7 +250,11 @@ def main(argv=None) -> int:
             print(f"  run {r + 1}/{args.repeats} {label(n):>14}: {s['steps']} steps, step p50 "
                   f"{s['step_us_p50']:.0f} µs p99 {s['step_us_p99']:.0f} µs, promotion p50 "
                   f"{s['promo_ms_p50'] or 0:.0f} ms, deferral p99 {s['defer_p99']} steps, process CPU "
-                  f"{s['cpu_s']:.2f} s, wall {s['wall_s']:.1f} s, load avg {os.getloadavg()[0]:.2f}"
+                  f"{s['cpu_s']:.2f} s, wall {s['wall_s']:.1f} s, load avg {os.getloadavg()[0]:.2f}; "
+                  f"hits CPU {s['hit_cpu']:.3f} fs {s['hit_fs']:.3f}, {s['cascaded_chunks']:.0f} "
+                  f"chunks cascaded ({s['promotions_per_cascade'] or 0:.3f} promotions each, "
+                  f"{s['cascaded_mib_per_fs_hit'] or 0:.1f} MiB per fs hit), "
+                  f"{s['vllm:kv_offload_tiering_backpressure_blocks_dropped']:.0f} dropped"
                   + (f", workers {'; '.join(res['worker_sched'])}" if res.get("worker_sched") else ""),
                   flush=True)
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from shmtier.options import ConfigError, boolean, integer, invalid, number, one_of, reject_unknown, text
+from shmtier.scheduler.tiering.admission import DEFAULT_RULE, RULES
 from shmtier.scheduler.backpressure.settings import BackpressureSettings
 from shmtier.scheduler.policies.factory import CachePolicyFactory
 from shmtier.shared.codec import CompressionConfig
@@ -41,7 +42,7 @@ PRIMARY_KEYS = frozenset({
 })
 TIERING_KEYS = frozenset({
     "secondary_tiers", "tier_poll_interval_s", "backpressure", "num_tier_workers", "workers",
-    "compression", "tier_job_timeout_s",
+    "compression", "tier_job_timeout_s", "admission", "admission_window",
 })
 KNOWN_KEYS = PASSTHROUGH_KEYS | PRIMARY_KEYS | TIERING_KEYS
 WORKER_MODES = ("spawn", "external")
@@ -199,6 +200,7 @@ class SecondaryTierConfig:
     tier: TierType
     options: TierConfig
     backpressure: BackpressureSettings | None = None
+    admission: str | None = None  # this tier's cascade admission rule; None: the top-level one
 
     @property
     def type(self) -> str:
@@ -215,15 +217,19 @@ class SecondaryTierConfig:
             raise ConfigError(str(e)) from e
         tier_type = tier.name
         options = {k: v for k, v in entry.items()
-                   if k not in ("type", "module_path", "backpressure")}
+                   if k not in ("type", "module_path", "backpressure", "admission")}
         try:
             backpressure = BackpressureSettings.from_config(
                 tier_type, entry.get("locality"), top_backpressure, entry.get("backpressure"),
                 where=f"{where}.backpressure")
         except ValueError as e:
             raise ConfigError(str(e)) from e
+        admission = entry.get("admission")
+        if admission is not None:
+            admission = one_of(*RULES)(f"{where}.admission", admission)
         return cls(where, tier, tier.config_class().from_options(options, where=where,
-                                                                 context=context), backpressure)
+                                                                 context=context), backpressure,
+                   admission)
 
 
 @dataclass(frozen=True)
@@ -237,6 +243,8 @@ class TieringConfig:
     workers: str = "spawn"
     compression: CompressionConfig = CompressionConfig()
     tier_job_timeout_s: float = 60.0
+    admission: str = DEFAULT_RULE  # cascade admission (scheduler/tiering/admission.py)
+    admission_window: int | None = None  # second_touch's keys remembered; None: 4 x CPU rows
 
     @property
     def worker_backed(self) -> bool:
@@ -272,7 +280,13 @@ class TieringConfig:
             compression=compression,
             tier_job_timeout_s=float(_get(extra, "tier_job_timeout_s", 60.0,
                                           number(0, min_open=True))),
+            admission=_get(extra, "admission", DEFAULT_RULE, one_of(*RULES)),
+            admission_window=_get(extra, "admission_window", None, integer(1)),
         )
+
+    def admission_rules(self) -> tuple[str, ...]:
+        """Each secondary tier's cascade admission rule: its own, else the top-level one."""
+        return tuple(t.admission or self.admission for t in self.secondary_tiers)
 
 
 def max_tier_workers() -> tuple[int, str]:

@@ -21,6 +21,7 @@ from shmtier import metrics
 from shmtier.config import ConfigError, KVLayout, PrimaryTierConfig, TieringConfig
 from shmtier.scheduler.primary import CPUPrimaryTierOffloadingManager
 from shmtier.scheduler.tiering.factory import SecondaryTierFactory
+from shmtier.scheduler.tiering.admission import DEFAULT_WINDOW_PER_ROW, CascadeAdmission
 from shmtier.shared.pool_config import PoolConfig
 from shmtier.scheduler.tiering.manager import TieringOffloadingManager
 from shmtier.tiers.config import TierContext
@@ -185,7 +186,11 @@ class TieringOffloadingSpec:
             self.tier_index_being_built = None
             del view
             self._manager = TieringOffloadingManager(
-                primary, tiers, stop_pool, self.tiering_config.tier_poll_interval_s)
+                primary, tiers, stop_pool, self.tiering_config.tier_poll_interval_s,
+                admission=CascadeAdmission.build(
+                    self.tiering_config.admission_rules(),
+                    self.tiering_config.admission_window
+                    or DEFAULT_WINDOW_PER_ROW * self.geometry.num_chunks))
             return self._manager
         except BaseException:
             for undo in reversed(cleanup):

@@ -189,6 +189,7 @@ def drive(mut: Mut, trace, cfg, data_pool: np.ndarray) -> dict:
     probe_miss_steps = []  # RETRY/HIT_PENDING -> MISS
     deferrals, queue_steps = [], []
     loaded = Counter()  # load source value -> chunks
+    read_back = set()  # distinct keys loaded from a tier other than the CPU tier
     eligible = 0
     alloc_failures = 0
     wrong_kv = verified = 0
@@ -306,6 +307,7 @@ def drive(mut: Mut, trace, cfg, data_pool: np.ndarray) -> dict:
                             st_host += 1
                         else:
                             st_other += 1
+                            read_back.add(key)
                         verified += 1
                         if not verify_row(rows[cid], key, data_pool, payload):
                             wrong_kv += 1
@@ -428,7 +430,7 @@ def drive(mut: Mut, trace, cfg, data_pool: np.ndarray) -> dict:
         "lookup_results": dict(results),
         "promo_steps": promo_steps, "promo_ms": promo_ms, "probe_miss_steps": probe_miss_steps,
         "deferrals": deferrals, "queue_steps": queue_steps,
-        "loaded": dict(loaded), "eligible": eligible, "alloc_failures": alloc_failures,
+        "loaded": dict(loaded), "read_back_keys": len(read_back), "eligible": eligible, "alloc_failures": alloc_failures,
         "wrong_kv": wrong_kv, "verified": verified, "stored_chunks": stored_chunks,
         "wrong_by_source": dict(wrong_by_source), "verified_bytes": verified * payload,
         "step_hits": step_hits, "samples": samples,
@@ -449,7 +451,11 @@ MANAGER_COUNTERS = (  # (row label, metric name): the same names in shmtier and 
     ("cascade jobs failed", "vllm:kv_offload_tiering_cascade_job_failures"),
     ("promotions refused: no primary row", "vllm:kv_offload_tiering_promotion_allocation_failures"),
     ("cascades dropped by backpressure", "vllm:kv_offload_tiering_backpressure_stores_dropped"),
+    ("  their chunks", "vllm:kv_offload_tiering_backpressure_blocks_dropped"),
 )
+#: bytes of chunks cascaded to / promoted from the secondary tiers (successful jobs x row bytes)
+WRITE_BYTES = "vllm:kv_offload_tiering_write_bytes"
+READ_BYTES = "vllm:kv_offload_tiering_read_bytes"
 RING_DEPTH = "vllm:kv_offload_shmtier_ring_depth"
 
 

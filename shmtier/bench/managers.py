@@ -78,6 +78,21 @@ WORKER_SCHED = {
 }
 
 
+#: cascade admission rules a variant may name (shmtier/scheduler/tiering/admission.py)
+ADMISSION_TOKENS = ("second_touch",)
+#: every token of ``shmtier@TOKENS``
+VARIANT_TOKENS = (*WORKER_SCHED, "raw", "zstd", "noprobe", *ADMISSION_TOKENS)
+
+
+def known_manager(name: str) -> bool:
+    """Whether ``name`` is ``vllm``, ``shmtier`` or ``shmtier@TOKENS`` ('+'-joined
+    ``VARIANT_TOKENS``): what the benches' ``--managers`` accept."""
+    base, at, variant = name.partition("@")
+    if not at:
+        return base in MAKERS
+    return base == "shmtier" and all(t in VARIANT_TOKENS for t in variant.split("+"))
+
+
 def apply_worker_sched(pid: int, how: str) -> None:
     if how == "default":
         return
@@ -103,9 +118,9 @@ def sched_of(pid: int) -> str:
 
 def make_shmtier(cfg, root: str, engine_id: str, variant: str = "") -> Mut:
     """``variant``: '+'-joined tokens, each a WORKER_SCHED key, a compression mode
-    (``raw`` = "none", ``zstd``) or ``noprobe`` (the fs tier's ``probe_unknown`` off: a key
-    its index does not know is a MISS at once, as before shared roots), e.g.
-    ``raw+nice0``."""
+    (``raw`` = "none", ``zstd``), ``noprobe`` (the fs tier's ``probe_unknown`` off: a key
+    its index does not know is a MISS at once, as before shared roots) or a cascade
+    admission rule (``second_touch``; default: write-through), e.g. ``raw+nice0``."""
     tokens = [t for t in variant.split("+") if t]
     sched = next((t for t in tokens if t in WORKER_SCHED), cfg.worker_sched)
     compression = {"raw": "none", "zstd": "zstd"}.get(
@@ -120,6 +135,9 @@ def make_shmtier(cfg, root: str, engine_id: str, variant: str = "") -> Mut:
                                   "direct_io": cfg.direct_io,
                                   "probe_unknown": "noprobe" not in tokens}],
              "num_tier_workers": cfg.workers, "compression": compression}
+    admission = next((t for t in tokens if t in ADMISSION_TOKENS), None)
+    if admission is not None:
+        extra["admission"] = admission
     spec = TieringOffloadingSpec(extra, layout, engine_id)
     manager = spec.get_manager()
     try:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import statistics
 
 from shmtier.bench.common import fmt_mr, med_range, pct
-from shmtier.bench.driver import KINDS, MANAGER_COUNTERS, RING_DEPTH
+from shmtier.bench.driver import KINDS, MANAGER_COUNTERS, READ_BYTES, RING_DEPTH, WRITE_BYTES
 
 LABELS = {"shmtier": "shmtier", "vllm": "vLLM 0.33"}
 
@@ -78,6 +78,10 @@ def summarise(res: dict, chunk_bytes: int) -> dict:
     for _, name in MANAGER_COUNTERS:
         s[name] = ms["counters"].get(name, 0)
     s["ring_depth_max"] = ms["gauge_max"].get(RING_DEPTH)
+    s.update(cascade_yield(ms["counters"], disk, s["hit_fs"], res.get("row_stride") or chunk_bytes))
+    # fs unbounded: one file per distinct chunk ever cascaded
+    s["cascaded_read_back"] = (res["read_back_keys"] / d["chunk_files"]
+                               if d["chunk_files"] and "read_back_keys" in res else None)
     s["promo_job_ms_p50"] = pct([v * 1e3 for v in ms["promo_job_s"]], 50)
     s["promo_job_ms_p99"] = pct([v * 1e3 for v in ms["promo_job_s"]], 99)
     s["per_kind_cpu_us_per_step"] = {k: res["cpu_ns"][k] / 1e3 / n_steps for k in KINDS}
@@ -96,6 +100,23 @@ def summarise(res: dict, chunk_bytes: int) -> dict:
     s["worker_rss_anon_mib"] = res["worker_rss_anon_mib"]
     s["worker_restarts"] = res["worker_restarts"]
     return s
+
+
+def cascade_yield(counters: dict, fs_hits: int, hit_fs: float, row_bytes: int) -> dict:
+    """What the cascades bought (issue 14, "cascade what will be read"): chunks cascaded
+    and promoted by the manager's own byte counters (successful jobs x row bytes, the same
+    in shmtier and vLLM), promotions per cascaded chunk, logical MiB cascaded per chunk
+    the secondary tier served (``fs_hits``: loads whose source was the tier) and the
+    secondary hit rate per GiB cascaded."""
+    written = counters.get(WRITE_BYTES, 0)
+    promoted = counters.get(READ_BYTES, 0)
+    return {
+        "cascaded_chunks": written / row_bytes, "promoted_by_manager": promoted / row_bytes,
+        "cascaded_gib": written / 2 ** 30,
+        "promotions_per_cascade": promoted / written if written else None,
+        "cascaded_mib_per_fs_hit": written / 2 ** 20 / fs_hits if fs_hits else None,
+        "hit_fs_per_gib_cascaded": hit_fs / (written / 2 ** 30) if written else None,
+    }
 
 
 ROWS = [  # (label, key, digits, ratio?)
@@ -152,6 +173,14 @@ ROWS = [  # (label, key, digits, ratio?)
     ("  fs tier", "hit_fs", 3, True),
     ("  recomputed", "miss", 3, True),
     ("  prepare_store -> None (no room)", "alloc_failures", 0, False),
+    ("what the cascades bought (manager's byte counters)", None, 0, False),
+    ("  chunks cascaded", "cascaded_chunks", 0, True),
+    ("  GiB cascaded (logical)", "cascaded_gib", 2, True),
+    ("  chunks promoted", "promoted_by_manager", 0, True),
+    ("  promotions per cascaded chunk", "promotions_per_cascade", 3, True),
+    ("  share of chunk files ever read back", "cascaded_read_back", 3, True),
+    ("  MiB cascaded per fs-tier hit", "cascaded_mib_per_fs_hit", 1, True),
+    ("  fs hit rate per GiB cascaded", "hit_fs_per_gib_cascaded", 4, True),
     ("manager's own counters over the run (get_stats)", None, 0, False),
     *[(f"  {lbl}", name, 0, False) for lbl, name in MANAGER_COUNTERS],
     ("  shmtier job ring depth, max seen", "ring_depth_max", 0, False),

@@ -141,13 +141,10 @@ def run_bench(args) -> int:
     names = [n.strip() for n in args.managers.split(",") if n.strip()]
     if args.no_vllm and "vllm" in names:
         names.remove("vllm")
-    from shmtier.bench.managers import MAKERS, WORKER_SCHED
+    from shmtier.bench.managers import known_manager
 
     for n in names:
-        base, at, variant = n.partition("@")
-        ok_tokens = all(t in WORKER_SCHED or t in ("raw", "zstd", "noprobe")
-                        for t in variant.split("+")) if at else True
-        if base not in MAKERS or (at and (base != "shmtier" or not ok_tokens)) or names.count(n) > 1:
+        if not known_manager(n) or names.count(n) > 1:
             print(f"shmtier bench: bad --managers entry {n!r}", file=sys.stderr)
             return 2
     if not names:

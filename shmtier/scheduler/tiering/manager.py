@@ -15,6 +15,8 @@ Data flow::
                                           ─▶ tier.submit_load
     complete_store(success) ──▶ one cascade job per tier (backpressure permitting):
                                 pin rows (prepare_read) ─▶ tier.submit_store
+       (with an ``admission`` rule other than write-through, only the chunks it admits;
+        the CPU-tier hits of a lookup scan may admit more when the scan ends)
     tier.get_finished_jobs ──(polled once per step, and always in prepare_store)──▶
          promotion: rows become ready (or are freed: MISS next time)
          cascade:   rows unpinned, backpressure detector updated
@@ -79,6 +81,7 @@ from shmtier.contract import (
 from shmtier.scheduler.backpressure import record_backpressure_metrics
 from shmtier.scheduler.primary import CPUPrimaryTierOffloadingManager
 from shmtier.scheduler.stats_publisher import StatsPublisher
+from shmtier.scheduler.tiering.admission import CascadeAdmission
 from shmtier.scheduler.tiering.base import (
     JobId,
     JobResult,
@@ -161,10 +164,14 @@ class TieringOffloadingManager:
     """The primary tier plus ``tiers`` (secondary, in priority order)."""
 
     def __init__(self, primary: CPUPrimaryTierOffloadingManager, tiers: Sequence[Any],
-                 before_primary_shutdown: Sequence[Any] = (), tier_poll_interval_s: float = 0.0):
+                 before_primary_shutdown: Sequence[Any] = (), tier_poll_interval_s: float = 0.0,
+                 admission: CascadeAdmission | None = None):
         """``before_primary_shutdown``: callables run after the tiers shut down and
         before the primary releases the segment (the spec passes the worker pool's).
-        ``tier_poll_interval_s`` > 0 starts the tier-poll thread if a tier opts in."""
+        ``tier_poll_interval_s`` > 0 starts the tier-poll thread if a tier opts in.
+        ``admission``: which stored chunks each tier gets (``admission.py``); None is
+        vLLM's write-through (every chunk, when it is stored)."""
+        self.admission = admission
         self._lock = threading.Lock()
         self._before_primary_shutdown = list(before_primary_shutdown)
         self.primary = primary
@@ -187,7 +194,7 @@ class TieringOffloadingManager:
         # tier index, in lookup order) and the keys it answered HIT (kept from eviction)
         self._scan_ctx: ReqContext | None = None
         self._scan_promotions: dict[OffloadKey, int] = {}
-        self._scan_hits: set[OffloadKey] = set()
+        self._scan_hits: dict[OffloadKey, None] = {}  # (in lookup order)
         self._scan_hits_evictable = 0  # of _scan_hits, those eviction could take
         self._scan_lookups: RequestLookups | None = None  # the scan's lookup metrics record
         self._scan_room: int | None = None  # primary.rows_obtainable() when the scan began promoting
@@ -268,6 +275,8 @@ class TieringOffloadingManager:
             failed = [k for k in job.keys if k not in ok]
         if landed:
             self.primary.complete_write(landed, ctx, True)
+            if self.admission is not None:
+                self.admission.on_promoted(tier_idx, landed)
         if failed:
             self.primary.complete_write(failed, ctx, False)
             sources = self._load_sources.get(ctx.req_id)
@@ -339,7 +348,7 @@ class TieringOffloadingManager:
             record.record(0, key, result, now - started, now)
         if result is HIT:
             if key not in self._scan_hits:
-                self._scan_hits.add(key)
+                self._scan_hits[key] = None
                 self._scan_hits_evictable += count == 0
             return result
         if result is not MISS or self._promotions_held or not self.tiers:
@@ -404,10 +413,15 @@ class TieringOffloadingManager:
         """Reserve the current scan's promotions and forget the scan. Called by a
         lookup of another request, and first by every call of ``_ENDS_THE_SCAN``."""
         self._reserve_scan_promotions()
+        ctx = self._scan_ctx
         self._scan_ctx = self._scan_lookups = self._scan_room = None
         if self._scan_hits:
-            self._scan_hits = set()
+            hits = self._scan_hits
+            self._scan_hits = {}
             self._scan_hits_evictable = 0
+            if self.admission is not None:  # a re-read in the CPU tier: a touch
+                for tier_idx, admitted in self.admission.on_hits(hits):
+                    self._cascade(admitted, ctx, (tier_idx,))
 
     def _reserve_scan_promotions(self) -> None:
         if self._scan_promotions:
@@ -501,7 +515,13 @@ class TieringOffloadingManager:
         if success and self.tiers:
             stored = self.primary.ready_keys(keys)
             if stored:
-                self._cascade(stored, req_context, range(len(self.tiers)))
+                if self.admission is None:  # write-through
+                    self._cascade(stored, req_context, range(len(self.tiers)))
+                else:
+                    state = self._requests.get(req_context.req_id)
+                    exempt = state.request_level_tiers if state is not None else ()
+                    for tier_idx, admitted in self.admission.on_store(stored, exempt):
+                        self._cascade(admitted, req_context, (tier_idx,))
         state = self._requests.get(req_context.req_id)
         if state is not None:
             state.pending_primary_stores = max(0, state.pending_primary_stores - 1)
