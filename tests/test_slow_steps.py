@@ -17,7 +17,8 @@ def _run(step_ns, step_cpu_ns, step_kinds, **per_step):
     """A run dict as the driver returns it, with the probe's lists given per field
     (zeros where not given) and keys per kind from ``keys``."""
     n = len(step_ns)
-    slow = {"kinds": list(KINDS), "keys": per_step.pop("keys", [[0] * len(KINDS)] * n)}
+    slow = {"kinds": list(KINDS), "keys": per_step.pop("keys", [[0] * len(KINDS)] * n),
+            "nivcsw_kinds": per_step.pop("nivcsw_kinds", [[0] * len(KINDS)] * n)}
     for f in FIELDS:
         slow[f] = per_step.pop(f, [-1 if f == "gc_gen_max" else 0] * n)
     assert not per_step
@@ -64,15 +65,17 @@ def test_attribute_groups_and_shares():
     gc_gen = [-1] * 9 + [2]
     minflt = [0] * 8 + [3, 300]
     nivcsw = [0] * 8 + [1, 0]
+    sw_kinds = [[0] * 4] * 8 + [[0, 0, 0, 1], [0] * 4]
     run = _run(wall, cpu, kinds, keys=keys, gc_ns=gc_ns, gc_collections=gc_n, gc_gen_max=gc_gen,
-               minflt=minflt, nivcsw=nivcsw)
+               minflt=minflt, nivcsw=nivcsw, nivcsw_kinds=sw_kinds)
     att = attribute([run], q=90)
     assert set(att) == {"p90", "max", "p50"}
     p90, mx, p50 = att["p90"], att["max"], att["p50"]
     assert p90["steps"] == 2 and mx["steps"] == 1 and p50["steps"] == 1
     assert mx["wall_us"] == 2000 and mx["gc"] == pytest.approx(0.5)
     assert mx["descheduled"] == pytest.approx(0.05)
-    assert mx["kinds"]["prepare_store"] == (pytest.approx(0.75), 40)
+    assert mx["kinds"]["prepare_store"] == (pytest.approx(0.75), 40, 0)
+    assert p90["kinds"]["get_stats"][2] == 0.5
     assert mx["kinds"]["lock wait"][0] == pytest.approx(0.05)
     assert mx["gc_gen_max"] == 2 and mx["minflt"] == 300
     assert p90["wall_us"] == 1400 and p90["descheduled"] == pytest.approx(0.7 / 2.8)
@@ -87,9 +90,9 @@ def test_attribute_groups_and_shares():
     assert row["wall µs (mean)"] == ["1400", "2000", "104"]
     assert row["GC inside the calls"] == ["36%", "50%", "0%"]
     assert row["collections; oldest gen"] == ["1.0;", "2", "2.0;", "2", "0.0;", "-"]
-    assert row["prepare_store (keys)"] == ["57%", "(22)", "75%", "(40)", "50%", "(4)"]
-    assert row["get_stats (keys)"][:2] == ["32%", "(0)"]
-    assert "lookup (keys)" not in row  # top=2: prepare_store and get_stats only
+    assert row["prepare_store"] == ["57%", "(22;", "0.0)", "75%", "(40;", "0.0)", "50%", "(4;", "0.0)"]
+    assert row["get_stats"][:3] == ["32%", "(0;", "0.5)"]
+    assert "lookup" not in row  # top=2: prepare_store and get_stats only
     assert row["page faults minor / major"] == ["151.5", "/", "0.0", "300.0", "/", "0.0",
                                                  "0.0", "/", "0.0"]
     assert "lock wait" in text

@@ -10,7 +10,8 @@ regions only (the driver's own bookkeeping and the row fill are not counted):
 * page faults of the scheduler thread: minor and major (``getrusage(RUSAGE_THREAD)``);
 * context switches of the thread: involuntary (descheduled by the kernel) and voluntary
   (it blocked: a lock, a syscall);
-* keys handled per call kind (the length of the call's key list; lookups: calls).
+* keys handled per call kind (the length of the call's key list; lookups: calls), and
+  the involuntary switches per call kind (in which call the thread lost the CPU).
 
 ``attribute`` then reads what the slowest steps (wall >= p99.9, and the max step) of one
 or more runs spent their time on, next to the median step: share of wall in GC, descheduled (wall - thread
@@ -38,15 +39,18 @@ class StepProbe:
     """Per-step attribution counters over the driver's timed regions (see the module doc).
 
     ``kinds``: the driver's call kinds (its ``KINDS``), in order; ``keys[step][i]`` counts
-    the keys handled by kind ``kinds[i]``."""
+    the keys handled by kind ``kinds[i]``, ``nivcsw_kinds[step][i]`` its involuntary
+    context switches."""
 
     def __init__(self, kinds: tuple[str, ...]):
         self.kinds = kinds
         self._kind_idx = {k: i for i, k in enumerate(kinds)}
         self.steps: dict[str, list[int]] = {f: [] for f in FIELDS}
         self.keys: list[list[int]] = []
+        self.nivcsw_kinds: list[list[int]] = []
         self._cur = [0] * len(FIELDS)
         self._cur_keys = [0] * len(kinds)
+        self._cur_sw = [0] * len(kinds)
         self._depth = 0  # > 0 inside a timed region
         self._gc_t0 = 0
         self._gc_ns = 0  # GC time inside regions, this step
@@ -80,9 +84,12 @@ class StepProbe:
         cur = self._cur
         cur[3] += ru.ru_minflt - token.ru_minflt
         cur[4] += ru.ru_majflt - token.ru_majflt
-        cur[5] += ru.ru_nivcsw - token.ru_nivcsw
+        sw = ru.ru_nivcsw - token.ru_nivcsw
+        cur[5] += sw
         cur[6] += ru.ru_nvcsw - token.ru_nvcsw
-        self._cur_keys[self._kind_idx[kind]] += keys
+        i = self._kind_idx[kind]
+        self._cur_keys[i] += keys
+        self._cur_sw[i] += sw
 
     def step_end(self) -> None:
         """The step's figures are complete: store them and start the next step."""
@@ -91,14 +98,17 @@ class StepProbe:
         for f, v in zip(FIELDS, cur):
             self.steps[f].append(v)
         self.keys.append(self._cur_keys)
+        self.nivcsw_kinds.append(self._cur_sw)
         self._cur = [0] * len(FIELDS)
         self._cur_keys = [0] * len(self.kinds)
+        self._cur_sw = [0] * len(self.kinds)
         self._gc_ns = self._gc_n = 0
         self._gc_gen = -1
 
     def result(self) -> dict:
         """The recorded lists, for the run's raw figures (JSON-able)."""
-        return {"kinds": list(self.kinds), "keys": self.keys, **self.steps}
+        return {"kinds": list(self.kinds), "keys": self.keys, "nivcsw_kinds": self.nivcsw_kinds,
+                **self.steps}
 
 
 def _slow_set(step_ns: list[int], q: float) -> list[int]:
@@ -117,7 +127,7 @@ def attribute(runs: list[dict], q: float = 99.9) -> dict:
     (thread CPU), ``step_kinds`` (wall ns per kind) and ``slow`` (a probe's ``result()``).
     Per group: ``steps`` (count), ``wall_us`` and ``cpu_us`` (means), shares of wall (0..1)
     for ``gc``, ``descheduled`` (wall - CPU) and each kind (``kinds``: kind -> (share of
-    wall, keys per step); ``lock wait`` is a kind), means per step of ``gc_collections``,
+    wall, keys per step, involuntary switches per step); ``lock wait`` is a kind), means per step of ``gc_collections``,
     ``minflt``, ``majflt``, ``nivcsw``, ``nvcsw``, ``gc_gen_max`` (the oldest generation
     collected, -1: none), and ``with_gc``/``with_faults``/``with_nivcsw``: the share of the
     group's steps with at least one."""
@@ -133,7 +143,8 @@ def attribute(runs: list[dict], q: float = 99.9) -> dict:
         if probe["kinds"] != kinds:
             raise ValueError(f"attribute: run {r_no} has kinds {probe['kinds']}, run 0 {kinds}")
         for name, seq in (("step_cpu_ns", run["step_cpu_ns"]), ("step_kinds", run["step_kinds"]),
-                          ("slow keys", probe["keys"]), *((f, probe[f]) for f in FIELDS)):
+                          ("slow keys", probe["keys"]), ("slow nivcsw_kinds", probe["nivcsw_kinds"]),
+                          *((f, probe[f]) for f in FIELDS)):
             if len(seq) != n:
                 raise ValueError(f"attribute: run {r_no}: {name} has {len(seq)} steps, "
                                  f"step_ns has {n}")
@@ -163,7 +174,8 @@ def attribute(runs: list[dict], q: float = 99.9) -> dict:
                                if run["slow"]["minflt"][i] or run["slow"]["majflt"][i]) / k
         g["with_nivcsw"] = sum(1 for run, i in members if run["slow"]["nivcsw"][i]) / k
         g["kinds"] = {kind: (share(sum(run["step_kinds"][i][j] for run, i in members)),
-                             sum(run["slow"]["keys"][i][j] for run, i in members) / k)
+                             sum(run["slow"]["keys"][i][j] for run, i in members) / k,
+                             sum(run["slow"]["nivcsw_kinds"][i][j] for run, i in members) / k)
                       for j, kind in enumerate(kinds)}
         out[name] = g
     return out
@@ -193,8 +205,9 @@ def format_table(att: dict, top: int = 4) -> list[str]:
     row("    collections; oldest gen", lambda a: f"{a['gc_collections']:.1f}; "
         + (f"{a['gc_gen_max']}" if a["gc_gen_max"] >= 0 else "-"))
     row("  lock wait", lambda a: f"{a['kinds']['lock wait'][0]:.0%}")
+    lines.append("  by call kind: share (keys; invol. switches)")
     for k in ranked:
-        row(f"  {k} (keys)", lambda a, k=k: f"{a['kinds'][k][0]:.0%} ({a['kinds'][k][1]:.0f})")
+        row(f"    {k}", lambda a, k=k: "{:.0%} ({:.0f}; {:.1f})".format(*a["kinds"][k]))
     row("page faults minor / major", lambda a: f"{a['minflt']:.1f} / {a['majflt']:.1f}")
     row("ctx switches invol. / vol.", lambda a: f"{a['nivcsw']:.1f} / {a['nvcsw']:.1f}")
     row("steps with GC / faults / invol.", lambda a: f"{a['with_gc']:.0%} / {a['with_faults']:.0%} / "
