@@ -73,7 +73,7 @@ from shmtier.bench import trace as bench_trace  # noqa: E402
 from shmtier.bench.common import exit_through_finally, rotated, write_json  # noqa: E402
 from shmtier.bench.driver import Config, make_data_pool, run_one  # noqa: E402
 from shmtier.bench.managers import VARIANT_TOKENS, WORKER_SCHED, known_manager  # noqa: E402
-from shmtier.bench.report import label, print_kinds, print_table, summarise  # noqa: E402
+from shmtier.bench.report import label, print_kinds, print_slowest, print_table, summarise  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -238,6 +238,7 @@ def main(argv=None) -> int:
 
     sums = {n: [] for n in names}
     raws = {n: [] for n in names}
+    step_runs = {n: [] for n in names}  # per-step lists, for print_slowest
     run_no = 0
     for r in range(args.repeats):
         for n in rotated(names, r):
@@ -246,7 +247,8 @@ def main(argv=None) -> int:
             s = summarise(res, chunk_bytes)
             sums[n].append(s)
             raws[n].append({k: v for k, v in res.items()
-                            if k not in ("step_ns", "step_cpu_ns", "step_kinds", "step_lookups")})
+                            if k not in ("step_ns", "step_cpu_ns", "step_kinds", "step_lookups", "slow")})
+            step_runs[n].append({k: res[k] for k in ("step_ns", "step_cpu_ns", "step_kinds", "slow")})
             print(f"  run {r + 1}/{args.repeats} {label(n):>14}: {s['steps']} steps, step p50 "
                   f"{s['step_us_p50']:.0f} µs p99 {s['step_us_p99']:.0f} µs, promotion p50 "
                   f"{s['promo_ms_p50'] or 0:.0f} ms, deferral p99 {s['defer_p99']} steps, process CPU "
@@ -261,6 +263,7 @@ def main(argv=None) -> int:
     print("\n=== results: median [min-max] over runs ===")
     print_table(sums, names)
     print_kinds(sums, names)
+    print_slowest(step_runs, names)
     for n in names:
         rss = [x for s in sums[n] for x in (s["worker_rss_anon_mib"] or []) if x is not None]
         if rss:

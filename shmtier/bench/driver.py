@@ -28,6 +28,7 @@ import numpy as np
 
 from shmtier.bench.common import DrivenRequest, request_context
 from shmtier.bench.managers import MAKERS, TOKENS_PER_CHUNK, Mut, make_shmtier, sched_of, sweep_shm
+from shmtier.bench.slow_steps import StepProbe
 
 TAG = f"bench-ts-{os.getpid()}-"
 KINDS = ("lock wait", "on_new_request", "lookup", "prepare_load", "get_load_source",
@@ -124,8 +125,12 @@ class NoProgress(RuntimeError):
     pass
 
 
-def drive(mut: Mut, trace, cfg, data_pool: np.ndarray) -> dict:
-    """Run the whole trace through ``mut``; returns the run's raw figures."""
+def drive(mut: Mut, trace, cfg, data_pool: np.ndarray, probe: StepProbe | None = None) -> dict:
+    """Run the whole trace through ``mut``; returns the run's raw figures. ``probe``
+    (shmtier/bench/slow_steps.py) records what each step is made of (its ``on_gc`` is the
+    caller's to register)."""
+    probe = probe if probe is not None else StepProbe(KINDS)
+    p_begin, p_end = probe.begin, probe.end
     m = mut.manager
     LR = mut.LookupResult
     HIT, MISS, PENDING, RETRY = LR.HIT, LR.MISS, LR.HIT_PENDING, LR.RETRY
@@ -157,11 +162,13 @@ def drive(mut: Mut, trace, cfg, data_pool: np.ndarray) -> dict:
         cur_kind[0][kind_idx[kind]] += wall
 
     def timed(kind, fn, *args):
+        p0 = p_begin()
         c0 = tt()
         w0 = pc()
         out = fn(*args)
         w1 = pc()
         c1 = tt()
+        p_end(p0, kind, len(args[0]) if args and isinstance(args[0], list) else 1)
         charge(kind, w1 - w0, c1 - c0)
         return out
 
@@ -170,11 +177,13 @@ def drive(mut: Mut, trace, cfg, data_pool: np.ndarray) -> dict:
         a manager's own threads (shmtier's tier-poll thread) may hold it."""
 
         def __enter__(self):
+            p0 = p_begin()
             c0 = tt()
             w0 = pc()
             lock.acquire()
             w1 = pc()
             c1 = tt()
+            p_end(p0, "lock wait")
             charge("lock wait", w1 - w0, c1 - c0)
 
         def __exit__(self, *exc):
@@ -255,6 +264,7 @@ def drive(mut: Mut, trace, cfg, data_pool: np.ndarray) -> dict:
                 ctx = req.ctx
                 g, n = tr.gpu_cached, len(keys)
                 answers = []
+                p0 = p_begin()
                 c0 = tt()
                 w0 = pc()
                 for i in range(g, n):
@@ -264,6 +274,7 @@ def drive(mut: Mut, trace, cfg, data_pool: np.ndarray) -> dict:
                         break
                 w1 = pc()
                 c1 = tt()
+                p_end(p0, "lookup", len(answers))
                 charge("lookup", w1 - w0, c1 - c0, len(answers))
                 # -- driver bookkeeping (untimed)
                 now = time.perf_counter()
@@ -294,11 +305,13 @@ def drive(mut: Mut, trace, cfg, data_pool: np.ndarray) -> dict:
                 load_keys = req.admit(hits)
                 if load_keys:
                     spec = timed("prepare_load", m.prepare_load, load_keys, ctx)
+                    p0 = p_begin()
                     c0 = tt()
                     w0 = pc()
                     sources = [m.get_load_source(k, ctx) for k in load_keys]
                     w1 = pc()
                     c1 = tt()
+                    p_end(p0, "get_load_source", len(load_keys))
                     charge("get_load_source", w1 - w0, c1 - c0, len(load_keys))
                     for key, cid, s in zip(load_keys, np.asarray(spec.block_ids).tolist(), sources):
                         src = getattr(s, "value", str(s))
@@ -389,6 +402,7 @@ def drive(mut: Mut, trace, cfg, data_pool: np.ndarray) -> dict:
         step_ns.append(acc[0])
         step_cpu_ns.append(acc[1])
         step_kinds.append(step_kind)
+        probe.step_end()
         step_lookups.append(calls["lookup"] - lookups_before)
         step_hits.append((st_elig, st_host, st_other))
         step += 1
@@ -426,6 +440,7 @@ def drive(mut: Mut, trace, cfg, data_pool: np.ndarray) -> dict:
     return {
         "steps": len(step_ns), "drain_steps": drain_steps, "step_ns": step_ns,
         "step_cpu_ns": step_cpu_ns, "step_kinds": step_kinds, "step_lookups": step_lookups,
+        "slow": probe.result(),
         "ns": ns, "cpu_ns": cpu_ns, "calls": calls,
         "lookup_results": dict(results),
         "promo_steps": promo_steps, "promo_ms": promo_ms, "probe_miss_steps": probe_miss_steps,
@@ -520,10 +535,12 @@ def run_one(name: str, trace, cfg, data_pool, run_no: int, profiler=None) -> dic
                 gc_log.append((info["generation"], time.perf_counter() - _t[0]))
 
         gc.callbacks.append(gc_cb)
+        probe = StepProbe(KINDS)  # what each step is made of (shmtier/bench/slow_steps.py)
+        gc.callbacks.append(probe.on_gc)
         if profiler is not None:
             profiler.enable()
         try:
-            res = drive(mut, trace, cfg, data_pool)
+            res = drive(mut, trace, cfg, data_pool, probe)
         except BaseException as e:
             # the traceback's frames hold numpy views of the arena: drop them so the
             # managers can unmap it (also on Ctrl-C / SIGTERM)
@@ -533,6 +550,7 @@ def run_one(name: str, trace, cfg, data_pool, run_no: int, profiler=None) -> dic
             if profiler is not None:
                 profiler.disable()
             gc.callbacks.remove(gc_cb)
+            gc.callbacks.remove(probe.on_gc)
             gc.unfreeze()
         res["gc"] = {"collections": len(gc_log), "gen2": sum(1 for g, _ in gc_log if g == 2),
                      "total_ms": sum(d for _, d in gc_log) * 1e3,

@@ -1,7 +1,8 @@
 """The report of tiering_steps.py: one run's raw figures summarised (``summarise``),
 and the tables over runs: median [min-max] per manager with the ratio to vLLM's
-(``print_table``), and where the scheduler-thread time goes per call kind, over all
-steps and in the slowest 1% (``print_kinds``).
+(``print_table``), where the scheduler-thread time goes per call kind, over all
+steps and in the slowest 1% (``print_kinds``), and what the slowest steps are made of
+(``print_slowest``, from shmtier/bench/slow_steps.py).
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import statistics
 
 from shmtier.bench.common import fmt_mr, med_range, pct
 from shmtier.bench.driver import KINDS, MANAGER_COUNTERS, READ_BYTES, RING_DEPTH, WRITE_BYTES
+from shmtier.bench.slow_steps import attribute, format_table
 
 LABELS = {"shmtier": "shmtier", "vllm": "vLLM 0.33"}
 
@@ -33,7 +35,8 @@ def summarise(res: dict, chunk_bytes: int) -> dict:
     defer = res["deferrals"]
     s = {
         "step_us_p50": pct(steps_us, 50), "step_us_p90": pct(steps_us, 90),
-        "step_us_p99": pct(steps_us, 99), "step_us_max": max(steps_us),
+        "step_us_p99": pct(steps_us, 99), "step_us_p999": pct(steps_us, 99.9),
+        "step_us_max": max(steps_us),
         "step_us_mean": sum(steps_us) / n_steps,
         "manager_ms_total": sum(steps_us) / 1e3,
         "step_cpu_us_p50": pct(cpu_us, 50), "step_cpu_us_p99": pct(cpu_us, 99),
@@ -99,6 +102,7 @@ def summarise(res: dict, chunk_bytes: int) -> dict:
     s["lookup_results"] = res["lookup_results"]
     s["worker_rss_anon_mib"] = res["worker_rss_anon_mib"]
     s["worker_restarts"] = res["worker_restarts"]
+    s["slowest"] = attribute([res])  # this run's p99.9, max and median steps, made of what
     return s
 
 
@@ -124,6 +128,7 @@ ROWS = [  # (label, key, digits, ratio?)
     ("  p50 µs", "step_us_p50", 1, True),
     ("  p90 µs", "step_us_p90", 1, True),
     ("  p99 µs", "step_us_p99", 1, True),
+    ("  p99.9 µs", "step_us_p999", 0, True),
     ("  max µs", "step_us_max", 0, True),
     ("  mean µs", "step_us_mean", 1, True),
     ("  total over run ms", "manager_ms_total", 0, True),
@@ -265,3 +270,16 @@ def print_kinds(sums: dict, names: list) -> None:
         names, lambda n: f"  {label(n) + ' slow steps':>22}{'all':>8}",
         [(kind, slow_vs_all("slow_kind_us", "per_kind_us_per_step", kind)) for kind in KINDS]
         + [("(lookup calls/step)", slow_vs_all("slow_lookups", "all_lookups_per_step"))])
+
+
+def print_slowest(step_runs: dict, names: list) -> None:
+    """The "slowest steps are made of" table per manager, its groups pooled over the runs;
+    ``step_runs[n]``: manager ``n``'s runs as driver results (their per-step lists)."""
+    for n in names:
+        if not step_runs.get(n):
+            continue
+        runs = step_runs[n]
+        print(f"\nthe slowest steps of {label(n)} are made of ({len(runs)} runs pooled; shares of "
+              "the group's wall; faults, switches: per step, inside the timed calls)")
+        for line in format_table(attribute(runs)):
+            print("  " + line)

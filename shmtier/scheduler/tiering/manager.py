@@ -95,6 +95,7 @@ from shmtier.scheduler.tiering.poll_thread import POLL_JOIN_TIMEOUT_S, TierPollT
 logger = logging.getLogger(__name__)
 
 _LOOKUP_TIERS_MEMO_MAX = 64  # distinct (load_tier_filter, excluded tier) pairs remembered
+_NO_FILTER = object()  # no lookup has asked the tiers yet
 
 HIT, MISS, RETRY, HIT_PENDING = (LookupResult.HIT, LookupResult.MISS, LookupResult.RETRY,
                                  LookupResult.HIT_PENDING)
@@ -209,7 +210,14 @@ class TieringOffloadingManager:
             for t in self.tiers]
         self._max_pinned_rows = [optional_attribute(t, "max_pinned_rows") for t in self.tiers]
         self._hit_source = [CacheHitSource(t.cache_hit_source.value) for t in self.tiers]
+        # a tier's ``stats_into(stats)`` (shmtier's storage tiers) adds its step series to
+        # the manager's payload directly; others' get_stats payloads are merged
+        self._tier_stats_into = [getattr(t, "stats_into", None) for t in self.tiers]
         self._lookup_tiers_memo: dict[tuple[Any, int | None], list[tuple[int, Any]]] = {}
+        # the memo's last answer, (filter, excluded tier, tiers): found by identity, as
+        # consecutive lookups (a request's scan) pass the same filter object
+        self._last_lookup_tiers: tuple[Any, int | None, list[tuple[int, Any]]] = (
+            _NO_FILTER, None, [])
         self._polled = [i for i, t in enumerate(self.tiers)
                         if optional_attribute(t, "tolerates_off_thread_polling")]
         self._poll_thread: TierPollThread | None = None
@@ -360,7 +368,11 @@ class TieringOffloadingManager:
             refused.discard(key)
             return MISS
         retry = False
-        for tier_idx, tier in self._lookup_tiers(req_context.load_tier_filter, exclude_tier_idx):
+        allowed = req_context.load_tier_filter
+        last = self._last_lookup_tiers
+        tiers = (last[2] if last[0] is allowed and last[1] == exclude_tier_idx
+                 else self._lookup_tiers(allowed, exclude_tier_idx))
+        for tier_idx, tier in tiers:
             started = perf_counter()
             answer = tier.lookup(key, req_context)
             now = perf_counter()
@@ -377,17 +389,19 @@ class TieringOffloadingManager:
     def _lookup_tiers(self, allowed: Any, exclude_tier_idx: int | None) -> list[tuple[int, Any]]:
         """(index, tier) of the tiers a lookup asks, in order: those ``allowed`` (a
         request's ``load_tier_filter``) lets serve loads, less ``exclude_tier_idx``.
-        Memoised per (filter, excluded tier): a lookup runs per key."""
+        Memoised per (filter, excluded tier): a lookup runs per key. A hashable filter
+        is taken as immutable (as vLLM's frozen ``TierFilter``); the last answer is kept
+        for ``lookup`` to find by identity."""
         try:
-            return self._lookup_tiers_memo[allowed, exclude_tier_idx]
+            tiers = self._lookup_tiers_memo[allowed, exclude_tier_idx]
         except KeyError:
-            pass
+            if len(self._lookup_tiers_memo) >= _LOOKUP_TIERS_MEMO_MAX:
+                self._lookup_tiers_memo.clear()
+            tiers = self._lookup_tiers_memo[allowed, exclude_tier_idx] = self._eval_lookup_tiers(
+                allowed, exclude_tier_idx)
         except TypeError:  # an unhashable filter: evaluate it every time
             return self._eval_lookup_tiers(allowed, exclude_tier_idx)
-        if len(self._lookup_tiers_memo) >= _LOOKUP_TIERS_MEMO_MAX:
-            self._lookup_tiers_memo.clear()
-        tiers = self._lookup_tiers_memo[allowed, exclude_tier_idx] = self._eval_lookup_tiers(
-            allowed, exclude_tier_idx)
+        self._last_lookup_tiers = (allowed, exclude_tier_idx, tiers)
         return tiers
 
     def _eval_lookup_tiers(self, allowed: Any, exclude_tier_idx: int | None) -> list[tuple[int, Any]]:
@@ -631,7 +645,11 @@ class TieringOffloadingManager:
             detector = tier.bp_detector
             if detector is not None:
                 record_backpressure_metrics(stats, detector, label[0])
-            metrics.merge_stats(stats, tier.get_stats())
+            stats_into = self._tier_stats_into[tier_idx]
+            if stats_into is not None:
+                stats_into(stats)
+            else:
+                metrics.merge_stats(stats, tier.get_stats())
         if self._publisher is not None:
             self._publisher.observe(stats)
         return stats

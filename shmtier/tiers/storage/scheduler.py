@@ -904,6 +904,19 @@ class StorageTierManager(SecondaryTierManager):
 
     def get_stats(self) -> metrics.OffloadingStats:
         stats, self._stats = self._stats, metrics.OffloadingStats()
+        self._gauges_into(stats)
+        return stats
+
+    def stats_into(self, stats: metrics.OffloadingStats) -> None:
+        """Add the series ``get_stats`` reports (and resets) to ``stats``: the tiering
+        manager's step payload, without a payload of the tier's own to merge (most steps
+        count nothing but the gauges). Scheduler thread, under the manager's lock."""
+        if self._stats.data["data"]:
+            own, self._stats = self._stats, metrics.OffloadingStats()
+            metrics.merge_stats(stats, own)
+        self._gauges_into(stats)
+
+    def _gauges_into(self, stats: metrics.OffloadingStats) -> None:
         stats.set_gauge(self.BYTES_METRIC, self.bytes_on_disk, (self._label,))
         expired = self._lookups.expired
         if expired != self._expired_seen:
@@ -912,7 +925,6 @@ class StorageTierManager(SecondaryTierManager):
         stats.set_gauge(RING_DEPTH, self._pool.queued_jobs(), (self._label,))
         stats.set_gauge(POOL_BROKEN, int(self._broken), (self._label,))
         stats.set_gauge(COMPRESSION_ON, int(self._compression_on), (self._label,))
-        return stats
 
     @classmethod
     def build_metric_definitions(cls, tier_config: dict[str, Any]) -> dict[str, Any]:
