@@ -108,7 +108,7 @@ class ChaosRunner:
                        "stalls_killed_as_hung": 0, "stall_max_call_ms": 0.0, "fills": 0,
                        "filled_bytes": 0, "written_after_free": 0,
                        **{f"corrupted_{how}": 0 for how in faults.CORRUPTIONS}}
-        self.corrupted: list[list] = []  # [path, inode, how]
+        self.corrupted: list[list] = []  # [path, faults.identity, how]
 
     def _next_kill(self, now: float) -> float:
         every = self.chaos.kill_every_s
@@ -209,10 +209,10 @@ class ChaosRunner:
         n = min(self.chaos.corrupt_files, len(files))
         for i in self.rng.choice(len(files), n, replace=False).tolist() if n else []:
             how = faults.CORRUPTIONS[len(self.corrupted) % len(faults.CORRUPTIONS)]
-            inode = faults.corrupt(files[i], how, self.rng)
-            if inode is not None:
+            ident = faults.corrupt(files[i], how, self.rng)
+            if ident is not None:
                 self.counts[f"corrupted_{how}"] += 1
-                self.corrupted.append([files[i], inode, how])
+                self.corrupted.append([files[i], ident, how])
 
     def _fill(self) -> None:
         self.counts["fills"] += 1

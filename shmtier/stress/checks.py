@@ -50,12 +50,12 @@ def files(root: str) -> tuple[dict[bytes, int], int]:
 
 
 def damaged_left(corrupted: list) -> dict[bytes, str]:
-    """Of the files the run damaged (``[path, inode, how]``), those still at their path
-    (nobody read, removed or replaced them): key -> path."""
+    """Of the files the run damaged (``[path, identity, how]``), those still at their
+    path (nobody read, removed or replaced them): key -> path."""
     from shmtier.tiers.fs.namespace import chunk_key
 
-    return {chunk_key(os.path.basename(path)): path for path, inode, _ in corrupted
-            if faults.still_there(path, inode)}
+    return {chunk_key(os.path.basename(path)): path for path, ident, _ in corrupted
+            if faults.still_there(path, ident)}
 
 
 def check_index(result: StressResult, root: str, who: str, indexed: dict[bytes, int],

@@ -23,9 +23,10 @@ def chunk_files(root: str) -> list[str]:
             for n in names if n.endswith(".kv")]
 
 
-def corrupt(path: str, how: str, rng) -> int | None:
+def corrupt(path: str, how: str, rng) -> list | None:
     """Damage the chunk file at ``path`` in place (``how`` in CORRUPTIONS); returns the
-    inode damaged, or None when the file is gone (a delete or an eviction won the race)."""
+    file's identity after the damage (``identity``), or None when the file is gone (a
+    delete or an eviction won the race)."""
     try:
         fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
     except OSError:
@@ -44,15 +45,21 @@ def corrupt(path: str, how: str, rng) -> int | None:
             os.pwrite(fd, rng.integers(0, 256, 16, dtype="uint8").tobytes(), 0)
         else:
             raise ValueError(f"corruption {how!r}: expected one of {CORRUPTIONS}")
-        return st.st_ino
+        return identity(os.fstat(fd))
     finally:
         os.close(fd)
 
 
-def still_there(path: str, inode: int) -> bool:
+def identity(st: os.stat_result) -> list:
+    """A file's inode and change time: a file removed and made again may get the same
+    inode number, not the same change time."""
+    return [st.st_ino, st.st_ctime_ns]
+
+
+def still_there(path: str, ident: list) -> bool:
     """Whether ``path`` still names the file damaged (nobody removed or replaced it)."""
     try:
-        return os.lstat(path).st_ino == inode
+        return identity(os.lstat(path)) == list(ident)
     except OSError:
         return False
 

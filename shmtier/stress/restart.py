@@ -24,6 +24,7 @@ import time
 
 import numpy as np
 
+from shmtier.shared.segment import SHM_DIR, segment_name
 from shmtier.stress import faults
 
 _PREFIX = "RESULT "
@@ -32,7 +33,8 @@ _PREFIX = "RESULT "
 def first_scheduler(params: dict, timeout_s: float = 600.0) -> dict:
     """Run the child on ``params`` (see ``_child``), kill it once it has played its part
     and return what it reported, with ``workers_exited_s`` (None: its tier workers were
-    still running 10 s after the kill) and ``killed_pid``."""
+    still running 10 s after the kill), ``segment_present`` (its segment still there
+    then) and ``killed_pid``."""
     proc = subprocess.Popen([sys.executable, "-m", "shmtier.stress.restart", json.dumps(params)],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
@@ -61,6 +63,9 @@ def first_scheduler(params: dict, timeout_s: float = 600.0) -> dict:
             return report
         time.sleep(0.05)
     report["workers_exited_s"] = time.monotonic() - started
+    # a stale segment is what `shmtier clean` (run anywhere on the host) removes
+    report["segment_present"] = os.path.exists(
+        os.path.join(SHM_DIR, segment_name(params["engine_id"]).lstrip("/")))
     return report
 
 

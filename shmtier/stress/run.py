@@ -222,7 +222,8 @@ def _check_restart(engine: Engine, first: dict, result: StressResult, expected) 
                  f"{'yes' if first['workers_exited_s'] is not None else 'NO (after 10 s)'}")
     result.check("warm restart: segment kept", not segment.is_creator and 0 < rows <= kept,
                  f"warm restart: re-attached to the segment: "
-                 f"{'yes' if not segment.is_creator else 'NO (made a new one)'}; "
+                 f"{'yes' if not segment.is_creator else 'NO (made a new one)'}"
+                 f"{'' if first.get('segment_present', True) else ' (the dead scheduler’s segment was gone before the restart: removed by a `shmtier clean` elsewhere on this host?)'}; "
                  f"{rows} chunks kept of {kept} resident at the kill (pending writes freed)",
                  rows_kept=rows, resident_at_kill=kept)
     result.check("warm restart: kept rows byte-exact", bad == 0,
