@@ -64,6 +64,7 @@ def run_stress(conversations: int = 24, turns: int = 4, chunks_per_turn: int = 4
     first: dict = {}
     corrupted: list = []
     detected = 0
+    ran = False
     started = time.monotonic()
     try:
         if chaos.fill_root_at is not None:
@@ -152,17 +153,19 @@ def run_stress(conversations: int = 24, turns: int = 4, chunks_per_turn: int = 4
         checks.check_index(result, root, "live engine", indexed, gauge, max_bytes,
                            damaged=damaged)
         detected = int(totals.counters.get(fs_tier.CORRUPT_CHUNKS, 0))
+        ran = True
     finally:
         if engine is not None:
             engine.close()
-    try:
-        if result.checks:  # the trace ran: the damaged files, then a fresh engine's scan
-            if corrupted:
-                checks.check_damaged(result, root, corrupted, detected)
-            try:
-                checks.fresh_scan(result, extra, LAYOUT, root, max_bytes)
-            except Exception as e:  # a check that cannot run fails
-                result.check("fresh engine's scan", False, f"fresh engine's scan: {e!r}")
+        if not ran:  # an error on the way: clean up before it propagates
+            _clean(base, mounted, engine_id, result)
+    try:  # the trace ran: the damaged files, then a fresh engine's scan
+        if corrupted:
+            checks.check_damaged(result, root, corrupted, detected)
+        try:
+            checks.fresh_scan(result, extra, LAYOUT, root, max_bytes)
+        except Exception as e:  # a check that cannot run fails
+            result.check("fresh engine's scan", False, f"fresh engine's scan: {e!r}")
     finally:
         _clean(base, mounted, engine_id, result)
     left = shm_left(engine_id)
