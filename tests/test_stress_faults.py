@@ -65,7 +65,10 @@ def test_a_stalled_worker_does_not_stall_the_scheduler(capsys):
 
 
 def test_warm_restart_keeps_the_rows_byte_exact(capsys):
-    rc, result = _run(Chaos(warm_restart_at=0.5), seed=4)
+    for attempt in range(3):  # another suite's `shmtier clean` may take the stale segment
+        rc, result = _run(Chaos(warm_restart_at=0.5), seed=4)
+        if "skipped" not in result.faults["warm_restart"]:
+            break
     _passed(rc, result)
     f = result.faults["warm_restart"]
     assert f["rows_kept"] > 0 and f["workers_exited_s"] is not None
