@@ -16,7 +16,7 @@ import uuid
 
 import numpy as np
 
-from shmtier.stress import checks, restart, trace
+from shmtier.stress import checks, trace
 from shmtier.stress.faults import mount_tmpfs, unmount
 from shmtier.stress.chaos import WRITE_BYTES, Chaos, ChaosRunner, merge_counts, report
 from shmtier.stress.engine import LAYOUT, Engine, Totals, arena_mismatches, play, shm_left
@@ -90,6 +90,8 @@ def run_stress(conversations: int = 24, turns: int = 4, chunks_per_turn: int = 4
             print(f"  fill the root: skipped: {skipped}")
         start = 0
         if chaos.warm_restart_at is not None:
+            from shmtier.stress import restart  # not at import: it is also run as __main__
+
             start = int(chaos.warm_restart_at * len(queue))
             first = restart.first_scheduler({
                 "extra": {**extra, "warm_restart": True}, "engine_id": engine_id,
