@@ -30,6 +30,25 @@ def main(argv: list[str] | None = None) -> int:
                      metavar="FRACTION", help="at this fraction of the trace remove the fs root "
                      "itself, and make it again --root-gone-s later (repeatable)")
     run.add_argument("--root-gone-s", type=float, default=1.0)
+    run.add_argument("--corrupt-at", type=float, action="append", default=[],
+                     metavar="FRACTION", help="at this fraction of the trace damage "
+                     "--corrupt-files random chunk files (flip, truncate, header; repeatable)")
+    run.add_argument("--corrupt-files", type=int, default=4)
+    run.add_argument("--fill-root-at", type=float, default=None, metavar="FRACTION",
+                     help="put the fs root on a tmpfs (mounted for the run; needs root) and "
+                     "fill it at this fraction of the trace, for --fill-for of it")
+    run.add_argument("--fill-for", type=float, default=0.15, metavar="FRACTION")
+    run.add_argument("--stall-at", type=float, action="append", default=[],
+                     metavar="FRACTION", help="at this fraction of the trace SIGSTOP a tier "
+                     "worker for --stall-s, then SIGCONT (repeatable)")
+    run.add_argument("--stall-s", type=float, default=3.0)
+    run.add_argument("--warm-restart-at", type=float, default=None, metavar="FRACTION",
+                     help="play the trace up to this fraction in a scheduler process, SIGKILL "
+                     "it, and go on in a new one with warm_restart")
+    run.add_argument("--check-every", type=int, default=8, metavar="STEPS",
+                     help="steps between checks of rows and pins against the jobs in flight")
+    run.add_argument("--call-bound-ms", type=float, default=500.0,
+                     help="the most one manager call may take (a violation above)")
     demo = sub.add_parser("demo", help="offload and reload chunks through the CPU tier")
     demo.add_argument("--requests", type=int, default=12)
     demo.add_argument("--chunks-per-request", type=int, default=8)
@@ -124,13 +143,20 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "run":
         from shmtier.stress import Chaos, run_stress
 
-        chaos = None
-        if args.kill_workers_every or args.delete_namespace_at or args.delete_root_at:
+        try:
             chaos = Chaos(args.kill_workers_every, tuple(args.delete_namespace_at),
-                          tuple(args.delete_root_at), args.root_gone_s)
-        return run_stress(args.conversations, args.turns, args.chunks_per_turn, args.cpu_chunks,
-                          args.workers, seed=args.seed, settle_each=args.settle_each,
-                          chaos=chaos, max_bytes=args.max_bytes)
+                          tuple(args.delete_root_at), args.root_gone_s,
+                          tuple(args.corrupt_at), args.corrupt_files, args.fill_root_at,
+                          args.fill_for, None, tuple(args.stall_at), args.stall_s,
+                          args.warm_restart_at)
+            return run_stress(args.conversations, args.turns, args.chunks_per_turn,
+                              args.cpu_chunks, args.workers, seed=args.seed,
+                              settle_each=args.settle_each, chaos=chaos,
+                              max_bytes=args.max_bytes, check_every=args.check_every,
+                              call_bound_s=args.call_bound_ms / 1e3)
+        except ValueError as e:
+            print(f"shmtier run: {e}", file=sys.stderr)
+            return 2
     if args.command == "demo":
         from shmtier.demo import run_demo
 

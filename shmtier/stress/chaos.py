@@ -1,0 +1,287 @@
+"""What the stress run does to the tiers while its trace plays (``Chaos``), and the runner
+that does it (``ChaosRunner``).
+
+Who calls: the run's scheduler thread, between manager calls (``tick`` before each request
+and each deferred step); nothing here waits on a tier worker. Faults and what each counts
+(``ChaosRunner.counts``; all of it goes into the verdict):
+
+* ``kill_every_s``: SIGKILL a random healthy tier worker (the pool restarts it).
+* ``delete_namespace_at`` / ``delete_root_at``: remove everything under the fs root, or the
+  root itself (made again ``root_gone_s`` later).
+* ``corrupt_at``: damage ``corrupt_files`` random chunk files (flip payload bytes, cut the
+  file, overwrite its header; ``faults.CORRUPTIONS`` in turn); each damaged file is
+  remembered by path and inode for the end's accounting.
+* ``fill_root_at``: the fs root lives on a small tmpfs mounted for the run; a filler file
+  beside the root takes all its free space (stores meet ENOSPC) for ``fill_for`` of the
+  trace, then is removed. Without the mount the fault is skipped, with the reason.
+* ``stall_at``: SIGSTOP a random healthy tier worker for ``stall_s`` (longer than the pool's
+  heartbeat timeout, so a stalled worker that holds jobs is killed as hung), then SIGCONT;
+  the manager calls made meanwhile are timed apart.
+* ``warm_restart_at``: the scheduler process is SIGKILLed there and a new one re-attaches
+  to its segment (``shmtier/stress/restart.py``; the run does it, not this runner).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import signal
+import time
+from dataclasses import dataclass
+
+from shmtier.stress import faults
+
+WRITE_BYTES = "vllm:kv_offload_tiering_write_bytes"
+
+
+@dataclass(frozen=True)
+class Chaos:
+    """What ``run_stress`` does to the tiers while the trace plays (module docstring).
+    Fractions are of the trace's requests."""
+
+    kill_every_s: float | None = None  # mean seconds between SIGKILLs of a tier worker
+    delete_namespace_at: tuple[float, ...] = ()  # rm -r root/*
+    delete_root_at: tuple[float, ...] = ()  # rm -r root ...
+    root_gone_s: float = 1.0  # ... and mkdir root this many seconds later
+    corrupt_at: tuple[float, ...] = ()  # damage chunk files ...
+    corrupt_files: int = 4  # ... this many each time
+    fill_root_at: float | None = None  # fill the root's (tmpfs) filesystem ...
+    fill_for: float = 0.15  # ... for this fraction of the trace
+    tmpfs_bytes: int | None = None  # the tmpfs' size (None: the working set's bytes + 16 MiB)
+    stall_at: tuple[float, ...] = ()  # SIGSTOP a tier worker ...
+    stall_s: float = 3.0  # ... for this long, then SIGCONT
+    warm_restart_at: float | None = None  # kill the scheduler here; warm restart
+
+    def __post_init__(self) -> None:
+        for name in ("delete_namespace_at", "delete_root_at", "corrupt_at", "stall_at",
+                     "fill_root_at", "warm_restart_at"):
+            value = getattr(self, name)
+            for f in (value if isinstance(value, tuple) else () if value is None else (value,)):
+                if not 0 <= f < 1:
+                    raise ValueError(f"Chaos.{name} = {value!r}: fractions of the trace must "
+                                     f"be in [0, 1)")
+        if self.fill_root_at is not None and not 0 < self.fill_for < 1 - self.fill_root_at:
+            raise ValueError(f"Chaos.fill_for = {self.fill_for!r}: must be > 0 and end before "
+                             f"the trace does (fill_root_at = {self.fill_root_at})")
+        if self.corrupt_files < 1:
+            raise ValueError(f"Chaos.corrupt_files = {self.corrupt_files!r}: must be >= 1")
+        if self.stall_s <= 0 or self.root_gone_s < 0:
+            raise ValueError(f"Chaos.stall_s = {self.stall_s!r}, root_gone_s = "
+                             f"{self.root_gone_s!r}: must be > 0 and >= 0")
+
+    def as_dict(self) -> dict:
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in self.__dict__.items()}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Chaos":
+        return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in d.items()})
+
+
+class ChaosRunner:
+    """Applies a ``Chaos`` to one engine (one scheduler process's part of the trace:
+    requests ``first`` to ``last``, of ``requests``)."""
+
+    def __init__(self, chaos: Chaos, rng, pool, engine_id: str, root: str, requests: int,
+                 counters: dict, timer, first: int = 0, last: int | None = None,
+                 filler: str | None = None):
+        self.chaos, self.rng, self.pool, self.engine_id, self.root = (
+            chaos, rng, pool, engine_id, root)
+        self.counters, self.timer, self.filler = counters, timer, filler
+        last = requests if last is None else last
+        at = lambda fs, what: [(int(f * requests), what) for f in fs  # noqa: E731
+                               if first <= int(f * requests) < last]
+        fill = () if chaos.fill_root_at is None or filler is None else (chaos.fill_root_at,)
+        free = () if not fill else (chaos.fill_root_at + chaos.fill_for,)
+        self.events = sorted(at(chaos.delete_namespace_at, "namespace")
+                             + at(chaos.delete_root_at, "root") + at(chaos.corrupt_at, "corrupt")
+                             + at(fill, "fill") + at(free, "free") + at(chaos.stall_at, "stall"))
+        self.kill_at = self._next_kill(time.monotonic())
+        self.recreate_at: float | None = None
+        self.stalled: tuple | None = None  # (pid, until, hung before, calls window)
+        self.stalls_waiting = 0
+        self.filled = False
+        self.written_at_free: float | None = None
+        self.counts = {"kills": 0, "no_worker_to_kill": 0, "namespace_deletions": 0,
+                       "root_deletions": 0, "files_deleted": 0, "rm_retries": 0,
+                       "corrupt_events": 0, "stalls": 0, "stalls_resumed": 0,
+                       "stalls_killed_as_hung": 0, "stall_max_call_ms": 0.0, "fills": 0,
+                       "filled_bytes": 0, "written_after_free": 0,
+                       **{f"corrupted_{how}": 0 for how in faults.CORRUPTIONS}}
+        self.corrupted: list[list] = []  # [path, faults.identity, how]
+
+    def _next_kill(self, now: float) -> float:
+        every = self.chaos.kill_every_s
+        return now + every * self.rng.uniform(0.5, 1.5) if every else math.inf
+
+    def tick(self, request_no: int) -> None:
+        now = time.monotonic()
+        if self.recreate_at is not None and now >= self.recreate_at:
+            self._recreate_root()
+        if self.stalled is not None and now >= self.stalled[1]:
+            self._resume()
+        while self.events and self.events[0][0] <= request_no:
+            what = self.events.pop(0)[1]
+            if what == "stall":
+                self.stalls_waiting += 1
+            else:
+                getattr(self, f"_{what}")()
+        if self.stalls_waiting and self.stalled is None and self._stall():
+            self.stalls_waiting -= 1
+        if now >= self.kill_at:
+            self.kill_at = self._next_kill(now) if self._kill() else now + 0.05
+
+    def stop(self) -> None:
+        """No more chaos: the root exists again, a stalled worker runs, the filler is gone,
+        no more kills."""
+        self.kill_at = math.inf
+        self.events = [e for e in self.events if e[1] == "free"]
+        self.stalls_waiting = 0
+        if self.recreate_at is not None:
+            self._recreate_root()
+        if self.stalled is not None:
+            self._resume()
+        if self.filled:
+            self._free()
+        if self.written_at_free is not None:
+            self.counts["written_after_free"] = (self.counters.get(WRITE_BYTES, 0)
+                                                 - self.written_at_free)
+
+    # --- tier workers ---
+
+    def _healthy_worker(self) -> int | None:
+        live = self.pool.healthy_workers() if self.pool is not None else []
+        if not live:
+            return None
+        _, pid = live[int(self.rng.integers(len(live)))]
+        # the pool's record names our own child: check its command line anyway
+        return pid if faults.is_our_worker(pid, self.engine_id) else None
+
+    def _kill(self) -> bool:
+        pid = self._healthy_worker()
+        if pid is None or (self.stalled is not None and pid == self.stalled[0]):
+            self.counts["no_worker_to_kill"] += pid is None
+            return False
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            return False
+        self.counts["kills"] += 1
+        return True
+
+    def _stall(self) -> bool:
+        pid = self._healthy_worker()
+        if pid is None:
+            return False
+        try:
+            os.kill(pid, signal.SIGSTOP)
+        except OSError:
+            return False
+        window: list[float] = []
+        self.timer.windows.append(window)
+        self.stalled = (pid, time.monotonic() + self.chaos.stall_s, self.pool.hung_total, window)
+        self.counts["stalls"] += 1
+        return True
+
+    def _resume(self) -> None:
+        pid, _, hung_before, window = self.stalled
+        self.stalled = None
+        self.timer.windows.remove(window)
+        if window:
+            self.counts["stall_max_call_ms"] = max(self.counts["stall_max_call_ms"],
+                                                   max(window) * 1e3)
+        if faults.is_our_worker(pid, self.engine_id):
+            try:
+                os.kill(pid, signal.SIGCONT)
+                self.counts["stalls_resumed"] += 1
+                return
+            except OSError:
+                pass
+        # gone: the pool's health check judged it hung (no heartbeat) and killed it
+        self.counts["stalls_killed_as_hung"] += self.pool.hung_total > hung_before
+
+    # --- files ---
+
+    def _corrupt(self) -> None:
+        self.counts["corrupt_events"] += 1
+        done = {c[0] for c in self.corrupted}
+        files = [p for p in faults.chunk_files(self.root) if p not in done]
+        n = min(self.chaos.corrupt_files, len(files))
+        for i in self.rng.choice(len(files), n, replace=False).tolist() if n else []:
+            how = faults.CORRUPTIONS[len(self.corrupted) % len(faults.CORRUPTIONS)]
+            ident = faults.corrupt(files[i], how, self.rng)
+            if ident is not None:
+                self.counts[f"corrupted_{how}"] += 1
+                self.corrupted.append([files[i], ident, how])
+
+    def _fill(self) -> None:
+        self.counts["fills"] += 1
+        self.counts["filled_bytes"] += faults.fill(self.filler)
+        self.filled = True
+
+    def _free(self) -> None:
+        if not self.filled:
+            return
+        os.unlink(self.filler)
+        self.filled = False
+        self.written_at_free = self.counters.get(WRITE_BYTES, 0)
+
+    def _namespace(self) -> None:
+        self._count_files()
+        self.counts["namespace_deletions"] += 1
+        # rm -r racing the workers' writes can leave a directory (ENOTEMPTY): then the
+        # namespace is still the same directory, with files gone under it, which the
+        # tier does not detect (see bench/README.md). Remove it as an operator would,
+        # again until it is gone.
+        for attempt in range(20):
+            for name in os.listdir(self.root):
+                shutil.rmtree(os.path.join(self.root, name), ignore_errors=True)
+            if not os.listdir(self.root):
+                break
+            self.counts["rm_retries"] += 1
+
+    def _root(self) -> None:
+        self._count_files()
+        self.counts["root_deletions"] += 1
+        for attempt in range(20):
+            shutil.rmtree(self.root, ignore_errors=True)
+            if not os.path.exists(self.root):
+                break
+            self.counts["rm_retries"] += 1
+        self.recreate_at = time.monotonic() + self.chaos.root_gone_s
+
+    def _count_files(self) -> None:
+        self.counts["files_deleted"] += len(faults.chunk_files(self.root))
+
+    def _recreate_root(self) -> None:
+        self.recreate_at = None
+        os.makedirs(self.root, mode=0o700, exist_ok=True)
+
+
+def merge_counts(a: dict, b: dict) -> dict:
+    """Two runners' counts (two scheduler processes of one run) as one."""
+    out = dict(a)
+    for k, v in b.items():
+        out[k] = max(out.get(k, 0), v) if k.endswith("_max_call_ms") else out.get(k, 0) + v
+    return out
+
+
+def report(counts: dict) -> str:
+    """The chaos line of ``shmtier run``'s output."""
+    c = counts
+    corrupted = sum(c[f"corrupted_{h}"] for h in faults.CORRUPTIONS)
+    none = c["no_worker_to_kill"]
+    line = (f"chaos: {c['kills']} tier workers SIGKILLed"
+            f"{f' ({none} times none was healthy)' if none else ''}, "
+            f"namespace deleted {c['namespace_deletions']}x, root deleted and recreated "
+            f"{c['root_deletions']}x ({c['files_deleted']} chunk files deleted, rm -r "
+            f"repeated {c['rm_retries']}x)")
+    if c["corrupt_events"]:
+        line += (f"; {corrupted} chunk files damaged ("
+                 + ", ".join(f"{c[f'corrupted_{h}']} {h}" for h in faults.CORRUPTIONS) + ")")
+    if c["stalls"]:
+        line += (f"; {c['stalls']} tier workers stalled (SIGSTOP): {c['stalls_resumed']} "
+                 f"resumed, {c['stalls_killed_as_hung']} killed as hung by the pool")
+    if c["fills"]:
+        line += f"; root filled {c['fills']}x ({c['filled_bytes']} filler bytes)"
+    return line

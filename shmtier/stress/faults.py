@@ -1,0 +1,136 @@
+"""The stress run's fault primitives, each one system call or a few: damage a chunk file,
+mount and fill a small tmpfs, find and signal a tier worker of the run's own engine.
+
+Who calls: the chaos runner (``shmtier/stress/chaos.py``) on the run's scheduler thread,
+between manager calls. ``fill`` and ``corrupt`` write files (bounded by the tmpfs size or
+one chunk file); nothing here waits on another process.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import subprocess
+
+#: How a chunk file is damaged: XOR bytes of its payload, cut it in half, overwrite the
+#: start of its header (magic, lengths) with random bytes.
+CORRUPTIONS = ("flip", "truncate", "header")
+
+
+def chunk_files(root: str) -> list[str]:
+    """Paths of the published ``*.kv`` chunk files under ``root``."""
+    return [os.path.join(where, n) for where, _, names in os.walk(root)
+            for n in names if n.endswith(".kv")]
+
+
+def corrupt(path: str, how: str, rng) -> list | None:
+    """Damage the chunk file at ``path`` in place (``how`` in CORRUPTIONS); returns the
+    file's identity after the damage (``identity``), or None when the file is gone (a
+    delete or an eviction won the race)."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
+    except OSError:
+        return None
+    try:
+        st = os.fstat(fd)
+        size = st.st_size
+        if size < 128:
+            return None
+        if how == "flip":  # the payload: past any header (key + tag + fields < 128 bytes)
+            at = int(rng.integers(128, size - 8))
+            os.pwrite(fd, bytes(b ^ 0xFF for b in os.pread(fd, 8, at)), at)
+        elif how == "truncate":
+            os.ftruncate(fd, size // 2)
+        elif how == "header":
+            os.pwrite(fd, rng.integers(0, 256, 16, dtype="uint8").tobytes(), 0)
+        else:
+            raise ValueError(f"corruption {how!r}: expected one of {CORRUPTIONS}")
+        return identity(os.fstat(fd))
+    finally:
+        os.close(fd)
+
+
+def identity(st: os.stat_result) -> list:
+    """A file's inode and change time: a file removed and made again may get the same
+    inode number, not the same change time."""
+    return [st.st_ino, st.st_ctime_ns]
+
+
+def still_there(path: str, ident: list) -> bool:
+    """Whether ``path`` still names the file damaged (nobody removed or replaced it)."""
+    try:
+        return identity(os.lstat(path)) == list(ident)
+    except OSError:
+        return False
+
+
+def mount_tmpfs(where: str, size_bytes: int) -> str | None:
+    """Mount a tmpfs of ``size_bytes`` on directory ``where``; None when done, else why
+    not (not root, no mount(8), not permitted here)."""
+    try:
+        p = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_bytes},mode=0700",
+                            "shmtier-stress", where], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"mount -t tmpfs failed: {e}"
+    if p.returncode != 0:
+        return f"mount -t tmpfs failed (exit {p.returncode}): {p.stderr.strip() or p.stdout.strip()}"
+    return None
+
+
+def unmount(where: str) -> str | None:
+    """Unmount ``where`` (lazily if busy); None when done, else why not."""
+    for args in (["umount", where], ["umount", "-l", where]):
+        try:
+            p = subprocess.run(args, capture_output=True, text=True, timeout=10)
+        except (OSError, subprocess.TimeoutExpired) as e:
+            return f"umount failed: {e}"
+        if p.returncode == 0:
+            return None
+    return f"umount {where} failed: {p.stderr.strip()}"
+
+
+def fill(path: str) -> int:
+    """Write a filler file at ``path`` until its filesystem answers ENOSPC; returns its
+    bytes. Other errors propagate (the filler is removed)."""
+    block = bytes(1 << 20)
+    written = 0
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        for size in (1 << 20, 4096):
+            view = memoryview(block)[:size]
+            while True:
+                try:
+                    n = os.write(fd, view)
+                except OSError as e:
+                    if e.errno != errno.ENOSPC:
+                        raise
+                    break
+                written += n
+                if n < size:
+                    break
+    except BaseException:
+        os.close(fd)
+        os.unlink(path)
+        raise
+    os.close(fd)
+    return written
+
+
+def free_bytes(path: str) -> int:
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize
+
+
+def is_our_worker(pid: int, engine_id: str) -> bool:
+    """Whether ``pid`` runs a tier worker of ``engine_id`` (its command line says so)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            argv = f.read().split(b"\0")
+    except OSError:
+        return False
+    return b"shmtier.workers.job_loop" in argv and engine_id.encode() in argv
+
+
+def our_workers(engine_id: str) -> list[int]:
+    """Pids of the running tier workers of ``engine_id`` (found in /proc)."""
+    return [int(e) for e in os.listdir("/proc") if e.isdigit() and is_our_worker(int(e), engine_id)]
