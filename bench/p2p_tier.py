@@ -353,7 +353,7 @@ def main() -> None:
     ctx = mp.get_context("spawn")
     tmp = tempfile.mkdtemp(prefix="shmtier-p2p-tier-bench-")
     engines: list[Engine] = []
-    raws: list[RawLoopback] = []
+    raws: dict[str, RawLoopback] = {}
     try:
         for name in ("prod", "cons"):
             generate_keypair_files(os.path.join(tmp, name), name)
@@ -388,12 +388,13 @@ def main() -> None:
             pairs[mode] = (prod, cons)
         for e in engines:
             e.ready()
-        raws.append(RawLoopback(ctx, None))
-        raws.append(RawLoopback(ctx, (skeys, ckeys)))
         src = np.random.default_rng(7).integers(0, 256, (args.chunks, chunk), dtype=np.uint8)
-        src_rows = list(src)
-        for raw in raws:
-            raw.run(src_rows)  # warm-up: connection and handshake
+        ep_nice = P2PTierConfig(plaintext=True).endpoint_niceness  # added to the scheduler's
+        for name in ("raw", "raw+curve", f"raw@n{ep_nice}", f"raw+curve@n{ep_nice}"):
+            raws[name] = RawLoopback(ctx, list(src), (skeys, ckeys) if "curve" in name else None,
+                                     ep_nice if "@" in name else 0)
+        for raw in raws.values():
+            raw.run()  # warm-up: connection and handshake
 
         next_key = iter(range(1, 1 << 40))
 
@@ -416,13 +417,13 @@ def main() -> None:
 
         for mode, flow in (("curve", "pd"), ("plain", "pd"), ("curve", "sym"), ("plain", "sym")):
             promotion(mode, flow)  # warm-up: sessions, first rows
-        names = ["raw", "raw+curve", "pd", "pd+curve", "sym", "sym+curve"]
+        names = list(raws) + ["pd", "pd+curve", "sym", "sym+curve"]
         gbps = {n: [] for n in names}
         fetch_gbps = {n: [] for n in names if not n.startswith("raw")}
         for rep in range(args.repeats):
             for name in rotated(names, rep):
                 if name.startswith("raw"):
-                    gbps[name].append(total / raws[name == "raw+curve"].run(src_rows) / 1e9)
+                    gbps[name].append(total / raws[name].run() / 1e9)
                     continue
                 flow, _, sec = name.partition("+")
                 got = promotion("curve" if sec else "plain", flow)
@@ -474,14 +475,17 @@ def main() -> None:
         print(f"p2p tier loopback, 127.0.0.1, {args.chunks} chunks of {chunk} B "
               f"({args.chunk_mib} MiB) per promotion, {args.repeats} repeats, "
               f"{os.cpu_count()} CPUs, pyzmq {zmq.__version__} / libzmq {zmq.zmq_version()}")
-        print(f"{'method':<11} {'GB/s median [min-max]':>24} {'vs raw (same security)':>23} "
+        print(f"raw@n{ep_nice}: raw at the endpoints' niceness (+{ep_nice}); x: of raw with "
+              f"the same security, at niceness 0 / at +{ep_nice}")
+        print(f"{'method':<15} {'GB/s median [min-max]':>24} {'x raw / x raw@n':>18} "
               f"{'fetch round GB/s':>22}")
         med = {k: med_range(v)[0] for k, v in gbps.items()}
         for name in names:
             base = "raw+curve" if name.endswith("curve") else "raw"
-            ratio = "" if name.startswith("raw") else f"{med[name] / med[base]:.2f}x"
+            ratio = ("" if name.startswith("raw") else
+                     f"{med[name] / med[base]:.2f}x / {med[name] / med[f'{base}@n{ep_nice}']:.2f}x")
             fetch = fmt_mr(med_range(fetch_gbps[name])) if name in fetch_gbps else ""
-            print(f"{name:<11} {fmt_mr(med_range(gbps[name])):>24} {ratio:>23} {fetch:>22}")
+            print(f"{name:<15} {fmt_mr(med_range(gbps[name])):>24} {ratio:>18} {fetch:>22}")
         print(f"\nconsumer scheduler step time (µs), a step every {args.step_ms:g} ms, "
               f"{args.step_repeats} runs each, {step_requests} requests of "
               f"{args.step_chunks} chunks, one arriving every {args.arrive_every} steps; "
@@ -508,7 +512,7 @@ def main() -> None:
         if prof_path:
             print(f"cProfile of the consumer's step runs: {prof_path}")
     finally:
-        for raw in raws:
+        for raw in raws.values():
             raw.close()
         for e in engines:
             try:

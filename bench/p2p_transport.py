@@ -8,7 +8,7 @@ Method: each configuration has its own peer process (multiprocessing spawn) on
 tcp://127.0.0.1, started once; every repeat runs each configuration once, in an order
 rotated per repeat, and moves ``--chunks`` chunks of ``--chunk-mib`` MiB.
 
-- ``raw`` / ``raw+curve``: this process's DEALER sends the chunks as single frames
+- ``raw`` / ``raw+curve``: a sender process's DEALER sends the chunks as single frames
   (``send(row, copy=False)`` from a numpy arena) to the peer's ROUTER, which receives
   each with ``copy=False`` (no copy out of libzmq's buffer) and answers once the last
   one is in; timed from the first send to that answer. ``+curve``: the same with
@@ -47,8 +47,9 @@ def _arena(chunks: int, size: int, seed: int) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 256, (chunks, size), dtype=np.uint8)
 
 
-def raw_peer(conn, curve: tuple | None) -> None:
+def raw_peer(conn, curve: tuple | None, niceness: int = 0) -> None:
     """The raw configurations' receiving side: a ROUTER that counts frames."""
+    os.nice(niceness)  # before the context: libzmq's I/O thread inherits it
     import zmq
     ctx = zmq.Context()
     sock = ctx.socket(zmq.ROUTER)
@@ -78,58 +79,87 @@ def raw_peer(conn, curve: tuple | None) -> None:
         ctx.term()
 
 
+def raw_sender(conn, port: int, curve: tuple | None, rows: list, niceness: int = 0) -> None:
+    """The raw configurations' sending side: on each "run" from ``conn``, a DEALER sends
+    ``rows`` as single frames (``copy=False``) and the byte count ends with b"end"; answers
+    (seconds from the first send to the peer's answer, bytes the peer counted)."""
+    os.nice(niceness)
+    import zmq
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.linger = 0
+    if curve:
+        sock.curve_serverkey, sock.curve_publickey, sock.curve_secretkey = curve
+    sock.connect(f"tcp://127.0.0.1:{port}")
+    conn.send("ready")
+    try:
+        while conn.recv() == "run":
+            t0 = time.perf_counter()
+            for row in rows:
+                sock.send(row, copy=False)
+            sock.send(b"end")
+            got = int(sock.recv())
+            conn.send((time.perf_counter() - t0, got))
+    finally:
+        sock.close(0)
+        ctx.term()
+
+
 class RawLoopback:
     """The ``raw`` / ``raw+curve`` measurement (one source of truth: bench/p2p_tier.py
-    uses it too): a ``raw_peer`` process and this process's DEALER connected to it.
-    ``run(rows)`` sends each row as one frame (``copy=False``) and returns the seconds
-    from the first send to the peer's answer that it has them all. ``curve``: (server
-    key pair, client key pair), CurveZMQ without ZAP. Close with ``close()``."""
+    uses it too): a ``raw_peer`` process (ROUTER) and a ``raw_sender`` process (DEALER)
+    connected to it, both at ``niceness`` (added to this process's; 0 = the same).
+    ``run()`` has the sender send each of ``rows`` as one frame (``copy=False``) and
+    returns the seconds, measured in the sender, from the first send to the peer's answer
+    that it has them all. ``curve``: (server key pair, client key pair), CurveZMQ without
+    ZAP. Close with ``close()``."""
 
-    def __init__(self, ctx, curve: tuple | None = None):
-        import zmq
+    def __init__(self, ctx, rows: list, curve: tuple | None = None, niceness: int = 0):
         skeys, ckeys = curve if curve else (None, None)
-        parent, child = ctx.Pipe()
-        self.proc = ctx.Process(target=raw_peer, args=(
-            child, (skeys.public, skeys.secret) if curve else None), daemon=True)
-        self.proc.start()
-        child.close()
-        self.conn = parent
-        self.sock = None
-        if not parent.poll(60):
+        self.total = sum(len(r) for r in rows)
+        self.procs, self.conns = [], []
+        try:
+            port = self._start(ctx, raw_peer, (skeys.public, skeys.secret) if curve else None,
+                               niceness)
+            self._start(ctx, raw_sender, port, (skeys.public, ckeys.public, ckeys.secret)
+                        if curve else None, rows, niceness)
+        except BaseException:
             self.close()
-            raise RuntimeError("raw_peer process did not start")
-        port = parent.recv()
-        self._zctx = zmq.Context.instance()
-        sock = self.sock = self._zctx.socket(zmq.DEALER)
-        sock.linger = 0
-        if curve:
-            sock.curve_serverkey = skeys.public
-            sock.curve_publickey, sock.curve_secretkey = ckeys.public, ckeys.secret
-        sock.connect(f"tcp://127.0.0.1:{port}")
+            raise
 
-    def run(self, rows) -> float:
-        total = sum(len(r) for r in rows)
-        t0 = time.perf_counter()
-        for row in rows:
-            self.sock.send(row, copy=False)
-        self.sock.send(b"end")
-        got = int(self.sock.recv())
-        dt = time.perf_counter() - t0
-        assert got == total, (got, total)
+    def _start(self, ctx, target, *args):
+        parent, child = ctx.Pipe()
+        proc = ctx.Process(target=target, args=(child, *args), daemon=True)
+        proc.start()
+        child.close()
+        self.procs.append(proc)
+        self.conns.append(parent)
+        if not parent.poll(60):
+            raise RuntimeError(f"{target.__name__} process did not start")
+        return parent.recv()
+
+    def run(self) -> float:
+        self.conns[1].send("run")
+        if not self.conns[1].poll(300):
+            raise RuntimeError("raw_sender did not answer")
+        dt, got = self.conns[1].recv()
+        assert got == self.total, (got, self.total)
         return dt
 
     def close(self) -> None:
-        if self.sock is not None:
-            self.sock.close(0)
-            self.sock = None
-        try:
-            self.conn.send("stop")
-        except OSError:
-            pass
-        self.proc.join(5)
-        if self.proc.is_alive():
-            self.proc.kill()
-            self.proc.join()
+        for conn in reversed(self.conns):
+            try:
+                conn.send("stop")
+            except OSError:
+                pass
+        for proc in self.procs:
+            proc.join(5)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+        for conn in self.conns:
+            conn.close()
+        self.procs, self.conns = [], []
 
 
 def server_peer(conn, chunks: int, size: int, keydir: str | None) -> None:
@@ -198,11 +228,10 @@ def main() -> None:
         src = _arena(args.chunks, size, 7)  # the bytes the peers hold (same seed)
 
         def raw_runner(curve: bool):
-            raw = RawLoopback(ctx, (skeys, ckeys) if curve else None)
+            raw = RawLoopback(ctx, list(src), (skeys, ckeys) if curve else None)
             clients.append(raw)
-            rows = list(src)
-            raw.run(rows)  # warm-up: connection and handshake
-            return lambda: raw.run(rows)
+            raw.run()  # warm-up: connection and handshake
+            return raw.run
 
         dst = np.zeros((args.chunks, size), np.uint8)
         keys = [b"chunk-%d" % i for i in range(args.chunks)]

@@ -535,3 +535,49 @@ def test_requests_bound_to_a_peer_and_complete_requests():
         stop.set()
         thread.join(5)
         server.close()
+
+
+def test_checksums_given_with_the_rows_are_sent_not_recomputed(monkeypatch):
+    """A provider may hand ``(row, crc)``, the CRC-32C taken when the row was parked (the
+    p2p endpoint's use): the server sends that crc without reading the row again. In one
+    pipelined fetch (answers streamed, one request for all keys) a row changed after its
+    crc was taken fails only its own key (CORRUPT "checksum"), a malformed crc only its own
+    key (ERROR), and the others land byte-exact in their rows."""
+    from shmtier.shared.codec import crc32c
+    from shmtier.tiers.p2p import server as server_mod
+
+    sizes = [1, 4097, 65536, int(1.4 * 2 ** 20)]
+    rows = {b"k%d" % i: np.random.default_rng(i).integers(0, 256, n, dtype=np.uint8)
+            for i, n in enumerate(sizes)}
+    given = {k: (v, crc32c(v)) for k, v in rows.items()}
+    stale = np.arange(4097, dtype=np.uint8)
+    given[b"stale"] = (stale, crc32c(stale))
+    stale[7] ^= 0xFF  # written after its checksum was taken
+    given[b"badcrc"] = (rows[b"k1"], "not-a-crc")
+    server_calls = []
+    monkeypatch.setattr(server_mod, "crc32c", lambda buf: server_calls.append(1) or crc32c(buf))
+    stop = threading.Event()
+    server = ChunkServer("127.0.0.1", 0, provider=given.get, fingerprint=FP, hash_seed=SEED,
+                         plaintext=True)
+    thread = threading.Thread(target=lambda: server.serve(stop.is_set, 0.005), daemon=True)
+    thread.start()
+    client = ChunkClient("127.0.0.1", server.port, fingerprint=FP, hash_seed=SEED,
+                         plaintext=True)
+    try:
+        want = [b"k3", b"stale", b"k0", b"badcrc", b"k2", b"k1", b"none"]
+        size = {b"stale": 4097, b"badcrc": 4097, b"none": 8}
+        dests = [np.zeros(size.get(k) or len(rows[k]), np.uint8) for k in want]
+        res = client.fetch(want, dests, 10)
+        assert res.outcomes == [Outcome.OK, Outcome.CORRUPT, Outcome.OK, Outcome.ERROR,
+                                Outcome.OK, Outcome.OK, Outcome.MISS]
+        assert res.details[1] == "checksum" and "not-a-crc" in res.details[3]
+        for k, d, o in zip(want, dests, res.outcomes):
+            if o == Outcome.OK:
+                assert np.array_equal(d, rows[k]), k
+        assert server_calls == []  # every crc came with its row
+        assert client.counters.checksum_failures == 1 and client.circuit.state == "closed"
+    finally:
+        client.close()
+        stop.set()
+        thread.join(5)
+        server.close()

@@ -47,10 +47,18 @@ to that peer: by its Curve public key when the scheduler knew it, else by its he
 ("host:port"); the rows parked for a peer's symmetric lookup are bound to the session that
 asked. ``complete`` marks and bindings are forgotten ``complete_ttl_s`` after they were
 set (the scheduler half's ``unbound_store_timeout_s``).
+
+Checksums: each parked row's CRC-32C is computed once, by the main thread while it has
+nothing else to do (``CHECKSUM_BATCH`` rows per loop round, between polls), or by the first
+send of that row if a fetch comes first; the server sends it with the row instead of
+reading the row again (``ChunkServer``'s provider may return ``(buffer, crc)``). In PD the
+rows are parked while the consumer is still prefilling elsewhere, so the fetch finds the
+checksums ready.
 """
 
 from __future__ import annotations
 
+import collections
 import itertools
 import logging
 import os
@@ -65,6 +73,7 @@ import msgpack
 import numpy as np
 import zmq
 
+from shmtier.shared.codec import crc32c
 from shmtier.shared.jobs import Outcome
 from shmtier.shared.segment import join_existing
 from shmtier.tiers.p2p.circuit import PeerCircuit
@@ -80,6 +89,7 @@ COUNTERS_EVERY_S = 1.0
 OWNER_CHECK_S = 1.0
 MISS_RETRY_S = 0.02
 DONE_TIMEOUT_S = 1.0
+CHECKSUM_BATCH = 2  # parked rows checksummed per loop round (~0.15 ms each for 1.4 MiB)
 RESULTS = "inproc://p2p-endpoint-results"  # peer threads -> main thread (PUSH -> PULL)
 
 
@@ -214,7 +224,9 @@ class Endpoint:
         self.results.rcvhwm = 0
         self.results.bind(RESULTS)
         self.complete_ttl_s = float(settings.get("complete_ttl_s", 60.0))
-        self.parked: dict[str, dict[bytes, int]] = {}
+        # req -> key -> [row, CRC-32C of the row's payload or None (not computed yet)]
+        self.parked: dict[str, dict[bytes, list]] = {}
+        self.unsummed: collections.deque = collections.deque()  # parked entries without a CRC
         self.complete: dict[str, float] = {}  # req -> forget at (monotonic)
         self.owners: dict[str, tuple[str, str, float]] = {}  # req -> (name, key, forget at)
         self.peers: dict[str, _Peer] = {}
@@ -241,8 +253,31 @@ class Endpoint:
     # ---- the server's callbacks (main thread)
 
     def _provide(self, req: str, key: bytes):
-        row = self.parked.get(req, {}).get(key)
-        return None if row is None else self.row(row)
+        entry = self.parked.get(req, {}).get(key)
+        if entry is None:
+            return None
+        if entry[1] is None:  # asked before the idle loop got to it
+            entry[1] = crc32c(self.row(entry[0]))
+        return self.row(entry[0]), entry[1]
+
+    def _park(self, req: str, keys: list, rows: list) -> None:
+        """Serve ``rows`` for ``req``; their checksums are computed by :meth:`_checksum`
+        when the loop is idle (or by the first send), once per parked row."""
+        entries = [[row, None] for row in rows]
+        self.parked.setdefault(req, {}).update(zip(keys, entries))
+        self.unsummed.extend(entries)
+
+    def _checksum(self, budget: int) -> bool:
+        """Compute the CRC-32C of up to ``budget`` parked rows that have none (rows
+        released meanwhile included: harmless); True when some are left. Parked rows are
+        pinned by the scheduler half and not written until released, so the checksum
+        taken now is the one the client checks (a row changed since fails it)."""
+        while self.unsummed and budget:
+            entry = self.unsummed.popleft()
+            if entry[1] is None:
+                entry[1] = crc32c(self.row(entry[0]))
+                budget -= 1
+        return bool(self.unsummed)
 
     def _ext_lookup(self, token: LookupToken, req: str, keys: list) -> None:
         tid = next(self._tids)
@@ -250,8 +285,13 @@ class Endpoint:
         self._send({"t": "ext_lookup", "tid": tid, "req": req, "peer": token.name,
                     "keys": keys})
 
+    def _unpark(self, req: str) -> None:
+        for entry in self.parked.pop(req, {}).values():
+            if entry[1] is None:
+                entry[1] = -1  # no longer served: the idle loop skips it
+
     def _done(self, req: str) -> None:
-        self.parked.pop(req, None)
+        self._unpark(req)
         self._send({"t": "released", "req": req})
 
     def _owner(self, req: str) -> tuple[str, str] | None:
@@ -277,18 +317,18 @@ class Endpoint:
     def _handle(self, msg: dict) -> None:
         t = msg["t"]
         if t == "park":
-            self.parked.setdefault(msg["req"], {}).update(zip(msg["keys"], msg["rows"]))
+            self._park(msg["req"], msg["keys"], msg["rows"])
             if msg.get("to"):
                 self._bind(msg["req"], *msg["to"])
         elif t == "complete":
             self.complete[msg["req"]] = time.monotonic() + self.complete_ttl_s
         elif t == "unpark":
-            self.parked.pop(msg["req"], None)
+            self._unpark(msg["req"])
         elif t in ("load", "lookup", "release"):
             self._peer(msg["peer"], msg.get("skey")).tasks.put(msg)
         elif t == "answer":
             if msg["keys"]:
-                self.parked.setdefault(msg["req"], {}).update(zip(msg["keys"], msg["rows"]))
+                self._park(msg["req"], msg["keys"], msg["rows"])
             token = self.tokens.pop(msg["tid"], None)
             if token is not None:
                 if msg["keys"] and msg["req"] not in self.owners:
@@ -349,8 +389,9 @@ class Endpoint:
     def run(self) -> int:
         self._send({"t": "ready", "port": self.server.port})
         next_counters = next_owner = time.monotonic()
+        busy = False  # parked rows still without a checksum: do not wait in poll
         while not self.stopping:
-            self.server.poll(TICK_S)
+            self.server.poll(0 if busy else TICK_S)
             while True:
                 try:
                     buf = self.pair.recv(zmq.NOBLOCK)
@@ -364,6 +405,7 @@ class Endpoint:
                     self.pair.send(self.results.recv(zmq.NOBLOCK))  # packed by the peer
                 except zmq.Again:
                     break
+            busy = self._checksum(CHECKSUM_BATCH)
             now = time.monotonic()
             if now >= next_counters:
                 next_counters = now + COUNTERS_EVERY_S
@@ -388,6 +430,7 @@ class Endpoint:
             self.ctx.term()  # (a peer thread stuck in a fetch: the exit ends it)
         self.arena = None
         self.parked.clear()
+        self.unsummed.clear()
         try:
             self.segment.close()
         except BufferError:  # a row still referenced by a send in flight: the exit unmaps it
