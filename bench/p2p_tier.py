@@ -64,7 +64,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import exit_through_finally, fmt_mr, med_range, pct, rotated, write_json  # noqa: E402
-from p2p_transport import RawLoopback  # noqa: E402
+from p2p_transport import RawLoopback, process_cpu_s  # noqa: E402
 from shmtier.tiers.p2p.config import P2PTierConfig  # noqa: E402
 
 IDLE_STEP_S = 0.005
@@ -262,7 +262,8 @@ def engine_proc(conn, engine_id: str, tier: dict, rows: int, chunk: int, profile
             time.sleep(0.005)
         conn.send(("ready", p2p.port))
         handlers = {"produce": produce, "promote": promote, "wait_unparked": wait_unparked,
-                    "steps": steps, "produce_stream": produce_stream, "renice": renice}
+                    "steps": steps, "produce_stream": produce_stream, "renice": renice,
+                    "endpoint_cpu": lambda: process_cpu_s(p2p._proc.pid)}
         while True:
             if not conn.poll(IDLE_STEP_S):
                 step()
@@ -328,7 +329,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=600, help="steps per step-time run")
     ap.add_argument("--step-ms", type=float, default=10.0, help="step period")
     ap.add_argument("--step-chunks", type=int, default=4, help="chunks per PD request (steps)")
-    ap.add_argument("--step-repeats", type=int, default=3)
+    ap.add_argument("--step-repeats", type=int, default=3, help="0: promotions only")
     ap.add_argument("--arrive-every", type=int, default=4,
                     help="a new request every this many steps (both step modes)")
     ap.add_argument("--nice0", action="store_true",
@@ -406,7 +407,9 @@ def main() -> None:
             role = "remote_prefiller" if flow == "pd" else "remote_kv_source"
             params = {role: {"kv_request_id": kvid, "remote_host": "127.0.0.1",
                              "remote_port": prod.port}}
+            cpu0 = prod.call("endpoint_cpu") + cons.call("endpoint_cpu")
             got = cons.call("promote", params, keys, 120)
+            got["cpu_s"] = prod.call("endpoint_cpu") + cons.call("endpoint_cpu") - cpu0
             if not got["ok"]:
                 raise RuntimeError(f"{flow} {mode}: promotion failed: {got}")
             if got["digest"] != want:
@@ -420,14 +423,18 @@ def main() -> None:
         names = list(raws) + ["pd", "pd+curve", "sym", "sym+curve"]
         gbps = {n: [] for n in names}
         fetch_gbps = {n: [] for n in names if not n.startswith("raw")}
+        cpu_s = {n: 0.0 for n in names}  # CPU of the moving processes, summed over repeats
         for rep in range(args.repeats):
             for name in rotated(names, rep):
                 if name.startswith("raw"):
+                    cpu0 = raws[name].cpu_s()
                     gbps[name].append(total / raws[name].run() / 1e9)
+                    cpu_s[name] += raws[name].cpu_s() - cpu0
                     continue
                 flow, _, sec = name.partition("+")
                 got = promotion("curve" if sec else "plain", flow)
                 gbps[name].append(total / got["seconds"] / 1e9)
+                cpu_s[name] += got["cpu_s"]
                 fetch_gbps[name].append(total / got["fetch_s"] / 1e9 if got["fetch_s"] else None)
 
         # step time: the same requests, arriving alike, without and with a peer (CurveZMQ)
@@ -477,37 +484,43 @@ def main() -> None:
               f"{os.cpu_count()} CPUs, pyzmq {zmq.__version__} / libzmq {zmq.zmq_version()}")
         print(f"raw@n{ep_nice}: raw at the endpoints' niceness (+{ep_nice}); x: of raw with "
               f"the same security, at niceness 0 / at +{ep_nice}")
+        print("cpu s/GB: CPU time of the processes that move the bytes (raw: sender and "
+              "receiver; tier: both endpoint processes, every thread) per GB, all repeats")
         print(f"{'method':<15} {'GB/s median [min-max]':>24} {'x raw / x raw@n':>18} "
-              f"{'fetch round GB/s':>22}")
+              f"{'fetch round GB/s':>22} {'cpu s/GB':>9}")
         med = {k: med_range(v)[0] for k, v in gbps.items()}
         for name in names:
             base = "raw+curve" if name.endswith("curve") else "raw"
             ratio = ("" if name.startswith("raw") else
                      f"{med[name] / med[base]:.2f}x / {med[name] / med[f'{base}@n{ep_nice}']:.2f}x")
             fetch = fmt_mr(med_range(fetch_gbps[name])) if name in fetch_gbps else ""
-            print(f"{name:<15} {fmt_mr(med_range(gbps[name])):>24} {ratio:>18} {fetch:>22}")
-        print(f"\nconsumer scheduler step time (µs), a step every {args.step_ms:g} ms, "
-              f"{args.step_repeats} runs each, {step_requests} requests of "
-              f"{args.step_chunks} chunks, one arriving every {args.arrive_every} steps; "
-              f"idle: without kv_transfer_params (MISS), peer: PD from the producer "
-              f"(CurveZMQ; endpoints at niceness {default_nice}"
-              + (", peer@nice0: at 0" if args.nice0 else "") + "); steps/run: "
-              + ", ".join(f"{k} {'/'.join(str(len_) for len_ in step_len[k])}"
-                          for k in kinds))
-        cols = ("p50", "p90", "p99", "cpu_p50", "cpu_p99", "noload_p99")
-        print(f"{'mode':<10} " + " ".join(f"{c:>19}" for c in cols) + f" {'requests/run':>14}")
-        for kind in kinds:
-            row = [fmt_mr(med_range([s[q] for s in step_stats[kind]]), 0) for q in cols]
-            reqs = "/".join(str(i["requests"]) for i in step_info[kind])
-            print(f"{kind:<10} " + " ".join(f"{r:>19}" for r in row) + f" {reqs:>14}")
-        for q in ("p50", "p99", "cpu_p99", "noload_p99"):
-            v = {k: med_range([s[q] for s in step_stats[k]])[0] for k in step_stats}
-            for kind in kinds[1:]:
-                print(f"step {q} {kind} / idle: {v[kind] / v['idle']:.2f}x")
+            cpu = cpu_s[name] / (total * args.repeats / 1e9)
+            print(f"{name:<15} {fmt_mr(med_range(gbps[name])):>24} {ratio:>18} {fetch:>22} "
+                  f"{cpu:>9.2f}")
+        if args.step_repeats:  # 0: promotions only
+            print(f"\nconsumer scheduler step time (µs), a step every {args.step_ms:g} ms, "
+                  f"{args.step_repeats} runs each, {step_requests} requests of "
+                  f"{args.step_chunks} chunks, one arriving every {args.arrive_every} steps; "
+                  f"idle: without kv_transfer_params (MISS), peer: PD from the producer "
+                  f"(CurveZMQ; endpoints at niceness {default_nice}"
+                  + (", peer@nice0: at 0" if args.nice0 else "") + "); steps/run: "
+                  + ", ".join(f"{k} {'/'.join(str(len_) for len_ in step_len[k])}"
+                              for k in kinds))
+            cols = ("p50", "p90", "p99", "cpu_p50", "cpu_p99", "noload_p99")
+            print(f"{'mode':<10} " + " ".join(f"{c:>19}" for c in cols) + f" {'requests/run':>14}")
+            for kind in kinds:
+                row = [fmt_mr(med_range([s[q] for s in step_stats[kind]]), 0) for q in cols]
+                reqs = "/".join(str(i["requests"]) for i in step_info[kind])
+                print(f"{kind:<10} " + " ".join(f"{r:>19}" for r in row) + f" {reqs:>14}")
+            for q in ("p50", "p99", "cpu_p99", "noload_p99"):
+                v = {k: med_range([s[q] for s in step_stats[k]])[0] for k in step_stats}
+                for kind in kinds[1:]:
+                    print(f"step {q} {kind} / idle: {v[kind] / v['idle']:.2f}x")
         if args.json:
             write_json(args.json, {"chunks": args.chunks, "chunk_bytes": chunk,
                                    "repeats": args.repeats, "gbps": gbps,
-                                   "fetch_round_gbps": fetch_gbps, "steps": step_stats,
+                                   "fetch_round_gbps": fetch_gbps, "cpu_s": cpu_s,
+                                   "steps": step_stats,
                                    "step_runs": step_info, "step_ms": args.step_ms})
         if prof_path:
             print(f"cProfile of the consumer's step runs: {prof_path}")

@@ -47,6 +47,20 @@ def _arena(chunks: int, size: int, seed: int) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 256, (chunks, size), dtype=np.uint8)
 
 
+def process_cpu_s(pid: int) -> float:
+    """Seconds every thread of process ``pid`` has run on a CPU so far (libzmq's I/O
+    threads included; /proc/<pid>/task/*/schedstat, ns resolution; threads that ended
+    are not counted)."""
+    total = 0
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                total += int(f.read().split()[0])
+        except (FileNotFoundError, ProcessLookupError):
+            pass  # the thread ended meanwhile
+    return total / 1e9
+
+
 def raw_peer(conn, curve: tuple | None, niceness: int = 0) -> None:
     """The raw configurations' receiving side: a ROUTER that counts frames."""
     os.nice(niceness)  # before the context: libzmq's I/O thread inherits it
@@ -138,6 +152,10 @@ class RawLoopback:
             raise RuntimeError(f"{target.__name__} process did not start")
         return parent.recv()
 
+    def cpu_s(self) -> float:
+        """CPU seconds both processes (peer and sender) have used so far."""
+        return sum(process_cpu_s(p.pid) for p in self.procs)
+
     def run(self) -> float:
         self.conns[1].send("run")
         if not self.conns[1].poll(300):
@@ -162,12 +180,18 @@ class RawLoopback:
         self.procs, self.conns = [], []
 
 
-def server_peer(conn, chunks: int, size: int, keydir: str | None) -> None:
-    """The fetch configurations' serving side: a ChunkServer over an arena."""
+def server_peer(conn, chunks: int, size: int, keydir: str | None,
+                given_crc: bool = False) -> None:
+    """The fetch configurations' serving side: a ChunkServer over an arena. ``given_crc``:
+    the provider hands each row with its CRC-32C, computed once at start (as the p2p
+    endpoint computes it when a row is parked), so the server does not checksum per send."""
+    from shmtier.shared.codec import crc32c
     from shmtier.tiers.p2p.keys import AllowList, load_keypair
     from shmtier.tiers.p2p.transport import ChunkServer
     arena = _arena(chunks, size, 7)
     rows = {b"chunk-%d" % i: memoryview(arena[i]) for i in range(chunks)}
+    if given_crc:
+        rows = {k: (v, crc32c(v)) for k, v in rows.items()}
     if keydir:
         server = ChunkServer("127.0.0.1", 0, provider=rows.get, fingerprint=FP, hash_seed=SEED,
                              keys=load_keypair(os.path.join(keydir, "server.key_secret")),
@@ -236,8 +260,8 @@ def main() -> None:
         dst = np.zeros((args.chunks, size), np.uint8)
         keys = [b"chunk-%d" % i for i in range(args.chunks)]
 
-        def fetch_runner(curve: bool):
-            port = start(server_peer, args.chunks, size, keydir if curve else None)
+        def fetch_runner(curve: bool, given_crc: bool = False):
+            port = start(server_peer, args.chunks, size, keydir if curve else None, given_crc)
             c = (ChunkClient("127.0.0.1", port, fingerprint=FP, hash_seed=SEED, keys=ckeys,
                              server_key=skeys.public) if curve else
                  ChunkClient("127.0.0.1", port, fingerprint=FP, hash_seed=SEED, plaintext=True))
@@ -256,11 +280,23 @@ def main() -> None:
             return run
 
         runners = {"raw": raw_runner(False), "raw+curve": raw_runner(True),
-                   "fetch": fetch_runner(False), "fetch+curve": fetch_runner(True)}
+                   "fetch": fetch_runner(False), "fetch+curve": fetch_runner(True),
+                   "fetch/crc": fetch_runner(False, True),
+                   "fetch/crc+curve": fetch_runner(True, True)}
+        movers = {"raw": clients[0].procs, "raw+curve": clients[1].procs}  # whose CPU counts
+        for i, name in enumerate(list(runners)[2:]):
+            movers[name] = [procs[i], mp.current_process()]
         gbps: dict[str, list[float]] = {name: [] for name in runners}
+        cpu_s = {name: 0.0 for name in runners}
+
+        def cpu(name: str) -> float:
+            return sum(process_cpu_s(p.pid) for p in movers[name])
+
         for rep in range(args.repeats):
             for name in rotated(list(runners), rep):
+                cpu0 = cpu(name)
                 gbps[name].append(total / runners[name]() / 1e9)
+                cpu_s[name] += cpu(name) - cpu0
         crc_t = []
         for _ in range(20):
             t0 = time.perf_counter()
@@ -272,17 +308,22 @@ def main() -> None:
               f"{size} B ({args.chunk_mib} MiB) per repeat, {args.repeats} repeats, "
               f"fetch batch {args.batch}, {os.cpu_count()} CPUs, pyzmq {zmq.__version__} / "
               f"libzmq {zmq.zmq_version()}")
-        print(f"{'method':<12} {'GB/s median [min-max]':>26} {'vs raw (same security)':>24}")
+        print("fetch/crc: the server is handed each row's CRC-32C (computed once, before); "
+              "cpu s/GB: CPU of the processes that move the bytes (raw: sender and receiver; "
+              "fetch: server and client), every thread, per GB, all repeats")
+        print(f"{'method':<16} {'GB/s median [min-max]':>26} {'vs raw (same security)':>24} "
+              f"{'cpu s/GB':>9}")
         med = {k: med_range(v)[0] for k, v in gbps.items()}
         for name, values in gbps.items():
             base = "raw+curve" if name.endswith("curve") else "raw"
             ratio = "" if name.startswith("raw") else f"{med[name] / med[base]:.2f}x"
-            print(f"{name:<12} {fmt_mr(med_range(values)):>26} {ratio:>24}")
+            print(f"{name:<16} {fmt_mr(med_range(values)):>26} {ratio:>24} "
+                  f"{cpu_s[name] / (total * args.repeats / 1e9):>9.2f}")
         print(f"CRC-32C of one chunk, one core: {crc_gbps:.1f} GB/s (best of 20)")
         if args.json:
             write_json(args.json, {"chunks": args.chunks, "chunk_bytes": size,
                                    "repeats": args.repeats, "batch": args.batch,
-                                   "gbps": gbps, "crc32c_gbps": crc_gbps})
+                                   "gbps": gbps, "cpu_s": cpu_s, "crc32c_gbps": crc_gbps})
     finally:
         for c in clients:
             c.close()
