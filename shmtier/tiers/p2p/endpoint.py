@@ -8,10 +8,11 @@ arena rows directly; the scheduler thread never touches the network.
 Threads: the main thread runs the ``ChunkServer`` and the PAIR socket to the scheduler
 (``ipc://``, msgpack); one thread per peer runs that peer's ``ChunkClient`` (fetches and
 lookups block up to their deadlines there, so a slow or stopped peer delays only its own
-requests) and sends its answers, packed, on an ``inproc://`` PUSH socket to the main
-thread, which forwards them unchanged to the scheduler. The main thread's poll wakes for
-whichever socket has something (peers, the scheduler, the peer threads): no hop waits for
-a tick.
+requests; the loads queued for a peer while it was busy go together, their fetches
+pipelined on the one connection: ``ChunkClient.fetch_many``) and sends its answers,
+packed, on an ``inproc://`` PUSH socket to the main thread, which forwards them
+unchanged to the scheduler. The main thread's poll wakes for whichever socket has
+something (peers, the scheduler, the peer threads): no hop waits for a tick.
 
 Priority: the process lowers its own priority by the tier's ``endpoint_niceness`` (added
 to the scheduler's niceness; default 10, as the tier workers) before it starts any thread,
@@ -89,6 +90,7 @@ COUNTERS_EVERY_S = 1.0
 OWNER_CHECK_S = 1.0
 MISS_RETRY_S = 0.02
 DONE_TIMEOUT_S = 1.0
+MAX_PIPELINED = 16  # tasks a peer thread takes from its queue at once (loads: one round)
 CHECKSUM_BATCH = 2  # parked rows checksummed per loop round (~0.15 ms each for 1.4 MiB)
 RESULTS = "inproc://p2p-endpoint-results"  # peer threads -> main thread (PUSH -> PULL)
 
@@ -110,6 +112,7 @@ class _Peer(threading.Thread):
         self.ep = ep
         self.peer = peer
         self.tasks: queue.SimpleQueue = queue.SimpleQueue()
+        self._answered: set = set()  # jobs of the current batch answered already
         # this thread's end of RESULTS (a socket belongs to the thread that uses it)
         self.out = ep.ctx.socket(zmq.PUSH)
         self.out.linger = 0
@@ -123,58 +126,97 @@ class _Peer(threading.Thread):
     def run(self) -> None:
         try:
             while True:
-                task = self.tasks.get()
-                if task is None:
-                    return
-                try:
-                    out = getattr(self, "_" + task["t"])(task)
-                except Exception as e:  # never lose a job: answer it failed
-                    log.exception("p2p endpoint: %s for peer %s raised", task["t"], self.peer)
-                    out = _failed(task, f"{type(e).__name__}: {e}")
-                if out is not None:
-                    self.out.send(pack(out))  # no HWM: never blocks
+                tasks = [self.tasks.get()]
+                while len(tasks) < MAX_PIPELINED:  # what queued meanwhile goes together
+                    try:
+                        tasks.append(self.tasks.get_nowait())
+                    except queue.Empty:
+                        break
+                loads = [t for t in tasks if t is not None and t["t"] == "load"]
+                if loads:
+                    self._guarded(lambda: self._loads(loads), loads)
+                for task in tasks:
+                    if task is None:
+                        return
+                    if task["t"] != "load":
+                        handler = getattr(self, "_" + task["t"])
+                        self._guarded(lambda: handler(task), [task])
         finally:
             self.client.close()
             self.out.close(0)
 
-    def _load(self, task: dict) -> dict:
+    def _guarded(self, fn, tasks: list) -> None:
+        """Run ``fn()`` for ``tasks``; what it returns goes to the main thread; an
+        exception answers every one of ``tasks`` not answered yet as failed."""
+        try:
+            out = fn()
+            if out is not None:
+                self.out.send(pack(out))  # no HWM: never blocks
+        except Exception as e:  # never lose a job: answer it failed
+            log.exception("p2p endpoint: %s for peer %s raised", tasks[0]["t"], self.peer)
+            for task in tasks:
+                if task.get("job") not in self._answered:
+                    out = _failed(task, f"{type(e).__name__}: {e}")
+                    if out is not None:
+                        self.out.send(pack(out))
+        self._answered.clear()
+
+    def _loads(self, tasks: list) -> None:
+        """Fetch rounds for several loads at once: each round pipelines one fetch per
+        load still fetching (``ChunkClient.fetch_many``); keys answered MISS (not final)
+        are asked again every ``MISS_RETRY_S`` until ``fetch_timeout_s``. Each load is
+        answered (``load_done``) and its request released at the peer (``done``) as soon
+        as it is finished, not when the others are."""
         t0 = time.monotonic()
         deadline = t0 + self.ep.fetch_timeout_s
-        keys, rows, req = task["keys"], task["rows"], task["req"]
-        ok = [False] * len(keys)
-        nbytes, detail = 0, ""
-        todo = list(range(len(keys)))
-        while todo:
+        state = [{"task": t, "ok": [False] * len(t["keys"]), "nbytes": 0, "detail": "",
+                  "todo": list(range(len(t["keys"])))} for t in tasks]
+        while state:
             left = deadline - time.monotonic()
             if left <= 0:
-                detail = (f"timeout: {len(todo)} chunks not offered by {self.peer} within "
-                          f"{self.ep.fetch_timeout_s:g} s")
-                break
-            res = self.client.fetch([keys[i] for i in todo],
-                                    [self.ep.row(rows[i]) for i in todo], left, req)
-            missing, final = [], 0
-            for j, i in enumerate(todo):
-                outcome = res.outcomes[j]
-                if outcome == Outcome.OK:
-                    ok[i] = True
-                    nbytes += res.nbytes[j]
-                elif outcome == Outcome.MISS and res.final[j]:
-                    final += 1
-                elif outcome == Outcome.MISS:
-                    missing.append(i)
-                elif not detail:
-                    detail = f"{outcome.name.lower()}: {res.details[j]}"
-            if final and not detail:
-                detail = (f"miss: {final} chunks never stored by {self.peer} (its request "
-                          f"{req} is complete)")
-            if detail:
-                break
-            todo = missing
-            if todo:
+                for st in state:
+                    st["detail"] = (f"timeout: {len(st['todo'])} chunks not offered by "
+                                    f"{self.peer} within {self.ep.fetch_timeout_s:g} s")
+                    self._load_done(st, t0)
+                return
+            results = self.client.fetch_many(
+                [([st["task"]["keys"][i] for i in st["todo"]],
+                  [self.ep.row(st["task"]["rows"][i]) for i in st["todo"]], st["task"]["req"])
+                 for st in state], left)
+            waiting = []
+            for st, res in zip(state, results):
+                missing, final = [], 0
+                for j, i in enumerate(st["todo"]):
+                    outcome = res.outcomes[j]
+                    if outcome == Outcome.OK:
+                        st["ok"][i] = True
+                        st["nbytes"] += res.nbytes[j]
+                    elif outcome == Outcome.MISS and res.final[j]:
+                        final += 1
+                    elif outcome == Outcome.MISS:
+                        missing.append(i)
+                    elif not st["detail"]:
+                        st["detail"] = f"{outcome.name.lower()}: {res.details[j]}"
+                if final and not st["detail"]:
+                    st["detail"] = (f"miss: {final} chunks never stored by {self.peer} (its "
+                                    f"request {st['task']['req']} is complete)")
+                st["todo"] = missing
+                if st["detail"] or not missing:
+                    self._load_done(st, t0)
+                else:
+                    waiting.append(st)
+            state = waiting
+            if state:
                 time.sleep(min(MISS_RETRY_S, max(0.0, deadline - time.monotonic())))
-        self.client.done(req, DONE_TIMEOUT_S)
-        return {"t": "load_done", "job": task["job"], "ok": [i for i, o in enumerate(ok) if o],
-                "nbytes": nbytes, "seconds": time.monotonic() - t0, "detail": detail}
+
+    def _load_done(self, st: dict, t0: float) -> None:
+        task = st["task"]
+        self.client.done(task["req"], DONE_TIMEOUT_S)
+        self.out.send(pack({"t": "load_done", "job": task["job"],
+                            "ok": [i for i, o in enumerate(st["ok"]) if o],
+                            "nbytes": st["nbytes"], "seconds": time.monotonic() - t0,
+                            "detail": st["detail"]}))
+        self._answered.add(task["job"])
 
     def _lookup(self, task: dict) -> dict:
         hits = self.client.lookup(task["keys"], self.ep.lookup_timeout_s, task["req"])
