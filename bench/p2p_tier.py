@@ -19,6 +19,10 @@ issue's "2 workers" does not apply.
   keys up (HIT, rows reserved), calls ``on_schedule_end`` (the load goes to the endpoint),
   then looks up again every millisecond until every key is HIT (loaded). Timed: first
   lookup to all HIT. ``fetch`` is the endpoint's own time for the fetch round.
+- ``pd/8`` / ``pd/8+curve`` (``--split``): the same chunks as 8 PD requests of
+  ``--chunks``/8 chunks, all arriving in the same step (a decoder taking several requests
+  from one prefiller: their loads go to the peer side by side), timed from the first
+  lookup until every key of every request is HIT.
 - ``sym`` / ``sym+curve``: the producer holds the chunks in its CPU tier (no role); the
   consumer's request (``remote_kv_source``) looks up (RETRY until the peer has answered
   through its ParentManager, then HIT: rows reserved, load), timed the same way.
@@ -142,18 +146,22 @@ def engine_proc(conn, engine_id: str, tier: dict, rows: int, chunk: int, profile
             time.sleep(0.001)
         return digest(row_ids)
 
-    def promote(params, keys, timeout_s):
-        keys = [_key(k) for k in keys]
+    def promote(requests, timeout_s):
+        """Promote ``requests`` ((params, keys) each) side by side: they arrive in the same
+        step and are looked up every millisecond until all are HIT; timed from the first
+        lookup. ``digest``: one per request."""
+        reqs = [(ReqContext(f"c{next(nreq)}", params), [_key(k) for k in keys])
+                for params, keys in requests]
         with m.lock:
             p2p.get_stats()  # drain: FETCH_SECONDS of this promotion only
-        ctx = ReqContext(f"c{next(nreq)}", params)
         t0 = time.perf_counter()
         with m.lock:
-            m.on_new_request(ctx)
+            for ctx, _ in reqs:
+                m.on_new_request(ctx)
         deadline = time.monotonic() + timeout_s
         while True:
             with m.lock:
-                answers = [m.lookup(k, ctx) for k in keys]
+                answers = [m.lookup(k, ctx) for ctx, keys in reqs for k in keys]
                 m.on_schedule_end(END)
             if all(a is HIT for a in answers) or any(a is MISS for a in answers):
                 break
@@ -164,16 +172,17 @@ def engine_proc(conn, engine_id: str, tier: dict, rows: int, chunk: int, profile
         ok = all(a is HIT for a in answers)
         out = {"seconds": seconds, "ok": ok, "answers": sorted({a.name for a in answers})}
         with m.lock:
-            if ok:
-                load = m.prepare_load(keys, ctx)
+            loads = [m.prepare_load(keys, ctx) for ctx, keys in reqs] if ok else []
             fetch = p2p.get_stats().data["data"].get(FETCH_SECONDS, {})
-        out["fetch_s"] = sum(fetch.values())
+        out["fetch_s"] = sum(fetch.values())  # (side by side: the loads' times summed)
         if ok:
-            out["digest"] = digest(np.asarray(load.block_ids).tolist())
+            out["digest"] = [digest(np.asarray(load.block_ids).tolist()) for load in loads]
             with m.lock:
-                m.complete_load(keys, ctx)
+                for ctx, keys in reqs:
+                    m.complete_load(keys, ctx)
         with m.lock:
-            m.on_request_finished(ctx)
+            for ctx, _ in reqs:
+                m.on_request_finished(ctx)
         step()
         return out
 
@@ -326,6 +335,8 @@ def main() -> None:
     ap.add_argument("--chunks", type=int, default=32, help="chunks per promotion")
     ap.add_argument("--chunk-mib", type=float, default=1.4)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--split", type=int, default=8,
+                    help="pd/N: the same chunks as N PD requests side by side (1: not run)")
     ap.add_argument("--steps", type=int, default=600, help="steps per step-time run")
     ap.add_argument("--step-ms", type=float, default=10.0, help="step period")
     ap.add_argument("--step-chunks", type=int, default=4, help="chunks per PD request (steps)")
@@ -341,6 +352,8 @@ def main() -> None:
     args = ap.parse_args()
     if args.quick:
         args.chunks, args.repeats, args.steps, args.step_repeats = 8, 2, 150, 1
+    if args.split < 1 or args.chunks % args.split:
+        ap.error(f"--split {args.split}: must be >= 1 and divide --chunks {args.chunks}")
     exit_through_finally()
 
     import logging
@@ -399,16 +412,19 @@ def main() -> None:
 
         next_key = iter(range(1, 1 << 40))
 
-        def promotion(mode: str, flow: str) -> dict:
+        def promotion(mode: str, flow: str, split: int = 1) -> dict:
+            """``split`` requests of ``--chunks`` / ``split`` chunks each, side by side."""
             prod, cons = pairs[mode]
-            keys = [next(next_key) for _ in range(args.chunks)]
-            kvid = f"kv-{keys[0]}"
-            want = prod.call("produce", kvid if flow == "pd" else None, keys)
-            role = "remote_prefiller" if flow == "pd" else "remote_kv_source"
-            params = {role: {"kv_request_id": kvid, "remote_host": "127.0.0.1",
-                             "remote_port": prod.port}}
+            requests, want = [], []
+            for _ in range(split):
+                keys = [next(next_key) for _ in range(args.chunks // split)]
+                kvid = f"kv-{keys[0]}"
+                want.append(prod.call("produce", kvid if flow == "pd" else None, keys))
+                role = "remote_prefiller" if flow == "pd" else "remote_kv_source"
+                requests.append(({role: {"kv_request_id": kvid, "remote_host": "127.0.0.1",
+                                         "remote_port": prod.port}}, keys))
             cpu0 = prod.call("endpoint_cpu") + cons.call("endpoint_cpu")
-            got = cons.call("promote", params, keys, 120)
+            got = cons.call("promote", requests, 120)
             got["cpu_s"] = prod.call("endpoint_cpu") + cons.call("endpoint_cpu") - cpu0
             if not got["ok"]:
                 raise RuntimeError(f"{flow} {mode}: promotion failed: {got}")
@@ -420,7 +436,8 @@ def main() -> None:
 
         for mode, flow in (("curve", "pd"), ("plain", "pd"), ("curve", "sym"), ("plain", "sym")):
             promotion(mode, flow)  # warm-up: sessions, first rows
-        names = list(raws) + ["pd", "pd+curve", "sym", "sym+curve"]
+        names = list(raws) + ["pd", "pd+curve", "sym", "sym+curve"] + (
+            [f"pd/{args.split}", f"pd/{args.split}+curve"] if args.split > 1 else [])
         gbps = {n: [] for n in names}
         fetch_gbps = {n: [] for n in names if not n.startswith("raw")}
         cpu_s = {n: 0.0 for n in names}  # CPU of the moving processes, summed over repeats
@@ -432,10 +449,12 @@ def main() -> None:
                     cpu_s[name] += raws[name].cpu_s() - cpu0
                     continue
                 flow, _, sec = name.partition("+")
-                got = promotion("curve" if sec else "plain", flow)
+                flow, _, split = flow.partition("/")
+                got = promotion("curve" if sec else "plain", flow, int(split or 1))
                 gbps[name].append(total / got["seconds"] / 1e9)
                 cpu_s[name] += got["cpu_s"]
-                fetch_gbps[name].append(total / got["fetch_s"] / 1e9 if got["fetch_s"] else None)
+                fetch_gbps[name].append(total / got["fetch_s"] / 1e9  # (pd/N: not one round)
+                                        if got["fetch_s"] and not split else None)
 
         # step time: the same requests, arriving alike, without and with a peer (CurveZMQ)
         prod, cons = pairs["curve"]
