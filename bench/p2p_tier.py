@@ -19,6 +19,10 @@ issue's "2 workers" does not apply.
   keys up (HIT, rows reserved), calls ``on_schedule_end`` (the load goes to the endpoint),
   then looks up again every millisecond until every key is HIT (loaded). Timed: first
   lookup to all HIT. ``fetch`` is the endpoint's own time for the fetch round.
+- ``pd/8`` / ``pd/8+curve`` (``--split``): the same chunks as 8 PD requests of
+  ``--chunks``/8 chunks, all arriving in the same step (a decoder taking several requests
+  from one prefiller: their loads go to the peer side by side), timed from the first
+  lookup until every key of every request is HIT.
 - ``sym`` / ``sym+curve``: the producer holds the chunks in its CPU tier (no role); the
   consumer's request (``remote_kv_source``) looks up (RETRY until the peer has answered
   through its ParentManager, then HIT: rows reserved, load), timed the same way.
@@ -64,7 +68,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import exit_through_finally, fmt_mr, med_range, pct, rotated, write_json  # noqa: E402
-from p2p_transport import RawLoopback  # noqa: E402
+from p2p_transport import RawLoopback, process_cpu_s  # noqa: E402
 from shmtier.tiers.p2p.config import P2PTierConfig  # noqa: E402
 
 IDLE_STEP_S = 0.005
@@ -142,18 +146,22 @@ def engine_proc(conn, engine_id: str, tier: dict, rows: int, chunk: int, profile
             time.sleep(0.001)
         return digest(row_ids)
 
-    def promote(params, keys, timeout_s):
-        keys = [_key(k) for k in keys]
+    def promote(requests, timeout_s):
+        """Promote ``requests`` ((params, keys) each) side by side: they arrive in the same
+        step and are looked up every millisecond until all are HIT; timed from the first
+        lookup. ``digest``: one per request."""
+        reqs = [(ReqContext(f"c{next(nreq)}", params), [_key(k) for k in keys])
+                for params, keys in requests]
         with m.lock:
             p2p.get_stats()  # drain: FETCH_SECONDS of this promotion only
-        ctx = ReqContext(f"c{next(nreq)}", params)
         t0 = time.perf_counter()
         with m.lock:
-            m.on_new_request(ctx)
+            for ctx, _ in reqs:
+                m.on_new_request(ctx)
         deadline = time.monotonic() + timeout_s
         while True:
             with m.lock:
-                answers = [m.lookup(k, ctx) for k in keys]
+                answers = [m.lookup(k, ctx) for ctx, keys in reqs for k in keys]
                 m.on_schedule_end(END)
             if all(a is HIT for a in answers) or any(a is MISS for a in answers):
                 break
@@ -164,16 +172,17 @@ def engine_proc(conn, engine_id: str, tier: dict, rows: int, chunk: int, profile
         ok = all(a is HIT for a in answers)
         out = {"seconds": seconds, "ok": ok, "answers": sorted({a.name for a in answers})}
         with m.lock:
-            if ok:
-                load = m.prepare_load(keys, ctx)
+            loads = [m.prepare_load(keys, ctx) for ctx, keys in reqs] if ok else []
             fetch = p2p.get_stats().data["data"].get(FETCH_SECONDS, {})
-        out["fetch_s"] = sum(fetch.values())
+        out["fetch_s"] = sum(fetch.values())  # (side by side: the loads' times summed)
         if ok:
-            out["digest"] = digest(np.asarray(load.block_ids).tolist())
+            out["digest"] = [digest(np.asarray(load.block_ids).tolist()) for load in loads]
             with m.lock:
-                m.complete_load(keys, ctx)
+                for ctx, keys in reqs:
+                    m.complete_load(keys, ctx)
         with m.lock:
-            m.on_request_finished(ctx)
+            for ctx, _ in reqs:
+                m.on_request_finished(ctx)
         step()
         return out
 
@@ -262,7 +271,8 @@ def engine_proc(conn, engine_id: str, tier: dict, rows: int, chunk: int, profile
             time.sleep(0.005)
         conn.send(("ready", p2p.port))
         handlers = {"produce": produce, "promote": promote, "wait_unparked": wait_unparked,
-                    "steps": steps, "produce_stream": produce_stream, "renice": renice}
+                    "steps": steps, "produce_stream": produce_stream, "renice": renice,
+                    "endpoint_cpu": lambda: process_cpu_s(p2p._proc.pid)}
         while True:
             if not conn.poll(IDLE_STEP_S):
                 step()
@@ -325,10 +335,12 @@ def main() -> None:
     ap.add_argument("--chunks", type=int, default=32, help="chunks per promotion")
     ap.add_argument("--chunk-mib", type=float, default=1.4)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--split", type=int, default=8,
+                    help="pd/N: the same chunks as N PD requests side by side (1: not run)")
     ap.add_argument("--steps", type=int, default=600, help="steps per step-time run")
     ap.add_argument("--step-ms", type=float, default=10.0, help="step period")
     ap.add_argument("--step-chunks", type=int, default=4, help="chunks per PD request (steps)")
-    ap.add_argument("--step-repeats", type=int, default=3)
+    ap.add_argument("--step-repeats", type=int, default=3, help="0: promotions only")
     ap.add_argument("--arrive-every", type=int, default=4,
                     help="a new request every this many steps (both step modes)")
     ap.add_argument("--nice0", action="store_true",
@@ -340,6 +352,8 @@ def main() -> None:
     args = ap.parse_args()
     if args.quick:
         args.chunks, args.repeats, args.steps, args.step_repeats = 8, 2, 150, 1
+    if args.split < 1 or args.chunks % args.split:
+        ap.error(f"--split {args.split}: must be >= 1 and divide --chunks {args.chunks}")
     exit_through_finally()
 
     import logging
@@ -353,7 +367,7 @@ def main() -> None:
     ctx = mp.get_context("spawn")
     tmp = tempfile.mkdtemp(prefix="shmtier-p2p-tier-bench-")
     engines: list[Engine] = []
-    raws: list[RawLoopback] = []
+    raws: dict[str, RawLoopback] = {}
     try:
         for name in ("prod", "cons"):
             generate_keypair_files(os.path.join(tmp, name), name)
@@ -388,24 +402,30 @@ def main() -> None:
             pairs[mode] = (prod, cons)
         for e in engines:
             e.ready()
-        raws.append(RawLoopback(ctx, None))
-        raws.append(RawLoopback(ctx, (skeys, ckeys)))
         src = np.random.default_rng(7).integers(0, 256, (args.chunks, chunk), dtype=np.uint8)
-        src_rows = list(src)
-        for raw in raws:
-            raw.run(src_rows)  # warm-up: connection and handshake
+        ep_nice = P2PTierConfig(plaintext=True).endpoint_niceness  # added to the scheduler's
+        for name in ("raw", "raw+curve", f"raw@n{ep_nice}", f"raw+curve@n{ep_nice}"):
+            raws[name] = RawLoopback(ctx, list(src), (skeys, ckeys) if "curve" in name else None,
+                                     ep_nice if "@" in name else 0)
+        for raw in raws.values():
+            raw.run()  # warm-up: connection and handshake
 
         next_key = iter(range(1, 1 << 40))
 
-        def promotion(mode: str, flow: str) -> dict:
+        def promotion(mode: str, flow: str, split: int = 1) -> dict:
+            """``split`` requests of ``--chunks`` / ``split`` chunks each, side by side."""
             prod, cons = pairs[mode]
-            keys = [next(next_key) for _ in range(args.chunks)]
-            kvid = f"kv-{keys[0]}"
-            want = prod.call("produce", kvid if flow == "pd" else None, keys)
-            role = "remote_prefiller" if flow == "pd" else "remote_kv_source"
-            params = {role: {"kv_request_id": kvid, "remote_host": "127.0.0.1",
-                             "remote_port": prod.port}}
-            got = cons.call("promote", params, keys, 120)
+            requests, want = [], []
+            for _ in range(split):
+                keys = [next(next_key) for _ in range(args.chunks // split)]
+                kvid = f"kv-{keys[0]}"
+                want.append(prod.call("produce", kvid if flow == "pd" else None, keys))
+                role = "remote_prefiller" if flow == "pd" else "remote_kv_source"
+                requests.append(({role: {"kv_request_id": kvid, "remote_host": "127.0.0.1",
+                                         "remote_port": prod.port}}, keys))
+            cpu0 = prod.call("endpoint_cpu") + cons.call("endpoint_cpu")
+            got = cons.call("promote", requests, 120)
+            got["cpu_s"] = prod.call("endpoint_cpu") + cons.call("endpoint_cpu") - cpu0
             if not got["ok"]:
                 raise RuntimeError(f"{flow} {mode}: promotion failed: {got}")
             if got["digest"] != want:
@@ -416,18 +436,25 @@ def main() -> None:
 
         for mode, flow in (("curve", "pd"), ("plain", "pd"), ("curve", "sym"), ("plain", "sym")):
             promotion(mode, flow)  # warm-up: sessions, first rows
-        names = ["raw", "raw+curve", "pd", "pd+curve", "sym", "sym+curve"]
+        names = list(raws) + ["pd", "pd+curve", "sym", "sym+curve"] + (
+            [f"pd/{args.split}", f"pd/{args.split}+curve"] if args.split > 1 else [])
         gbps = {n: [] for n in names}
         fetch_gbps = {n: [] for n in names if not n.startswith("raw")}
+        cpu_s = {n: 0.0 for n in names}  # CPU of the moving processes, summed over repeats
         for rep in range(args.repeats):
             for name in rotated(names, rep):
                 if name.startswith("raw"):
-                    gbps[name].append(total / raws[name == "raw+curve"].run(src_rows) / 1e9)
+                    cpu0 = raws[name].cpu_s()
+                    gbps[name].append(total / raws[name].run() / 1e9)
+                    cpu_s[name] += raws[name].cpu_s() - cpu0
                     continue
                 flow, _, sec = name.partition("+")
-                got = promotion("curve" if sec else "plain", flow)
+                flow, _, split = flow.partition("/")
+                got = promotion("curve" if sec else "plain", flow, int(split or 1))
                 gbps[name].append(total / got["seconds"] / 1e9)
-                fetch_gbps[name].append(total / got["fetch_s"] / 1e9 if got["fetch_s"] else None)
+                cpu_s[name] += got["cpu_s"]
+                fetch_gbps[name].append(total / got["fetch_s"] / 1e9  # (pd/N: not one round)
+                                        if got["fetch_s"] and not split else None)
 
         # step time: the same requests, arriving alike, without and with a peer (CurveZMQ)
         prod, cons = pairs["curve"]
@@ -474,41 +501,50 @@ def main() -> None:
         print(f"p2p tier loopback, 127.0.0.1, {args.chunks} chunks of {chunk} B "
               f"({args.chunk_mib} MiB) per promotion, {args.repeats} repeats, "
               f"{os.cpu_count()} CPUs, pyzmq {zmq.__version__} / libzmq {zmq.zmq_version()}")
-        print(f"{'method':<11} {'GB/s median [min-max]':>24} {'vs raw (same security)':>23} "
-              f"{'fetch round GB/s':>22}")
+        print(f"raw@n{ep_nice}: raw at the endpoints' niceness (+{ep_nice}); x: of raw with "
+              f"the same security, at niceness 0 / at +{ep_nice}")
+        print("cpu s/GB: CPU time of the processes that move the bytes (raw: sender and "
+              "receiver; tier: both endpoint processes, every thread) per GB, all repeats")
+        print(f"{'method':<15} {'GB/s median [min-max]':>24} {'x raw / x raw@n':>18} "
+              f"{'fetch round GB/s':>22} {'cpu s/GB':>9}")
         med = {k: med_range(v)[0] for k, v in gbps.items()}
         for name in names:
             base = "raw+curve" if name.endswith("curve") else "raw"
-            ratio = "" if name.startswith("raw") else f"{med[name] / med[base]:.2f}x"
+            ratio = ("" if name.startswith("raw") else
+                     f"{med[name] / med[base]:.2f}x / {med[name] / med[f'{base}@n{ep_nice}']:.2f}x")
             fetch = fmt_mr(med_range(fetch_gbps[name])) if name in fetch_gbps else ""
-            print(f"{name:<11} {fmt_mr(med_range(gbps[name])):>24} {ratio:>23} {fetch:>22}")
-        print(f"\nconsumer scheduler step time (µs), a step every {args.step_ms:g} ms, "
-              f"{args.step_repeats} runs each, {step_requests} requests of "
-              f"{args.step_chunks} chunks, one arriving every {args.arrive_every} steps; "
-              f"idle: without kv_transfer_params (MISS), peer: PD from the producer "
-              f"(CurveZMQ; endpoints at niceness {default_nice}"
-              + (", peer@nice0: at 0" if args.nice0 else "") + "); steps/run: "
-              + ", ".join(f"{k} {'/'.join(str(len_) for len_ in step_len[k])}"
-                          for k in kinds))
-        cols = ("p50", "p90", "p99", "cpu_p50", "cpu_p99", "noload_p99")
-        print(f"{'mode':<10} " + " ".join(f"{c:>19}" for c in cols) + f" {'requests/run':>14}")
-        for kind in kinds:
-            row = [fmt_mr(med_range([s[q] for s in step_stats[kind]]), 0) for q in cols]
-            reqs = "/".join(str(i["requests"]) for i in step_info[kind])
-            print(f"{kind:<10} " + " ".join(f"{r:>19}" for r in row) + f" {reqs:>14}")
-        for q in ("p50", "p99", "cpu_p99", "noload_p99"):
-            v = {k: med_range([s[q] for s in step_stats[k]])[0] for k in step_stats}
-            for kind in kinds[1:]:
-                print(f"step {q} {kind} / idle: {v[kind] / v['idle']:.2f}x")
+            cpu = cpu_s[name] / (total * args.repeats / 1e9)
+            print(f"{name:<15} {fmt_mr(med_range(gbps[name])):>24} {ratio:>18} {fetch:>22} "
+                  f"{cpu:>9.2f}")
+        if args.step_repeats:  # 0: promotions only
+            print(f"\nconsumer scheduler step time (µs), a step every {args.step_ms:g} ms, "
+                  f"{args.step_repeats} runs each, {step_requests} requests of "
+                  f"{args.step_chunks} chunks, one arriving every {args.arrive_every} steps; "
+                  f"idle: without kv_transfer_params (MISS), peer: PD from the producer "
+                  f"(CurveZMQ; endpoints at niceness {default_nice}"
+                  + (", peer@nice0: at 0" if args.nice0 else "") + "); steps/run: "
+                  + ", ".join(f"{k} {'/'.join(str(len_) for len_ in step_len[k])}"
+                              for k in kinds))
+            cols = ("p50", "p90", "p99", "cpu_p50", "cpu_p99", "noload_p99")
+            print(f"{'mode':<10} " + " ".join(f"{c:>19}" for c in cols) + f" {'requests/run':>14}")
+            for kind in kinds:
+                row = [fmt_mr(med_range([s[q] for s in step_stats[kind]]), 0) for q in cols]
+                reqs = "/".join(str(i["requests"]) for i in step_info[kind])
+                print(f"{kind:<10} " + " ".join(f"{r:>19}" for r in row) + f" {reqs:>14}")
+            for q in ("p50", "p99", "cpu_p99", "noload_p99"):
+                v = {k: med_range([s[q] for s in step_stats[k]])[0] for k in step_stats}
+                for kind in kinds[1:]:
+                    print(f"step {q} {kind} / idle: {v[kind] / v['idle']:.2f}x")
         if args.json:
             write_json(args.json, {"chunks": args.chunks, "chunk_bytes": chunk,
                                    "repeats": args.repeats, "gbps": gbps,
-                                   "fetch_round_gbps": fetch_gbps, "steps": step_stats,
+                                   "fetch_round_gbps": fetch_gbps, "cpu_s": cpu_s,
+                                   "steps": step_stats,
                                    "step_runs": step_info, "step_ms": args.step_ms})
         if prof_path:
             print(f"cProfile of the consumer's step runs: {prof_path}")
     finally:
-        for raw in raws:
+        for raw in raws.values():
             raw.close()
         for e in engines:
             try:

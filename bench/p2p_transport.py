@@ -8,7 +8,7 @@ Method: each configuration has its own peer process (multiprocessing spawn) on
 tcp://127.0.0.1, started once; every repeat runs each configuration once, in an order
 rotated per repeat, and moves ``--chunks`` chunks of ``--chunk-mib`` MiB.
 
-- ``raw`` / ``raw+curve``: this process's DEALER sends the chunks as single frames
+- ``raw`` / ``raw+curve``: a sender process's DEALER sends the chunks as single frames
   (``send(row, copy=False)`` from a numpy arena) to the peer's ROUTER, which receives
   each with ``copy=False`` (no copy out of libzmq's buffer) and answers once the last
   one is in; timed from the first send to that answer. ``+curve``: the same with
@@ -47,8 +47,23 @@ def _arena(chunks: int, size: int, seed: int) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 256, (chunks, size), dtype=np.uint8)
 
 
-def raw_peer(conn, curve: tuple | None) -> None:
+def process_cpu_s(pid: int) -> float:
+    """Seconds every thread of process ``pid`` has run on a CPU so far (libzmq's I/O
+    threads included; /proc/<pid>/task/*/schedstat, ns resolution; threads that ended
+    are not counted)."""
+    total = 0
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                total += int(f.read().split()[0])
+        except (FileNotFoundError, ProcessLookupError):
+            pass  # the thread ended meanwhile
+    return total / 1e9
+
+
+def raw_peer(conn, curve: tuple | None, niceness: int = 0) -> None:
     """The raw configurations' receiving side: a ROUTER that counts frames."""
+    os.nice(niceness)  # before the context: libzmq's I/O thread inherits it
     import zmq
     ctx = zmq.Context()
     sock = ctx.socket(zmq.ROUTER)
@@ -78,66 +93,105 @@ def raw_peer(conn, curve: tuple | None) -> None:
         ctx.term()
 
 
+def raw_sender(conn, port: int, curve: tuple | None, rows: list, niceness: int = 0) -> None:
+    """The raw configurations' sending side: on each "run" from ``conn``, a DEALER sends
+    ``rows`` as single frames (``copy=False``) and the byte count ends with b"end"; answers
+    (seconds from the first send to the peer's answer, bytes the peer counted)."""
+    os.nice(niceness)
+    import zmq
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.linger = 0
+    if curve:
+        sock.curve_serverkey, sock.curve_publickey, sock.curve_secretkey = curve
+    sock.connect(f"tcp://127.0.0.1:{port}")
+    conn.send("ready")
+    try:
+        while conn.recv() == "run":
+            t0 = time.perf_counter()
+            for row in rows:
+                sock.send(row, copy=False)
+            sock.send(b"end")
+            got = int(sock.recv())
+            conn.send((time.perf_counter() - t0, got))
+    finally:
+        sock.close(0)
+        ctx.term()
+
+
 class RawLoopback:
     """The ``raw`` / ``raw+curve`` measurement (one source of truth: bench/p2p_tier.py
-    uses it too): a ``raw_peer`` process and this process's DEALER connected to it.
-    ``run(rows)`` sends each row as one frame (``copy=False``) and returns the seconds
-    from the first send to the peer's answer that it has them all. ``curve``: (server
-    key pair, client key pair), CurveZMQ without ZAP. Close with ``close()``."""
+    uses it too): a ``raw_peer`` process (ROUTER) and a ``raw_sender`` process (DEALER)
+    connected to it, both at ``niceness`` (added to this process's; 0 = the same).
+    ``run()`` has the sender send each of ``rows`` as one frame (``copy=False``) and
+    returns the seconds, measured in the sender, from the first send to the peer's answer
+    that it has them all. ``curve``: (server key pair, client key pair), CurveZMQ without
+    ZAP. Close with ``close()``."""
 
-    def __init__(self, ctx, curve: tuple | None = None):
-        import zmq
+    def __init__(self, ctx, rows: list, curve: tuple | None = None, niceness: int = 0):
         skeys, ckeys = curve if curve else (None, None)
-        parent, child = ctx.Pipe()
-        self.proc = ctx.Process(target=raw_peer, args=(
-            child, (skeys.public, skeys.secret) if curve else None), daemon=True)
-        self.proc.start()
-        child.close()
-        self.conn = parent
-        self.sock = None
-        if not parent.poll(60):
+        self.total = sum(len(r) for r in rows)
+        self.procs, self.conns = [], []
+        try:
+            port = self._start(ctx, raw_peer, (skeys.public, skeys.secret) if curve else None,
+                               niceness)
+            self._start(ctx, raw_sender, port, (skeys.public, ckeys.public, ckeys.secret)
+                        if curve else None, rows, niceness)
+        except BaseException:
             self.close()
-            raise RuntimeError("raw_peer process did not start")
-        port = parent.recv()
-        self._zctx = zmq.Context.instance()
-        sock = self.sock = self._zctx.socket(zmq.DEALER)
-        sock.linger = 0
-        if curve:
-            sock.curve_serverkey = skeys.public
-            sock.curve_publickey, sock.curve_secretkey = ckeys.public, ckeys.secret
-        sock.connect(f"tcp://127.0.0.1:{port}")
+            raise
 
-    def run(self, rows) -> float:
-        total = sum(len(r) for r in rows)
-        t0 = time.perf_counter()
-        for row in rows:
-            self.sock.send(row, copy=False)
-        self.sock.send(b"end")
-        got = int(self.sock.recv())
-        dt = time.perf_counter() - t0
-        assert got == total, (got, total)
+    def _start(self, ctx, target, *args):
+        parent, child = ctx.Pipe()
+        proc = ctx.Process(target=target, args=(child, *args), daemon=True)
+        proc.start()
+        child.close()
+        self.procs.append(proc)
+        self.conns.append(parent)
+        if not parent.poll(60):
+            raise RuntimeError(f"{target.__name__} process did not start")
+        return parent.recv()
+
+    def cpu_s(self) -> float:
+        """CPU seconds both processes (peer and sender) have used so far."""
+        return sum(process_cpu_s(p.pid) for p in self.procs)
+
+    def run(self) -> float:
+        self.conns[1].send("run")
+        if not self.conns[1].poll(300):
+            raise RuntimeError("raw_sender did not answer")
+        dt, got = self.conns[1].recv()
+        assert got == self.total, (got, self.total)
         return dt
 
     def close(self) -> None:
-        if self.sock is not None:
-            self.sock.close(0)
-            self.sock = None
-        try:
-            self.conn.send("stop")
-        except OSError:
-            pass
-        self.proc.join(5)
-        if self.proc.is_alive():
-            self.proc.kill()
-            self.proc.join()
+        for conn in reversed(self.conns):
+            try:
+                conn.send("stop")
+            except OSError:
+                pass
+        for proc in self.procs:
+            proc.join(5)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+        for conn in self.conns:
+            conn.close()
+        self.procs, self.conns = [], []
 
 
-def server_peer(conn, chunks: int, size: int, keydir: str | None) -> None:
-    """The fetch configurations' serving side: a ChunkServer over an arena."""
+def server_peer(conn, chunks: int, size: int, keydir: str | None,
+                given_crc: bool = False) -> None:
+    """The fetch configurations' serving side: a ChunkServer over an arena. ``given_crc``:
+    the provider hands each row with its CRC-32C, computed once at start (as the p2p
+    endpoint computes it when a row is parked), so the server does not checksum per send."""
+    from shmtier.shared.codec import crc32c
     from shmtier.tiers.p2p.keys import AllowList, load_keypair
     from shmtier.tiers.p2p.transport import ChunkServer
     arena = _arena(chunks, size, 7)
     rows = {b"chunk-%d" % i: memoryview(arena[i]) for i in range(chunks)}
+    if given_crc:
+        rows = {k: (v, crc32c(v)) for k, v in rows.items()}
     if keydir:
         server = ChunkServer("127.0.0.1", 0, provider=rows.get, fingerprint=FP, hash_seed=SEED,
                              keys=load_keypair(os.path.join(keydir, "server.key_secret")),
@@ -198,17 +252,16 @@ def main() -> None:
         src = _arena(args.chunks, size, 7)  # the bytes the peers hold (same seed)
 
         def raw_runner(curve: bool):
-            raw = RawLoopback(ctx, (skeys, ckeys) if curve else None)
+            raw = RawLoopback(ctx, list(src), (skeys, ckeys) if curve else None)
             clients.append(raw)
-            rows = list(src)
-            raw.run(rows)  # warm-up: connection and handshake
-            return lambda: raw.run(rows)
+            raw.run()  # warm-up: connection and handshake
+            return raw.run
 
         dst = np.zeros((args.chunks, size), np.uint8)
         keys = [b"chunk-%d" % i for i in range(args.chunks)]
 
-        def fetch_runner(curve: bool):
-            port = start(server_peer, args.chunks, size, keydir if curve else None)
+        def fetch_runner(curve: bool, given_crc: bool = False):
+            port = start(server_peer, args.chunks, size, keydir if curve else None, given_crc)
             c = (ChunkClient("127.0.0.1", port, fingerprint=FP, hash_seed=SEED, keys=ckeys,
                              server_key=skeys.public) if curve else
                  ChunkClient("127.0.0.1", port, fingerprint=FP, hash_seed=SEED, plaintext=True))
@@ -227,11 +280,23 @@ def main() -> None:
             return run
 
         runners = {"raw": raw_runner(False), "raw+curve": raw_runner(True),
-                   "fetch": fetch_runner(False), "fetch+curve": fetch_runner(True)}
+                   "fetch": fetch_runner(False), "fetch+curve": fetch_runner(True),
+                   "fetch/crc": fetch_runner(False, True),
+                   "fetch/crc+curve": fetch_runner(True, True)}
+        movers = {"raw": clients[0].procs, "raw+curve": clients[1].procs}  # whose CPU counts
+        for i, name in enumerate(list(runners)[2:]):
+            movers[name] = [procs[i], mp.current_process()]
         gbps: dict[str, list[float]] = {name: [] for name in runners}
+        cpu_s = {name: 0.0 for name in runners}
+
+        def cpu(name: str) -> float:
+            return sum(process_cpu_s(p.pid) for p in movers[name])
+
         for rep in range(args.repeats):
             for name in rotated(list(runners), rep):
+                cpu0 = cpu(name)
                 gbps[name].append(total / runners[name]() / 1e9)
+                cpu_s[name] += cpu(name) - cpu0
         crc_t = []
         for _ in range(20):
             t0 = time.perf_counter()
@@ -243,17 +308,22 @@ def main() -> None:
               f"{size} B ({args.chunk_mib} MiB) per repeat, {args.repeats} repeats, "
               f"fetch batch {args.batch}, {os.cpu_count()} CPUs, pyzmq {zmq.__version__} / "
               f"libzmq {zmq.zmq_version()}")
-        print(f"{'method':<12} {'GB/s median [min-max]':>26} {'vs raw (same security)':>24}")
+        print("fetch/crc: the server is handed each row's CRC-32C (computed once, before); "
+              "cpu s/GB: CPU of the processes that move the bytes (raw: sender and receiver; "
+              "fetch: server and client), every thread, per GB, all repeats")
+        print(f"{'method':<16} {'GB/s median [min-max]':>26} {'vs raw (same security)':>24} "
+              f"{'cpu s/GB':>9}")
         med = {k: med_range(v)[0] for k, v in gbps.items()}
         for name, values in gbps.items():
             base = "raw+curve" if name.endswith("curve") else "raw"
             ratio = "" if name.startswith("raw") else f"{med[name] / med[base]:.2f}x"
-            print(f"{name:<12} {fmt_mr(med_range(values)):>26} {ratio:>24}")
+            print(f"{name:<16} {fmt_mr(med_range(values)):>26} {ratio:>24} "
+                  f"{cpu_s[name] / (total * args.repeats / 1e9):>9.2f}")
         print(f"CRC-32C of one chunk, one core: {crc_gbps:.1f} GB/s (best of 20)")
         if args.json:
             write_json(args.json, {"chunks": args.chunks, "chunk_bytes": size,
                                    "repeats": args.repeats, "batch": args.batch,
-                                   "gbps": gbps, "crc32c_gbps": crc_gbps})
+                                   "gbps": gbps, "cpu_s": cpu_s, "crc32c_gbps": crc_gbps})
     finally:
         for c in clients:
             c.close()

@@ -347,6 +347,31 @@ def test_wrong_key_unknown_peer_other_layout_and_hash_seed_are_refused(engines, 
 
 
 @pytest.mark.timeout(120)
+def test_pd_requests_side_by_side_are_fetched_together_byte_exact(engines, keys):
+    """Four PD requests from one producer arrive in the same step: their loads reach the
+    consumer's endpoint together and go as one pipelined round (one fetch request per
+    load on the one connection). Each lands byte-exact in its own rows; one whose
+    producer request finished without its third chunk gets that chunk as a final MISS
+    (at once, not after fetch_timeout_s) while its first two and the other requests load."""
+    prod, cons = engines((tier(keys.a), {}), (tier(keys.b, fetch_timeout_s=10), {}))
+    groups = [[61, 62, 63], [64, 65, 66], [67, 68, 69], [70, 71]]
+    sent = [prod.call("produce", f"p{i}", f"kv-m{i}", ks, 4 * i)
+            for i, ks in enumerate(groups)]
+    asked = groups[:3] + [groups[3] + [72]]  # 72: never stored by the finished request
+    got = cons.call("consume_many", [(f"c{i}", pd(f"kv-m{i}", prod.port), ks, 40 + 4 * i)
+                                     for i, ks in enumerate(asked)], 30)
+    for i, r in enumerate(got["requests"]):
+        want = ["HIT"] * len(groups[i]) + (["MISS"] if i == 3 else [])
+        assert r["answers"][-1] == want, (i, r["answers"])
+        assert r["data"] == sent[i], i
+        assert r["done_s"] < 5.0, (i, r["done_s"])  # the final miss did not wait 10 s
+    assert got["slowest_call_s"] < 0.5
+    for ks in groups:
+        wait_unpinned(prod, ks)
+    assert cons.call("refs", [72]) == [None]
+
+
+@pytest.mark.timeout(120)
 def test_producer_killed_mid_transfer(engines, keys):
     """The producer (engine and endpoint) is SIGKILLed while the consumer's fetch round
     waits for chunks it has not parked yet: the load fails cleanly (the chunks that

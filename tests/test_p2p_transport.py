@@ -535,3 +535,122 @@ def test_requests_bound_to_a_peer_and_complete_requests():
         stop.set()
         thread.join(5)
         server.close()
+
+
+def test_checksums_given_with_the_rows_are_sent_not_recomputed(monkeypatch):
+    """A provider may hand ``(row, crc)``, the CRC-32C taken when the row was parked (the
+    p2p endpoint's use): the server sends that crc without reading the row again. In one
+    pipelined fetch (answers streamed, one request for all keys) a row changed after its
+    crc was taken fails only its own key (CORRUPT "checksum"), a malformed crc only its own
+    key (ERROR), and the others land byte-exact in their rows."""
+    from shmtier.shared.codec import crc32c
+    from shmtier.tiers.p2p import server as server_mod
+
+    sizes = [1, 4097, 65536, int(1.4 * 2 ** 20)]
+    rows = {b"k%d" % i: np.random.default_rng(i).integers(0, 256, n, dtype=np.uint8)
+            for i, n in enumerate(sizes)}
+    given = {k: (v, crc32c(v)) for k, v in rows.items()}
+    stale = np.arange(4097, dtype=np.uint8)
+    given[b"stale"] = (stale, crc32c(stale))
+    stale[7] ^= 0xFF  # written after its checksum was taken
+    given[b"badcrc"] = (rows[b"k1"], "not-a-crc")
+    server_calls = []
+    monkeypatch.setattr(server_mod, "crc32c", lambda buf: server_calls.append(1) or crc32c(buf))
+    stop = threading.Event()
+    server = ChunkServer("127.0.0.1", 0, provider=given.get, fingerprint=FP, hash_seed=SEED,
+                         plaintext=True)
+    thread = threading.Thread(target=lambda: server.serve(stop.is_set, 0.005), daemon=True)
+    thread.start()
+    client = ChunkClient("127.0.0.1", server.port, fingerprint=FP, hash_seed=SEED,
+                         plaintext=True)
+    try:
+        want = [b"k3", b"stale", b"k0", b"badcrc", b"k2", b"k1", b"none"]
+        size = {b"stale": 4097, b"badcrc": 4097, b"none": 8}
+        dests = [np.zeros(size.get(k) or len(rows[k]), np.uint8) for k in want]
+        res = client.fetch(want, dests, 10)
+        assert res.outcomes == [Outcome.OK, Outcome.CORRUPT, Outcome.OK, Outcome.ERROR,
+                                Outcome.OK, Outcome.OK, Outcome.MISS]
+        assert res.details[1] == "checksum" and "not-a-crc" in res.details[3]
+        for k, d, o in zip(want, dests, res.outcomes):
+            if o == Outcome.OK:
+                assert np.array_equal(d, rows[k]), k
+        assert server_calls == []  # every crc came with its row
+        assert client.counters.checksum_failures == 1 and client.circuit.state == "closed"
+    finally:
+        client.close()
+        stop.set()
+        thread.join(5)
+        server.close()
+
+
+def test_pipelined_fetches_answered_out_of_order_land_in_their_rows():
+    """``fetch_many`` sends every request before reading: a server (a plain ROUTER here,
+    speaking the wire by hand, on a real socket) that waits for all three requests and
+    answers their chunks shuffled across requests still gets each chunk into its own
+    call's row, byte-exact; one chunk whose bytes fail its checksum fails only that key
+    of that call; an answer for an unknown request id is ignored."""
+    from shmtier.shared.codec import crc32c
+    from shmtier.tiers.p2p import wire
+
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    router.linger = 0
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    data = {b"a%d" % i: np.random.default_rng(i).integers(0, 256, 1000 + 999 * i, np.uint8)
+            for i in range(7)}
+    calls = [[b"a0", b"a1", b"a2"], [b"a3"], [b"a4", b"a5", b"a6"]]
+    seen, errors = [], []
+
+    def serve():
+        try:
+            fetches = []
+            while len(fetches) < len(calls):
+                assert router.poll(10000), "no request"
+                peer, frame = router.recv_multipart()
+                msg = wire.unpack(frame)
+                if msg["t"] == "hello":
+                    router.send_multipart([peer, wire.pack({"t": "hello_ok", "v": 1,
+                                                            "name": "hand"})])
+                else:
+                    fetches.append(msg)
+            seen.extend(f["rid"] for f in fetches)
+            answers = [(f["rid"], i, k) for f in fetches for i, k in enumerate(f["keys"])]
+            np.random.default_rng(5).shuffle(answers)
+            router.send_multipart([peer, wire.pack({"t": "chunk", "rid": 999, "i": 0,
+                                                    "key": b"a0", "st": "miss"})])
+            for rid, i, key in answers:
+                body = data[key].copy()
+                crc = crc32c(body)
+                if key == b"a5":
+                    body[3] ^= 1  # corrupted after its checksum was taken
+                router.send_multipart([peer, wire.pack(
+                    {"t": "chunk", "rid": rid, "i": i, "key": key, "st": "ok",
+                     "n": body.nbytes, "crc": crc}), body])
+        except Exception as e:  # reported by the test
+            errors.append(e)
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    client = ChunkClient("127.0.0.1", port, fingerprint=FP, hash_seed=SEED, plaintext=True)
+    try:
+        dests = [[np.zeros(data[k].nbytes, np.uint8) for k in keys] for keys in calls]
+        results = client.fetch_many([(keys, d, f"r{c}") for c, (keys, d)
+                                     in enumerate(zip(calls, dests))], 10)
+        thread.join(10)
+        assert not errors, errors
+        assert len(set(seen)) == 3  # three requests in flight at once
+        assert [r.outcomes for r in results] == [
+            [Outcome.OK] * 3, [Outcome.OK], [Outcome.OK, Outcome.CORRUPT, Outcome.OK]]
+        assert results[2].details[1] == "checksum"
+        for keys, ds, res in zip(calls, dests, results):
+            for k, d, o in zip(keys, ds, res.outcomes):
+                if o == Outcome.OK:
+                    assert np.array_equal(d, data[k]), k
+        assert client.counters.checksum_failures == 1 and client.circuit.state == "closed"
+        with pytest.raises(ValueError):  # a malformed call: nothing is sent
+            client.fetch_many([([b"a0"], [np.zeros(1000, np.uint8)], None),
+                               ([b"a1"], [], None)], 1)
+    finally:
+        client.close()
+        router.close(0)
+        ctx.term()

@@ -139,59 +139,103 @@ class ChunkClient:
         outcome (see :class:`FetchResult`); raises ValueError for a malformed call
         (lengths differ, a read-only or non-contiguous destination, more than
         ``wire.MAX_KEYS`` keys, a key that is not 1..``wire.MAX_KEY_LEN`` bytes)."""
+        return self.fetch_many([(keys, dests, req)], timeout_s)[0]
+
+    def fetch_many(self, calls: Sequence[tuple], timeout_s: float) -> list[FetchResult]:
+        """Several fetches pipelined on the one connection: ``calls`` is a list of
+        ``(keys, dests, req)`` (each as :meth:`fetch` takes them); every request is sent
+        first, then the answers are taken as they arrive, in whatever order, each into its
+        own call's destination by request id and key index. One result per call, as
+        :meth:`fetch` gives it (a chunk that fails its checksum fails only that key).
+
+        Blocks at most ``timeout_s`` for all of them together; a timeout, a refused session
+        or a peer gone fails every key still unanswered, in every call. Raises ValueError
+        (before sending anything) for a malformed call."""
         t0 = time.monotonic()
-        n = len(keys)
-        if len(dests) != n:
-            raise ValueError(f"fetch: {n} keys but {len(dests)} destinations")
-        keys = wire.check_keys({"keys": list(keys)})  # ProtocolError is a ValueError
-        views = [wire.byte_view(d, writable=True, what=f"destination {i}")
-                 for i, d in enumerate(dests)]
-        if n == 0:
-            return FetchResult([], [], [])
+        todo = []  # (index into calls, keys, views, request message)
+        results: list[FetchResult | None] = [None] * len(calls)
+        for c, (keys, dests, req) in enumerate(calls):
+            n = len(keys)
+            if len(dests) != n:
+                raise ValueError(f"fetch: {n} keys but {len(dests)} destinations")
+            keys = wire.check_keys({"keys": list(keys)})  # ProtocolError is a ValueError
+            views = [wire.byte_view(d, writable=True, what=f"destination {i}")
+                     for i, d in enumerate(dests)]
+            request = {"t": "fetch", "keys": keys}
+            if req is not None:
+                request["req"] = wire.check_req({"req": req})
+            if n == 0:
+                results[c] = FetchResult([], [], [])
+            else:
+                todo.append((c, keys, views, request))
+        if not todo:
+            return results
         if not self.circuit.allow():
-            self.counters.fast_failures += 1
-            return self._fast_fail(n, t0)
+            self.counters.fast_failures += len(todo)
+            for c, keys, _, _ in todo:
+                results[c] = self._fast_fail(len(keys), t0)
+            return results
         deadline = t0 + timeout_s
-        result = FetchResult([Outcome.ERROR] * n, [""] * n, [0] * n, final=[False] * n)
-        answered = [False] * n
-        pending = n
-        request = {"t": "fetch", "keys": keys}
-        if req is not None:
-            request["req"] = wire.check_req({"req": req})
+        answered = {}
+        for c, keys, _, _ in todo:
+            n = len(keys)
+            results[c] = FetchResult([Outcome.ERROR] * n, [""] * n, [0] * n, final=[False] * n)
+            answered[c] = [False] * n
+        pending = sum(len(keys) for _, keys, _, _ in todo)
+        total = pending
         try:
-            rid = self._request(request, deadline)
-            self.counters.requests += 1
+            rids = self._send_fetches(todo, deadline)  # rid -> (c, keys, views)
+            self.counters.requests += len(todo)
             rehello = False
             while pending:
                 msg = self._next(deadline)
-                if msg.get("rid") != rid or msg["t"] not in ("chunk", "refused", "error"):
+                call = rids.get(msg.get("rid"))
+                if call is None or msg["t"] not in ("chunk", "refused", "error"):
                     self._discard_rest()
                     continue
                 if msg["t"] != "chunk":
                     self._discard_rest()
-                    if msg.get("reason") == "no_hello" and not rehello and pending == n:
+                    if msg.get("reason") == "no_hello" and not rehello and pending == total:
                         rehello = True  # the server lost our session (restarted): once more
                         self._ready = False
-                        rid = self._request(request, deadline)
+                        rids = self._send_fetches(todo, deadline)
                         continue
                     raise self._refusal(msg)
+                c, keys, views = call
                 i = msg.get("i")
-                if not isinstance(i, int) or not 0 <= i < n or answered[i]:
+                if not isinstance(i, int) or not 0 <= i < len(keys) or answered[c][i]:
                     self._discard_rest()
                     self.counters.errors += 1
                     continue
-                answered[i] = True
+                answered[c][i] = True
                 pending -= 1
-                self._take_chunk(msg, keys[i], views[i], result, i)
+                self._take_chunk(msg, keys[i], views[i], results[c], i)
         except _Timeout:
             self.counters.timeouts += 1
-            self._fail(result, answered, f"timeout: no answer within {timeout_s:g} s")
+            self._fail_calls(results, answered, f"timeout: no answer within {timeout_s:g} s")
         except _PeerFailure as e:
-            self._fail(result, answered, str(e), e.refused)
+            self._fail_calls(results, answered, str(e), e.refused)
         else:
             self._succeeded()
-        result.seconds = time.monotonic() - t0
-        return result
+        seconds = time.monotonic() - t0
+        for c in answered:
+            results[c].seconds = seconds
+        return results
+
+    def _send_fetches(self, todo: list, deadline: float) -> dict:
+        """Send every fetch request of ``todo`` (opening the session first if needed);
+        returns request id -> (call index, keys, views)."""
+        rids = {}
+        for c, keys, views, request in todo:
+            rids[self._request(request, deadline)] = (c, keys, views)
+        return rids
+
+    def _fail_calls(self, results: list, answered: dict, detail: str, refused: str = "") -> None:
+        for c, done in answered.items():
+            for i, ok in enumerate(done):
+                if not ok:
+                    results[c].outcomes[i], results[c].details[i] = Outcome.ERROR, detail
+        self._fail(detail, refused)
 
     def lookup(self, keys: Sequence[bytes], timeout_s: float,
                req: str | None = None) -> list[bool] | None:
@@ -233,9 +277,9 @@ class ChunkClient:
                 return [bool(h) for h in hits]
         except _Timeout:
             self.counters.timeouts += 1
-            self._fail(None, None, f"timeout: no answer within {timeout_s:g} s")
+            self._fail(f"timeout: no answer within {timeout_s:g} s")
         except _PeerFailure as e:
-            self._fail(None, None, str(e), e.refused)
+            self._fail(str(e), e.refused)
         return None
 
     def done(self, req: str, timeout_s: float) -> bool:
@@ -263,10 +307,10 @@ class ChunkClient:
             self._open(time.monotonic() + timeout_s)
         except _Timeout:
             self.counters.timeouts += 1
-            self._fail(None, None, f"timeout: no hello answer within {timeout_s:g} s")
+            self._fail(f"timeout: no hello answer within {timeout_s:g} s")
             return False
         except _PeerFailure as e:
-            self._fail(None, None, str(e), e.refused)
+            self._fail(str(e), e.refused)
             return False
         self._succeeded()
         return True
@@ -331,12 +375,8 @@ class ChunkClient:
         return _PeerFailure(f"{what} by {self.peer}: {reason} ({msg.get('detail', '')})",
                             reason if what == "refused" else "")
 
-    def _fail(self, result: FetchResult | None, answered: list[bool] | None, detail: str,
-              refused: str = "") -> None:
-        if result is not None:
-            for i, done in enumerate(answered):
-                if not done:
-                    result.outcomes[i], result.details[i] = Outcome.ERROR, detail
+    def _fail(self, detail: str, refused: str = "") -> None:
+        """Count a failed call, open the peer's circuit and drop the connection."""
         if refused:
             self.counters.refuse(refused)
         else:

@@ -8,10 +8,11 @@ arena rows directly; the scheduler thread never touches the network.
 Threads: the main thread runs the ``ChunkServer`` and the PAIR socket to the scheduler
 (``ipc://``, msgpack); one thread per peer runs that peer's ``ChunkClient`` (fetches and
 lookups block up to their deadlines there, so a slow or stopped peer delays only its own
-requests) and sends its answers, packed, on an ``inproc://`` PUSH socket to the main
-thread, which forwards them unchanged to the scheduler. The main thread's poll wakes for
-whichever socket has something (peers, the scheduler, the peer threads): no hop waits for
-a tick.
+requests; the loads queued for a peer while it was busy go together, their fetches
+pipelined on the one connection: ``ChunkClient.fetch_many``) and sends its answers,
+packed, on an ``inproc://`` PUSH socket to the main thread, which forwards them
+unchanged to the scheduler. The main thread's poll wakes for whichever socket has
+something (peers, the scheduler, the peer threads): no hop waits for a tick.
 
 Priority: the process lowers its own priority by the tier's ``endpoint_niceness`` (added
 to the scheduler's niceness; default 10, as the tier workers) before it starts any thread,
@@ -47,10 +48,18 @@ to that peer: by its Curve public key when the scheduler knew it, else by its he
 ("host:port"); the rows parked for a peer's symmetric lookup are bound to the session that
 asked. ``complete`` marks and bindings are forgotten ``complete_ttl_s`` after they were
 set (the scheduler half's ``unbound_store_timeout_s``).
+
+Checksums: each parked row's CRC-32C is computed once, by the main thread while it has
+nothing else to do (``CHECKSUM_BATCH`` rows per loop round, between polls), or by the first
+send of that row if a fetch comes first; the server sends it with the row instead of
+reading the row again (``ChunkServer``'s provider may return ``(buffer, crc)``). In PD the
+rows are parked while the consumer is still prefilling elsewhere, so the fetch finds the
+checksums ready.
 """
 
 from __future__ import annotations
 
+import collections
 import itertools
 import logging
 import os
@@ -65,6 +74,7 @@ import msgpack
 import numpy as np
 import zmq
 
+from shmtier.shared.codec import crc32c
 from shmtier.shared.jobs import Outcome
 from shmtier.shared.segment import join_existing
 from shmtier.tiers.p2p.circuit import PeerCircuit
@@ -80,6 +90,8 @@ COUNTERS_EVERY_S = 1.0
 OWNER_CHECK_S = 1.0
 MISS_RETRY_S = 0.02
 DONE_TIMEOUT_S = 1.0
+MAX_PIPELINED = 16  # tasks a peer thread takes from its queue at once (loads: one round)
+CHECKSUM_BATCH = 2  # parked rows checksummed per loop round (~0.15 ms each for 1.4 MiB)
 RESULTS = "inproc://p2p-endpoint-results"  # peer threads -> main thread (PUSH -> PULL)
 
 
@@ -100,6 +112,7 @@ class _Peer(threading.Thread):
         self.ep = ep
         self.peer = peer
         self.tasks: queue.SimpleQueue = queue.SimpleQueue()
+        self._answered: set = set()  # jobs of the current batch answered already
         # this thread's end of RESULTS (a socket belongs to the thread that uses it)
         self.out = ep.ctx.socket(zmq.PUSH)
         self.out.linger = 0
@@ -113,58 +126,97 @@ class _Peer(threading.Thread):
     def run(self) -> None:
         try:
             while True:
-                task = self.tasks.get()
-                if task is None:
-                    return
-                try:
-                    out = getattr(self, "_" + task["t"])(task)
-                except Exception as e:  # never lose a job: answer it failed
-                    log.exception("p2p endpoint: %s for peer %s raised", task["t"], self.peer)
-                    out = _failed(task, f"{type(e).__name__}: {e}")
-                if out is not None:
-                    self.out.send(pack(out))  # no HWM: never blocks
+                tasks = [self.tasks.get()]
+                while len(tasks) < MAX_PIPELINED:  # what queued meanwhile goes together
+                    try:
+                        tasks.append(self.tasks.get_nowait())
+                    except queue.Empty:
+                        break
+                loads = [t for t in tasks if t is not None and t["t"] == "load"]
+                if loads:
+                    self._guarded(lambda: self._loads(loads), loads)
+                for task in tasks:
+                    if task is None:
+                        return
+                    if task["t"] != "load":
+                        handler = getattr(self, "_" + task["t"])
+                        self._guarded(lambda: handler(task), [task])
         finally:
             self.client.close()
             self.out.close(0)
 
-    def _load(self, task: dict) -> dict:
+    def _guarded(self, fn, tasks: list) -> None:
+        """Run ``fn()`` for ``tasks``; what it returns goes to the main thread; an
+        exception answers every one of ``tasks`` not answered yet as failed."""
+        try:
+            out = fn()
+            if out is not None:
+                self.out.send(pack(out))  # no HWM: never blocks
+        except Exception as e:  # never lose a job: answer it failed
+            log.exception("p2p endpoint: %s for peer %s raised", tasks[0]["t"], self.peer)
+            for task in tasks:
+                if task.get("job") not in self._answered:
+                    out = _failed(task, f"{type(e).__name__}: {e}")
+                    if out is not None:
+                        self.out.send(pack(out))
+        self._answered.clear()
+
+    def _loads(self, tasks: list) -> None:
+        """Fetch rounds for several loads at once: each round pipelines one fetch per
+        load still fetching (``ChunkClient.fetch_many``); keys answered MISS (not final)
+        are asked again every ``MISS_RETRY_S`` until ``fetch_timeout_s``. Each load is
+        answered (``load_done``) and its request released at the peer (``done``) as soon
+        as it is finished, not when the others are."""
         t0 = time.monotonic()
         deadline = t0 + self.ep.fetch_timeout_s
-        keys, rows, req = task["keys"], task["rows"], task["req"]
-        ok = [False] * len(keys)
-        nbytes, detail = 0, ""
-        todo = list(range(len(keys)))
-        while todo:
+        state = [{"task": t, "ok": [False] * len(t["keys"]), "nbytes": 0, "detail": "",
+                  "todo": list(range(len(t["keys"])))} for t in tasks]
+        while state:
             left = deadline - time.monotonic()
             if left <= 0:
-                detail = (f"timeout: {len(todo)} chunks not offered by {self.peer} within "
-                          f"{self.ep.fetch_timeout_s:g} s")
-                break
-            res = self.client.fetch([keys[i] for i in todo],
-                                    [self.ep.row(rows[i]) for i in todo], left, req)
-            missing, final = [], 0
-            for j, i in enumerate(todo):
-                outcome = res.outcomes[j]
-                if outcome == Outcome.OK:
-                    ok[i] = True
-                    nbytes += res.nbytes[j]
-                elif outcome == Outcome.MISS and res.final[j]:
-                    final += 1
-                elif outcome == Outcome.MISS:
-                    missing.append(i)
-                elif not detail:
-                    detail = f"{outcome.name.lower()}: {res.details[j]}"
-            if final and not detail:
-                detail = (f"miss: {final} chunks never stored by {self.peer} (its request "
-                          f"{req} is complete)")
-            if detail:
-                break
-            todo = missing
-            if todo:
+                for st in state:
+                    st["detail"] = (f"timeout: {len(st['todo'])} chunks not offered by "
+                                    f"{self.peer} within {self.ep.fetch_timeout_s:g} s")
+                    self._load_done(st, t0)
+                return
+            results = self.client.fetch_many(
+                [([st["task"]["keys"][i] for i in st["todo"]],
+                  [self.ep.row(st["task"]["rows"][i]) for i in st["todo"]], st["task"]["req"])
+                 for st in state], left)
+            waiting = []
+            for st, res in zip(state, results):
+                missing, final = [], 0
+                for j, i in enumerate(st["todo"]):
+                    outcome = res.outcomes[j]
+                    if outcome == Outcome.OK:
+                        st["ok"][i] = True
+                        st["nbytes"] += res.nbytes[j]
+                    elif outcome == Outcome.MISS and res.final[j]:
+                        final += 1
+                    elif outcome == Outcome.MISS:
+                        missing.append(i)
+                    elif not st["detail"]:
+                        st["detail"] = f"{outcome.name.lower()}: {res.details[j]}"
+                if final and not st["detail"]:
+                    st["detail"] = (f"miss: {final} chunks never stored by {self.peer} (its "
+                                    f"request {st['task']['req']} is complete)")
+                st["todo"] = missing
+                if st["detail"] or not missing:
+                    self._load_done(st, t0)
+                else:
+                    waiting.append(st)
+            state = waiting
+            if state:
                 time.sleep(min(MISS_RETRY_S, max(0.0, deadline - time.monotonic())))
-        self.client.done(req, DONE_TIMEOUT_S)
-        return {"t": "load_done", "job": task["job"], "ok": [i for i, o in enumerate(ok) if o],
-                "nbytes": nbytes, "seconds": time.monotonic() - t0, "detail": detail}
+
+    def _load_done(self, st: dict, t0: float) -> None:
+        task = st["task"]
+        self.client.done(task["req"], DONE_TIMEOUT_S)
+        self.out.send(pack({"t": "load_done", "job": task["job"],
+                            "ok": [i for i, o in enumerate(st["ok"]) if o],
+                            "nbytes": st["nbytes"], "seconds": time.monotonic() - t0,
+                            "detail": st["detail"]}))
+        self._answered.add(task["job"])
 
     def _lookup(self, task: dict) -> dict:
         hits = self.client.lookup(task["keys"], self.ep.lookup_timeout_s, task["req"])
@@ -214,7 +266,9 @@ class Endpoint:
         self.results.rcvhwm = 0
         self.results.bind(RESULTS)
         self.complete_ttl_s = float(settings.get("complete_ttl_s", 60.0))
-        self.parked: dict[str, dict[bytes, int]] = {}
+        # req -> key -> [row, CRC-32C of the row's payload or None (not computed yet)]
+        self.parked: dict[str, dict[bytes, list]] = {}
+        self.unsummed: collections.deque = collections.deque()  # parked entries without a CRC
         self.complete: dict[str, float] = {}  # req -> forget at (monotonic)
         self.owners: dict[str, tuple[str, str, float]] = {}  # req -> (name, key, forget at)
         self.peers: dict[str, _Peer] = {}
@@ -241,8 +295,31 @@ class Endpoint:
     # ---- the server's callbacks (main thread)
 
     def _provide(self, req: str, key: bytes):
-        row = self.parked.get(req, {}).get(key)
-        return None if row is None else self.row(row)
+        entry = self.parked.get(req, {}).get(key)
+        if entry is None:
+            return None
+        if entry[1] is None:  # asked before the idle loop got to it
+            entry[1] = crc32c(self.row(entry[0]))
+        return self.row(entry[0]), entry[1]
+
+    def _park(self, req: str, keys: list, rows: list) -> None:
+        """Serve ``rows`` for ``req``; their checksums are computed by :meth:`_checksum`
+        when the loop is idle (or by the first send), once per parked row."""
+        entries = [[row, None] for row in rows]
+        self.parked.setdefault(req, {}).update(zip(keys, entries))
+        self.unsummed.extend(entries)
+
+    def _checksum(self, budget: int) -> bool:
+        """Compute the CRC-32C of up to ``budget`` parked rows that have none (rows
+        released meanwhile included: harmless); True when some are left. Parked rows are
+        pinned by the scheduler half and not written until released, so the checksum
+        taken now is the one the client checks (a row changed since fails it)."""
+        while self.unsummed and budget:
+            entry = self.unsummed.popleft()
+            if entry[1] is None:
+                entry[1] = crc32c(self.row(entry[0]))
+                budget -= 1
+        return bool(self.unsummed)
 
     def _ext_lookup(self, token: LookupToken, req: str, keys: list) -> None:
         tid = next(self._tids)
@@ -250,8 +327,13 @@ class Endpoint:
         self._send({"t": "ext_lookup", "tid": tid, "req": req, "peer": token.name,
                     "keys": keys})
 
+    def _unpark(self, req: str) -> None:
+        for entry in self.parked.pop(req, {}).values():
+            if entry[1] is None:
+                entry[1] = -1  # no longer served: the idle loop skips it
+
     def _done(self, req: str) -> None:
-        self.parked.pop(req, None)
+        self._unpark(req)
         self._send({"t": "released", "req": req})
 
     def _owner(self, req: str) -> tuple[str, str] | None:
@@ -277,18 +359,18 @@ class Endpoint:
     def _handle(self, msg: dict) -> None:
         t = msg["t"]
         if t == "park":
-            self.parked.setdefault(msg["req"], {}).update(zip(msg["keys"], msg["rows"]))
+            self._park(msg["req"], msg["keys"], msg["rows"])
             if msg.get("to"):
                 self._bind(msg["req"], *msg["to"])
         elif t == "complete":
             self.complete[msg["req"]] = time.monotonic() + self.complete_ttl_s
         elif t == "unpark":
-            self.parked.pop(msg["req"], None)
+            self._unpark(msg["req"])
         elif t in ("load", "lookup", "release"):
             self._peer(msg["peer"], msg.get("skey")).tasks.put(msg)
         elif t == "answer":
             if msg["keys"]:
-                self.parked.setdefault(msg["req"], {}).update(zip(msg["keys"], msg["rows"]))
+                self._park(msg["req"], msg["keys"], msg["rows"])
             token = self.tokens.pop(msg["tid"], None)
             if token is not None:
                 if msg["keys"] and msg["req"] not in self.owners:
@@ -349,8 +431,9 @@ class Endpoint:
     def run(self) -> int:
         self._send({"t": "ready", "port": self.server.port})
         next_counters = next_owner = time.monotonic()
+        busy = False  # parked rows still without a checksum: do not wait in poll
         while not self.stopping:
-            self.server.poll(TICK_S)
+            self.server.poll(0 if busy else TICK_S)
             while True:
                 try:
                     buf = self.pair.recv(zmq.NOBLOCK)
@@ -364,6 +447,7 @@ class Endpoint:
                     self.pair.send(self.results.recv(zmq.NOBLOCK))  # packed by the peer
                 except zmq.Again:
                     break
+            busy = self._checksum(CHECKSUM_BATCH)
             now = time.monotonic()
             if now >= next_counters:
                 next_counters = now + COUNTERS_EVERY_S
@@ -388,6 +472,7 @@ class Endpoint:
             self.ctx.term()  # (a peer thread stuck in a fetch: the exit ends it)
         self.arena = None
         self.parked.clear()
+        self.unsummed.clear()
         try:
             self.segment.close()
         except BufferError:  # a row still referenced by a send in flight: the exit unmaps it

@@ -28,8 +28,8 @@ __all__ = ["ChunkServer", "LookupToken", "Provider", "RequestOwner", "RequestPro
 
 log = logging.getLogger(__name__)
 
-Provider = Callable[[bytes], Any]  # key -> a buffer of the chunk's bytes, or None
-RequestProvider = Callable[[str, bytes], Any]  # (req, key) -> a buffer, or None
+Provider = Callable[[bytes], Any]  # key -> a buffer of the chunk's bytes, (buffer, crc), or None
+RequestProvider = Callable[[str, bytes], Any]  # (req, key) -> as Provider
 # req -> the (name, key) of the one peer that may ask for it ("" = not checked), or None
 RequestOwner = Callable[[str], "tuple[str, str] | None"]
 
@@ -96,8 +96,11 @@ class ChunkServer:
 
     ``host``, ``port``: where the ROUTER socket binds (``port=0``: a free port, read back
     from :attr:`port`). ``provider(key)``: the chunk's bytes (a buffer: a memoryview of an
-    arena row, a numpy row) or None (MISS); it is called when the chunk is about to be
-    sent; an exception becomes an ``"error"`` answer for that key. ``has(key)``: answers
+    arena row, a numpy row) or None (MISS), or ``(buffer, crc)`` where ``crc`` is the
+    buffer's CRC-32C computed earlier (when the row was parked: the server then does not
+    read the row, and a row changed since fails the client's check); it is called when the
+    chunk is about to be sent; an exception (or a ``crc`` that is not an int in
+    0..2**32-1) becomes an ``"error"`` answer for that key. ``has(key)``: answers
     lookups (default: ``provider(key) is not None``). ``fingerprint`` and ``hash_seed``:
     the engine's layout fingerprint and hash seed; a hello with other values is refused
     and counted, and that peer is served nothing.
@@ -532,6 +535,12 @@ class ChunkServer:
                 buf = self._request_provider(item.req, key)
             else:
                 buf = self._provider(key)
+            crc = None
+            if isinstance(buf, tuple):  # (buffer, its CRC-32C computed when it was parked)
+                buf, crc = buf
+                if not isinstance(crc, int) or isinstance(crc, bool) or not 0 <= crc < 1 << 32:
+                    raise ValueError(f"provided checksum must be a CRC-32C int in "
+                                     f"0..2**32-1, got {crc!r:.40}")
             view = None if buf is None else wire.byte_view(buf, writable=False, what="provided row")
         except Exception as e:
             self.counters.errors += 1
@@ -551,7 +560,7 @@ class ChunkServer:
                     log.error("p2p server %s: request_complete raised %s: %s", self.endpoint,
                               type(e).__name__, e)
             return [wire.pack(head)]
-        head.update(st="ok", n=view.nbytes, crc=crc32c(view))
+        head.update(st="ok", n=view.nbytes, crc=crc32c(view) if crc is None else crc)
         if self._tamper is not None:
             view = self._tamper(key, view)
         self.counters.chunks += 1

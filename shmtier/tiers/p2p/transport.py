@@ -17,12 +17,20 @@ Message flow (one client, one server; each engine runs a server and a client per
     ◀────────────────── {t:hello_ok} | {t:refused, reason} (counted, session serves nothing)
     {t:lookup, rid, keys} ─────────────────────────────▶ has(key) for each key
     ◀──────────────────────────── {t:lookup_resp, rid, hits}
-    {t:fetch, rid, keys} ──────────────────────────────▶ per key, in order, as the peer's
+    {t:fetch, rid, keys[, req]} ───────────────────────▶ req bound to another peer? then per
+                                                          key {st:refused}, counted
+                                                          per key, in order, as the peer's
                                                           send queue has room:
-                                                          view = provider(key); crc = crc32c(view)
+                                                          view, crc = provider(key) (the CRC
+                                                          computed when the row was parked),
+                                                          or view and crc = crc32c(view)
     recv_into(dest row) ◀── [{t:chunk, rid, i, key, st:ok, n, crc}, view (zero-copy frame)]
     crc32c(dest row) == crc ? OK : CORRUPT
-                        ◀── [{t:chunk, rid, i, key, st:miss}]  -> MISS
+                        ◀── [{t:chunk, rid, i, key, st:miss[, fin]}]  -> MISS (fin: final,
+                                                          the request is complete at the server)
+                        ◀── [{t:chunk, rid, i, key, st:refused, why}] -> ERROR (bound elsewhere)
+                        ◀── [{t:chunk, rid, i, key, st:error, why}]   -> ERROR (provider failed)
+    {t:done, rid, req} ────────────────────────────────▶ on_done(req): release it (no answer)
 
 A client call has one deadline: connecting, the hello and the answers all fit in its
 ``timeout_s``; what is not answered by then is ERROR, the socket is dropped (late answers
