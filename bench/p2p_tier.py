@@ -4,6 +4,12 @@
     .venv/bin/python bench/p2p_tier.py --quick          # smoke test: 8 chunks, 2 repeats, short step runs
     .venv/bin/python bench/p2p_tier.py --json bench/results/p2p_tier.json
     .venv/bin/python bench/p2p_tier.py --profile        # + cProfile of the consumer's scheduler process
+    .venv/bin/python bench/p2p_tier.py --pin            # two hosts on one: producer / consumer on their own CPUs
+
+``--pin`` stands in for the two hosts of a real deployment: the producer engine (its
+scheduler and endpoint) and the raw sender run on the last CPU, the consumer engine and the
+raw receiver on the others, so the peer's work does not take the consumer's CPU (without it,
+on this 2-CPU host every process shares both CPUs).
 
 Method. Two engines per security mode (CurveZMQ with keys and allow-lists, the default;
 and ``plaintext``), each in its own spawned process on 127.0.0.1: a scheduler (shmtier's
@@ -79,9 +85,13 @@ def _key(i: int) -> bytes:
     return i.to_bytes(32, "big") + b"\0\0\0\0"
 
 
-def engine_proc(conn, engine_id: str, tier: dict, rows: int, chunk: int, profile: str | None):
+def engine_proc(conn, engine_id: str, tier: dict, rows: int, chunk: int, profile: str | None,
+                cpus: set | None = None):
     """One engine (scheduler + p2p tier) answering commands on ``conn``; steps every
-    IDLE_STEP_S between them so its tier serves peers."""
+    IDLE_STEP_S between them so its tier serves peers. ``cpus``: the CPUs this engine and
+    the processes it starts (its endpoint) run on (``--pin``)."""
+    if cpus:
+        os.sched_setaffinity(0, cpus)
     import logging
     logging.basicConfig(level=logging.ERROR)
     from shmtier.config import KVLayout
@@ -292,10 +302,10 @@ def engine_proc(conn, engine_id: str, tier: dict, rows: int, chunk: int, profile
 
 
 class Engine:
-    def __init__(self, ctx, engine_id, tier, rows, chunk, profile=None):
+    def __init__(self, ctx, engine_id, tier, rows, chunk, profile=None, cpus=None):
         self.conn, child = ctx.Pipe()
         self.proc = ctx.Process(target=engine_proc, args=(child, engine_id, tier, rows, chunk,
-                                                          profile), daemon=True)
+                                                          profile, cpus), daemon=True)
         self.proc.start()
         child.close()
         self.port = None
@@ -346,6 +356,9 @@ def main() -> None:
     ap.add_argument("--nice0", action="store_true",
                     help="also a peer mode with both endpoints reniced to 0 (the scheduler's)")
     ap.add_argument("--quick", action="store_true", help="8 chunks, 2 repeats, 150 steps x 1")
+    ap.add_argument("--pin", action="store_true",
+                    help="two hosts on one: the producer engine (and its endpoint) on the last "
+                         "CPU, the consumer engine (and its endpoint) on the others")
     ap.add_argument("--profile", action="store_true",
                     help="cProfile the consumer's peer step runs (bench/results/p2p_tier_steps.prof)")
     ap.add_argument("--json", help="write the figures here")
@@ -392,12 +405,20 @@ def main() -> None:
             prof_path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
                                      "p2p_tier_steps.prof")
         pid = os.getpid()
+        pin_prod = pin_cons = None
+        if args.pin:
+            cpus = sorted(os.sched_getaffinity(0))
+            if len(cpus) < 2:
+                raise SystemExit("--pin needs 2 CPUs or more")
+            pin_prod, pin_cons = {cpus[-1]}, set(cpus[:-1])
+            print(f"pinned: producer on CPU {sorted(pin_prod)}, consumer on CPU {sorted(pin_cons)}")
         pairs = {}
         for mode, (pt, ct) in {"curve": (keyed("prod"), keyed("cons")),
                                "plain": ({"plaintext": True}, {"plaintext": True})}.items():
-            prod = Engine(ctx, f"bench-p2p-{pid}-{mode}-p", {**common, **pt}, rows_prod, chunk)
+            prod = Engine(ctx, f"bench-p2p-{pid}-{mode}-p", {**common, **pt}, rows_prod, chunk,
+                          cpus=pin_prod)
             cons = Engine(ctx, f"bench-p2p-{pid}-{mode}-c", {**common, **ct}, rows_cons, chunk,
-                          prof_path if mode == "curve" else None)
+                          prof_path if mode == "curve" else None, cpus=pin_cons)
             engines += [prod, cons]
             pairs[mode] = (prod, cons)
         for e in engines:
@@ -406,7 +427,8 @@ def main() -> None:
         ep_nice = P2PTierConfig(plaintext=True).endpoint_niceness  # added to the scheduler's
         for name in ("raw", "raw+curve", f"raw@n{ep_nice}", f"raw+curve@n{ep_nice}"):
             raws[name] = RawLoopback(ctx, list(src), (skeys, ckeys) if "curve" in name else None,
-                                     ep_nice if "@" in name else 0)
+                                     ep_nice if "@" in name else 0,
+                                     peer_cpus=pin_cons, sender_cpus=pin_prod)
         for raw in raws.values():
             raw.run()  # warm-up: connection and handshake
 

@@ -61,9 +61,17 @@ def process_cpu_s(pid: int) -> float:
     return total / 1e9
 
 
-def raw_peer(conn, curve: tuple | None, niceness: int = 0) -> None:
+def _place(niceness: int, cpus: set | None) -> None:
+    """Niceness and CPUs of this process, set before the zmq context: libzmq's I/O
+    thread inherits both."""
+    os.nice(niceness)
+    if cpus:
+        os.sched_setaffinity(0, cpus)
+
+
+def raw_peer(conn, curve: tuple | None, niceness: int = 0, cpus: set | None = None) -> None:
     """The raw configurations' receiving side: a ROUTER that counts frames."""
-    os.nice(niceness)  # before the context: libzmq's I/O thread inherits it
+    _place(niceness, cpus)
     import zmq
     ctx = zmq.Context()
     sock = ctx.socket(zmq.ROUTER)
@@ -93,11 +101,12 @@ def raw_peer(conn, curve: tuple | None, niceness: int = 0) -> None:
         ctx.term()
 
 
-def raw_sender(conn, port: int, curve: tuple | None, rows: list, niceness: int = 0) -> None:
+def raw_sender(conn, port: int, curve: tuple | None, rows: list, niceness: int = 0,
+               cpus: set | None = None) -> None:
     """The raw configurations' sending side: on each "run" from ``conn``, a DEALER sends
     ``rows`` as single frames (``copy=False``) and the byte count ends with b"end"; answers
     (seconds from the first send to the peer's answer, bytes the peer counted)."""
-    os.nice(niceness)
+    _place(niceness, cpus)
     import zmq
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
@@ -126,17 +135,19 @@ class RawLoopback:
     ``run()`` has the sender send each of ``rows`` as one frame (``copy=False``) and
     returns the seconds, measured in the sender, from the first send to the peer's answer
     that it has them all. ``curve``: (server key pair, client key pair), CurveZMQ without
-    ZAP. Close with ``close()``."""
+    ZAP. ``peer_cpus`` / ``sender_cpus``: the CPUs each side runs on (None: any). Close
+    with ``close()``."""
 
-    def __init__(self, ctx, rows: list, curve: tuple | None = None, niceness: int = 0):
+    def __init__(self, ctx, rows: list, curve: tuple | None = None, niceness: int = 0,
+                 peer_cpus: set | None = None, sender_cpus: set | None = None):
         skeys, ckeys = curve if curve else (None, None)
         self.total = sum(len(r) for r in rows)
         self.procs, self.conns = [], []
         try:
             port = self._start(ctx, raw_peer, (skeys.public, skeys.secret) if curve else None,
-                               niceness)
+                               niceness, peer_cpus)
             self._start(ctx, raw_sender, port, (skeys.public, ckeys.public, ckeys.secret)
-                        if curve else None, rows, niceness)
+                        if curve else None, rows, niceness, sender_cpus)
         except BaseException:
             self.close()
             raise
