@@ -16,11 +16,12 @@ import multiprocessing as mp
 import os
 import signal
 import time
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 from processes import worker_processes
-from test_pool import _alive, _bf16_rows, _fs_tier, _key, _unlink_ours, collect, submit
+from test_pool import _alive, _bf16_rows, _fs_tier, _key, _unlink_ours, collect, submit, wait_up
 
 from shmtier.scheduler.pool import WorkerPool
 from shmtier.shared import procinfo
@@ -53,19 +54,6 @@ def _rows(n: int) -> np.ndarray:
     return _bf16_rows(np.random.default_rng(SEED), n, CHUNK)
 
 
-def _wait_healthy(pool: WorkerPool, timeout_s: float = 30.0) -> list[int]:
-    """Poll until every slot's worker process runs and has claimed its slot; their pids."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        pool.poll()
-        procs = pool._procs
-        if all(p is not None and p.poll() is None
-               and pool.rings.worker(w).last_beat().pid == p.pid for w, p in enumerate(procs)):
-            return [p.pid for p in procs]
-        assert time.monotonic() < deadline, "tier workers did not come up"
-        time.sleep(0.01)
-
-
 def _first_scheduler(engine_id: str, root: str, stop_worker: bool, conn) -> None:
     """The scheduler that crashes: own the segment, run a pool, store BEFORE chunks and see
     them answered, then queue a backlog of stores (in flight at the kill), report the
@@ -73,7 +61,7 @@ def _first_scheduler(engine_id: str, root: str, stop_worker: bool, conn) -> None
     that cannot notice anything)."""
     seg = _open(engine_id, root)
     pool = WorkerPool(engine_id, seg, _config(root))
-    _wait_healthy(pool)
+    wait_up(SimpleNamespace(pool=pool))
     arena = np.frombuffer(seg.arena, dtype=np.uint8).reshape(ROWS, CHUNK)
     arena[:BEFORE] = _rows(BEFORE)
     ids = [submit(pool, "store", 0, [_key(i, b"before")], [i]) for i in range(BEFORE)]
@@ -170,7 +158,7 @@ def test_old_workers_leave_when_the_owner_generation_changes(restart):
 def _assert_sole_holders(r: _Restart) -> list[int]:
     pool = r.pool
     assert not any(_alive(pid, start) for pid, start in r.old), "an old worker still runs"
-    pids = _wait_healthy(pool)
+    pids = wait_up(r)
     old_pids = {pid for pid, _ in r.old}
     for w, pid in enumerate(pids):
         beat = pool.rings.worker(w).last_beat()
