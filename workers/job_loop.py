@@ -6,9 +6,10 @@ Runs in: one tier worker process (spawned by the pool, or started by
 ::
 
     join segment (geometry from its header) ─▶ attach rings of worker i ─▶ claim slot i
-    loop: jobs.get_many(≤ 128): a non-blocking take every 0.5 ms while jobs came
+    loop: owner generation still mine? else exit (see below)
+          jobs.get_many(≤ 128): a non-blocking take every 0.5 ms while jobs came
           in the last 0.25 s, else a sleep in the semaphore (heartbeat timeout)
-          beat()
+          beat(); owner generation still mine? else exit
           decode all (malformed → error result, keep running) into the queue, loads first
           for each queued job:
                         backend[tier].handler(op): its method for the op (the backend's
@@ -21,6 +22,19 @@ Runs in: one tier worker process (spawned by the pool, or started by
                         results.try_put(encoded result): a store or delete after
                         each slice (more=True but the last), other ops at the end
           every few seconds: owner (scheduler) alive? else exit
+
+Owner generation (``Segment.owner_generation``: a header word the owner bumps when it
+claims the segment, at creation and at each warm re-attach): a worker serves the owner
+incarnation that started it: the pool passes its generation on the command line
+(``job_loop ENGINE_ID INDEX GENERATION``); one started without it (``shmtier workers``)
+takes the word as it reads it once it has attached the rings, which only a live owner
+makes. The worker compares the word (one 8-byte load) after joining, after claiming its
+slot, at every wake-up of its loop, before every job and slice of a job, and before
+putting a result. Once it differs, the scheduler that started it died and a new one
+re-attached (``warm_restart``), whose pool serves the slots itself: the worker exits at
+once (code 3), leaving the job in hand unfinished and unanswered and touching no further
+row or ring. The new pool waits for such workers to be gone before it re-creates the
+rings (``shmtier/scheduler/pool/old_holders.py``).
 
 Each result answered is also added to the slot's counters in the segment
 (``WorkerRings.tally``: job parts, logical bytes, codec ns, failed keys; read by
@@ -111,6 +125,12 @@ class _Stop(Exception):
     pass
 
 
+class _Stale(BaseException):
+    """The segment's owner generation is no longer this worker's (its scheduler died and
+    another re-attached): leave at once, answering nothing. A BaseException, so the job
+    runner's guard against backend bugs (``except Exception``) does not answer it."""
+
+
 def decode_all(batch: list[bytes]) -> list:
     """Decode raw job payloads; malformed ones come back as ``MalformedJob`` in place."""
     decoded = []
@@ -155,11 +175,13 @@ class JobRunner:
     ``queue`` holds decoded jobs not yet run (``admit`` fills it, ``run_queue`` empties
     it). ``take_new`` (non-blocking: raw payloads from the job ring, maybe none) is
     called between slices of a store job; the loads it brings run at once and their
-    results go to ``answer``; the rest are queued behind."""
+    results go to ``answer``; the rest are queued behind. ``check_owner`` is called before
+    each job and each slice of one; it raises (a ``BaseException``) to abandon the work
+    unanswered (the worker's owner generation went stale)."""
 
     def __init__(self, backends: list, arena: np.ndarray, chunk_bytes: int, slot_size: int,
                  beat=lambda: None, take_new=lambda: [], answer=lambda result: None,
-                 stop_requested=lambda: False, tally=None):
+                 stop_requested=lambda: False, tally=None, check_owner=lambda: None):
         self.backends = backends
         self.arena = arena
         self.chunk_bytes = chunk_bytes
@@ -168,6 +190,7 @@ class JobRunner:
         self.take_new = take_new
         self.answer = answer
         self.stop_requested = stop_requested
+        self.check_owner = check_owner
         # tally(jobs, bytes, codec_ns, failed_keys): the slot's counters in the segment
         # (WorkerRings.tally), added to for each result answered
         self.tally = tally
@@ -199,6 +222,7 @@ class JobRunner:
             self.run_and_answer(job)
 
     def run_and_answer(self, job) -> None:
+        self.check_owner()
         for result in self.results(job):
             self.answer(result)
             if self.tally is not None:
@@ -322,6 +346,7 @@ class JobRunner:
         stored = 0  # bytes this job's slices reported stored so far
         for start in range(0, max(n, 1), step):
             keys = job.keys[start:start + step]
+            self.check_owner()  # no row or file touched for a stale owner
             if job.op == "store":
                 self._serve_new_loads(job.keys)
                 behind = (n - start + self._store_keys_queued) * self.chunk_bytes
@@ -377,8 +402,13 @@ def _note_free_bytes(part: BatchResult, backend) -> None:
     part.details = [detail if d == jobs.MIN_FREE else d for d in part.details]
 
 
-def run_worker(engine_id: str, index: int) -> int:
-    """Serve worker slot ``index`` of ``engine_id`` until stopped; returns an exit code."""
+def run_worker(engine_id: str, index: int, generation: int | None = None) -> int:
+    """Serve worker slot ``index`` of ``engine_id`` until stopped; returns an exit code.
+
+    ``generation``: the owner generation of the scheduler that started this worker (the
+    pool passes it); None (``shmtier workers``): the one current once the rings are
+    attached. The worker exits with 3 as soon as the segment's word differs (see the
+    module docstring)."""
     stopping = []
     signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
     # Background work: a worker woken by a job must not preempt the scheduler thread
@@ -386,11 +416,23 @@ def run_worker(engine_id: str, index: int) -> int:
     os.nice(_NICENESS)
     segment = join_existing(engine_id)
     rings = runner = None
+    mine = [generation]
+
+    def check_owner() -> None:
+        if segment.owner_generation() != mine[0]:
+            raise _Stale()
+
     try:
+        if generation is not None:
+            check_owner()  # started by a scheduler that is gone already
         config = PoolConfig.read(segment.rings)
         rings = RingSet.attach(segment.name, segment.rings, worker=index)
+        if generation is None:
+            mine[0] = segment.owner_generation()
+        check_owner()
         me = rings.worker(index)
         me.claim()
+        check_owner()  # a new owner re-attached while we claimed: the slot is its pool's
         g = segment.geometry
         arena = np.frombuffer(segment.arena, dtype=np.uint8).reshape(g.num_chunks, g.row_stride)
         try:
@@ -402,8 +444,9 @@ def run_worker(engine_id: str, index: int) -> int:
             return EXIT_BACKENDS_FAILED
         runner = JobRunner(backends, arena, config.chunk_bytes, config.slot_size, me.beat,
                            take_new=lambda: me.jobs.get_many(_BATCH, timeout_s=0),
-                           answer=lambda result: _answer(me, result, segment),
-                           stop_requested=lambda: bool(stopping), tally=me.tally)
+                           answer=lambda result: _answer(me, result, segment, check_owner),
+                           stop_requested=lambda: bool(stopping), tally=me.tally,
+                           check_owner=check_owner)
         next_owner_check = time.monotonic() + _OWNER_CHECK_S
         last_job = 0.0
         while not stopping:
@@ -413,6 +456,7 @@ def run_worker(engine_id: str, index: int) -> int:
                     time.sleep(_POLL_S)
                 else:
                     batch = me.jobs.get_many(_BATCH, timeout_s=config.heartbeat_interval_s)
+            check_owner()  # jobs taken for a stale owner are left unrun
             me.beat()
             if batch:
                 for load in runner.admit(decode_all(batch)):
@@ -427,6 +471,11 @@ def run_worker(engine_id: str, index: int) -> int:
         return 0
     except _Stop:
         return 0
+    except _Stale:
+        logger.warning("tier worker %d: the scheduler that started it (owner generation %s) "
+                       "was replaced (generation %d, a warm restart); exiting", index,
+                       mine[0], segment.owner_generation())
+        return 3
     finally:
         if rings is not None:
             try:
@@ -438,21 +487,25 @@ def run_worker(engine_id: str, index: int) -> int:
         segment.close()
 
 
-def _answer(me, result: jobs.Result, segment) -> None:
-    """Put ``result``; a full result ring means the scheduler lags: wait, but not forever."""
+def _answer(me, result: jobs.Result, segment, check_owner) -> None:
+    """Put ``result``; a full result ring means the scheduler lags: wait, but not forever.
+    Nothing is put for a stale owner generation (``check_owner`` raises)."""
     payload = jobs.encode_result(result)
+    check_owner()
     while not me.results.try_put(payload):
         me.beat()
         if not segment.header().owner_alive():
             raise _Stop()
+        check_owner()
         time.sleep(0.001)
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of a spawned worker: ``main([engine_id, index])``."""
+    """Entry point of a spawned worker: ``main([engine_id, index])``, or with the owner
+    generation of the scheduler that starts it: ``main([engine_id, index, generation])``."""
     argv = sys.argv[1:] if argv is None else argv
     logging.basicConfig(level=os.environ.get("SHMTIER_LOG", "WARNING"))
-    return run_worker(argv[0], int(argv[1]))
+    return run_worker(argv[0], int(argv[1]), int(argv[2]) if len(argv) > 2 else None)
 
 
 if __name__ == "__main__":

@@ -324,13 +324,29 @@ class Segment:
             _prefault(self._buf, off + row * g.row_stride + rank * slot, slot)
 
     def claim_ownership(self) -> None:
-        """Record this process as owner; bumps the generation (scheduler only)."""
+        """Record this process as owner and bump the owner generation (scheduler only).
+
+        Called once per owner incarnation: when the owner creates the segment and when it
+        joins one (a warm re-attach to a dead owner's segment); ``open_segment`` refuses an
+        owner while another one lives, which is what serialises the claims. The
+        generation is the owner incarnation's identity (see :meth:`owner_generation`)."""
         pid, started = procinfo.me()
         _OWNER.pack_into(self._view, _OWNER_OFFSET, pid, started)
         generation = self.header().generation + 1
         _GENERATION.pack_into(self._view, _GENERATION_OFFSET, generation)
         self.table.counters[GENERATION] = generation
         self.is_owner = True
+
+    def owner_generation(self) -> int:
+        """The owner generation word of the header: 0 before any owner claimed the
+        segment, then bumped by every :meth:`claim_ownership` (written by the owner only).
+
+        Read by tier workers (any process; one 8-byte load, never blocks): a worker ties
+        itself to the generation of the owner that started it (the pool passes it on the
+        worker's command line) and exits, touching no row or ring, once the word differs:
+        its owner died and a new one re-attached (warm restart), whose pool fills the
+        worker slots itself (``workers/job_loop.py``, ``shmtier/scheduler/pool/``)."""
+        return _GENERATION.unpack_from(self._view, _GENERATION_OFFSET)[0]
 
     def _unclaimed(self) -> bool:
         return self.header().owner_pid == 0

@@ -6,11 +6,14 @@ new owner keeps the ready rows and frees the rows of writes that never completed
 plays the rest of the trace.
 
 Who calls: ``run_stress`` (``first_scheduler``), on its scheduler thread; it blocks until
-the child reached the restart point (bounded by ``timeout_s``), kills it, and waits for
-the dead scheduler's tier workers to exit (they check their owner every second,
-``workers/job_loop.py``). The child is ``python -m shmtier.stress.restart PARAMS``: it
-prints one ``RESULT {json}`` line once it has played its requests and then waits on its
-stdin to be killed; its work in flight (cascades, promotions, pinned rows) is cut off.
+the child reached the restart point (bounded by ``timeout_s``) and kills it. It does not
+wait for the dead scheduler's tier workers: the restart follows at once, as a supervisor
+restarting a crashed engine would, and the new scheduler's pool makes sure no slot keeps
+an old worker (the owner generation: ``workers/job_loop.py``,
+``shmtier/scheduler/pool/old_holders.py``); the run checks that afterwards. The child is
+``python -m shmtier.stress.restart PARAMS``: it prints one ``RESULT {json}`` line once it
+has played its requests and then waits on its stdin to be killed; its work in flight
+(cascades, promotions, pinned rows) is cut off.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import time
 
 import numpy as np
 
+from shmtier.shared import procinfo
 from shmtier.shared.segment import SHM_DIR, segment_name
 from shmtier.stress import faults
 
@@ -32,11 +36,17 @@ _PREFIX = "RESULT "
 
 def first_scheduler(params: dict, timeout_s: float = 600.0) -> dict:
     """Run the child on ``params`` (see ``_child``), kill it once it has played its part
-    and return what it reported, with ``workers_exited_s`` (None: its tier workers were
-    still running 10 s after the kill), ``segment_present`` (its segment still there
-    then) and ``killed_pid``."""
+    and return what it reported, with ``old_workers`` (``[pid, start time]`` of its tier
+    workers still running right after the kill), ``segment_present`` (its segment still
+    there then) and ``killed_pid``."""
     proc = subprocess.Popen([sys.executable, "-m", "shmtier.stress.restart", json.dumps(params)],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    # what the new scheduler imports, loaded while the child plays: the restart then follows
+    # the kill within milliseconds (inside the workers' 1 s owner check), and the stale
+    # segment has no time to be taken by another suite's clean-up
+    import torch  # noqa: F401
+
+    import shmtier.spec  # noqa: F401
     try:
         report = None
         deadline = time.monotonic() + timeout_s
@@ -56,13 +66,9 @@ def first_scheduler(params: dict, timeout_s: float = 600.0) -> dict:
         proc.stdin.close()
         proc.stdout.close()
     report["killed_pid"] = proc.pid
-    started = time.monotonic()
-    while faults.our_workers(params["engine_id"]):
-        if time.monotonic() - started > 10.0:
-            report["workers_exited_s"] = None
-            return report
-        time.sleep(0.05)
-    report["workers_exited_s"] = time.monotonic() - started
+    report["killed_at"] = time.monotonic()
+    report["old_workers"] = [[pid, start] for pid in faults.our_workers(params["engine_id"])
+                             if (start := procinfo.start_time(pid)) is not None]
     # a stale segment is what `shmtier clean` (run anywhere on the host) removes
     report["segment_present"] = os.path.exists(
         os.path.join(SHM_DIR, segment_name(params["engine_id"]).lstrip("/")))

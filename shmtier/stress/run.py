@@ -16,6 +16,7 @@ import uuid
 
 import numpy as np
 
+from shmtier.shared import procinfo
 from shmtier.stress import checks, trace
 from shmtier.stress.faults import mount_tmpfs, unmount
 from shmtier.stress.chaos import WRITE_BYTES, Chaos, ChaosRunner, merge_counts, report
@@ -104,6 +105,7 @@ def run_stress(conversations: int = 24, turns: int = 4, chunks_per_turn: int = 4
         engine = Engine({**extra, "warm_restart": chaos.warm_restart_at is not None},
                         engine_id, 2 * max_chunks, result, clock)
         if chaos.warm_restart_at is not None:
+            first["restarted_at"] = time.monotonic()
             _check_restart(engine, first, result, expected)
         checks.settle(engine.manager)  # tier workers up and the fs root listed
         runner = ChaosRunner(chaos, np.random.default_rng(seed + 1), engine.pool, engine_id,
@@ -213,9 +215,8 @@ def _adopt_first(first: dict, totals: Totals, timer: CallTimer, clock: Clock,
     rows = first["rows_at_kill"]
     print(f"  first scheduler (pid {first['killed_pid']}) SIGKILLed after request {stop} of "
           f"{len(queue)}: {rows['resident']} chunks resident, {rows['pinned']} rows pinned and "
-          f"{rows['pending']} pending by work in flight; its tier workers exited "
-          + (f"{first['workers_exited_s']:.1f} s later" if first["workers_exited_s"] is not None
-             else "NOT within 10 s"))
+          f"{rows['pending']} pending by work in flight; {len(first['old_workers'])} of its "
+          f"tier workers still running as the new scheduler re-attaches at once")
 
 
 def _check_restart(engine: Engine, first: dict, result: StressResult, expected) -> None:
@@ -233,9 +234,14 @@ def _check_restart(engine: Engine, first: dict, result: StressResult, expected) 
         print(f"  warm restart: skipped: {why}")
         result.faults["warm_restart"] = {"skipped": why, "killed_pid": first["killed_pid"]}
         return
-    result.check("warm restart: old tier workers exited", first["workers_exited_s"] is not None,
-                 f"warm restart: the killed scheduler's tier workers exited: "
-                 f"{'yes' if first['workers_exited_s'] is not None else 'NO (after 10 s)'}")
+    old = _old_workers_gone(engine, first)
+    result.check("warm restart: old tier workers gone", not old["running"],
+                 f"warm restart: new engine up {old['restarted_after_s']:.2f} s after the "
+                 f"kill; the killed scheduler's {old['old_workers']} tier workers "
+                 f"running at the restart are gone: "
+                 f"{'yes' if not old['running'] else 'NO: pids %s' % old['running']} "
+                 f"({old['old_slots_left']} left their slots on seeing the new owner, "
+                 f"{old['old_slots_killed']} killed by the new pool)", **old)
     result.check("warm restart: segment kept", not segment.is_creator and 0 < rows <= kept,
                  f"warm restart: re-attached to the segment: "
                  f"{'yes' if not segment.is_creator else 'NO (made a new one)'}; "
@@ -245,8 +251,24 @@ def _check_restart(engine: Engine, first: dict, result: StressResult, expected) 
                  f"warm restart: kept rows whose bytes differ from their chunk: {bad} of {rows}",
                  rows=rows, wrong=bad)
     result.faults["warm_restart"] = {"killed_pid": first["killed_pid"], "rows_kept": rows,
-                                     "resident_at_kill": kept,
-                                     "workers_exited_s": first["workers_exited_s"]}
+                                     "resident_at_kill": kept, **old}
+
+
+def _old_workers_gone(engine: Engine, first: dict, wait_s: float = 3.0) -> dict:
+    """The first scheduler's tier workers once the new engine is up: its pool waited for
+    (or killed) those holding slots; one that was still starting leaves on its own when it
+    sees the new owner generation (waited for up to ``wait_s``)."""
+    boot = procinfo.boot_id()
+    old = [(pid, start) for pid, start in first["old_workers"]]
+    deadline = time.monotonic() + wait_s
+    while (running := [pid for pid, start in old if procinfo.is_alive(pid, start, boot)]) \
+            and time.monotonic() < deadline:
+        time.sleep(0.02)
+    holders = engine.pool.old_holders if engine.pool is not None else []
+    return {"old_workers": len(old), "running": running,
+            "restarted_after_s": first["restarted_at"] - first["killed_at"],
+            "old_slots_left": sum(not h.killed for h in holders),
+            "old_slots_killed": sum(h.killed for h in holders)}
 
 
 def _check_invariants(result: StressResult, engine: Engine, first: dict, timer: CallTimer,

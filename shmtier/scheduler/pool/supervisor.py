@@ -45,6 +45,14 @@ state, and no re-import of the caller's main module); ``external`` expects
 judges them by their slot claims and heartbeats. The mode is written into the
 segment's ``PoolConfig`` (``shmtier workers`` refuses a spawn-mode engine).
 
+Warm restart (a scheduler re-attached to a dead one's segment): the pool is built after
+the segment was claimed, which bumped its owner generation. Before the pool writes its
+config and re-creates the rings, it waits for slots still held by the dead scheduler's
+workers to be freed (they leave on seeing the new generation) and SIGKILLs those that do
+not leave within 2 s (``old_holders.py``; each one is logged and kept in
+``old_holders``), so no slot ever has two workers. Every worker it spawns gets the owner
+generation on its command line and serves only that one (``workers/job_loop.py``).
+
 A part's deadline: a worker that holds a part ``job_timeout_s`` after it was
 submitted is judged hung and killed (spawn mode: its process; external mode:
 SIGKILL to the slot's holder, verified by pid and start time) *before* its parts
@@ -65,6 +73,7 @@ import time
 from typing import Any
 
 from shmtier.scheduler.pool.dispatch import Dispatch, PoolJobId, PoolResult
+from shmtier.scheduler.pool.old_holders import OldHolder, retire_old_holders
 from shmtier.scheduler.pool.worker_state import RUNNING, WorkerRecord, WorkerState
 from shmtier.shared import jobs
 from shmtier.shared.pool_config import EXIT_BACKENDS_FAILED, PoolConfig
@@ -126,7 +135,8 @@ class WorkerPool:
     ``heartbeat_timeout_s``: a worker holding parts whose own heartbeat is older is
     hung. ``max_start_failures`` start failures of one slot within
     ``start_failure_window_s`` break the pool. The part deadline is
-    ``config.job_timeout_s``.
+    ``config.job_timeout_s``. Construction blocks while a previous scheduler's workers
+    still hold slots (a warm restart; at most a few seconds, see the module docstring).
     """
 
     def __init__(self, engine_id: str, segment: Any, config: PoolConfig, *, mode: str = "spawn",
@@ -144,6 +154,14 @@ class WorkerPool:
         self.max_start_failures = max_start_failures
         self.start_failure_window_s = start_failure_window_s
         self.n = config.num_workers
+        #: the owner incarnation this pool serves; its workers exit once it changes
+        self.generation = segment.owner_generation()
+        #: the previous scheduler's workers found holding slots (warm restart)
+        self.old_holders: list[OldHolder] = retire_old_holders(segment.rings)
+        for old in self.old_holders:
+            logger.warning("tier worker slot %d was still held by pid %d, a worker of the "
+                           "previous scheduler of this segment: %s after %.2f s", old.slot,
+                           old.pid, "killed" if old.killed else "it left", old.gone_after_s)
         config.write(segment.rings)
         self.rings = RingSet.create(segment.name, segment.rings, config.num_workers,
                                     config.slots, config.slot_size)
@@ -460,7 +478,8 @@ class WorkerPool:
 
     def _spawn(self, w: int, now: float) -> None:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "shmtier.workers.job_loop", self.engine_id, str(w)],
+            [sys.executable, "-m", "shmtier.workers.job_loop", self.engine_id, str(w),
+             str(self.generation)],
             stdin=subprocess.DEVNULL, stderr=subprocess.PIPE)
         self._procs[w] = proc
         self._tails[w] = _StderrTail(proc.stderr, f"worker{w}")
