@@ -7,6 +7,7 @@ Run from a checkout::
     .venv/bin/python bench/codec.py --quick          # smoke test: 3 repeats, fewer chunks
     .venv/bin/python bench/codec.py --breakdown      # also time each step of the auto path
     .venv/bin/python bench/codec.py --json bench/results/codec.json
+    .venv/bin/python bench/codec.py --crc            # CRC-32C only: one stream vs three (~20 s)
 
 What is measured, per data set and chunk size, single thread (= per core):
 
@@ -26,6 +27,12 @@ What is measured, per data set and chunk size, single thread (= per core):
   ``blake2b`` (reference): keyed ``hashlib.blake2b`` (32-byte digest) over the chunk alone,
   the MAC's work; ``hmac-sha256`` (reference): ``hmac.digest`` with SHA-256 (OpenSSL; fast
   where the CPU has the SHA extensions), the standard library's other keyed MAC.
+
+``--crc`` runs only the CRC-32C comparison: ``crc32c_serial`` (one crc32 chain, the
+implementation before the three streams) against ``crc32c`` (three interleaved chains) at
+4 KiB, 64 KiB, 256 KiB and 1.4 MiB, ``hot`` (one buffer, over and over: in L1/L2) and
+``cold`` (each of ~96 MiB of distinct buffers once: from memory, like an arena row), GB/s per
+CPU second of the whole loop of Python calls (the call's overhead counts, as for any caller).
 
 Data (real, generated with numpy, distinct values in every chunk): ``bf16 normal`` (float32
 standard normal, top 16 bits), ``bf16 ln-scale`` (the same with a log-normal scale per
@@ -63,8 +70,15 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO_ROOT not in sys.path:
     sys.path.insert(0, REPO_ROOT)
 
-from common import rotated, write_json  # noqa: E402
-from shmtier.shared._planes import CRC32C_IMPL, crc32c, merge, split  # noqa: E402
+from common import fmt_mr, med_range, rotated, write_json  # noqa: E402
+from shmtier.shared._planes import (  # noqa: E402
+    CRC32C_BLOCKS,
+    CRC32C_IMPL,
+    crc32c,
+    crc32c_serial,
+    merge,
+    split,
+)
 from shmtier.shared import codec as C  # noqa: E402
 from shmtier.shared.codec import (  # noqa: E402
     ChunkDecoder,
@@ -275,6 +289,67 @@ def breakdown(chunks, outs, repeats: int) -> list[tuple[str, float, float, float
     return rows
 
 
+CRC_SIZES = (4 * KIB, 64 * KIB, 256 * KIB, 1408 * KIB)
+CRC_HOT_BYTES = 64 * MIB  # per (size, function, repeat), hot
+CRC_COLD_BYTES = 96 * MIB  # distinct buffers per size, cold: three times this host's L3
+
+
+def crc_section(repeats: int, hot_bytes: int = CRC_HOT_BYTES,
+                cold_bytes: int = CRC_COLD_BYTES) -> list[dict]:
+    """One stream against three: GB/s per CPU second (``thread_time`` around the whole
+    loop of calls), median [min-max] over ``repeats``, the two functions interleaved with
+    the order rotated per repeat, gc off. Prints a table; returns its rows."""
+    fns = [("1 stream", crc32c_serial), ("3 streams", crc32c)]
+    rng = np.random.default_rng(32)
+    rows = []
+    print(f"CRC-32C ({CRC32C_IMPL}; three-stream blocks {CRC32C_BLOCKS[0]} then "
+          f"{CRC32C_BLOCKS[1]} bytes, from {3 * CRC32C_BLOCKS[1]} bytes): GB/s per CPU "
+          f"second, median [min-max] of {repeats} repeats; load average "
+          f"{' '.join(f'{x:.2f}' for x in os.getloadavg())} (1, 5, 15 min)")
+    hdr = (f"{'size':>9s} {'where':5s} {'1 stream':>20s} {'3 streams':>20s} "
+           f"{'speed-up':>18s}")
+    print(hdr)
+    print("-" * len(hdr))
+    gc_was = gc.isenabled()
+    for size in CRC_SIZES:
+        hot = [aligned_empty(size)]
+        hot[0][:] = rng.integers(0, 256, size, dtype=np.uint8)
+        cold = []
+        for _ in range(max(8, cold_bytes // size)):
+            b = aligned_empty(size)
+            b[:] = rng.integers(0, 256, size, dtype=np.uint8)
+            cold.append(b)
+        for where, bufs in (("hot", hot * max(1, hot_bytes // size)), ("cold", cold)):
+            for b in bufs[:8]:
+                assert crc32c(b) == crc32c_serial(b)
+            figs = {name: [] for name, _ in fns}
+            gc.disable()
+            try:
+                for r in range(repeats):
+                    for name, fn in rotated(fns, r):
+                        t0 = time.thread_time()
+                        for b in bufs:
+                            fn(b)
+                        figs[name].append(size * len(bufs) / (time.thread_time() - t0) / 1e9)
+            finally:
+                if gc_was:
+                    gc.enable()
+            ratio = [t / s_ for s_, t in zip(figs["1 stream"], figs["3 streams"])]
+            label = f"{size // KIB} KiB"
+            print(f"{label:>9s} {where:5s} {fmt_mr(med_range(figs['1 stream'])):>20s} "
+                  f"{fmt_mr(med_range(figs['3 streams'])):>20s} "
+                  f"{fmt_mr(med_range(ratio)):>17s}x", flush=True)
+            rows.append({"bytes": size, "where": where, "calls": len(bufs),
+                         **{name.replace(" ", "_") + "_gbps": dict(zip(
+                             ("median", "min", "max"), med_range(v)), all=v)
+                            for name, v in figs.items()},
+                         "speedup": dict(zip(("median", "min", "max"), med_range(ratio)),
+                                         all=ratio)})
+        del hot, cold
+    print(f"load average at the end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    return rows
+
+
 def _fmt(figs: list[float]) -> str:
     return f"{statistics.median(figs):5.2f} [{min(figs):5.2f}-{max(figs):5.2f}]"
 
@@ -286,10 +361,21 @@ def main(argv=None) -> int:
     ap.add_argument("--mib-per-size", type=int, default=24, help="data per (data set, size), MiB")
     ap.add_argument("--quick", action="store_true", help="3 repeats, 8 MiB per size")
     ap.add_argument("--breakdown", action="store_true", help="also time each step of the auto path")
+    ap.add_argument("--crc", action="store_true",
+                    help="only CRC-32C, one stream against three (see the docstring)")
     ap.add_argument("--json", help="write the figures to this file")
     args = ap.parse_args(argv)
     if args.quick:
         args.repeats, args.mib_per_size = 3, 8
+    if args.crc:
+        if args.quick:
+            rows = crc_section(args.repeats, 8 * MIB, 16 * MIB)
+        else:
+            rows = crc_section(args.repeats)
+        if args.json:
+            write_json(args.json, {"repeats": args.repeats, "crc": rows})
+            print(f"wrote {args.json}")
+        return 0
 
     print(__doc__.split("Method:")[0].strip().splitlines()[0])
     print(f"host: {platform.node()} {platform.processor() or platform.machine()}, "

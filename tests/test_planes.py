@@ -7,7 +7,9 @@ import numpy as np
 import pytest
 
 from shmtier.shared import _planes
-from shmtier.shared._planes import crc32c, crc32c_table, merge, split
+from shmtier.shared._planes import crc32c, crc32c_serial, crc32c_table, merge, split
+
+LONG, SHORT = _planes.CRC32C_BLOCKS  # block lengths of crc32c's three-stream path
 
 
 def crc32c_reference(data: bytes, value: int = 0) -> int:
@@ -20,8 +22,33 @@ def crc32c_reference(data: bytes, value: int = 0) -> int:
     return c ^ 0xFFFFFFFF
 
 
+_BYTE_TABLE = [crc32c_reference(bytes([i]), 0xFFFFFFFF) ^ 0xFFFFFFFF for i in range(256)]
+
+
+def crc32c_reference_bytewise(data: bytes, value: int = 0) -> int:
+    """crc32c_reference a byte at a time, with a table made by crc32c_reference (the
+    register after one byte with nothing before): for megabyte buffers."""
+    c = value ^ 0xFFFFFFFF
+    table = _BYTE_TABLE
+    for byte in data:
+        c = (c >> 8) ^ table[(c ^ byte) & 0xFF]
+    return c ^ 0xFFFFFFFF
+
+
+def _around(*points: int) -> list[int]:
+    return sorted({n for p in points for n in range(max(0, p - 9), p + 10)})
+
+
+# Lengths where the three-stream path changes shape: the smallest buffer it takes
+# (3 * SHORT), one and two short groups, one and two long groups with and without short
+# groups and a tail after them (the start may lose up to 7 bytes to alignment).
+THREE_STREAM_LENGTHS = _around(3 * SHORT, 6 * SHORT, 3 * LONG, 3 * LONG + 3 * SHORT,
+                               5 * LONG + 1234, 6 * LONG, 6 * LONG + 3 * SHORT - 1)
+
+
 def test_crc32c_check_value_and_implementation():
     assert crc32c(b"123456789") == crc32c_table(b"123456789") == 0xE3069283
+    assert crc32c_serial(b"123456789") == 0xE3069283
     assert crc32c(b"") == 0
     assert _planes.CRC32C_IMPL in ("sse4.2", "table")
 
@@ -33,12 +60,52 @@ def test_crc32c_matches_the_reference_at_every_length_and_alignment(n):
     for offset in (0, 1, 3, 7):
         data = buf[offset:offset + n]
         expected = crc32c_reference(data)
-        assert crc32c(data) == crc32c_table(data) == expected
+        assert crc32c(data) == crc32c_table(data) == crc32c_serial(data) == expected
         assert crc32c(memoryview(buf)[offset:offset + n]) == expected
         # chained like zlib.crc32
         cut = n // 3
         assert crc32c(data[cut:], crc32c(data[:cut])) == expected
         assert crc32c_table(data[cut:], crc32c_table(data[:cut])) == expected
+
+
+def test_crc32c_three_streams_match_the_reference_around_every_block_boundary():
+    assert _planes.CRC32C_BLOCKS == (LONG, SHORT) and LONG % 8 == 0 and SHORT % 8 == 0
+    rng = np.random.default_rng(3)
+    buf = rng.integers(0, 256, max(THREE_STREAM_LENGTHS) + 8, dtype=np.uint8).tobytes()
+    mv = memoryview(buf)
+    for offset in (0, 1, 5, 7):
+        # the table over the whole buffer once, chained, giving each (ascending) length
+        expected = {}
+        c = 0
+        last = 0
+        for n in THREE_STREAM_LENGTHS:
+            c = crc32c_table(mv[offset + last:offset + n], c)
+            last = n
+            expected[n] = c
+        for n in THREE_STREAM_LENGTHS:
+            data = mv[offset:offset + n]
+            assert crc32c(data) == crc32c_serial(data) == expected[n], (offset, n)
+    # the table itself against the bit-at-a-time reference at a few of those lengths
+    for n in (3 * SHORT - 1, 3 * SHORT, 3 * LONG + 1):
+        assert crc32c_table(mv[1:1 + n]) == crc32c_reference(buf[1:1 + n])
+
+
+def test_crc32c_of_a_chunk_matches_the_pure_python_reference_and_chains():
+    n = 1408 * 1024  # a 1.4 MiB chunk, as the p2p tier moves
+    buf = np.random.default_rng(14).integers(0, 256, n + 3, dtype=np.uint8).tobytes()
+    data = buf[3:]  # unaligned start
+    expected = crc32c_reference_bytewise(data)
+    assert crc32c(data) == crc32c_serial(data) == crc32c_table(data) == expected
+    assert crc32c(memoryview(buf)[3:]) == expected
+    # chained over cuts that fall on, next to and away from block boundaries
+    for cuts in ([1], [3 * SHORT], [3 * LONG - 1, 3 * LONG + 5], [7, 1000, 70_000, n - 3]):
+        c, start = 0, 0
+        for cut in cuts + [n]:
+            c = crc32c(data[start:cut], c)
+            start = cut
+        assert c == expected, cuts
+    assert crc32c(data, 0x12345678) == crc32c_table(data, 0x12345678)
+    assert crc32c(data[:-1] + bytes([data[-1] ^ 1])) != expected
 
 
 def test_crc32c_large_buffer_agrees_with_the_table():
@@ -80,3 +147,7 @@ def test_sizes_and_writability_are_checked_with_clear_errors():
         crc32c()
     with pytest.raises(TypeError):
         crc32c("text")
+    with pytest.raises(TypeError, match="1 or 2 arguments"):
+        crc32c_serial(b"a", 0, 0)
+    with pytest.raises(BufferError):  # not contiguous: refused, not checksummed in pieces
+        crc32c(memoryview(bytes(range(100)))[::2])
