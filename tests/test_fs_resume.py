@@ -36,6 +36,20 @@ def _kv_files(where: str) -> set[bytes]:
             for n in names if n.endswith(".kv")}
 
 
+SCHEDULER_LOG = "shmtier.tiers.storage.scheduler"
+
+
+def _tier_log(caplog, level=logging.INFO) -> list[str]:
+    """The fs tier scheduler half's log lines of ``level`` (WARNING: and above)."""
+    return [r.getMessage() for r in caplog.records if r.name == SCHEDULER_LOG
+            and (r.levelno >= level if level >= logging.WARNING else r.levelno == level)]
+
+
+def _store_failures_logged(caplog) -> list[str]:
+    return [m for m in _tier_log(caplog, logging.WARNING)
+            if "not stored" in m or "fail until space frees up" in m]
+
+
 def _warnings(caplog) -> list[str]:
     return [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
 
@@ -140,7 +154,7 @@ def _restart_every_worker(e) -> None:
 
 
 @pytest.mark.parametrize("case", ["namespace-kept", "root-removed", "workers-restarted"])
-def test_cascades_resume_once_the_full_disk_is_freed(engines, case):
+def test_cascades_resume_once_the_full_disk_is_freed(engines, case, caplog):
     """Through the spec and its tier workers, the fs root's tmpfs filled: with the
     namespace in place (the tier holds nothing to evict); after the root was removed and
     recreated, so that making the namespace again itself meets ENOSPC; and so, with every
@@ -164,8 +178,11 @@ def test_cascades_resume_once_the_full_disk_is_freed(engines, case):
             fill(filler)
             if case == "workers-restarted":
                 _restart_every_worker(e)
+            caplog.set_level(logging.INFO, logger=SCHEDULER_LOG)
             failed = [key(10 + i) for i in range(4)]
-            _cascade(e, failed, 4, "while-full")
+            _cascade(e, failed[:2], 4, "while-full")
+            _cascade(e, failed[2:], 6, "still-full")
+            assert len(_store_failures_logged(caplog)) == 1, _tier_log(caplog, logging.WARNING)
             _no_rows_held(e)
             assert not temp_files(mnt)
             assert not _kv_files(root) & set(failed)
@@ -177,6 +194,7 @@ def test_cascades_resume_once_the_full_disk_is_freed(engines, case):
             os.unlink(filler)
             resumed = [key(20 + i) for i in range(4)]
             _cascade(e, resumed, 8, "after-free")
+            assert any("succeed again" in m for m in _tier_log(caplog, logging.INFO))
             _no_rows_held(e)
             assert _kv_files(root) >= set(resumed), "no store landed after the free"
             assert set(tier.indexed_chunks()) >= set(resumed)
@@ -194,3 +212,34 @@ def test_cascades_resume_once_the_full_disk_is_freed(engines, case):
             assert e.spec.worker_pool.broken is None
         finally:
             e.close()
+
+
+def test_stores_failing_for_one_reason_are_logged_once_until_they_work(engines, tmp_path,
+                                                                      caplog):
+    """The root removed: every cascade fails (ERROR ENOENT, the root is the operator's),
+    logged once by the scheduler half, not once per job (the workers' once each:
+    ``test_a_backend_stores_again_once_the_full_disk_is_freed``); once the
+    root is back the next cascade lands and "succeed again" is logged; a later failure
+    is logged again."""
+    root = tmp_path / "root"
+    root.mkdir()
+    e = engines(root, chunks=8, workers=1)
+    try:
+        _cascade(e, [key(0)], 0, "before")
+        shutil.rmtree(root)
+        caplog.set_level(logging.INFO)
+        for i in range(3):
+            _cascade(e, [key(10 + i)], 1 + i, f"gone-{i}")
+        warned = _tier_log(caplog, logging.WARNING)
+        failing = [m for m in warned if "not stored" in m]
+        assert len(failing) == 1 and "root_dir is gone" in failing[0], warned
+        root.mkdir()
+        _cascade(e, [key(20)], 4, "back")
+        assert _kv_files(str(root)) == {key(20)}
+        assert sum("succeed again" in m for m in _tier_log(caplog, logging.INFO)) == 1
+        shutil.rmtree(root)
+        _cascade(e, [key(21)], 5, "gone-again")
+        failing = [m for m in _tier_log(caplog, logging.WARNING) if "not stored" in m]
+        assert len(failing) == 2, failing
+    finally:
+        e.close()
