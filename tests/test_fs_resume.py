@@ -18,8 +18,9 @@ import time
 import numpy as np
 import pytest
 import torch
-from fs_engine import END, GPU_BLOCKS, MISS, RETRY, engines, key  # noqa: F401
+from fs_engine import GPU_BLOCKS, MISS, engines, key  # noqa: F401
 from test_fs_backend import backend, keys_for, make_arena, temp_files, tmpfs
+from test_tiering_fs import _tier_answers_settled
 
 from shmtier.contract import ReqContext
 from shmtier.shared.codec import CompressionConfig
@@ -120,20 +121,6 @@ def _cascade(e, keys, first_block, name):
     e.settle()
 
 
-def _tier_answers(e, tier, keys, timeout_s=20.0):
-    """The fs tier's own answers for ``keys``, asked once per step until none is RETRY
-    (an unknown key is probed on the medium first)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        with e.manager.lock:
-            e.manager.lookup(keys[0], ReqContext("probe"))  # takes the tiers' results first
-            answers = [tier.lookup(k, ReqContext("probe")) for k in keys]
-            e.manager.on_schedule_end(END)
-        if RETRY not in answers or time.monotonic() > deadline:
-            return answers
-        time.sleep(0.005)
-
-
 def _no_rows_held(e) -> None:
     rows = snapshot(e.spec.engine_id).rows
     assert (rows.pinned, rows.pending) == (0, 0), rows
@@ -207,7 +194,7 @@ def test_cascades_resume_once_the_full_disk_is_freed(engines, case, caplog):
             assert torch.equal(got, e.originals[0][8:12])
             data = e.manager.get_stats().data["data"]
             assert data["vllm:kv_offload_tiering_read_bytes"][("1:fs",)] > 0
-            assert _tier_answers(e, tier, failed) == [MISS] * 4
+            assert _tier_answers_settled(e, tier, failed) == [MISS] * 4
             _no_rows_held(e)
             assert e.spec.worker_pool.broken is None
         finally:

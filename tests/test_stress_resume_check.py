@@ -25,13 +25,18 @@ def _filled(runner, filler) -> None:
     runner.filled = True
 
 
-def test_freed_while_the_root_is_gone_counts_from_its_return(tmp_path):
-    counters = {WRITE_BYTES: 100}
+def _freed_while_the_root_is_gone(tmp_path, counters):
     runner, root, filler = _runner(tmp_path, counters)
     runner._root()
     _filled(runner, filler)
     runner._free()
     assert not filler.exists() and runner.written_at_free is None  # root still gone
+    return runner, root
+
+
+def test_freed_while_the_root_is_gone_counts_from_its_return(tmp_path):
+    counters = {WRITE_BYTES: 100}
+    runner, root = _freed_while_the_root_is_gone(tmp_path, counters)
     counters[WRITE_BYTES] = 150  # (nothing can land while the root is gone)
     runner._recreate_root()
     assert root.is_dir() and runner.written_at_free == 150
@@ -41,11 +46,7 @@ def test_freed_while_the_root_is_gone_counts_from_its_return(tmp_path):
 
 
 def test_a_root_back_only_at_the_end_is_not_judged(tmp_path):
-    counters = {WRITE_BYTES: 100}
-    runner, root, filler = _runner(tmp_path, counters)
-    runner._root()
-    _filled(runner, filler)
-    runner._free()
+    runner, root = _freed_while_the_root_is_gone(tmp_path, {WRITE_BYTES: 100})
     runner.stop()  # the trace ended before root_gone_s passed
     assert root.is_dir() and runner.root_back_at_end
     assert runner.written_at_free is None and runner.counts["written_after_free"] == 0
