@@ -13,7 +13,10 @@ and each deferred step); nothing here waits on a tier worker. Faults and what ea
   remembered by path and inode for the end's accounting.
 * ``fill_root_at``: the fs root lives on a small tmpfs mounted for the run; a filler file
   beside the root takes all its free space (stores meet ENOSPC) for ``fill_for`` of the
-  trace, then is removed. Without the mount the fault is skipped, with the reason.
+  trace, then is removed. Without the mount the fault is skipped, with the reason. Bytes
+  cascaded after the free count from the free, or from the root's return when it was
+  removed (``delete_root_at``) before the free; not at all when it came back only as the
+  trace ended (``root_back_at_end``: the run does not judge that check then).
 * ``stall_at``: SIGSTOP a random healthy tier worker for ``stall_s`` (longer than the pool's
   heartbeat timeout, so a stalled worker that holds jobs is killed as hung), then SIGCONT;
   the manager calls made meanwhile are timed apart.
@@ -102,6 +105,11 @@ class ChaosRunner:
         self.stalls_waiting = 0
         self.filled = False
         self.written_at_free: float | None = None
+        # freed while the root was gone: stores can work only once the root is back
+        self._free_waits_for_root = False
+        #: The root was gone at the free and came back only at ``stop``: whether stores
+        #: resume after the free cannot be judged (nothing is left to store).
+        self.root_back_at_end = False
         self.counts = {"kills": 0, "no_worker_to_kill": 0, "namespace_deletions": 0,
                        "root_deletions": 0, "files_deleted": 0, "rm_retries": 0,
                        "corrupt_events": 0, "stalls": 0, "stalls_resumed": 0,
@@ -138,7 +146,7 @@ class ChaosRunner:
         self.events = [e for e in self.events if e[1] == "free"]
         self.stalls_waiting = 0
         if self.recreate_at is not None:
-            self._recreate_root()
+            self._recreate_root(at_end=True)
         if self.stalled is not None:
             self._resume()
         if self.filled:
@@ -224,7 +232,10 @@ class ChaosRunner:
             return
         os.unlink(self.filler)
         self.filled = False
-        self.written_at_free = self.counters.get(WRITE_BYTES, 0)
+        if self.recreate_at is not None:  # the root is gone: counted from its return
+            self._free_waits_for_root = True
+        else:
+            self.written_at_free = self.counters.get(WRITE_BYTES, 0)
 
     def _namespace(self) -> None:
         self._count_files()
@@ -253,9 +264,15 @@ class ChaosRunner:
     def _count_files(self) -> None:
         self.counts["files_deleted"] += len(faults.chunk_files(self.root))
 
-    def _recreate_root(self) -> None:
+    def _recreate_root(self, at_end: bool = False) -> None:
         self.recreate_at = None
         os.makedirs(self.root, mode=0o700, exist_ok=True)
+        if self._free_waits_for_root:
+            self._free_waits_for_root = False
+            if at_end:
+                self.root_back_at_end = True
+            else:
+                self.written_at_free = self.counters.get(WRITE_BYTES, 0)
 
 
 def merge_counts(a: dict, b: dict) -> dict:

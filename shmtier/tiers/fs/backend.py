@@ -60,7 +60,14 @@ class FsBackend(TierBackend):
     Raises at construction: FileNotFoundError / NotADirectoryError for a missing root,
     ValueError for invalid arguments or a namespace directory whose config.json names
     another fingerprint or format, OSError when the namespace cannot be created (e.g. a
-    read-only root without an existing namespace) or its path is a symbolic link.
+    read-only root without an existing namespace) or its path is a symbolic link. With
+    ``defer_namespace`` (``open``: every tier worker) a root that is gone or a
+    filesystem too full to make the namespace (``namespace.DEFERRABLE``) is not an error:
+    the backend starts without a namespace (stores fail as below, loads MISS; logged
+    once) and its first store that can makes it, so a worker restarted during such an
+    outage starts (else the pool would count start failures and break for good). Such a
+    backend uses buffered I/O when ``direct_io`` is "auto" (nothing to probe); with
+    ``direct_io`` true it does not defer.
 
     A namespace removed while the backend runs (its directory or the whole root deleted):
     every op first checks that the namespace path still names the directory it holds (one
@@ -68,6 +75,10 @@ class FsBackend(TierBackend):
     deletes MISS and scan lists nothing; the next store makes the namespace again (with
     the recorded fan-out) when the root exists, else fails every key (ERROR, ENOENT: the
     root is the operator's and never created here) and tries again on the next store.
+    A namespace that cannot be made for want of space fails every key of the store
+    (REJECTED, ``"ENOSPC ... (namespace)"``; nothing half-made is left) and is tried
+    again by the next store too: nothing is remembered as broken, so stores resume as
+    soon as the root is back or space is freed (``namespace.py``, "Recovery").
     Each change seen (removed, replaced, made again; with ``flag_created``, also a
     namespace this backend had to make when it opened) raises ``ResultFlag.NAMESPACE_RESET``
     (``take_flags``) so that the scheduler half drops its index and lists the tier again,
@@ -109,6 +120,7 @@ class FsBackend(TierBackend):
         direct_io: bool | str = False,
         mac_key: bytes | None = None,
         flag_created: bool = True,
+        defer_namespace: bool = False,
     ):
         if not isinstance(namespace, str) or not namespace:
             raise ValueError(f"fs tier namespace must be a non-empty fingerprint string, got {namespace!r}")
@@ -126,11 +138,11 @@ class FsBackend(TierBackend):
         self.mac_key_id = mac_key_id(mac_key) if mac_key is not None else None
         namespace = with_mac_id(namespace, self.mac_key_id)
         self.ns = Namespace(root_dir, namespace, capacity_bytes=max_bytes,
-                            chunk_bytes_hint=chunk_bytes_hint, fsync=bool(fsync))
+                            chunk_bytes_hint=chunk_bytes_hint, fsync=bool(fsync),
+                            defer=defer_namespace and direct_io is not True)
         self.root_dir = self.ns.root_dir
         self.fingerprint = namespace
         self.namespace_dir = self.ns.dir
-        self.fanout_bits = self.ns.fanout_bits
         self.fsync = bool(fsync)
         self.element_size = element_size
         self.max_bytes = max_bytes
@@ -138,8 +150,8 @@ class FsBackend(TierBackend):
         self.stale_temp_age_s = float(stale_temp_age_s)
         self.codec_config = codec_config if codec_config is not None else CompressionConfig()
         self.counters = FsCounters()
-        self.direct_io = direct_io is not False and probe_direct_io(self.namespace_dir,
-                                                                     dir_fd=self.ns.fd)
+        self.direct_io = (direct_io is not False and self.ns.fd >= 0
+                          and probe_direct_io(self.namespace_dir, dir_fd=self.ns.fd))
         if direct_io is True and not self.direct_io:
             raise OSError(errno.EINVAL, f"fs tier direct_io=true but {self.namespace_dir} does "
                                         f"not support O_DIRECT; set direct_io to "
@@ -163,12 +175,19 @@ class FsBackend(TierBackend):
     @classmethod
     def open(cls, args: dict, context: WorkerContext) -> "FsBackend":
         """A tier worker's backend for the ``fs`` options ``args`` (``FsTierConfig``'s
-        worker options)."""
+        worker options); its namespace deferred while the medium cannot hold it
+        (``defer_namespace``)."""
         return cls(args["root_dir"], context.namespace, fsync=args["fsync"],
                    codec_config=context.codec, element_size=context.element_size,
                    max_bytes=args["max_bytes"], min_free_bytes=args["min_free_bytes"],
                    chunk_bytes_hint=context.chunk_bytes, direct_io=args["direct_io"],
-                   mac_key=args.get("mac_key"), flag_created=context.replacement)
+                   mac_key=args.get("mac_key"), flag_created=context.replacement,
+                   defer_namespace=True)
+
+    @property
+    def fanout_bits(self) -> tuple[int, int] | None:
+        """The namespace's recorded fan-out (None while it was never opened)."""
+        return self.ns.fanout_bits
 
     def path_for(self, key: bytes) -> str:
         """The file that holds (or would hold) ``key``'s chunk."""

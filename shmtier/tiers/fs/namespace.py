@@ -52,6 +52,19 @@ namespace again (config.json with the fan-out recorded before) if the root exist
 root is the operator's: it is never created, stores fail with ENOENT until it is back).
 Every such change bumps ``generation`` (the backend reports it to the scheduler half); the
 process that makes the namespace again logs it once (WARNING, with the path).
+
+Recovery (when the namespace is retried): nothing is remembered as broken. Every store
+calls ``sync(create=True)``, which, while no directory is held, tries again to open or
+make the namespace: the root gone (ENOENT), the filesystem full while config.json is
+written (ENOSPC, EDQUOT: the half-made directory is removed), a link or a file at its
+path. So the first store after the operator recreated the root or freed space makes it;
+loads and probes answer MISS meanwhile. Each such failure is logged once per change of
+state (WARNING, naming the path and the errno; again only after the namespace was usable
+in between or the reason changed), never per store or per chunk. A worker that starts
+while the namespace cannot be made for a reason of the medium's state (the root gone,
+the filesystem full: ``defer=True``, what tier workers use) starts without it and makes
+it at its first store, so a worker restarted during such an outage does not fail to
+start (a pool whose workers fail to start breaks for good).
 """
 
 from __future__ import annotations
@@ -97,6 +110,9 @@ FILES_PER_LEAF_DIR = 512
 MIN_FANOUT_BITS, MAX_FANOUT_BITS = 2, 16
 #: Leaf directory descriptors a namespace keeps open (least recently used closed first).
 MAX_OPEN_LEAVES = 128
+#: Errnos of the medium's state that a deferred open (``Namespace(defer=True)``) waits
+#: out: the root gone, the filesystem or quota full.
+DEFERRABLE = (errno.ENOENT, errno.ENOSPC, errno.EDQUOT)
 
 _DIR_FLAGS = os.O_RDONLY | O_DIRECTORY
 _T = TypeVar("_T")
@@ -172,20 +188,17 @@ class Namespace:
     FileNotFoundError / NotADirectoryError for a missing root, ``LinkRefused`` when the
     namespace path is a symbolic link, ValueError for a config.json that names another
     fingerprint or format, is malformed or is a link, OSError when the namespace cannot
-    be created. Not thread-safe (one per worker process).
+    be created. With ``defer`` (and ``create``), a root that does not exist and a
+    namespace that cannot be made for want of space (``DEFERRABLE``) raise nothing: the
+    namespace starts with no directory held (``fd`` -1, ``fanout_bits`` None; logged
+    once) and the first ``sync(create=True)`` that can makes or opens it. Not
+    thread-safe (one per worker process).
     """
 
     def __init__(self, root_dir: str, fingerprint: str, *, capacity_bytes: int | None,
-                 chunk_bytes_hint: int, fsync: bool, create: bool = True):
+                 chunk_bytes_hint: int, fsync: bool, create: bool = True,
+                 defer: bool = False):
         root = os.path.realpath(os.path.abspath(os.fspath(root_dir)))  # resolved once
-        try:
-            st = os.stat(root)
-        except FileNotFoundError:
-            raise FileNotFoundError(
-                errno.ENOENT, f"fs tier root_dir does not exist (create it first): {root}"
-            ) from None
-        if not stat.S_ISDIR(st.st_mode):
-            raise NotADirectoryError(errno.ENOTDIR, f"fs tier root_dir is not a directory: {root}")
         self.root_dir = root
         self.fingerprint = fingerprint
         self.fsync = fsync  # fsync parents of new fan-out directories
@@ -197,11 +210,24 @@ class Namespace:
         #: Changes of the directory at the namespace path seen since opening (removed,
         #: replaced, made again): the namespace's chunks before a change may be gone.
         self.generation = 0
-        self._root_missing = False  # logged once per time the root is found gone
-        capacity = capacity_bytes if capacity_bytes is not None else st_capacity(root)
-        fd, bits, created = self._attach(choose_fanout_bits(capacity, chunk_bytes_hint),
-                                         create=create)
-        self._adopt(fd, bits)
+        #: The recorded fan-out (level 1, level 2 bits); None before the namespace was
+        #: first opened (a deferred open).
+        self.fanout_bits: tuple[int, int] | None = None
+        self._capacity_bytes, self._chunk_bytes_hint = capacity_bytes, chunk_bytes_hint
+        #: Why the namespace could not be made or opened, as last logged (None: usable,
+        #: or not tried since it was): one WARNING per change of state.
+        self._unusable: tuple[int, str] | None = None
+        created = False
+        try:
+            self._check_root()
+            fd, bits, created = self._attach(self._default_fanout(), create=create)
+        except OSError as e:
+            if not (defer and create and not isinstance(e, LinkRefused)
+                    and e.errno in DEFERRABLE):
+                raise
+            self._note_unusable(e)
+        else:
+            self._adopt(fd, bits)
         #: This process made the namespace directory when it opened it: a namespace that
         #: was deleted while no worker held it (all of them restarting) is found only so.
         self.created_at_open = created
@@ -210,9 +236,39 @@ class Namespace:
         self._writer_tag = ""
         self._boot_tag = procinfo.boot_id()[:4].hex()
 
+    def _check_root(self) -> None:
+        """FileNotFoundError / NotADirectoryError unless the root is a directory now."""
+        try:
+            st = os.stat(self.root_dir)
+        except FileNotFoundError:
+            raise FileNotFoundError(
+                errno.ENOENT, f"fs tier root_dir does not exist (create it first): "
+                              f"{self.root_dir}") from None
+        if not stat.S_ISDIR(st.st_mode):
+            raise NotADirectoryError(errno.ENOTDIR, f"fs tier root_dir is not a directory: "
+                                                    f"{self.root_dir}")
+
+    def _default_fanout(self) -> tuple[int, int]:
+        """The fan-out a namespace made now gets (``capacity_bytes``, else the size of
+        the root's filesystem, and ``chunk_bytes_hint``)."""
+        capacity = (self._capacity_bytes if self._capacity_bytes is not None
+                    else st_capacity(self.root_dir))
+        return choose_fanout_bits(capacity, self._chunk_bytes_hint)
+
+    def _note_unusable(self, e: OSError) -> None:
+        """Log, once per change of state, why the namespace cannot be made or opened now."""
+        why = (e.errno or 0, str(e))
+        if why == self._unusable:
+            return
+        self._unusable = why
+        logger.warning("fs tier namespace %s cannot be made or opened now (%s: %s): stores "
+                       "fail until it can; each store tries again (logged once until it "
+                       "works or the reason changes)", self.dir,
+                       errno.errorcode.get(why[0], why[0]), e.strerror or e)
+
     @property
     def fd(self) -> int:
-        """The namespace directory's descriptor (-1 once closed)."""
+        """The namespace directory's descriptor (-1 once closed, or none held now)."""
         return self._fd
 
     def close(self) -> None:
@@ -245,27 +301,15 @@ class Namespace:
                         self.dir)
             self.close()
             self.generation += 1
-        if st is not None and stat.S_ISLNK(st.st_mode):
-            raise LinkRefused(f"fs tier namespace {self.dir}")
-        if st is not None and not stat.S_ISDIR(st.st_mode):
-            raise NotADirectoryError(
-                errno.ENOTDIR, f"fs tier namespace path is not a directory: {self.dir}")
-        if st is None:
-            if not create:
-                raise FileNotFoundError(errno.ENOENT, f"fs tier namespace is gone: {self.dir}")
-            if not os.path.isdir(self.root_dir):
-                if not self._root_missing:
-                    self._root_missing = True
-                    logger.warning("fs tier root_dir %s is gone: stores fail until it exists "
-                                   "again (the tier does not create it)", self.root_dir)
-                raise FileNotFoundError(
-                    errno.ENOENT, f"fs tier root_dir is gone: {self.root_dir} (not recreated "
-                                  f"by the tier)")
+        if st is None and not create:
+            raise FileNotFoundError(errno.ENOENT, f"fs tier namespace is gone: {self.dir}")
         try:
-            fd, bits, created = self._attach(self.fanout_bits, create=create)
-        except ValueError as e:
-            raise OSError(errno.EINVAL, str(e)) from None
-        self._root_missing = False
+            fd, bits, created = self._reopen(st, create)
+        except OSError as e:
+            if create:
+                self._note_unusable(e)
+            raise
+        self._unusable = None
         self._adopt(fd, bits)
         self.generation += 1
         if created:
@@ -273,6 +317,24 @@ class Namespace:
                            "the chunks stored in it before are lost", self.dir, bits)
         else:
             logger.info("fs tier namespace %s: using the directory now there", self.dir)
+
+    def _reopen(self, st: os.stat_result | None,
+                create: bool) -> tuple[int, tuple[int, int], bool]:
+        """``_attach`` for ``sync``: what is at the namespace path now (``st``, None:
+        nothing) opened, or made when absent and ``create`` (the root must exist)."""
+        if st is not None and stat.S_ISLNK(st.st_mode):
+            raise LinkRefused(f"fs tier namespace {self.dir}")
+        if st is not None and not stat.S_ISDIR(st.st_mode):
+            raise NotADirectoryError(
+                errno.ENOTDIR, f"fs tier namespace path is not a directory: {self.dir}")
+        if st is None and not os.path.isdir(self.root_dir):
+            raise FileNotFoundError(
+                errno.ENOENT, f"fs tier root_dir is gone: {self.root_dir} (not recreated "
+                              f"by the tier)")
+        try:
+            return self._attach(self.fanout_bits or self._default_fanout(), create=create)
+        except ValueError as e:
+            raise OSError(errno.EINVAL, str(e)) from None
 
     def __del__(self) -> None:
         try:

@@ -48,7 +48,9 @@ bytes they report and send it again once the evicted chunks are gone (one WARNIN
 with the numbers); when even all the tier holds would not make room, it fails (one
 WARNING). A store that failed with ERROR (its worker died mid-job: the keys it
 answered before keep their outcomes) or a delete that did is probed: a chunk
-there is indexed with its size, none is forgotten. A load that fails with ERROR
+there is indexed with its size, none is forgotten. Failed stores are logged once
+per change of state: the first failure after stores worked, or one of another reason
+(a WARNING), and an INFO once stores succeed again; never once per result. A load that fails with ERROR
 keeps its key (only MISS and CORRUPT drop it).
 
 Submission: ``submit_store``/``submit_load`` only queue. The queue goes to the
@@ -72,6 +74,7 @@ bytes, live apart (``lookup_probes.py``).
 from __future__ import annotations
 
 import logging
+import re
 import time
 from collections import OrderedDict, deque
 from collections.abc import Iterable, Iterator
@@ -108,6 +111,8 @@ _SPACE_TRIES = 3
 # A probe whose worker died (or whose stat failed) is sent again, this many tries in all.
 _PROBE_TRIES = 4
 _DRAIN_S = 120.0
+# "<n> " before each "; "-separated part of a result's error text (BatchResult.summary)
+_LEADING_COUNTS = re.compile(r"(^|; )\d+ ")
 
 CORRUPT_CHUNKS = "vllm:kv_offload_shmtier_checksum_failures"
 STORED_RATIO = "vllm:kv_offload_shmtier_codec_stored_bytes"
@@ -212,6 +217,7 @@ class StorageTierManager(SecondaryTierManager):
         self._to_probe: list[OffloadKey] = []
         self._space_wait = False  # stores refused for space wait for the deletes in flight
         self._warned: set[str] = set()
+        self._store_failure: str | None = None  # the store failure last logged (reason)
         self._finished: list[JobResult] = []
         self._events: list[OffloadingEvent] = []
         self._stats = metrics.OffloadingStats()
@@ -613,14 +619,38 @@ class StorageTierManager(SecondaryTierManager):
             self._settle(cascade, final, final == len(stored))
             start = end
         if failed:
-            logger.warning("%s tier %s: %d of %d chunks not stored: %s%s", self.kind, self._label,
-                           failed, len(res.keys), res.error,
-                           "; probing for the chunks of those that failed with ERROR"
-                           if unknown else "")
+            self._note_store_failure(res, failed, bool(unknown))
+        elif written and not refused:
+            self._note_stores_work()
         if refused:
             self._on_refused(res, refused)
         if unknown:
             self._submit_probes()
+
+    def _note_store_failure(self, res: PoolResult, failed: int, probing: bool) -> None:
+        """``failed`` keys of store result ``res`` failed: one WARNING per change of
+        state (the first failure after stores worked, or another reason than the one
+        logged: ``res.error`` without its key counts), not one per result."""
+        reason = _LEADING_COUNTS.sub(r"\1", res.error or "")
+        if reason == self._store_failure:
+            return
+        self._store_failure = reason
+        logger.warning("%s tier %s: %d of %d chunks not stored: %s%s (logged once until stores "
+                       "succeed again or the reason changes)", self.kind, self._label, failed,
+                       len(res.keys), res.error,
+                       "; probing for the chunks of those that failed with ERROR"
+                       if probing else "")
+
+    def _note_stores_work(self) -> None:
+        """A store result wrote chunks and failed none: after failures (logged once each
+        by ``_note_store_failure`` or the space warning), say so once and log the next
+        failure again."""
+        if self._store_failure is None and "floor" not in self._warned:
+            return
+        self._store_failure = None
+        self._warned.discard("floor")
+        logger.info("%s tier %s: stores to %s succeed again", self.kind, self._label,
+                    self.medium_words())
 
     def _settle(self, cascade: _Cascade, final: int, all_ok: bool) -> None:
         """``final`` more keys of ``cascade`` have their final outcome; report the tier
@@ -655,7 +685,8 @@ class StorageTierManager(SecondaryTierManager):
             what, hint = f"stores were refused for space ({res.error})", ""
         if short_one > holds:  # freeing all the tier holds would not make room: fail
             self._warn_once("floor", "%s tier %s: %s, and the tier holds only %d bytes on it: "
-                            "cascades to this tier fail until space frees up (logged once%s)",
+                            "cascades to this tier fail until space frees up (logged once "
+                            "until stores succeed again%s)",
                             self.kind, self._label, what, holds, hint)
             for cascade, keys, _ in refused:
                 for key in keys:
