@@ -978,11 +978,18 @@ def test_a_lost_job_fails_by_its_deadline_and_its_worker_is_replaced(pools):
 # --- 11. a pool whose workers cannot start ------------------------------------------------
 
 
+def _not_a_directory(tmp_path) -> str:
+    """An fs root no tier worker can start on: a regular file. (A root that is gone, or a
+    full disk, is an outage a worker starts through and waits out: test_fs_resume.py.)"""
+    path = tmp_path / "a-file"
+    path.write_bytes(b"not a directory")
+    return str(path)
+
+
 def test_workers_that_cannot_start_break_the_pool_once(pools, tmp_path, caplog):
-    missing = str(tmp_path / "no-such-dir")
     caplog.set_level(logging.INFO, logger="shmtier.scheduler.pool")
     t0 = time.monotonic()
-    env = pools(num_workers=2, num_chunks=16, fs_root=missing)
+    env = pools(num_workers=2, num_chunks=16, fs_root=_not_a_directory(tmp_path))
     pool = env.pool
     early = pool.submit("probe", 0, [_key(1, b"early")])
     assert early is not None  # accepted while the pool is not broken yet
@@ -991,7 +998,7 @@ def test_workers_that_cannot_start_break_the_pool_once(pools, tmp_path, caplog):
         pool.poll()
         time.sleep(0.01)
     broke_after = time.monotonic() - t0
-    assert "exit code 4" in pool.broken and "root_dir does not exist" in pool.broken, pool.broken
+    assert "exit code 4" in pool.broken and "root_dir is not a directory" in pool.broken, pool.broken
     assert "failed to start 3 times" in pool.broken
 
     # every outstanding job fails at once (within a health check or two), exactly once
@@ -1049,7 +1056,7 @@ def test_external_workers_that_cannot_start_break_the_pool(pools, tmp_path, capl
     failures, and three of them break the pool."""
     caplog.set_level(logging.INFO, logger="shmtier.scheduler.pool")
     env = pools(num_workers=1, num_chunks=16, mode="external",
-                fs_root=str(tmp_path / "no-such-dir"))
+                fs_root=_not_a_directory(tmp_path))
     pool = env.pool
     ext = _start_cli("workers", "--engine-id", env.engine_id)
     try:
