@@ -24,6 +24,7 @@ from shmtier.scheduler.backpressure.settings import BackpressureSettings
 from shmtier.scheduler.policies.factory import CachePolicyFactory
 from shmtier.shared.codec import CompressionConfig
 from shmtier.shared.layout import DEFAULT_KEY_WIDTH, ArenaGeometry
+from shmtier.shared.pool_config import DEFAULT_WORKER_NICENESS
 from shmtier.tiers import registry
 from shmtier.tiers.config import TierConfig, TierContext
 from shmtier.tiers.registry import TierType
@@ -43,6 +44,7 @@ PRIMARY_KEYS = frozenset({
 TIERING_KEYS = frozenset({
     "secondary_tiers", "tier_poll_interval_s", "backpressure", "num_tier_workers", "workers",
     "compression", "tier_job_timeout_s", "admission", "admission_window",
+    "tier_worker_niceness",
 })
 KNOWN_KEYS = PASSTHROUGH_KEYS | PRIMARY_KEYS | TIERING_KEYS
 WORKER_MODES = ("spawn", "external")
@@ -245,6 +247,8 @@ class TieringConfig:
     tier_job_timeout_s: float = 60.0
     admission: str = DEFAULT_RULE  # cascade admission (scheduler/tiering/admission.py)
     admission_window: int | None = None  # second_touch's keys remembered; None: 4 x CPU rows
+    # added to the niceness each tier worker inherits (PoolConfig.worker_niceness)
+    tier_worker_niceness: int = DEFAULT_WORKER_NICENESS
 
     @property
     def worker_backed(self) -> bool:
@@ -282,6 +286,8 @@ class TieringConfig:
                                           number(0, min_open=True))),
             admission=_get(extra, "admission", DEFAULT_RULE, one_of(*RULES)),
             admission_window=_get(extra, "admission_window", None, integer(1)),
+            tier_worker_niceness=_get(extra, "tier_worker_niceness", DEFAULT_WORKER_NICENESS,
+                                      integer(0, 19)),
         )
 
     def admission_rules(self) -> tuple[str, ...]:

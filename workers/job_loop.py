@@ -75,7 +75,6 @@ from shmtier.tiers.backend import BatchResult, UnsupportedOp, WorkerContext
 logger = logging.getLogger(__name__)
 
 _OWNER_CHECK_S = 1.0
-_NICENESS = 10
 _KEYS_PER_BEAT = 8
 # A store runs in slices of at most this many chunk bytes (and _KEYS_PER_BEAT keys):
 # the ring is checked for loads before each, so a promotion waits behind at most one
@@ -411,9 +410,6 @@ def run_worker(engine_id: str, index: int, generation: int | None = None) -> int
     module docstring)."""
     stopping = []
     signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
-    # Background work: a worker woken by a job must not preempt the scheduler thread
-    # that posted it (the scheduler's per-step time is the product's first number).
-    os.nice(_NICENESS)
     segment = join_existing(engine_id)
     rings = runner = None
     mine = [generation]
@@ -426,6 +422,10 @@ def run_worker(engine_id: str, index: int, generation: int | None = None) -> int
         if generation is not None:
             check_owner()  # started by a scheduler that is gone already
         config = PoolConfig.read(segment.rings)
+        # Background work: a worker woken by a job should not preempt the scheduler thread
+        # that posted it (``tier_worker_niceness``, default 10). os.nice changes
+        # only the calling thread on Linux: this runs before the worker starts any thread.
+        os.nice(config.worker_niceness)
         rings = RingSet.attach(segment.name, segment.rings, worker=index)
         if generation is None:
             mine[0] = segment.owner_generation()

@@ -25,6 +25,9 @@ CONFIG_BYTES = 64 << 10
 # Exit code of a tier worker whose tier backends could not be built (e.g. an fs tier's
 # root_dir is missing): the pool counts it as a failure to start.
 EXIT_BACKENDS_FAILED = 4
+#: Default ``worker_niceness`` (the ``tier_worker_niceness`` key): added to the niceness a
+#: tier worker inherits, so a worker woken by a job does not preempt the scheduler thread.
+DEFAULT_WORKER_NICENESS = 10
 _LEN = struct.Struct("<I")
 
 
@@ -41,7 +44,10 @@ class PoolConfig:
     starts them; ``"external"``: ``shmtier workers`` does); the pool writes it, and
     ``shmtier workers`` refuses a spawn-mode engine. ``job_timeout_s`` is the
     deadline of one pool job part: a worker that holds a part longer is killed and
-    its parts fail (their CPU rows are released)."""
+    its parts fail (their CPU rows are released). ``worker_niceness`` (0..19, the
+    ``tier_worker_niceness`` key) is added to the niceness each worker inherits, by the
+    worker itself before it starts any thread (``workers/job_loop.py``), spawned or
+    external alike."""
 
     num_workers: int
     chunk_bytes: int
@@ -53,6 +59,7 @@ class PoolConfig:
     tiers: list[Any] = field(default_factory=list)
     mode: str = "spawn"
     job_timeout_s: float = 60.0
+    worker_niceness: int = DEFAULT_WORKER_NICENESS
 
     def write(self, rings_area: memoryview) -> None:
         blob = msgpack.packb(asdict(self), use_bin_type=True)
