@@ -138,9 +138,7 @@ def one_run(tier: dict, data: np.ndarray, workers: int) -> dict:
 
 
 def raw_s3(server, bucket: str, data: np.ndarray, concurrency: int) -> dict:
-    rng = np.random.default_rng(7)
-    bodies = [rng.integers(0, 256, data.shape[1], dtype=np.uint8).tobytes()
-              for _ in range(data.shape[0])]
+    bodies = _bodies(data)
     clients = [server.client(max_pool_connections=4) for _ in range(concurrency)]
     try:
         for c in clients:  # connected before the clock starts, as the tier's workers are
@@ -151,25 +149,14 @@ def raw_s3(server, bucket: str, data: np.ndarray, concurrency: int) -> dict:
         def get(i):
             return len(clients[i % concurrency].get_object(Bucket=bucket, Key=f"raw/{i}")["Body"].read())
 
-        with ThreadPoolExecutor(concurrency) as pool:
-            t0 = time.perf_counter()
-            list(pool.map(put, range(len(bodies))))
-            put_s = time.perf_counter() - t0
-            t0 = time.perf_counter()
-            got = sum(pool.map(get, range(len(bodies))))
-            get_s = time.perf_counter() - t0
-        assert got == sum(map(len, bodies))
-        total = sum(map(len, bodies))
-        return {"put_gbps": total / put_s / 1e9, "get_gbps": total / get_s / 1e9}
+        return _put_then_get(put, get, bodies, concurrency)
     finally:
         for c in clients:
             c.close()
 
 
 def raw_fs(root: str, data: np.ndarray, concurrency: int) -> dict:
-    rng = np.random.default_rng(7)
-    bodies = [rng.integers(0, 256, data.shape[1], dtype=np.uint8).tobytes()
-              for _ in range(data.shape[0])]
+    bodies = _bodies(data)
     os.makedirs(os.path.join(root, "raw"), exist_ok=True)
 
     def put(i):
@@ -180,6 +167,19 @@ def raw_fs(root: str, data: np.ndarray, concurrency: int) -> dict:
         with open(os.path.join(root, "raw", str(i)), "rb") as f:
             return len(f.read())
 
+    return _put_then_get(put, get, bodies, concurrency)
+
+
+def _bodies(data: np.ndarray) -> list[bytes]:
+    """Random bodies of the chunks' number and size (the raw measurements' payload)."""
+    rng = np.random.default_rng(7)
+    return [rng.integers(0, 256, data.shape[1], dtype=np.uint8).tobytes()
+            for _ in range(data.shape[0])]
+
+
+def _put_then_get(put, get, bodies: list, concurrency: int) -> dict:
+    """The raw measurements' timed part: ``put(i)`` of every body, then ``get(i)`` (which
+    returns the bytes it read), ``concurrency`` at a time; GB/s of each pass."""
     with ThreadPoolExecutor(concurrency) as pool:
         t0 = time.perf_counter()
         list(pool.map(put, range(len(bodies))))
@@ -188,7 +188,7 @@ def raw_fs(root: str, data: np.ndarray, concurrency: int) -> dict:
         got = sum(pool.map(get, range(len(bodies))))
         get_s = time.perf_counter() - t0
     total = sum(map(len, bodies))
-    assert got == total
+    assert got == total, (got, total)
     return {"put_gbps": total / put_s / 1e9, "get_gbps": total / get_s / 1e9}
 
 

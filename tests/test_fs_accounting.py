@@ -19,7 +19,7 @@ import time
 
 import pytest
 from fs_engine import END, GPU_BLOCKS, HIT, MISS, PENDING, engines, key  # noqa: F401
-from processes import worker_processes
+from shmtier.shared.procinfo import tier_worker_pids as worker_processes
 import torch
 
 from shmtier.contract import ReqContext

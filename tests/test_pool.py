@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 import posix_ipc
 import pytest
-from processes import worker_processes
+from shmtier.shared.procinfo import tier_worker_pids as worker_processes
 
 from shmtier.shared import jobs, procinfo
 from shmtier.shared.jobs import Outcome

@@ -14,7 +14,7 @@ import numpy as np
 
 import pytest
 from fs_engine import END, GPU_BLOCKS, HIT, MISS, PENDING, RETRY, engines, key  # noqa: F401
-from processes import worker_processes
+from shmtier.shared.procinfo import tier_worker_pids as worker_processes
 import torch
 
 from shmtier.config import ConfigError, KVLayout

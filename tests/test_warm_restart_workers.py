@@ -20,7 +20,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-from processes import worker_processes
+from shmtier.shared.procinfo import tier_worker_pids as worker_processes
 from test_pool import _alive, _bf16_rows, _fs_tier, _key, _unlink_ours, collect, submit, wait_up
 
 from shmtier.scheduler.pool import WorkerPool

@@ -1,4 +1,5 @@
-"""Process identity that survives pid reuse: (pid, start time, boot id)."""
+"""Process identity that survives pid reuse: (pid, start time, boot id); and which running
+processes are an engine's tier workers (read from /proc; any process may call these)."""
 
 from __future__ import annotations
 
@@ -48,3 +49,18 @@ def me() -> tuple[int, int]:
     """(pid, start time) of the calling process."""
     pid = os.getpid()
     return pid, start_time(pid) or 0
+
+
+def is_tier_worker(pid: int, engine_id: str) -> bool:
+    """Whether ``pid`` runs a tier worker of ``engine_id`` (its command line says so)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            argv = f.read().split(b"\0")
+    except OSError:
+        return False
+    return b"shmtier.workers.job_loop" in argv and engine_id.encode() in argv
+
+
+def tier_worker_pids(engine_id: str) -> list[int]:
+    """Pids of the running tier workers of ``engine_id``."""
+    return [int(e) for e in os.listdir("/proc") if e.isdigit() and is_tier_worker(int(e), engine_id)]

@@ -33,6 +33,7 @@ import signal
 import time
 from dataclasses import dataclass
 
+from shmtier.shared import procinfo
 from shmtier.stress import faults
 
 WRITE_BYTES = "vllm:kv_offload_tiering_write_bytes"
@@ -163,7 +164,7 @@ class ChaosRunner:
             return None
         _, pid = live[int(self.rng.integers(len(live)))]
         # the pool's record names our own child: check its command line anyway
-        return pid if faults.is_our_worker(pid, self.engine_id) else None
+        return pid if procinfo.is_tier_worker(pid, self.engine_id) else None
 
     def _kill(self) -> bool:
         pid = self._healthy_worker()
@@ -198,7 +199,7 @@ class ChaosRunner:
         if window:
             self.counts["stall_max_call_ms"] = max(self.counts["stall_max_call_ms"],
                                                    max(window) * 1e3)
-        if faults.is_our_worker(pid, self.engine_id):
+        if procinfo.is_tier_worker(pid, self.engine_id):
             try:
                 os.kill(pid, signal.SIGCONT)
                 self.counts["stalls_resumed"] += 1

@@ -119,18 +119,3 @@ def fill(path: str) -> int:
 def free_bytes(path: str) -> int:
     st = os.statvfs(path)
     return st.f_bavail * st.f_frsize
-
-
-def is_our_worker(pid: int, engine_id: str) -> bool:
-    """Whether ``pid`` runs a tier worker of ``engine_id`` (its command line says so)."""
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            argv = f.read().split(b"\0")
-    except OSError:
-        return False
-    return b"shmtier.workers.job_loop" in argv and engine_id.encode() in argv
-
-
-def our_workers(engine_id: str) -> list[int]:
-    """Pids of the running tier workers of ``engine_id`` (found in /proc)."""
-    return [int(e) for e in os.listdir("/proc") if e.isdigit() and is_our_worker(int(e), engine_id)]

@@ -29,7 +29,6 @@ import numpy as np
 
 from shmtier.shared import procinfo
 from shmtier.shared.segment import SHM_DIR, segment_name
-from shmtier.stress import faults
 
 _PREFIX = "RESULT "
 
@@ -67,7 +66,7 @@ def first_scheduler(params: dict, timeout_s: float = 600.0) -> dict:
         proc.stdout.close()
     report["killed_pid"] = proc.pid
     report["killed_at"] = time.monotonic()
-    report["old_workers"] = [[pid, start] for pid in faults.our_workers(params["engine_id"])
+    report["old_workers"] = [[pid, start] for pid in procinfo.tier_worker_pids(params["engine_id"])
                              if (start := procinfo.start_time(pid)) is not None]
     # a stale segment is what `shmtier clean` (run anywhere on the host) removes
     report["segment_present"] = os.path.exists(

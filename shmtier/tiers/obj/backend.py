@@ -361,14 +361,8 @@ class ObjBackend(TierBackend):
         raw = self.chooser is not None and not self.chooser.compress_next(hurry)
         note = "raw" if hurry else "raw by cost"
         budget = [c.bytes_stored if bytes_in_use is None else int(bytes_in_use)]
-        items = []
-        for i in range(n):
-            bad = key_problem(keys[i]) or row_problem(rows[i], a.shape[0])
-            if bad is not None:
-                res.set(i, Outcome.INVALID, bad)
-            else:
-                items.append((i, bytes(keys[i]), a[rows[i], :chunk_bytes].data,
-                              note if raw else "", budget))
+        extra = (note if raw else "", budget)
+        items = [(*item, *extra) for item in _valid_items(keys, rows, a, chunk_bytes, res)]
         for (i, *_), done in zip(items, self._each(self._store_one, items)):
             self._record(res, i, done)
             if done.note == "raw":
@@ -439,13 +433,7 @@ class ObjBackend(TierBackend):
         n = len(keys)
         res = BatchResult.empty("load", n)
         c = self.counters
-        items = []
-        for i in range(n):
-            bad = key_problem(keys[i]) or row_problem(rows[i], a.shape[0])
-            if bad is not None:
-                res.set(i, Outcome.INVALID, bad)
-            else:
-                items.append((i, bytes(keys[i]), a[rows[i], :chunk_bytes].data))
+        items = _valid_items(keys, rows, a, chunk_bytes, res)
         for (i, *_), done in zip(items, self._each(self._load_one, items)):
             self._record(res, i, done)
             if done.outcome is Outcome.OK:
@@ -684,3 +672,16 @@ def _parse_config(raw: bytes) -> Any:
         return json.loads(raw)
     except ValueError:
         return "not JSON"
+
+
+def _valid_items(keys, rows, a, chunk_bytes: int, res: BatchResult) -> list[tuple]:
+    """``(index, key bytes, the row's chunk memory)`` of each key of a store or load batch
+    whose key and row are valid; the others are set INVALID in ``res``, with the reason."""
+    items = []
+    for i in range(len(keys)):
+        bad = key_problem(keys[i]) or row_problem(rows[i], a.shape[0])
+        if bad is not None:
+            res.set(i, Outcome.INVALID, bad)
+        else:
+            items.append((i, bytes(keys[i]), a[rows[i], :chunk_bytes].data))
+    return items
