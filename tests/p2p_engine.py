@@ -21,10 +21,18 @@ answers ``("ok", value)`` or ``("error", text)``.
   requests side by side (each as ``consume``; the steps are shared); value:
   ``{"requests": [{"answers", "data", "done_s": seconds from the start until its answers
   were final, or None}], "slowest_call_s"}``.
+- ``("look", req_id, params, keys, first_block, timeout_s)``: a symmetric consumer's
+  request (``remote_kv_source``) looks ``keys`` up once, then the engine only steps
+  until the tier has the peer's answer for every key (or the timeout), and holds the
+  request there: no second lookup, so no promotion starts and the peer keeps the rows it
+  parked for it; value: ``{"first": [answers], "peer": [the peer's bool per key]}``.
+  ``("resume", req_id, timeout_s)`` then goes on as ``consume`` (lookups per step, the
+  load, finish); value: as ``consume``'s.
 - ``("refs", keys)``: the primary's ref count of each key (pins; None: not resident).
 - ``("stats",)``: the tier's endpoint counters, parked rows, restarts, pid of endpoint,
   and ``metrics``: the tier's counters so far (``get_stats``), ``{short name: {labels
-  joined by ",": value}}`` (short name: after ``p2p_``).
+  joined by ",": value}}`` (short name: after ``p2p_``); the engine's ``fingerprint`` and
+  ``hash_seed`` (what a peer's hello must carry).
 - ``("stop",)``.
 """
 
@@ -37,6 +45,7 @@ import traceback
 def serve(conn, engine_id: str, tier: dict, layout: dict) -> None:
     import fs_engine
     from shmtier.contract import LookupResult, ReqContext
+    from shmtier.tiers.p2p.scheduler import _Request
 
     HIT, MISS = LookupResult.HIT, LookupResult.MISS
     engine = fs_engine.Engine(engine_id, None, tier_type="p2p", **layout, **tier)
@@ -84,18 +93,38 @@ def serve(conn, engine_id: str, tier: dict, layout: dict) -> None:
         (out,), slowest_s = consume_many([(req_id, params, keys, first_block)], timeout_s)
         return {**out, "slowest_call_s": slowest_s}
 
+    def new_request(req_id, params, keys, first_block):
+        ctx = ReqContext(req_id, params)
+        timed(m.on_new_request, ctx)
+        return {"ctx": ctx, "keys": [fs_engine.key(k) for k in keys], "first": first_block,
+                "answers": [], "data": None, "done_s": None}
+
+    held: dict = {}
+
+    def look(req_id, params, keys, first_block, timeout_s):
+        r = held[req_id] = new_request(req_id, params, keys, first_block)
+        with m.lock:
+            first = [m.lookup(k, r["ctx"]).name for k in r["keys"]]
+        state = r["ctx"].get_state(_Request)
+        deadline = time.monotonic() + timeout_s
+        while len(state.answers) < len(r["keys"]) and time.monotonic() < deadline:
+            step()
+            time.sleep(0.005)
+        return {"first": first, "peer": [state.answers.get(k) for k in r["keys"]]}
+
+    def resume(req_id, timeout_s):
+        (out,), slowest_s = run([held.pop(req_id)], timeout_s)
+        return {**out, "slowest_call_s": slowest_s}
+
     def consume_many(requests, timeout_s):
         """Several requests side by side, each looked up once per step until its answers
         are all HIT or MISS (then its leading HITs loaded and it finishes)."""
+        return run([new_request(*r) for r in requests], timeout_s)
+
+    def run(reqs, timeout_s):
         slowest[0] = 0.0
         t0 = time.monotonic()
         deadline = t0 + timeout_s
-        reqs = []
-        for req_id, params, keys, first_block in requests:
-            ctx = ReqContext(req_id, params)
-            timed(m.on_new_request, ctx)
-            reqs.append({"ctx": ctx, "keys": [fs_engine.key(k) for k in keys],
-                         "first": first_block, "answers": [], "data": None, "done_s": None})
         pending = list(reqs)
         while pending and time.monotonic() < deadline:
             for r in list(pending):
@@ -145,7 +174,8 @@ def serve(conn, engine_id: str, tier: dict, layout: dict) -> None:
         return {"counters": p2p.endpoint_counters, "metrics": metrics_seen,
                 "parked": sum(p.rows for p in p2p._parked.values()),
                 "restarts": p2p.restarts, "pid": proc.pid if proc else None,
-                "port": p2p.port, "tmpdir": p2p._tmpdir}
+                "port": p2p.port, "tmpdir": p2p._tmpdir, "fingerprint": p2p._fingerprint,
+                "hash_seed": p2p.config.effective_hash_seed()}
 
     try:
         deadline = time.monotonic() + 30
@@ -173,6 +203,10 @@ def serve(conn, engine_id: str, tier: dict, layout: dict) -> None:
                     out = finish_request(*cmd[1:])
                 elif cmd[0] == "consume":
                     out = consume(*cmd[1:])
+                elif cmd[0] == "look":
+                    out = look(*cmd[1:])
+                elif cmd[0] == "resume":
+                    out = resume(*cmd[1:])
                 elif cmd[0] == "consume_many":
                     out, slowest_s = consume_many(*cmd[1:])
                     out = {"requests": out, "slowest_call_s": slowest_s}
@@ -187,4 +221,6 @@ def serve(conn, engine_id: str, tier: dict, layout: dict) -> None:
             except Exception:
                 conn.send(("error", traceback.format_exc()))
     finally:
+        for r in held.values():  # looked up, never resumed
+            timed(m.on_request_finished, r["ctx"])
         engine.close()

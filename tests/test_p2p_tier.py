@@ -24,9 +24,12 @@ import pytest
 pytest.importorskip("zmq")
 
 import p2p_engine  # noqa: E402  (tests/ is on sys.path)
+from fs_engine import key as chunk_key  # noqa: E402
 from shmtier.options import ConfigError  # noqa: E402
 from shmtier.shared.segment import clean_stale_segments  # noqa: E402
-from shmtier.tiers.p2p.keys import generate_keypair_files, load_public_key  # noqa: E402
+from shmtier.shared.jobs import Outcome  # noqa: E402
+from shmtier.tiers.p2p.client import ChunkClient  # noqa: E402
+from shmtier.tiers.p2p.keys import generate_keypair_files, load_keypair, load_public_key  # noqa: E402
 from shmtier.tiers.p2p.status import p2p_sessions  # noqa: E402
 
 CTX = mp.get_context("spawn")
@@ -304,6 +307,61 @@ def test_parked_rows_are_served_only_to_the_consumer_they_are_for(engines, keys,
     got = cons.call("consume", "c2", pd("kv-bound", prod.port), ks, 50, 20)
     assert got["answers"][-1] == ["HIT"] * 3 and got["data"] == sent
     wait_unpinned(prod, ks)
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("security", ["curve", "plaintext"])
+def test_rows_parked_for_a_symmetric_lookup_are_served_only_to_the_peer_that_asked(
+        engines, keys, security):
+    """Engine A holds chunks in its CPU tier (no role); consumer B (remote_kv_source
+    naming A) looks them up: A parks its hits for B's request, bound to B's session.
+    B holds the request there (looked up once, not promoted), and a third admitted
+    peer C (a real ChunkClient with its own identity in A's allow-list) asks A for the
+    same request id: its fetch, lookup and done are refused and counted at A (peer
+    "inbound"), nothing is served, the rows stay parked; B then loads the chunks
+    byte-exact and A's pins are released."""
+    if security == "curve":
+        both = {"secret_key_file": keys.a["secret_key_file"],
+                "allow_keys": [keys.pub["b"], keys.pub["stranger"]]}
+        a, b = engines((tier(both), {}), (tier(keys.b), {}))
+    else:
+        a, b = engines(*[(tier({}, plaintext=True), {})] * 2)
+    held = [141, 142, 143]
+    sent = a.call("produce", "p1", None, held, 0)
+    wait_unpinned(a, held)  # no role: its cascades succeed at once, nothing parked
+    # B looks the request up once and waits for A's answer, without looking up again:
+    # its promotion (the fetch, then "done" at A) has not started
+    got = b.call("look", "c1", src("sym-bound", a.port), held + [144], 40, 20)
+    assert got == {"first": ["RETRY"] * 4, "peer": [True] * 3 + [False]}
+    # A answered: its rows for sym-bound are parked (pinned), bound to B's session
+    assert a.call("stats")["parked"] == 3 and all(r > 0 for r in a.call("refs", held))
+    ast = a.call("stats")
+    ident = ({"keys": load_keypair(keys.stranger["secret_key_file"]),
+              "server_key": keys.pub["a"]} if security == "curve" else {"plaintext": True})
+    size = len(sent) // len(held)
+    with ChunkClient("127.0.0.1", a.port, fingerprint=ast["fingerprint"],
+                     hash_seed=ast["hash_seed"], name="127.0.0.1:1", **ident) as c:
+        rows = [bytearray(size) for _ in held]
+        res = c.fetch([chunk_key(k) for k in held], rows, 5.0, "sym-bound")
+        assert res.outcomes == [Outcome.ERROR] * 3, res
+        assert all("not_bound" in d for d in res.details), res.details
+        assert rows == [bytearray(size)] * 3  # nothing written
+        assert c.lookup([chunk_key(k) for k in held], 5.0, "sym-bound") == [False] * 3
+        assert c.done("sym-bound", 1.0)
+        # an unbound request of A answers C as usual: C's session itself is admitted
+        assert c.lookup([chunk_key(145)], 5.0, "sym-other") == [False]
+    st = wait_stats(a, lambda st: st["counters"]["server"]["refused_requests"] >= 3)
+    server = st["counters"]["server"]
+    assert server["refused_requests"] == 3  # fetch, lookup, done
+    assert server["chunks"] == 0 and server["bytes_sent"] == 0
+    assert st["parked"] == 3 and all(r > 0 for r in a.call("refs", held))
+    st = wait_stats(a, lambda st: metric(st, "refused_requests") >= 3)
+    assert st["metrics"]["refused_requests"] == {"1:p2p,inbound": 3}
+    got = b.call("resume", "c1", 20)
+    assert got["answers"][-1] == ["HIT"] * 3 + ["MISS"] and got["data"] == sent
+    wait_unpinned(a, held)
+    st = wait_stats(a, lambda st: st["counters"]["server"]["chunks"] >= 3)
+    assert st["parked"] == 0 and st["counters"]["server"]["bytes_sent"] == len(sent)
 
 
 # --------------------------------------------------------------------------- failures

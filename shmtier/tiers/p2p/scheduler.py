@@ -33,7 +33,10 @@ The producer side of a symmetric lookup: the endpoint forwards it (``ext_lookup`
 ``serve_external_requests`` answers it through the ParentManager with a synthetic
 request (``parent.on_new_request``, ``parent.lookup`` per key until no key is
 RETRY/HIT_PENDING or half ``lookup_timeout_s`` passed, ``parent.create_store_job`` for
-the hits (pinned, parked like PD stores), ``parent.on_request_finished``).
+the hits (pinned, parked like PD stores), ``parent.on_request_finished``). The hits'
+rows go to the endpoint with the answer (``answer {keys, rows}``, not a ``park``): it
+parks them bound to the session that asked, so another peer naming the request is
+refused and counted (as for ``remote_decoder`` with ``remote_host``).
 
 Cascades of requests without the producer role are answered success at once (there is
 nothing to keep). The endpoint dying fails its loads and parked stores (rows unpinned:
@@ -142,6 +145,8 @@ class _External:
     ctx: ReqContext | None = None
     results: dict = field(default_factory=dict)
     dead: bool = False
+    parked_keys: list = field(default_factory=list)  # its hits, parked with the answer
+    parked_rows: list = field(default_factory=list)
 
 
 class P2PTierManager(SecondaryTierManager):
@@ -564,16 +569,21 @@ class P2PTierManager(SecondaryTierManager):
         self._park(req.kvid, job, req.to)
 
     def _park(self, kvid: str, job: TransferJob, to: list | None = None) -> None:
+        self._keep(kvid, job)
+        msg = {"t": "park", "req": kvid, "keys": list(job.keys), "rows": job.rows}
+        if to is not None:
+            msg["to"] = to
+        self._send(msg)
+
+    def _keep(self, kvid: str, job: TransferJob) -> None:
+        """Track the pinned cascade ``job`` as parked for ``kvid`` (until released,
+        timed out or the endpoint is gone); the endpoint is told by the caller."""
         parked = self._parked.get(kvid)
         if parked is None:
             parked = self._parked[kvid] = _Parked()
         parked.jobs.append(job)
         parked.rows += len(job.keys)
         parked.deadline = time.monotonic() + self.config.unbound_store_timeout_s
-        msg = {"t": "park", "req": kvid, "keys": list(job.keys), "rows": job.rows}
-        if to is not None:
-            msg["to"] = to
-        self._send(msg)
 
     def submit_load(self, job: TransferJob) -> None:
         req = job.req_context.get_state(_Request)
@@ -650,11 +660,16 @@ class P2PTierManager(SecondaryTierManager):
                 elif answer is MISS or now > ext.deadline:
                     ext.results[key] = False
             if hits:
-                self._park(ext.req, parent.create_store_job(hits, ext.ctx))
+                job = parent.create_store_job(hits, ext.ctx)
+                self._keep(ext.req, job)
+                ext.parked_keys.extend(job.keys)
+                ext.parked_rows.extend(job.rows)
             if len(ext.results) >= len(set(ext.keys)):
                 answers = [ext.results[k] for k in ext.keys]
+                # the hits go with the answer: the endpoint parks them bound to the
+                # session that asked (a separate "park" would serve any admitted peer)
                 self._send({"t": "answer", "tid": tid, "hits": answers, "req": ext.req,
-                            "keys": [], "rows": []})
+                            "keys": ext.parked_keys, "rows": ext.parked_rows})
                 parent.on_request_finished(ext.ctx)
                 del self._external[tid]
 
