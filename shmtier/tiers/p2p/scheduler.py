@@ -86,6 +86,10 @@ RESTART_BASE_S, RESTART_CAP_S, STABLE_S = 0.5, 30.0, 30.0
 WATCHDOG_EXTRA_S = 10.0
 FLUSH_AFTER_S = 0.002  # messages queued this long go at the next poll, not only at step end
 OFF_THREAD_SEEN_S = 0.05  # the tier-poll thread polled this recently: it sends a step's batch
+# a poll this soon after the last look at the endpoint's socket (by either thread) does not
+# look again: a step polls 4-5 times within a few hundred µs and a tier-poll round twice,
+# and each look (getsockopt EVENTS) costs ~3 µs of the lock holder's time (bench/README.md)
+READ_GAP_S = 0.0005
 STOP_WAIT_S = 2.0
 
 LOOKUPS = "vllm:kv_offload_shmtier_p2p_lookups"
@@ -207,6 +211,7 @@ class P2PTierManager(SecondaryTierManager):
         self._backoff = RESTART_BASE_S
         self._restart_at = 0.0
         self._next_check = 0.0
+        self._read_at = -1.0  # when a poll last looked at the socket
         self._closed = False
         try:
             self._start_endpoint()
@@ -330,7 +335,8 @@ class P2PTierManager(SecondaryTierManager):
             self._outbox.popleft()
 
     def _poll(self) -> None:
-        """Supervise the endpoint and take what it sent. Non-blocking."""
+        """Supervise the endpoint and take what it sent (looking at the socket at most
+        every READ_GAP_S); send what is due. Non-blocking."""
         if self._closed:
             return
         now = time.monotonic()
@@ -354,13 +360,15 @@ class P2PTierManager(SecondaryTierManager):
             self._expire(now)
         zmq, sock = self._zmq, self._sock
         # ask first: a recv that raises zmq.Again costs ~20 µs, and this runs several
-        # times a step, mostly with nothing to read
-        while sock.getsockopt(self._zmq_events) & self._zmq_pollin:
-            try:
-                buf = sock.recv(zmq.NOBLOCK)
-            except zmq.Again:
-                break
-            self._handle(msgpack.unpackb(buf, raw=False))
+        # times a step, mostly with nothing to read (and at most every READ_GAP_S)
+        if now - self._read_at >= READ_GAP_S:
+            self._read_at = now
+            while sock.getsockopt(self._zmq_events) & self._zmq_pollin:
+                try:
+                    buf = sock.recv(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                self._handle(msgpack.unpackb(buf, raw=False))
         if (self._outbox or (self._flush_due and off_thread)
                 or (self._pending and now - self._queued_at >= FLUSH_AFTER_S)):
             self._flush()
