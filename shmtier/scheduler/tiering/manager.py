@@ -350,15 +350,23 @@ class TieringOffloadingManager:
         if not self._polled_this_step:  # _maybe_process_finished_jobs, inlined
             self._polled_this_step = True
             self._process_finished_jobs()
-        started = perf_counter()
-        count = self._ref_count(key)  # the primary's lookup and is_evictable in one
-        if count is not None and count < 0:
-            return HIT_PENDING  # (not recorded: the lookup record ignores HIT_PENDING)
-        result = MISS if count is None else HIT
-        now = perf_counter()
         record = self._scan_lookups
-        if record is not None:
+        # The primary's answer is timed and recorded the first time it resolves this key
+        # for the request; a rescan's lookups of resolved keys (the record would ignore
+        # them) skip the clocks.
+        if record is not None and key not in record.resolved[0]:
+            started = perf_counter()
+            count = self._ref_count(key)  # the primary's lookup and is_evictable in one
+            if count is not None and count < 0:
+                return HIT_PENDING  # (not recorded: the lookup record ignores HIT_PENDING)
+            result = MISS if count is None else HIT
+            now = perf_counter()
             record.record(0, key, result, now - started, now)
+        else:
+            count = self._ref_count(key)
+            if count is not None and count < 0:
+                return HIT_PENDING
+            result = MISS if count is None else HIT
         if result is HIT:
             if key not in self._scan_hits:
                 self._scan_hits[key] = None
