@@ -38,7 +38,10 @@ then ``update_connector_output``: jobs prepared the step before complete
 (``complete_store`` / ``complete_load``), then ``has_pending_work``,
 ``get_stats`` and ``take_events``. Every manager call is timed with
 ``perf_counter_ns`` (and ``thread_time_ns``, its on-CPU part); their sum is the
-step's scheduler-thread time.
+step's scheduler-thread time. The process's CPU over the run is reported twice: in the
+manager (the main thread's CPU inside its calls + every other thread: issue 14's
+scheduler-process CPU goal) and for the whole process, the driver's own work included
+(shmtier/bench/report.py ``spec_cpu``).
 
 Variants ``shmtier@TOKENS`` (interleaved with the others) change what shmtier's
 tier workers run with after they start: scheduling (``nice0``, ``batch0``, ...,
