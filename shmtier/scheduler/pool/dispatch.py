@@ -144,21 +144,35 @@ class Dispatch:
             if not groups:  # no key is bound: each worker gets a range of positions
                 unbound = range(len(keys))
             load = self.load
-            by_load = sorted(live, key=lambda w: load[w] + len(groups.get(w, ())))
-            share = len(by_load) if len(unbound) >= _SPREAD_MIN_KEYS * 2 else 1
-            step = -(-len(unbound) // share) if unbound else 0
-            for i, w in enumerate(by_load[:share]):
-                chunk = unbound[i * step:(i + 1) * step]
-                if chunk or not keys:
+            if len(unbound) < _SPREAD_MIN_KEYS * 2:  # one worker: the least loaded (the
+                # first of them in ``live`` order), without sorting or a Python key call
+                w = (None if not live
+                     else min(live, key=lambda w: load[w] + len(groups.get(w, ()))) if groups
+                     else min(live, key=load.__getitem__))
+                if w is not None:
                     if w in groups:
-                        groups[w].extend(chunk)  # type: ignore[union-attr]
+                        groups[w].extend(unbound)  # type: ignore[union-attr]
                     else:
-                        groups[w] = chunk
+                        groups[w] = unbound
+            else:
+                by_load = sorted(live, key=lambda w: load[w] + len(groups.get(w, ())))
+                step = -(-len(unbound) // len(by_load))
+                for i, w in enumerate(by_load):
+                    chunk = unbound[i * step:(i + 1) * step]
+                    if chunk:
+                        if w in groups:
+                            groups[w].extend(chunk)  # type: ignore[union-attr]
+                        else:
+                            groups[w] = chunk
         parent_id = PoolJobId(next(self._ids))
         planned: list[Planned] = []
         for w, positions in groups.items():
-            part_keys = [keys[p] for p in positions]
-            part_rows = [rows[p] for p in positions] if rows else []
+            if (type(positions) is range and len(positions) == len(keys)
+                    and (not rows or len(rows) == len(keys))):  # the whole job, as given
+                part_keys, part_rows = keys, rows or []
+            else:
+                part_keys = [keys[p] for p in positions]
+                part_rows = [rows[p] for p in positions] if rows else []
             job_id = WireJobId(next(self._ids))
             payload = jobs.pack_job(job_id, op, tier, part_keys, part_rows, args)
             if len(payload) <= self.max_payload:  # the common case: encoded once

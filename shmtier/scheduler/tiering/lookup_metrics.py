@@ -18,7 +18,9 @@ HIT, RETRY, HIT_PENDING = LookupResult.HIT, LookupResult.RETRY, LookupResult.HIT
 
 class RequestLookups:
     """One request's lookup record: the keys resolved (HIT or MISS) per tier, and
-    when each key's first RETRY came. Held by the scan while it runs."""
+    when each key's first RETRY came. Held by the scan while it runs. ``record`` ignores
+    a key already in ``resolved[tier]`` (the manager skips timing the primary's answer
+    for those: a waiting request rescans its prefix every step)."""
 
     __slots__ = ("tracker", "resolved", "retry_since")
 

@@ -53,7 +53,6 @@ and what is left shares the request and scan state, so it stays one module (~680
 
 from __future__ import annotations
 
-import functools
 import logging
 import threading
 import time
@@ -139,6 +138,9 @@ class _TierFacingParent(ParentManager):
 
 #: Every call but a lookup (which starts or continues a scan) ends the current lookup
 #: scan first: its promotions get their rows before anything else can see the primary.
+#: Each of these methods opens with that check inline (a wrapper cost every call one
+#: more Python frame, and these run several times a step: bench/README.md, issue 14 CPU);
+#: ``_scan_ends_first`` checks at import that none lacks it.
 _ENDS_THE_SCAN = (
     "get_load_source", "prepare_store", "complete_store", "prepare_load", "complete_load",
     "touch", "on_new_request", "on_request_finished", "on_schedule_end", "has_pending_work",
@@ -148,15 +150,13 @@ _ENDS_THE_SCAN = (
 
 
 def _scan_ends_first(cls: type) -> type:
-    """Wrap each method of ``_ENDS_THE_SCAN`` so it ends a running scan before it runs."""
+    """Check that each method of ``_ENDS_THE_SCAN`` ends a running scan (reads
+    ``_scan_ctx`` and calls ``_end_scan``) before it does anything else."""
     for name in _ENDS_THE_SCAN:
-        method = getattr(cls, name)
-
-        def call(self, *args, __method=method, **kwargs):
-            if self._scan_ctx is not None:
-                self._end_scan()
-            return __method(self, *args, **kwargs)
-        setattr(cls, name, functools.wraps(method)(call))
+        code = getattr(cls, name).__code__
+        if not {"_scan_ctx", "_end_scan"} <= set(code.co_names):
+            raise TypeError(f"{cls.__name__}.{name} must end the lookup scan first "
+                            f"(if self._scan_ctx is not None: self._end_scan())")
     return cls
 
 
@@ -176,6 +176,7 @@ class TieringOffloadingManager:
         self._lock = threading.Lock()
         self._before_primary_shutdown = list(before_primary_shutdown)
         self.primary = primary
+        self._ref_count = primary.ref_count  # per lookup
         self.tiers = list(tiers)
         self.labels = [PRIMARY_LABEL] + [f"{i + 1}:{t.tier_type}" for i, t in enumerate(self.tiers)]
         self._row_bytes = primary.get_kv_memoryview().strides[0] if primary._num_chunks else 0
@@ -246,6 +247,8 @@ class TieringOffloadingManager:
 
     def _create_store_job(self, keys: Collection[OffloadKey], ctx: ReqContext, tier_idx: int) -> TransferJob:
         """Pin ``keys`` in the primary and register a cascade job owned by ``tier_idx``."""
+        if self._scan_ctx is not None:  # _ENDS_THE_SCAN
+            self._end_scan()
         return self._new_job(keys, self.primary.pin_rows(keys), False, ctx, tier_idx)
 
     def _maybe_process_finished_jobs(self) -> None:
@@ -348,12 +351,22 @@ class TieringOffloadingManager:
             self._polled_this_step = True
             self._process_finished_jobs()
         record = self._scan_lookups
-        started = perf_counter()
-        count = self.primary.ref_count(key)  # the primary's lookup and is_evictable in one
-        result = MISS if count is None else HIT if count >= 0 else HIT_PENDING
-        now = perf_counter()
-        if record is not None and result is not HIT_PENDING:  # (record ignores HIT_PENDING)
+        # The primary's answer is timed and recorded the first time it resolves this key
+        # for the request; a rescan's lookups of resolved keys (the record would ignore
+        # them) skip the clocks.
+        if record is not None and key not in record.resolved[0]:
+            started = perf_counter()
+            count = self._ref_count(key)  # the primary's lookup and is_evictable in one
+            if count is not None and count < 0:
+                return HIT_PENDING  # (not recorded: the lookup record ignores HIT_PENDING)
+            result = MISS if count is None else HIT
+            now = perf_counter()
             record.record(0, key, result, now - started, now)
+        else:
+            count = self._ref_count(key)
+            if count is not None and count < 0:
+                return HIT_PENDING
+            result = MISS if count is None else HIT
         if result is HIT:
             if key not in self._scan_hits:
                 self._scan_hits[key] = None
@@ -485,6 +498,8 @@ class TieringOffloadingManager:
                 self.tiers[tier_idx].submit_load(self._new_job(keys, rows, True, ctx, tier_idx))
 
     def get_load_source(self, key: OffloadKey, req_context: ReqContext) -> CacheHitSource:
+        if self._scan_ctx is not None:  # _ENDS_THE_SCAN
+            self._end_scan()
         sources = self._load_sources.get(req_context.req_id)
         if sources:
             source = sources.get(key)
@@ -495,6 +510,8 @@ class TieringOffloadingManager:
     # --- stores and cascades ---
 
     def prepare_store(self, keys: Collection[OffloadKey], req_context: ReqContext) -> PrepareStoreOutput | None:
+        if self._scan_ctx is not None:  # _ENDS_THE_SCAN
+            self._end_scan()
         # Always poll first: eviction must see the freshest unpins and promotions.
         self._polled_this_step = True
         self._process_finished_jobs()
@@ -525,6 +542,8 @@ class TieringOffloadingManager:
 
     def complete_store(self, keys: Collection[OffloadKey], req_context: ReqContext,
                        success: bool = True) -> None:
+        if self._scan_ctx is not None:  # _ENDS_THE_SCAN
+            self._end_scan()
         self.primary.complete_store(keys, req_context, success)
         if success and self.tiers:
             stored = self.primary.ready_keys(keys)
@@ -553,12 +572,18 @@ class TieringOffloadingManager:
     # --- pass-through to the primary ---
 
     def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> CPULoadStoreSpec:
+        if self._scan_ctx is not None:  # _ENDS_THE_SCAN
+            self._end_scan()
         return self.primary.prepare_load(keys, req_context)
 
     def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
+        if self._scan_ctx is not None:  # _ENDS_THE_SCAN
+            self._end_scan()
         self.primary.complete_load(keys, req_context)
 
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
+        if self._scan_ctx is not None:  # _ENDS_THE_SCAN
+            self._end_scan()
         self.primary.touch(keys, req_context)
         for tier in self.tiers:
             tier.touch(keys, req_context)
@@ -574,6 +599,8 @@ class TieringOffloadingManager:
 
     def on_new_request(self, req_context: ReqContext,
                        exclude_tier_idx: int | None = None) -> RequestOffloadingContext:
+        if self._scan_ctx is not None:  # _ENDS_THE_SCAN
+            self._end_scan()
         state = _RequestState(req_context, excluded_tier=exclude_tier_idx)
         self._requests[req_context.req_id] = state
         self.primary.on_new_request(req_context)
@@ -588,6 +615,8 @@ class TieringOffloadingManager:
 
     def on_request_finished(self, req_context: ReqContext,
                             exclude_tier_idx: int | None = None) -> None:
+        if self._scan_ctx is not None:  # _ENDS_THE_SCAN
+            self._end_scan()
         state = self._state(req_context)
         self.primary.on_request_finished(req_context)
         state.finished = True
@@ -610,6 +639,8 @@ class TieringOffloadingManager:
     # --- per step ---
 
     def on_schedule_end(self, context: ScheduleEndContext) -> None:
+        if self._scan_ctx is not None:  # _ENDS_THE_SCAN
+            self._end_scan()
         self._maybe_process_finished_jobs()
         for tier_idx, tier in enumerate(self.tiers):
             tier.serve_external_requests(self._parents[tier_idx])
@@ -621,16 +652,22 @@ class TieringOffloadingManager:
         self._tracker.stop(context.new_req_ids)
 
     def has_pending_work(self) -> bool:
+        if self._scan_ctx is not None:  # _ENDS_THE_SCAN
+            self._end_scan()
         return (bool(self._jobs) or bool(self._parked)
                 or any(tier.has_pending_work() for tier in self.tiers))
 
     def take_events(self) -> Iterable[OffloadingEvent]:
+        if self._scan_ctx is not None:  # _ENDS_THE_SCAN
+            self._end_scan()
         events = list(self.primary.take_events())
         for tier in self.tiers:
             events.extend(tier.take_events())
         return events
 
     def get_stats(self) -> metrics.OffloadingStats:
+        if self._scan_ctx is not None:  # _ENDS_THE_SCAN
+            self._end_scan()
         stats, self._stats = self._stats, metrics.OffloadingStats()
         self.primary.stats_into(stats)
         self._tracker.take_into(stats)
@@ -665,6 +702,8 @@ class TieringOffloadingManager:
     def reset_cache(self) -> None:
         """Drain every tier, drop all primary state (tiers keep their data) and
         hold promotions until ``on_reset_flushed``."""
+        if self._scan_ctx is not None:  # _ENDS_THE_SCAN
+            self._end_scan()
         for tier in self.tiers:
             tier.drain_jobs()
         self._process_finished_jobs()
@@ -688,6 +727,8 @@ class TieringOffloadingManager:
         self._promotions_held = bool(self.tiers)
 
     def on_reset_flushed(self) -> None:
+        if self._scan_ctx is not None:  # _ENDS_THE_SCAN
+            self._end_scan()
         self._promotions_held = False
 
     # --- the tier-poll thread ---
@@ -696,6 +737,8 @@ class TieringOffloadingManager:
         """Process the finished jobs of the tiers that opted in and let them serve
         external requests. Caller holds the lock (the tier-poll thread). Promotions and
         cascades are not flushed; the once-per-step gate is left as it was."""
+        if self._scan_ctx is not None:  # _ENDS_THE_SCAN
+            self._end_scan()
         gate = self._polled_this_step
         self._polled_this_step = True  # a lookup from serving must not poll every tier
         try:

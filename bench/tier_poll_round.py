@@ -1,0 +1,81 @@
+#!/usr/bin/env python
+"""What the tier-poll thread costs the scheduler process while there is nothing to poll.
+
+Run from a checkout::
+
+    .venv/bin/python bench/tier_poll_round.py                       # 5 x 2 s at 1 ms (the default interval)
+    .venv/bin/python bench/tier_poll_round.py --interval-ms 1,5,20 --repeats 3
+
+The tiering manager starts a tier-poll thread (shmtier/scheduler/tiering/poll_thread.py)
+when a tier opts in to off-thread polling (peer tiers; shmtier's ``fs`` tier does not);
+it runs a round every ``tier_poll_interval_s`` (default 1 ms, shmtier/config.py). Here a
+real ``TierPollThread`` with a real lock runs rounds whose poll does nothing, so what is
+measured is the round itself: taking the lock, the wait, the wake-up. Per run: rounds per
+second and the thread's own CPU clock (``pthread_getcpuclockid``) per round and as a share
+of one core; median [min-max] over the runs. The host is shared: the load average is
+printed with the figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import threading
+import time
+
+BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
+REPO_ROOT = os.path.dirname(BENCH_DIR)
+if REPO_ROOT not in sys.path:
+    sys.path.insert(0, REPO_ROOT)
+
+from shmtier.bench.common import fmt_mr, med_range  # noqa: E402
+from shmtier.scheduler.tiering.poll_thread import TierPollThread  # noqa: E402
+
+
+def one_run(interval_s: float, seconds: float) -> tuple[float, float, float]:
+    """(rounds per second, thread CPU µs per round, thread CPU share of a core)."""
+    rounds = [0]
+
+    def poll() -> None:
+        rounds[0] += 1
+
+    thread = TierPollThread(threading.Lock(), poll, interval_s)
+    try:
+        clock = time.pthread_getcpuclockid(thread._thread.ident)
+        time.sleep(0.1)  # past its start
+        c0, n0, w0 = time.clock_gettime(clock), rounds[0], time.perf_counter()
+        time.sleep(seconds)
+        c1, n1, w1 = time.clock_gettime(clock), rounds[0], time.perf_counter()
+    finally:
+        thread.stop()
+    n = max(1, n1 - n0)
+    return n / (w1 - w0), (c1 - c0) / n * 1e6, (c1 - c0) / (w1 - w0)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--interval-ms", default="1", help="comma-separated round intervals in ms")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--seconds", type=float, default=2.0, help="per run")
+    args = ap.parse_args(argv)
+    try:
+        intervals = [float(x) / 1e3 for x in args.interval_ms.split(",") if x.strip()]
+    except ValueError:
+        ap.error(f"--interval-ms {args.interval_ms!r}: expected comma-separated numbers of ms")
+    if not intervals or min(intervals) <= 0:
+        ap.error(f"--interval-ms {args.interval_ms!r}: expected positive numbers of ms")
+    print(f"tier-poll thread, empty rounds: {args.repeats} runs x {args.seconds:g} s per interval, "
+          f"{os.cpu_count()} CPUs, load avg {os.getloadavg()[0]:.2f} at start")
+    for interval in intervals:
+        runs = [one_run(interval, args.seconds) for _ in range(args.repeats)]
+        rate, per_round, share = (med_range([r[i] for r in runs]) for i in range(3))
+        print(f"  interval {interval * 1e3:g} ms: {fmt_mr(rate, 0)} rounds/s, "
+              f"{fmt_mr(per_round, 1)} µs CPU per round, "
+              f"{fmt_mr(tuple(x * 100 for x in share), 1)} % of a core")
+    print(f"load avg at end {os.getloadavg()[0]:.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
