@@ -104,3 +104,53 @@ def test_a_bad_niceness_fails_the_spec_before_anything_is_created(engine_id, tmp
     with pytest.raises(ConfigError, match=r"tier_worker_niceness'\] = 20 is invalid"):
         TieringOffloadingSpec(_extra(tmp_path, tier_worker_niceness=20), LAYOUT, engine_id)
     assert not [n for n in os.listdir("/dev/shm") if engine_id in n]
+
+
+# ---- tier_worker_slice_ms: each worker's EEVDF slice (shmtier/shared/fair_slice.py)
+
+def test_workers_take_the_configured_slice(engine_id, tmp_path):
+    from shmtier.shared.fair_slice import fair_slice
+    base = fair_slice(0)  # this process's: the kernel's base slice
+    spec = TieringOffloadingSpec(_extra(tmp_path, tier_worker_slice_ms=20), LAYOUT, engine_id)
+    assert spec.pool_config.worker_slice_ms == 20.0
+    manager = spec.get_manager()
+    try:
+        pids = _beaten_worker_pids(spec)
+        assert [fair_slice(pid) for pid in pids] == [20_000_000] * 2
+        assert fair_slice(0) == base  # the scheduler's own slice is not touched
+        mine = os.getpriority(os.PRIO_PROCESS, 0)
+        assert [os.getpriority(os.PRIO_PROCESS, pid) for pid in pids] == [mine + 10] * 2
+    finally:
+        manager.shutdown()
+
+
+def test_slice_zero_leaves_the_kernels(engine_id, tmp_path):
+    from shmtier.shared.fair_slice import fair_slice
+    spec = TieringOffloadingSpec(_extra(tmp_path, tier_worker_slice_ms=0), LAYOUT, engine_id)
+    manager = spec.get_manager()
+    try:
+        assert [fair_slice(pid) for pid in _beaten_worker_pids(spec)] == [fair_slice(0)] * 2
+    finally:
+        manager.shutdown()
+
+
+@pytest.mark.parametrize("value", [-1, 0.05, 101, "x", True])
+def test_a_bad_slice_is_a_config_error_naming_key_value_and_range(value):
+    with pytest.raises(ConfigError) as e:
+        TieringConfig.from_extra_config({"tier_worker_slice_ms": value})
+    text = str(e.value)
+    assert "['tier_worker_slice_ms']" in text and f"= {value!r} is invalid" in text
+    assert "0 (the kernel's slice) or a number of milliseconds in 0.1..100" in text
+
+
+def test_set_fair_slice_checks_its_range_and_reads_back(engine_id):
+    from shmtier.shared.fair_slice import fair_slice, set_fair_slice
+    with pytest.raises(ValueError, match="outside"):
+        set_fair_slice(0, 50_000)
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        set_fair_slice(child.pid, 7_000_000)
+        assert fair_slice(child.pid) == 7_000_000
+    finally:
+        child.kill()
+        child.wait()
