@@ -18,14 +18,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from shmtier.options import Check, ConfigError, boolean, integer, invalid, number, one_of, reject_unknown, text
+from shmtier.options import ConfigError, boolean, integer, invalid, number, one_of, reject_unknown, text
 from shmtier.scheduler.tiering.admission import DEFAULT_RULE, RULES
 from shmtier.scheduler.backpressure.settings import BackpressureSettings
 from shmtier.scheduler.policies.factory import CachePolicyFactory
 from shmtier.shared.codec import CompressionConfig
 from shmtier.shared.layout import DEFAULT_KEY_WIDTH, ArenaGeometry
-from shmtier.shared.fair_slice import MAX_SLICE_NS, MIN_SLICE_NS
-from shmtier.shared.pool_config import DEFAULT_WORKER_NICENESS, DEFAULT_WORKER_SLICE_MS
+from shmtier.shared.pool_config import DEFAULT_WORKER_NICENESS
 from shmtier.tiers import registry
 from shmtier.tiers.config import TierConfig, TierContext
 from shmtier.tiers.registry import TierType
@@ -45,7 +44,7 @@ PRIMARY_KEYS = frozenset({
 TIERING_KEYS = frozenset({
     "secondary_tiers", "tier_poll_interval_s", "backpressure", "num_tier_workers", "workers",
     "compression", "tier_job_timeout_s", "admission", "admission_window",
-    "tier_worker_niceness", "tier_worker_slice_ms",
+    "tier_worker_niceness",
 })
 KNOWN_KEYS = PASSTHROUGH_KEYS | PRIMARY_KEYS | TIERING_KEYS
 WORKER_MODES = ("spawn", "external")
@@ -63,19 +62,6 @@ def _get(extra: Mapping[str, Any], key: str, default: Any, check) -> Any:
     """``extra[key]`` checked (None counts as absent), else ``default``."""
     value = extra.get(key)
     return default if value is None else check(_key(key), value)
-
-
-def _slice_ms() -> Check:
-    """``tier_worker_slice_ms``: 0 (the kernel's slice) or the kernel's custom-slice range."""
-    low, high = MIN_SLICE_NS / 1e6, MAX_SLICE_NS / 1e6
-
-    def convert(v):
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not (
-                v == 0 or low <= v <= high):
-            raise ValueError()
-        return float(v)
-    return Check(f"0 (the kernel's slice) or a number of milliseconds in {low:g}..{high:g}",
-                 convert)
 
 
 def _required_int(extra: Mapping[str, Any], key: str, minimum: int) -> int:
@@ -263,8 +249,6 @@ class TieringConfig:
     admission_window: int | None = None  # second_touch's keys remembered; None: 4 x CPU rows
     # added to the niceness each tier worker inherits (PoolConfig.worker_niceness)
     tier_worker_niceness: int = DEFAULT_WORKER_NICENESS
-    # each tier worker's EEVDF slice in ms; 0: the kernel's (PoolConfig.worker_slice_ms)
-    tier_worker_slice_ms: float = DEFAULT_WORKER_SLICE_MS
 
     @property
     def worker_backed(self) -> bool:
@@ -304,8 +288,6 @@ class TieringConfig:
             admission_window=_get(extra, "admission_window", None, integer(1)),
             tier_worker_niceness=_get(extra, "tier_worker_niceness", DEFAULT_WORKER_NICENESS,
                                       integer(0, 19)),
-            tier_worker_slice_ms=float(_get(extra, "tier_worker_slice_ms", DEFAULT_WORKER_SLICE_MS,
-                                            _slice_ms())),
         )
 
     def admission_rules(self) -> tuple[str, ...]:

@@ -79,8 +79,7 @@ class TieringOffloadingSpec:
                           codec={"mode": codec.mode, "level": codec.level,
                                  "min_gain": codec.min_gain},
                           tiers=tiers, job_timeout_s=tiering.tier_job_timeout_s,
-                          worker_niceness=tiering.tier_worker_niceness,
-                          worker_slice_ms=tiering.tier_worker_slice_ms)
+                          worker_niceness=tiering.tier_worker_niceness)
 
     def _open_segment(self, **kwargs) -> Segment:
         """``open_segment`` for this engine; a /dev/shm too small for the CPU tier is a

@@ -66,7 +66,6 @@ from collections.abc import Iterator
 import numpy as np
 
 from shmtier.shared import jobs
-from shmtier.shared.fair_slice import set_fair_slice
 from shmtier.shared.pool_config import EXIT_BACKENDS_FAILED, PoolConfig
 from shmtier.shared.ring import RingSet
 from shmtier.shared.segment import join_existing
@@ -74,16 +73,6 @@ from shmtier.tiers import registry
 from shmtier.tiers.backend import BatchResult, UnsupportedOp, WorkerContext
 
 logger = logging.getLogger(__name__)
-
-
-def _set_slice(slice_ms: float, index: int) -> None:
-    """This worker's EEVDF slice (``tier_worker_slice_ms``); a kernel without custom
-    slices keeps its own, said once per worker in the log (the worker runs on)."""
-    try:
-        set_fair_slice(0, round(slice_ms * 1e6))
-    except OSError as e:
-        logger.warning("tier worker %d: tier_worker_slice_ms = %g not applied (%s); it runs "
-                       "with the kernel's slice", index, slice_ms, e)
 
 _OWNER_CHECK_S = 1.0
 _KEYS_PER_BEAT = 8
@@ -437,8 +426,6 @@ def run_worker(engine_id: str, index: int, generation: int | None = None) -> int
         # that posted it (``tier_worker_niceness``, default 10). os.nice changes
         # only the calling thread on Linux: this runs before the worker starts any thread.
         os.nice(config.worker_niceness)
-        if config.worker_slice_ms:
-            _set_slice(config.worker_slice_ms, index)
         rings = RingSet.attach(segment.name, segment.rings, worker=index)
         if generation is None:
             mine[0] = segment.owner_generation()

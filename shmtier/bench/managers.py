@@ -80,8 +80,8 @@ WORKER_SCHED = {
 
 #: cascade admission rules a variant may name (shmtier/scheduler/tiering/admission.py)
 ADMISSION_TOKENS = ("second_touch",)
-#: the ``tier_worker_slice_ms`` a variant may give the workers (shmtier/shared/fair_slice.py)
-SLICE_TOKENS = {"slice0": 0, "slice3": 3, "slice20": 20, "slice100": 100}
+#: custom EEVDF slices a variant may give the workers (shmtier/shared/fair_slice.py), in ms
+SLICE_TOKENS = {"slice3": 3, "slice20": 20, "slice100": 100}
 #: every token of ``shmtier@TOKENS``
 VARIANT_TOKENS = (*WORKER_SCHED, *SLICE_TOKENS, "raw", "zstd", "noprobe", *ADMISSION_TOKENS)
 
@@ -113,22 +113,16 @@ def sched_of(pid: int) -> str:
     try:
         policy = {os.SCHED_OTHER: "OTHER", os.SCHED_BATCH: "BATCH",
                   os.SCHED_IDLE: "IDLE"}.get(os.sched_getscheduler(pid), "?")
-        text = f"{policy}/nice {os.getpriority(os.PRIO_PROCESS, pid)}"
+        return f"{policy}/nice {os.getpriority(os.PRIO_PROCESS, pid)}"
     except OSError:
         return "?"
-    try:
-        from shmtier.shared.fair_slice import fair_slice
-        return f"{text}/slice {fair_slice(pid) / 1e6:g} ms"
-    except OSError:
-        return text
 
 
 def make_shmtier(cfg, root: str, engine_id: str, variant: str = "") -> Mut:
     """``variant``: '+'-joined tokens, each a WORKER_SCHED key, a compression mode
     (``raw`` = "none", ``zstd``), ``noprobe`` (the fs tier's ``probe_unknown`` off: a key
     its index does not know is a MISS at once, as before shared roots) or a cascade
-    admission rule (``second_touch``; default: write-through) or a ``tier_worker_slice_ms``
-    (``slice20``: 20 ms), e.g. ``raw+nice0``."""
+    admission rule (``second_touch``; default: write-through), e.g. ``raw+nice0``."""
     tokens = [t for t in variant.split("+") if t]
     sched = next((t for t in tokens if t in WORKER_SCHED), cfg.worker_sched)
     compression = {"raw": "none", "zstd": "zstd"}.get(
@@ -146,9 +140,6 @@ def make_shmtier(cfg, root: str, engine_id: str, variant: str = "") -> Mut:
     admission = next((t for t in tokens if t in ADMISSION_TOKENS), None)
     if admission is not None:
         extra["admission"] = admission
-    slice_ms = next((SLICE_TOKENS[t] for t in tokens if t in SLICE_TOKENS), None)
-    if slice_ms is not None:
-        extra["tier_worker_slice_ms"] = slice_ms
     spec = TieringOffloadingSpec(extra, layout, engine_id)
     manager = spec.get_manager()
     try:
@@ -163,8 +154,12 @@ def make_shmtier(cfg, root: str, engine_id: str, variant: str = "") -> Mut:
             if time.monotonic() > deadline:
                 raise RuntimeError("shmtier tier workers did not start within 30 s")
             time.sleep(0.005)
+        slice_ms = next((SLICE_TOKENS[t] for t in tokens if t in SLICE_TOKENS), None)
         for pid in pids:  # experiment: --worker-sched (what the workers could do themselves)
             apply_worker_sched(pid, sched)
+            if slice_ms is not None:
+                from shmtier.shared.fair_slice import set_fair_slice
+                set_fair_slice(pid, slice_ms * 1_000_000)
         mut = Mut("shmtier", manager, rows, contract.ReqContext, contract.LookupResult,
                   contract.ScheduleEndContext, root, ".kv", engine_id, pids, pool)
         mut.worker_sched = sorted({sched_of(pid) for pid in pids})

@@ -28,8 +28,6 @@ EXIT_BACKENDS_FAILED = 4
 #: Default ``worker_niceness`` (the ``tier_worker_niceness`` key): added to the niceness a
 #: tier worker inherits, so a worker woken by a job does not preempt the scheduler thread.
 DEFAULT_WORKER_NICENESS = 10
-#: Default ``worker_slice_ms`` (the ``tier_worker_slice_ms`` key); 0: the kernel's base slice.
-DEFAULT_WORKER_SLICE_MS = 0.0
 _LEN = struct.Struct("<I")
 
 
@@ -49,10 +47,7 @@ class PoolConfig:
     its parts fail (their CPU rows are released). ``worker_niceness`` (0..19, the
     ``tier_worker_niceness`` key) is added to the niceness each worker inherits, by the
     worker itself before it starts any thread (``workers/job_loop.py``), spawned or
-    external alike. ``worker_slice_ms`` (the ``tier_worker_slice_ms`` key; 0: the
-    kernel's) is each worker's EEVDF time slice, set the same way
-    (``shmtier/shared/fair_slice.py`` says why a slice longer than the scheduler thread's
-    lets that thread preempt a worker as soon as it wakes)."""
+    external alike."""
 
     num_workers: int
     chunk_bytes: int
@@ -65,7 +60,6 @@ class PoolConfig:
     mode: str = "spawn"
     job_timeout_s: float = 60.0
     worker_niceness: int = DEFAULT_WORKER_NICENESS
-    worker_slice_ms: float = DEFAULT_WORKER_SLICE_MS
 
     def write(self, rings_area: memoryview) -> None:
         blob = msgpack.packb(asdict(self), use_bin_type=True)
