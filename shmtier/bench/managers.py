@@ -80,10 +80,8 @@ WORKER_SCHED = {
 
 #: cascade admission rules a variant may name (shmtier/scheduler/tiering/admission.py)
 ADMISSION_TOKENS = ("second_touch",)
-#: custom EEVDF slices a variant may give the workers (shmtier/shared/fair_slice.py), in ms
-SLICE_TOKENS = {"slice3": 3, "slice20": 20, "slice100": 100}
 #: every token of ``shmtier@TOKENS``
-VARIANT_TOKENS = (*WORKER_SCHED, *SLICE_TOKENS, "raw", "zstd", "noprobe", *ADMISSION_TOKENS)
+VARIANT_TOKENS = (*WORKER_SCHED, "raw", "zstd", "noprobe", *ADMISSION_TOKENS)
 
 
 def known_manager(name: str) -> bool:
@@ -154,12 +152,8 @@ def make_shmtier(cfg, root: str, engine_id: str, variant: str = "") -> Mut:
             if time.monotonic() > deadline:
                 raise RuntimeError("shmtier tier workers did not start within 30 s")
             time.sleep(0.005)
-        slice_ms = next((SLICE_TOKENS[t] for t in tokens if t in SLICE_TOKENS), None)
         for pid in pids:  # experiment: --worker-sched (what the workers could do themselves)
             apply_worker_sched(pid, sched)
-            if slice_ms is not None:
-                from shmtier.shared.fair_slice import set_fair_slice
-                set_fair_slice(pid, slice_ms * 1_000_000)
         mut = Mut("shmtier", manager, rows, contract.ReqContext, contract.LookupResult,
                   contract.ScheduleEndContext, root, ".kv", engine_id, pids, pool)
         mut.worker_sched = sorted({sched_of(pid) for pid in pids})
