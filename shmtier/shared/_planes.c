@@ -29,6 +29,7 @@
 #include <string.h>
 
 #if defined(__x86_64__) || defined(_M_X64)
+#include <emmintrin.h>
 #include <nmmintrin.h>
 #define HAVE_X86_CRC 1
 #endif
@@ -67,19 +68,35 @@ static uint32_t crc_sw(uint32_t c, const uint8_t *p, size_t n) {
 }
 
 #ifdef HAVE_X86_CRC
-__attribute__((target("sse4.2")))
-static uint32_t crc_hw(uint32_t c32, const uint8_t *p, size_t n) {
+/* One chain over p[0:n]; with dst (not NULL) also copies p[0:n] to dst as it goes.
+ * Inlined into its callers, where dst is a constant NULL or not, so the copy costs
+ * nothing where it is not asked for. */
+__attribute__((target("sse4.2"), always_inline))
+static inline uint32_t crc_hw_into(uint32_t c32, const uint8_t *p, size_t n, uint8_t *dst) {
     uint64_t c = c32;
-    while (n && ((uintptr_t)p & 7)) { c = _mm_crc32_u8((uint32_t)c, *p++); n--; }
+    while (n && ((uintptr_t)p & 7)) {
+        if (dst) *dst++ = *p;
+        c = _mm_crc32_u8((uint32_t)c, *p++);
+        n--;
+    }
     while (n >= 8) {
         uint64_t w;
         memcpy(&w, p, 8);
+        if (dst) { memcpy(dst, &w, 8); dst += 8; }
         c = _mm_crc32_u64(c, w);
         p += 8;
         n -= 8;
     }
-    while (n--) c = _mm_crc32_u8((uint32_t)c, *p++);
+    while (n--) {
+        if (dst) *dst++ = *p;
+        c = _mm_crc32_u8((uint32_t)c, *p++);
+    }
     return (uint32_t)c;
+}
+
+__attribute__((target("sse4.2")))
+static uint32_t crc_hw(uint32_t c, const uint8_t *p, size_t n) {
+    return crc_hw_into(c, p, n, NULL);
 }
 #endif
 
@@ -125,11 +142,14 @@ static inline uint32_t crc3_zeros(const crc3_zeros_op *op, uint32_t x) {
 
 #ifdef HAVE_X86_CRC
 /* Groups of three blocks of `len` bytes (a multiple of 64) from *p while at least one
- * is left; advances *p and *n past them. Takes and returns the raw register. */
+ * is left; advances *p and *n past them (and *dst, when dst is not NULL: then every byte
+ * read is also stored at the same offset from *dst, the copy of copy_crc32c). Takes and
+ * returns the raw register. */
 __attribute__((target("sse4.2"), always_inline))
 static inline uint32_t crc3_groups(uint32_t c, const uint8_t **p, size_t *n, size_t len,
-                                   const crc3_zeros_op *op) {
+                                   const crc3_zeros_op *op, uint8_t **dst) {
     const uint8_t *q = *p;
+    uint8_t *d = dst ? *dst : NULL;
     size_t left = *n;
     while (left >= 3 * len) {
         uint64_t c0 = c, c1 = 0, c2 = 0;
@@ -144,12 +164,18 @@ static inline uint32_t crc3_groups(uint32_t c, const uint8_t **p, size_t *n, siz
             __builtin_prefetch((const void *)(next + len + i));
             __builtin_prefetch((const void *)(next + 2 * len + i));
         }
-        for (const uint8_t *end = q + len; q < end; q += 64) { /* a cache line a stream */
+        for (const uint8_t *end = q + len; q < end; q += 64, d = dst ? d + 64 : d) {
+            /* a cache line a stream */
             for (int i = 0; i < 64; i += 8) {
                 uint64_t w0, w1, w2;
                 memcpy(&w0, q + i, 8);
                 memcpy(&w1, q + len + i, 8);
                 memcpy(&w2, q + 2 * len + i, 8);
+                if (dst) { /* non-temporal: no read of the destination's lines */
+                    _mm_stream_si64((long long *)(d + i), (long long)w0);
+                    _mm_stream_si64((long long *)(d + len + i), (long long)w1);
+                    _mm_stream_si64((long long *)(d + 2 * len + i), (long long)w2);
+                }
                 c0 = _mm_crc32_u64(c0, w0);
                 c1 = _mm_crc32_u64(c1, w1);
                 c2 = _mm_crc32_u64(c2, w2);
@@ -157,10 +183,12 @@ static inline uint32_t crc3_groups(uint32_t c, const uint8_t **p, size_t *n, siz
         }
         c = crc3_zeros(op, crc3_zeros(op, (uint32_t)c0) ^ (uint32_t)c1) ^ (uint32_t)c2;
         q += 2 * len;
+        if (dst) d += 2 * len;
         left -= 3 * len;
     }
     *p = q;
     *n = left;
+    if (dst) *dst = d;
     return c;
 }
 
@@ -169,14 +197,40 @@ __attribute__((target("sse4.2")))
 static uint32_t crc_hw3(uint32_t c, const uint8_t *p, size_t n) {
     if (n < 3 * CRC3_SHORT) return crc_hw(c, p, n);
     while ((uintptr_t)p & 7) { c = _mm_crc32_u8(c, *p++); n--; }
-    c = crc3_groups(c, &p, &n, CRC3_LONG, &crc3_long_op);
-    c = crc3_groups(c, &p, &n, CRC3_SHORT, &crc3_short_op);
+    c = crc3_groups(c, &p, &n, CRC3_LONG, &crc3_long_op, NULL);
+    c = crc3_groups(c, &p, &n, CRC3_SHORT, &crc3_short_op, NULL);
     return crc_hw(c, p, n);
+}
+
+/* crc_hw3 over src, copying src[0:n] to dst in the same pass (copy_crc32c). The groups
+ * store with non-temporal stores (movnti), aligned on dst: the destination (an arena row,
+ * read next by a DMA or a later pass) is not read for ownership, which makes the fused
+ * pass faster than memcpy alone on a destination not in cache (bench/README.md,
+ * p2p_tier.py section). Small buffers and the tail take ordinary stores. */
+__attribute__((target("sse4.2")))
+static uint32_t copy_crc_hw3(uint32_t c, const uint8_t *p, size_t n, uint8_t *dst) {
+    if (n < 3 * CRC3_SHORT) return crc_hw_into(c, p, n, dst);
+    while ((uintptr_t)dst & 7) { *dst++ = *p; c = _mm_crc32_u8(c, *p++); n--; }
+    c = crc3_groups(c, &p, &n, CRC3_LONG, &crc3_long_op, &dst);
+    c = crc3_groups(c, &p, &n, CRC3_SHORT, &crc3_short_op, &dst);
+    _mm_sfence(); /* the non-temporal stores are ordered before what follows */
+    return crc_hw_into(c, p, n, dst);
 }
 #endif
 
+/* The portable copy_crc32c: a tile copied, then checksummed while it is in cache. */
+static uint32_t copy_crc_sw(uint32_t c, const uint8_t *p, size_t n, uint8_t *dst) {
+    for (size_t s = 0; s < n; s += 2 * TILE_ELEMS) {
+        size_t k = n - s < 2 * TILE_ELEMS ? n - s : 2 * TILE_ELEMS;
+        memcpy(dst + s, p + s, k);
+        c = crc_sw(c, dst + s, k);
+    }
+    return c;
+}
+
 static uint32_t (*crc_update)(uint32_t, const uint8_t *, size_t) = crc_sw;
 static uint32_t (*crc_update_serial)(uint32_t, const uint8_t *, size_t) = crc_sw;
+static uint32_t (*copy_crc_update)(uint32_t, const uint8_t *, size_t, uint8_t *) = copy_crc_sw;
 
 static void split_tile(const uint8_t *raw, uint8_t *hi, uint8_t *lo, size_t n) {
     for (size_t i = 0; i < n; i++) {  /* little-endian uint16: low byte first */
@@ -256,6 +310,70 @@ static PyObject *py_crc32c_serial(PyObject *self, PyObject *const *args, Py_ssiz
     return crc32c_with(crc_update_serial, args, nargs);
 }
 
+PyDoc_STRVAR(copy_crc32c_doc,
+"copy_crc32c(dst, src, value=0, /) -> int\n\n"
+"Copy the bytes-like ``src`` into ``dst`` (writable, contiguous, exactly len(src) bytes,\n"
+"not overlapping src) and return crc32c(src, value), in one pass over the bytes: each\n"
+"word is checksummed as it is copied (three streams, as crc32c), so the checksum costs\n"
+"little over the copy.");
+
+static PyObject *copy_crc32c_with(uint32_t (*update)(uint32_t, const uint8_t *, size_t, uint8_t *),
+                                  PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs < 2 || nargs > 3) {
+        PyErr_SetString(PyExc_TypeError, "copy_crc32c(dst, src, value=0) takes 2 or 3 arguments");
+        return NULL;
+    }
+    uint32_t value = 0;
+    if (nargs == 3) {
+        unsigned long v = PyLong_AsUnsignedLongMask(args[2]);
+        if (v == (unsigned long)-1 && PyErr_Occurred()) return NULL;
+        value = (uint32_t)v;
+    }
+    Py_buffer v[2];
+    if (PyObject_GetBuffer(args[0], &v[0], PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0) {
+        PyErr_Format(PyObject_CheckBuffer(args[0]) ? PyExc_BufferError : PyExc_TypeError,
+                     "copy_crc32c: dst must be a writable contiguous buffer, got %.100s",
+                     Py_TYPE(args[0])->tp_name);
+        return NULL;
+    }
+    if (PyObject_GetBuffer(args[1], &v[1], PyBUF_C_CONTIGUOUS) < 0) {
+        PyBuffer_Release(&v[0]);
+        return NULL;
+    }
+    uint8_t *dst = v[0].buf;
+    const uint8_t *src = v[1].buf;
+    size_t n = (size_t)v[1].len;
+    if (v[0].len != v[1].len) {
+        PyErr_Format(PyExc_ValueError,
+                     "copy_crc32c: dst has %zd bytes, src %zd (must be equal)", v[0].len, v[1].len);
+        release_views(v, 2);
+        return NULL;
+    }
+    if (n && (uintptr_t)dst < (uintptr_t)src + n && (uintptr_t)src < (uintptr_t)dst + n) {
+        PyErr_SetString(PyExc_ValueError, "copy_crc32c: dst and src overlap");
+        release_views(v, 2);
+        return NULL;
+    }
+    uint32_t c = ~value;
+    Py_BEGIN_ALLOW_THREADS
+    c = update(c, src, n, dst);
+    Py_END_ALLOW_THREADS
+    release_views(v, 2);
+    return PyLong_FromUnsignedLong((unsigned long)(~c));
+}
+
+static PyObject *py_copy_crc32c(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    return copy_crc32c_with(copy_crc_update, args, nargs);
+}
+
+PyDoc_STRVAR(copy_crc32c_table_doc,
+"copy_crc32c_table(dst, src, value=0, /) -> int\n\n"
+"copy_crc32c with the portable table, whatever the CPU (tests compare the two).");
+
+static PyObject *py_copy_crc32c_table(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    return copy_crc32c_with(copy_crc_sw, args, nargs);
+}
+
 PyDoc_STRVAR(split_doc,
 "split(raw, hi, lo, /) -> int\n\n"
 "Write the high and low bytes of the little-endian uint16 elements of ``raw`` into\n"
@@ -326,6 +444,10 @@ static PyMethodDef methods[] = {
      crc32c_table_doc},
     {"crc32c_serial", (PyCFunction)(void (*)(void))py_crc32c_serial, METH_FASTCALL,
      crc32c_serial_doc},
+    {"copy_crc32c", (PyCFunction)(void (*)(void))py_copy_crc32c, METH_FASTCALL,
+     copy_crc32c_doc},
+    {"copy_crc32c_table", (PyCFunction)(void (*)(void))py_copy_crc32c_table, METH_FASTCALL,
+     copy_crc32c_table_doc},
     {"split", (PyCFunction)(void (*)(void))py_split, METH_FASTCALL, split_doc},
     {"merge", (PyCFunction)(void (*)(void))py_merge, METH_FASTCALL, merge_doc},
     {NULL, NULL, 0, NULL},
@@ -346,6 +468,7 @@ PyMODINIT_FUNC PyInit__planes(void) {
     if (__builtin_cpu_supports("sse4.2")) {
         crc_update = crc_hw3;
         crc_update_serial = crc_hw;
+        copy_crc_update = copy_crc_hw3;
         impl = "sse4.2";
     }
 #endif
