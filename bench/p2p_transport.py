@@ -167,6 +167,10 @@ class RawLoopback:
         """CPU seconds both processes (peer and sender) have used so far."""
         return sum(process_cpu_s(p.pid) for p in self.procs)
 
+    def receiver_cpu_s(self) -> float:
+        """CPU seconds the receiving process (the peer) has used so far."""
+        return process_cpu_s(self.procs[0].pid)
+
     def run(self) -> float:
         self.conns[1].send("run")
         if not self.conns[1].poll(300):
