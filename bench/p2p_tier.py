@@ -100,7 +100,7 @@ def engine_proc(conn, engine_id: str, tier: dict, rows: int, chunk: int, profile
     from shmtier.spec import TieringOffloadingSpec
     from shmtier.tiers.p2p.scheduler import FETCH_SECONDS
 
-    HIT, MISS = LookupResult.HIT, LookupResult.MISS
+    HIT, MISS, RETRY = LookupResult.HIT, LookupResult.MISS, LookupResult.RETRY
     END = ScheduleEndContext((), ())
     stride = -(-chunk // 4096) * 4096
     extra = {"cpu_bytes_to_use": rows * stride, "blocks_per_chunk": 1,
@@ -170,10 +170,13 @@ def engine_proc(conn, engine_id: str, tier: dict, rows: int, chunk: int, profile
             for ctx, _ in reqs:
                 m.on_new_request(ctx)
         deadline = time.monotonic() + timeout_s
+        located = None
         while True:
             with m.lock:
                 answers = [m.lookup(k, ctx) for ctx, keys in reqs for k in keys]
                 m.on_schedule_end(END)
+            if located is None and RETRY not in answers:
+                located = time.perf_counter() - t0
             if all(a is HIT for a in answers) or any(a is MISS for a in answers):
                 break
             if time.monotonic() > deadline:
@@ -181,7 +184,8 @@ def engine_proc(conn, engine_id: str, tier: dict, rows: int, chunk: int, profile
             time.sleep(0.001)
         seconds = time.perf_counter() - t0
         ok = all(a is HIT for a in answers)
-        out = {"seconds": seconds, "ok": ok, "answers": sorted({a.name for a in answers})}
+        out = {"seconds": seconds, "ok": ok, "answers": sorted({a.name for a in answers}),
+               "located_s": located if located is not None else seconds}
         with m.lock:
             loads = [m.prepare_load(keys, ctx) for ctx, keys in reqs] if ok else []
             fetch = p2p.get_stats().data["data"].get(FETCH_SECONDS, {})
@@ -488,6 +492,7 @@ def main() -> None:
         fetch_gbps = {n: [] for n in names if not n.startswith("raw")}
         cpu_s = {n: 0.0 for n in names}  # CPU of the moving processes, summed over repeats
         rx_cpu_s = {n: 0.0 for n in names}  # of the receiving one (raw peer, consumer endpoint)
+        located_ms = {n: [] for n in names if not n.startswith("raw")}  # until no key is RETRY
         for rep in range(args.repeats):
             for name in rotated(names, rep):
                 if name.startswith("raw"):
@@ -502,6 +507,7 @@ def main() -> None:
                 gbps[name].append(total / got["seconds"] / 1e9)
                 cpu_s[name] += got["cpu_s"]
                 rx_cpu_s[name] += got["rx_cpu_s"]
+                located_ms[name].append(got["located_s"] * 1e3)
                 fetch_gbps[name].append(total / got["fetch_s"] / 1e9  # (pd/N: not one round)
                                         if got["fetch_s"] and not split else None)
 
@@ -554,11 +560,13 @@ def main() -> None:
               f"the same security, at niceness 0 / at +{ep_nice}")
         print("cpu s/GB: CPU time of the processes that move the bytes (raw: sender and "
               "receiver; tier: both endpoint processes, every thread) per GB, all repeats; "
-              "rx: of the receiving one alone (raw: the receiver; tier: the consumer's endpoint)")
+              "rx: of the receiving one alone (raw: the receiver; tier: the consumer's endpoint); "
+              "located ms: from the first lookup until no key is RETRY (sym: the peer answered)")
         print("x raw/rep: the ratio to raw (same security, niceness 0) of each repeat's own "
               "raw figure (measured minutes apart at most), median [min-max]")
         print(f"{'method':<15} {'GB/s median [min-max]':>24} {'x raw / x raw@n':>18} "
-              f"{'x raw/rep':>20} {'fetch round GB/s':>22} {'cpu s/GB':>9} {'rx':>5}")
+              f"{'x raw/rep':>20} {'fetch round GB/s':>22} {'cpu s/GB':>9} {'rx':>5} "
+              f"{'located ms':>18}")
         med = {k: med_range(v)[0] for k, v in gbps.items()}
         for name in names:
             base = "raw+curve" if name.endswith("curve") else "raw"
@@ -571,7 +579,8 @@ def main() -> None:
             cpu = cpu_s[name] / (total * args.repeats / 1e9)
             rx = rx_cpu_s[name] / (total * args.repeats / 1e9)
             print(f"{name:<15} {fmt_mr(med_range(gbps[name])):>24} {ratio:>18} {per_rep:>20} "
-                  f"{fetch:>22} {cpu:>9.2f} {rx:>5.2f}")
+                  f"{fetch:>22} {cpu:>9.2f} {rx:>5.2f} "
+                  f"{fmt_mr(med_range(located_ms[name]), 1) if name in located_ms else '':>18}")
         if args.step_repeats:  # 0: promotions only
             print(f"\nconsumer scheduler step time (µs), a step every {args.step_ms:g} ms, "
                   f"{args.step_repeats} runs each, {step_requests} requests of "
@@ -596,6 +605,7 @@ def main() -> None:
                                    "repeats": args.repeats, "gbps": gbps,
                                    "fetch_round_gbps": fetch_gbps, "cpu_s": cpu_s,
                                    "rx_cpu_s": rx_cpu_s,
+                                   "located_ms": located_ms,
                                    "steps": step_stats,
                                    "step_runs": step_info, "step_ms": args.step_ms})
         if prof_path:

@@ -16,7 +16,11 @@ rotated per repeat, and moves ``--chunks`` chunks of ``--chunk-mib`` MiB.
 - ``fetch`` / ``fetch+curve``: the peer runs a ``ChunkServer`` over an arena of rows
   (the curve one with keys and an allow-list); this process's ``ChunkClient.fetch``
   takes ``--batch`` keys per call into its own rows: zero-copy send of the row, CRC-32C
-  at the server, ``recv_into`` the destination row and CRC-32C check at the client.
+  at the server, the copy into the destination row and its CRC-32C check at the client
+  (one pass: ``copy_crc32c``). ``client µs/chunk``: the CPU time of the thread that calls
+  ``fetch`` (not libzmq's I/O thread) per chunk: header, receive, copy and check; little
+  moved by other load on the host, unlike the wall figures. ``--pin``: the peers on the
+  last CPU, this process (the client, the raw receiver) on the others.
   Every fetched row is compared with the peer's bytes after the timed region.
 
 GB/s = chunk bytes / wall seconds (1e9 bytes); the table shows median [min-max] over the
@@ -196,10 +200,12 @@ class RawLoopback:
 
 
 def server_peer(conn, chunks: int, size: int, keydir: str | None,
-                given_crc: bool = False) -> None:
+                given_crc: bool = False, cpus: set | None = None) -> None:
     """The fetch configurations' serving side: a ChunkServer over an arena. ``given_crc``:
     the provider hands each row with its CRC-32C, computed once at start (as the p2p
-    endpoint computes it when a row is parked), so the server does not checksum per send."""
+    endpoint computes it when a row is parked), so the server does not checksum per send.
+    ``cpus``: the CPUs it runs on (None: any)."""
+    _place(0, cpus)
     from shmtier.shared.codec import crc32c
     from shmtier.tiers.p2p.keys import AllowList, load_keypair
     from shmtier.tiers.p2p.transport import ChunkServer
@@ -229,6 +235,8 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=32, help="keys per fetch call")
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--quick", action="store_true", help="16 chunks, 2 repeats")
+    ap.add_argument("--pin", action="store_true",
+                    help="the peers (servers, raw senders) on the last CPU, this process on the others")
     ap.add_argument("--json", help="write the figures here")
     args = ap.parse_args()
     if args.quick:
@@ -244,6 +252,18 @@ def main() -> None:
 
     size = int(args.chunk_mib * 2 ** 20)
     total = size * args.chunks
+    pin_peer = pin_here = None
+    if args.pin:
+        cpus = sorted(os.sched_getaffinity(0))
+        if len(cpus) < 2:
+            raise SystemExit("--pin needs 2 CPUs or more")
+        pin_peer, pin_here = {cpus[-1]}, set(cpus[:-1])
+        os.sched_setaffinity(0, pin_here)  # (before this process's zmq context: its I/O thread too)
+    try:  # the client's process mallocs as the p2p endpoint's does (an older shmtier: as is)
+        from shmtier.tiers.p2p.endpoint import keep_receive_buffers
+        keep_receive_buffers()
+    except ImportError:
+        pass
     ctx = mp.get_context("spawn")
     keydir = tempfile.mkdtemp(prefix="shmtier-p2p-bench-")
     procs, conns, clients = [], [], []
@@ -267,16 +287,19 @@ def main() -> None:
         src = _arena(args.chunks, size, 7)  # the bytes the peers hold (same seed)
 
         def raw_runner(curve: bool):
-            raw = RawLoopback(ctx, list(src), (skeys, ckeys) if curve else None)
+            raw = RawLoopback(ctx, list(src), (skeys, ckeys) if curve else None,
+                              peer_cpus=pin_here, sender_cpus=pin_peer)
             clients.append(raw)
             raw.run()  # warm-up: connection and handshake
             return raw.run
 
         dst = np.zeros((args.chunks, size), np.uint8)
+        client_us: dict = {}  # run function -> the fetching thread's CPU µs per chunk, per repeat
         keys = [b"chunk-%d" % i for i in range(args.chunks)]
 
         def fetch_runner(curve: bool, given_crc: bool = False):
-            port = start(server_peer, args.chunks, size, keydir if curve else None, given_crc)
+            port = start(server_peer, args.chunks, size, keydir if curve else None, given_crc,
+                         pin_peer)
             c = (ChunkClient("127.0.0.1", port, fingerprint=FP, hash_seed=SEED, keys=ckeys,
                              server_key=skeys.public) if curve else
                  ChunkClient("127.0.0.1", port, fingerprint=FP, hash_seed=SEED, plaintext=True))
@@ -284,14 +307,16 @@ def main() -> None:
 
             def run() -> float:
                 dst[:] = 0
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.thread_time()
                 for b in range(0, args.chunks, args.batch):
                     r = c.fetch(keys[b:b + args.batch], list(dst[b:b + args.batch]), 60.0)
                     assert r.all_ok, r.details
                 dt = time.perf_counter() - t0
+                client_us.setdefault(run, []).append((time.thread_time() - c0) * 1e6 / args.chunks)
                 assert np.array_equal(dst, src), "fetched bytes differ"
                 return dt
             run()
+            client_us.pop(run)  # (the warm-up)
             return run
 
         runners = {"raw": raw_runner(False), "raw+curve": raw_runner(True),
@@ -327,18 +352,22 @@ def main() -> None:
               "cpu s/GB: CPU of the processes that move the bytes (raw: sender and receiver; "
               "fetch: server and client), every thread, per GB, all repeats")
         print(f"{'method':<16} {'GB/s median [min-max]':>26} {'vs raw (same security)':>24} "
-              f"{'cpu s/GB':>9}")
+              f"{'cpu s/GB':>9} {'client µs/chunk':>20}")
         med = {k: med_range(v)[0] for k, v in gbps.items()}
         for name, values in gbps.items():
             base = "raw+curve" if name.endswith("curve") else "raw"
             ratio = "" if name.startswith("raw") else f"{med[name] / med[base]:.2f}x"
+            us = client_us.get(runners[name])
             print(f"{name:<16} {fmt_mr(med_range(values)):>26} {ratio:>24} "
-                  f"{cpu_s[name] / (total * args.repeats / 1e9):>9.2f}")
+                  f"{cpu_s[name] / (total * args.repeats / 1e9):>9.2f} "
+                  f"{fmt_mr(med_range(us), 0) if us else '':>20}")
         print(f"CRC-32C of one chunk, one core: {crc_gbps:.1f} GB/s (best of 20)")
         if args.json:
             write_json(args.json, {"chunks": args.chunks, "chunk_bytes": size,
                                    "repeats": args.repeats, "batch": args.batch,
-                                   "gbps": gbps, "cpu_s": cpu_s, "crc32c_gbps": crc_gbps})
+                                   "gbps": gbps, "cpu_s": cpu_s, "crc32c_gbps": crc_gbps,
+                                   "client_us_per_chunk": {n: client_us.get(r) for n, r in
+                                                           runners.items()}})
     finally:
         for c in clients:
             c.close()
