@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from shmtier.shared import _planes
-from shmtier.shared._planes import (copy_crc32c, copy_crc32c_table, crc32c, crc32c_serial,
-                                   crc32c_table, merge, split)
+from shmtier.shared._planes import (copy_crc32c, copy_crc32c_streams, copy_crc32c_table, crc32c,
+                                   crc32c_serial, crc32c_table, merge, split)
 
 LONG, SHORT = _planes.CRC32C_BLOCKS  # block lengths of crc32c's three-stream path
 
@@ -155,11 +155,11 @@ def test_sizes_and_writability_are_checked_with_clear_errors():
 
 
 def _copy_check(src, dst_len_pad: int = 8, dst_offset: int = 0, value: int = 0) -> None:
-    """copy_crc32c and copy_crc32c_table into a guarded destination: the same value as
-    crc32c, the bytes copied, nothing written outside the destination."""
+    """copy_crc32c, copy_crc32c_streams and copy_crc32c_table into a guarded destination:
+    the same value as crc32c, the bytes copied, nothing written outside the destination."""
     n = len(src)
     expected = crc32c(src, value)
-    for fn in (copy_crc32c, copy_crc32c_table):
+    for fn in (copy_crc32c, copy_crc32c_streams, copy_crc32c_table):
         guard = np.full(n + dst_offset + dst_len_pad, 0x5A, dtype=np.uint8)
         dst = guard[dst_offset:dst_offset + n]
         assert fn(dst, src, value) == expected, (fn.__name__, n, dst_offset)
@@ -193,6 +193,21 @@ def test_copy_crc32c_three_streams_match_around_every_block_boundary_and_chain()
     _copy_check(data, value=0x12345678)
 
 
+def test_copy_crc32c_folding_path_matches_at_every_destination_alignment():
+    # the folding path (COPY_CRC32C_IMPL "vpclmulqdq") takes buffers of 1024 bytes and
+    # more: up to 63 bytes first to align the destination on 64, then rounds of 256, then
+    # a tail; lengths where those change, at every destination offset in a cache line
+    assert _planes.COPY_CRC32C_IMPL in ("vpclmulqdq", "sse4.2", "table")
+    rng = np.random.default_rng(9)
+    buf = rng.integers(0, 256, 4 * 1024 + 600, dtype=np.uint8).tobytes()
+    mv = memoryview(buf)
+    lengths = _around(1024, 1024 + 63, 1280, 1536, 2048 + 255, 4 * 1024 + 512)
+    for n in lengths:
+        for dst_offset in range(0, 64, 5):
+            _copy_check(mv[3:3 + n], dst_offset=dst_offset)
+    _copy_check(mv[:4096], value=0xDEADBEEF)
+
+
 def test_copy_crc32c_of_a_chunk_into_an_arena_row_matches_the_reference():
     n = 1408 * 1024  # a 1.4 MiB chunk into a page-aligned row, as the p2p client does
     src = np.random.default_rng(15).integers(0, 256, n + 3, dtype=np.uint8)[3:]
@@ -210,6 +225,8 @@ def test_copy_crc32c_refuses_wrong_sizes_read_only_and_overlapping_buffers():
         copy_crc32c(bytearray(9), bytes(10))
     with pytest.raises(ValueError, match="dst has 11 bytes, src 10"):
         copy_crc32c_table(bytearray(11), bytes(10))
+    with pytest.raises(ValueError, match="dst has 11 bytes, src 10"):
+        copy_crc32c_streams(bytearray(11), bytes(10))
     with pytest.raises(BufferError, match="dst must be a writable contiguous buffer, got bytes"):
         copy_crc32c(bytes(10), bytes(10))
     with pytest.raises(BufferError, match="writable contiguous"):
