@@ -8,7 +8,7 @@ import pytest
 
 from shmtier.shared import _planes
 from shmtier.shared._planes import (copy_crc32c, copy_crc32c_streams, copy_crc32c_table, crc32c,
-                                   crc32c_serial, crc32c_table, merge, split)
+                                   crc32c_serial, crc32c_streams, crc32c_table, merge, split)
 
 LONG, SHORT = _planes.CRC32C_BLOCKS  # block lengths of crc32c's three-stream path
 
@@ -51,7 +51,8 @@ def test_crc32c_check_value_and_implementation():
     assert crc32c(b"123456789") == crc32c_table(b"123456789") == 0xE3069283
     assert crc32c_serial(b"123456789") == 0xE3069283
     assert crc32c(b"") == 0
-    assert _planes.CRC32C_IMPL in ("sse4.2", "table")
+    assert crc32c_streams(b"123456789") == 0xE3069283
+    assert _planes.CRC32C_IMPL in ("vpclmulqdq", "sse4.2", "table")
 
 
 @pytest.mark.parametrize("n", [0, 1, 7, 8, 9, 63, 64, 65, 1000, 4099])
@@ -62,6 +63,7 @@ def test_crc32c_matches_the_reference_at_every_length_and_alignment(n):
         data = buf[offset:offset + n]
         expected = crc32c_reference(data)
         assert crc32c(data) == crc32c_table(data) == crc32c_serial(data) == expected
+        assert crc32c_streams(data) == expected
         assert crc32c(memoryview(buf)[offset:offset + n]) == expected
         # chained like zlib.crc32
         cut = n // 3
@@ -85,7 +87,8 @@ def test_crc32c_three_streams_match_the_reference_around_every_block_boundary():
             expected[n] = c
         for n in THREE_STREAM_LENGTHS:
             data = mv[offset:offset + n]
-            assert crc32c(data) == crc32c_serial(data) == expected[n], (offset, n)
+            assert crc32c(data) == crc32c_serial(data) == crc32c_streams(data) == expected[n], \
+                (offset, n)
     # the table itself against the bit-at-a-time reference at a few of those lengths
     for n in (3 * SHORT - 1, 3 * SHORT, 3 * LONG + 1):
         assert crc32c_table(mv[1:1 + n]) == crc32c_reference(buf[1:1 + n])
@@ -97,6 +100,7 @@ def test_crc32c_of_a_chunk_matches_the_pure_python_reference_and_chains():
     data = buf[3:]  # unaligned start
     expected = crc32c_reference_bytewise(data)
     assert crc32c(data) == crc32c_serial(data) == crc32c_table(data) == expected
+    assert crc32c_streams(data) == expected
     assert crc32c(memoryview(buf)[3:]) == expected
     # chained over cuts that fall on, next to and away from block boundaries
     for cuts in ([1], [3 * SHORT], [3 * LONG - 1, 3 * LONG + 5], [7, 1000, 70_000, n - 3]):
@@ -193,16 +197,28 @@ def test_copy_crc32c_three_streams_match_around_every_block_boundary_and_chain()
     _copy_check(data, value=0x12345678)
 
 
+# Lengths where the folding path (CRC32C_IMPL "vpclmulqdq": buffers of 1024 bytes and
+# more) changes shape: up to 63 bytes first to align on 64, rounds of 256, then a tail.
+FOLD_LENGTHS = _around(1024, 1024 + 63, 1280, 1536, 2048 + 255, 4 * 1024 + 512)
+
+
+def test_crc32c_folding_path_matches_the_table_at_every_alignment():
+    rng = np.random.default_rng(8)
+    buf = rng.integers(0, 256, 4 * 1024 + 600, dtype=np.uint8).tobytes()
+    mv = memoryview(buf)
+    for n in FOLD_LENGTHS:
+        for offset in range(0, 64, 5):
+            data = mv[offset:offset + n]
+            expected = crc32c_table(data)
+            assert crc32c(data) == crc32c_streams(data) == expected, (n, offset)
+            assert crc32c(data, 0xDEADBEEF) == crc32c_table(data, 0xDEADBEEF), (n, offset)
+
+
 def test_copy_crc32c_folding_path_matches_at_every_destination_alignment():
-    # the folding path (COPY_CRC32C_IMPL "vpclmulqdq") takes buffers of 1024 bytes and
-    # more: up to 63 bytes first to align the destination on 64, then rounds of 256, then
-    # a tail; lengths where those change, at every destination offset in a cache line
-    assert _planes.COPY_CRC32C_IMPL in ("vpclmulqdq", "sse4.2", "table")
     rng = np.random.default_rng(9)
     buf = rng.integers(0, 256, 4 * 1024 + 600, dtype=np.uint8).tobytes()
     mv = memoryview(buf)
-    lengths = _around(1024, 1024 + 63, 1280, 1536, 2048 + 255, 4 * 1024 + 512)
-    for n in lengths:
+    for n in FOLD_LENGTHS:
         for dst_offset in range(0, 64, 5):
             _copy_check(mv[3:3 + n], dst_offset=dst_offset)
     _copy_check(mv[:4096], value=0xDEADBEEF)

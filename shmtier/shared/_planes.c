@@ -13,8 +13,10 @@
  * CRC-32C (Castagnoli, the iSCSI/ext4/btrfs checksum): reflected polynomial
  * 0x82F63B78, initial value and final xor 0xFFFFFFFF; crc32c(b"123456789") ==
  * 0xE3069283. Chained like zlib.crc32: crc32c(b, crc32c(a)) == crc32c(a + b).
- * x86-64 with SSE4.2 uses the instruction (chosen at import); elsewhere a
- * slicing-by-8 table (~1-2 GB/s).
+ * x86-64 with SSE4.2 uses the instruction (chosen at import), and buffers of FOLD_MIN
+ * bytes or more fold with carry-less products where the CPU has AVX-512 VPCLMULQDQ
+ * (crc_fold_into below; CRC32C_IMPL names the path); elsewhere a slicing-by-8 table
+ * (~1-2 GB/s).
  *
  * Three streams (bench/README.md, codec part): one crc32 instruction has a latency of
  * 3 cycles and a throughput of 1 per cycle, so a single dependent chain uses a third
@@ -24,10 +26,10 @@
  * tail shorter than a group runs on one chain.
  *
  * copy_crc32c (the p2p client: a received chunk into its arena row) copies while it
- * checksums, in one pass with non-temporal stores; with AVX-512 VPCLMULQDQ it folds
- * with carry-less products instead of the crc32 instruction (copy_crc_fold below).
- * Measured on 1.4 MiB into a row not in cache (bench/README.md, p2p_tier.py section):
- * memcpy then crc32c ~180 µs, three crc32 streams fused ~75 µs, folding ~58 µs.
+ * checksums, in one pass with non-temporal stores. Measured on 1.4 MiB
+ * (bench/README.md, p2p_tier.py section): into a row not in cache, memcpy then crc32c
+ * ~180 µs, three crc32 streams fused ~75 µs, folding ~58 µs; crc32c alone from memory
+ * ~126 µs on three streams, ~62 µs folding.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -259,7 +261,7 @@ static void fold_init(fold_pair *f, size_t bytes) {
     f->l = fold_const(xpow_mod(8 * bytes - 32));
 }
 
-#define FOLD_MIN 1024 /* shorter buffers: copy_crc_hw3 */
+#define FOLD_MIN 1024 /* shorter buffers: the three streams */
 
 __attribute__((target("avx512f,vpclmulqdq,pclmul,sse4.2")))
 static inline __m512i fold512(__m512i x, __m512i k, __m512i next) {
@@ -273,28 +275,35 @@ static inline __m128i fold128(__m128i x, __m128i k, __m128i next) {
                                        _mm_clmulepi64_si128(x, k, 0x11)), next);
 }
 
-__attribute__((target("avx512f,vpclmulqdq,pclmul,sse4.2")))
-static uint32_t copy_crc_fold(uint32_t c, const uint8_t *p, size_t n, uint8_t *dst) {
-    if (n < FOLD_MIN) return copy_crc_hw3(c, p, n, dst);
-    while ((uintptr_t)dst & 63) { *dst++ = *p; c = _mm_crc32_u8(c, *p++); n--; }
+/* The folding pass over p[0:n]; with dst (not NULL: a constant after inlining) also a
+ * copy to dst, non-temporal and aligned on dst; without, aligned on p. */
+__attribute__((target("avx512f,vpclmulqdq,pclmul,sse4.2"), always_inline))
+static inline uint32_t crc_fold_into(uint32_t c, const uint8_t *p, size_t n, uint8_t *dst) {
+    if (dst) {
+        while ((uintptr_t)dst & 63) { *dst++ = *p; c = _mm_crc32_u8(c, *p++); n--; }
+    } else {
+        while ((uintptr_t)p & 63) { c = _mm_crc32_u8(c, *p++); n--; }
+    }
     __m512i x[4];
     for (int j = 0; j < 4; j++) {
         x[j] = _mm512_loadu_si512((const void *)(p + 64 * j));
-        _mm512_stream_si512((void *)(dst + 64 * j), x[j]);
+        if (dst) _mm512_stream_si512((void *)(dst + 64 * j), x[j]);
     }
     x[0] = _mm512_xor_si512(x[0], _mm512_zextsi128_si512(_mm_cvtsi32_si128((int)c)));
-    p += 256, dst += 256, n -= 256;
+    p += 256, n -= 256;
+    if (dst) dst += 256;
     const __m512i k256 = _mm512_set4_epi64((long long)fold256.l, (long long)fold256.h,
                                            (long long)fold256.l, (long long)fold256.h);
     while (n >= 256) {
         for (int j = 0; j < 4; j++) {
             __m512i y = _mm512_loadu_si512((const void *)(p + 64 * j));
-            _mm512_stream_si512((void *)(dst + 64 * j), y);
+            if (dst) _mm512_stream_si512((void *)(dst + 64 * j), y);
             x[j] = fold512(x[j], k256, y);
         }
-        p += 256, dst += 256, n -= 256;
+        p += 256, n -= 256;
+        if (dst) dst += 256;
     }
-    _mm_sfence();
+    if (dst) _mm_sfence();
     const __m512i k64 = _mm512_set4_epi64((long long)fold64.l, (long long)fold64.h,
                                           (long long)fold64.l, (long long)fold64.h);
     __m512i z = fold512(fold512(fold512(x[0], k64, x[1]), k64, x[2]), k64, x[3]);
@@ -306,6 +315,20 @@ static uint32_t copy_crc_fold(uint32_t c, const uint8_t *p, size_t n, uint8_t *d
     uint64_t r = _mm_crc32_u64(0, (uint64_t)_mm_cvtsi128_si64(a));
     r = _mm_crc32_u64(r, (uint64_t)_mm_extract_epi64(a, 1));
     return crc_hw_into((uint32_t)r, p, n, dst);
+}
+
+/* crc_hw3's contract, folding where the buffer is long enough. */
+__attribute__((target("avx512f,vpclmulqdq,pclmul,sse4.2")))
+static uint32_t crc_fold(uint32_t c, const uint8_t *p, size_t n) {
+    if (n < FOLD_MIN) return crc_hw3(c, p, n);
+    return crc_fold_into(c, p, n, NULL);
+}
+
+/* copy_crc_hw3's contract, folding where the buffer is long enough. */
+__attribute__((target("avx512f,vpclmulqdq,pclmul,sse4.2")))
+static uint32_t copy_crc_fold(uint32_t c, const uint8_t *p, size_t n, uint8_t *dst) {
+    if (n < FOLD_MIN) return copy_crc_hw3(c, p, n, dst);
+    return crc_fold_into(c, p, n, dst);
 }
 #endif
 
@@ -321,6 +344,7 @@ static uint32_t copy_crc_sw(uint32_t c, const uint8_t *p, size_t n, uint8_t *dst
 
 static uint32_t (*crc_update)(uint32_t, const uint8_t *, size_t) = crc_sw;
 static uint32_t (*crc_update_serial)(uint32_t, const uint8_t *, size_t) = crc_sw;
+static uint32_t (*crc_update_streams)(uint32_t, const uint8_t *, size_t) = crc_sw;
 static uint32_t (*copy_crc_update)(uint32_t, const uint8_t *, size_t, uint8_t *) = copy_crc_sw;
 static uint32_t (*copy_crc_update_streams)(uint32_t, const uint8_t *, size_t, uint8_t *) = copy_crc_sw;
 
@@ -393,6 +417,15 @@ static PyObject *py_crc32c_table(PyObject *self, PyObject *const *args, Py_ssize
     return crc32c_with(crc_sw, args, nargs);
 }
 
+PyDoc_STRVAR(crc32c_streams_doc,
+"crc32c_streams(data, value=0, /) -> int\n\n"
+"crc32c on three crc32 streams (where the CPU has SSE4.2; else the table), whatever\n"
+"else it has (tests compare the paths).");
+
+static PyObject *py_crc32c_streams(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    return crc32c_with(crc_update_streams, args, nargs);
+}
+
 PyDoc_STRVAR(crc32c_serial_doc,
 "crc32c_serial(data, value=0, /) -> int\n\n"
 "crc32c on a single stream (the instruction where crc32c uses it, else the table):\n"
@@ -407,7 +440,7 @@ PyDoc_STRVAR(copy_crc32c_doc,
 "Copy the bytes-like ``src`` into ``dst`` (writable, contiguous, exactly len(src) bytes,\n"
 "not overlapping src) and return crc32c(src, value), in one pass over the bytes: each\n"
 "block is checksummed as it is copied (carry-less folding where the CPU has AVX-512\n"
-"VPCLMULQDQ, else three crc32 streams: COPY_CRC32C_IMPL), with non-temporal stores,\n"
+"VPCLMULQDQ, else three crc32 streams: CRC32C_IMPL), with non-temporal stores,\n"
 "so the checksum costs little over the copy.");
 
 static PyObject *copy_crc32c_with(uint32_t (*update)(uint32_t, const uint8_t *, size_t, uint8_t *),
@@ -469,7 +502,7 @@ static PyObject *py_copy_crc32c_table(PyObject *self, PyObject *const *args, Py_
 
 PyDoc_STRVAR(copy_crc32c_streams_doc,
 "copy_crc32c_streams(dst, src, value=0, /) -> int\n\n"
-"copy_crc32c on three crc32 streams (where CRC32C_IMPL is sse4.2; else the table),\n"
+"copy_crc32c on three crc32 streams (where the CPU has SSE4.2; else the table),\n"
 "whatever else the CPU has (tests compare the paths).");
 
 static PyObject *py_copy_crc32c_streams(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
@@ -544,6 +577,8 @@ static PyMethodDef methods[] = {
     {"crc32c", (PyCFunction)(void (*)(void))py_crc32c, METH_FASTCALL, crc32c_doc},
     {"crc32c_table", (PyCFunction)(void (*)(void))py_crc32c_table, METH_FASTCALL,
      crc32c_table_doc},
+    {"crc32c_streams", (PyCFunction)(void (*)(void))py_crc32c_streams, METH_FASTCALL,
+     crc32c_streams_doc},
     {"crc32c_serial", (PyCFunction)(void (*)(void))py_crc32c_serial, METH_FASTCALL,
      crc32c_serial_doc},
     {"copy_crc32c", (PyCFunction)(void (*)(void))py_copy_crc32c, METH_FASTCALL,
@@ -566,31 +601,31 @@ PyMODINIT_FUNC PyInit__planes(void) {
     crc_table_init();
     crc3_zeros_init(&crc3_long_op, CRC3_LONG);
     crc3_zeros_init(&crc3_short_op, CRC3_SHORT);
-    const char *impl = "table", *copy_impl = "table";
+    const char *impl = "table";
 #ifdef HAVE_X86_CRC
     __builtin_cpu_init();
     if (__builtin_cpu_supports("sse4.2")) {
-        crc_update = crc_hw3;
+        crc_update = crc_update_streams = crc_hw3;
         crc_update_serial = crc_hw;
         copy_crc_update = copy_crc_update_streams = copy_crc_hw3;
         impl = "sse4.2";
-        copy_impl = "sse4.2";
         if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("vpclmulqdq") &&
             __builtin_cpu_supports("pclmul")) {
             fold_init(&fold256, 256);
             fold_init(&fold64, 64);
             fold_init(&fold16, 16);
+            crc_update = crc_fold;
             copy_crc_update = copy_crc_fold;
-            copy_impl = "vpclmulqdq";
+            impl = "vpclmulqdq";
         }
     }
 #endif
     PyObject *m = PyModule_Create(&module);
     if (m == NULL) return NULL;
-    /* block lengths of the three-stream path (used where CRC32C_IMPL is "sse4.2") */
+    /* block lengths of the three-stream path (crc32c_streams; crc32c where CRC32C_IMPL
+     * is "sse4.2", and below FOLD_MIN bytes where it is "vpclmulqdq") */
     PyObject *blocks = Py_BuildValue("(ii)", CRC3_LONG, CRC3_SHORT);
     if (blocks == NULL || PyModule_AddStringConstant(m, "CRC32C_IMPL", impl) < 0 ||
-        PyModule_AddStringConstant(m, "COPY_CRC32C_IMPL", copy_impl) < 0 ||
         PyModule_AddObjectRef(m, "CRC32C_BLOCKS", blocks) < 0) {
         Py_XDECREF(blocks);
         Py_DECREF(m);
