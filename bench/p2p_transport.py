@@ -228,6 +228,36 @@ def server_peer(conn, chunks: int, size: int, keydir: str | None,
         server.close()
 
 
+def copy_into_rows(chunk: np.ndarray, rows: np.ndarray) -> dict:
+    """µs per chunk (median of each of 5 rounds over ``rows``, one chunk into each row in
+    turn: rows beyond the caches, as arena rows are) of the client's ways to land a
+    received chunk: ``memcpy+crc32c`` (the copy, then the check over the row: before the
+    p2pfast round), ``copy_crc32c/streams`` (one pass, three crc32 streams) and
+    ``copy_crc32c`` (one pass, the import-time choice: folding with VPCLMULQDQ where the
+    CPU has it)."""
+    from shmtier.shared import _planes
+
+    def memcpy_crc(row, src):
+        row[:] = src
+        return _planes.crc32c(row)
+
+    ways = {"memcpy+crc32c": memcpy_crc,
+            "copy_crc32c/streams": getattr(_planes, "copy_crc32c_streams", None),
+            "copy_crc32c": getattr(_planes, "copy_crc32c", None)}
+    out: dict = {k: [] for k, fn in ways.items() if fn is not None}
+    src = memoryview(np.ascontiguousarray(chunk))
+    views = [memoryview(r) for r in rows]
+    for _ in range(5):
+        for name in out:
+            fn, times = ways[name], []
+            for row in views:
+                t0 = time.perf_counter()
+                fn(row, src)
+                times.append(time.perf_counter() - t0)
+            out[name].append(sorted(times)[len(times) // 2] * 1e6)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--chunks", type=int, default=64, help="chunks moved per repeat")
@@ -343,6 +373,7 @@ def main() -> None:
             crc32c(src[0])
             crc_t.append(time.perf_counter() - t0)
         crc_gbps = size / min(crc_t) / 1e9
+        copy_us = copy_into_rows(src[0], dst)
 
         print(f"p2p transport loopback, tcp://127.0.0.1, {args.chunks} chunks of "
               f"{size} B ({args.chunk_mib} MiB) per repeat, {args.repeats} repeats, "
@@ -362,12 +393,16 @@ def main() -> None:
                   f"{cpu_s[name] / (total * args.repeats / 1e9):>9.2f} "
                   f"{fmt_mr(med_range(us), 0) if us else '':>20}")
         print(f"CRC-32C of one chunk, one core: {crc_gbps:.1f} GB/s (best of 20)")
+        print("one chunk into a row not in cache, then its check (the client's work), µs "
+              "median [min-max] of 5 rounds over the rows: " + ", ".join(
+                  f"{k} {fmt_mr(med_range(v), 0)}" for k, v in copy_us.items()))
         if args.json:
             write_json(args.json, {"chunks": args.chunks, "chunk_bytes": size,
                                    "repeats": args.repeats, "batch": args.batch,
                                    "gbps": gbps, "cpu_s": cpu_s, "crc32c_gbps": crc_gbps,
                                    "client_us_per_chunk": {n: client_us.get(r) for n, r in
-                                                           runners.items()}})
+                                                           runners.items()},
+                                   "copy_us": copy_us})
     finally:
         for c in clients:
             c.close()
