@@ -5,6 +5,7 @@
     .venv/bin/python bench/p2p_tier.py --json bench/results/p2p_tier.json
     .venv/bin/python bench/p2p_tier.py --profile        # + cProfile of the consumer's scheduler process
     .venv/bin/python bench/p2p_tier.py --pin            # two hosts on one: producer / consumer on their own CPUs
+    .venv/bin/python bench/p2p_tier.py --pin --only raw,pd,sym   # just these promotions (no step runs)
 
 ``--pin`` stands in for the two hosts of a real deployment: the producer engine (its
 scheduler and endpoint) and the raw sender run on the last CPU, the consumer engine and the
@@ -99,7 +100,7 @@ def engine_proc(conn, engine_id: str, tier: dict, rows: int, chunk: int, profile
     from shmtier.spec import TieringOffloadingSpec
     from shmtier.tiers.p2p.scheduler import FETCH_SECONDS
 
-    HIT, MISS = LookupResult.HIT, LookupResult.MISS
+    HIT, MISS, RETRY = LookupResult.HIT, LookupResult.MISS, LookupResult.RETRY
     END = ScheduleEndContext((), ())
     stride = -(-chunk // 4096) * 4096
     extra = {"cpu_bytes_to_use": rows * stride, "blocks_per_chunk": 1,
@@ -169,10 +170,13 @@ def engine_proc(conn, engine_id: str, tier: dict, rows: int, chunk: int, profile
             for ctx, _ in reqs:
                 m.on_new_request(ctx)
         deadline = time.monotonic() + timeout_s
+        located = None
         while True:
             with m.lock:
                 answers = [m.lookup(k, ctx) for ctx, keys in reqs for k in keys]
                 m.on_schedule_end(END)
+            if located is None and RETRY not in answers:
+                located = time.perf_counter() - t0
             if all(a is HIT for a in answers) or any(a is MISS for a in answers):
                 break
             if time.monotonic() > deadline:
@@ -180,7 +184,8 @@ def engine_proc(conn, engine_id: str, tier: dict, rows: int, chunk: int, profile
             time.sleep(0.001)
         seconds = time.perf_counter() - t0
         ok = all(a is HIT for a in answers)
-        out = {"seconds": seconds, "ok": ok, "answers": sorted({a.name for a in answers})}
+        out = {"seconds": seconds, "ok": ok, "answers": sorted({a.name for a in answers}),
+               "located_s": located if located is not None else seconds}
         with m.lock:
             loads = [m.prepare_load(keys, ctx) for ctx, keys in reqs] if ok else []
             fetch = p2p.get_stats().data["data"].get(FETCH_SECONDS, {})
@@ -361,12 +366,31 @@ def main() -> None:
                          "CPU, the consumer engine (and its endpoint) on the others")
     ap.add_argument("--profile", action="store_true",
                     help="cProfile the consumer's peer step runs (bench/results/p2p_tier_steps.prof)")
+    ap.add_argument("--only", help="comma-separated promotion configurations to run (of raw, "
+                    "raw+curve, raw@nN, raw+curve@nN, pd, pd+curve, sym, sym+curve, pd/N, "
+                    "pd/N+curve); the engines of a security mode none of them uses are not "
+                    "started, and no step runs")
     ap.add_argument("--json", help="write the figures here")
     args = ap.parse_args()
     if args.quick:
         args.chunks, args.repeats, args.steps, args.step_repeats = 8, 2, 150, 1
     if args.split < 1 or args.chunks % args.split:
         ap.error(f"--split {args.split}: must be >= 1 and divide --chunks {args.chunks}")
+    ep_nice = P2PTierConfig(plaintext=True).endpoint_niceness  # added to the scheduler's
+    all_names = ["raw", "raw+curve", f"raw@n{ep_nice}", f"raw+curve@n{ep_nice}",
+                 "pd", "pd+curve", "sym", "sym+curve"] + (
+        [f"pd/{args.split}", f"pd/{args.split}+curve"] if args.split > 1 else [])
+    only = all_names
+    if args.only:
+        only = [n.strip() for n in args.only.split(",") if n.strip()]
+        bad = [n for n in only if n not in all_names]
+        if bad or not only:
+            ap.error(f"--only {args.only!r}: {', '.join(bad) or 'nothing'} not among "
+                     f"{', '.join(all_names)}")
+        args.step_repeats = 0
+    modes = {"curve" if n.endswith("curve") else "plain" for n in only if not n.startswith("raw")}
+    if args.step_repeats:
+        modes.add("curve")  # the step runs use the CurveZMQ engines
     exit_through_finally()
 
     import logging
@@ -415,6 +439,8 @@ def main() -> None:
         pairs = {}
         for mode, (pt, ct) in {"curve": (keyed("prod"), keyed("cons")),
                                "plain": ({"plaintext": True}, {"plaintext": True})}.items():
+            if mode not in modes:
+                continue
             prod = Engine(ctx, f"bench-p2p-{pid}-{mode}-p", {**common, **pt}, rows_prod, chunk,
                           cpus=pin_prod)
             cons = Engine(ctx, f"bench-p2p-{pid}-{mode}-c", {**common, **ct}, rows_cons, chunk,
@@ -424,8 +450,7 @@ def main() -> None:
         for e in engines:
             e.ready()
         src = np.random.default_rng(7).integers(0, 256, (args.chunks, chunk), dtype=np.uint8)
-        ep_nice = P2PTierConfig(plaintext=True).endpoint_niceness  # added to the scheduler's
-        for name in ("raw", "raw+curve", f"raw@n{ep_nice}", f"raw+curve@n{ep_nice}"):
+        for name in [n for n in all_names[:4] if n in only]:
             raws[name] = RawLoopback(ctx, list(src), (skeys, ckeys) if "curve" in name else None,
                                      ep_nice if "@" in name else 0,
                                      peer_cpus=pin_cons, sender_cpus=pin_prod)
@@ -445,9 +470,12 @@ def main() -> None:
                 role = "remote_prefiller" if flow == "pd" else "remote_kv_source"
                 requests.append(({role: {"kv_request_id": kvid, "remote_host": "127.0.0.1",
                                          "remote_port": prod.port}}, keys))
-            cpu0 = prod.call("endpoint_cpu") + cons.call("endpoint_cpu")
+            rx0 = cons.call("endpoint_cpu")
+            cpu0 = prod.call("endpoint_cpu") + rx0
             got = cons.call("promote", requests, 120)
-            got["cpu_s"] = prod.call("endpoint_cpu") + cons.call("endpoint_cpu") - cpu0
+            rx = cons.call("endpoint_cpu")
+            got["cpu_s"] = prod.call("endpoint_cpu") + rx - cpu0
+            got["rx_cpu_s"] = rx - rx0
             if not got["ok"]:
                 raise RuntimeError(f"{flow} {mode}: promotion failed: {got}")
             if got["digest"] != want:
@@ -457,29 +485,34 @@ def main() -> None:
             return got
 
         for mode, flow in (("curve", "pd"), ("plain", "pd"), ("curve", "sym"), ("plain", "sym")):
-            promotion(mode, flow)  # warm-up: sessions, first rows
-        names = list(raws) + ["pd", "pd+curve", "sym", "sym+curve"] + (
-            [f"pd/{args.split}", f"pd/{args.split}+curve"] if args.split > 1 else [])
+            if mode in modes:
+                promotion(mode, flow)  # warm-up: sessions, first rows
+        names = [n for n in all_names if n in only]
         gbps = {n: [] for n in names}
         fetch_gbps = {n: [] for n in names if not n.startswith("raw")}
         cpu_s = {n: 0.0 for n in names}  # CPU of the moving processes, summed over repeats
+        rx_cpu_s = {n: 0.0 for n in names}  # of the receiving one (raw peer, consumer endpoint)
+        located_ms = {n: [] for n in names if not n.startswith("raw")}  # until no key is RETRY
         for rep in range(args.repeats):
             for name in rotated(names, rep):
                 if name.startswith("raw"):
-                    cpu0 = raws[name].cpu_s()
+                    cpu0, rx0 = raws[name].cpu_s(), raws[name].receiver_cpu_s()
                     gbps[name].append(total / raws[name].run() / 1e9)
                     cpu_s[name] += raws[name].cpu_s() - cpu0
+                    rx_cpu_s[name] += raws[name].receiver_cpu_s() - rx0
                     continue
                 flow, _, sec = name.partition("+")
                 flow, _, split = flow.partition("/")
                 got = promotion("curve" if sec else "plain", flow, int(split or 1))
                 gbps[name].append(total / got["seconds"] / 1e9)
                 cpu_s[name] += got["cpu_s"]
+                rx_cpu_s[name] += got["rx_cpu_s"]
+                located_ms[name].append(got["located_s"] * 1e3)
                 fetch_gbps[name].append(total / got["fetch_s"] / 1e9  # (pd/N: not one round)
                                         if got["fetch_s"] and not split else None)
 
         # step time: the same requests, arriving alike, without and with a peer (CurveZMQ)
-        prod, cons = pairs["curve"]
+        prod, cons = pairs.get("curve", (None, None))  # (--only: no step runs)
         kinds = ["idle", "peer"] + (["peer@nice0"] if args.nice0 else [])
         step_stats = {k: [] for k in kinds}
         step_info = {k: [] for k in kinds}
@@ -526,18 +559,28 @@ def main() -> None:
         print(f"raw@n{ep_nice}: raw at the endpoints' niceness (+{ep_nice}); x: of raw with "
               f"the same security, at niceness 0 / at +{ep_nice}")
         print("cpu s/GB: CPU time of the processes that move the bytes (raw: sender and "
-              "receiver; tier: both endpoint processes, every thread) per GB, all repeats")
+              "receiver; tier: both endpoint processes, every thread) per GB, all repeats; "
+              "rx: of the receiving one alone (raw: the receiver; tier: the consumer's endpoint); "
+              "located ms: from the first lookup until no key is RETRY (sym: the peer answered)")
+        print("x raw/rep: the ratio to raw (same security, niceness 0) of each repeat's own "
+              "raw figure (measured minutes apart at most), median [min-max]")
         print(f"{'method':<15} {'GB/s median [min-max]':>24} {'x raw / x raw@n':>18} "
-              f"{'fetch round GB/s':>22} {'cpu s/GB':>9}")
+              f"{'x raw/rep':>20} {'fetch round GB/s':>22} {'cpu s/GB':>9} {'rx':>5} "
+              f"{'located ms':>18}")
         med = {k: med_range(v)[0] for k, v in gbps.items()}
         for name in names:
             base = "raw+curve" if name.endswith("curve") else "raw"
-            ratio = ("" if name.startswith("raw") else
-                     f"{med[name] / med[base]:.2f}x / {med[name] / med[f'{base}@n{ep_nice}']:.2f}x")
+            ratio = "" if name.startswith("raw") else " / ".join(
+                f"{med[name] / med[b]:.2f}x" if b in med else "-"
+                for b in (base, f"{base}@n{ep_nice}"))
+            per_rep = "" if name.startswith("raw") or base not in gbps else fmt_mr(med_range(
+                [g / r for g, r in zip(gbps[name], gbps[base])]))
             fetch = fmt_mr(med_range(fetch_gbps[name])) if name in fetch_gbps else ""
             cpu = cpu_s[name] / (total * args.repeats / 1e9)
-            print(f"{name:<15} {fmt_mr(med_range(gbps[name])):>24} {ratio:>18} {fetch:>22} "
-                  f"{cpu:>9.2f}")
+            rx = rx_cpu_s[name] / (total * args.repeats / 1e9)
+            print(f"{name:<15} {fmt_mr(med_range(gbps[name])):>24} {ratio:>18} {per_rep:>20} "
+                  f"{fetch:>22} {cpu:>9.2f} {rx:>5.2f} "
+                  f"{fmt_mr(med_range(located_ms[name]), 1) if name in located_ms else '':>18}")
         if args.step_repeats:  # 0: promotions only
             print(f"\nconsumer scheduler step time (µs), a step every {args.step_ms:g} ms, "
                   f"{args.step_repeats} runs each, {step_requests} requests of "
@@ -561,6 +604,8 @@ def main() -> None:
             write_json(args.json, {"chunks": args.chunks, "chunk_bytes": chunk,
                                    "repeats": args.repeats, "gbps": gbps,
                                    "fetch_round_gbps": fetch_gbps, "cpu_s": cpu_s,
+                                   "rx_cpu_s": rx_cpu_s,
+                                   "located_ms": located_ms,
                                    "steps": step_stats,
                                    "step_runs": step_info, "step_ms": args.step_ms})
         if prof_path:

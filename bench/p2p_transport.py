@@ -16,7 +16,11 @@ rotated per repeat, and moves ``--chunks`` chunks of ``--chunk-mib`` MiB.
 - ``fetch`` / ``fetch+curve``: the peer runs a ``ChunkServer`` over an arena of rows
   (the curve one with keys and an allow-list); this process's ``ChunkClient.fetch``
   takes ``--batch`` keys per call into its own rows: zero-copy send of the row, CRC-32C
-  at the server, ``recv_into`` the destination row and CRC-32C check at the client.
+  at the server, the copy into the destination row and its CRC-32C check at the client
+  (one pass: ``copy_crc32c``). ``client µs/chunk``: the CPU time of the thread that calls
+  ``fetch`` (not libzmq's I/O thread) per chunk: header, receive, copy and check; little
+  moved by other load on the host, unlike the wall figures. ``--pin``: the peers on the
+  last CPU, this process (the client, the raw receiver) on the others.
   Every fetched row is compared with the peer's bytes after the timed region.
 
 GB/s = chunk bytes / wall seconds (1e9 bytes); the table shows median [min-max] over the
@@ -167,6 +171,10 @@ class RawLoopback:
         """CPU seconds both processes (peer and sender) have used so far."""
         return sum(process_cpu_s(p.pid) for p in self.procs)
 
+    def receiver_cpu_s(self) -> float:
+        """CPU seconds the receiving process (the peer) has used so far."""
+        return process_cpu_s(self.procs[0].pid)
+
     def run(self) -> float:
         self.conns[1].send("run")
         if not self.conns[1].poll(300):
@@ -192,10 +200,12 @@ class RawLoopback:
 
 
 def server_peer(conn, chunks: int, size: int, keydir: str | None,
-                given_crc: bool = False) -> None:
+                given_crc: bool = False, cpus: set | None = None) -> None:
     """The fetch configurations' serving side: a ChunkServer over an arena. ``given_crc``:
     the provider hands each row with its CRC-32C, computed once at start (as the p2p
-    endpoint computes it when a row is parked), so the server does not checksum per send."""
+    endpoint computes it when a row is parked), so the server does not checksum per send.
+    ``cpus``: the CPUs it runs on (None: any)."""
+    _place(0, cpus)
     from shmtier.shared.codec import crc32c
     from shmtier.tiers.p2p.keys import AllowList, load_keypair
     from shmtier.tiers.p2p.transport import ChunkServer
@@ -218,6 +228,36 @@ def server_peer(conn, chunks: int, size: int, keydir: str | None,
         server.close()
 
 
+def copy_into_rows(chunk: np.ndarray, rows: np.ndarray) -> dict:
+    """µs per chunk (median of each of 5 rounds over ``rows``, one chunk into each row in
+    turn: rows beyond the caches, as arena rows are) of the client's ways to land a
+    received chunk: ``memcpy+crc32c`` (the copy, then the check over the row: before the
+    p2pfast round), ``copy_crc32c/streams`` (one pass, three crc32 streams) and
+    ``copy_crc32c`` (one pass, the import-time choice: folding with VPCLMULQDQ where the
+    CPU has it)."""
+    from shmtier.shared import _planes
+
+    def memcpy_crc(row, src):
+        row[:] = src
+        return _planes.crc32c(row)
+
+    ways = {"memcpy+crc32c": memcpy_crc,
+            "copy_crc32c/streams": getattr(_planes, "copy_crc32c_streams", None),
+            "copy_crc32c": getattr(_planes, "copy_crc32c", None)}
+    out: dict = {k: [] for k, fn in ways.items() if fn is not None}
+    src = memoryview(np.ascontiguousarray(chunk))
+    views = [memoryview(r) for r in rows]
+    for _ in range(5):
+        for name in out:
+            fn, times = ways[name], []
+            for row in views:
+                t0 = time.perf_counter()
+                fn(row, src)
+                times.append(time.perf_counter() - t0)
+            out[name].append(sorted(times)[len(times) // 2] * 1e6)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--chunks", type=int, default=64, help="chunks moved per repeat")
@@ -225,6 +265,8 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=32, help="keys per fetch call")
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--quick", action="store_true", help="16 chunks, 2 repeats")
+    ap.add_argument("--pin", action="store_true",
+                    help="the peers (servers, raw senders) on the last CPU, this process on the others")
     ap.add_argument("--json", help="write the figures here")
     args = ap.parse_args()
     if args.quick:
@@ -240,6 +282,18 @@ def main() -> None:
 
     size = int(args.chunk_mib * 2 ** 20)
     total = size * args.chunks
+    pin_peer = pin_here = None
+    if args.pin:
+        cpus = sorted(os.sched_getaffinity(0))
+        if len(cpus) < 2:
+            raise SystemExit("--pin needs 2 CPUs or more")
+        pin_peer, pin_here = {cpus[-1]}, set(cpus[:-1])
+        os.sched_setaffinity(0, pin_here)  # (before this process's zmq context: its I/O thread too)
+    try:  # the client's process mallocs as the p2p endpoint's does (an older shmtier: as is)
+        from shmtier.tiers.p2p.endpoint import keep_receive_buffers
+        keep_receive_buffers()
+    except ImportError:
+        pass
     ctx = mp.get_context("spawn")
     keydir = tempfile.mkdtemp(prefix="shmtier-p2p-bench-")
     procs, conns, clients = [], [], []
@@ -263,16 +317,19 @@ def main() -> None:
         src = _arena(args.chunks, size, 7)  # the bytes the peers hold (same seed)
 
         def raw_runner(curve: bool):
-            raw = RawLoopback(ctx, list(src), (skeys, ckeys) if curve else None)
+            raw = RawLoopback(ctx, list(src), (skeys, ckeys) if curve else None,
+                              peer_cpus=pin_here, sender_cpus=pin_peer)
             clients.append(raw)
             raw.run()  # warm-up: connection and handshake
             return raw.run
 
         dst = np.zeros((args.chunks, size), np.uint8)
+        client_us: dict = {}  # run function -> the fetching thread's CPU µs per chunk, per repeat
         keys = [b"chunk-%d" % i for i in range(args.chunks)]
 
         def fetch_runner(curve: bool, given_crc: bool = False):
-            port = start(server_peer, args.chunks, size, keydir if curve else None, given_crc)
+            port = start(server_peer, args.chunks, size, keydir if curve else None, given_crc,
+                         pin_peer)
             c = (ChunkClient("127.0.0.1", port, fingerprint=FP, hash_seed=SEED, keys=ckeys,
                              server_key=skeys.public) if curve else
                  ChunkClient("127.0.0.1", port, fingerprint=FP, hash_seed=SEED, plaintext=True))
@@ -280,14 +337,16 @@ def main() -> None:
 
             def run() -> float:
                 dst[:] = 0
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.thread_time()
                 for b in range(0, args.chunks, args.batch):
                     r = c.fetch(keys[b:b + args.batch], list(dst[b:b + args.batch]), 60.0)
                     assert r.all_ok, r.details
                 dt = time.perf_counter() - t0
+                client_us.setdefault(run, []).append((time.thread_time() - c0) * 1e6 / args.chunks)
                 assert np.array_equal(dst, src), "fetched bytes differ"
                 return dt
             run()
+            client_us.pop(run)  # (the warm-up)
             return run
 
         runners = {"raw": raw_runner(False), "raw+curve": raw_runner(True),
@@ -314,6 +373,7 @@ def main() -> None:
             crc32c(src[0])
             crc_t.append(time.perf_counter() - t0)
         crc_gbps = size / min(crc_t) / 1e9
+        copy_us = copy_into_rows(src[0], dst)
 
         print(f"p2p transport loopback, tcp://127.0.0.1, {args.chunks} chunks of "
               f"{size} B ({args.chunk_mib} MiB) per repeat, {args.repeats} repeats, "
@@ -323,18 +383,26 @@ def main() -> None:
               "cpu s/GB: CPU of the processes that move the bytes (raw: sender and receiver; "
               "fetch: server and client), every thread, per GB, all repeats")
         print(f"{'method':<16} {'GB/s median [min-max]':>26} {'vs raw (same security)':>24} "
-              f"{'cpu s/GB':>9}")
+              f"{'cpu s/GB':>9} {'client µs/chunk':>20}")
         med = {k: med_range(v)[0] for k, v in gbps.items()}
         for name, values in gbps.items():
             base = "raw+curve" if name.endswith("curve") else "raw"
             ratio = "" if name.startswith("raw") else f"{med[name] / med[base]:.2f}x"
+            us = client_us.get(runners[name])
             print(f"{name:<16} {fmt_mr(med_range(values)):>26} {ratio:>24} "
-                  f"{cpu_s[name] / (total * args.repeats / 1e9):>9.2f}")
+                  f"{cpu_s[name] / (total * args.repeats / 1e9):>9.2f} "
+                  f"{fmt_mr(med_range(us), 0) if us else '':>20}")
         print(f"CRC-32C of one chunk, one core: {crc_gbps:.1f} GB/s (best of 20)")
+        print("one chunk into a row not in cache, then its check (the client's work), µs "
+              "median [min-max] of 5 rounds over the rows: " + ", ".join(
+                  f"{k} {fmt_mr(med_range(v), 0)}" for k, v in copy_us.items()))
         if args.json:
             write_json(args.json, {"chunks": args.chunks, "chunk_bytes": size,
                                    "repeats": args.repeats, "batch": args.batch,
-                                   "gbps": gbps, "cpu_s": cpu_s, "crc32c_gbps": crc_gbps})
+                                   "gbps": gbps, "cpu_s": cpu_s, "crc32c_gbps": crc_gbps,
+                                   "client_us_per_chunk": {n: client_us.get(r) for n, r in
+                                                           runners.items()},
+                                   "copy_us": copy_us})
     finally:
         for c in clients:
             c.close()

@@ -654,3 +654,38 @@ def test_pipelined_fetches_answered_out_of_order_land_in_their_rows():
         client.close()
         router.close(0)
         ctx.term()
+
+
+_RECEIVE_BUFFERS = r'''
+import resource, sys, threading
+if sys.argv[1] == "keep":
+    from shmtier.tiers.p2p.endpoint import keep_receive_buffers
+    assert keep_receive_buffers()
+def rounds():
+    faults = []
+    for _ in range(12):
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        bufs = [bytearray(1468006) for _ in range(8)]  # 8 chunks, every page written
+        del bufs
+        faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+    print(sum(faults[2:]))
+t = threading.Thread(target=rounds)  # a thread's own heap, as libzmq's I/O thread's
+t.start()
+t.join()
+'''
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
+def test_endpoint_keeps_freed_receive_buffers_instead_of_faulting_them_in_again():
+    """The endpoint's keep_receive_buffers: chunk-sized buffers freed a few at a time (as a
+    peer thread frees libzmq's received chunks) are reused without page faults; with
+    glibc's defaults the heap is trimmed and every round faults the pages in again."""
+    faults = {}
+    for mode in ("default", "keep"):
+        out = subprocess.run([sys.executable, "-c", _RECEIVE_BUFFERS, mode],
+                             capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        faults[mode] = int(out.stdout)
+    pages = 10 * 8 * 1468006 // 4096  # the 10 rounds measured
+    assert faults["default"] > pages // 2, faults  # the test can see the trimming
+    assert faults["keep"] < pages // 50, faults

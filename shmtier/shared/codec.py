@@ -105,7 +105,7 @@ from typing import Any
 import numpy as np
 import zstandard
 
-from shmtier.shared._planes import crc32c, merge, split
+from shmtier.shared._planes import copy_crc32c, crc32c, merge, split  # noqa: F401 (copy_crc32c: for the p2p client)
 
 __all__ = [
     "FRAME_MAGIC", "FRAME_VERSION", "CODECS", "FLAG_MAC", "MAC_TAG_BYTES", "MAC_KEY_BYTES",

@@ -16,7 +16,7 @@ from typing import Any, Sequence
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
-from shmtier.shared.codec import crc32c
+from shmtier.shared.codec import copy_crc32c
 from shmtier.shared.jobs import Outcome
 from shmtier.tiers.p2p import wire
 from shmtier.tiers.p2p.circuit import PeerCircuit
@@ -352,15 +352,17 @@ class ChunkClient:
             result.details[i] = f"peer error: {msg.get('why', st)}"
         else:
             n = msg.get("n")
-            # into the row; a frame of another size is received into nothing (discarded)
-            got = self._sock.recv_into(view if n == view.nbytes else bytearray())
+            # libzmq's message as is, then one pass that copies it into the row and
+            # checksums it (copy_crc32c); a frame of another size is not copied
+            frame = self._sock.recv(copy=False)
+            got = len(frame)
             self._discard_rest()
             if n != view.nbytes or got != n:
                 result.outcomes[i] = Outcome.CORRUPT
                 result.details[i] = (f"length: peer sent {got} bytes (header {n}) for a "
                                      f"{view.nbytes}-byte destination")
                 self.counters.errors += 1
-            elif crc32c(view) != msg.get("crc"):
+            elif copy_crc32c(view, frame.buffer) != msg.get("crc"):
                 result.outcomes[i], result.details[i] = Outcome.CORRUPT, "checksum"
                 self.counters.checksum_failures += 1
             else:

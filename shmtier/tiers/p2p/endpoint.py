@@ -93,6 +93,11 @@ DONE_TIMEOUT_S = 1.0
 MAX_PIPELINED = 16  # tasks a peer thread takes from its queue at once (loads: one round)
 CHECKSUM_BATCH = 2  # parked rows checksummed per loop round (~0.15 ms each for 1.4 MiB)
 RESULTS = "inproc://p2p-endpoint-results"  # peer threads -> main thread (PUSH -> PULL)
+# glibc mallopt (keep_receive_buffers): chunks up to 32 MiB (glibc's largest heap
+# allocation) come from the heap; up to 64 MiB freed at the top of a heap is kept
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+MMAP_THRESHOLD_BYTES = 32 << 20
+TRIM_THRESHOLD_BYTES = 64 << 20
 
 
 def pack(msg: dict) -> bytes:
@@ -479,6 +484,28 @@ class Endpoint:
             pass
 
 
+def keep_receive_buffers() -> bool:
+    """Make glibc keep freed chunk-sized buffers for reuse in this process instead of
+    handing their pages back to the kernel: every chunk a peer sends arrives in a buffer
+    libzmq's I/O thread mallocs (its size) and the peer thread frees after copying it into
+    the row. When the peer thread falls a few chunks behind, the freed buffers pile up at
+    the top of the I/O thread's heap past glibc's trim threshold (twice the largest chunk
+    freed so far), the heap is trimmed (``madvise``) and the next buffers page-fault in
+    again: a third of the I/O thread's time in the profile (bench/README.md, p2p_tier.py
+    section). Sets ``M_MMAP_THRESHOLD`` to ``MMAP_THRESHOLD_BYTES`` (setting a threshold
+    turns glibc's own adjustment off, so both are set) and ``M_TRIM_THRESHOLD`` to
+    ``TRIM_THRESHOLD_BYTES``: at most that much freed memory is kept at the top of each
+    heap. Call once, before any thread starts. False (nothing changed) where the C library
+    has no ``mallopt`` (not glibc) or refuses the values."""
+    import ctypes
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return False
+    return bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)) and \
+        bool(mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES))
+
+
 def main() -> int:
     logging.basicConfig(level=os.environ.get("SHMTIER_LOG", "WARNING"),
                         format="%(asctime)s %(levelname)s p2p-endpoint %(name)s: %(message)s")
@@ -486,6 +513,8 @@ def main() -> int:
     settings = unpack(sys.stdin.buffer.read())
     # background work: below the scheduler, before any thread (they inherit it)
     os.nice(int(settings.get("niceness", 0)))
+    if not keep_receive_buffers():
+        log.info("p2p endpoint: mallopt not available; received chunks may page-fault")
     try:
         endpoint = Endpoint(settings)
     except OSError as e:  # cannot bind: the scheduler half restarts us with backoff

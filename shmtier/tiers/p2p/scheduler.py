@@ -680,6 +680,8 @@ class P2PTierManager(SecondaryTierManager):
                             "keys": ext.parked_keys, "rows": ext.parked_rows})
                 parent.on_request_finished(ext.ctx)
                 del self._external[tid]
+        if self._pending and threading.get_ident() != self._step_thread:
+            self._flush()  # answered on the tier-poll thread: sent now, not FLUSH_AFTER_S later
 
     def has_pending_work(self) -> bool:
         self._poll()

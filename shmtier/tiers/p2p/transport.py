@@ -24,8 +24,8 @@ Message flow (one client, one server; each engine runs a server and a client per
                                                           view, crc = provider(key) (the CRC
                                                           computed when the row was parked),
                                                           or view and crc = crc32c(view)
-    recv_into(dest row) ◀── [{t:chunk, rid, i, key, st:ok, n, crc}, view (zero-copy frame)]
-    crc32c(dest row) == crc ? OK : CORRUPT
+    copy_crc32c(dest row, frame) ◀── [{t:chunk, rid, i, key, st:ok, n, crc}, view (zero-copy frame)]
+    (copied and checksummed in one pass) == crc ? OK : CORRUPT
                         ◀── [{t:chunk, rid, i, key, st:miss[, fin]}]  -> MISS (fin: final,
                                                           the request is complete at the server)
                         ◀── [{t:chunk, rid, i, key, st:refused, why}] -> ERROR (bound elsewhere)
@@ -45,9 +45,10 @@ sends are non-blocking and a peer whose queue is full waits in its own outbox
 
 Row memory: the server sends the provider's memoryview without copying it (libzmq sends
 from it later, in its I/O thread); the bytes must not change until sent, or the client's
-CRC check fails (CORRUPT: never wrong bytes, but a wasted fetch). The client receives each
-chunk's frame straight into its destination view (``Socket.recv_into``: one copy, from
-libzmq's receive buffer). A destination whose outcome is not OK holds undefined bytes.
+CRC check fails (CORRUPT: never wrong bytes, but a wasted fetch). The client takes each
+chunk's frame as libzmq received it (``recv(copy=False)``) and copies it into its
+destination view while checksumming it (``copy_crc32c``: one pass, one copy, non-temporal
+stores into the row). A destination whose outcome is not OK holds undefined bytes.
 
 Modules: ``server.py`` (``ChunkServer``), ``client.py`` (``ChunkClient``, ``FetchResult``),
 ``wire.py`` (the messages and what both ends share), ``circuit.py`` (``PeerCircuit``),
