@@ -168,6 +168,11 @@ PROMOTION_LATENCY = "vllm:kv_offload_tiering_promotion_latency_seconds"
 BACKPRESSURE_STORE_LATENCY_EMA = "vllm:kv_offload_tiering_backpressure_store_latency_ema"
 BACKPRESSURE_STORES_DROPPED = "vllm:kv_offload_tiering_backpressure_stores_dropped"
 BACKPRESSURE_BLOCKS_DROPPED = "vllm:kv_offload_tiering_backpressure_blocks_dropped"
+# shmtier's own (vLLM has no pinned-row cap): cascade chunks that waited, unpinned, because
+# the tier's queued cascades pinned ``max_pinned_rows`` rows, and those of them the CPU tier
+# evicted before they could go (lost, as a drop would have lost them)
+CASCADE_DEFERRED_CHUNKS = "vllm:kv_offload_shmtier_cascade_deferred_chunks"
+CASCADE_DEFERRED_LOST_CHUNKS = "vllm:kv_offload_shmtier_cascade_deferred_lost_chunks"
 
 LOOKUP_SYNC_BUCKETS = (1e-5, 5e-5, 1e-4, 5e-4, 1e-3, 5e-3, 1e-2, 5e-2, 0.1, 0.5, 1.0)
 LOOKUP_ASYNC_BUCKETS = (1e-4, 5e-4, 1e-3, 5e-3, 1e-2, 5e-2, 0.1, 0.5, 1.0, 5.0, 10.0)
@@ -206,6 +211,11 @@ def tiering_metric_definitions() -> dict[str, MetricMetadata]:
         BACKPRESSURE_STORE_LATENCY_EMA: GaugeMetadata("Backpressure EMA of store latency (s/MiB).", t),
         BACKPRESSURE_STORES_DROPPED: CounterMetadata("Cascade jobs dropped by backpressure.", t),
         BACKPRESSURE_BLOCKS_DROPPED: CounterMetadata("Chunks of cascade jobs dropped by backpressure.", t),
+        CASCADE_DEFERRED_CHUNKS: CounterMetadata(
+            "Cascade chunks deferred (not pinned) because the tier's queued cascades pinned "
+            "its max_pinned_rows primary rows.", t),
+        CASCADE_DEFERRED_LOST_CHUNKS: CounterMetadata(
+            "Deferred cascade chunks the primary tier evicted before they could be cascaded.", t),
     }
 
 

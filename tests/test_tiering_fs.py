@@ -325,7 +325,8 @@ def test_external_worker_pool_serves_the_engine(engine_id, tmp_path):
 
 def test_a_stalled_tier_cannot_starve_the_cpu_tier(engines, tmp_path):
     """Cascades waiting for stalled workers pin at most max_pinned_fraction of the CPU
-    rows; beyond it they are dropped (counted as backpressure) and CPU stores go on."""
+    rows; beyond it they wait unpinned in a queue as long as the cap, the oldest beyond
+    that are dropped (counted as backpressure), and CPU stores go on."""
     e = engines(tmp_path, chunks=16, max_pinned_fraction=0.25)
     pids = [p.pid for p in e.spec.worker_pool._procs]
     for pid in pids:
@@ -340,8 +341,8 @@ def test_a_stalled_tier_cannot_starve_the_cpu_tier(engines, tmp_path):
     e.settle()
     data = e.manager.get_stats().data["data"]
     dropped = data["vllm:kv_offload_tiering_backpressure_blocks_dropped"][("1:fs",)]
-    assert dropped == 12 - 4  # 16 rows x 0.25 = 4 rows may wait for the tier
-    assert len(list(tmp_path.rglob("*.kv"))) == 4
+    assert dropped == 12 - 4 - 4  # 16 rows x 0.25 = 4 rows may be pinned, 4 keys wait
+    assert len(list(tmp_path.rglob("*.kv"))) == 8
 
 
 def test_one_step_of_promotions_is_one_pool_job_and_each_request_gets_its_outcomes(

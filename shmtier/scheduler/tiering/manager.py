@@ -15,6 +15,8 @@ Data flow::
                                           ─▶ tier.submit_load
     complete_store(success) ──▶ one cascade job per tier (backpressure permitting):
                                 pin rows (prepare_read) ─▶ tier.submit_store
+       (past a tier's ``max_pinned_rows`` the keys wait unpinned in its deferred queue,
+        submitted oldest first as the cap allows: at the next cascade and each step)
        (with an ``admission`` rule other than write-through, only the chunks it admits;
         the CPU-tier hits of a lookup scan may admit more when the scan ends)
     tier.get_finished_jobs ──(polled once per step, and always in prepare_store)──▶
@@ -48,7 +50,7 @@ store has completed (a cascade for it may still follow until then).
 
 Size: one class implementing vLLM's ``TieringOffloadingManager`` interface; its lookup
 metrics (``lookup_metrics.py``) and tier-poll thread (``poll_thread.py``) live apart,
-and what is left shares the request and scan state, so it stays one module (~680 lines).
+and what is left shares the request and scan state, so it stays one module (~780 lines).
 """
 
 from __future__ import annotations
@@ -56,6 +58,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 from time import perf_counter
@@ -113,6 +116,7 @@ class _RequestState:
     excluded_tier: int | None = None
     request_level_tiers: set[int] = field(default_factory=set)
     parked_cascade_keys: list[OffloadKey] = field(default_factory=list)
+    deferred_cascade_keys: int = 0  # keys of this request waiting in a tier's deferred queue
 
 
 class _TierFacingParent(ParentManager):
@@ -210,6 +214,10 @@ class TieringOffloadingManager:
             (_same_enum(Medium, t.medium), _same_enum(Locality, optional_attribute(t, "locality")))
             for t in self.tiers]
         self._max_pinned_rows = [optional_attribute(t, "max_pinned_rows") for t in self.tiers]
+        # per tier: cascade keys deferred at the pinned-row cap, oldest first, each with
+        # (ctx, its request's state or None) -- see ``_cascade``
+        self._deferred: list[OrderedDict[OffloadKey, tuple[ReqContext, _RequestState | None]]] = [
+            OrderedDict() for _ in self.tiers]
         self._hit_source = [CacheHitSource(t.cache_hit_source.value) for t in self.tiers]
         # a tier's ``stats_into(stats)`` (shmtier's storage tiers) adds its step series to
         # the manager's payload directly; others' get_stats payloads are merged
@@ -328,15 +336,97 @@ class TieringOffloadingManager:
                 continue  # counted by the detector's policy
             # A tier that falls behind must not starve the primary tier: rows pinned by its
             # queued cascades are capped (tiers opt in with ``max_pinned_rows``); one
-            # cascade alone always goes, however large.
+            # cascade alone always goes, however large. What does not fit waits, unpinned,
+            # in the tier's deferred queue behind the keys already there (vLLM has no cap
+            # and drops nothing but what its detector rejects: bench/README.md, issue 14).
             cap = self._max_pinned_rows[tier_idx]
-            pinned = self._active[False][tier_idx][1]
-            if cap is not None and pinned and pinned + len(keys) > cap:
-                label = (self.labels[tier_idx + 1],)
-                self._stats.increase_counter(metrics.BACKPRESSURE_STORES_DROPPED, 1, label)
-                self._stats.increase_counter(metrics.BACKPRESSURE_BLOCKS_DROPPED, len(keys), label)
-                continue
+            if cap is not None:
+                deferred = self._deferred[tier_idx]
+                if deferred:
+                    self._submit_deferred(tier_idx, cap)  # older keys first
+                pinned = self._active[False][tier_idx][1]
+                if deferred or (pinned and pinned + len(keys) > cap):
+                    fits = 0 if deferred else max(0, cap - pinned)
+                    if fits:
+                        tier.submit_store(self._create_store_job(keys[:fits], ctx, tier_idx))
+                    self._defer(tier_idx, keys[fits:], ctx, cap)
+                    continue
             tier.submit_store(self._create_store_job(keys, ctx, tier_idx))
+
+    def _defer(self, tier_idx: int, keys: list[OffloadKey], ctx: ReqContext, cap: int) -> None:
+        """Queue ``keys`` (not pinned: the primary may still evict them) for tier
+        ``tier_idx``; their request is not finalized while they wait. The queue holds at
+        most ``cap`` keys: the oldest beyond are dropped, counted as backpressure drops."""
+        deferred = self._deferred[tier_idx]
+        state = self._requests.get(ctx.req_id)
+        owner = (ctx, state)
+        added = 0
+        for key in keys:
+            if key not in deferred:  # (a key queued twice keeps its first place)
+                deferred[key] = owner
+                added += 1
+        if not added:
+            return
+        label = (self.labels[tier_idx + 1],)
+        self._stats.increase_counter(metrics.CASCADE_DEFERRED_CHUNKS, added, label)
+        if state is not None:
+            state.deferred_cascade_keys += added
+        overflow = len(deferred) - cap
+        if overflow > 0:
+            released = [deferred.popitem(last=False)[1] for _ in range(overflow)]
+            self._stats.increase_counter(metrics.BACKPRESSURE_STORES_DROPPED, 1, label)
+            self._stats.increase_counter(metrics.BACKPRESSURE_BLOCKS_DROPPED, overflow, label)
+            self._release_deferred(released)
+
+    def _submit_deferred(self, tier_idx: int, cap: int | None) -> None:
+        """Submit tier ``tier_idx``'s deferred keys, oldest first, as far as the cap
+        ``cap`` has room (None: all of them), in one cascade job per request. Keys the
+        primary no longer holds ready (evicted meanwhile) are skipped and counted lost;
+        the tier itself skips keys it already has or is storing (docs/vllm-contract.md §7.2)."""
+        deferred = self._deferred[tier_idx]
+        pinned = self._active[False][tier_idx][1]
+        room = len(deferred) if cap is None else cap - pinned if pinned else cap
+        lost = 0
+        released: list[tuple[ReqContext, _RequestState | None]] = []
+        jobs: dict[str, tuple[ReqContext, list[OffloadKey]]] = {}  # per request
+        while room > 0 and deferred:
+            taken = [deferred.popitem(last=False) for _ in range(min(room, len(deferred)))]
+            ready = set(self.primary.ready_keys([key for key, _ in taken]))
+            for key, owner in taken:
+                released.append(owner)
+                if key in ready:
+                    job = jobs.get(owner[0].req_id)
+                    if job is None:
+                        job = jobs[owner[0].req_id] = (owner[0], [])
+                    job[1].append(key)
+                    room -= 1
+                else:
+                    lost += 1
+        for ctx, keys in jobs.values():
+            self.tiers[tier_idx].submit_store(self._create_store_job(keys, ctx, tier_idx))
+        if lost:
+            self._stats.increase_counter(metrics.CASCADE_DEFERRED_LOST_CHUNKS, lost,
+                                         (self.labels[tier_idx + 1],))
+        if released:
+            self._release_deferred(released)
+
+    def _release_deferred(self, owners: list[tuple[ReqContext, _RequestState | None]]) -> None:
+        """One deferred key of each of ``owners`` left its queue: finalize the requests
+        that only waited for them."""
+        waiting = []
+        for _, state in owners:
+            if state is not None:
+                state.deferred_cascade_keys -= 1
+                if not state.deferred_cascade_keys:
+                    waiting.append(state)
+        for state in waiting:
+            self._maybe_finalize(state)
+
+    def _flush_deferred_cascades(self, capped: bool = True) -> None:
+        """Submit each tier's deferred keys as its cap allows (``capped``) or all of them."""
+        for tier_idx, deferred in enumerate(self._deferred):
+            if deferred:
+                self._submit_deferred(tier_idx, self._max_pinned_rows[tier_idx] if capped else None)
 
     # --- lookups and promotions ---
 
@@ -623,7 +713,8 @@ class TieringOffloadingManager:
         self._maybe_finalize(state)
 
     def _maybe_finalize(self, state: _RequestState) -> None:
-        if not state.finished or state.pending_primary_stores or state.parked_cascade_keys:
+        if (not state.finished or state.pending_primary_stores or state.parked_cascade_keys
+                or state.deferred_cascade_keys):
             return
         req_id = state.ctx.req_id
         if self._requests.get(req_id) is not state:
@@ -647,6 +738,7 @@ class TieringOffloadingManager:
         self._polled_this_step = False
         self._flush_pending_promotions()
         self._flush_parked_cascades()
+        self._flush_deferred_cascades()
         for tier in self.tiers:
             tier.on_schedule_end(context)
         self._tracker.stop(context.new_req_ids)
@@ -654,7 +746,7 @@ class TieringOffloadingManager:
     def has_pending_work(self) -> bool:
         if self._scan_ctx is not None:  # _ENDS_THE_SCAN
             self._end_scan()
-        return (bool(self._jobs) or bool(self._parked)
+        return (bool(self._jobs) or bool(self._parked) or any(self._deferred)
                 or any(tier.has_pending_work() for tier in self.tiers))
 
     def take_events(self) -> Iterable[OffloadingEvent]:
@@ -704,6 +796,7 @@ class TieringOffloadingManager:
         hold promotions until ``on_reset_flushed``."""
         if self._scan_ctx is not None:  # _ENDS_THE_SCAN
             self._end_scan()
+        self._flush_deferred_cascades(capped=False)  # the tiers keep them (drained below)
         for tier in self.tiers:
             tier.drain_jobs()
         self._process_finished_jobs()

@@ -34,8 +34,11 @@ class StorageTierConfig(TierConfig):
     """``max_bytes``: bytes the tier keeps on its medium at most (None: unbounded), at
     least one chunk's frame. ``locality``: "LOCAL" or "REMOTE" (request filters,
     backpressure defaults). ``enable_kv_events``: stored/evicted events for this tier.
-    ``max_pinned_fraction``: at most this share of the CPU tier's rows may wait for this
-    tier's cascades (more are dropped and counted as backpressure).
+    ``max_pinned_fraction``: at most this share of the CPU tier's rows may be pinned by
+    this tier's queued cascades; the chunks of cascades beyond it wait unpinned (the CPU
+    tier may evict them meanwhile: counted lost) in a queue of as many chunks, which go
+    oldest first as pinned rows complete; what overflows that queue is dropped and counted
+    as backpressure.
 
     Sharing the medium with other engines: ``probe_unknown`` (default true): a key the
     tier's index does not know is looked for on the medium by a worker (RETRY until
