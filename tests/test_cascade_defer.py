@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 
 import torch
 
@@ -50,16 +51,18 @@ def test_key_file_names_are_what_on_disk_reads(engines, tmp_path):
 
 
 def test_at_the_cap_keys_wait_unpinned_then_go_and_promote_byte_exact(engines, tmp_path):
-    """Cap 4: two cascades of 2 pin 4 rows, the third's keys are deferred (not pinned,
-    not dropped; their request may finish meanwhile) and keep ``has_pending_work`` true
-    while nothing else is pending; once the pinned rows complete, the next step submits
-    them; evicted from the CPU tier, they come back from the fs tier byte for byte."""
+    """Cap 4: a cascade of 4 pins 4 rows, the next request's keys are deferred (not
+    pinned, not dropped; the request may finish meanwhile) and keep ``has_pending_work``
+    true while nothing else is pending. Once the pinned rows complete, the next
+    ``prepare_store`` submits them before its own eviction (which then takes other rows,
+    although the deferred ones were the least recently used); evicted from the CPU tier
+    later, they come back from the fs tier byte for byte."""
     e = engines(tmp_path, chunks=16, max_pinned_fraction=0.25)
+    e.settle()  # the tier's listing of its root has landed: it is idle
     m = e.manager
     keys = [key(i) for i in range(6)]
-    e.offload(keys[0:2], 0, ReqContext("r0"))
-    e.offload(keys[2:4], 2, ReqContext("r1"))
-    late = ReqContext("r2")
+    e.offload(keys[0:4], 0, ReqContext("r0"))
+    late = ReqContext("r1")
     e.offload(keys[4:6], 4, late)
     with m.lock:
         m.on_request_finished(late)  # its deferred keys still go
@@ -68,27 +71,37 @@ def test_at_the_cap_keys_wait_unpinned_then_go_and_promote_byte_exact(engines, t
     seen = counters(e)
     assert seen[metrics.CASCADE_DEFERRED_CHUNKS] == 2
     assert metrics.BACKPRESSURE_BLOCKS_DROPPED not in seen
-    with m.lock:
-        m.on_schedule_end(END)  # the tier sends the first two jobs; the cap is still full
     poller = ReqContext("poller")
-    while counters(e, seen)[metrics.ACTIVE_CASCADE_JOBS]:
+    with m.lock:
+        m.on_schedule_end(END)  # the tier sends the first job; the cap is still full
+    while True:  # a step's first lookup takes the finished jobs (and submits nothing)
         with m.lock:
-            m.prepare_store(keys[0:2], poller)  # (always takes the finished jobs)
+            assert m.lookup(keys[0], poller) is HIT
+        if not counters(e, seen)[metrics.ACTIVE_CASCADE_JOBS]:
+            break
+        with m.lock:
+            m.on_schedule_end(END)
+        time.sleep(0.005)
     with m.lock:
         assert not m.tiers[0].has_pending_work() and m.has_pending_work()
         assert on_disk(tmp_path) == set(keys[0:4])
-        m.on_schedule_end(END)  # the deferred keys go now
+        m.touch(keys[0:4], poller)  # the deferred keys are now the least recently used
+    other, fresh = ReqContext("other"), [key(100 + i) for i in range(12)]  # 2 more than free
+    with m.lock:
+        out = m.prepare_store(fresh, other)
+        assert list(out.keys_to_store) == fresh
+        ready = m.primary.ready_keys(keys)
+        assert len(ready) == 4 and keys[4] in ready and keys[5] in ready  # two others went
+        m.complete_store(out.keys_to_store, other, success=False)  # (nothing to cascade)
         m.on_request_finished(poller)
-    assert counters(e, seen)[metrics.ACTIVE_CASCADE_JOBS] == 1
     e.settle()
     assert on_disk(tmp_path) == set(keys)
-    e.offload([key(100 + i) for i in range(16)], 20, ReqContext("evictor"))
+    e.offload([key(200 + i) for i in range(16)], 40, ReqContext("evictor"))
     e.settle()
     reader = ReqContext("reader")
     e.until_hit(keys[4:6], reader)
-    assert torch.equal(e.load(keys[4:6], reader, [60, 61]), e.originals[0][4:6])
+    assert torch.equal(e.load(keys[4:6], reader, [70, 71]), e.originals[0][4:6])
     seen = counters(e, seen)
-    assert seen[metrics.CASCADE_DEFERRED_CHUNKS] == 2
     assert metrics.CASCADE_DEFERRED_LOST_CHUNKS not in seen
     assert metrics.BACKPRESSURE_BLOCKS_DROPPED not in seen
 

@@ -16,7 +16,8 @@ Data flow::
     complete_store(success) ──▶ one cascade job per tier (backpressure permitting):
                                 pin rows (prepare_read) ─▶ tier.submit_store
        (past a tier's ``max_pinned_rows`` the keys wait unpinned in its deferred queue,
-        submitted oldest first as the cap allows: at the next cascade and each step)
+        submitted oldest first as the cap allows: at the next cascade, after the poll of
+        each prepare_store and at on_schedule_end)
        (with an ``admission`` rule other than write-through, only the chunks it admits;
         the CPU-tier hits of a lookup scan may admit more when the scan ends)
     tier.get_finished_jobs ──(polled once per step, and always in prepare_store)──▶
@@ -422,6 +423,12 @@ class TieringOffloadingManager:
         for state in waiting:
             self._maybe_finalize(state)
 
+    def _has_deferred(self) -> bool:
+        for deferred in self._deferred:
+            if deferred:
+                return True
+        return False
+
     def _flush_deferred_cascades(self, capped: bool = True) -> None:
         """Submit each tier's deferred keys as its cap allows (``capped``) or all of them."""
         for tier_idx, deferred in enumerate(self._deferred):
@@ -602,9 +609,13 @@ class TieringOffloadingManager:
     def prepare_store(self, keys: Collection[OffloadKey], req_context: ReqContext) -> PrepareStoreOutput | None:
         if self._scan_ctx is not None:  # _ENDS_THE_SCAN
             self._end_scan()
-        # Always poll first: eviction must see the freshest unpins and promotions.
+        # Always poll first: eviction must see the freshest unpins and promotions. Deferred
+        # cascade keys take the rows the finished cascades unpinned before this store's
+        # eviction can take them (they are the least recently used).
         self._polled_this_step = True
         self._process_finished_jobs()
+        if self._has_deferred():
+            self._flush_deferred_cascades()
         state = self._state(req_context)
         keys = list(keys)
         out = self.primary.prepare_store(keys, req_context)
@@ -746,7 +757,7 @@ class TieringOffloadingManager:
     def has_pending_work(self) -> bool:
         if self._scan_ctx is not None:  # _ENDS_THE_SCAN
             self._end_scan()
-        return (bool(self._jobs) or bool(self._parked) or any(self._deferred)
+        return (bool(self._jobs) or bool(self._parked) or self._has_deferred()
                 or any(tier.has_pending_work() for tier in self.tiers))
 
     def take_events(self) -> Iterable[OffloadingEvent]:
