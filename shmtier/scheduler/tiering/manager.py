@@ -387,6 +387,8 @@ class TieringOffloadingManager:
         deferred = self._deferred[tier_idx]
         pinned = self._active[False][tier_idx][1]
         room = len(deferred) if cap is None else cap - pinned if pinned else cap
+        if room <= 0:
+            return
         lost = 0
         released: list[tuple[ReqContext, _RequestState | None]] = []
         jobs: dict[str, tuple[ReqContext, list[OffloadKey]]] = {}  # per request
