@@ -116,6 +116,25 @@ def serve(conn, engine_id: str, tier: dict, layout: dict) -> None:
         (out,), slowest_s = run([held.pop(req_id)], timeout_s)
         return {**out, "slowest_call_s": slowest_s}
 
+    def consume_in_parts(req_id, params, keys, first_block, split, timeout_s):
+        """One request whose keys are promoted in two jobs: ``keys[:split]`` looked up
+        every step until HIT (loaded), then all of them (the rest is a second load of the
+        same request), then its HITs loaded to the GPU."""
+        r = new_request(req_id, params, keys, first_block)
+        deadline = time.monotonic() + timeout_s
+        for upto in (split, len(keys)):
+            while True:
+                with m.lock:
+                    answers = [m.lookup(k, r["ctx"]) for k in r["keys"][:upto]]
+                r["answers"].append([a.name for a in answers])
+                if all(a is HIT or a is MISS for a in answers) or time.monotonic() > deadline:
+                    break
+                step()
+                time.sleep(0.005)
+        finish(r)
+        step()
+        return {"answers": r["answers"], "data": r["data"]}
+
     def consume_many(requests, timeout_s):
         """Several requests side by side, each looked up once per step until its answers
         are all HIT or MISS (then its leading HITs loaded and it finishes)."""
@@ -203,6 +222,8 @@ def serve(conn, engine_id: str, tier: dict, layout: dict) -> None:
                     out = finish_request(*cmd[1:])
                 elif cmd[0] == "consume":
                     out = consume(*cmd[1:])
+                elif cmd[0] == "consume_in_parts":
+                    out = consume_in_parts(*cmd[1:])
                 elif cmd[0] == "look":
                     out = look(*cmd[1:])
                 elif cmd[0] == "resume":

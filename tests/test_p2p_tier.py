@@ -200,6 +200,25 @@ def test_pd_byte_exact(engines, keys, layout):
     assert f"in  127.0.0.1:{cons.port}" in got.stdout
 
 
+@pytest.mark.timeout(120)
+def test_a_request_loaded_in_two_jobs_gets_both_parts(engines, keys):
+    """The manager may promote a request's keys in several jobs (one step's lookups, then
+    the next's). The first load's end releases only the chunks it fetched at the
+    producer: the second load of the same request still finds the rest parked (before,
+    the whole request was released and the second load missed)."""
+    prod, cons = engines((tier(keys.a), {}), (tier(keys.b), {}))
+    ks = list(range(1, 7))
+    sent = prod.call("produce", "p1", "kv-parts", ks, 0)
+    got = cons.call("consume_in_parts", "c1", pd("kv-parts", prod.port), ks, 40, 2, 20)
+    firsts = [a for a in got["answers"] if len(a) == 2]
+    assert firsts[0] == ["HIT_PENDING"] * 2 and firsts[-1] == ["HIT"] * 2
+    assert got["answers"][-1] == ["HIT"] * len(ks)  # the second job loaded the rest
+    assert got["data"] == sent
+    wait_unpinned(prod, ks)
+    st = wait_stats(prod, lambda st: st["counters"]["server"]["chunks"] >= len(ks))
+    assert st["parked"] == 0 and st["counters"]["server"]["chunks"] == len(ks)
+
+
 def wait_sessions(engine_id: str, until, timeout_s: float = 10) -> list:
     """``p2p_sessions(engine_id)`` once ``until(status)`` holds for its one status."""
     deadline = time.monotonic() + timeout_s

@@ -456,7 +456,8 @@ def test_request_scoped_fetch_deferred_lookup_and_done():
                          hash_seed=SEED, plaintext=True,
                          request_provider=lambda req, key: rows.get((req, key)),
                          lookup_handler=lambda token, req, keys: tokens.append((token, req, keys)),
-                         on_done=done.append)
+                         on_done=lambda req, keys: done.append(req if keys is None
+                                                               else (req, keys)))
 
     def loop():
         while not stop.is_set():
@@ -478,9 +479,10 @@ def test_request_scoped_fetch_deferred_lookup_and_done():
         res = client.fetch([b"k1"], [np.zeros(64, np.uint8)], 5)  # unscoped: provider
         assert res.outcomes == [Outcome.MISS]
         assert client.lookup([b"k1", b"k2"], 5, req="r1") == [True, False]
+        assert client.done("r1", 5, [b"k1"])  # done with just that key of it
         assert client.done("r1", 5)
         deadline = time.monotonic() + 5
-        while done != ["r1"]:
+        while done != [("r1", [b"k1"]), "r1"]:
             assert time.monotonic() < deadline, done
             time.sleep(0.01)
         with pytest.raises(ValueError):
@@ -503,7 +505,8 @@ def test_requests_bound_to_a_peer_and_complete_requests():
                          hash_seed=SEED, plaintext=True,
                          request_provider=lambda req, key: rows.get((req, key)),
                          request_owner={"r1": ("me:1", "")}.get,
-                         request_complete={"r2"}.__contains__, on_done=done.append)
+                         request_complete={"r2"}.__contains__,
+                         on_done=lambda req, keys: done.append(req))
     thread = threading.Thread(target=lambda: server.serve(stop.is_set, 0.005), daemon=True)
     thread.start()
     other = ChunkClient("127.0.0.1", server.port, fingerprint=FP, hash_seed=SEED,

@@ -282,15 +282,21 @@ class ChunkClient:
             self._fail(str(e), e.refused)
         return None
 
-    def done(self, req: str, timeout_s: float) -> bool:
+    def done(self, req: str, timeout_s: float, keys: list[bytes] | None = None) -> bool:
         """Tell the peer this client is done with request ``req`` (it releases what it
-        holds for it); no answer is awaited. True if sent; a peer that cannot be reached
-        is not counted as a failure (it holds nothing it can serve once gone)."""
-        wire.check_req({"req": req}, required=True)
+        holds for it), or only with ``keys`` of it (fetched; the rest stays held for a
+        later fetch of the same request); no answer is awaited. True if sent; a peer that
+        cannot be reached is not counted as a failure (it holds nothing it can serve once
+        gone)."""
+        msg = {"t": "done", "req": req}
+        if keys is not None:
+            msg["keys"] = list(keys)
+            wire.check_keys(msg)
+        wire.check_req(msg, required=True)
         if not self.circuit.allow():
             return False
         try:
-            self._request({"t": "done", "req": req}, time.monotonic() + timeout_s)
+            self._request(msg, time.monotonic() + timeout_s)
         except (_Timeout, _PeerFailure):
             self._reset()
             return False

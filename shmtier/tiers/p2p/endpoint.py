@@ -29,8 +29,9 @@ one step queued as one msgpack array of them)::
           for req: its misses are final
     unpark {req}  serve them no more
     load {job, req, peer, skey, keys, rows}       lookup_done {lid, hits | None, detail}
-          fetch keys from peer into rows          released {req}  a peer is done with req
-    lookup {lid, req, peer, skey, keys}           ext_lookup {tid, req, peer, keys}
+          fetch keys from peer into rows          released {req[, keys]}  a peer is done
+    lookup {lid, req, peer, skey, keys}                 with req (or with those keys of it)
+                                                  ext_lookup {tid, req, peer, keys}
     release {req, peer, skey}  tell the peer            a peer asks; the scheduler answers
           this engine is done with req
     answer {tid, hits, req, keys, rows}           counters {server, served: {peer name:
@@ -41,7 +42,9 @@ one step queued as one msgpack array of them)::
 A promotion's fetch round asks again, every 20 ms, for keys the peer answered MISS (its
 chunks may still be on their way into its CPU tier) until ``fetch_timeout_s``, or until
 the peer answers a miss final (its request is complete: ``complete``); then it tells the
-peer ``done`` for the request (the peer unpins what it parked for it).
+peer ``done`` with the keys it fetched (the peer unpins those; a later load of the same
+request finds the rest still parked), or, if the load failed, ``done`` for the whole
+request (the peer unpins all it parked for it).
 
 Binding (``ChunkServer``'s ``request_owner``): a request parked with ``to`` is served only
 to that peer: by its Curve public key when the scheduler knew it, else by its hello name
@@ -170,7 +173,7 @@ class _Peer(threading.Thread):
         """Fetch rounds for several loads at once: each round pipelines one fetch per
         load still fetching (``ChunkClient.fetch_many``); keys answered MISS (not final)
         are asked again every ``MISS_RETRY_S`` until ``fetch_timeout_s``. Each load is
-        answered (``load_done``) and its request released at the peer (``done``) as soon
+        answered (``load_done``) and its chunks released at the peer (``done``) as soon
         as it is finished, not when the others are."""
         t0 = time.monotonic()
         deadline = t0 + self.ep.fetch_timeout_s
@@ -216,7 +219,12 @@ class _Peer(threading.Thread):
 
     def _load_done(self, st: dict, t0: float) -> None:
         task = st["task"]
-        self.client.done(task["req"], DONE_TIMEOUT_S)
+        # A load that got every chunk releases just those at the peer: the same request's
+        # other keys may come in a later load (the manager promotes a request's keys in
+        # as many jobs as it has rows for). A failed load releases the whole request (it
+        # fails at the scheduler: its later lookups MISS).
+        fetched = None if st["detail"] else list(task["keys"])
+        self.client.done(task["req"], DONE_TIMEOUT_S, fetched)
         self.out.send(pack({"t": "load_done", "job": task["job"],
                             "ok": [i for i, o in enumerate(st["ok"]) if o],
                             "nbytes": st["nbytes"], "seconds": time.monotonic() - t0,
@@ -337,9 +345,21 @@ class Endpoint:
             if entry[1] is None:
                 entry[1] = -1  # no longer served: the idle loop skips it
 
-    def _done(self, req: str) -> None:
-        self._unpark(req)
-        self._send({"t": "released", "req": req})
+    def _done(self, req: str, keys: list | None = None) -> None:
+        """A peer is done with ``req`` (``keys`` None: all of it), or with ``keys`` of it:
+        those are served no more, the rest of the request stays parked."""
+        if keys is None:
+            self._unpark(req)
+            self._send({"t": "released", "req": req})
+            return
+        parked = self.parked.get(req, {})
+        for key in keys:
+            entry = parked.pop(key, None)
+            if entry is not None and entry[1] is None:
+                entry[1] = -1
+        if not parked:
+            self.parked.pop(req, None)
+        self._send({"t": "released", "req": req, "keys": keys})
 
     def _owner(self, req: str) -> tuple[str, str] | None:
         owner = self.owners.get(req)

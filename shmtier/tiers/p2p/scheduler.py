@@ -135,6 +135,7 @@ class _Parked:
     jobs: list = field(default_factory=list)
     rows: int = 0
     deadline: float = 0.0
+    left: dict = field(default_factory=dict)  # job id -> its keys not yet fetched
 
 
 @dataclass
@@ -398,7 +399,10 @@ class P2PTierManager(SecondaryTierManager):
         elif t == "lookup_done":
             self._lookup_done(msg)
         elif t == "released":
-            self._release(msg["req"])
+            if msg.get("keys") is None:
+                self._release(msg["req"])
+            else:
+                self._release_keys(msg["req"], msg["keys"])
         elif t == "ext_lookup":
             self._external[msg["tid"]] = _External(
                 msg["tid"], msg["req"], msg["peer"], msg["keys"],
@@ -457,6 +461,29 @@ class P2PTierManager(SecondaryTierManager):
             for job in parked.jobs:
                 self._finished.append(JobResult(job.job_id, True, transfer_time=0.0,
                                                 transfer_bytes=len(job.keys) * self.block_size_bytes))
+
+    def _release_keys(self, kvid: str, keys: list) -> None:
+        """A peer fetched ``keys`` of ``kvid``: the parked jobs whose keys are all fetched
+        succeed (their rows unpinned); the rest stay parked for a later fetch."""
+        parked = self._parked.get(kvid)
+        if parked is None:
+            return
+        fetched = set(keys)
+        keep = []
+        for job in parked.jobs:
+            left = parked.left.get(job.job_id)
+            if left is not None:
+                left.difference_update(fetched)
+            if left is None or left:
+                keep.append(job)
+                continue
+            del parked.left[job.job_id]
+            parked.rows -= len(job.keys)
+            self._finished.append(JobResult(job.job_id, True, transfer_time=0.0,
+                                            transfer_bytes=len(job.keys) * self.block_size_bytes))
+        parked.jobs = keep
+        if not keep:
+            del self._parked[kvid]
 
     def _take_counters(self, msg: dict) -> None:
         """The endpoint's running totals (every second) as metric deltas, per peer."""
@@ -590,6 +617,7 @@ class P2PTierManager(SecondaryTierManager):
         if parked is None:
             parked = self._parked[kvid] = _Parked()
         parked.jobs.append(job)
+        parked.left[job.job_id] = set(job.keys)
         parked.rows += len(job.keys)
         parked.deadline = time.monotonic() + self.config.unbound_store_timeout_s
 

@@ -121,7 +121,8 @@ class ChunkServer:
     parked for that request; None: MISS); without it they go to ``provider``.
     ``lookup_handler(token, req, keys)``: a lookup naming ``req`` is handed to the owner,
     who answers it later with :meth:`answer_lookup` (without a handler: ``has``).
-    ``on_done(req)``: the peer says it is done with ``req`` (no answer is sent).
+    ``on_done(req, keys)``: the peer says it is done with ``req`` (``keys`` None), or with
+    those keys of it (no answer is sent).
     ``request_complete(req)``: True when no more chunks will ever be provided for ``req``
     (the owner's request finished): a miss of that request is answered final (``fin``),
     so the client stops asking. ``request_owner(req)``: the one peer that may ask for
@@ -142,7 +143,7 @@ class ChunkServer:
                  tamper: Callable[[bytes, memoryview], Any] | None = None,
                  request_provider: RequestProvider | None = None,
                  lookup_handler: Callable[[LookupToken, str, list], None] | None = None,
-                 on_done: Callable[[str], None] | None = None,
+                 on_done: Callable[[str, list | None], None] | None = None,
                  request_complete: Callable[[str], bool] | None = None,
                  request_owner: RequestOwner | None = None):
         if plaintext:
@@ -406,8 +407,9 @@ class ChunkServer:
                                     "hits": [self._lookup(k) for k in keys]})
         elif t == "done":
             req = wire.check_req(msg, required=True)
+            keys = wire.check_keys(msg) if "keys" in msg else None
             if self._on_done is not None and self._may_ask(session, req):
-                self._call(self._on_done, req)
+                self._call(self._on_done, req, keys)
         else:
             raise wire.ProtocolError("malformed", f"unknown message type {t!r}")
 

@@ -30,7 +30,8 @@ Message flow (one client, one server; each engine runs a server and a client per
                                                           the request is complete at the server)
                         ◀── [{t:chunk, rid, i, key, st:refused, why}] -> ERROR (bound elsewhere)
                         ◀── [{t:chunk, rid, i, key, st:error, why}]   -> ERROR (provider failed)
-    {t:done, rid, req} ────────────────────────────────▶ on_done(req): release it (no answer)
+    {t:done, rid, req[, keys]} ────────────────────────▶ on_done(req, keys): release it, or
+                                                          only those keys (no answer)
 
 A client call has one deadline: connecting, the hello and the answers all fit in its
 ``timeout_s``; what is not answered by then is ERROR, the socket is dropped (late answers
