@@ -2,20 +2,34 @@
 
 Who calls: the tiering manager starts one (when a tier sets
 ``tolerates_off_thread_polling`` and ``tier_poll_interval_s`` > 0) and stops it at
-shutdown. The thread runs ``poll`` every ``interval_s`` holding the manager's lock; a
-round never waits for the lock longer than ``POLL_LOCK_TIMEOUT_S`` and pauses after
-releasing it (the lock is not fair: this bounds the scheduler thread's wait to one
-round). Failures are logged (at most once a second) and, after
+shutdown. The thread runs ``poll`` holding the manager's lock, at least every
+``interval_s``; a round never waits for the lock longer than ``POLL_LOCK_TIMEOUT_S`` and
+pauses after releasing it (the lock is not fair: this bounds the scheduler thread's wait
+to one round). Failures are logged (at most once a second) and, after
 ``POLL_GIVE_UP_AFTER_S`` of failed rounds, end the thread: per-step polling still
 serves every tier.
+
+Waking early: a polled tier may declare ``poll_fds()`` (``SecondaryTierManager``). After
+each round, still under the lock, the thread asks every such tier for its fds and then,
+without the lock, waits until one of them is readable or ``interval_s`` passed (with no
+fds it sleeps ``interval_s``, as before). It only waits on the fds (``poll(2)``): it
+never touches a tier's objects without the lock. A round woken by an fd starts at once,
+unless the previous woken round began less than ``interval_s`` ago: then it waits for
+that interval to end (an fd the round did not clear, or news during it, costs at most
+one round per interval, never a spin).
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import select
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from shmtier.scheduler.tiering.base import optional_attribute
 
 logger = logging.getLogger(__name__)
 
@@ -24,16 +38,28 @@ POLL_STALL_WARN_S = 30.0
 POLL_GIVE_UP_AFTER_S = 30.0
 POLL_ERROR_LOG_EVERY_S = 1.0
 POLL_JOIN_TIMEOUT_S = 5.0
+_READABLE = select.POLLIN | select.POLLPRI
 
 
 class TierPollThread:
-    """A daemon thread running ``poll()`` under ``lock`` every ``interval_s`` (started now)."""
+    """A daemon thread running ``poll()`` under ``lock`` at least every ``interval_s``,
+    sooner when an fd of one of ``tiers`` (their optional ``poll_fds``) is readable
+    (started now)."""
 
-    def __init__(self, lock: threading.Lock, poll: Callable[[], None], interval_s: float):
+    def __init__(self, lock: threading.Lock, poll: Callable[[], None], interval_s: float,
+                 tiers: Sequence[Any] = ()):
         self._lock = lock
         self._poll = poll
         self._interval_s = interval_s
+        self._fd_sources = [f for f in (optional_attribute(t, "poll_fds") for t in tiers)
+                            if f is not None]
         self._stop = threading.Event()
+        # stop() writes here: a wait on fds ends at once, whatever interval_s is
+        self._stop_r, self._stop_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self._poller: Any = None
+        self._polled_fds: tuple[int, ...] = ()
+        self._woken_at = float("-inf")  # when the last round an fd woke began
+        self.woken_rounds = 0  # rounds started by a readable fd (for benches and tests)
         self._thread = threading.Thread(target=self._run, name="shmtier_tier_poll", daemon=True)
         self._thread.start()
 
@@ -43,10 +69,18 @@ class TierPollThread:
     def stop(self) -> bool:
         """Stop and join the thread; False if it did not exit within POLL_JOIN_TIMEOUT_S."""
         self._stop.set()
+        try:
+            os.write(self._stop_w, b"x")
+        except OSError:
+            pass  # the pipe is full or closed: the thread sees the event within interval_s
         self._thread.join(POLL_JOIN_TIMEOUT_S)
         if self._thread.is_alive():
             logger.error("tier-poll thread did not exit within %.1f s", POLL_JOIN_TIMEOUT_S)
             return False
+        if self._stop_w >= 0:
+            os.close(self._stop_r)
+            os.close(self._stop_w)
+            self._stop_r = self._stop_w = -1
         return True
 
     def _run(self) -> None:
@@ -63,9 +97,12 @@ class TierPollThread:
                     stalled_since = None
                 continue
             stalled_since = None
+            fds: list[int] = []
             try:
                 self._poll()
                 failing_since = None
+                for source in self._fd_sources:  # under the lock, like every tier call
+                    fds.extend(source())
             except Exception:  # never silently: per-step polling still serves the tiers
                 now = time.monotonic()
                 failing_since = failing_since or now
@@ -78,4 +115,31 @@ class TierPollThread:
                 logger.error("tier-poll thread stops after %.0f s of failed rounds; tiers are "
                              "polled at step boundaries only", POLL_GIVE_UP_AFTER_S)
                 return
+            if fds and failing_since is None:
+                self._wait(tuple(fds))
+            else:
+                self._stop.wait(self._interval_s)
+
+    def _wait(self, fds: tuple[int, ...]) -> None:
+        """Until one of ``fds`` is readable (then at most one round per interval_s) or
+        interval_s passed; without the lock (the fds are only waited on)."""
+        if fds != self._polled_fds:
+            self._poller = select.poll()
+            self._poller.register(self._stop_r, _READABLE)
+            for fd in fds:
+                self._poller.register(fd, _READABLE)
+            self._polled_fds = fds
+        events = self._poller.poll(self._interval_s * 1e3)
+        if not events or self._stop.is_set():
+            return  # the interval passed
+        if any(ev & select.POLLNVAL for _, ev in events):
+            # a tier closed an fd since the round (an endpoint restarting): the next
+            # round asks again; until then the interval
+            self._polled_fds = ()
             self._stop.wait(self._interval_s)
+            return
+        now = time.monotonic()
+        if now - self._woken_at < self._interval_s:
+            self._stop.wait(self._woken_at + self._interval_s - now)
+        self._woken_at = time.monotonic()
+        self.woken_rounds += 1

@@ -6,6 +6,9 @@ blocks on I/O or the network. The network is the endpoint process's
 PAIR socket on ``ipc://`` with non-blocking sends and receives, polled in
 ``get_finished_jobs``, ``serve_external_requests``, ``on_schedule_end`` and
 ``has_pending_work`` (and by the tier-poll thread: ``tolerates_off_thread_polling``).
+That thread also waits on ``poll_fds``: the socket's ``FD`` (readable when the endpoint
+sent something) and an eventfd the scheduler thread writes when a step's batch waits for
+that thread to send it, so either goes at once instead of at the thread's next tick.
 
 Request roles, from ``kv_transfer_params`` (parsed once, in ``on_new_request``):
 
@@ -212,6 +215,12 @@ class P2PTierManager(SecondaryTierManager):
         self._restart_at = 0.0
         self._next_check = 0.0
         self._read_at = -1.0  # when a poll last looked at the socket
+        self._sock_fd = -1  # the socket's zmq.FD (taken under the lock, when it is made)
+        # written by on_schedule_end when a batch waits for the tier-poll thread (which
+        # waits on it: poll_fds), read by that thread's next poll
+        self._kick_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        self._kicked = False
+        self._look_next = False  # the next off-thread poll looks at the socket (poll_fds)
         self._closed = False
         try:
             self._start_endpoint()
@@ -249,6 +258,7 @@ class P2PTierManager(SecondaryTierManager):
         sock.sndhwm = sock.rcvhwm = 0
         sock.bind(f"ipc://{path}")
         self._sock = sock
+        self._sock_fd = sock.getsockopt(zmq.FD)
         self._counters_seen = {}  # the new endpoint counts from 0
         self._proc = subprocess.Popen([sys.executable, "-m", "shmtier.tiers.p2p.endpoint"],
                                       stdin=subprocess.PIPE)
@@ -265,6 +275,7 @@ class P2PTierManager(SecondaryTierManager):
         if self._sock is not None:
             self._sock.close(0)
             self._sock = None
+            self._sock_fd = -1
         self._outbox.clear()
         self._pending = []
 
@@ -343,6 +354,12 @@ class P2PTierManager(SecondaryTierManager):
         off_thread = threading.get_ident() != self._step_thread
         if off_thread:
             self._off_thread_at = now
+            if self._kicked:  # clear the eventfd that woke this round (it flushes below)
+                self._kicked = False
+                try:
+                    os.eventfd_read(self._kick_fd)
+                except BlockingIOError:
+                    pass
         if self._proc is None:
             if now >= self._restart_at:
                 self._start_endpoint()
@@ -360,9 +377,13 @@ class P2PTierManager(SecondaryTierManager):
             self._expire(now)
         zmq, sock = self._zmq, self._sock
         # ask first: a recv that raises zmq.Again costs ~20 µs, and this runs several
-        # times a step, mostly with nothing to read (and at most every READ_GAP_S)
-        if now - self._read_at >= READ_GAP_S:
+        # times a step, mostly with nothing to read (and at most every READ_GAP_S, except
+        # the tier-poll thread's first poll after poll_fds: reading EVENTS is what clears
+        # the edge-triggered FD it waits on, and news may have woken it)
+        if now - self._read_at >= READ_GAP_S or (off_thread and self._look_next):
             self._read_at = now
+            if off_thread:
+                self._look_next = False
             while sock.getsockopt(self._zmq_events) & self._zmq_pollin:
                 try:
                     buf = sock.recv(zmq.NOBLOCK)
@@ -640,6 +661,9 @@ class P2PTierManager(SecondaryTierManager):
         # tier-poll thread if it polls this tier (then not on the scheduler thread)
         if time.monotonic() - self._off_thread_at < OFF_THREAD_SEEN_S:
             self._flush_due = bool(self._pending)
+            if self._flush_due and not self._kicked:  # wake it (~1 µs; a send is tens)
+                self._kicked = True
+                os.eventfd_write(self._kick_fd, 1)
         else:
             self._flush()
 
@@ -682,6 +706,17 @@ class P2PTierManager(SecondaryTierManager):
                 del self._external[tid]
         if self._pending and threading.get_ident() != self._step_thread:
             self._flush()  # answered on the tier-poll thread: sent now, not FLUSH_AFTER_S later
+
+    def poll_fds(self) -> tuple[int, ...]:
+        """What the tier-poll thread waits on between rounds (``SecondaryTierManager.poll_fds``;
+        called by it under the lock): the endpoint socket's FD and the kick eventfd. Its
+        next poll looks at the socket (READ_GAP_S does not apply)."""
+        if self._closed:
+            return ()
+        self._look_next = True
+        if self._sock_fd < 0:
+            return (self._kick_fd,)
+        return (self._sock_fd, self._kick_fd)
 
     def has_pending_work(self) -> bool:
         self._poll()
@@ -764,4 +799,5 @@ class P2PTierManager(SecondaryTierManager):
         self._fail_all("shutdown")
         self._close_socket()
         self._zctx.term()
+        os.close(self._kick_fd)
         shutil.rmtree(self._tmpdir, ignore_errors=True)
