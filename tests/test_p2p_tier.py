@@ -628,3 +628,60 @@ def _alive(pid: int) -> bool:
             return f.read().rpartition(")")[2].split()[0] != "Z"
     except (FileNotFoundError, ProcessLookupError, IndexError):
         return False
+
+
+def test_poll_fds_wake_the_tier_poll_thread_and_its_next_poll_clears_them(engine_id):
+    """``poll_fds``: the endpoint socket's FD (edge-triggered: cleared only by reading
+    EVENTS) is readable once the endpoint sent something, and the first off-thread poll
+    after ``poll_fds`` reads it although the socket was looked at within READ_GAP_S;
+    the kick eventfd is written when a step's batch waits for the tier-poll thread, and
+    that thread's next poll sends the batch and clears it. The engine runs in this
+    process (its own tier-poll thread stopped: this test plays that thread)."""
+    import select
+    import threading
+
+    import fs_engine
+    from shmtier.contract import ReqContext
+
+    engine = fs_engine.Engine(engine_id, None, tier_type="p2p", **LAYOUT,
+                              **tier({"plaintext": True}))
+    try:
+        m, p2p = engine.manager, engine.manager.tiers[0]
+        assert m._poll_thread.stop()
+
+        def readable(fd: int) -> bool:
+            return bool(select.select([fd], [], [], 0)[0])
+
+        def off_thread(fn):
+            out = []
+            t = threading.Thread(target=lambda: out.append(fn()))
+            t.start()
+            t.join(10)
+            return out[0]
+
+        with m.lock:
+            m.on_schedule_end(fs_engine.END)  # this thread steps: the others are off-thread
+            sock_fd, kick_fd = fds = p2p.poll_fds()
+        assert sock_fd == p2p._sock.getsockopt(p2p._zmq.FD) and not readable(kick_fd)
+        deadline = time.monotonic() + 30
+        while not readable(sock_fd):  # the endpoint's "ready"
+            assert time.monotonic() < deadline, "the endpoint never sent ready"
+            time.sleep(0.01)
+        with m.lock:
+            assert not p2p._ready
+            assert off_thread(p2p.poll_fds) == fds
+            p2p._read_at = time.monotonic() + 60  # as if just looked: READ_GAP_S applies
+            off_thread(lambda: p2p.get_finished_jobs())
+            assert p2p._ready and not readable(sock_fd)
+        # a step's batch: the tier-poll thread polled just now, so the step leaves it
+        # to that thread and kicks it
+        ctx = ReqContext("r1", {"remote_decoder": {"kv_request_id": "k1"}})
+        with m.lock:
+            m.on_new_request(ctx)
+            m.on_request_finished(ctx)  # "complete k1", queued
+            m.on_schedule_end(fs_engine.END)
+            assert p2p._pending and readable(kick_fd)
+            off_thread(lambda: p2p.get_finished_jobs())
+            assert not p2p._pending and not p2p._outbox and not readable(kick_fd)
+    finally:
+        engine.close()
