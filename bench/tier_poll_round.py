@@ -5,12 +5,15 @@ Run from a checkout::
 
     .venv/bin/python bench/tier_poll_round.py                       # 5 x 2 s at 1 ms (the default interval)
     .venv/bin/python bench/tier_poll_round.py --interval-ms 1,5,20 --repeats 3
+    .venv/bin/python bench/tier_poll_round.py --fd     # + rounds waiting on a tier's fd
 
 The tiering manager starts a tier-poll thread (shmtier/scheduler/tiering/poll_thread.py)
 when a tier opts in to off-thread polling (peer tiers; shmtier's ``fs`` tier does not);
 it runs a round every ``tier_poll_interval_s`` (default 1 ms, shmtier/config.py). Here a
 real ``TierPollThread`` with a real lock runs rounds whose poll does nothing, so what is
-measured is the round itself: taking the lock, the wait, the wake-up. Per run: rounds per
+measured is the round itself: taking the lock, the wait, the wake-up. ``--fd`` adds runs
+where the polled tier declares ``poll_fds`` (a pipe nobody writes: the thread waits in
+``poll(2)`` on it for the interval instead of sleeping). Per run: rounds per
 second and the thread's own CPU clock (``pthread_getcpuclockid``) per round and as a share
 of one core; median [min-max] over the runs. The host is shared: the load average is
 printed with the figures.
@@ -33,14 +36,25 @@ from shmtier.bench.common import fmt_mr, med_range  # noqa: E402
 from shmtier.scheduler.tiering.poll_thread import TierPollThread  # noqa: E402
 
 
-def one_run(interval_s: float, seconds: float) -> tuple[float, float, float]:
+class _FdTier:
+    """A polled tier whose ``poll_fds`` is a pipe's read end that nobody writes."""
+
+    def __init__(self):
+        self.r, self.w = os.pipe()
+
+    def poll_fds(self) -> tuple[int, ...]:
+        return (self.r,)
+
+
+def one_run(interval_s: float, seconds: float, fd: bool = False) -> tuple[float, float, float]:
     """(rounds per second, thread CPU µs per round, thread CPU share of a core)."""
     rounds = [0]
 
     def poll() -> None:
         rounds[0] += 1
 
-    thread = TierPollThread(threading.Lock(), poll, interval_s)
+    tier = _FdTier() if fd else None
+    thread = TierPollThread(threading.Lock(), poll, interval_s, [tier] if fd else [])
     try:
         clock = time.pthread_getcpuclockid(thread._thread.ident)
         time.sleep(0.1)  # past its start
@@ -49,6 +63,9 @@ def one_run(interval_s: float, seconds: float) -> tuple[float, float, float]:
         c1, n1, w1 = time.clock_gettime(clock), rounds[0], time.perf_counter()
     finally:
         thread.stop()
+        if tier is not None:
+            os.close(tier.r)
+            os.close(tier.w)
     n = max(1, n1 - n0)
     return n / (w1 - w0), (c1 - c0) / n * 1e6, (c1 - c0) / (w1 - w0)
 
@@ -58,6 +75,7 @@ def main(argv=None) -> int:
     ap.add_argument("--interval-ms", default="1", help="comma-separated round intervals in ms")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--seconds", type=float, default=2.0, help="per run")
+    ap.add_argument("--fd", action="store_true", help="also runs with a tier fd to wait on")
     args = ap.parse_args(argv)
     try:
         intervals = [float(x) / 1e3 for x in args.interval_ms.split(",") if x.strip()]
@@ -68,11 +86,17 @@ def main(argv=None) -> int:
     print(f"tier-poll thread, empty rounds: {args.repeats} runs x {args.seconds:g} s per interval, "
           f"{os.cpu_count()} CPUs, load avg {os.getloadavg()[0]:.2f} at start")
     for interval in intervals:
-        runs = [one_run(interval, args.seconds) for _ in range(args.repeats)]
-        rate, per_round, share = (med_range([r[i] for r in runs]) for i in range(3))
-        print(f"  interval {interval * 1e3:g} ms: {fmt_mr(rate, 0)} rounds/s, "
-              f"{fmt_mr(per_round, 1)} µs CPU per round, "
-              f"{fmt_mr(tuple(x * 100 for x in share), 1)} % of a core")
+        modes = (False, True) if args.fd else (False,)
+        # with --fd the modes' runs alternate: the host's load moves between runs
+        runs = {fd: [] for fd in modes}
+        for _ in range(args.repeats):
+            for fd in modes:
+                runs[fd].append(one_run(interval, args.seconds, fd))
+        for fd in modes:
+            rate, per_round, share = (med_range([r[i] for r in runs[fd]]) for i in range(3))
+            print(f"  interval {interval * 1e3:g} ms{', fd' if fd else ''}: {fmt_mr(rate, 0)} "
+                  f"rounds/s, {fmt_mr(per_round, 1)} µs CPU per round, "
+                  f"{fmt_mr(tuple(x * 100 for x in share), 1)} % of a core")
     print(f"load avg at end {os.getloadavg()[0]:.2f}")
     return 0
 

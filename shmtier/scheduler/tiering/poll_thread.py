@@ -57,6 +57,7 @@ class TierPollThread:
         # stop() writes here: a wait on fds ends at once, whatever interval_s is
         self._stop_r, self._stop_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self._poller: Any = None
+        self._sleeper: Any = None
         self._polled_fds: tuple[int, ...] = ()
         self._woken_at = float("-inf")  # when the last round an fd woke began
         self.woken_rounds = 0  # rounds started by a readable fd (for benches and tests)
@@ -115,15 +116,14 @@ class TierPollThread:
                 logger.error("tier-poll thread stops after %.0f s of failed rounds; tiers are "
                              "polled at step boundaries only", POLL_GIVE_UP_AFTER_S)
                 return
-            if fds and failing_since is None:
-                self._wait(tuple(fds))
-            else:
-                self._stop.wait(self._interval_s)
+            self._wait(tuple(fds) if failing_since is None else ())
 
     def _wait(self, fds: tuple[int, ...]) -> None:
         """Until one of ``fds`` is readable (then at most one round per interval_s) or
-        interval_s passed; without the lock (the fds are only waited on)."""
-        if fds != self._polled_fds:
+        interval_s passed (at once if stopped); without the lock (the fds are only
+        waited on). ``poll(2)`` with the stop pipe, also with no fds: no costlier per round
+        than ``Event.wait`` (bench/README.md, tier_poll_round.py)."""
+        if self._poller is None or fds != self._polled_fds:
             self._poller = select.poll()
             self._poller.register(self._stop_r, _READABLE)
             for fd in fds:
@@ -135,11 +135,18 @@ class TierPollThread:
         if any(ev & select.POLLNVAL for _, ev in events):
             # a tier closed an fd since the round (an endpoint restarting): the next
             # round asks again; until then the interval
-            self._polled_fds = ()
-            self._stop.wait(self._interval_s)
+            self._poller = None
+            self._sleep(self._interval_s)
             return
         now = time.monotonic()
         if now - self._woken_at < self._interval_s:
-            self._stop.wait(self._woken_at + self._interval_s - now)
+            self._sleep(self._woken_at + self._interval_s - now)
         self._woken_at = time.monotonic()
         self.woken_rounds += 1
+
+    def _sleep(self, seconds: float) -> None:
+        """``seconds``, or until stopped."""
+        if self._sleeper is None:
+            self._sleeper = select.poll()
+            self._sleeper.register(self._stop_r, _READABLE)
+        self._sleeper.poll(seconds * 1e3)
