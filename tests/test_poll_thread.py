@@ -86,20 +86,45 @@ def test_a_readable_fd_wakes_a_round_long_before_the_interval(fd_tier):
         assert thread.stop()
 
 
-def test_news_again_within_the_interval_waits_for_its_end(fd_tier):
+def test_news_after_a_woken_round_wakes_the_next_at_once(fd_tier):
     tier = fd_tier()
+    thread = started(tier, 2.0)
+    try:
+        for n in (2, 3):  # two pieces of news, 50 ms apart, each woken at once
+            time.sleep(0.05)
+            sent = time.monotonic()
+            os.write(tier.w, b"x")
+            deadline = sent + 1.0
+            while len(tier.rounds) < n:
+                assert time.monotonic() < deadline, "the fd did not wake a round"
+                time.sleep(0.0005)
+            assert tier.rounds[-1] - sent < 0.5
+        assert thread.woken_rounds == 2
+    finally:
+        assert thread.stop()
+
+
+def test_news_during_a_woken_round_waits_for_the_interval(fd_tier):
+    """An fd readable as soon as a woken round ends (news during it, or not cleared by
+    it) gets the next round an interval after the woken one, not at once."""
+    tier = fd_tier()
+    poll = tier.poll
+    news_in_round = [True]
+
+    def poll_with_news() -> None:
+        poll()
+        if len(tier.rounds) == 2 and news_in_round.pop():
+            os.write(tier.w, b"x")  # during the woken round, after it drained the pipe
+
+    tier.poll = poll_with_news
     thread = started(tier, 0.3)
     try:
-        os.write(tier.w, b"x")
-        time.sleep(0.05)
-        first = tier.rounds[-1]
         os.write(tier.w, b"x")
         deadline = time.monotonic() + 2
         while len(tier.rounds) < 3:
             assert time.monotonic() < deadline
             time.sleep(0.001)
-        # the second piece of news went at the end of the first woken round's interval
-        assert tier.rounds[2] - first >= 0.3 - 0.01
+        assert 0.3 - 0.01 <= tier.rounds[2] - tier.rounds[1] < 0.3 + 0.2
     finally:
         assert thread.stop()
 
@@ -113,6 +138,7 @@ def test_an_fd_no_round_clears_costs_one_round_per_interval_not_a_spin(fd_tier):
         n0, t0 = len(tier.rounds), time.monotonic()
         time.sleep(0.5)
         rounds, seconds = len(tier.rounds) - n0, time.monotonic() - t0
+        assert thread.is_alive()
     finally:
         assert thread.stop()
     assert rounds <= seconds / interval + 2, f"{rounds} rounds in {seconds:.2f} s"
@@ -149,6 +175,7 @@ def test_an_fd_closed_between_rounds_does_not_spin(fd_tier):
         n0, t0 = len(tier.rounds), time.monotonic()
         time.sleep(0.3)
         rounds, seconds = len(tier.rounds) - n0, time.monotonic() - t0
+        assert thread.is_alive()
     finally:
         assert thread.stop()
     assert rounds <= seconds / interval + 2, f"{rounds} rounds in {seconds:.2f} s"

@@ -14,9 +14,10 @@ each round, still under the lock, the thread asks every such tier for its fds an
 without the lock, waits until one of them is readable or ``interval_s`` passed (with no
 fds it sleeps ``interval_s``, as before). It only waits on the fds (``poll(2)``): it
 never touches a tier's objects without the lock. A round woken by an fd starts at once,
-unless the previous woken round began less than ``interval_s`` ago: then it waits for
-that interval to end (an fd the round did not clear, or news during it, costs at most
-one round per interval, never a spin).
+except when an fd is readable already as the wait after a woken round begins (that
+round did not clear it, or news came during it): then the next round starts
+``interval_s`` after the woken one (an fd no round clears costs one round per interval,
+never a spin).
 """
 
 from __future__ import annotations
@@ -60,6 +61,7 @@ class TierPollThread:
         self._sleeper: Any = None
         self._polled_fds: tuple[int, ...] = ()
         self._woken_at = float("-inf")  # when the last round an fd woke began
+        self._after_wake = False  # the last round was one an fd woke
         self.woken_rounds = 0  # rounds started by a readable fd (for benches and tests)
         self._thread = threading.Thread(target=self._run, name="shmtier_tier_poll", daemon=True)
         self._thread.start()
@@ -129,23 +131,38 @@ class TierPollThread:
             for fd in fds:
                 self._poller.register(fd, _READABLE)
             self._polled_fds = fds
+        after_wake, self._after_wake = self._after_wake, False
+        if after_wake and fds:
+            events = self._poller.poll(0)
+            if events and not self._stop.is_set():
+                if not self._invalid(events):
+                    # readable already: not cleared by the woken round, or news during it
+                    self._sleep(self._woken_at + self._interval_s - time.monotonic())
+                    self._woke()
+                return
         events = self._poller.poll(self._interval_s * 1e3)
-        if not events or self._stop.is_set():
+        if not events or self._stop.is_set() or self._invalid(events):
             return  # the interval passed
-        if any(ev & select.POLLNVAL for _, ev in events):
-            # a tier closed an fd since the round (an endpoint restarting): the next
-            # round asks again; until then the interval
-            self._poller = None
-            self._sleep(self._interval_s)
-            return
-        now = time.monotonic()
-        if now - self._woken_at < self._interval_s:
-            self._sleep(self._woken_at + self._interval_s - now)
+        self._woke()
+
+    def _invalid(self, events: list) -> bool:
+        """True (after the interval) if a tier closed an fd since the round (an endpoint
+        restarting): the next round asks for its fds again."""
+        if not any(ev & select.POLLNVAL for _, ev in events):
+            return False
+        self._poller = None
+        self._sleep(self._interval_s)
+        return True
+
+    def _woke(self) -> None:
         self._woken_at = time.monotonic()
+        self._after_wake = True
         self.woken_rounds += 1
 
     def _sleep(self, seconds: float) -> None:
         """``seconds``, or until stopped."""
+        if seconds <= 0:
+            return
         if self._sleeper is None:
             self._sleeper = select.poll()
             self._sleeper.register(self._stop_r, _READABLE)

@@ -324,9 +324,9 @@ class P2PTierManager(SecondaryTierManager):
     def _send(self, msg: dict) -> None:
         """Queue ``msg`` for the endpoint: what a step queues goes as one message at
         ``on_schedule_end`` (an ipc send costs the scheduler thread tens of µs) or, while
-        the tier-poll thread polls this tier, at that thread's next poll (within about a
-        millisecond, off the scheduler thread); else at a poll FLUSH_AFTER_S later (an
-        engine with no step to run)."""
+        the tier-poll thread polls this tier, by that thread (off the scheduler thread),
+        which ``on_schedule_end`` wakes through the kick eventfd (``poll_fds``); else at
+        a poll FLUSH_AFTER_S later (an engine with no step to run)."""
         if not self._pending:
             self._queued_at = time.monotonic()
         self._pending.append(msg)
