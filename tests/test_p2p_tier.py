@@ -630,18 +630,17 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def test_poll_fds_wake_the_tier_poll_thread_and_its_next_poll_clears_them(engine_id):
+def test_poll_fds_is_the_endpoint_socket_and_the_next_off_thread_poll_reads_it(engine_id):
     """``poll_fds``: the endpoint socket's FD (edge-triggered: cleared only by reading
     EVENTS) is readable once the endpoint sent something, and the first off-thread poll
-    after ``poll_fds`` reads it although the socket was looked at within READ_GAP_S;
-    the kick eventfd is written when a step's batch waits for the tier-poll thread, and
-    that thread's next poll sends the batch and clears it. The engine runs in this
-    process (its own tier-poll thread stopped: this test plays that thread)."""
+    after ``poll_fds`` reads it although READ_GAP_S would skip the look (else the
+    tier-poll thread it woke would leave it readable and wait out its interval). The
+    engine runs in this process (its own tier-poll thread stopped: this test plays that
+    thread)."""
     import select
     import threading
 
     import fs_engine
-    from shmtier.contract import ReqContext
 
     engine = fs_engine.Engine(engine_id, None, tier_type="p2p", **LAYOUT,
                               **tier({"plaintext": True}))
@@ -661,10 +660,10 @@ def test_poll_fds_wake_the_tier_poll_thread_and_its_next_poll_clears_them(engine
 
         with m.lock:
             m.on_schedule_end(fs_engine.END)  # this thread steps: the others are off-thread
-            sock_fd, kick_fd = fds = p2p.poll_fds()
-        assert sock_fd == p2p._sock.getsockopt(p2p._zmq.FD) and not readable(kick_fd)
+            fds = p2p.poll_fds()
+        assert fds == (p2p._sock.getsockopt(p2p._zmq.FD),)
         deadline = time.monotonic() + 30
-        while not readable(sock_fd):  # the endpoint's "ready"
+        while not readable(fds[0]):  # the endpoint's "ready"
             assert time.monotonic() < deadline, "the endpoint never sent ready"
             time.sleep(0.01)
         with m.lock:
@@ -672,16 +671,9 @@ def test_poll_fds_wake_the_tier_poll_thread_and_its_next_poll_clears_them(engine
             assert off_thread(p2p.poll_fds) == fds
             p2p._read_at = time.monotonic() + 60  # as if just looked: READ_GAP_S applies
             off_thread(lambda: p2p.get_finished_jobs())
-            assert p2p._ready and not readable(sock_fd)
-        # a step's batch: the tier-poll thread polled just now, so the step leaves it
-        # to that thread and kicks it
-        ctx = ReqContext("r1", {"remote_decoder": {"kv_request_id": "k1"}})
-        with m.lock:
-            m.on_new_request(ctx)
-            m.on_request_finished(ctx)  # "complete k1", queued
-            m.on_schedule_end(fs_engine.END)
-            assert p2p._pending and readable(kick_fd)
-            off_thread(lambda: p2p.get_finished_jobs())
-            assert not p2p._pending and not p2p._outbox and not readable(kick_fd)
+            assert p2p._ready and not readable(fds[0])
+            p2p._read_at = time.monotonic() + 60
+            p2p.get_finished_jobs()  # READ_GAP_S applies again: no look, no error
     finally:
         engine.close()
+    assert p2p.poll_fds() == ()  # shut down: nothing to wait on

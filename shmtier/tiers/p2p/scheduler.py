@@ -6,9 +6,9 @@ blocks on I/O or the network. The network is the endpoint process's
 PAIR socket on ``ipc://`` with non-blocking sends and receives, polled in
 ``get_finished_jobs``, ``serve_external_requests``, ``on_schedule_end`` and
 ``has_pending_work`` (and by the tier-poll thread: ``tolerates_off_thread_polling``).
-That thread also waits on ``poll_fds``: the socket's ``FD`` (readable when the endpoint
-sent something) and an eventfd the scheduler thread writes when a step's batch waits for
-that thread to send it, so either goes at once instead of at the thread's next tick.
+Between rounds that thread waits on ``poll_fds``, the socket's ``FD`` (readable when
+the endpoint sent something): what the endpoint sends is taken at once, not at the
+thread's next tick.
 
 Request roles, from ``kv_transfer_params`` (parsed once, in ``on_new_request``):
 
@@ -216,10 +216,6 @@ class P2PTierManager(SecondaryTierManager):
         self._next_check = 0.0
         self._read_at = -1.0  # when a poll last looked at the socket
         self._sock_fd = -1  # the socket's zmq.FD (taken under the lock, when it is made)
-        # written by on_schedule_end when a batch waits for the tier-poll thread (which
-        # waits on it: poll_fds), read by that thread's next poll
-        self._kick_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
-        self._kicked = False
         self._look_next = False  # the next off-thread poll looks at the socket (poll_fds)
         self._closed = False
         try:
@@ -324,9 +320,9 @@ class P2PTierManager(SecondaryTierManager):
     def _send(self, msg: dict) -> None:
         """Queue ``msg`` for the endpoint: what a step queues goes as one message at
         ``on_schedule_end`` (an ipc send costs the scheduler thread tens of µs) or, while
-        the tier-poll thread polls this tier, by that thread (off the scheduler thread),
-        which ``on_schedule_end`` wakes through the kick eventfd (``poll_fds``); else at
-        a poll FLUSH_AFTER_S later (an engine with no step to run)."""
+        the tier-poll thread polls this tier, at that thread's next poll (within about a
+        millisecond, off the scheduler thread); else at a poll FLUSH_AFTER_S later (an
+        engine with no step to run)."""
         if not self._pending:
             self._queued_at = time.monotonic()
         self._pending.append(msg)
@@ -354,12 +350,6 @@ class P2PTierManager(SecondaryTierManager):
         off_thread = threading.get_ident() != self._step_thread
         if off_thread:
             self._off_thread_at = now
-            if self._kicked:  # clear the eventfd that woke this round (it flushes below)
-                self._kicked = False
-                try:
-                    os.eventfd_read(self._kick_fd)
-                except BlockingIOError:
-                    pass
         if self._proc is None:
             if now >= self._restart_at:
                 self._start_endpoint()
@@ -661,9 +651,6 @@ class P2PTierManager(SecondaryTierManager):
         # tier-poll thread if it polls this tier (then not on the scheduler thread)
         if time.monotonic() - self._off_thread_at < OFF_THREAD_SEEN_S:
             self._flush_due = bool(self._pending)
-            if self._flush_due and not self._kicked:  # wake it (~1 µs; a send is tens)
-                self._kicked = True
-                os.eventfd_write(self._kick_fd, 1)
         else:
             self._flush()
 
@@ -709,14 +696,12 @@ class P2PTierManager(SecondaryTierManager):
 
     def poll_fds(self) -> tuple[int, ...]:
         """What the tier-poll thread waits on between rounds (``SecondaryTierManager.poll_fds``;
-        called by it under the lock): the endpoint socket's FD and the kick eventfd. Its
-        next poll looks at the socket (READ_GAP_S does not apply)."""
-        if self._closed:
+        called by it under the lock): the endpoint socket's FD, none while there is no
+        socket. Its next poll looks at the socket (READ_GAP_S does not apply)."""
+        if self._closed or self._sock_fd < 0:
             return ()
         self._look_next = True
-        if self._sock_fd < 0:
-            return (self._kick_fd,)
-        return (self._sock_fd, self._kick_fd)
+        return (self._sock_fd,)
 
     def has_pending_work(self) -> bool:
         self._poll()
@@ -799,5 +784,4 @@ class P2PTierManager(SecondaryTierManager):
         self._fail_all("shutdown")
         self._close_socket()
         self._zctx.term()
-        os.close(self._kick_fd)
         shutil.rmtree(self._tmpdir, ignore_errors=True)
