@@ -647,3 +647,52 @@ def _alive(pid: int) -> bool:
             return f.read().rpartition(")")[2].split()[0] != "Z"
     except (FileNotFoundError, ProcessLookupError, IndexError):
         return False
+
+
+def test_poll_fds_is_the_endpoint_socket_and_the_next_off_thread_poll_reads_it(engine_id):
+    """``poll_fds``: the endpoint socket's FD (edge-triggered: cleared only by reading
+    EVENTS) is readable once the endpoint sent something, and the first off-thread poll
+    after ``poll_fds`` reads it although READ_GAP_S would skip the look (else the
+    tier-poll thread it woke would leave it readable and wait out its interval). The
+    engine runs in this process (its own tier-poll thread stopped: this test plays that
+    thread)."""
+    import select
+    import threading
+
+    import fs_engine
+
+    engine = fs_engine.Engine(engine_id, None, tier_type="p2p", **LAYOUT,
+                              **tier({"plaintext": True}))
+    try:
+        m, p2p = engine.manager, engine.manager.tiers[0]
+        assert m._poll_thread.stop()
+
+        def readable(fd: int) -> bool:
+            return bool(select.select([fd], [], [], 0)[0])
+
+        def off_thread(fn):
+            out = []
+            t = threading.Thread(target=lambda: out.append(fn()))
+            t.start()
+            t.join(10)
+            return out[0]
+
+        with m.lock:
+            m.on_schedule_end(fs_engine.END)  # this thread steps: the others are off-thread
+            fds = p2p.poll_fds()
+        assert fds == (p2p._sock.getsockopt(p2p._zmq.FD),)
+        deadline = time.monotonic() + 30
+        while not readable(fds[0]):  # the endpoint's "ready"
+            assert time.monotonic() < deadline, "the endpoint never sent ready"
+            time.sleep(0.01)
+        with m.lock:
+            assert not p2p._ready
+            assert off_thread(p2p.poll_fds) == fds
+            p2p._read_at = time.monotonic() + 60  # as if just looked: READ_GAP_S applies
+            off_thread(lambda: p2p.get_finished_jobs())
+            assert p2p._ready and not readable(fds[0])
+            p2p._read_at = time.monotonic() + 60
+            p2p.get_finished_jobs()  # READ_GAP_S applies again: no look, no error
+    finally:
+        engine.close()
+    assert p2p.poll_fds() == ()  # shut down: nothing to wait on

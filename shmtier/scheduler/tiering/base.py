@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Collection, Iterable
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, NewType
 
@@ -101,7 +101,7 @@ class JobResult:
     transfer_bytes: int | None = None
 
 
-_OPTIONAL = ("tolerates_off_thread_polling", "locality", "max_pinned_rows")
+_OPTIONAL = ("tolerates_off_thread_polling", "locality", "max_pinned_rows", "poll_fds")
 
 
 def optional_attribute(tier: Any, name: str) -> Any:
@@ -153,6 +153,15 @@ class SecondaryTierManager(ABC):
     #: At most this many primary rows may wait for this tier's cascades (more cascades
     #: are dropped and counted as backpressure); None: no cap.
     max_pinned_rows: int | None = None
+    #: With ``tolerates_off_thread_polling``: a method ``poll_fds() -> Sequence[int]``, the
+    #: OS fds that become readable when the tier has news. The tier-poll thread calls it
+    #: under the lock after each round and waits on them (without the lock, ``poll(2)``
+    #: only) for at most ``tier_poll_interval_s``, so news wakes a round at once. The
+    #: tier's first poll after the call must clear them (read them; for a ZeroMQ
+    #: socket's ``FD``, edge-triggered, read ``EVENTS``) whatever throttle it applies; an
+    #: fd left readable costs a round per interval (``poll_thread.py``). None: the
+    #: thread polls every interval.
+    poll_fds: Callable[[], Sequence[int]] | None = None
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)

@@ -232,7 +232,8 @@ class TieringOffloadingManager:
                         if optional_attribute(t, "tolerates_off_thread_polling")]
         self._poll_thread: TierPollThread | None = None
         if self._polled and tier_poll_interval_s > 0:
-            self._poll_thread = TierPollThread(self._lock, self.poll_tiers, tier_poll_interval_s)
+            self._poll_thread = TierPollThread(self._lock, self.poll_tiers, tier_poll_interval_s,
+                                               [self.tiers[i] for i in self._polled])
         # the step's statistics, into the segment for `shmtier top` (at most every 0.1 s)
         self._publisher = StatsPublisher.for_manager(primary, self.tiers, self.labels,
                                                      self._row_bytes)

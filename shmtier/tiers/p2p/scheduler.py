@@ -6,6 +6,9 @@ blocks on I/O or the network. The network is the endpoint process's
 PAIR socket on ``ipc://`` with non-blocking sends and receives, polled in
 ``get_finished_jobs``, ``serve_external_requests``, ``on_schedule_end`` and
 ``has_pending_work`` (and by the tier-poll thread: ``tolerates_off_thread_polling``).
+Between rounds that thread waits on ``poll_fds``, the socket's ``FD`` (readable when
+the endpoint sent something): what the endpoint sends is taken at once, not at the
+thread's next tick.
 
 Request roles, from ``kv_transfer_params`` (parsed once, in ``on_new_request``):
 
@@ -213,6 +216,8 @@ class P2PTierManager(SecondaryTierManager):
         self._restart_at = 0.0
         self._next_check = 0.0
         self._read_at = -1.0  # when a poll last looked at the socket
+        self._sock_fd = -1  # the socket's zmq.FD (taken under the lock, when it is made)
+        self._look_next = False  # the next off-thread poll looks at the socket (poll_fds)
         self._closed = False
         try:
             self._start_endpoint()
@@ -250,6 +255,7 @@ class P2PTierManager(SecondaryTierManager):
         sock.sndhwm = sock.rcvhwm = 0
         sock.bind(f"ipc://{path}")
         self._sock = sock
+        self._sock_fd = sock.getsockopt(zmq.FD)
         self._counters_seen = {}  # the new endpoint counts from 0
         self._proc = subprocess.Popen([sys.executable, "-m", "shmtier.tiers.p2p.endpoint"],
                                       stdin=subprocess.PIPE)
@@ -266,6 +272,7 @@ class P2PTierManager(SecondaryTierManager):
         if self._sock is not None:
             self._sock.close(0)
             self._sock = None
+            self._sock_fd = -1
         self._outbox.clear()
         self._pending = []
 
@@ -361,9 +368,13 @@ class P2PTierManager(SecondaryTierManager):
             self._expire(now)
         zmq, sock = self._zmq, self._sock
         # ask first: a recv that raises zmq.Again costs ~20 µs, and this runs several
-        # times a step, mostly with nothing to read (and at most every READ_GAP_S)
-        if now - self._read_at >= READ_GAP_S:
+        # times a step, mostly with nothing to read (and at most every READ_GAP_S, except
+        # the tier-poll thread's first poll after poll_fds: reading EVENTS is what clears
+        # the edge-triggered FD it waits on, and news may have woken it)
+        if now - self._read_at >= READ_GAP_S or (off_thread and self._look_next):
             self._read_at = now
+            if off_thread:
+                self._look_next = False
             while sock.getsockopt(self._zmq_events) & self._zmq_pollin:
                 try:
                     buf = sock.recv(zmq.NOBLOCK)
@@ -710,6 +721,15 @@ class P2PTierManager(SecondaryTierManager):
                 del self._external[tid]
         if self._pending and threading.get_ident() != self._step_thread:
             self._flush()  # answered on the tier-poll thread: sent now, not FLUSH_AFTER_S later
+
+    def poll_fds(self) -> tuple[int, ...]:
+        """What the tier-poll thread waits on between rounds (``SecondaryTierManager.poll_fds``;
+        called by it under the lock): the endpoint socket's FD, none while there is no
+        socket. Its next poll looks at the socket (READ_GAP_S does not apply)."""
+        if self._closed or self._sock_fd < 0:
+            return ()
+        self._look_next = True
+        return (self._sock_fd,)
 
     def has_pending_work(self) -> bool:
         self._poll()
