@@ -150,8 +150,9 @@ class SecondaryTierManager(ABC):
     tolerates_off_thread_polling: ClassVar[bool] = False
     #: LOCAL or REMOTE, for ``kv_load_tiers`` request filters; None: unspecified.
     locality: Locality | None = None
-    #: At most this many primary rows may wait for this tier's cascades (more cascades
-    #: are dropped and counted as backpressure); None: no cap.
+    #: At most this many primary rows may wait for this tier's cascades; the keys of more
+    #: cascades wait unpinned in the manager's bounded deferred queue (its overflow is
+    #: dropped and counted as backpressure); None: no cap.
     max_pinned_rows: int | None = None
     #: With ``tolerates_off_thread_polling``: a method ``poll_fds() -> Sequence[int]``, the
     #: OS fds that become readable when the tier has news. The tier-poll thread calls it
