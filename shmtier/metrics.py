@@ -211,6 +211,15 @@ def tiering_metric_definitions() -> dict[str, MetricMetadata]:
         BACKPRESSURE_STORE_LATENCY_EMA: GaugeMetadata("Backpressure EMA of store latency (s/MiB).", t),
         BACKPRESSURE_STORES_DROPPED: CounterMetadata("Cascade jobs dropped by backpressure.", t),
         BACKPRESSURE_BLOCKS_DROPPED: CounterMetadata("Chunks of cascade jobs dropped by backpressure.", t),
+    }
+
+
+def cascade_deferral_metric_definitions() -> dict[str, MetricMetadata]:
+    """The deferral series the tiering manager emits for a tier with ``max_pinned_rows``;
+    declared by those tiers (vLLM's spec declares none of them, and shmtier's spec-level
+    series stay exactly vLLM's)."""
+    t = (TIER,)
+    return {
         CASCADE_DEFERRED_CHUNKS: CounterMetadata(
             "Cascade chunks deferred (not pinned) because the tier's queued cascades pinned "
             "its max_pinned_rows primary rows.", t),

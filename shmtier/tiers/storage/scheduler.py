@@ -976,6 +976,7 @@ class StorageTierManager(SecondaryTierManager):
                 "Chunks such lookups found on the medium (indexed from then on).", t),
             PROBES_EXPIRED: metrics.CounterMetadata(
                 "Lookup probes not answered within probe_timeout_s (answered MISS).", t),
+            **metrics.cascade_deferral_metric_definitions(),
             POOL_BROKEN: metrics.GaugeMetadata(
                 "1 once the tier workers failed to start repeatedly (the tier then answers "
                 "MISS and fails its jobs at once; the log says why), else 0.", t),
