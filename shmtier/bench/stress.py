@@ -29,7 +29,8 @@ def stress_chaos(kill_every_s: float, stall_s: float):
     """The faults ``--stress`` injects, at fractions of the trace."""
     from shmtier.stress import Chaos
 
-    return Chaos(kill_every_s=kill_every_s, delete_namespace_at=(0.3,), delete_root_at=(0.6,),
+    return Chaos(kill_every_s=kill_every_s, kill_worker_at=(0.1,),
+                 delete_namespace_at=(0.3,), delete_root_at=(0.6,),
                  root_gone_s=0.2, corrupt_at=(0.2, 0.45, 0.9), corrupt_files=4,
                  fill_root_at=0.7, fill_for=0.1, stall_at=(0.35,), stall_s=stall_s,
                  warm_restart_at=0.5)

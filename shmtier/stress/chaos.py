@@ -5,7 +5,8 @@ Who calls: the run's scheduler thread, between manager calls (``tick`` before ea
 and each deferred step); nothing here waits on a tier worker. Faults and what each counts
 (``ChaosRunner.counts``; all of it goes into the verdict):
 
-* ``kill_every_s``: SIGKILL a random healthy tier worker (the pool restarts it).
+* ``kill_every_s``: SIGKILL a random healthy tier worker (the pool restarts it); and one at
+  each of ``kill_worker_at`` (as soon as a worker is healthy), so a short run kills too.
 * ``delete_namespace_at`` / ``delete_root_at``: remove everything under the fs root, or the
   root itself (made again ``root_gone_s`` later).
 * ``corrupt_at``: damage ``corrupt_files`` random chunk files (flip payload bytes, cut the
@@ -45,6 +46,7 @@ class Chaos:
     Fractions are of the trace's requests."""
 
     kill_every_s: float | None = None  # mean seconds between SIGKILLs of a tier worker
+    kill_worker_at: tuple[float, ...] = ()  # and a SIGKILL here whatever the clock says
     delete_namespace_at: tuple[float, ...] = ()  # rm -r root/*
     delete_root_at: tuple[float, ...] = ()  # rm -r root ...
     root_gone_s: float = 1.0  # ... and mkdir root this many seconds later
@@ -58,8 +60,8 @@ class Chaos:
     warm_restart_at: float | None = None  # kill the scheduler here; warm restart
 
     def __post_init__(self) -> None:
-        for name in ("delete_namespace_at", "delete_root_at", "corrupt_at", "stall_at",
-                     "fill_root_at", "warm_restart_at"):
+        for name in ("kill_worker_at", "delete_namespace_at", "delete_root_at", "corrupt_at",
+                     "stall_at", "fill_root_at", "warm_restart_at"):
             value = getattr(self, name)
             for f in (value if isinstance(value, tuple) else () if value is None else (value,)):
                 if not 0 <= f < 1:
@@ -99,7 +101,9 @@ class ChaosRunner:
         free = () if not fill else (chaos.fill_root_at + chaos.fill_for,)
         self.events = sorted(at(chaos.delete_namespace_at, "namespace")
                              + at(chaos.delete_root_at, "root") + at(chaos.corrupt_at, "corrupt")
-                             + at(fill, "fill") + at(free, "free") + at(chaos.stall_at, "stall"))
+                             + at(fill, "fill") + at(free, "free") + at(chaos.stall_at, "stall")
+                             + at(chaos.kill_worker_at, "kill"))
+        self.kills_waiting = 0
         self.kill_at = self._next_kill(time.monotonic())
         self.recreate_at: float | None = None
         self.stalled: tuple | None = None  # (pid, until, hung before, calls window)
@@ -133,10 +137,14 @@ class ChaosRunner:
             what = self.events.pop(0)[1]
             if what == "stall":
                 self.stalls_waiting += 1
+            elif what == "kill":  # a run shorter than kill_every_s still kills
+                self.kills_waiting += 1
             else:
                 getattr(self, f"_{what}")()
         if self.stalls_waiting and self.stalled is None and self._stall():
             self.stalls_waiting -= 1
+        if self.kills_waiting and self._kill():
+            self.kills_waiting -= 1
         if now >= self.kill_at:
             self.kill_at = self._next_kill(now) if self._kill() else now + 0.05
 
@@ -145,7 +153,7 @@ class ChaosRunner:
         no more kills."""
         self.kill_at = math.inf
         self.events = [e for e in self.events if e[1] == "free"]
-        self.stalls_waiting = 0
+        self.stalls_waiting = self.kills_waiting = 0
         if self.recreate_at is not None:
             self._recreate_root(at_end=True)
         if self.stalled is not None:
