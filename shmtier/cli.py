@@ -144,11 +144,13 @@ def main(argv: list[str] | None = None) -> int:
         from shmtier.stress import Chaos, run_stress
 
         try:
-            chaos = Chaos(args.kill_workers_every, tuple(args.delete_namespace_at),
-                          tuple(args.delete_root_at), args.root_gone_s,
-                          tuple(args.corrupt_at), args.corrupt_files, args.fill_root_at,
-                          args.fill_for, None, tuple(args.stall_at), args.stall_s,
-                          args.warm_restart_at)
+            chaos = Chaos(kill_every_s=args.kill_workers_every,
+                          delete_namespace_at=tuple(args.delete_namespace_at),
+                          delete_root_at=tuple(args.delete_root_at),
+                          root_gone_s=args.root_gone_s, corrupt_at=tuple(args.corrupt_at),
+                          corrupt_files=args.corrupt_files, fill_root_at=args.fill_root_at,
+                          fill_for=args.fill_for, stall_at=tuple(args.stall_at),
+                          stall_s=args.stall_s, warm_restart_at=args.warm_restart_at)
             return run_stress(args.conversations, args.turns, args.chunks_per_turn,
                               args.cpu_chunks, args.workers, seed=args.seed,
                               settle_each=args.settle_each, chaos=chaos,

@@ -46,7 +46,6 @@ class Chaos:
     Fractions are of the trace's requests."""
 
     kill_every_s: float | None = None  # mean seconds between SIGKILLs of a tier worker
-    kill_worker_at: tuple[float, ...] = ()  # and a SIGKILL here whatever the clock says
     delete_namespace_at: tuple[float, ...] = ()  # rm -r root/*
     delete_root_at: tuple[float, ...] = ()  # rm -r root ...
     root_gone_s: float = 1.0  # ... and mkdir root this many seconds later
@@ -58,6 +57,8 @@ class Chaos:
     stall_at: tuple[float, ...] = ()  # SIGSTOP a tier worker ...
     stall_s: float = 3.0  # ... for this long, then SIGCONT
     warm_restart_at: float | None = None  # kill the scheduler here; warm restart
+    # a SIGKILL of a tier worker at these fractions, whatever kill_every_s's clock says
+    kill_worker_at: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("kill_worker_at", "delete_namespace_at", "delete_root_at", "corrupt_at",
