@@ -427,10 +427,7 @@ class TieringOffloadingManager:
             self._maybe_finalize(state)
 
     def _has_deferred(self) -> bool:
-        for deferred in self._deferred:
-            if deferred:
-                return True
-        return False
+        return any(self._deferred)
 
     def _flush_deferred_cascades(self, capped: bool = True) -> None:
         """Submit each tier's deferred keys as its cap allows (``capped``) or all of them."""

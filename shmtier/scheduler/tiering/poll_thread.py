@@ -123,8 +123,9 @@ class TierPollThread:
     def _wait(self, fds: tuple[int, ...]) -> None:
         """Until one of ``fds`` is readable or interval_s passed (at once if stopped;
         after a woken round whose fd is readable at once, until interval_s after it);
-        without the lock (the fds are only waited on). ``poll(2)`` with the stop pipe, also with no fds: no costlier per round
-        than ``Event.wait`` (bench/README.md, tier_poll_round.py)."""
+        without the lock (the fds are only waited on). ``poll(2)`` with the stop pipe,
+        also with no fds: no costlier per round than ``Event.wait`` (bench/README.md,
+        tier_poll_round.py)."""
         if self._poller is None or fds != self._polled_fds:
             self._poller = select.poll()
             self._poller.register(self._stop_r, _READABLE)

@@ -482,10 +482,9 @@ class P2PTierManager(SecondaryTierManager):
         fetched = set(keys)
         keep = []
         for job in parked.jobs:
-            left = parked.left.get(job.job_id)
-            if left is not None:
-                left.difference_update(fetched)
-            if left is None or left:
+            left = parked.left[job.job_id]  # (every parked job has one: _keep)
+            left.difference_update(fetched)
+            if left:
                 keep.append(job)
                 continue
             del parked.left[job.job_id]
