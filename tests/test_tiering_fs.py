@@ -462,6 +462,70 @@ def _root_deleted_and_recreated(engines, tmp_path):
     return e, root, tier, old, new, taken
 
 
+def test_a_listing_that_reports_the_reset_itself_loses_no_chunk_stored_meanwhile(
+        engines, tmp_path):
+    """A listing taken by a worker that had not seen the namespace change yet carries
+    NAMESPACE_RESET itself. Chunks another worker stored into the new namespace after
+    that walk passed their directory, reported before the listing, must stay indexed
+    (found again by a new listing), not be dropped with the old index: else they are
+    files on disk that neither the index nor the bytes gauge knows (seen in a stress run
+    with the root deleted under two workers). Made deterministic here: the real listing
+    of the real worker is held back until a later store was indexed, then delivered
+    flagged as that stale worker would have sent it."""
+    import shutil
+
+    from shmtier.shared.jobs import ResultFlag
+
+    root = tmp_path / "root"
+    root.mkdir()
+    e = engines(root, chunks=16)
+    tier = e.manager.tiers[0]
+    pool = e.spec.worker_pool
+    real_take, held = pool.take, []
+
+    def take(t):
+        got = real_take(t)
+        held.extend(r for r in got if r.job_id == tier._scan_id)
+        return [r for r in got if r.job_id != tier._scan_id]
+
+    e.offload([key(i) for i in range(4)], 0, ReqContext("a"))
+    e.settle()  # (the start-up listing too)
+    pool.take = take
+    shutil.rmtree(root)
+    root.mkdir()
+    first = [key(10 + i) for i in range(4)]
+    e.offload(first, 4, ReqContext("b"))  # makes the namespace again: reset, listing sent
+    deadline = time.monotonic() + 20
+    while not held:
+        with e.manager.lock:
+            e.manager.on_schedule_end(END)
+        assert time.monotonic() < deadline, "the listing after the reset never came"
+        time.sleep(0.005)
+    listing = held[0]
+    later = [key(20 + i) for i in range(4)]  # stored after the walk, reported before it
+    e.offload(later, 8, ReqContext("c"))
+    deadline = time.monotonic() + 20
+    while not all(k in tier._index for k in later):
+        with e.manager.lock:
+            e.manager.on_schedule_end(END)
+        assert time.monotonic() < deadline, "the later store was never indexed"
+        time.sleep(0.005)
+    assert not set(later) & set(listing.scan_keys)
+    listing.flags |= ResultFlag.NAMESPACE_RESET  # what a worker that had not synced sends
+
+    def take_with_held(t):
+        got = held + real_take(t)
+        held.clear()
+        return got
+
+    pool.take = take_with_held
+    e.settle()
+    files = _assert_index_is_the_disk(tier, root)
+    assert set(files) == set(first) | set(later)
+    data = e.manager.get_stats().data["data"]
+    assert data[fs_tier.BYTES_ON_DISK][("1:fs",)] == sum(files.values())
+
+
 def test_cascades_work_again_once_a_deleted_root_is_back(engines, tmp_path):
     """Issue 11 item 5 (worker half), end to end through the tier workers: after the root
     was deleted and made again, the next cascade recreates the namespace and is stored

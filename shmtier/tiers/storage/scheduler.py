@@ -538,7 +538,12 @@ class StorageTierManager(SecondaryTierManager):
         self._pool.poll()
         for res in self._pool.take(self._tier):
             if res.flags & ResultFlag.NAMESPACE_RESET:  # before this result's outcomes
-                self._namespace_reset(listing=res.job_id == self._scan_id)
+                # a flagged listing is not adopted either (_scan_id is None now): another
+                # worker may have stored into the new namespace after this walk passed the
+                # directory and been indexed before this result came; dropping the index
+                # for this listing alone would lose those chunks from it (files on disk
+                # nobody indexed). The next listing sees them.
+                self._namespace_reset()
             if res.job_id == self._scan_id:
                 if res.error:  # the worker died or failed mid-listing: list again
                     self._scan_id = None
@@ -837,12 +842,13 @@ class StorageTierManager(SecondaryTierManager):
                                             transfer_time=promo.seconds,
                                             transfer_bytes=promo.nbytes))
 
-    def _namespace_reset(self, listing: bool) -> None:
+    def _namespace_reset(self) -> None:
         """A worker found the tier's namespace gone or made anew: the chunks indexed are
         not on disk any more. Drop them (lookups MISS, not HIT then a failed load) and
-        list the medium again, unless ``listing`` (the flagged result is the listing
-        itself, taken after the reset). Jobs in flight keep their bookkeeping: their
-        results describe the namespace as it is now."""
+        list the medium again (a listing in flight may predate the reset, and one that
+        reports the reset itself may miss what other workers stored while it walked).
+        Jobs in flight keep their bookkeeping: their results describe the namespace as
+        it is now."""
         self.namespace_resets += 1
         dropped = list(self._index)
         if dropped and self._events_on:
@@ -855,8 +861,7 @@ class StorageTierManager(SecondaryTierManager):
                            "anew; %d chunks forgotten, listing it again", self.kind,
                            self._label, self.medium_words(), len(dropped))
         self._index_complete = False
-        if not listing:
-            self._scan_id = None  # a listing in flight may predate the reset: list anew
+        self._scan_id = None
 
     def _adopt_scan(self, res: PoolResult) -> None:
         """Index what the listing found (each chunk with its file's size), as older than
