@@ -112,9 +112,12 @@ def main(argv=None) -> int:
                          "after they start (default: leave them as spawned)")
     ap.add_argument("--compression", default="auto", choices=("auto", "zstd", "none"),
                     help="shmtier's compression mode (default: its default, auto)")
-    ap.add_argument("--fs-direct-io", default="off", choices=("auto", "on", "off"),
-                    help="shmtier's fs tier direct_io (off: buffered, the default; on: "
-                         "O_DIRECT; auto: O_DIRECT where the filesystem takes it)")
+    ap.add_argument("--fs-direct-io", default="off", choices=("off", "writes", "auto", "on"),
+                    help="shmtier's fs tier direct_io (off: buffered, the default; writes: "
+                         "O_DIRECT stores where the filesystem takes it, buffered loads; "
+                         "auto: O_DIRECT both ways where taken; on: both ways, required)")
+    ap.add_argument("--fs-write-depth", type=int, default=None,
+                    help="shmtier's fs tier write_depth (default: its default)")
     ap.add_argument("--dir", default=None, help="parent of the fs tiers' temp dirs (default: system tmp)")
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--target", type=float, default=0.5,
@@ -143,7 +146,9 @@ def main(argv=None) -> int:
                  max_running=args.max_running, batch=args.batch, workers=args.workers,
                  dir=args.dir or tempfile.gettempdir(), worker_sched=args.worker_sched,
                  compression=args.compression,
-                 direct_io={"auto": "auto", "on": True, "off": False}[args.fs_direct_io])
+                 direct_io={"writes": "writes", "auto": "auto", "on": True,
+                            "off": False}[args.fs_direct_io],
+                 write_depth=args.fs_write_depth)
 
     exit_through_finally()  # unwinds through the finally blocks: managers, dirs, /dev/shm
 
@@ -204,7 +209,7 @@ def main(argv=None) -> int:
           f"unbounded, fresh temp dir under {cfg.dir} per run (removed after)")
     print(f"  shmtier: TieringOffloadingSpec(...).get_manager(), fs tier, num_tier_workers "
           f"{args.workers} (spawned processes; scheduling {args.worker_sched}: "
-          f"{WORKER_SCHED[args.worker_sched]}), compression {args.compression}, direct_io {args.fs_direct_io}, min_free_bytes None;"
+          f"{WORKER_SCHED[args.worker_sched]}), compression {args.compression}, direct_io {args.fs_direct_io}, write_depth {args.fs_write_depth or 'default'}, min_free_bytes None;"
           f" variants shmtier@TOKENS override scheduling / compression (raw = none)")
     print("  vLLM: TieringOffloadingManager(CPUPrimaryTierOffloadingManager(SharedOffloadRegion),"
           " [FileSystemTierManager]) built from its classes, fs tier defaults (16+16 I/O threads,"

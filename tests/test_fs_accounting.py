@@ -214,9 +214,11 @@ def test_a_worker_killed_mid_cascade_loses_no_chunk_and_leaves_no_orphan(
     """The workers are killed while 32 chunks are being written (slowly: each publish
     waits 30 ms). The keys of the slices they answered keep their outcomes; the files
     of the rest that were complete are found by a probe and indexed; none is left
-    unknown (they used to be reported not stored and stay on disk unaccounted)."""
+    unknown (they used to be reported not stored and stay on disk unaccounted). One
+    O_DIRECT write in flight per worker (``write_depth`` 1), so a slice of 8 keys takes
+    8 x 30 ms and the kill lands inside one."""
     worker_hooks(slow_publish_s=0.03)
-    e = engines(tmp_path, chunks=40, max_bytes=40 * FILE)
+    e = engines(tmp_path, chunks=40, max_bytes=40 * FILE, write_depth=1)
     e.settle()
     results = e.record_pool_results()
     keys = [key(i) for i in range(32)]

@@ -970,6 +970,76 @@ def test_direct_io_where_the_filesystem_takes_it_and_buffered_otherwise(tmp_path
         FsBackend(str(tmp_path), "bad", direct_io="yes")
 
 
+def _needs_o_direct(path) -> None:
+    from shmtier.tiers.fs import fileio
+
+    if not fileio.probe_direct_io(str(path)):
+        pytest.skip(f"{path} does not take O_DIRECT")
+
+
+@pytest.mark.parametrize("fsync", [False, True])
+def test_direct_writes_keep_several_files_in_flight_and_round_trip(tmp_path, fsync):
+    """``direct_io="writes"``: stores go O_DIRECT with ``write_depth`` files in flight on
+    I/O threads, loads stay buffered. A batch of 13 chunks of mixed sizes (compressible
+    and not) returns only once every file is published: each file is its frame exactly,
+    no temp file is left, the counters and per-key sizes are the files', and the bytes
+    load back exactly. The job loop is told to hand over ``write_depth`` keys at once."""
+    _needs_o_direct(tmp_path)
+    b = FsBackend(str(tmp_path), "direct-writes", min_free_bytes=0, direct_io="writes",
+                  write_depth=4, fsync=fsync)
+    assert (b.direct_writes, b.direct_io, b.writes_in_flight) == (True, False, 4)
+    rng = np.random.default_rng(9)
+    src = np.concatenate([bf16_normal(rng, 7 * 12288).reshape(7, 12288),
+                          rng.integers(0, 256, (6, 12288), dtype=np.uint8)])
+    keys = keys_for(13)
+    res = b.store(keys, list(range(13)), src, 12288)
+    assert res.outcomes == [OK] * 13, res.details
+    sizes = {k: os.path.getsize(b.path_for(k)) for k in keys}
+    assert res.stored_bytes == [sizes[k] for k in keys] and len(set(sizes.values())) > 1
+    for key in keys:
+        data = open(b.path_for(key), "rb").read()
+        assert len(data) == parse_frame_header(memoryview(data)).frame_size
+    assert not list(tmp_path.rglob("*.tmp"))
+    assert b.counters.files_written == 13 and b.counters.bytes_on_disk == sum(sizes.values())
+    out = np.zeros_like(src)
+    assert b.load(keys, list(range(12, -1, -1)), out, 12288).outcomes == [OK] * 13
+    assert np.array_equal(out[::-1], src)
+    b.close()
+    b.close()  # idempotent
+
+
+def test_a_direct_write_that_fails_on_its_io_thread_fails_only_its_key(tmp_path):
+    """An O_DIRECT write refused by the kernel on an I/O thread (here EFBIG: the process's
+    file-size limit is below the incompressible chunks' frames) is that key's ERROR with
+    the errno and the step, its temp file removed; the other keys of the batch, written
+    in parallel, are stored. Nothing is left but the stored files."""
+    import resource
+
+    _needs_o_direct(tmp_path)
+    b = FsBackend(str(tmp_path), "direct-fail", min_free_bytes=0, direct_io="writes",
+                  write_depth=4, codec_config=CompressionConfig(mode="zstd"))
+    rng = np.random.default_rng(10)
+    compressible = np.zeros((3, 65536), dtype=np.uint8)  # frames of ~32 KiB (the low plane)
+    noise = rng.integers(0, 256, (3, 65536), dtype=np.uint8)  # frames of ~64 KiB
+    src = np.stack([compressible[0], noise[0], compressible[1], noise[1], compressible[2],
+                    noise[2]])
+    keys = keys_for(6)
+    old_handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    old_limit = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (49152, old_limit[1]))
+    try:
+        res = b.store(keys, list(range(6)), src, 65536)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, old_limit)
+        signal.signal(signal.SIGXFSZ, old_handler)
+    assert res.outcomes == [OK, ERROR] * 3, res.details
+    assert all("EFBIG" in res.details[i] and "(write)" in res.details[i] for i in (1, 3, 5))
+    files = {p.name for p in tmp_path.rglob("*") if p.is_file() and p.name != "config.json"}
+    assert files == {os.path.basename(b.path_for(keys[i])) for i in (0, 2, 4)}
+    assert b.counters.files_written == 3 and b.counters.store_errors == 3
+    b.close()
+
+
 # --------------------------------------------------------------------------- links and a vanished root
 
 

@@ -44,7 +44,9 @@ FS_INVALID = [
     ({"max_bytes": 8000}, r"\.max_bytes = 8000 is invalid: expected at least one chunk's file "
                           r"\(8272 bytes"),
     ({"min_free_bytes": -1}, r"\.min_free_bytes = -1 is invalid: expected an integer >= 0, or null"),
-    ({"direct_io": "yes"}, r"\.direct_io = 'yes' is invalid: expected one of false, true, 'auto'"),
+    ({"direct_io": "yes"}, r"\.direct_io = 'yes' is invalid: expected one of false, true, 'auto', "
+                           r"'writes'"),
+    ({"write_depth": 0}, r"\.write_depth = 0 is invalid: expected an integer in 1\.\.64"),
     ({"direct_io": 1}, r"\.direct_io = 1 is invalid"),
     ({"locality": "NEAR"}, r"\.locality = 'NEAR' is invalid: expected 'LOCAL' or 'REMOTE'"),
     ({"max_pinned_fraction": 0}, r"\.max_pinned_fraction = 0 is invalid: expected a number > 0 and <= 1"),
@@ -182,7 +184,7 @@ def test_valid_fs_options_are_normalised_and_reach_the_workers(tmp_path):
     assert tier.options.locality == "REMOTE"
     assert spec.pool_config.tiers == [{"type": "fs", "args": {
         "root_dir": str(tmp_path), "max_bytes": 1 << 20, "min_free_bytes": 1 << 30,
-        "fsync": True, "direct_io": False}}]
+        "fsync": True, "direct_io": False, "write_depth": 8}}]
     with pytest.raises(AttributeError):
         tier.options.fsync = False  # frozen
 

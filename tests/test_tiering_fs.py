@@ -23,9 +23,13 @@ from shmtier.shared.jobs import Outcome
 from shmtier.tiers.fs import scheduler as fs_tier
 from shmtier.spec import TieringOffloadingSpec
 
+@pytest.mark.parametrize("io", [{}, {"direct_io": "writes", "write_depth": 4}],
+                         ids=["buffered", "direct-writes"])
 @pytest.mark.parametrize("world_size, bpc, page", [(1, 1, 8192), (2, 4, 4096), (1, 2, 6000)])
-def test_bytes_round_trip_through_fs_and_back(engines, tmp_path, world_size, bpc, page):
-    e = engines(tmp_path, world_size=world_size, bpc=bpc, page=page, chunks=8)
+def test_bytes_round_trip_through_fs_and_back(engines, tmp_path, world_size, bpc, page, io):
+    """Through the tier workers and back, byte for byte; with O_DIRECT stores too (4 in
+    flight per worker where the filesystem takes O_DIRECT, else buffered)."""
+    e = engines(tmp_path, world_size=world_size, bpc=bpc, page=page, chunks=8, **io)
     first = [key(i) for i in range(8)]
     a = ReqContext("a")
     e.offload(first, 0, a)

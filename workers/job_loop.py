@@ -76,9 +76,11 @@ logger = logging.getLogger(__name__)
 
 _OWNER_CHECK_S = 1.0
 _KEYS_PER_BEAT = 8
-# A store runs in slices of at most this many chunk bytes (and _KEYS_PER_BEAT keys):
-# the ring is checked for loads before each, so a promotion waits behind at most one
-# slice of a cascade (at 1.4 MiB chunks, one chunk).
+# A store runs in slices of at most this many chunk bytes (and _KEYS_PER_BEAT keys), or
+# as many chunks as the backend writes in parallel (its ``writes_in_flight``, e.g. the
+# fs tier's O_DIRECT ``write_depth``: such a slice takes about one write's time): the
+# ring is checked for loads before each, so a promotion waits behind at most one slice
+# of a cascade (at 1.4 MiB chunks, one chunk, or one round of parallel writes).
 _STORE_SLICE_BYTES = 2 << 20
 # Ops that change the medium answer each slice as soon as it is done: a worker that dies
 # mid-job leaves the outcomes of the keys it finished (the pool fails only the rest), so
@@ -340,7 +342,8 @@ class JobRunner:
         n = len(job.keys)
         step = _KEYS_PER_BEAT
         if job.op == "store":
-            step = max(1, min(step, _STORE_SLICE_BYTES // max(self.chunk_bytes, 1)))
+            step = max(1, min(step, _STORE_SLICE_BYTES // max(self.chunk_bytes, 1)),
+                       backend.writes_in_flight)
         in_use = job.args.get("bytes_in_use")  # the scheduler's count of the tier's bytes
         stored = 0  # bytes this job's slices reported stored so far
         for start in range(0, max(n, 1), step):

@@ -49,6 +49,7 @@ class Config:
     worker_sched: str = "default"
     compression: str = "auto"
     direct_io: bool | str = False
+    write_depth: int | None = None  # None: the fs tier's default
     drain_timeout_s: float = 60.0
     max_extra_steps: int = 20_000
     samples: int = 0  # >0: sample the fs tier's bytes on disk about this many times per run

@@ -135,6 +135,8 @@ def make_shmtier(cfg, root: str, engine_id: str, variant: str = "") -> Mut:
                                   "direct_io": cfg.direct_io,
                                   "probe_unknown": "noprobe" not in tokens}],
              "num_tier_workers": cfg.workers, "compression": compression}
+    if cfg.write_depth is not None:
+        extra["secondary_tiers"][0]["write_depth"] = cfg.write_depth
     admission = next((t for t in tokens if t in ADMISSION_TOKENS), None)
     if admission is not None:
         extra["admission"] = admission

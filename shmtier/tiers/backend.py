@@ -183,6 +183,9 @@ class TierBackend(abc.ABC):
     HANDLERS: ClassVar[Mapping[str, str]] = MappingProxyType(
         {"store": "store", "load": "load", "delete": "delete", "probe": "probe",
          "scan": "scan"})
+    #: Store keys the backend writes in parallel within one ``store`` call: the job loop
+    #: hands over at least this many at once (the fs tier's O_DIRECT ``write_depth``).
+    writes_in_flight: int = 1
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)

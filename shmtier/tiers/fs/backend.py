@@ -19,9 +19,11 @@ and load batches to its write and read paths. The rest of the tier's worker half
 - ``fileio.py``: low-level file helpers (whole writes and reads, O_DIRECT, fsync, space).
 - ``outcomes.py``: the counters and the per-key outcomes of OS errors.
 
-I/O is buffered by default; ``direct_io`` true (or ``"auto"``: wherever a probe write in
-the namespace succeeds, as vLLM's fs tier does) uses ``O_DIRECT``. Why buffered is the
-default, with measurements: bench/README.md, fs_tier.py.
+I/O: buffered by default; ``direct_io`` true (or ``"auto"``: wherever a probe write in the
+namespace succeeds, as vLLM's fs tier does) uses ``O_DIRECT`` both ways, ``"writes"`` only
+for stores (loads buffered). O_DIRECT stores keep ``write_depth`` writes in flight per
+worker (``direct_writes.py``). Why buffered is the default, with measurements:
+bench/README.md, fs_tier.py and "Writes that miss the page cache".
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from typing import Callable, Iterator, Sequence
 from shmtier.shared.codec import CompressionConfig, mac_key_id
 from shmtier.shared.jobs import ResultFlag
 from shmtier.tiers.backend import BatchResult, Outcome, ScanEntry, TierBackend, WorkerContext
+from shmtier.tiers.fs.direct_writes import DEFAULT_DEPTH
 from shmtier.tiers.fs.fileio import probe_direct_io, unlink_quietly
 from shmtier.tiers.fs.load import ChunkReader
 from shmtier.tiers.chunk_names import chunk_key, key_problem, with_mac_id
@@ -66,8 +69,8 @@ class FsBackend(TierBackend):
     the backend starts without a namespace (stores fail as below, loads MISS; logged
     once) and its first store that can makes it, so a worker restarted during such an
     outage starts (else the pool would count start failures and break for good). Such a
-    backend uses buffered I/O when ``direct_io`` is "auto" (nothing to probe); with
-    ``direct_io`` true it does not defer.
+    backend uses buffered I/O when ``direct_io`` is "auto" or "writes" (nothing to
+    probe); with ``direct_io`` true it does not defer.
 
     A namespace removed while the backend runs (its directory or the whole root deleted):
     every op first checks that the namespace path still names the directory it holds (one
@@ -118,6 +121,7 @@ class FsBackend(TierBackend):
         chunk_bytes_hint: int = DEFAULT_CHUNK_BYTES_HINT,
         stale_temp_age_s: float = DEFAULT_STALE_TEMP_AGE_S,
         direct_io: bool | str = False,
+        write_depth: int = DEFAULT_DEPTH,
         mac_key: bytes | None = None,
         flag_created: bool = True,
         defer_namespace: bool = False,
@@ -133,8 +137,9 @@ class FsBackend(TierBackend):
             raise ValueError(f"fs tier element_size={element_size!r}: must be an integer in 1..255")
         if not isinstance(chunk_bytes_hint, int) or chunk_bytes_hint <= 0:
             raise ValueError(f"fs tier chunk_bytes_hint={chunk_bytes_hint!r}: must be a positive integer")
-        if direct_io not in (True, False, "auto"):
-            raise ValueError(f"fs tier direct_io={direct_io!r}: must be true, false or \"auto\"")
+        if direct_io not in (True, False, "auto", "writes"):
+            raise ValueError(f"fs tier direct_io={direct_io!r}: must be true, false, \"auto\" "
+                             f"or \"writes\"")
         self.mac_key_id = mac_key_id(mac_key) if mac_key is not None else None
         namespace = with_mac_id(namespace, self.mac_key_id)
         self.ns = Namespace(root_dir, namespace, capacity_bytes=max_bytes,
@@ -150,8 +155,11 @@ class FsBackend(TierBackend):
         self.stale_temp_age_s = float(stale_temp_age_s)
         self.codec_config = codec_config if codec_config is not None else CompressionConfig()
         self.counters = FsCounters()
-        self.direct_io = (direct_io is not False and self.ns.fd >= 0
-                          and probe_direct_io(self.namespace_dir, dir_fd=self.ns.fd))
+        direct = (direct_io is not False and self.ns.fd >= 0
+                  and probe_direct_io(self.namespace_dir, dir_fd=self.ns.fd))
+        #: O_DIRECT for stores / for loads (``direct_io`` and what the filesystem takes)
+        self.direct_writes = direct
+        self.direct_io = direct and direct_io != "writes"
         if direct_io is True and not self.direct_io:
             raise OSError(errno.EINVAL, f"fs tier direct_io=true but {self.namespace_dir} does "
                                         f"not support O_DIRECT; set direct_io to "
@@ -159,7 +167,11 @@ class FsBackend(TierBackend):
         self._writer = ChunkWriter(self.ns, self.counters, codec_config=self.codec_config,
                                    element_size=element_size, max_bytes=max_bytes,
                                    min_free_bytes=min_free_bytes, fsync=self.fsync,
-                                   direct_io=self.direct_io, mac_key=mac_key)
+                                   direct_io=self.direct_writes, mac_key=mac_key,
+                                   write_depth=write_depth)
+        #: store keys the job loop may hand over at once (``writes_in_flight`` of them
+        #: are written in parallel)
+        self.writes_in_flight = write_depth if self.direct_writes else 1
         self._reader = ChunkReader(self.ns, self.counters, direct_io=self.direct_io,
                                    mac_key=mac_key)
         self._generation = self.ns.generation
@@ -181,6 +193,7 @@ class FsBackend(TierBackend):
                    codec_config=context.codec, element_size=context.element_size,
                    max_bytes=args["max_bytes"], min_free_bytes=args["min_free_bytes"],
                    chunk_bytes_hint=context.chunk_bytes, direct_io=args["direct_io"],
+                   write_depth=args.get("write_depth", DEFAULT_DEPTH),
                    mac_key=args.get("mac_key"), flag_created=context.replacement,
                    defer_namespace=True)
 
@@ -451,6 +464,7 @@ class FsBackend(TierBackend):
         """Drop the read buffer and close the namespace's directory descriptors (the
         namespace directory's and up to ``MAX_OPEN_LEAVES`` leaf directories', held
         between calls). Idempotent; a closed backend answers no further calls."""
+        self._writer.close()
         self._reader.release()
         self.ns.close()
 

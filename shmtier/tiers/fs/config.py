@@ -13,6 +13,10 @@ from shmtier.options import boolean, integer, one_of, writable_dir
 from shmtier.tiers.config import REQUIRED, option
 from shmtier.tiers.storage.config import StorageTierConfig
 
+#: O_DIRECT writes a tier worker keeps in flight by default (``write_depth``), and the most.
+DEFAULT_WRITE_DEPTH = 8
+MAX_WRITE_DEPTH = 64
+
 DEFAULT_MIN_FREE_BYTES = 1 << 30
 
 
@@ -24,8 +28,11 @@ class FsTierConfig(StorageTierConfig):
     events, pinning, ``probe_unknown``/``probe_ttl_s``/``probe_timeout_s`` for a shared
     root): ``StorageTierConfig``. ``min_free_bytes``: free space the workers
     leave on the filesystem (None: none). ``fsync``: fsync each file before publishing
-    it. ``direct_io``: False (buffered), True (O_DIRECT, required) or "auto" (O_DIRECT
-    where the filesystem takes it).
+    it. ``direct_io``: False (the default: buffered both ways), "writes" (stores with
+    O_DIRECT where the filesystem takes it, loads buffered), "auto" (O_DIRECT both ways
+    where the filesystem takes it) or True (both ways, required); bench/README.md,
+    "Writes that miss the page cache", has the measurements. ``write_depth``: O_DIRECT
+    writes a tier worker keeps in flight, each with a chunk-sized buffer.
     ``n_read_threads``/``n_write_threads``: vLLM's fs options, accepted and unused (the
     tier workers do the I/O).
 
@@ -37,6 +44,7 @@ class FsTierConfig(StorageTierConfig):
     min_free_bytes: int | None = option(DEFAULT_MIN_FREE_BYTES,
                                         integer(0).or_none("null (no floor)"), worker=True)
     fsync: bool = option(False, boolean(), worker=True)
-    direct_io: bool | str = option(False, one_of(False, True, "auto"), worker=True)
+    direct_io: bool | str = option(False, one_of(False, True, "auto", "writes"), worker=True)
+    write_depth: int = option(DEFAULT_WRITE_DEPTH, integer(1, MAX_WRITE_DEPTH), worker=True)
     n_read_threads: int | None = option(None, integer(1).or_none())
     n_write_threads: int | None = option(None, integer(1).or_none())

@@ -1,8 +1,10 @@
 """Low-level file helpers of the ``fs`` tier: whole writes and reads, O_DIRECT, space.
 
-Runs in: tier worker processes, called on the worker's single thread by ``FsBackend``
+Runs in: tier worker processes, called on the worker's thread by ``FsBackend``
 (``backend.py``), its write and read paths (``store.py``, ``load.py``) and ``Namespace``
-(``namespace.py``); ``bench/fs_tier.py`` calls ``probe_direct_io``. Every function that
+(``namespace.py``), and on the I/O threads of ``direct_writes.py`` (``publish_temp``,
+``write_pages``, the ``*_quietly`` helpers: each on descriptors it was handed);
+``bench/fs_tier.py`` calls ``probe_direct_io``. Every function that
 takes a descriptor or a path blocks on the filesystem (microseconds on a local disk,
 seconds on a slow network filesystem). Errors are raised as OSError, except that a
 short read is returned (a count or None), ``probe_direct_io`` answers False, the
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import errno
 import os
+from typing import Callable
 
 import numpy as np
 
@@ -104,27 +107,46 @@ def pread_full_into(fd: int, head: memoryview, body: memoryview, size: int) -> i
     return got
 
 
-def write_direct(fd: int, parts, size: int, buf: PageBuffer) -> None:
-    """O_DIRECT write of ``parts`` (``size`` bytes) from offset 0: gathered into ``buf``,
-    written in whole pages (DMA from that buffer, no page-cache copy; bench/README.md,
-    fs_tier.py, has the measurements) and the file cut back to ``size``."""
-    padded = -(-size // ALIGN) * ALIGN
-    out = buf.view(0, padded, padded + ALIGN)
-    at = 0
-    for part in parts:
-        n = len(part) if not isinstance(part, memoryview) else part.nbytes
-        out[at:at + n] = np.frombuffer(part, dtype=np.uint8)
-        at += n
-    out[size:] = 0
-    done = 0
-    view = out.data
-    while done < padded:
+def write_pages(fd: int, out: np.ndarray, size: int) -> None:
+    """O_DIRECT write of ``out`` (page-aligned, whole pages, holding a ``size``-byte
+    frame zero-padded) from offset 0, then the file cut back to ``size`` (DMA from the
+    buffer, no page-cache copy; bench/README.md, fs_tier.py, has the measurements)."""
+    view, done = out.data, 0
+    while done < len(out):
         k = os.pwrite(fd, view[done:], done)
         if k <= 0:
             raise OSError(errno.EIO, "short write")
         done += k
-    if padded != size:
+    if len(out) != size:
         os.ftruncate(fd, size)
+
+
+def publish_temp(fd: int, leaf_fd: int, tmp: str, final: str, write: Callable[[int], None],
+                 fsync: bool) -> tuple[OSError, str] | None:
+    """Fill the new temp file ``tmp`` (open as ``fd``) with ``write(fd)``, fsync it if
+    ``fsync``, close it and rename it over ``final`` in the directory open as ``leaf_fd``
+    (replacing any file or link there, never following one): None, or the error and the
+    step that failed ("write", "fsync", "close", "rename") with the temp file removed.
+    ``fd`` is closed either way."""
+    step = "write"
+    try:
+        write(fd)
+        if fsync:
+            step = "fsync"
+            os.fsync(fd)
+    except OSError as e:
+        close_quietly(fd)
+        unlink_quietly(tmp, dir_fd=leaf_fd)
+        return e, step
+    try:
+        step = "close"
+        os.close(fd)  # may report a deferred write error (NFS)
+        step = "rename"
+        os.rename(tmp, final, src_dir_fd=leaf_fd, dst_dir_fd=leaf_fd)
+    except OSError as e:
+        unlink_quietly(tmp, dir_fd=leaf_fd)
+        return e, step
+    return None
 
 
 def read_direct(fd: int, size: int, cap: int, buf: PageBuffer) -> memoryview | None:

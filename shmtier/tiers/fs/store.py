@@ -16,9 +16,13 @@ directory (``Namespace.temp_name``) and renaming it over the final name, so a re
 sees either no file or a complete one; with ``fsync=True`` the file is fsynced before
 the rename and its directory after it (before the key is reported stored).
 
-I/O: buffered (``writev``) by default; with ``direct_io`` the frame is gathered into a
-page-aligned buffer, written in whole pages with ``O_DIRECT`` and the file cut back to
-the frame's size (``fileio.write_direct``).
+I/O: with ``direct_io`` (the fs tier's ``direct_io`` true, "auto" or "writes", where the
+filesystem takes O_DIRECT) the temp file is created here and handed to ``DirectWrites``
+(``direct_writes.py``): the frame is gathered into a page-aligned buffer, written in whole
+pages with ``O_DIRECT`` on an I/O thread and the file cut back to the frame's size, up
+to ``write_depth`` files in flight, while this thread encodes the next chunks; the
+batch returns once every write it started is published or failed. Else buffered, one
+``writev`` per file, on this thread.
 """
 
 from __future__ import annotations
@@ -33,13 +37,13 @@ from typing import Sequence
 from shmtier.shared.codec import ChunkEncoder, CompressionConfig
 from shmtier.shared.codec_choice import CodecChooser
 from shmtier.tiers.backend import BatchResult, Outcome, as_arena, check_batch, row_problem
+from shmtier.tiers.fs.direct_writes import DEFAULT_DEPTH, DirectWrite, DirectWrites
 from shmtier.tiers.fs.fileio import (
     O_DIRECT,
-    PageBuffer,
     available_bytes,
     close_quietly,
+    publish_temp,
     unlink_quietly,
-    write_direct,
     writev_all,
 )
 from shmtier.tiers.chunk_names import key_problem
@@ -49,11 +53,23 @@ from shmtier.tiers.fs.outcomes import NO_SPACE, FsCounters, errno_outcome
 _FS_WIDE = (errno.EROFS,) + NO_SPACE  # after one of these, the rest of a store batch fails too
 
 
+def _filesystem_wide_failure(in_flight: list) -> tuple[Outcome, str] | None:
+    """The failure of a finished O_DIRECT write of the batch that fails the rest too
+    (``_FS_WIDE``), if any."""
+    for _i, write, *_ in in_flight:
+        if write.done():
+            problem = write.outcome()
+            if problem is not None and problem[0] in _FS_WIDE:
+                return problem[1]
+    return None
+
+
 @dataclass(eq=False)
 class ChunkWriter:
     """The write path of one ``FsBackend``: encodes rows and publishes them in ``ns``,
     counting into ``counters`` (shared with the backend). Not thread-safe: it reuses
-    its encoders and O_DIRECT buffer."""
+    its encoders; with ``direct_io`` it keeps up to ``write_depth`` writes in flight on
+    its own I/O threads (``close()`` stops them)."""
 
     ns: Namespace
     counters: FsCounters
@@ -64,11 +80,13 @@ class ChunkWriter:
     fsync: bool
     direct_io: bool
     mac_key: bytes | None = field(default=None, repr=False)  # frames carry a MAC tag
+    write_depth: int = DEFAULT_DEPTH
 
     def __post_init__(self) -> None:
         self._encoder = ChunkEncoder(self.codec_config, mac_key=self.mac_key)
         self._raw_encoder = ChunkEncoder(CompressionConfig(mode="none"), mac_key=self.mac_key)
-        self._wbuf = PageBuffer(doubling=False)  # reusable O_DIRECT write buffer
+        self._direct = (DirectWrites(self.write_depth, fsync=self.fsync)
+                        if self.direct_io else None)
         # mode "auto": compress or not by measured cost (shared/codec_choice.py)
         self.chooser = (CodecChooser(f"fs {self.ns.root_dir}", self.codec_config.min_gain)
                         if self.codec_config.mode == "auto" else None)
@@ -98,6 +116,8 @@ class ChunkWriter:
                 seconds[0] += time.perf_counter() - t
         synced_dirs: dict[str, list[int]] = {}
         num_rows = a.shape[0]
+        # O_DIRECT writes started: (index, write, raw bytes, stored bytes, old size, leaf)
+        in_flight: list[tuple[int, DirectWrite, int, int, int, str]] = []
         for i in range(n):
             t = time.perf_counter()
             try:
@@ -109,6 +129,8 @@ class ChunkWriter:
                 if bad is not None:
                     res.set(i, Outcome.INVALID, bad)
                     continue
+                if fail_rest is None and in_flight:
+                    fail_rest = _filesystem_wide_failure(in_flight)
                 if fail_rest is not None:
                     res.set(i, *fail_rest)
                     self._count_store_failure(fail_rest[0])
@@ -152,7 +174,16 @@ class ChunkWriter:
                     res.set(i, Outcome.REJECTED, "min_free")
                     c.store_full += 1
                     continue
-                problem = self._publish(rel, final, key.hex(), parts, size)
+                if self._direct is not None:
+                    problem = self._start_direct(rel, final, key.hex(), parts, size)
+                    if isinstance(problem, DirectWrite):
+                        in_flight.append((i, problem, est.raw_bytes, size, old_size, rel))
+                        used += size - old_size  # held for the later keys' checks
+                        if free is not None:
+                            free -= size - old_size
+                        continue
+                else:
+                    problem = self._publish(rel, final, key.hex(), parts, size)
                 if problem is not None:
                     code, failure = problem
                     res.set(i, *failure)
@@ -162,19 +193,23 @@ class ChunkWriter:
                     continue
                 if chooser is not None:
                     chooser.note_write(size, since)
-                res.set(i, Outcome.OK)
-                res.logical_bytes[i] = est.raw_bytes
-                res.stored_bytes[i] = size
+                self._count_stored(res, i, est.raw_bytes, size, old_size, rel, synced_dirs)
                 used += size - old_size
                 if free is not None:
                     free -= size - old_size
-                c.bytes_on_disk = max(0, c.bytes_on_disk + size - old_size)
-                c.files_written += 1
-                c.bytes_written += size
-                if self.fsync:
-                    synced_dirs.setdefault(rel, []).append(i)
             finally:
                 seconds[i] += time.perf_counter() - t
+        for i, write, raw_bytes, size, old_size, rel in in_flight:
+            t = time.perf_counter()
+            problem = write.outcome()
+            seconds[i] += time.perf_counter() - t
+            if problem is not None:
+                res.set(i, *problem[1])
+                self._count_store_failure(problem[1][0])
+                continue
+            if chooser is not None:  # the device time overlaps: the worker pays the CPU
+                chooser.add_write(size, write.cpu_s, write.cpu_s)
+            self._count_stored(res, i, raw_bytes, size, old_size, rel, synced_dirs)
         for rel, idx in synced_dirs.items():
             t = time.perf_counter()
             try:
@@ -191,46 +226,70 @@ class ChunkWriter:
         res.codec_seconds = codec_s
         return res
 
+    def _count_stored(self, res: BatchResult, i: int, raw_bytes: int, size: int,
+                      old_size: int, rel: str, synced_dirs: dict[str, list[int]]) -> None:
+        """Key ``i`` of ``res`` is published: its outcome, sizes and counters."""
+        c = self.counters
+        res.set(i, Outcome.OK)
+        res.logical_bytes[i] = raw_bytes
+        res.stored_bytes[i] = size
+        c.bytes_on_disk = max(0, c.bytes_on_disk + size - old_size)
+        c.files_written += 1
+        c.bytes_written += size
+        if self.fsync:
+            synced_dirs.setdefault(rel, []).append(i)
+
+    def close(self) -> None:
+        """Wait for the O_DIRECT writes in flight (none outlives a store batch) and stop
+        the I/O threads. Idempotent."""
+        if self._direct is not None:
+            self._direct.close()
+
     def _count_store_failure(self, outcome: Outcome) -> None:
         if outcome is Outcome.REJECTED:
             self.counters.store_full += 1
         else:
             self.counters.store_errors += 1
 
-    def _publish(self, rel: str, final: str, key_hex: str, parts,
-                 size: int) -> tuple[int, tuple[Outcome, str]] | None:
-        """Temp file + rename in leaf directory ``rel`` (made if absent); None on
-        success, else (errno, (outcome, detail)). Leaves no temp file."""
+    def _create_temp(self, rel: str, key_hex: str, flags: int):
+        """Create a temp file for a key in leaf directory ``rel`` (made if absent):
+        ``(name, fd, leaf directory fd)``, or (errno, (outcome, detail))."""
         tmp = self.ns.temp_name(key_hex)
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
-        if self.direct_io:
-            flags |= O_DIRECT
         try:
             # a cached leaf removed behind our back is made again (Namespace.in_leaf)
-            fd, leaf = self.ns.open_entry(rel, tmp, flags, create_dirs=True)
+            fd, leaf = self.ns.open_entry(rel, tmp, flags | os.O_WRONLY | os.O_CREAT | os.O_EXCL,
+                                          create_dirs=True)
         except OSError as e:
             if isinstance(e, LinkRefused):
                 self.counters.links_refused += 1
             return e.errno or 0, errno_outcome(e, "create")
-        step = "write"
+        return tmp, fd, leaf
+
+    def _start_direct(self, rel: str, final: str, key_hex: str, parts, size: int):
+        """O_DIRECT: create the temp file here and hand its write and rename to an I/O
+        thread: a ``DirectWrite``, or (errno, (outcome, detail)) with nothing left
+        behind. The write gets its own descriptor of the leaf directory (the namespace's
+        cached one may be closed before the rename)."""
+        made = self._create_temp(rel, key_hex, O_DIRECT)
+        if len(made) == 2:
+            return made
+        tmp, fd, leaf = made
         try:
-            if self.direct_io:
-                write_direct(fd, parts, size, self._wbuf)
-            else:
-                writev_all(fd, parts, size)
-            if self.fsync:
-                step = "fsync"
-                os.fsync(fd)
+            leaf = os.dup(leaf)
         except OSError as e:
             close_quietly(fd)
             unlink_quietly(tmp, dir_fd=leaf)
-            return e.errno or 0, errno_outcome(e, step)
-        try:
-            step = "close"
-            os.close(fd)  # may report a deferred write error (NFS)
-            step = "rename"
-            os.rename(tmp, final, src_dir_fd=leaf, dst_dir_fd=leaf)  # replaces, never follows
-        except OSError as e:
-            unlink_quietly(tmp, dir_fd=leaf)
-            return e.errno or 0, errno_outcome(e, step)
-        return None
+            return e.errno or 0, errno_outcome(e, "create")
+        return self._direct.submit(fd, leaf, tmp, final, parts, size)
+
+    def _publish(self, rel: str, final: str, key_hex: str, parts,
+                 size: int) -> tuple[int, tuple[Outcome, str]] | None:
+        """Buffered: temp file + rename in leaf directory ``rel`` (made if absent); None
+        on success, else (errno, (outcome, detail)). Leaves no temp file."""
+        made = self._create_temp(rel, key_hex, 0)
+        if len(made) == 2:
+            return made
+        tmp, fd, leaf = made
+        failed = publish_temp(fd, leaf, tmp, final, lambda f: writev_all(f, parts, size),
+                              self.fsync)
+        return None if failed is None else (failed[0].errno or 0, errno_outcome(*failed))
