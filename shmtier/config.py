@@ -24,7 +24,11 @@ from shmtier.scheduler.backpressure.settings import BackpressureSettings
 from shmtier.scheduler.policies.factory import CachePolicyFactory
 from shmtier.shared.codec import CompressionConfig
 from shmtier.shared.layout import DEFAULT_KEY_WIDTH, ArenaGeometry
-from shmtier.shared.pool_config import DEFAULT_WORKER_NICENESS
+from shmtier.shared.pool_config import (
+    DEFAULT_WORKER_NICENESS,
+    DEFAULT_WORKER_POLICY,
+    WORKER_POLICIES,
+)
 from shmtier.tiers import registry
 from shmtier.tiers.config import TierConfig, TierContext
 from shmtier.tiers.registry import TierType
@@ -44,7 +48,7 @@ PRIMARY_KEYS = frozenset({
 TIERING_KEYS = frozenset({
     "secondary_tiers", "tier_poll_interval_s", "backpressure", "num_tier_workers", "workers",
     "compression", "tier_job_timeout_s", "admission", "admission_window",
-    "tier_worker_niceness",
+    "tier_worker_niceness", "tier_worker_policy",
 })
 KNOWN_KEYS = PASSTHROUGH_KEYS | PRIMARY_KEYS | TIERING_KEYS
 WORKER_MODES = ("spawn", "external")
@@ -249,6 +253,8 @@ class TieringConfig:
     admission_window: int | None = None  # second_touch's keys remembered; None: 4 x CPU rows
     # added to the niceness each tier worker inherits (PoolConfig.worker_niceness)
     tier_worker_niceness: int = DEFAULT_WORKER_NICENESS
+    # the tier workers' scheduling policy (PoolConfig.worker_policy)
+    tier_worker_policy: str = DEFAULT_WORKER_POLICY
 
     @property
     def worker_backed(self) -> bool:
@@ -288,6 +294,8 @@ class TieringConfig:
             admission_window=_get(extra, "admission_window", None, integer(1)),
             tier_worker_niceness=_get(extra, "tier_worker_niceness", DEFAULT_WORKER_NICENESS,
                                       integer(0, 19)),
+            tier_worker_policy=_get(extra, "tier_worker_policy", DEFAULT_WORKER_POLICY,
+                                    one_of(*WORKER_POLICIES)),
         )
 
     def admission_rules(self) -> tuple[str, ...]:

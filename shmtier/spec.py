@@ -79,7 +79,8 @@ class TieringOffloadingSpec:
                           codec={"mode": codec.mode, "level": codec.level,
                                  "min_gain": codec.min_gain},
                           tiers=tiers, job_timeout_s=tiering.tier_job_timeout_s,
-                          worker_niceness=tiering.tier_worker_niceness)
+                          worker_niceness=tiering.tier_worker_niceness,
+                          worker_policy=tiering.tier_worker_policy)
 
     def _open_segment(self, **kwargs) -> Segment:
         """``open_segment`` for this engine; a /dev/shm too small for the CPU tier is a

@@ -1,7 +1,8 @@
-"""``tier_worker_niceness``: validated with the other tiering keys, carried in the
-segment's pool config, and applied by each real tier worker process (spawned by the
-scheduler, or started by ``shmtier workers`` for an external pool): its niceness is
-the one it inherited plus the configured value."""
+"""``tier_worker_niceness`` and ``tier_worker_policy``: validated with the other tiering
+keys, carried in the segment's pool config, and applied by each real tier worker process
+(spawned by the scheduler, or started by ``shmtier workers`` for an external pool): its
+niceness is the one it inherited plus the configured value, its scheduling policy
+SCHED_BATCH unless the key says "other"."""
 
 from __future__ import annotations
 
@@ -47,10 +48,13 @@ def _parent(pid: int) -> int:
         return int(f.read().rsplit(")", 1)[1].split()[1])
 
 
-@pytest.mark.parametrize("niceness", [0, 7])
+@pytest.mark.parametrize("niceness, policy", [(0, None), (7, "other"), (3, "batch")])
 def test_spawned_workers_run_at_the_schedulers_niceness_plus_the_key(engine_id, tmp_path,
-                                                                     niceness):
-    spec = TieringOffloadingSpec(_extra(tmp_path, tier_worker_niceness=niceness), LAYOUT, engine_id)
+                                                                     niceness, policy):
+    keys = {"tier_worker_niceness": niceness}
+    if policy is not None:
+        keys["tier_worker_policy"] = policy
+    spec = TieringOffloadingSpec(_extra(tmp_path, **keys), LAYOUT, engine_id)
     assert spec.pool_config.worker_niceness == niceness
     manager = spec.get_manager()
     try:
@@ -58,6 +62,9 @@ def test_spawned_workers_run_at_the_schedulers_niceness_plus_the_key(engine_id, 
         assert sorted(pids) == sorted(p.pid for p in spec.worker_pool._procs)  # the spawned ones
         mine = os.getpriority(os.PRIO_PROCESS, 0)
         assert [os.getpriority(os.PRIO_PROCESS, pid) for pid in pids] == [mine + niceness] * 2
+        expected = os.SCHED_OTHER if policy == "other" else os.SCHED_BATCH  # batch: the default
+        assert [os.sched_getscheduler(pid) for pid in pids] == [expected] * 2
+        assert os.sched_getscheduler(0) == os.SCHED_OTHER  # the scheduler process keeps its own
     finally:
         manager.shutdown()
 
@@ -76,6 +83,7 @@ def test_external_workers_apply_the_engines_niceness(engine_id, tmp_path):
         assert [_parent(pid) for pid in pids] == [supervisor.pid] * 2  # started by `shmtier workers`
         mine = os.getpriority(os.PRIO_PROCESS, 0)
         assert [os.getpriority(os.PRIO_PROCESS, pid) for pid in pids] == [mine + 7] * 2
+        assert [os.sched_getscheduler(pid) for pid in pids] == [os.SCHED_BATCH] * 2
     finally:
         if supervisor is not None:
             supervisor.terminate()
@@ -88,6 +96,14 @@ def test_default_is_ten():
     assert TieringConfig.from_extra_config({}).tier_worker_niceness == 10
     assert PoolConfig(num_workers=1, chunk_bytes=4096).worker_niceness == 10
     assert TieringConfig.from_extra_config({"tier_worker_niceness": 19}).tier_worker_niceness == 19
+
+
+def test_policy_default_is_batch_and_a_bad_one_names_the_choices():
+    assert TieringConfig.from_extra_config({}).tier_worker_policy == "batch"
+    assert PoolConfig(num_workers=1, chunk_bytes=4096).worker_policy == "batch"
+    with pytest.raises(ConfigError, match=r"\['tier_worker_policy'\] = 'idle' is invalid: "
+                                          r"expected one of 'batch', 'other'"):
+        TieringConfig.from_extra_config({"tier_worker_policy": "idle"})
 
 
 @pytest.mark.parametrize("value", [-1, 20, "x", True, 2.5])

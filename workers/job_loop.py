@@ -404,6 +404,18 @@ def _note_free_bytes(part: BatchResult, backend) -> None:
     part.details = [detail if d == jobs.MIN_FREE else d for d in part.details]
 
 
+def _set_policy(policy: str) -> None:
+    """Run the calling thread (and the threads it starts later) under ``policy``
+    (``PoolConfig.worker_policy``), keeping its niceness. A kernel that refuses is logged
+    once; the worker runs on under SCHED_OTHER."""
+    if policy != "batch":
+        return
+    try:
+        os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
+    except (OSError, AttributeError) as e:
+        logger.warning("tier worker: SCHED_BATCH refused (%s); running under SCHED_OTHER", e)
+
+
 def run_worker(engine_id: str, index: int, generation: int | None = None) -> int:
     """Serve worker slot ``index`` of ``engine_id`` until stopped; returns an exit code.
 
@@ -429,6 +441,9 @@ def run_worker(engine_id: str, index: int, generation: int | None = None) -> int
         # that posted it (``tier_worker_niceness``, default 10). os.nice changes
         # only the calling thread on Linux: this runs before the worker starts any thread.
         os.nice(config.worker_niceness)
+        # ...and with SCHED_BATCH (``tier_worker_policy``, default "batch") a woken worker
+        # does not preempt it at all: it runs at the next tick or on an idle core.
+        _set_policy(config.worker_policy)
         rings = RingSet.attach(segment.name, segment.rings, worker=index)
         if generation is None:
             mine[0] = segment.owner_generation()

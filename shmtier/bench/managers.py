@@ -73,7 +73,8 @@ WORKER_SCHED = {
     "nice5": "niceness 5",
     "nice19": "niceness 19",
     "batch0": "SCHED_BATCH at niceness 0 (no wake-up preemption, fair share)",
-    "batch": "SCHED_BATCH, niceness kept",
+    "batch": "SCHED_BATCH, niceness kept (the workers' default policy)",
+    "other": "SCHED_OTHER, niceness kept (the workers' policy before tier_worker_policy)",
     "idle": "SCHED_IDLE",
 }
 
@@ -103,6 +104,8 @@ def apply_worker_sched(pid: int, how: str) -> None:
         os.sched_setscheduler(pid, os.SCHED_BATCH, os.sched_param(0))
     elif how == "batch":
         os.sched_setscheduler(pid, os.SCHED_BATCH, os.sched_param(0))
+    elif how == "other":
+        os.sched_setscheduler(pid, os.SCHED_OTHER, os.sched_param(0))
     elif how == "idle":
         os.sched_setscheduler(pid, os.SCHED_IDLE, os.sched_param(0))
 

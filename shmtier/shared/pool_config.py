@@ -28,6 +28,12 @@ EXIT_BACKENDS_FAILED = 4
 #: Default ``worker_niceness`` (the ``tier_worker_niceness`` key): added to the niceness a
 #: tier worker inherits, so a worker woken by a job does not preempt the scheduler thread.
 DEFAULT_WORKER_NICENESS = 10
+#: Scheduling policies a tier worker may run under (the ``tier_worker_policy`` key):
+#: ``"batch"`` (SCHED_BATCH, the default: a woken worker never preempts a running
+#: thread, it waits for the tick or an idle core; bench/README.md, "Slowest steps") or
+#: ``"other"`` (SCHED_OTHER, the kernel's default for every process).
+WORKER_POLICIES = ("batch", "other")
+DEFAULT_WORKER_POLICY = "batch"
 _LEN = struct.Struct("<I")
 
 
@@ -47,7 +53,8 @@ class PoolConfig:
     its parts fail (their CPU rows are released). ``worker_niceness`` (0..19, the
     ``tier_worker_niceness`` key) is added to the niceness each worker inherits, by the
     worker itself before it starts any thread (``workers/job_loop.py``), spawned or
-    external alike."""
+    external alike; ``worker_policy`` (``WORKER_POLICIES``, the ``tier_worker_policy``
+    key) is the scheduling policy it then sets for itself, inherited by its threads."""
 
     num_workers: int
     chunk_bytes: int
@@ -60,6 +67,7 @@ class PoolConfig:
     mode: str = "spawn"
     job_timeout_s: float = 60.0
     worker_niceness: int = DEFAULT_WORKER_NICENESS
+    worker_policy: str = DEFAULT_WORKER_POLICY
 
     def write(self, rings_area: memoryview) -> None:
         blob = msgpack.packb(asdict(self), use_bin_type=True)
