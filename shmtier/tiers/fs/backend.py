@@ -1,7 +1,8 @@
 """The worker half of the ``fs`` tier: chunks as verified files under one directory tree.
 
 Runs in: tier worker processes only, called by the job loop for one job at a time on
-the worker's single thread. Every method blocks on the filesystem (a local disk answers
+the worker's thread (O_DIRECT stores also use the write path's own I/O threads, which
+finish before ``store`` returns: ``direct_writes.py``). Every method blocks on the filesystem (a local disk answers
 in microseconds to milliseconds; a network filesystem may take seconds); that is why it
 never runs in the scheduler process. Imports neither torch nor vLLM.
 

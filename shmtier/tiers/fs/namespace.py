@@ -1,6 +1,7 @@
 """The ``fs`` tier's on-disk layout: one namespace directory per layout fingerprint.
 
-Runs in: tier worker processes only, on the worker's single thread. ``FsBackend``
+Runs in: tier worker processes only, on the worker's thread (never on the I/O threads of
+``direct_writes.py``: they get their own descriptors). ``FsBackend``
 (``backend.py``) holds one ``Namespace``; it and its write and read paths (``store.py``,
 ``load.py``) reach every file and directory under the namespace through it: never by a
 path, always by a name relative to a directory descriptor, without following a

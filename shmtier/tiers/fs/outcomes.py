@@ -1,7 +1,8 @@
 """What the ``fs`` tier's worker half reports: its counters and per-key outcomes.
 
 Runs in: tier worker processes, used by ``FsBackend`` (``backend.py``) and its write and
-read paths (``store.py``, ``load.py``) on the worker's single thread. Pure: nothing here
+read paths (``store.py``, ``load.py``) on the worker's thread, and by the I/O threads of
+``direct_writes.py`` (``errno_outcome``). Pure: nothing here
 blocks or touches the filesystem. Per-key outcomes are ``shmtier.shared.jobs.Outcome``
 members with a detail text (``shmtier.tiers.backend``).
 """
