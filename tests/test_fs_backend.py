@@ -405,6 +405,33 @@ def test_real_enospc_on_a_small_tmpfs():
         b2.close()
 
 
+def test_real_enospc_with_o_direct_writes_in_flight():
+    """The same full tmpfs with 4 O_DIRECT writes in flight: the writes that fit are
+    stored (which ones depends on the I/O threads), every other key is REJECTED with
+    ENOSPC (its own write's, or the batch's once one failed), no temp file is left, and
+    what was stored loads back exactly."""
+    cb = 256 << 10
+    with tmpfs("1m") as root:
+        b = backend(root, codec_config=CompressionConfig(mode="none"), min_free_bytes=None,
+                    direct_io="writes", write_depth=4)
+        if not b.direct_writes:
+            b.close()
+            pytest.skip("this tmpfs does not take O_DIRECT")
+        src = make_arena(6, cb, cb, "bytes")
+        keys = keys_for(6)
+        r = b.store(keys, range(6), src, cb)
+        ok = [i for i in range(6) if r.outcomes[i] == OK]
+        assert 1 <= len(ok) < 6, r.outcomes
+        for i in set(range(6)) - set(ok):
+            assert r.outcomes[i] == REJECTED and "ENOSPC" in r.details[i], (i, r.details)
+        assert not temp_files(root), "a partial temp file was left behind"
+        assert len(chunk_files(b)) == len(ok) and b.counters.files_written == len(ok)
+        dst = np.zeros_like(src)
+        assert b.load([keys[i] for i in ok], ok, dst, cb).all_ok
+        assert all(np.array_equal(dst[i], src[i]) for i in ok)
+        b.close()
+
+
 def test_fanout_is_proportional_and_recorded(tmp_path):
     assert choose_fanout_bits(1 << 30, 1 << 20) == (1, 1)  # 1024 files: 4 leaf dirs
     assert choose_fanout_bits(100 << 30, 1 << 20) == (4, 4)  # 102400 files: 256 leaf dirs
