@@ -530,6 +530,53 @@ def test_a_listing_that_reports_the_reset_itself_loses_no_chunk_stored_meanwhile
     assert data[fs_tier.BYTES_ON_DISK][("1:fs",)] == sum(files.values())
 
 
+def test_a_chunk_found_corrupt_while_the_listing_was_out_is_not_listed_back(engines, tmp_path):
+    """A start-up listing walks past a chunk file; before its answer is taken, a lookup
+    probes that chunk, a load finds it corrupt and the worker removes it. The listing
+    must not put it back into the index (a chunk without a file, counted in the bytes
+    gauge). The real listing is held back until then, as a slow answer would be."""
+    root = tmp_path / "root"
+    root.mkdir()
+    writer = engines(root, chunks=8)
+    keys = [key(i) for i in range(3)]
+    writer.offload(keys, 0, ReqContext("a"))
+    writer.settle()
+    path = next(p for p in root.rglob("*.kv") if p.name.startswith(keys[0].hex()))
+    damaged = bytearray(path.read_bytes())
+    damaged[-1] ^= 0xFF  # a payload byte: the load's checksum fails
+    path.write_bytes(bytes(damaged))
+    e = engines(root, chunks=8)
+    tier = e.manager.tiers[0]
+    pool = e.spec.worker_pool
+    real_take, held = pool.take, []
+
+    def take(t):
+        got = real_take(t)
+        held.extend(r for r in got if r.job_id == tier._scan_id)
+        return [r for r in got if r.job_id != tier._scan_id]
+
+    pool.take = take
+    deadline = time.monotonic() + 20
+    while not held:  # the listing has walked the root (all three files there)
+        with e.manager.lock:
+            e.manager.on_schedule_end(END)
+        assert time.monotonic() < deadline, "the start-up listing never came"
+        time.sleep(0.005)
+    assert set(keys) <= set(held[0].scan_keys)
+    assert e.answers_settled([keys[0]], ReqContext("r")) == [MISS]  # probed, loaded: corrupt
+    assert not path.exists()
+
+    def take_with_held(t):
+        got = held + real_take(t)
+        held.clear()
+        return got
+
+    pool.take = take_with_held
+    e.settle()
+    files = _assert_index_is_the_disk(tier, root)
+    assert set(files) == set(keys[1:])
+
+
 def test_cascades_work_again_once_a_deleted_root_is_back(engines, tmp_path):
     """Issue 11 item 5 (worker half), end to end through the tier workers: after the root
     was deleted and made again, the next cascade recreates the namespace and is stored

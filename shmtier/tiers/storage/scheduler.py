@@ -222,6 +222,9 @@ class StorageTierManager(SecondaryTierManager):
         self._events: list[OffloadingEvent] = []
         self._stats = metrics.OffloadingStats()
         self._restarts_seen = self._pool.restarts_total
+        # chunks known gone (deleted, or a load found them missing or corrupt) since the
+        # listing in flight was sent: it may have walked past their files before
+        self._gone_since_listing: set[OffloadKey] = set()
         self._scan_id: PoolJobId | None = self._pool.submit("scan", self._tier, [])
         self._index_complete = False
         self._broken = False  # the pool is broken: MISS, and fail jobs at once
@@ -727,10 +730,13 @@ class StorageTierManager(SecondaryTierManager):
         delete whose outcome is unknown (its worker died, the unlink failed): probe."""
         deleting = self._deleting
         gone = 0
+        listing = self._scan_id is not None
         for key, code in zip(keys, res.outcomes):
             size = deleting.pop(key, 0)
             if code == Outcome.OK or code == Outcome.MISS:
                 gone += size
+                if listing:
+                    self._gone_since_listing.add(key)
             else:
                 self._deleting_bytes -= size
                 self._hold_for_probe(key, size, front=True)
@@ -826,6 +832,8 @@ class StorageTierManager(SecondaryTierManager):
                 size = self._index.pop(key, None)
                 if size is not None:
                     self._indexed_bytes -= size
+                if self._scan_id is not None:
+                    self._gone_since_listing.add(key)
                 self._lookups.remember_miss(key)  # unknown now: not probed again at once
                 if code == Outcome.CORRUPT:
                     self._stats.increase_counter(CORRUPT_CHUNKS, 1, (self._label,))
@@ -867,19 +875,24 @@ class StorageTierManager(SecondaryTierManager):
         """Index what the listing found (each chunk with its file's size), as older than
         anything stored since the tier started. A key with a store, delete or probe in
         flight is left to that job's outcome (counting it here too would count it
-        twice). With more than ``max_bytes`` on disk (a lower bound than last time) the
-        least recently used chunks are evicted at once."""
+        twice), and so is one known gone since the listing was sent (deleted, or found
+        missing or corrupt by a load: the walk may have passed its file before). With more
+        than ``max_bytes`` on disk (a lower bound than last time) the least recently used
+        chunks are evicted at once."""
         index, storing, deleting, probing = (self._index, self._storing, self._deleting,
                                              self._probing)
+        gone = self._gone_since_listing
         added = 0
         for key, size in zip(res.scan_keys, res.scan_stored_bytes):
-            if key in index or key in storing or key in deleting or key in probing:
+            if (key in index or key in storing or key in deleting or key in probing
+                    or key in gone):
                 continue
             index[key] = size
             index.move_to_end(key, last=False)  # older than anything stored since
             added += size
         self._indexed_bytes += added
         self._index_complete = True
+        gone.clear()
         logger.info("%s tier %s: %d chunks found on %s (%d bytes)", self.kind, self._label,
                     len(res.scan_keys), self.medium_words(), sum(res.scan_stored_bytes))
         if self._max_bytes is not None and self.bytes_committed > self._max_bytes:
@@ -895,6 +908,7 @@ class StorageTierManager(SecondaryTierManager):
             self._stats.increase_counter(WORKER_RESTARTS, restarts - self._restarts_seen, (self._label,))
             self._restarts_seen = restarts
         if self._scan_id is None and not self._index_complete and not self._broken:
+            self._gone_since_listing.clear()
             self._scan_id = self._pool.submit("scan", self._tier, [])  # ring full, or failed
 
     def drain_jobs(self) -> None:
