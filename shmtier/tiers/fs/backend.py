@@ -38,7 +38,7 @@ from typing import Callable, Iterator, Sequence
 from shmtier.shared.codec import CompressionConfig, mac_key_id
 from shmtier.shared.jobs import ResultFlag
 from shmtier.tiers.backend import BatchResult, Outcome, ScanEntry, TierBackend, WorkerContext
-from shmtier.tiers.fs.direct_writes import DEFAULT_DEPTH
+from shmtier.tiers.fs.config import DEFAULT_WRITE_DEPTH
 from shmtier.tiers.fs.fileio import probe_direct_io, unlink_quietly
 from shmtier.tiers.fs.load import ChunkReader
 from shmtier.tiers.chunk_names import chunk_key, key_problem, with_mac_id
@@ -122,7 +122,7 @@ class FsBackend(TierBackend):
         chunk_bytes_hint: int = DEFAULT_CHUNK_BYTES_HINT,
         stale_temp_age_s: float = DEFAULT_STALE_TEMP_AGE_S,
         direct_io: bool | str = False,
-        write_depth: int = DEFAULT_DEPTH,
+        write_depth: int = DEFAULT_WRITE_DEPTH,
         mac_key: bytes | None = None,
         flag_created: bool = True,
         defer_namespace: bool = False,
@@ -194,7 +194,7 @@ class FsBackend(TierBackend):
                    codec_config=context.codec, element_size=context.element_size,
                    max_bytes=args["max_bytes"], min_free_bytes=args["min_free_bytes"],
                    chunk_bytes_hint=context.chunk_bytes, direct_io=args["direct_io"],
-                   write_depth=args.get("write_depth", DEFAULT_DEPTH),
+                   write_depth=args.get("write_depth", DEFAULT_WRITE_DEPTH),
                    mac_key=args.get("mac_key"), flag_created=context.replacement,
                    defer_namespace=True)
 

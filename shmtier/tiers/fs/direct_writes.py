@@ -40,12 +40,16 @@ from typing import Sequence
 
 import numpy as np
 
-from shmtier.tiers.fs.config import DEFAULT_WRITE_DEPTH, MAX_WRITE_DEPTH
-from shmtier.tiers.fs.fileio import ALIGN, PageBuffer, close_quietly, publish_temp, write_pages
+from shmtier.tiers.fs.config import MAX_WRITE_DEPTH
+from shmtier.tiers.fs.fileio import (
+    ALIGN,
+    PageBuffer,
+    close_quietly,
+    publish_temp,
+    unlink_quietly,
+    write_pages,
+)
 from shmtier.tiers.fs.outcomes import errno_outcome
-
-DEFAULT_DEPTH, MAX_DEPTH = DEFAULT_WRITE_DEPTH, MAX_WRITE_DEPTH  # fs option ``write_depth``
-
 
 class DirectWrite:
     """One write handed to an I/O thread: ``outcome()`` waits for it and returns None
@@ -75,8 +79,9 @@ class DirectWrites:
     the caller, once per batch). ``close()`` waits for what is in flight."""
 
     def __init__(self, depth: int, *, fsync: bool):
-        if not isinstance(depth, int) or not 1 <= depth <= MAX_DEPTH:
-            raise ValueError(f"fs tier write_depth={depth!r}: must be an integer in 1..{MAX_DEPTH}")
+        if not isinstance(depth, int) or not 1 <= depth <= MAX_WRITE_DEPTH:
+            raise ValueError(f"fs tier write_depth={depth!r}: must be an integer in "
+                             f"1..{MAX_WRITE_DEPTH}")
         self.depth = depth
         self.fsync = fsync
         self._free: queue.SimpleQueue[PageBuffer] = queue.SimpleQueue()
@@ -89,20 +94,28 @@ class DirectWrites:
         """Hand over the open temp file ``fd`` (O_DIRECT) and ``leaf_fd``, a descriptor
         of its directory that the write owns from now on (both are closed by it), to write
         ``parts`` (``size`` bytes) and rename ``tmp`` over ``final``. Blocks while every
-        buffer is in flight; the parts are copied before it returns."""
+        buffer is in flight; the parts are copied before it returns. Should it raise
+        (a closed ``DirectWrites``), both descriptors are closed and the temp removed."""
         started = time.thread_time()
         buf = self._free.get()
-        padded = -(-size // ALIGN) * ALIGN
-        out = buf.view(0, padded, padded + ALIGN)
-        at = 0
-        for part in parts:
-            n = part.nbytes if isinstance(part, memoryview) else len(part)
-            out[at:at + n] = np.frombuffer(part, dtype=np.uint8)
-            at += n
-        out[size:] = 0
-        gather_s = time.thread_time() - started
-        return DirectWrite(self._pool.submit(self._write, fd, leaf_fd, tmp, final, out, size,
-                                             buf), gather_s)
+        try:
+            padded = -(-size // ALIGN) * ALIGN
+            out = buf.view(0, padded, padded + ALIGN)
+            at = 0
+            for part in parts:
+                n = part.nbytes if isinstance(part, memoryview) else len(part)
+                out[at:at + n] = np.frombuffer(part, dtype=np.uint8)
+                at += n
+            out[size:] = 0
+            gather_s = time.thread_time() - started
+            future = self._pool.submit(self._write, fd, leaf_fd, tmp, final, out, size, buf)
+        except BaseException:
+            self._free.put(buf)
+            close_quietly(fd)
+            unlink_quietly(tmp, dir_fd=leaf_fd)
+            close_quietly(leaf_fd)
+            raise
+        return DirectWrite(future, gather_s)
 
     def _write(self, fd: int, leaf_fd: int, tmp: str, final: str, out: np.ndarray,
                size: int, buf: PageBuffer) -> tuple[tuple | None, float]:

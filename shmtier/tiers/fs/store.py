@@ -37,7 +37,8 @@ from typing import Sequence
 from shmtier.shared.codec import ChunkEncoder, CompressionConfig
 from shmtier.shared.codec_choice import CodecChooser
 from shmtier.tiers.backend import BatchResult, Outcome, as_arena, check_batch, row_problem
-from shmtier.tiers.fs.direct_writes import DEFAULT_DEPTH, DirectWrite, DirectWrites
+from shmtier.tiers.fs.config import DEFAULT_WRITE_DEPTH
+from shmtier.tiers.fs.direct_writes import DirectWrite, DirectWrites
 from shmtier.tiers.fs.fileio import (
     O_DIRECT,
     available_bytes,
@@ -80,7 +81,7 @@ class ChunkWriter:
     fsync: bool
     direct_io: bool
     mac_key: bytes | None = field(default=None, repr=False)  # frames carry a MAC tag
-    write_depth: int = DEFAULT_DEPTH
+    write_depth: int = DEFAULT_WRITE_DEPTH
 
     def __post_init__(self) -> None:
         self._encoder = ChunkEncoder(self.codec_config, mac_key=self.mac_key)
