@@ -437,12 +437,12 @@ def run_worker(engine_id: str, index: int, generation: int | None = None) -> int
         if generation is not None:
             check_owner()  # started by a scheduler that is gone already
         config = PoolConfig.read(segment.rings)
-        # Background work: a worker woken by a job should not preempt the scheduler thread
-        # that posted it (``tier_worker_niceness``, default 10). os.nice changes
-        # only the calling thread on Linux: this runs before the worker starts any thread.
+        # Background work: a smaller CPU share than the scheduler thread that posts the jobs
+        # (``tier_worker_niceness``, default 10), and with SCHED_BATCH (``tier_worker_policy``,
+        # default "batch") a woken worker does not preempt it at all: it runs at the next
+        # tick or on an idle core. Both change only the calling thread on Linux: this runs
+        # before the worker starts any thread (its threads inherit them).
         os.nice(config.worker_niceness)
-        # ...and with SCHED_BATCH (``tier_worker_policy``, default "batch") a woken worker
-        # does not preempt it at all: it runs at the next tick or on an idle core.
         _set_policy(config.worker_policy)
         rings = RingSet.attach(segment.name, segment.rings, worker=index)
         if generation is None:

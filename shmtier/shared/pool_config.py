@@ -26,7 +26,8 @@ CONFIG_BYTES = 64 << 10
 # root_dir is missing): the pool counts it as a failure to start.
 EXIT_BACKENDS_FAILED = 4
 #: Default ``worker_niceness`` (the ``tier_worker_niceness`` key): added to the niceness a
-#: tier worker inherits, so a worker woken by a job does not preempt the scheduler thread.
+#: tier worker inherits: a smaller CPU share than the scheduler thread (that a woken worker
+#: does not preempt it at all is ``worker_policy``'s job).
 DEFAULT_WORKER_NICENESS = 10
 #: Scheduling policies a tier worker may run under (the ``tier_worker_policy`` key):
 #: ``"batch"`` (SCHED_BATCH, the default: a woken worker never preempts a running
