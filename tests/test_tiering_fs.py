@@ -466,6 +466,40 @@ def _root_deleted_and_recreated(engines, tmp_path):
     return e, root, tier, old, new, taken
 
 
+class _HeldListings:
+    """Holds back the fs tier's listing results (those of the listing it waits for) from
+    the moment it is made: ``wait()`` steps the engine until one came and returns it,
+    ``release()`` delivers what was held with the next results, as a slow answer would
+    arrive. Everything else passes through."""
+
+    def __init__(self, e):
+        self.e, self.tier, self.pool = e, e.manager.tiers[0], e.spec.worker_pool
+        self.real_take, self.held = self.pool.take, []
+        self.pool.take = self._take
+
+    def _take(self, t):
+        got = self.real_take(t)
+        self.held.extend(r for r in got if r.job_id == self.tier._scan_id)
+        return [r for r in got if r.job_id != self.tier._scan_id]
+
+    def wait(self, timeout_s: float = 20.0):
+        deadline = time.monotonic() + timeout_s
+        while not self.held:
+            with self.e.manager.lock:
+                self.e.manager.on_schedule_end(END)
+            assert time.monotonic() < deadline, "the listing never came"
+            time.sleep(0.005)
+        return self.held[0]
+
+    def release(self) -> None:
+        def take(t):
+            got = self.held + self.real_take(t)
+            self.held.clear()
+            return got
+
+        self.pool.take = take
+
+
 def test_a_listing_that_reports_the_reset_itself_loses_no_chunk_stored_meanwhile(
         engines, tmp_path):
     """A listing taken by a worker that had not seen the namespace change yet carries
@@ -484,28 +518,14 @@ def test_a_listing_that_reports_the_reset_itself_loses_no_chunk_stored_meanwhile
     root.mkdir()
     e = engines(root, chunks=16)
     tier = e.manager.tiers[0]
-    pool = e.spec.worker_pool
-    real_take, held = pool.take, []
-
-    def take(t):
-        got = real_take(t)
-        held.extend(r for r in got if r.job_id == tier._scan_id)
-        return [r for r in got if r.job_id != tier._scan_id]
-
     e.offload([key(i) for i in range(4)], 0, ReqContext("a"))
     e.settle()  # (the start-up listing too)
-    pool.take = take
+    listings = _HeldListings(e)
     shutil.rmtree(root)
     root.mkdir()
     first = [key(10 + i) for i in range(4)]
     e.offload(first, 4, ReqContext("b"))  # makes the namespace again: reset, listing sent
-    deadline = time.monotonic() + 20
-    while not held:
-        with e.manager.lock:
-            e.manager.on_schedule_end(END)
-        assert time.monotonic() < deadline, "the listing after the reset never came"
-        time.sleep(0.005)
-    listing = held[0]
+    listing = listings.wait()
     later = [key(20 + i) for i in range(4)]  # stored after the walk, reported before it
     e.offload(later, 8, ReqContext("c"))
     deadline = time.monotonic() + 20
@@ -516,13 +536,7 @@ def test_a_listing_that_reports_the_reset_itself_loses_no_chunk_stored_meanwhile
         time.sleep(0.005)
     assert not set(later) & set(listing.scan_keys)
     listing.flags |= ResultFlag.NAMESPACE_RESET  # what a worker that had not synced sends
-
-    def take_with_held(t):
-        got = held + real_take(t)
-        held.clear()
-        return got
-
-    pool.take = take_with_held
+    listings.release()
     e.settle()
     files = _assert_index_is_the_disk(tier, root)
     assert set(files) == set(first) | set(later)
@@ -547,31 +561,12 @@ def test_a_chunk_found_corrupt_while_the_listing_was_out_is_not_listed_back(engi
     path.write_bytes(bytes(damaged))
     e = engines(root, chunks=8)
     tier = e.manager.tiers[0]
-    pool = e.spec.worker_pool
-    real_take, held = pool.take, []
-
-    def take(t):
-        got = real_take(t)
-        held.extend(r for r in got if r.job_id == tier._scan_id)
-        return [r for r in got if r.job_id != tier._scan_id]
-
-    pool.take = take
-    deadline = time.monotonic() + 20
-    while not held:  # the listing has walked the root (all three files there)
-        with e.manager.lock:
-            e.manager.on_schedule_end(END)
-        assert time.monotonic() < deadline, "the start-up listing never came"
-        time.sleep(0.005)
-    assert set(keys) <= set(held[0].scan_keys)
+    listings = _HeldListings(e)  # before any call takes a result: the start-up listing too
+    # the listing has walked the root (all three files there)
+    assert set(keys) <= set(listings.wait().scan_keys)
     assert e.answers_settled([keys[0]], ReqContext("r")) == [MISS]  # probed, loaded: corrupt
     assert not path.exists()
-
-    def take_with_held(t):
-        got = held + real_take(t)
-        held.clear()
-        return got
-
-    pool.take = take_with_held
+    listings.release()
     e.settle()
     files = _assert_index_is_the_disk(tier, root)
     assert set(files) == set(keys[1:])
