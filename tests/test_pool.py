@@ -1183,6 +1183,42 @@ def test_a_store_backlog_lets_new_loads_through_and_goes_raw_while_behind(tmp_pa
     assert np.array_equal(out, arena[1:rows - 1])
 
 
+def test_a_store_slice_holds_as_many_chunks_as_the_backend_writes_in_parallel(tmp_path,
+                                                                              monkeypatch):
+    """The job loop hands a backend at least its ``writes_in_flight`` store keys per slice:
+    1 MiB chunks are stored two per 2 MiB slice buffered, four per slice with O_DIRECT
+    writes 4 in flight; each slice is answered (every answer is let through here) and the
+    bytes load back exactly."""
+    from shmtier.shared import jobs
+    from shmtier.tiers.fs import fileio
+    from shmtier.tiers.fs.backend import FsBackend
+    from shmtier.workers import job_loop
+
+    if not fileio.probe_direct_io(str(tmp_path)):
+        pytest.skip(f"{tmp_path} does not take O_DIRECT")
+    monkeypatch.setattr(job_loop, "_ANSWER_EVERY_S", 0.0)
+    chunk, rows = 1 << 20, 8
+    arena = np.random.default_rng(4).integers(0, 256, (rows, chunk), dtype=np.uint8)
+    for io, per_slice in ((False, 2), ("writes", 4)):
+        root = tmp_path / str(io)
+        root.mkdir()
+        backend = FsBackend(str(root), "slices", min_free_bytes=0, direct_io=io,
+                            write_depth=4, codec_config=None)
+        keys = [_key(i, str(io).encode()) for i in range(rows)]
+        answered = []
+        runner = job_loop.JobRunner([backend], arena, chunk, 8 << 10, take_new=lambda: [],
+                                    answer=answered.append)
+        store = jobs.decode_job(jobs.pack_job(1, "store", 0, keys, list(range(rows))))
+        assert runner.admit([store]) == []
+        runner.run_queue()
+        assert [len(r.outcomes) for r in answered] == [per_slice] * (rows // per_slice), io
+        assert [o for r in answered for o in r.outcomes] == [Outcome.OK] * rows
+        out = np.zeros_like(arena)
+        assert backend.load(keys, list(range(rows)), out, chunk).all_ok
+        assert np.array_equal(out, arena)
+        backend.close()
+
+
 def test_a_stop_request_ends_the_job_queue_after_the_job_in_hand(tmp_path):
     """SIGTERM sets the worker's stop flag: the job in hand finishes and is answered, the
     rest stay queued and unanswered (the pool fails them exactly once, as for a dead

@@ -82,7 +82,6 @@ class DirectWrites:
         if not isinstance(depth, int) or not 1 <= depth <= MAX_WRITE_DEPTH:
             raise ValueError(f"fs tier write_depth={depth!r}: must be an integer in "
                              f"1..{MAX_WRITE_DEPTH}")
-        self.depth = depth
         self.fsync = fsync
         self._free: queue.SimpleQueue[PageBuffer] = queue.SimpleQueue()
         for _ in range(depth):
