@@ -46,7 +46,8 @@ scheduler-process CPU goal) and for the whole process, the driver's own work inc
 Variants ``shmtier@TOKENS`` (interleaved with the others) change what shmtier's
 tier workers run with after they start: scheduling (``nice0``, ``batch0``, ...,
 see --worker-sched), compression (``raw`` = none, ``zstd``), the fs tier's
-lookup probes of unknown keys (``noprobe``: off, the behaviour before shared roots) and/or
+lookup probes of unknown keys (``noprobe``: off, the behaviour before shared roots), the
+step-window poll thread (``nowindow``: off, every poll inside the steps) and/or
 cascade admission (``second_touch``; the default is vLLM's write-through).
 
 The parts live in the package (``shmtier bench`` ships them): shmtier/bench/managers.py
@@ -270,7 +271,9 @@ def main(argv=None) -> int:
                   f"chunks cascaded ({s['promotions_per_cascade'] or 0:.3f} promotions each, "
                   f"{s['cascaded_mib_per_fs_hit'] or 0:.1f} MiB per fs hit), "
                   f"{s['vllm:kv_offload_tiering_backpressure_blocks_dropped']:.0f} dropped"
-                  + (f", workers {'; '.join(res['worker_sched'])}" if res.get("worker_sched") else ""),
+                  + (f", workers {'; '.join(res['worker_sched'])}" if res.get("worker_sched") else "")
+                  + (f", step-window rounds {res['window_poll'][0]} ({res['window_poll'][1]} skipped: "
+                     "lock held)" if res.get("window_poll") else ""),
                   flush=True)
 
     print("\n=== results: median [min-max] over runs ===")

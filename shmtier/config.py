@@ -46,12 +46,17 @@ PRIMARY_KEYS = frozenset({
     "warm_restart",
 })
 TIERING_KEYS = frozenset({
-    "secondary_tiers", "tier_poll_interval_s", "backpressure", "num_tier_workers", "workers",
+    "secondary_tiers", "tier_poll_interval_s", "tier_poll_window", "backpressure", "num_tier_workers", "workers",
     "compression", "tier_job_timeout_s", "admission", "admission_window",
     "tier_worker_niceness", "tier_worker_policy",
 })
 KNOWN_KEYS = PASSTHROUGH_KEYS | PRIMARY_KEYS | TIERING_KEYS
 WORKER_MODES = ("spawn", "external")
+#: Storage tiers are polled off the engine thread for this share of the step period after
+#: ``on_schedule_end`` (scheduler/tiering/window_poll.py); a window reaching the next step
+#: would poll inside it.
+DEFAULT_TIER_POLL_WINDOW = 0.85
+MAX_TIER_POLL_WINDOW = 0.95
 #: Memory a tier worker is budgeted (private RSS stays under 100 MiB, docs/design.md §9).
 WORKER_MEMORY_BYTES = 128 << 20
 #: Tier workers per core at most: more only queue for the same cores.
@@ -245,6 +250,9 @@ class TieringConfig:
 
     secondary_tiers: tuple[SecondaryTierConfig, ...] = ()
     tier_poll_interval_s: float = 0.001
+    # share of the step period after on_schedule_end in which the storage tiers are polled
+    # off the engine thread (scheduler/tiering/window_poll.py); 0: off
+    tier_poll_window: float = DEFAULT_TIER_POLL_WINDOW
     num_tier_workers: int = 2
     workers: str = "spawn"
     compression: CompressionConfig = CompressionConfig()
@@ -285,6 +293,9 @@ class TieringConfig:
             secondary_tiers=secondary,
             tier_poll_interval_s=float(_get(extra, "tier_poll_interval_s", 0.001, number(
                 accepted="a number of seconds (<= 0 disables polling between steps)"))),
+            tier_poll_window=float(_get(extra, "tier_poll_window", DEFAULT_TIER_POLL_WINDOW, number(
+                0, MAX_TIER_POLL_WINDOW,
+                accepted=f"a share of the engine's step period, 0 (off) to {MAX_TIER_POLL_WINDOW:g}"))),
             num_tier_workers=_num_tier_workers(extra),
             workers=_get(extra, "workers", "spawn", one_of(*WORKER_MODES)),
             compression=compression,

@@ -27,10 +27,11 @@ def key(i: int) -> bytes:
 class Engine:
     """Scheduler (spec manager) and ``world_size`` GPU ranks (copy workers) in one process,
     with one storage tier: ``fs`` on ``root`` (``tier`` its other options), or with
-    ``tier_type`` another worker-backed tier whose options are ``tier`` (``root`` unused)."""
+    ``tier_type`` another worker-backed tier whose options are ``tier`` (``root`` unused);
+    ``top``: more top-level keys of the connector config."""
 
     def __init__(self, engine_id, root, *, page=8192, world_size=1, bpc=1, chunks=16,
-                 workers=None, tier_type="fs", data_parallel_index=0, **tier):
+                 workers=None, tier_type="fs", data_parallel_index=0, top=None, **tier):
         self.layout = KVLayout("m", "bfloat16", 16, page, world_size)
         row = -(-page * world_size * bpc // 4096) * 4096
         if tier_type == "fs":
@@ -39,6 +40,7 @@ class Engine:
                  "secondary_tiers": [{"type": tier_type, **tier}]}
         if workers is not None:
             extra["num_tier_workers"] = workers
+        extra.update(top or {})  # other top-level keys of kv_connector_extra_config
         self.spec = TieringOffloadingSpec(extra, self.layout, engine_id,
                                           data_parallel_index=data_parallel_index)
         self.manager = self.spec.get_manager()

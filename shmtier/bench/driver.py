@@ -569,6 +569,7 @@ def run_one(name: str, trace, cfg, data_pool, run_no: int, profiler=None) -> dic
         res["num_chunks"] = num_chunks
         res["row_stride"] = mut.rows.shape[1]
         res["worker_sched"] = sorted({sched_of(pid) for pid in mut.worker_pids})  # at the end
+        res["window_poll"] = getattr(mut.manager, "window_poll_rounds", None)
         t0 = time.perf_counter()
         mut.close()
         res["shutdown_s"] = time.perf_counter() - t0

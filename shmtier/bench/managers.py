@@ -82,7 +82,7 @@ WORKER_SCHED = {
 #: cascade admission rules a variant may name (shmtier/scheduler/tiering/admission.py)
 ADMISSION_TOKENS = ("second_touch",)
 #: every token of ``shmtier@TOKENS``
-VARIANT_TOKENS = (*WORKER_SCHED, "raw", "zstd", "noprobe", *ADMISSION_TOKENS)
+VARIANT_TOKENS = (*WORKER_SCHED, "raw", "zstd", "noprobe", "nowindow", *ADMISSION_TOKENS)
 
 
 def known_manager(name: str) -> bool:
@@ -122,8 +122,9 @@ def sched_of(pid: int) -> str:
 def make_shmtier(cfg, root: str, engine_id: str, variant: str = "") -> Mut:
     """``variant``: '+'-joined tokens, each a WORKER_SCHED key, a compression mode
     (``raw`` = "none", ``zstd``), ``noprobe`` (the fs tier's ``probe_unknown`` off: a key
-    its index does not know is a MISS at once, as before shared roots) or a cascade
-    admission rule (``second_touch``; default: write-through), e.g. ``raw+nice0``."""
+    its index does not know is a MISS at once, as before shared roots), ``nowindow`` (no
+    step-window poll thread: ``tier_poll_window`` 0, every poll inside the steps) or a
+    cascade admission rule (``second_touch``; default: write-through), e.g. ``raw+nice0``."""
     tokens = [t for t in variant.split("+") if t]
     sched = next((t for t in tokens if t in WORKER_SCHED), cfg.worker_sched)
     compression = {"raw": "none", "zstd": "zstd"}.get(
@@ -140,6 +141,8 @@ def make_shmtier(cfg, root: str, engine_id: str, variant: str = "") -> Mut:
              "num_tier_workers": cfg.workers, "compression": compression}
     if cfg.write_depth is not None:
         extra["secondary_tiers"][0]["write_depth"] = cfg.write_depth
+    if "nowindow" in tokens:
+        extra["tier_poll_window"] = 0
     admission = next((t for t in tokens if t in ADMISSION_TOKENS), None)
     if admission is not None:
         extra["admission"] = admission

@@ -198,7 +198,7 @@ def play(engine: Engine, convs: list, queue: list[int], first: int, last: int, *
         timer.close_step()
         if clock.step >= next_check:
             next_check = clock.step + check_every
-            check_rows(engine.engine_id, engine.ledger, result, clock)
+            check_rows(engine.engine_id, engine.ledger, result, clock, manager.lock)
         conv.chunks += chunks_per_turn
         if settle_each:
             settle(manager)

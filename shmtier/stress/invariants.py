@@ -1,8 +1,10 @@
 """The stress run's continuous invariants, checked while the load runs.
 
 Who calls: the stress run's scheduler thread (``shmtier/stress/run.py``), between manager
-calls, holding no lock; nothing here blocks (a snapshot of the segment is a read-only
-mapping, ``shmtier/shared/snapshot.py``).
+calls; the rows check takes the manager lock (the manager's step-window thread collects
+finished jobs between steps, so without it the check could see a job reported and its
+rows not yet released). Nothing here blocks but on that lock (a snapshot of the segment is
+a read-only mapping, ``shmtier/shared/snapshot.py``).
 
 * **jobs** (``JobLedger``): every job the manager gives the fs tier (``submit_store``,
   ``submit_load``) is reported by ``get_finished_jobs`` exactly once, and every job the
@@ -169,10 +171,13 @@ class JobLedger:
                 "pool_in_flight": len(self.pool_flight)}
 
 
-def check_rows(engine_id: str, ledger: JobLedger, result: StressResult, clock: Clock) -> tuple:
-    """One rows check (module docstring); returns (pinned, pending) as the segment says."""
-    rows = snapshot(engine_id).rows
-    cascades, promotions = ledger.in_flight_keys()
+def check_rows(engine_id: str, ledger: JobLedger, result: StressResult, clock: Clock,
+               lock) -> tuple:
+    """One rows check (module docstring) holding ``lock`` (the manager's); returns
+    (pinned, pending) as the segment says."""
+    with lock:
+        rows = snapshot(engine_id).rows
+        cascades, promotions = ledger.in_flight_keys()
     if rows.pinned != cascades:
         result.violate(clock.step, clock.request, "rows and pins",
                        f"{rows.pinned} rows pinned, {cascades} keys of cascades in flight")

@@ -97,7 +97,8 @@ def _child(params: dict) -> None:
          runner=runner, totals=totals, timer=timer, clock=clock, result=result,
          check_every=p["check_every"])
     runner.stop()
-    pinned, pending = check_rows(p["engine_id"], engine.ledger, result, clock)
+    pinned, pending = check_rows(p["engine_id"], engine.ledger, result, clock,
+                                 engine.manager.lock)
     out = {"totals": totals.as_dict(), "steps": clock.step, "step_us": timer.step_us,
            "call_s": timer.call_s, "result": result.as_dict(), "chaos": runner.counts,
            "corrupted": runner.corrupted, "ledger": engine.ledger.counts(),

@@ -127,7 +127,7 @@ def run_stress(conversations: int = 24, turns: int = 4, chunks_per_turn: int = 4
         if runner.written_at_free is not None:  # the cascades the settling completed too
             counts["written_after_free"] = (totals.counters.get(WRITE_BYTES, 0)
                                             - runner.written_at_free)
-        pinned, pending = check_rows(engine_id, engine.ledger, result, clock)
+        pinned, pending = check_rows(engine_id, engine.ledger, result, clock, engine.manager.lock)
         _report(totals, timer, clock, time.monotonic() - started)
         if chaos != Chaos():
             print(report(counts))

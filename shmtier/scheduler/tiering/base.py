@@ -101,7 +101,8 @@ class JobResult:
     transfer_bytes: int | None = None
 
 
-_OPTIONAL = ("tolerates_off_thread_polling", "locality", "max_pinned_rows", "poll_fds")
+_OPTIONAL = ("tolerates_off_thread_polling", "polls_between_steps", "locality",
+             "max_pinned_rows", "poll_fds")
 
 
 def optional_attribute(tier: Any, name: str) -> Any:
@@ -148,6 +149,11 @@ class SecondaryTierManager(ABC):
     # so a tier written for vLLM (whose base lacks some) gets these defaults.
     #: Poll this tier from the manager's tier-poll thread between steps too.
     tolerates_off_thread_polling: ClassVar[bool] = False
+    #: Collect this tier's finished jobs from the manager's step-window thread while the
+    #: engine runs its forward pass (``window_poll.py``), under the lock, never inside a
+    #: step: for tiers whose ``get_finished_jobs`` is costly and not needed before the next
+    #: step (results arrive throughout the forward pass).
+    polls_between_steps: ClassVar[bool] = False
     #: LOCAL or REMOTE, for ``kv_load_tiers`` request filters; None: unspecified.
     locality: Locality | None = None
     #: At most this many primary rows may wait for this tier's cascades; the keys of more

@@ -42,15 +42,23 @@ Tier-poll thread (docs/vllm-contract.md §6.10): tiers that set ``tolerates_off_
 ``tier_poll_interval_s`` from a daemon thread holding the lock: their finished jobs are
 processed and they serve external requests between steps. It never flushes
 promotions or cascades (per-step batching points) and leaves the once-per-step gate
-as it found it. The thread shares the GIL with the scheduler thread; shmtier's ``fs``
-tier does not opt in (measured: the hand-offs cost more step time than they saved).
+as it found it. The thread shares the GIL with the scheduler thread; shmtier's storage
+tiers do not opt in (measured: the hand-offs inside the steps cost more step time than
+they saved).
+
+Step-window thread (``window_poll.py``, shmtier's own): tiers that set
+``polls_between_steps`` (the storage tiers) have their finished jobs processed by a
+second daemon thread, holding the lock, only while the engine runs its forward pass:
+from just after ``on_schedule_end`` to ``tier_poll_window`` of the step period after it,
+learnt from the last steps. Each step's own polls stay (they find less to do). Like the
+tier-poll thread it never flushes promotions or cascades and leaves the gate as it was.
 
 Requests finish in two stages: ``on_request_finished`` tells the primary at
 once, but the tiers hear of it only after the request's last pending primary
 store has completed (a cascade for it may still follow until then).
 
 Size: one class implementing vLLM's ``TieringOffloadingManager`` interface; its lookup
-metrics (``lookup_metrics.py``) and tier-poll thread (``poll_thread.py``) live apart,
+metrics (``lookup_metrics.py``) and poll threads (``poll_thread.py``, ``window_poll.py``) live apart,
 and what is left shares the request and scan state, so it stays one module (~780 lines).
 """
 
@@ -94,6 +102,7 @@ from shmtier.scheduler.tiering.base import (
 )
 from shmtier.scheduler.tiering.lookup_metrics import LookupTracker, RequestLookups
 from shmtier.scheduler.tiering.poll_thread import POLL_JOIN_TIMEOUT_S, TierPollThread
+from shmtier.scheduler.tiering.window_poll import StepRhythm, StepWindowPollThread
 
 logger = logging.getLogger(__name__)
 
@@ -171,10 +180,11 @@ class TieringOffloadingManager:
 
     def __init__(self, primary: CPUPrimaryTierOffloadingManager, tiers: Sequence[Any],
                  before_primary_shutdown: Sequence[Any] = (), tier_poll_interval_s: float = 0.0,
-                 admission: CascadeAdmission | None = None):
+                 admission: CascadeAdmission | None = None, tier_poll_window: float = 0.0):
         """``before_primary_shutdown``: callables run after the tiers shut down and
         before the primary releases the segment (the spec passes the worker pool's).
-        ``tier_poll_interval_s`` > 0 starts the tier-poll thread if a tier opts in.
+        ``tier_poll_interval_s`` > 0 starts the tier-poll thread if a tier opts in, and
+        with ``tier_poll_window`` > 0 the step-window thread if a tier opts in to that.
         ``admission``: which stored chunks each tier gets (``admission.py``); None is
         vLLM's write-through (every chunk, when it is stored)."""
         self.admission = admission
@@ -234,9 +244,24 @@ class TieringOffloadingManager:
         if self._polled and tier_poll_interval_s > 0:
             self._poll_thread = TierPollThread(self._lock, self.poll_tiers, tier_poll_interval_s,
                                                [self.tiers[i] for i in self._polled])
+        self._window_polled = [i for i, t in enumerate(self.tiers)
+                               if optional_attribute(t, "polls_between_steps")]
+        self._rhythm: StepRhythm | None = None
+        self._window_thread: StepWindowPollThread | None = None
+        if self._window_polled and tier_poll_interval_s > 0 and tier_poll_window > 0:
+            self._rhythm = StepRhythm(tier_poll_window, tier_poll_interval_s)
+            self._window_thread = StepWindowPollThread(self._lock, self.poll_between_steps,
+                                                       self._rhythm)
         # the step's statistics, into the segment for `shmtier top` (at most every 0.1 s)
         self._publisher = StatsPublisher.for_manager(primary, self.tiers, self.labels,
                                                      self._row_bytes)
+
+    @property
+    def window_poll_rounds(self) -> tuple[int, int] | None:
+        """The step-window thread's (rounds run, rounds skipped for a held lock), or None
+        when it does not run (for benches and tests)."""
+        t = self._window_thread
+        return None if t is None else (t.rounds, t.missed)
 
     @property
     def lock(self) -> threading.Lock:
@@ -753,6 +778,8 @@ class TieringOffloadingManager:
         for tier in self.tiers:
             tier.on_schedule_end(context)
         self._tracker.stop(context.new_req_ids)
+        if self._rhythm is not None:
+            self._rhythm.step_ended(time.monotonic())
 
     def has_pending_work(self) -> bool:
         if self._scan_ctx is not None:  # _ENDS_THE_SCAN
@@ -852,9 +879,29 @@ class TieringOffloadingManager:
         finally:
             self._polled_this_step = gate
 
+    def poll_between_steps(self) -> None:
+        """Process the finished jobs of the tiers that set ``polls_between_steps``.
+        Caller holds the lock (the step-window thread, between steps). Nothing while a
+        lookup scan is open (a connector releasing the lock inside one): the scan's
+        state stays as the engine left it. Promotions and cascades are not flushed;
+        the once-per-step gate is left as it was."""
+        if self._scan_ctx is not None:
+            return
+        gate = self._polled_this_step
+        self._polled_this_step = True
+        try:
+            self._process_finished_jobs(self._window_polled)
+        finally:
+            self._polled_this_step = gate
+
     def shutdown(self) -> None:
-        """Stop the tier-poll thread, shut every tier down, then the primary (not if a
+        """Stop the poll threads, shut every tier down, then the primary (not if a
         tier failed: it may still use the primary's rows). Called without the lock."""
+        if self._window_thread is not None and not self._window_thread.stop():
+            # a round holds the lock past the join: wait for it as for the tier-poll thread
+            if not self._lock.acquire(timeout=POLL_JOIN_TIMEOUT_S):
+                raise RuntimeError("shutdown: the step-window poll thread holds the manager lock")
+            self._lock.release()
         if self._poll_thread is not None and not self._poll_thread.stop():
             if not self._lock.acquire(timeout=POLL_JOIN_TIMEOUT_S):
                 raise RuntimeError("shutdown: the tier-poll thread holds the manager lock")

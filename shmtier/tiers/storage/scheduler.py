@@ -174,9 +174,12 @@ class StorageTierManager(SecondaryTierManager):
     BYTES_HELP = "Bytes the tier holds on its medium (frames)."
     EVICTED_METRIC = "vllm:kv_offload_shmtier_storage_evicted_chunks"
     MAX_BYTES_INFO = "storage_max_bytes"
-    # Not polled from the manager's tier-poll thread (as vLLM's fs tier is not): the
-    # thread's GIL hand-offs cost more step time than they saved (bench/README.md).
+    # Not polled from the manager's periodic tier-poll thread (as vLLM's fs tier is not):
+    # its GIL hand-offs inside the steps cost more step time than they saved. Polled from
+    # the step-window thread instead, between steps only (bench/README.md, "Polling the
+    # storage tiers between steps").
     tolerates_off_thread_polling = False
+    polls_between_steps = True
 
     def __init__(self, offloading_spec: Any, primary_kv_view: memoryview, tier_type: str,
                  backpressure_detector: Any = None, *, config: Any):

@@ -1,0 +1,168 @@
+"""The step-window poll thread: collects the storage tiers' finished jobs while the engine
+runs its forward pass, so the next step finds them done.
+
+Who calls: the tiering manager starts one (``manager.py``) when a tier sets
+``polls_between_steps`` (the fs and obj tiers) and ``tier_poll_window`` > 0, tells its
+``StepRhythm`` when each step's scheduling ends (``on_schedule_end``, one clock read and
+a deque append: no syscall, no wake-up) and stops the thread at shutdown. Data flow::
+
+    engine thread (holds the manager lock per call)       step-window thread (SCHED_BATCH)
+    ... lookups, prepare_store, ... on_schedule_end ──▶ rhythm.step_ended(t)
+    forward pass (no manager call) ·························· rounds: lock.acquire(blocking=False)
+                                                              -> manager.poll_between_steps()
+                                                              every max(interval, period / 8)
+                                                              until t + window x period
+    update_connector_output, next step's lookups ...         asleep until t + period + interval
+
+Why a window and not a periodic thread (``poll_thread.py``): a round in the middle of a
+step costs the engine thread more than the round saves. Its wake-up and the GIL hand-offs
+put the engine thread off its CPU, where a tier worker may take the rest of the slice
+(bench/README.md, "Polling the storage tiers between steps"). So the thread never wakes
+on the engine thread's behalf (nothing signals it) and plans its rounds from the period
+between the last step ends (median of up to 8 gaps). It runs ``SCHED_BATCH``, so its own
+timer wake-ups never preempt a running thread. A round only tries the lock: if the engine
+holds it (a step came early), the round is skipped and counted in ``missed``. Without a
+rhythm (fewer than 3 step ends, or a step later than its period) it sleeps, up to
+``IDLE_SLEEP_MAX_S`` at a time.
+
+A round is ``poll()`` under the lock; a failing one is logged at most once a second and,
+after ``GIVE_UP_AFTER_S`` of failures, ends the thread: the per-step polls still serve
+every tier, as they do with the window off.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+
+logger = logging.getLogger(__name__)
+
+#: step ends needed before the rhythm plans a round (two gaps)
+MIN_STEP_ENDS = 3
+#: step ends remembered; the period is the median of their gaps
+STEP_ENDS_KEPT = 9
+#: rounds per window at most: with long steps the interval grows to period / this
+ROUNDS_PER_WINDOW_MAX = 8
+#: longest sleep without a rhythm (engine idle, or a step later than its period)
+IDLE_SLEEP_MAX_S = 0.05
+GIVE_UP_AFTER_S = 30.0
+ERROR_LOG_EVERY_S = 1.0
+JOIN_TIMEOUT_S = 5.0
+
+
+class StepRhythm:
+    """When the engine is between steps, learnt from when its steps' scheduling ended.
+
+    ``step_ended`` is called by the engine thread (under the manager lock), ``plan`` by
+    the step-window thread; a deque's append and indexing are atomic under the GIL.
+    Pure arithmetic on the times it is given: tests pass their own clock."""
+
+    def __init__(self, window: float, interval_s: float):
+        if not 0.0 < window < 1.0:
+            raise ValueError(f"window must be in (0, 1), got {window!r}")
+        if interval_s <= 0:
+            raise ValueError(f"interval_s must be > 0, got {interval_s!r}")
+        self.window = window
+        self.interval_s = interval_s
+        self._ends: deque[float] = deque(maxlen=STEP_ENDS_KEPT)
+
+    def step_ended(self, now: float) -> None:
+        self._ends.append(now)
+
+    def period(self) -> float | None:
+        """Median gap between the remembered step ends; None before ``MIN_STEP_ENDS``."""
+        ends = list(self._ends)
+        if len(ends) < MIN_STEP_ENDS:
+            return None
+        gaps = sorted(b - a for a, b in zip(ends, ends[1:]))
+        return gaps[len(gaps) // 2]
+
+    def plan(self, now: float) -> tuple[bool, float]:
+        """``(poll now, then sleep seconds)``: poll while ``now`` is inside the last
+        step's window (from one round interval after its end to ``window`` x period
+        after it), then sleep to the next round, or past the next step's expected end."""
+        period = self.period()
+        if period is None:
+            return False, IDLE_SLEEP_MAX_S
+        end = self._ends[-1]
+        every = max(self.interval_s, period / ROUNDS_PER_WINDOW_MAX)
+        opens, closes = end + every, end + self.window * period
+        next_window = end + period + every
+        if now < opens:
+            return False, opens - now
+        if now < closes:
+            nxt = now + every
+            return True, (nxt if nxt < closes else next_window) - now
+        if now < next_window:
+            return False, next_window - now
+        # the next step is late (a long step, or the engine idles): back off
+        return False, min(max(every, (now - end) / 4), IDLE_SLEEP_MAX_S)
+
+
+class StepWindowPollThread:
+    """A daemon thread running ``poll()`` under ``lock`` inside the windows ``rhythm``
+    plans (started now). ``rounds`` and ``missed`` count rounds run and rounds skipped
+    because the lock was held (for benches and tests)."""
+
+    def __init__(self, lock: threading.Lock, poll: Callable[[], None], rhythm: StepRhythm):
+        self._lock = lock
+        self._poll = poll
+        self.rhythm = rhythm
+        self._stop = threading.Event()
+        self.rounds = 0
+        self.missed = 0
+        self._thread = threading.Thread(target=self._run, name="shmtier_step_window_poll",
+                                        daemon=True)
+        self._thread.start()
+
+    @property
+    def native_id(self) -> int | None:
+        return self._thread.native_id
+
+    def is_alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def stop(self) -> bool:
+        """Stop and join the thread; False if it did not exit within JOIN_TIMEOUT_S."""
+        self._stop.set()
+        self._thread.join(JOIN_TIMEOUT_S)
+        if self._thread.is_alive():
+            logger.error("step-window poll thread did not exit within %.1f s", JOIN_TIMEOUT_S)
+            return False
+        return True
+
+    def _run(self) -> None:
+        try:  # this thread only (pid 0): a timer wake-up never preempts a running thread
+            os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
+        except (OSError, AttributeError) as e:
+            logger.info("step-window poll thread keeps its scheduling policy: %s", e)
+        failing_since = None
+        last_log = 0.0
+        plan, stopped = self.rhythm.plan, self._stop
+        while not stopped.is_set():
+            poll_now, sleep_s = plan(time.monotonic())
+            if poll_now:
+                if self._lock.acquire(blocking=False):
+                    try:
+                        self._poll()
+                        self.rounds += 1
+                        failing_since = None
+                    except Exception:  # never silently: the per-step polls still serve
+                        now = time.monotonic()
+                        failing_since = failing_since or now
+                        if now - last_log >= ERROR_LOG_EVERY_S:
+                            last_log = now
+                            logger.exception("step-window poll round failed")
+                    finally:
+                        self._lock.release()
+                    if failing_since is not None and time.monotonic() - failing_since >= GIVE_UP_AFTER_S:
+                        logger.error("step-window poll thread stops after %.0f s of failed "
+                                     "rounds; tiers are polled in the steps only", GIVE_UP_AFTER_S)
+                        return
+                else:
+                    self.missed += 1
+            stopped.wait(sleep_s)

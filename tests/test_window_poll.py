@@ -1,0 +1,202 @@
+"""The step-window poll thread (shmtier/scheduler/tiering/window_poll.py): its plan from
+given times (pure), the thread with a real lock, and a real engine whose fs tier's
+finished cascades are collected between steps, with no manager call."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import pytest
+from fs_engine import END, engines, key  # noqa: F401
+
+from shmtier.config import ConfigError, TieringConfig
+from shmtier.contract import ReqContext
+from shmtier.scheduler.tiering.window_poll import (IDLE_SLEEP_MAX_S, ROUNDS_PER_WINDOW_MAX,
+                                                   StepRhythm, StepWindowPollThread)
+
+
+def rhythm(ends, window=0.8, interval_s=0.001) -> StepRhythm:
+    r = StepRhythm(window, interval_s)
+    for t in ends:
+        r.step_ended(t)
+    return r
+
+
+# --- the plan, from given times ---
+
+def test_no_round_before_three_step_ends():
+    assert rhythm([]).plan(1.0) == (False, IDLE_SLEEP_MAX_S)
+    assert rhythm([0.0, 0.005]).plan(0.006) == (False, IDLE_SLEEP_MAX_S)
+
+
+def test_rounds_run_inside_the_window_after_a_step_and_sleep_past_the_next_one():
+    r = rhythm([0.0, 0.005, 0.010])  # period 5 ms: the window is 11-14 ms
+    assert r.period() == pytest.approx(0.005)
+    poll, sleep = r.plan(0.0102)  # too early: the engine thread may still be at work
+    assert not poll and sleep == pytest.approx(0.0008)
+    poll, sleep = r.plan(0.011)
+    assert poll and sleep == pytest.approx(0.001)  # the next round, one interval on
+    poll, sleep = r.plan(0.0135)  # the next round would pass the window's end (14 ms):
+    assert poll and sleep == pytest.approx(0.0025)  # sleep to 16 ms, past the next step end
+    poll, sleep = r.plan(0.0141)
+    assert not poll and sleep == pytest.approx(0.0019)
+    r.step_ended(0.015)  # the next step: its window is 16-19 ms
+    poll, _ = r.plan(0.016)
+    assert poll
+
+
+def test_a_late_step_backs_off_up_to_the_idle_sleep():
+    r = rhythm([0.0, 0.005, 0.010])
+    poll, sleep = r.plan(0.020)  # 10 ms after the last end, no new one
+    assert not poll and sleep == pytest.approx(0.0025)
+    poll, sleep = r.plan(10.0)  # the engine idles
+    assert not poll and sleep == IDLE_SLEEP_MAX_S
+
+
+def test_long_steps_poll_at_most_a_bounded_number_of_times_per_window():
+    r = rhythm([0.0, 1.0, 2.0], window=0.9)
+    poll, sleep = r.plan(2.3)
+    assert poll and sleep == pytest.approx(1.0 / ROUNDS_PER_WINDOW_MAX)
+
+
+def test_the_period_is_the_median_gap_so_one_idle_pause_does_not_move_it():
+    r = rhythm([0.0, 0.005, 0.010, 5.010, 5.015, 5.020])
+    assert r.period() == pytest.approx(0.005)
+    assert r.plan(5.021)[0]
+
+
+@pytest.mark.parametrize("window, interval_s", [(0.0, 0.001), (1.0, 0.001), (0.5, 0.0)])
+def test_a_rhythm_without_a_window_or_interval_is_refused(window, interval_s):
+    with pytest.raises(ValueError):
+        StepRhythm(window, interval_s)
+
+
+# --- the thread, with a real lock ---
+
+class Engine:
+    """Stands in for the engine thread: steps of ``busy_s`` holding the lock, then
+    ``step_ended``, then a forward pass of ``forward_s`` without it."""
+
+    def __init__(self, busy_s: float, forward_s: float):
+        self.lock = threading.Lock()
+        self.busy_s, self.forward_s = busy_s, forward_s
+        self.rounds: list[tuple[float, bool]] = []  # (time, the lock was held)
+        self.ends: list[float] = []
+
+    def poll(self) -> None:
+        self.rounds.append((time.monotonic(), self.lock.locked()))
+
+    def run(self, r: StepRhythm, steps: int) -> None:
+        for _ in range(steps):
+            with self.lock:
+                time.sleep(self.busy_s)
+                now = time.monotonic()
+                r.step_ended(now)
+                self.ends.append(now)
+            time.sleep(self.forward_s)
+
+
+@pytest.fixture
+def window_thread():
+    made = []
+
+    def start(lock, poll, r):
+        t = StepWindowPollThread(lock, poll, r)
+        made.append(t)
+        return t
+
+    yield start
+    for t in made:
+        assert t.stop()
+
+
+def test_rounds_run_between_steps_under_the_lock_and_never_without_a_rhythm(window_thread):
+    eng = Engine(busy_s=0.004, forward_s=0.036)
+    r = StepRhythm(0.8, 0.002)
+    t = window_thread(eng.lock, eng.poll, r)
+    time.sleep(0.2)
+    assert eng.rounds == [], "rounds ran before any step"
+    eng.run(r, 15)
+    assert t.rounds >= 10, (t.rounds, t.missed)
+    assert all(held for _, held in eng.rounds), "a round ran without the lock"
+    # every round ran after a step ended and before the next one began (its lock was free)
+    for at, _ in eng.rounds:
+        before = [e for e in eng.ends if e <= at]
+        assert before, "a round before the first step end"
+
+
+def test_the_thread_runs_sched_batch(window_thread):
+    eng = Engine(0.001, 0.01)
+    t = window_thread(eng.lock, eng.poll, StepRhythm(0.8, 0.001))
+    deadline = time.monotonic() + 5
+    while os.sched_getscheduler(t.native_id) != os.SCHED_BATCH:
+        assert time.monotonic() < deadline, "the thread did not switch to SCHED_BATCH"
+        time.sleep(0.005)
+    assert os.sched_getscheduler(0) != os.SCHED_BATCH  # the caller's thread is untouched
+
+
+def test_a_failing_round_is_logged_and_the_thread_goes_on(window_thread, caplog):
+    eng = Engine(busy_s=0.002, forward_s=0.02)
+    calls = []
+
+    def poll():
+        calls.append(1)
+        raise RuntimeError("tier broke")
+
+    r = StepRhythm(0.8, 0.002)
+    t = window_thread(eng.lock, poll, r)
+    eng.run(r, 12)
+    assert len(calls) >= 3 and t.is_alive()
+    assert "step-window poll round failed" in caplog.text
+    assert not eng.lock.locked()
+
+
+# --- a real engine ---
+
+def _submitted_cascade(engine) -> None:
+    """Store two keys and end the step that hands their cascade to the tier workers."""
+    ctx = ReqContext("r0", [])
+    engine.offload([key(1), key(2)], 0, ctx)
+    with engine.manager.lock:
+        engine.manager.on_schedule_end(END)
+
+
+@pytest.mark.parametrize("window", [0.9, 0.0], ids=["window", "off"])
+def test_the_window_collects_a_finished_cascade_before_the_next_step(engines, tmp_path, window):
+    """Steps 0.5 s apart: after the step that submits a cascade, no manager call is made
+    for 0.4 s. With the window the thread processes the cascade's result meanwhile, so no
+    work is pending when the next step begins; with it off the result waits for a step."""
+    e = engines(tmp_path, top={"tier_poll_window": window})
+    m = e.manager
+    period = 0.5
+    for _ in range(3):  # the rhythm: three step ends, period apart
+        with m.lock:
+            m.on_schedule_end(END)
+        time.sleep(period)
+    _submitted_cascade(e)
+    time.sleep(0.4)
+    with m.lock:
+        pending = m.has_pending_work()  # reads the manager's jobs; polls nothing
+    if window:
+        assert not pending, f"the cascade's result was not collected: {m.window_poll_rounds}"
+        assert m.window_poll_rounds[0] > 0
+    else:
+        assert pending
+        assert m.window_poll_rounds is None
+    e.settle()
+
+
+@pytest.mark.parametrize("value", [-0.1, 0.96, "x", True])
+def test_a_bad_window_names_the_key_the_value_and_the_range(value):
+    with pytest.raises(ConfigError) as err:
+        TieringConfig.from_extra_config({"tier_poll_window": value})
+    text = str(err.value)
+    assert "['tier_poll_window']" in text and f"= {value!r} is invalid" in text
+    assert "a share of the engine's step period, 0 (off) to 0.95" in text
+
+
+def test_the_window_defaults_on_and_zero_turns_it_off():
+    assert TieringConfig.from_extra_config({}).tier_poll_window == 0.85
+    assert TieringConfig.from_extra_config({"tier_poll_window": 0}).tier_poll_window == 0.0
