@@ -200,3 +200,22 @@ def test_a_bad_window_names_the_key_the_value_and_the_range(value):
 def test_the_window_defaults_on_and_zero_turns_it_off():
     assert TieringConfig.from_extra_config({}).tier_poll_window == 0.85
     assert TieringConfig.from_extra_config({"tier_poll_window": 0}).tier_poll_window == 0.0
+
+
+def test_rounds_failing_past_the_give_up_time_end_the_thread_and_say_so(window_thread, caplog,
+                                                                        monkeypatch):
+    from shmtier.scheduler.tiering import poll_thread
+    monkeypatch.setattr(poll_thread, "POLL_GIVE_UP_AFTER_S", 0.1)
+    eng = Engine(busy_s=0.001, forward_s=0.01)
+
+    def poll():
+        raise RuntimeError("tier broke")
+
+    r = StepRhythm(0.8, 0.002)
+    t = window_thread(eng.lock, poll, r)
+    deadline = time.monotonic() + 10
+    while t.is_alive():
+        assert time.monotonic() < deadline, "the thread never gave up"
+        eng.run(r, 1)
+    assert "step-window poll thread stops after 0 s of failed rounds" in caplog.text
+    assert not eng.lock.locked()

@@ -42,6 +42,36 @@ POLL_JOIN_TIMEOUT_S = 5.0
 _READABLE = select.POLLIN | select.POLLPRI
 
 
+class FailedRounds:
+    """A poll thread's failing rounds (this one's and ``window_poll.py``'s): a failure is
+    logged, with its traceback, at most once every POLL_ERROR_LOG_EVERY_S; ``give_up`` is
+    True (and logs why) once rounds have failed for POLL_GIVE_UP_AFTER_S with none
+    succeeding. The thread's own state: no lock."""
+
+    def __init__(self, thread: str):
+        self._thread = thread
+        self.since: float | None = None  # when the current run of failures began
+        self._last_log = 0.0
+
+    def succeeded(self) -> None:
+        self.since = None
+
+    def failed(self) -> None:
+        """Call from the ``except`` block of a failed round."""
+        now = time.monotonic()
+        self.since = self.since or now
+        if now - self._last_log >= POLL_ERROR_LOG_EVERY_S:
+            self._last_log = now
+            logger.exception("%s round failed", self._thread)
+
+    def give_up(self) -> bool:
+        if self.since is None or time.monotonic() - self.since < POLL_GIVE_UP_AFTER_S:
+            return False
+        logger.error("%s thread stops after %.0f s of failed rounds; tiers are polled at step "
+                     "boundaries only", self._thread, POLL_GIVE_UP_AFTER_S)
+        return True
+
+
 class TierPollThread:
     """A daemon thread running ``poll()`` under ``lock`` at least every ``interval_s``,
     sooner when an fd of one of ``tiers`` (their optional ``poll_fds``) is readable
@@ -87,8 +117,8 @@ class TierPollThread:
         return True
 
     def _run(self) -> None:
-        stalled_since = failing_since = None
-        last_error_log = 0.0
+        stalled_since = None
+        failures = FailedRounds("tier-poll")
         while not self._stop.is_set():
             if not self._lock.acquire(timeout=POLL_LOCK_TIMEOUT_S):
                 now = time.monotonic()
@@ -103,22 +133,16 @@ class TierPollThread:
             fds: list[int] = []
             try:
                 self._poll()
-                failing_since = None
+                failures.succeeded()
                 for source in self._fd_sources:  # under the lock, like every tier call
                     fds.extend(source())
             except Exception:  # never silently: per-step polling still serves the tiers
-                now = time.monotonic()
-                failing_since = failing_since or now
-                if now - last_error_log >= POLL_ERROR_LOG_EVERY_S:
-                    last_error_log = now
-                    logger.exception("tier-poll round failed")
+                failures.failed()
             finally:
                 self._lock.release()
-            if failing_since is not None and time.monotonic() - failing_since >= POLL_GIVE_UP_AFTER_S:
-                logger.error("tier-poll thread stops after %.0f s of failed rounds; tiers are "
-                             "polled at step boundaries only", POLL_GIVE_UP_AFTER_S)
+            if failures.give_up():
                 return
-            self._wait(tuple(fds) if failing_since is None else ())
+            self._wait(tuple(fds) if failures.since is None else ())
 
     def _wait(self, fds: tuple[int, ...]) -> None:
         """Until one of ``fds`` is readable or interval_s passed (at once if stopped;

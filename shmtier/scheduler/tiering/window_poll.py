@@ -26,8 +26,8 @@ rhythm (fewer than 3 step ends, or a step later than its period) it sleeps, up t
 ``IDLE_SLEEP_MAX_S`` at a time.
 
 A round is ``poll()`` under the lock; a failing one is logged at most once a second and,
-after ``GIVE_UP_AFTER_S`` of failures, ends the thread: the per-step polls still serve
-every tier, as they do with the window off.
+after 30 s of failures, ends the thread (``poll_thread.FailedRounds``): the per-step polls
+still serve every tier, as they do with the window off.
 """
 
 from __future__ import annotations
@@ -39,6 +39,8 @@ import time
 from collections import deque
 from collections.abc import Callable
 
+from shmtier.scheduler.tiering.poll_thread import FailedRounds
+
 logger = logging.getLogger(__name__)
 
 #: step ends needed before the rhythm plans a round (two gaps)
@@ -49,8 +51,6 @@ STEP_ENDS_KEPT = 9
 ROUNDS_PER_WINDOW_MAX = 8
 #: longest sleep without a rhythm (engine idle, or a step later than its period)
 IDLE_SLEEP_MAX_S = 0.05
-GIVE_UP_AFTER_S = 30.0
-ERROR_LOG_EVERY_S = 1.0
 JOIN_TIMEOUT_S = 5.0
 
 
@@ -140,8 +140,7 @@ class StepWindowPollThread:
             os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
         except (OSError, AttributeError) as e:
             logger.info("step-window poll thread keeps its scheduling policy: %s", e)
-        failing_since = None
-        last_log = 0.0
+        failures = FailedRounds("step-window poll")
         plan, stopped = self.rhythm.plan, self._stop
         while not stopped.is_set():
             poll_now, sleep_s = plan(time.monotonic())
@@ -150,18 +149,12 @@ class StepWindowPollThread:
                     try:
                         self._poll()
                         self.rounds += 1
-                        failing_since = None
+                        failures.succeeded()
                     except Exception:  # never silently: the per-step polls still serve
-                        now = time.monotonic()
-                        failing_since = failing_since or now
-                        if now - last_log >= ERROR_LOG_EVERY_S:
-                            last_log = now
-                            logger.exception("step-window poll round failed")
+                        failures.failed()
                     finally:
                         self._lock.release()
-                    if failing_since is not None and time.monotonic() - failing_since >= GIVE_UP_AFTER_S:
-                        logger.error("step-window poll thread stops after %.0f s of failed "
-                                     "rounds; tiers are polled in the steps only", GIVE_UP_AFTER_S)
+                    if failures.give_up():
                         return
                 else:
                     self.missed += 1
