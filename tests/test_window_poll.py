@@ -9,12 +9,13 @@ import threading
 import time
 
 import pytest
-from fs_engine import END, engines, key  # noqa: F401
+from fs_engine import END, PENDING, engines, key  # noqa: F401
 
 from shmtier.config import ConfigError, TieringConfig
 from shmtier.contract import ReqContext
 from shmtier.scheduler.tiering.window_poll import (IDLE_SLEEP_MAX_S, ROUNDS_PER_WINDOW_MAX,
-                                                   StepRhythm, StepWindowPollThread)
+                                                   STEP_ENDS_KEPT, StepRhythm,
+                                                   StepWindowPollThread)
 
 
 def rhythm(ends, window=0.8, interval_s=0.001) -> StepRhythm:
@@ -219,3 +220,85 @@ def test_rounds_failing_past_the_give_up_time_end_the_thread_and_say_so(window_t
         eng.run(r, 1)
     assert "step-window poll thread stops after 0 s of failed rounds" in caplog.text
     assert not eng.lock.locked()
+
+
+# --- what a step leaves to the rounds ---
+
+def _rhythm(m, period: float = 0.1) -> None:
+    """Steps ``period`` apart, as many as the thread's rhythm remembers (earlier steps,
+    e.g. a settle loop's, no longer count); returns once a round ran after the last."""
+    for _ in range(STEP_ENDS_KEPT):
+        with m.lock:
+            m.on_schedule_end(END)
+        rounds = m.window_poll_rounds[0]
+        time.sleep(period)
+    assert m.window_poll_rounds[0] > rounds, "no round in the forward pass"
+
+
+def _stored_in_step(e, keys, first_block, ctx) -> None:
+    """``e.offload`` with the lock already held (no round can run in between)."""
+    m = e.manager
+    out = m.prepare_store(keys, ctx)
+    e.copy("store", out.store_spec, [first_block + i for i in range(len(keys))])
+    m.complete_store(out.keys_to_store, ctx)
+
+
+def _pool_submits(e) -> list:
+    """(op, thread name) of every pool job the engine's tier sends from now on."""
+    pool, seen = e.spec.worker_pool, []
+    real = pool.submit
+
+    def submit(op, *args, **kw):
+        seen.append((op, threading.current_thread().name))
+        return real(op, *args, **kw)
+
+    pool.submit = submit
+    return seen
+
+
+def test_while_rounds_come_a_step_leaves_its_stores_to_the_next_round(engines, tmp_path):
+    """A cascade queued in a step goes to the workers at the round after it, not in the
+    step; a step after a forward pass without a round sends it itself."""
+    e = engines(tmp_path, chunks=8)
+    e.settle()  # the start-up listing done: nothing else in flight
+    m = e.manager
+    sent = _pool_submits(e)
+    _rhythm(m)  # rounds come in the forward passes
+    with m.lock:
+        _stored_in_step(e, [key(1), key(2)], 0, ReqContext("a"))
+        m.on_schedule_end(END)
+        assert sent == [], "the step sent its stores"
+    deadline = time.monotonic() + 0.09
+    while not sent:  # the round after the step sends them
+        assert time.monotonic() < deadline, "no round sent the stores"
+        time.sleep(0.002)
+    assert sent == [("store", "shmtier_step_window_poll")]
+    with m.lock:  # two steps with no forward pass (no round) between them
+        _stored_in_step(e, [key(3)], 2, ReqContext("b"))
+        m.on_schedule_end(END)  # rounds came before this step: its store is left queued
+        assert len(sent) == 1
+        m.on_schedule_end(END)  # none since: this step sends it itself
+        assert sent[1:] == [("store", threading.current_thread().name)]
+    e.settle()
+
+
+def test_while_rounds_come_a_step_still_sends_its_promotions(engines, tmp_path):
+    """A request waits for a promotion: the step that reserves it sends it at once."""
+    e = engines(tmp_path, chunks=8)
+    first = [key(i) for i in range(8)]
+    a = ReqContext("a")
+    e.offload(first, 0, a)
+    with e.manager.lock:
+        e.manager.on_request_finished(a)
+    e.settle()
+    e.offload([key(100 + i) for i in range(8)], 8, ReqContext("b"))  # evicts "a" from the CPU
+    e.settle()
+    m = e.manager
+    _rhythm(m)
+    sent = _pool_submits(e)
+    reader = ReqContext("r")
+    with m.lock:
+        assert m.lookup(first[0], reader) is PENDING
+        m.on_schedule_end(END)
+        assert ("load", threading.current_thread().name) in sent, "the promotion waits for a round"
+    assert e.until_hit([first[0]], reader)

@@ -152,7 +152,10 @@ class SecondaryTierManager(ABC):
     #: Collect this tier's finished jobs from the manager's step-window thread while the
     #: engine runs its forward pass (``window_poll.py``), under the lock, never inside a
     #: step: for tiers whose ``get_finished_jobs`` is costly and not needed before the next
-    #: step (results arrive throughout the forward pass).
+    #: step (results arrive throughout the forward pass). Each round first calls the
+    #: tier's ``submit_between_steps()`` if it has one (then ``get_finished_jobs``): a tier
+    #: may leave work that need not start within the step (stores) for it, as long as such
+    #: rounds keep coming (it sees them come; none in a forward pass: send it in the step).
     polls_between_steps: ClassVar[bool] = False
     #: LOCAL or REMOTE, for ``kv_load_tiers`` request filters; None: unspecified.
     locality: Locality | None = None

@@ -246,6 +246,8 @@ class TieringOffloadingManager:
                                                [self.tiers[i] for i in self._polled])
         self._window_polled = [i for i, t in enumerate(self.tiers)
                                if optional_attribute(t, "polls_between_steps")]
+        self._window_submits = [s for s in (getattr(self.tiers[i], "submit_between_steps", None)
+                                            for i in self._window_polled) if s is not None]
         self._rhythm: StepRhythm | None = None
         self._window_thread: StepWindowPollThread | None = None
         if self._window_polled and tier_poll_interval_s > 0 and tier_poll_window > 0:
@@ -881,15 +883,18 @@ class TieringOffloadingManager:
 
     def poll_between_steps(self) -> None:
         """Process the finished jobs of the tiers that set ``polls_between_steps``.
-        Caller holds the lock (the step-window thread, between steps). Nothing while a
-        lookup scan is open (a connector releasing the lock inside one): the scan's
-        state stays as the engine left it. Promotions and cascades are not flushed;
-        the once-per-step gate is left as it was."""
+        Caller holds the lock (the step-window thread, between steps). Each such tier's
+        ``submit_between_steps()`` (if it has one) goes first. Nothing while a lookup
+        scan is open (a connector releasing the lock inside one): the scan's state stays
+        as the engine left it. Promotions and cascades are not flushed; the once-per-step
+        gate is left as it was."""
         if self._scan_ctx is not None:
             return
         gate = self._polled_this_step
         self._polled_this_step = True
         try:
+            for submit in self._window_submits:
+                submit()
             self._process_finished_jobs(self._window_polled)
         finally:
             self._polled_this_step = gate

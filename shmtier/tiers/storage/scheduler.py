@@ -233,6 +233,11 @@ class StorageTierManager(SecondaryTierManager):
         self._broken = False  # the pool is broken: MISS, and fail jobs at once
         self.namespace_resets = 0  # results flagged NAMESPACE_RESET (each worker's, each change)
         self._compression_on = True  # last store result without COMPRESSION_OFF
+        # Between-steps rounds (``submit_between_steps``) since the last on_schedule_end,
+        # and whether they came in the last forward pass: while they do, a step sends only
+        # its loads and leaves stores, deletes and probes to the next round.
+        self._rounds_since_step = 0
+        self._rounds_come = False
 
     # --- byte counts ---
 
@@ -322,12 +327,25 @@ class StorageTierManager(SecondaryTierManager):
             self._loading[key] = self._loading.get(key, 0) + 1
         self._load_queue.append((_Promotion(job, len(keys)), keys, list(job.rows)))
 
-    def _submit_queued(self) -> None:
+    def submit_between_steps(self) -> None:
+        """Hand all queued work to the pool. The manager's step-window thread calls it
+        first in each of its rounds (``polls_between_steps``), under the lock."""
+        self._rounds_since_step += 1
+        self._submit_queued()
+
+    def _submit_queued(self, loads_only: bool = False) -> None:
         """Hand the queued work to the pool, combined: one pool job per operation (up to
         MAX_COMBINED_KEYS keys each), loads first; stores as far as ``max_bytes`` has
-        room (evicting for the rest); deletes and probes that found the rings full."""
+        room (evicting for the rest); deletes and probes that found the rings full.
+        ``loads_only``: the rest waits (for a between-steps round)."""
         if self._broken:
             self._fail_queued()
+            return
+        if loads_only:
+            if self._load_queue:
+                queued, self._load_queue = self._load_queue, []
+                for batch in _combined(queued):
+                    self._submit_loads(batch)
             return
         if self._to_delete:
             self._submit_deletes()
@@ -535,7 +553,11 @@ class StorageTierManager(SecondaryTierManager):
     # --- results ---
 
     def get_finished_jobs(self) -> Iterable[JobResult]:
-        self._submit_queued()
+        # In a step, while between-steps rounds come, only loads go now: a request waits
+        # for them; stores, deletes and probes go at the round ~1 ms after the step, so
+        # their encoding and ring writes stay out of the step (bench/README.md, "Polling
+        # the storage tiers between steps").
+        self._submit_queued(loads_only=self._rounds_come)
         self._process_results()
         finished, self._finished = self._finished, []
         return finished
@@ -948,7 +970,10 @@ class StorageTierManager(SecondaryTierManager):
                 or not (self._index_complete or self._broken))
 
     def on_schedule_end(self, context: ScheduleEndContext) -> None:
-        self._submit_queued()
+        # a forward pass without a round (the engine's rhythm changed, the thread is off
+        # or behind) and this step sends everything itself
+        self._rounds_come, self._rounds_since_step = self._rounds_since_step > 0, 0
+        self._submit_queued(loads_only=self._rounds_come)
         self._lookups.purge()
 
     def take_events(self) -> Iterable[OffloadingEvent]:
