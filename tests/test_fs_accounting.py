@@ -290,9 +290,16 @@ def test_evicted_files_whose_delete_died_with_its_worker_are_not_orphaned(engine
     with DiskSampler(tmp_path) as sampler:
         pids = stop_workers(e, signal.SIGSTOP)
         e.offload(new, 2, ReqContext("b"))
-        step(e)  # evicts "a", its delete goes to the stopped workers; "b" waits
         tier = e.manager.tiers[0]
-        assert set(tier._deleting) == set(old) and set(tier._storing) == set(new)
+        deadline = time.monotonic() + 10
+        while True:  # the step, or the between-steps round after it, sends the stores:
+            step(e)  # evicts "a", its delete goes to the stopped workers; "b" waits
+            with e.manager.lock:
+                if set(tier._deleting) == set(old):
+                    assert set(tier._storing) == set(new)
+                    break
+            assert time.monotonic() < deadline, "the store never evicted the old chunks"
+            time.sleep(0.01)
         for pid in pids:
             os.kill(pid, signal.SIGKILL)
         e.settle(timeout_s=30)
