@@ -50,8 +50,10 @@ Step-window thread (``window_poll.py``, shmtier's own): tiers that set
 ``polls_between_steps`` (the storage tiers) have their finished jobs processed by a
 second daemon thread, holding the lock, only while the engine runs its forward pass:
 from just after ``on_schedule_end`` to ``tier_poll_window`` of the step period after it,
-learnt from the last steps. Each step's own polls stay (they find less to do). Like the
-tier-poll thread it never flushes promotions or cascades and leaves the gate as it was.
+learnt from the last steps; each round first lets such a tier send what it left queued
+(``submit_between_steps``: the storage tiers leave a step's stores to it). Each step's own
+polls stay (they find less to do). Like the tier-poll thread it never flushes promotions
+or cascades and leaves the gate as it was.
 
 Requests finish in two stages: ``on_request_finished`` tells the primary at
 once, but the tiers hear of it only after the request's last pending primary

@@ -14,6 +14,10 @@ a deque append: no syscall, no wake-up) and stops the thread at shutdown. Data f
                                                               until t + window x period
     update_connector_output, next step's lookups ...         asleep until t + period + interval
 
+Each round first calls the tier's ``submit_between_steps`` (the storage tiers: they leave
+a step's stores, deletes and probes to it while rounds come, and send only loads in the
+step), then collects finished jobs.
+
 Why a window and not a periodic thread (``poll_thread.py``): a round in the middle of a
 step costs the engine thread more than the round saves. Its wake-up and the GIL hand-offs
 put the engine thread off its CPU, where a tier worker may take the rest of the slice
