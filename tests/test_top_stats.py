@@ -59,6 +59,17 @@ class MetricsFold:
         return self.counters.get((name, (label,)), 0)
 
 
+def _stepped_and_published(fold: "MetricsFold", manager, engine_id: str) -> None:
+    """``fold.step`` past the publish interval, then wait for the publish: by that step's
+    ``get_stats``, or by the manager's between-steps round after it while rounds come."""
+    before = snapshot(engine_id).stats.publishes
+    fold.step(manager)
+    deadline = time.monotonic() + 5
+    while snapshot(engine_id).stats.publishes == before:
+        assert time.monotonic() < deadline, "the step's stats were never published"
+        time.sleep(0.002)
+
+
 def _top_json(engine_id: str) -> dict:
     got = subprocess.run([sys.executable, "-m", "shmtier", "top", engine_id, "--once", "--json",
                           "--interval", "0.1"], capture_output=True, text=True, timeout=60)
@@ -83,8 +94,8 @@ def test_top_shows_the_schedulers_metrics_of_a_live_engine(engine_id, tmp_path):
         fold.step(m)
         e.until_hit([key(i) for i in range(4)], ReqContext("d"))  # 4 promotions from fs
         e.settle()
-        time.sleep(0.15)  # past the publish interval: this step publishes
-        fold.step(m)
+        time.sleep(0.15)  # past the publish interval: this step's stats are published
+        _stepped_and_published(fold, m, engine_id)
 
         frame = _top_json(engine_id)
         st = frame["stats"]
@@ -120,7 +131,7 @@ def test_top_shows_the_schedulers_metrics_of_a_live_engine(engine_id, tmp_path):
         before = snapshot(engine_id)
         e.answers_settled([key(i) for i in range(30, 34)], ReqContext("e"))  # still in the CPU tier
         time.sleep(0.15)
-        fold.step(m)
+        _stepped_and_published(fold, m, engine_id)
         data = frame_data(snapshot(engine_id), before)["stats"]["tiers"]
         assert data[0]["interval_hit_rate"] == 1.0 and data[0]["lookups"] == cpu["lookups"] + 4
         assert data[1]["interval_hit_rate"] is None  # no fs lookups meanwhile

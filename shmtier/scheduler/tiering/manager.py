@@ -252,6 +252,10 @@ class TieringOffloadingManager:
                                             for i in self._window_polled) if s is not None]
         self._rhythm: StepRhythm | None = None
         self._window_thread: StepWindowPollThread | None = None
+        # between-steps rounds since the last on_schedule_end, and whether some came in
+        # the last forward pass: while they do, the stats are published there
+        self._rounds_since_step = 0
+        self._rounds_come = False
         if self._window_polled and tier_poll_interval_s > 0 and tier_poll_window > 0:
             self._rhythm = StepRhythm(tier_poll_window, tier_poll_interval_s)
             self._window_thread = StepWindowPollThread(self._lock, self.poll_between_steps,
@@ -784,6 +788,7 @@ class TieringOffloadingManager:
         self._tracker.stop(context.new_req_ids)
         if self._rhythm is not None:
             self._rhythm.step_ended(time.monotonic())
+            self._rounds_come, self._rounds_since_step = self._rounds_since_step > 0, 0
 
     def has_pending_work(self) -> bool:
         if self._scan_ctx is not None:  # _ENDS_THE_SCAN
@@ -822,7 +827,7 @@ class TieringOffloadingManager:
             else:
                 metrics.merge_stats(stats, tier.get_stats())
         if self._publisher is not None:
-            self._publisher.observe(stats)
+            self._publisher.observe(stats, publish=not self._rounds_come)
         return stats
 
     def config_info(self) -> list[dict[str, Any]]:
@@ -886,7 +891,8 @@ class TieringOffloadingManager:
     def poll_between_steps(self) -> None:
         """Process the finished jobs of the tiers that set ``polls_between_steps``.
         Caller holds the lock (the step-window thread, between steps). Each such tier's
-        ``submit_between_steps()`` (if it has one) goes first. Nothing while a lookup
+        ``submit_between_steps()`` (if it has one) goes first; the stats publisher
+        publishes here, if due, instead of in ``get_stats``. Nothing while a lookup
         scan is open (a connector releasing the lock inside one): the scan's state stays
         as the engine left it. Promotions and cascades are not flushed; the once-per-step
         gate is left as it was."""
@@ -900,6 +906,9 @@ class TieringOffloadingManager:
             self._process_finished_jobs(self._window_polled)
         finally:
             self._polled_this_step = gate
+        self._rounds_since_step += 1
+        if self._publisher is not None:
+            self._publisher.publish_if_due()
 
     def shutdown(self) -> None:
         """Stop the poll threads, shut every tier down, then the primary (not if a

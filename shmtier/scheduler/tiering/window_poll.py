@@ -27,7 +27,9 @@ between the last step ends (median of up to 8 gaps). It runs ``SCHED_BATCH``, so
 timer wake-ups never preempt a running thread. A round only tries the lock: if the engine
 holds it (a step came early), the round is skipped and counted in ``missed``. Without a
 rhythm (fewer than 3 step ends, or a step later than its period) it sleeps, up to
-``IDLE_SLEEP_MAX_S`` at a time.
+``IDLE_SLEEP_MAX_S`` at a time; once no step has ended for ``IDLE_AFTER_PERIODS`` periods
+it runs a round at each such wake, so what an engine's last step left to the rounds
+(queued stores, a due stats publish) does not wait for a step that may not come.
 
 A round is ``poll()`` under the lock; a failing one is logged at most once a second and,
 after 30 s of failures, ends the thread (``poll_thread.FailedRounds``): the per-step polls
@@ -55,6 +57,9 @@ STEP_ENDS_KEPT = 9
 ROUNDS_PER_WINDOW_MAX = 8
 #: longest sleep without a rhythm (engine idle, or a step later than its period)
 IDLE_SLEEP_MAX_S = 0.05
+#: no step end for this many periods: the engine idles, and a round now and then (the
+#: lock permitting) sends what its last step left queued and publishes its stats
+IDLE_AFTER_PERIODS = 3
 JOIN_TIMEOUT_S = 5.0
 
 
@@ -88,7 +93,8 @@ class StepRhythm:
     def plan(self, now: float) -> tuple[bool, float]:
         """``(poll now, then sleep seconds)``: poll while ``now`` is inside the last
         step's window (from one round interval after its end to ``window`` x period
-        after it), then sleep to the next round, or past the next step's expected end."""
+        after it), then sleep to the next round, or past the next step's expected end;
+        with no step end for ``IDLE_AFTER_PERIODS`` periods, poll at each backed-off wake."""
         period = self.period()
         if period is None:
             return False, IDLE_SLEEP_MAX_S
@@ -103,8 +109,10 @@ class StepRhythm:
             return True, (nxt if nxt < closes else next_window) - now
         if now < next_window:
             return False, next_window - now
-        # the next step is late (a long step, or the engine idles): back off
-        return False, min(max(every, (now - end) / 4), IDLE_SLEEP_MAX_S)
+        # the next step is late (a long step, or the engine idles): back off, and poll
+        # once it looks idle (a woken thread may have missed the last step's window)
+        return (now >= end + IDLE_AFTER_PERIODS * period,
+                min(max(every, (now - end) / 4), IDLE_SLEEP_MAX_S))
 
 
 class StepWindowPollThread:
