@@ -59,6 +59,16 @@ def test_a_late_step_backs_off_and_an_idle_engine_gets_a_round_at_each_wake():
     assert poll and sleep == IDLE_SLEEP_MAX_S
 
 
+def test_rounds_came_says_whether_a_round_ran_between_the_last_two_step_ends():
+    r = rhythm([0.0])
+    assert not r.rounds_came
+    r.round_ran()
+    r.step_ended(0.005)
+    assert r.rounds_came
+    r.step_ended(0.010)  # no round in between
+    assert not r.rounds_came
+
+
 def test_long_steps_poll_at_most_a_bounded_number_of_times_per_window():
     r = rhythm([0.0, 1.0, 2.0], window=0.9)
     poll, sleep = r.plan(2.3)

@@ -252,10 +252,6 @@ class TieringOffloadingManager:
                                             for i in self._window_polled) if s is not None]
         self._rhythm: StepRhythm | None = None
         self._window_thread: StepWindowPollThread | None = None
-        # between-steps rounds since the last on_schedule_end, and whether some came in
-        # the last forward pass: while they do, the stats are published there
-        self._rounds_since_step = 0
-        self._rounds_come = False
         if self._window_polled and tier_poll_interval_s > 0 and tier_poll_window > 0:
             self._rhythm = StepRhythm(tier_poll_window, tier_poll_interval_s)
             self._window_thread = StepWindowPollThread(self._lock, self.poll_between_steps,
@@ -788,7 +784,6 @@ class TieringOffloadingManager:
         self._tracker.stop(context.new_req_ids)
         if self._rhythm is not None:
             self._rhythm.step_ended(time.monotonic())
-            self._rounds_come, self._rounds_since_step = self._rounds_since_step > 0, 0
 
     def has_pending_work(self) -> bool:
         if self._scan_ctx is not None:  # _ENDS_THE_SCAN
@@ -826,8 +821,9 @@ class TieringOffloadingManager:
                 stats_into(stats)
             else:
                 metrics.merge_stats(stats, tier.get_stats())
-        if self._publisher is not None:
-            self._publisher.observe(stats, publish=not self._rounds_come)
+        if self._publisher is not None:  # while rounds come, they publish
+            rounds = self._rhythm is not None and self._rhythm.rounds_came
+            self._publisher.observe(stats, publish=not rounds)
         return stats
 
     def config_info(self) -> list[dict[str, Any]]:
@@ -906,7 +902,8 @@ class TieringOffloadingManager:
             self._process_finished_jobs(self._window_polled)
         finally:
             self._polled_this_step = gate
-        self._rounds_since_step += 1
+        if self._rhythm is not None:
+            self._rhythm.round_ran()
         if self._publisher is not None:
             self._publisher.publish_if_due()
 

@@ -66,8 +66,9 @@ JOIN_TIMEOUT_S = 5.0
 class StepRhythm:
     """When the engine is between steps, learnt from when its steps' scheduling ended.
 
-    ``step_ended`` is called by the engine thread (under the manager lock), ``plan`` by
-    the step-window thread; a deque's append and indexing are atomic under the GIL.
+    ``step_ended`` is called by the engine thread and ``round_ran`` by a round (both
+    under the manager lock), ``plan`` by the step-window thread; a deque's append and
+    indexing are atomic under the GIL.
     Pure arithmetic on the times it is given: tests pass their own clock."""
 
     def __init__(self, window: float, interval_s: float):
@@ -78,9 +79,18 @@ class StepRhythm:
         self.window = window
         self.interval_s = interval_s
         self._ends: deque[float] = deque(maxlen=STEP_ENDS_KEPT)
+        self._rounds = 0  # rounds run since the last step end
+        #: whether a round ran between the last two step ends: while rounds come, work a
+        #: step leaves to them is done within a forward pass
+        self.rounds_came = False
 
     def step_ended(self, now: float) -> None:
         self._ends.append(now)
+        self.rounds_came, self._rounds = self._rounds > 0, 0
+
+    def round_ran(self) -> None:
+        """A round ran (the thread, under the manager lock)."""
+        self._rounds += 1
 
     def period(self) -> float | None:
         """Median gap between the remembered step ends; None before ``MIN_STEP_ENDS``."""
