@@ -89,7 +89,7 @@ def test_a_rhythm_without_a_window_or_interval_is_refused(window, interval_s):
 
 # --- the thread, with a real lock ---
 
-class Engine:
+class EngineThread:
     """Stands in for the engine thread: steps of ``busy_s`` holding the lock, then
     ``step_ended``, then a forward pass of ``forward_s`` without it."""
 
@@ -127,7 +127,7 @@ def window_thread():
 
 
 def test_rounds_run_between_steps_under_the_lock_and_never_without_a_rhythm(window_thread):
-    eng = Engine(busy_s=0.004, forward_s=0.036)
+    eng = EngineThread(busy_s=0.004, forward_s=0.036)
     r = StepRhythm(0.5, 0.002)
     t = window_thread(eng.lock, eng.poll, r)
     time.sleep(0.2)
@@ -144,7 +144,7 @@ def test_rounds_run_between_steps_under_the_lock_and_never_without_a_rhythm(wind
 
 
 def test_the_thread_runs_sched_batch(window_thread):
-    eng = Engine(0.001, 0.01)
+    eng = EngineThread(0.001, 0.01)
     t = window_thread(eng.lock, eng.poll, StepRhythm(0.8, 0.001))
     deadline = time.monotonic() + 5
     while os.sched_getscheduler(t.native_id) != os.SCHED_BATCH:
@@ -154,7 +154,7 @@ def test_the_thread_runs_sched_batch(window_thread):
 
 
 def test_a_failing_round_is_logged_and_the_thread_goes_on(window_thread, caplog):
-    eng = Engine(busy_s=0.002, forward_s=0.02)
+    eng = EngineThread(busy_s=0.002, forward_s=0.02)
     calls = []
 
     def poll():
@@ -222,7 +222,7 @@ def test_rounds_failing_past_the_give_up_time_end_the_thread_and_say_so(window_t
                                                                         monkeypatch):
     from shmtier.scheduler.tiering import poll_thread
     monkeypatch.setattr(poll_thread, "POLL_GIVE_UP_AFTER_S", 0.1)
-    eng = Engine(busy_s=0.001, forward_s=0.01)
+    eng = EngineThread(busy_s=0.001, forward_s=0.01)
 
     def poll():
         raise RuntimeError("tier broke")

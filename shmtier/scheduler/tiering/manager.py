@@ -910,20 +910,18 @@ class TieringOffloadingManager:
     def shutdown(self) -> None:
         """Stop the poll threads, shut every tier down, then the primary (not if a
         tier failed: it may still use the primary's rows). Called without the lock."""
-        if self._window_thread is not None and not self._window_thread.stop():
-            # a round holds the lock past the join: wait for it as for the tier-poll thread
-            if not self._lock.acquire(timeout=POLL_JOIN_TIMEOUT_S):
-                raise RuntimeError("shutdown: the step-window poll thread holds the manager lock")
-            self._lock.release()
-        if self._poll_thread is not None and not self._poll_thread.stop():
-            if not self._lock.acquire(timeout=POLL_JOIN_TIMEOUT_S):
-                raise RuntimeError("shutdown: the tier-poll thread holds the manager lock")
-            try:
-                self._shutdown_tiers()
-            finally:
-                self._lock.release()
+        threads = {"step-window poll": self._window_thread, "tier-poll": self._poll_thread}
+        stuck = [name for name, t in threads.items() if t is not None and not t.stop()]
+        if not stuck:
+            self._shutdown_tiers()
             return
-        self._shutdown_tiers()
+        # a round outlived the join: the tiers go down once it is over, under the lock
+        if not self._lock.acquire(timeout=POLL_JOIN_TIMEOUT_S):
+            raise RuntimeError(f"shutdown: the {' and '.join(stuck)} thread holds the manager lock")
+        try:
+            self._shutdown_tiers()
+        finally:
+            self._lock.release()
 
     def _shutdown_tiers(self) -> None:
         errors = []
