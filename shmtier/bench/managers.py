@@ -85,13 +85,21 @@ ADMISSION_TOKENS = ("second_touch",)
 VARIANT_TOKENS = (*WORKER_SCHED, "raw", "zstd", "noprobe", "nowindow", *ADMISSION_TOKENS)
 
 
+def page_cache_mib(token: str) -> int | None:
+    """N of a ``pcN`` variant token (the fs tier's ``page_cache_bytes``, N MiB), else None."""
+    if token.startswith("pc") and token[2:].isdigit() and int(token[2:]) > 0:
+        return int(token[2:])
+    return None
+
+
 def known_manager(name: str) -> bool:
     """Whether ``name`` is ``vllm``, ``shmtier`` or ``shmtier@TOKENS`` ('+'-joined
-    ``VARIANT_TOKENS``): what the benches' ``--managers`` accept."""
+    ``VARIANT_TOKENS`` or ``pcN``): what the benches' ``--managers`` accept."""
     base, at, variant = name.partition("@")
     if not at:
         return base in MAKERS
-    return base == "shmtier" and all(t in VARIANT_TOKENS for t in variant.split("+"))
+    return base == "shmtier" and all(t in VARIANT_TOKENS or page_cache_mib(t) is not None
+                                     for t in variant.split("+"))
 
 
 def apply_worker_sched(pid: int, how: str) -> None:
@@ -123,8 +131,9 @@ def make_shmtier(cfg, root: str, engine_id: str, variant: str = "") -> Mut:
     """``variant``: '+'-joined tokens, each a WORKER_SCHED key, a compression mode
     (``raw`` = "none", ``zstd``), ``noprobe`` (the fs tier's ``probe_unknown`` off: a key
     its index does not know is a MISS at once, as before shared roots), ``nowindow`` (no
-    step-window poll thread: ``tier_poll_window`` 0, every poll inside the steps) or a
-    cascade admission rule (``second_touch``; default: write-through), e.g. ``raw+nice0``."""
+    step-window poll thread: ``tier_poll_window`` 0, every poll inside the steps), a
+    cascade admission rule (``second_touch``; default: write-through) or ``pcN`` (the fs
+    tier's ``page_cache_bytes`` = N MiB), e.g. ``raw+nice0``."""
     tokens = [t for t in variant.split("+") if t]
     sched = next((t for t in tokens if t in WORKER_SCHED), cfg.worker_sched)
     compression = {"raw": "none", "zstd": "zstd"}.get(
@@ -143,6 +152,9 @@ def make_shmtier(cfg, root: str, engine_id: str, variant: str = "") -> Mut:
         extra["secondary_tiers"][0]["write_depth"] = cfg.write_depth
     if "nowindow" in tokens:
         extra["tier_poll_window"] = 0
+    for t in tokens:
+        if page_cache_mib(t) is not None:
+            extra["secondary_tiers"][0]["page_cache_bytes"] = page_cache_mib(t) << 20
     admission = next((t for t in tokens if t in ADMISSION_TOKENS), None)
     if admission is not None:
         extra["admission"] = admission

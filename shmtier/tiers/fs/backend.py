@@ -23,7 +23,8 @@ and load batches to its write and read paths. The rest of the tier's worker half
 I/O: buffered by default; ``direct_io`` true (or ``"auto"``: wherever a probe write in the
 namespace succeeds, as vLLM's fs tier does) uses ``O_DIRECT`` both ways, ``"writes"`` only
 for stores (loads buffered). O_DIRECT stores keep ``write_depth`` writes in flight per
-worker (``direct_writes.py``). Why buffered is the default, with measurements:
+worker (``direct_writes.py``); buffered stores may keep only ``page_cache_bytes`` of a
+worker's recent files in the page cache (``writeback.py``). Why buffered is the default, with measurements:
 bench/README.md, fs_tier.py and "Writes that miss the page cache".
 """
 
@@ -123,6 +124,7 @@ class FsBackend(TierBackend):
         stale_temp_age_s: float = DEFAULT_STALE_TEMP_AGE_S,
         direct_io: bool | str = False,
         write_depth: int = DEFAULT_WRITE_DEPTH,
+        page_cache_bytes: int | None = None,
         mac_key: bytes | None = None,
         flag_created: bool = True,
         defer_namespace: bool = False,
@@ -169,7 +171,7 @@ class FsBackend(TierBackend):
                                    element_size=element_size, max_bytes=max_bytes,
                                    min_free_bytes=min_free_bytes, fsync=self.fsync,
                                    direct_io=self.direct_writes, mac_key=mac_key,
-                                   write_depth=write_depth)
+                                   write_depth=write_depth, page_cache_bytes=page_cache_bytes)
         #: store keys the job loop may hand over at once (``writes_in_flight`` of them
         #: are written in parallel)
         self.writes_in_flight = write_depth if self.direct_writes else 1
@@ -195,6 +197,7 @@ class FsBackend(TierBackend):
                    max_bytes=args["max_bytes"], min_free_bytes=args["min_free_bytes"],
                    chunk_bytes_hint=context.chunk_bytes, direct_io=args["direct_io"],
                    write_depth=args.get("write_depth", DEFAULT_WRITE_DEPTH),
+                   page_cache_bytes=args.get("page_cache_bytes"),
                    mac_key=args.get("mac_key"), flag_created=context.replacement,
                    defer_namespace=True)
 

@@ -22,7 +22,9 @@ filesystem takes O_DIRECT) the temp file is created here and handed to ``DirectW
 pages with ``O_DIRECT`` on an I/O thread and the file cut back to the frame's size, up
 to ``write_depth`` files in flight, while this thread encodes the next chunks; the
 batch returns once every write it started is published or failed. Else buffered, one
-``writev`` per file, on this thread.
+``writev`` per file, on this thread; with ``page_cache_bytes`` each file's writeback is
+started after its write and the worker's files past that many bytes are dropped from the
+page cache (``writeback.py``).
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from shmtier.shared.codec import ChunkEncoder, CompressionConfig
 from shmtier.shared.codec_choice import CodecChooser
 from shmtier.tiers.backend import BatchResult, Outcome, as_arena, check_batch, row_problem
 from shmtier.tiers.fs.config import DEFAULT_WRITE_DEPTH
+from shmtier.tiers.fs import writeback
 from shmtier.tiers.fs.direct_writes import DirectWrite, DirectWrites
 from shmtier.tiers.fs.fileio import (
     O_DIRECT,
@@ -82,12 +85,17 @@ class ChunkWriter:
     direct_io: bool
     mac_key: bytes | None = field(default=None, repr=False)  # frames carry a MAC tag
     write_depth: int = DEFAULT_WRITE_DEPTH
+    page_cache_bytes: int | None = None  # buffered: recent files left in the page cache
 
     def __post_init__(self) -> None:
         self._encoder = ChunkEncoder(self.codec_config, mac_key=self.mac_key)
         self._raw_encoder = ChunkEncoder(CompressionConfig(mode="none"), mac_key=self.mac_key)
         self._direct = (DirectWrites(self.write_depth, fsync=self.fsync)
                         if self.direct_io else None)
+        # buffered stores with page_cache_bytes: a bounded page-cache footprint
+        self._window = (writeback.WritebackWindow(self.page_cache_bytes, self._open_published)
+                        if self.page_cache_bytes is not None and not self.direct_io
+                        and writeback.supported() else None)
         # mode "auto": compress or not by measured cost (shared/codec_choice.py)
         self.chooser = (CodecChooser(f"fs {self.ns.root_dir}", self.codec_config.min_gain)
                         if self.codec_config.mode == "auto" else None)
@@ -245,6 +253,12 @@ class ChunkWriter:
         the I/O threads. Idempotent."""
         if self._direct is not None:
             self._direct.close()
+        if self._window is not None:
+            self._window.clear()
+
+    def _open_published(self, where: tuple[str, str]) -> int:
+        """A published file, ``(leaf directory, name)``, opened to drop its pages."""
+        return self.ns.open_entry(*where, os.O_RDONLY | os.O_NONBLOCK)[0]
 
     def _count_store_failure(self, outcome: Outcome) -> None:
         if outcome is Outcome.REJECTED:
@@ -291,6 +305,14 @@ class ChunkWriter:
         if len(made) == 2:
             return made
         tmp, fd, leaf = made
-        failed = publish_temp(fd, leaf, tmp, final, lambda f: writev_all(f, parts, size),
-                              self.fsync)
+        window = self._window
+
+        def write(f: int) -> None:
+            writev_all(f, parts, size)
+            if window is not None:
+                window.start(f)
+
+        failed = publish_temp(fd, leaf, tmp, final, write, self.fsync)
+        if failed is None and window is not None:
+            window.published((rel, final), size)
         return None if failed is None else (failed[0].errno or 0, errno_outcome(*failed))

@@ -1,0 +1,126 @@
+"""The fs tier's ``page_cache_bytes``: buffered stores leave only a worker's most recent
+files in the page cache (``shmtier/tiers/fs/writeback.py``).
+
+Real files on the test's filesystem; what is cached is read with ``mincore(2)`` on a
+mapping of each file, so the tests see the kernel's page cache itself.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import mmap
+import os
+
+import numpy as np
+import pytest
+
+from shmtier.shared.jobs import Outcome
+from shmtier.tiers.fs import writeback
+from shmtier.tiers.fs.backend import FsBackend
+
+OK, MISS = Outcome.OK, Outcome.MISS
+CB = 256 * 1024  # chunk bytes: 64 pages
+
+pytestmark = pytest.mark.skipif(not writeback.supported(),
+                                reason="no sync_file_range / POSIX_FADV_DONTNEED here")
+
+_libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+_libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_ubyte)]
+
+
+def cached_pages(path: str) -> tuple[int, int]:
+    """(pages of ``path`` in the page cache, pages of the file): ``mincore`` of a private
+    mapping of it (nothing touched, so nothing is read in)."""
+    size = os.path.getsize(path)
+    pages = -(-size // mmap.PAGESIZE)
+    with open(path, "rb") as f:
+        m = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY)
+    try:
+        anchor = ctypes.c_char.from_buffer(m)
+        vec = (ctypes.c_ubyte * pages)()
+        failed = _libc.mincore(ctypes.addressof(anchor), size, vec)
+        del anchor  # the mapping cannot close while a ctypes object points into it
+        if failed:
+            raise OSError(ctypes.get_errno(), "mincore")
+        return sum(v & 1 for v in vec), pages
+    finally:
+        m.close()
+
+
+def open_files() -> set[str]:
+    """Paths this process has open (``/proc/self/fd``)."""
+    paths = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            paths.add(os.readlink(f"/proc/self/fd/{fd}").removesuffix(" (deleted)"))
+        except OSError:
+            pass  # closed meanwhile (the listing's own descriptor)
+    return paths
+
+
+def keys_for(n: int) -> list[bytes]:
+    return [bytes([i]) * 16 for i in range(n)]
+
+
+def test_only_the_most_recent_stores_stay_in_the_page_cache(tmp_path):
+    """10 incompressible chunks stored one per call with ``page_cache_bytes`` of about 3
+    files: the 7 oldest files are written back and none of their pages stays cached, the
+    newest stay whole; every chunk loads back byte for byte (the dropped ones from the
+    device). Without the option every file stays cached (the kernel's choice here)."""
+    rng = np.random.default_rng(3)
+    src = rng.integers(0, 256, (10, CB), dtype=np.uint8)  # raw frames: CB + header each
+    keys = keys_for(10)
+    root = tmp_path / "window"
+    root.mkdir()
+    b = FsBackend(str(root), "window", min_free_bytes=0, page_cache_bytes=3 * CB + 3 * 4096)
+    for i in range(10):
+        assert b.store([keys[i]], [i], src, CB).outcomes == [OK]
+    cached = [cached_pages(b.path_for(k)) for k in keys]
+    assert all(c == 0 for c, _n in cached[:7]), cached
+    assert all(c == n for c, n in cached[7:]), cached
+    out = np.zeros_like(src)
+    assert b.load(keys, list(range(10)), out, CB).outcomes == [OK] * 10
+    assert np.array_equal(out, src)
+    b.close()
+
+    plain_root = tmp_path / "plain"
+    plain_root.mkdir()
+    plain = FsBackend(str(plain_root), "plain", min_free_bytes=0)  # the default: no limit
+    for i in range(10):
+        assert plain.store([keys[i]], [i], src, CB).outcomes == [OK]
+    assert all(c == n for c, n in (cached_pages(plain.path_for(k)) for k in keys))
+    plain.close()
+
+
+def test_a_file_deleted_inside_the_window_is_gone_at_once_and_skipped(tmp_path):
+    """The window keeps no descriptor: a chunk deleted while its file is still among the
+    recent ones frees its space at once, and dropping it later is skipped without a
+    fuss; a chunk stored again replaces the file and is served with its new bytes."""
+    rng = np.random.default_rng(4)
+    src = rng.integers(0, 256, (6, CB), dtype=np.uint8)
+    keys = keys_for(6)
+    b = FsBackend(str(tmp_path), "window-del", min_free_bytes=0, page_cache_bytes=2 * CB)
+    assert b.store(keys[:2], [0, 1], src, CB).all_ok
+    path0 = b.path_for(keys[0])
+    assert b.delete([keys[0]]).all_ok
+    assert not os.path.exists(path0)
+    assert path0 not in open_files()  # no descriptor keeps the deleted file's blocks
+    assert b.store(keys[2:6], [2, 3, 4, 5], src, CB).all_ok  # pushes key 0's entry out
+    assert b.store([keys[1]], [5], src, CB, skip_existing=False).all_ok  # key 1: row 5's bytes
+    out = np.zeros_like(src)
+    res = b.load(keys, list(range(6)), out, CB)
+    assert res.outcomes == [MISS] + [OK] * 5
+    assert np.array_equal(out[1], src[5]) and np.array_equal(out[2:], src[2:])
+    b.close()
+
+
+def test_page_cache_bytes_is_checked_and_reaches_the_workers(tmp_path):
+    """The spec names the key and what it accepts; a valid value reaches the workers."""
+    from tests.test_tier_config import build
+
+    with pytest.raises(ValueError, match=r"\.page_cache_bytes = 0 is invalid: expected an "
+                                         r"integer >= 1, or null \(no limit\)"):
+        build({"type": "fs", "root_dir": str(tmp_path), "page_cache_bytes": 0})
+    spec = build({"type": "fs", "root_dir": str(tmp_path), "page_cache_bytes": 1 << 26})
+    assert spec.pool_config.tiers[0]["args"]["page_cache_bytes"] == 1 << 26
