@@ -83,7 +83,7 @@ class WritebackWindow:
             try:
                 fd = self._open(old)
             except OSError:
-                continue  # deleted or replaced meanwhile: nothing of it to keep out
+                continue  # deleted meanwhile: its pages went with it
             try:
                 if _sync_file_range(fd, 0, 0, _WAIT_BEFORE | _WRITE | _WAIT_AFTER) == 0:
                     os.posix_fadvise(fd, 0, 0, _FADV_DONTNEED)
