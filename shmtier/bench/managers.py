@@ -152,9 +152,9 @@ def make_shmtier(cfg, root: str, engine_id: str, variant: str = "") -> Mut:
         extra["secondary_tiers"][0]["write_depth"] = cfg.write_depth
     if "nowindow" in tokens:
         extra["tier_poll_window"] = 0
-    for t in tokens:
-        if page_cache_mib(t) is not None:
-            extra["secondary_tiers"][0]["page_cache_bytes"] = page_cache_mib(t) << 20
+    mib = next((m for m in map(page_cache_mib, tokens) if m is not None), None)
+    if mib is not None:
+        extra["secondary_tiers"][0]["page_cache_bytes"] = mib << 20
     admission = next((t for t in tokens if t in ADMISSION_TOKENS), None)
     if admission is not None:
         extra["admission"] = admission

@@ -24,8 +24,8 @@ I/O: buffered by default; ``direct_io`` true (or ``"auto"``: wherever a probe wr
 namespace succeeds, as vLLM's fs tier does) uses ``O_DIRECT`` both ways, ``"writes"`` only
 for stores (loads buffered). O_DIRECT stores keep ``write_depth`` writes in flight per
 worker (``direct_writes.py``); buffered stores may keep only ``page_cache_bytes`` of a
-worker's recent files in the page cache (``writeback.py``). Why buffered is the default, with measurements:
-bench/README.md, fs_tier.py and "Writes that miss the page cache".
+worker's recent files in the page cache (``writeback.py``). Why buffered is the default,
+with measurements: bench/README.md, fs_tier.py and "Writes that miss the page cache".
 """
 
 from __future__ import annotations

@@ -39,8 +39,8 @@ from typing import Sequence
 from shmtier.shared.codec import ChunkEncoder, CompressionConfig
 from shmtier.shared.codec_choice import CodecChooser
 from shmtier.tiers.backend import BatchResult, Outcome, as_arena, check_batch, row_problem
-from shmtier.tiers.fs.config import DEFAULT_WRITE_DEPTH
 from shmtier.tiers.fs import writeback
+from shmtier.tiers.fs.config import DEFAULT_WRITE_DEPTH
 from shmtier.tiers.fs.direct_writes import DirectWrite, DirectWrites
 from shmtier.tiers.fs.fileio import (
     O_DIRECT,

@@ -7,7 +7,7 @@ the worker's single thread; not thread-safe). Blocks only in ``published``, when
 oldest file's writeback is still running (it had ``max_bytes`` of later writes' time to
 finish), and for the open of that file.
 
-Why (bench/README.md, "Writes that miss the page cache"): on the 2-vCPU VM a buffered write
+Why (bench/README.md, "A bounded page cache for the stores"): on the 2-vCPU VM a buffered write
 into new page-cache pages costs 5-8 s of kernel CPU per GiB once ~1 GiB of memory the guest
 had handed back to the host is touched again (anonymous memory costs the same: it is the
 VM's, not the filesystem's), against ~1 s when the pages come from files just dropped. A
@@ -64,7 +64,6 @@ class WritebackWindow:
         self._open = open_file
         self._files: deque[tuple[Any, int]] = deque()  # (where, bytes), oldest first
         self._bytes = 0
-        self.dropped = 0  # files dropped from the page cache
 
     @staticmethod
     def start(fd: int) -> None:
@@ -87,7 +86,6 @@ class WritebackWindow:
             try:
                 if _sync_file_range(fd, 0, 0, _WAIT_BEFORE | _WRITE | _WAIT_AFTER) == 0:
                     os.posix_fadvise(fd, 0, 0, _FADV_DONTNEED)
-                    self.dropped += 1
             except OSError:
                 pass
             finally:
