@@ -208,7 +208,9 @@ def main(argv=None) -> int:
           f"every run): {trace.describe(capacity)}")
     print(f"  sizes: chunk {args.chunk_kib} KiB (= arena row, no padding), CPU tier "
           f"{args.cpu_mib} MiB = {capacity} chunks for both managers, LRU, events off; fs tier "
-          f"unbounded, fresh temp dir under {cfg.dir} per run (removed after)")
+          f"unbounded, fresh temp dir under {cfg.dir} per run (emptied after it, removed at exit:")
+    print("    a removed run would tax the next one's file creations on ext4 without a journal, "
+          "bench/README.md)")
     print(f"  shmtier: TieringOffloadingSpec(...).get_manager(), fs tier, num_tier_workers "
           f"{args.workers} (spawned processes; scheduling {args.worker_sched}: "
           f"{WORKER_SCHED[args.worker_sched]}), compression {args.compression}, direct_io {args.fs_direct_io}, write_depth {args.fs_write_depth or 'default'}, min_free_bytes None;"

@@ -177,3 +177,26 @@ def test_bench_stress_quick_verdict(tmp_path):
     assert f["fill_root"].get("fills") == 1 or f["fill_root"]["skipped"]
     assert v["figures"]["latency"]["max_us"] < 500e3 and v["loadavg"]["after"]
     assert p.stdout.splitlines()[-1].startswith("stress verdict: PASS")
+
+
+def test_retired_run_dir_is_emptied_then_removed_at_exit(tmp_path):
+    """A finished run's fs directory: every file truncated at once (blocks and page cache
+    freed, inodes kept: ext4 without a journal taxes creations after mass deletion), the
+    tree removed when the bench process exits."""
+    root = tmp_path / "run"
+    (root / "a" / "b").mkdir(parents=True)
+    (root / "a" / "b" / "x.kv").write_bytes(b"k" * 5000)
+    (root / "y.kv").write_bytes(b"v" * 7000)
+    code = (
+        "import os, sys\n"
+        "from shmtier.bench.driver import retire_root\n"
+        "root = sys.argv[1]\n"
+        "retire_root(root)\n"
+        "sizes = sorted(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(root) for f in fs)\n"
+        "print(sizes)\n"
+    )
+    p = subprocess.run([sys.executable, "-c", code, str(root)], cwd=REPO, capture_output=True,
+                       text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.strip() == "[0, 0]"  # both files still there, emptied, while it ran
+    assert not root.exists()  # gone once the process exited

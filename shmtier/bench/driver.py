@@ -8,11 +8,13 @@ request's next chunks to prepare_store (the rows then filled, standing in for th
 copy), on_request_finished, on_schedule_end; sleep out the step; complete last step's
 jobs; has_pending_work, get_stats, take_events. Every manager call is timed (wall and
 on-CPU); the run's raw figures come back as a dict for shmtier/bench/report.py. After the
-run the manager, its directory and its /dev/shm entries are removed, also on error.
+run the manager and its /dev/shm entries are removed and its directory emptied, also on
+error; the emptied directories go when the process exits (``retire_root``).
 """
 
 from __future__ import annotations
 
+import atexit
 import gc
 import os
 import resource
@@ -520,6 +522,36 @@ def disk_usage(root: str, ext: str) -> dict:
             "alloc_bytes": alloc}
 
 
+#: run directories emptied by ``retire_root``, removed at exit
+_RETIRED: list[str] = []
+
+
+def _remove_retired() -> None:
+    while _RETIRED:
+        shutil.rmtree(_RETIRED.pop(), ignore_errors=True)
+
+
+def retire_root(root: str) -> None:
+    """Empty a finished run's fs directory now (every file truncated: its blocks and page
+    cache freed) and remove the tree when this process exits.
+
+    Not removed at once because ext4 without a journal (this VM's root filesystem) keeps a
+    freed inode from reuse for 60 s (longer while its inode table block is dirty) and scans
+    past every such inode of the group at each file creation (``recently_deleted``): one
+    run's ~3000 files and ~1600 directories, removed before the next run, cost that run's
+    file creations (shmtier's tier workers, vLLM's I/O threads) up to 44% of their CPU
+    (bench/README.md, "Runs that pay for the last run's deletions")."""
+    for dirpath, _dirnames, filenames in os.walk(root):
+        for name in filenames:
+            try:
+                os.truncate(os.path.join(dirpath, name), 0)
+            except OSError:
+                pass
+    if not _RETIRED:
+        atexit.register(_remove_retired)
+    _RETIRED.append(root)
+
+
 def run_one(name: str, trace, cfg, data_pool, run_no: int, profiler=None) -> dict:
     safe = name.replace("@", "_")
     engine_id = f"{TAG}{run_no}-{safe}"
@@ -581,7 +613,7 @@ def run_one(name: str, trace, cfg, data_pool, run_no: int, profiler=None) -> dic
                 mut.close()
             except Exception as e:  # noqa: BLE001 - report, keep cleaning
                 print(f"  ! {name}: shutdown failed: {type(e).__name__}: {e}", file=sys.stderr)
-        shutil.rmtree(root, ignore_errors=True)
+        retire_root(root)
         left = sweep_shm(engine_id)
         if left:
             print(f"  ! {name}: removed leftover /dev/shm entries: {left}", file=sys.stderr)
