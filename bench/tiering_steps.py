@@ -49,7 +49,8 @@ see --worker-sched), compression (``raw`` = none, ``zstd``), the fs tier's
 lookup probes of unknown keys (``noprobe``: off, the behaviour before shared roots), the
 step-window poll thread (``nowindow``: off, every poll inside the steps),
 cascade admission (``second_touch``; the default is vLLM's write-through) and/or the fs
-tier's page-cache bound (``pcN``: ``page_cache_bytes`` of N MiB per tier worker).
+tier's page-cache bound (``pcN``: ``page_cache_bytes`` of N MiB per tier worker,
+``pcauto``: "auto", ``pcoff``: null).
 
 The parts live in the package (``shmtier bench`` ships them): shmtier/bench/managers.py
 (building both managers), shmtier/bench/driver.py (one run: the driver and its timing),
@@ -90,7 +91,8 @@ def main(argv=None) -> int:
     ap.add_argument("--managers", default="shmtier,vllm",
                     help="comma-separated: shmtier, vllm, and shmtier@TOKENS variants, TOKENS "
                          "'+'-joined worker scheduling (--worker-sched values) and/or compression "
-                         "(raw = none, zstd), pcN (fs page_cache_bytes N MiB), e.g. "
+                         "(raw = none, zstd), pcN / pcauto / pcoff (fs page_cache_bytes N MiB, auto, "
+                         "null), e.g. "
                          "shmtier,shmtier@nice0,shmtier@raw,shmtier@pc64,vllm; all interleaved")
     ap.add_argument("--chunk-kib", type=int, default=256, help="chunk (arena row) KiB, page multiple")
     ap.add_argument("--cpu-mib", type=int, default=128, help="CPU tier MiB (both managers)")
@@ -138,7 +140,7 @@ def main(argv=None) -> int:
     for n in names + ([args.profile] if args.profile else []):
         if not known_manager(n):
             ap.error(f"unknown manager {n!r} (shmtier, vllm, or shmtier@TOKENS with "
-                     f"TOKENS '+'-joined from {', '.join(VARIANT_TOKENS)}, pcN)")
+                     f"TOKENS '+'-joined from {', '.join(VARIANT_TOKENS)}, pcN, pcauto, pcoff)")
     if len(set(names)) != len(names):
         ap.error("--managers: a manager is listed twice")
     chunk_bytes = args.chunk_kib * 1024

@@ -53,6 +53,12 @@ class Check:
         return Check(f"{self.accepted}, or {what}",
                      lambda v: None if v is None else self._convert(v))
 
+    def or_text(self, word: str, what: str) -> "Check":
+        """The same check, also accepting the string ``word`` (``what`` says what it
+        means in the error text)."""
+        return Check(f"{self.accepted}, or {word!r} ({what})",
+                     lambda v: v if isinstance(v, str) and v == word else self._convert(v))
+
 
 def _fail(detail: str = "") -> Any:
     raise ValueError(detail)

@@ -14,10 +14,13 @@ import os
 
 import numpy as np
 import pytest
+from fs_engine import engines, key  # noqa: F401 (the engines fixture)
 
+from shmtier.contract import ReqContext
 from shmtier.shared.jobs import Outcome
 from shmtier.tiers.fs import writeback
 from shmtier.tiers.fs.backend import FsBackend
+from shmtier.tiers.storage.scheduler import PAGE_CACHE_BOUNDED
 
 OK, MISS = Outcome.OK, Outcome.MISS
 CB = 256 * 1024  # chunk bytes: 64 pages
@@ -124,3 +127,122 @@ def test_page_cache_bytes_is_checked_and_reaches_the_workers(tmp_path):
         build({"type": "fs", "root_dir": str(tmp_path), "page_cache_bytes": 0})
     spec = build({"type": "fs", "root_dir": str(tmp_path), "page_cache_bytes": 1 << 26})
     assert spec.pool_config.tiers[0]["args"]["page_cache_bytes"] == 1 << 26
+
+
+class _Opened:
+    """``open_file`` for a window over real files in ``root``: opens ``root/where``."""
+
+    def __init__(self, root):
+        self.root = root
+
+    def __call__(self, where) -> int:
+        return os.open(os.path.join(self.root, where), os.O_RDONLY)
+
+
+def _write(root, name: str, data: bytes) -> int:
+    fd = os.open(os.path.join(root, name), os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o600)
+    try:
+        os.write(fd, data)
+    finally:
+        os.close(fd)
+    return len(data)
+
+
+def test_auto_window_stays_open_while_writes_are_cheap_and_closes_at_its_footprint(tmp_path):
+    """``page_cache_bytes: "auto"``, the rule with given write costs: below
+    ``AUTO_EXPENSIVE_S_PER_GIB`` (or before a whole ``AUTO_MEASURE_BYTES`` is measured)
+    nothing is dropped and no writeback is started; the first expensive measure bounds
+    the window at what it then holds (at least ``AUTO_MIN_BYTES``), after which each
+    new file pushes the oldest out of the page cache."""
+    gib = 1 << 30
+    step = writeback.AUTO_MEASURE_BYTES // 4
+    w = writeback.WritebackWindow(writeback.AUTO, _Opened(str(tmp_path)), "test")
+    assert w.measuring and w.max_bytes is None
+    # cheap: 1.0 s/GiB over several whole measures -> stays open, drops nothing
+    for i in range(12):
+        w.note_write(step, 1.0 * step / gib)
+        w.published(f"f{i}", step)
+    assert w.measuring and w.max_bytes is None and w.closed_by is None
+    # one very slow write inside a measure that is cheap on the whole: still open
+    w.note_write(step, 0.5 * writeback.AUTO_EXPENSIVE_S_PER_GIB * step / gib)
+    for _ in range(3):
+        w.note_write(step, 0.2 * step / gib)
+    assert w.max_bytes is None
+    # expensive: a whole measure at 6 s/GiB closes it at the footprint (12 files tracked)
+    for _ in range(3):
+        w.note_write(step, 6.0 * step / gib)
+    assert w.max_bytes is None  # the measure is not complete yet
+    w.note_write(step, 6.0 * step / gib)
+    assert not w.measuring
+    assert w.max_bytes == max(writeback.AUTO_MIN_BYTES, 12 * step)
+    assert round(w.closed_by[0], 3) == 6.0
+
+
+def test_auto_window_keeps_at_least_its_minimum(tmp_path):
+    """A window that closes early (little written) keeps ``AUTO_MIN_BYTES``."""
+    gib = 1 << 30
+    w = writeback.WritebackWindow(writeback.AUTO, _Opened(str(tmp_path)), "test")
+    w.published("only", 4096)
+    w.note_write(writeback.AUTO_MEASURE_BYTES, 3.0 * writeback.AUTO_MEASURE_BYTES / gib)
+    assert w.max_bytes == writeback.AUTO_MIN_BYTES
+
+
+def test_closed_auto_window_drops_the_oldest_real_files(tmp_path, monkeypatch):
+    """Real files: an auto window that closed at 4 files' worth drops the oldest file
+    from the page cache for each new one (written back first), starts the writeback of
+    the files written while it was open ahead of their drop, and leaves the newest
+    cached; the bytes in every file are unchanged."""
+    monkeypatch.setattr(writeback, "AUTO_MIN_BYTES", 1)
+    monkeypatch.setattr(writeback, "AUTO_MEASURE_BYTES", CB)
+    rng = np.random.default_rng(5)
+    blobs = [rng.integers(0, 256, CB, dtype=np.uint8).tobytes() for _ in range(7)]
+    root = str(tmp_path)
+    w = writeback.WritebackWindow(writeback.AUTO, _Opened(root), "test")
+    for i in range(4):  # cheap while open: all stay cached
+        n = _write(root, f"f{i}", blobs[i])
+        w.note_write(n, 0.0)
+        w.published(f"f{i}", n)
+    assert all(cached_pages(os.path.join(root, f"f{i}"))[0] == CB // mmap.PAGESIZE
+               for i in range(4))
+    n = _write(root, "f4", blobs[4])
+    w.note_write(n, 10.0)  # expensive: closes at the 4 files' footprint
+    assert w.max_bytes == 4 * CB
+    for i in range(4, 7):
+        if i > 4:
+            n = _write(root, f"f{i}", blobs[i])
+        fd = os.open(os.path.join(root, f"f{i}"), os.O_RDONLY)
+        try:
+            w.start(fd)
+        finally:
+            os.close(fd)
+        w.published(f"f{i}", n)
+    cached = [cached_pages(os.path.join(root, f"f{i}"))[0] for i in range(7)]
+    assert cached[:3] == [0, 0, 0], cached  # the 3 oldest dropped, one per new file
+    assert all(c == CB // mmap.PAGESIZE for c in cached[3:]), cached
+    for i in range(7):
+        with open(os.path.join(root, f"f{i}"), "rb") as f:
+            assert f.read() == blobs[i]
+
+
+def test_page_cache_bytes_auto_is_accepted_and_reaches_the_workers(tmp_path):
+    """"auto" is a valid value (any other string names the key and what is accepted)."""
+    from tests.test_tier_config import build
+
+    spec = build({"type": "fs", "root_dir": str(tmp_path), "page_cache_bytes": "auto"})
+    assert spec.pool_config.tiers[0]["args"]["page_cache_bytes"] == "auto"
+    with pytest.raises(ValueError, match=r"\.page_cache_bytes = 'big' is invalid: expected an "
+                                         r"integer >= 1, or null \(no limit\), or 'auto'"):
+        build({"type": "fs", "root_dir": str(tmp_path), "page_cache_bytes": "big"})
+
+
+@pytest.mark.parametrize("bound, expected", [(None, 0), ("auto", 0), (8192, 1)])
+def test_the_page_cache_gauge_says_whether_the_workers_bound_it(engines, tmp_path, bound,
+                                                                expected):
+    """Real tier workers: after a cascade, ``vllm:kv_offload_shmtier_page_cache_bounded``
+    is 1 with a fixed bound and 0 without one, or with "auto" while its writes are
+    cheap (a few 8 KiB files never complete a measure)."""
+    e = engines(tmp_path, page_cache_bytes=bound)
+    e.settle()
+    e.offload([key(i) for i in range(6)], 0, ReqContext("a"))
+    e.settle()
+    assert e.manager.get_stats().data["data"][PAGE_CACHE_BOUNDED][("1:fs",)] == expected

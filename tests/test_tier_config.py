@@ -184,7 +184,7 @@ def test_valid_fs_options_are_normalised_and_reach_the_workers(tmp_path):
     assert tier.options.locality == "REMOTE"
     assert spec.pool_config.tiers == [{"type": "fs", "args": {
         "root_dir": str(tmp_path), "max_bytes": 1 << 20, "min_free_bytes": 1 << 30,
-        "fsync": True, "direct_io": False, "write_depth": 8, "page_cache_bytes": None}}]
+        "fsync": True, "direct_io": False, "write_depth": 8, "page_cache_bytes": "auto"}}]
     with pytest.raises(AttributeError):
         tier.options.fsync = False  # frozen
 

@@ -85,20 +85,26 @@ ADMISSION_TOKENS = ("second_touch",)
 VARIANT_TOKENS = (*WORKER_SCHED, "raw", "zstd", "noprobe", "nowindow", *ADMISSION_TOKENS)
 
 
-def page_cache_mib(token: str) -> int | None:
-    """N of a ``pcN`` variant token (the fs tier's ``page_cache_bytes``, N MiB), else None."""
+def page_cache_bound(token: str) -> int | str | None:
+    """The fs tier's ``page_cache_bytes`` a variant token sets: ``pcN`` N MiB (in bytes),
+    ``pcauto`` "auto", ``pcoff`` None (no limit); else ``...`` (Ellipsis: not such a token)."""
+    if token == "pcauto":
+        return "auto"
+    if token == "pcoff":
+        return None
     if token.startswith("pc") and token[2:].isdigit() and int(token[2:]) > 0:
-        return int(token[2:])
-    return None
+        return int(token[2:]) << 20
+    return ...
 
 
 def known_manager(name: str) -> bool:
     """Whether ``name`` is ``vllm``, ``shmtier`` or ``shmtier@TOKENS`` ('+'-joined
-    ``VARIANT_TOKENS`` or ``pcN``): what the benches' ``--managers`` accept."""
+    ``VARIANT_TOKENS``, ``pcN``, ``pcauto`` or ``pcoff``): what the benches' ``--managers``
+    accept."""
     base, at, variant = name.partition("@")
     if not at:
         return base in MAKERS
-    return base == "shmtier" and all(t in VARIANT_TOKENS or page_cache_mib(t) is not None
+    return base == "shmtier" and all(t in VARIANT_TOKENS or page_cache_bound(t) is not ...
                                      for t in variant.split("+"))
 
 
@@ -132,8 +138,8 @@ def make_shmtier(cfg, root: str, engine_id: str, variant: str = "") -> Mut:
     (``raw`` = "none", ``zstd``), ``noprobe`` (the fs tier's ``probe_unknown`` off: a key
     its index does not know is a MISS at once, as before shared roots), ``nowindow`` (no
     step-window poll thread: ``tier_poll_window`` 0, every poll inside the steps), a
-    cascade admission rule (``second_touch``; default: write-through) or ``pcN`` (the fs
-    tier's ``page_cache_bytes`` = N MiB), e.g. ``raw+nice0``."""
+    cascade admission rule (``second_touch``; default: write-through) or ``pcN`` / ``pcauto`` /
+    ``pcoff`` (the fs tier's ``page_cache_bytes`` = N MiB, "auto", null), e.g. ``raw+nice0``."""
     tokens = [t for t in variant.split("+") if t]
     sched = next((t for t in tokens if t in WORKER_SCHED), cfg.worker_sched)
     compression = {"raw": "none", "zstd": "zstd"}.get(
@@ -152,9 +158,9 @@ def make_shmtier(cfg, root: str, engine_id: str, variant: str = "") -> Mut:
         extra["secondary_tiers"][0]["write_depth"] = cfg.write_depth
     if "nowindow" in tokens:
         extra["tier_poll_window"] = 0
-    mib = next((m for m in map(page_cache_mib, tokens) if m is not None), None)
-    if mib is not None:
-        extra["secondary_tiers"][0]["page_cache_bytes"] = mib << 20
+    bound = next((b for b in map(page_cache_bound, tokens) if b is not ...), ...)
+    if bound is not ...:
+        extra["secondary_tiers"][0]["page_cache_bytes"] = bound
     admission = next((t for t in tokens if t in ADMISSION_TOKENS), None)
     if admission is not None:
         extra["admission"] = admission

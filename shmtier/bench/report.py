@@ -10,7 +10,8 @@ from __future__ import annotations
 import statistics
 
 from shmtier.bench.common import fmt_mr, med_range, pct
-from shmtier.bench.driver import KINDS, MANAGER_COUNTERS, READ_BYTES, RING_DEPTH, WRITE_BYTES
+from shmtier.bench.driver import (KINDS, MANAGER_COUNTERS, PAGE_CACHE_BOUNDED, READ_BYTES, RING_DEPTH,
+                                  WRITE_BYTES)
 from shmtier.bench.slow_steps import attribute, format_table
 
 LABELS = {"shmtier": "shmtier", "vllm": "vLLM 0.33"}
@@ -82,6 +83,7 @@ def summarise(res: dict, chunk_bytes: int) -> dict:
     for _, name in MANAGER_COUNTERS:
         s[name] = ms["counters"].get(name, 0)
     s["ring_depth_max"] = ms["gauge_max"].get(RING_DEPTH)
+    s["page_cache_bounded"] = ms["gauge_max"].get(PAGE_CACHE_BOUNDED)
     s.update(cascade_yield(ms["counters"], disk, s["hit_fs"], res.get("row_stride") or chunk_bytes))
     # fs unbounded: one file per distinct chunk ever cascaded
     s["cascaded_read_back"] = (res["read_back_keys"] / d["chunk_files"]
@@ -212,6 +214,7 @@ ROWS = [  # (label, key, digits, ratio?)
     ("manager's own counters over the run (get_stats)", None, 0, False),
     *[(f"  {lbl}", name, 0, False) for lbl, name in MANAGER_COUNTERS],
     ("  shmtier job ring depth, max seen", "ring_depth_max", 0, False),
+    ("  shmtier fs page cache bounded (1: yes, at some step)", "page_cache_bounded", 0, False),
     ("disk", None, 0, False),
     ("  bytes per logical byte", "disk_per_logical", 3, True),
     ("  allocated bytes per logical byte", "disk_alloc_per_logical", 3, True),

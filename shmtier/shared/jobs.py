@@ -148,6 +148,10 @@ class ResultFlag:
     #: (codec mode "auto", ``shared/codec_choice.py``) was raw when it answered (the
     #: scheduler half's gauge ``vllm:kv_offload_shmtier_compression_on``).
     COMPRESSION_OFF = 2
+    #: On a store's result: the worker keeps the page cache of its stores to the tier
+    #: bounded (fs ``page_cache_bytes``: a fixed bound, or an ``"auto"`` bound once found;
+    #: the scheduler half's gauge ``vllm:kv_offload_shmtier_page_cache_bounded``).
+    PAGE_CACHE_BOUNDED = 4
 
 
 #: Which outcomes count as a success, per op.

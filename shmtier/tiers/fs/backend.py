@@ -124,7 +124,7 @@ class FsBackend(TierBackend):
         stale_temp_age_s: float = DEFAULT_STALE_TEMP_AGE_S,
         direct_io: bool | str = False,
         write_depth: int = DEFAULT_WRITE_DEPTH,
-        page_cache_bytes: int | None = None,
+        page_cache_bytes: int | str | None = None,
         mac_key: bytes | None = None,
         flag_created: bool = True,
         defer_namespace: bool = False,
@@ -455,11 +455,14 @@ class FsBackend(TierBackend):
         """``ResultFlag`` bits raised since the last call (``NAMESPACE_RESET``: the
         namespace directory was removed, replaced or made again, seen by this process;
         the scheduler half should drop its index of the tier and scan again), cleared;
-        plus ``COMPRESSION_OFF`` while compression by cost chose raw frames."""
+        plus ``COMPRESSION_OFF`` while compression by cost chose raw frames and
+        ``PAGE_CACHE_BOUNDED`` while the stores' page cache is bounded."""
         flags, self._flags = self._flags, 0
         chooser = self._writer.chooser
         if chooser is not None and chooser.decision is not None and not chooser.decision.compress:
             flags |= ResultFlag.COMPRESSION_OFF  # the compression-by-cost choice: raw
+        if self._writer.page_cache_bounded:
+            flags |= ResultFlag.PAGE_CACHE_BOUNDED
         return int(flags)
 
     # ------------------------------------------------------------------ misc

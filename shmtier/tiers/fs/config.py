@@ -35,7 +35,9 @@ class FsTierConfig(StorageTierConfig):
     writes a tier worker keeps in flight, each with a chunk-sized buffer.
     ``page_cache_bytes``: with buffered stores, the bytes of a tier worker's most recent
     files left in the page cache; older ones are written back and dropped from it
-    (``writeback.py``; None: no limit, the kernel's choice).
+    (``writeback.py``; None: no limit, the kernel's choice; "auto", the default: no
+    limit until the worker's buffered writes show new page cache to be expensive, then
+    what it holds).
     ``n_read_threads``/``n_write_threads``: vLLM's fs options, accepted and unused (the
     tier workers do the I/O).
 
@@ -49,7 +51,8 @@ class FsTierConfig(StorageTierConfig):
     fsync: bool = option(False, boolean(), worker=True)
     direct_io: bool | str = option(False, one_of(False, True, "auto", "writes"), worker=True)
     write_depth: int = option(DEFAULT_WRITE_DEPTH, integer(1, MAX_WRITE_DEPTH), worker=True)
-    page_cache_bytes: int | None = option(None, integer(1).or_none("null (no limit)"),
-                                          worker=True)
+    page_cache_bytes: int | str | None = option(
+        "auto", integer(1).or_none("null (no limit)").or_text(
+            "auto", "bounded once new page cache proves expensive"), worker=True)
     n_read_threads: int | None = option(None, integer(1).or_none())
     n_write_threads: int | None = option(None, integer(1).or_none())

@@ -24,7 +24,8 @@ to ``write_depth`` files in flight, while this thread encodes the next chunks; t
 batch returns once every write it started is published or failed. Else buffered, one
 ``writev`` per file, on this thread; with ``page_cache_bytes`` each file's writeback is
 started after its write and the worker's files past that many bytes are dropped from the
-page cache (``writeback.py``).
+page cache (``writeback.py``; ``"auto"``: the writes are timed until new page cache
+proves expensive, then the footprint stops growing).
 """
 
 from __future__ import annotations
@@ -85,7 +86,7 @@ class ChunkWriter:
     direct_io: bool
     mac_key: bytes | None = field(default=None, repr=False)  # frames carry a MAC tag
     write_depth: int = DEFAULT_WRITE_DEPTH
-    page_cache_bytes: int | None = None  # buffered: recent files left in the page cache
+    page_cache_bytes: int | str | None = None  # buffered: recent files left in the page cache
 
     def __post_init__(self) -> None:
         self._encoder = ChunkEncoder(self.codec_config, mac_key=self.mac_key)
@@ -93,12 +94,19 @@ class ChunkWriter:
         self._direct = (DirectWrites(self.write_depth, fsync=self.fsync)
                         if self.direct_io else None)
         # buffered stores with page_cache_bytes: a bounded page-cache footprint
-        self._window = (writeback.WritebackWindow(self.page_cache_bytes, self._open_published)
+        self._window = (writeback.WritebackWindow(self.page_cache_bytes, self._open_published,
+                                                  f"fs {self.ns.root_dir}")
                         if self.page_cache_bytes is not None and not self.direct_io
                         and writeback.supported() else None)
         # mode "auto": compress or not by measured cost (shared/codec_choice.py)
         self.chooser = (CodecChooser(f"fs {self.ns.root_dir}", self.codec_config.min_gain)
                         if self.codec_config.mode == "auto" else None)
+
+    @property
+    def page_cache_bounded(self) -> bool:
+        """Whether this writer's buffered stores keep a bounded page cache now (a fixed
+        ``page_cache_bytes``, or an ``"auto"`` one that found its bound)."""
+        return self._window is not None and self._window.max_bytes is not None
 
     def store(self, keys: Sequence[bytes], rows: Sequence[int], arena, chunk_bytes: int, *,
               skip_existing: bool, bytes_in_use: int | None, hurry: bool,
@@ -308,7 +316,12 @@ class ChunkWriter:
         window = self._window
 
         def write(f: int) -> None:
-            writev_all(f, parts, size)
+            if window is not None and window.measuring:  # is new page cache expensive?
+                cpu = time.thread_time()
+                writev_all(f, parts, size)
+                window.note_write(size, time.thread_time() - cpu)
+            else:
+                writev_all(f, parts, size)
             if window is not None:
                 window.start(f)
 

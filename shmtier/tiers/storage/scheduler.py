@@ -124,6 +124,7 @@ PROBED_KEYS = "vllm:kv_offload_shmtier_lookup_probed_keys"
 PROBE_HITS = "vllm:kv_offload_shmtier_lookup_probe_hits"
 PROBES_EXPIRED = "vllm:kv_offload_shmtier_lookup_probes_expired"
 COMPRESSION_ON = "vllm:kv_offload_shmtier_compression_on"
+PAGE_CACHE_BOUNDED = "vllm:kv_offload_shmtier_page_cache_bounded"
 
 
 class _Cascade:
@@ -233,6 +234,7 @@ class StorageTierManager(SecondaryTierManager):
         self._broken = False  # the pool is broken: MISS, and fail jobs at once
         self.namespace_resets = 0  # results flagged NAMESPACE_RESET (each worker's, each change)
         self._compression_on = True  # last store result without COMPRESSION_OFF
+        self._page_cache_bounded = False  # last store result with PAGE_CACHE_BOUNDED
         # Between-steps rounds (``submit_between_steps``) since the last on_schedule_end,
         # and whether they came in the last forward pass: while they do, a step sends only
         # its loads and leaves stores, deletes and probes to the next round.
@@ -587,6 +589,7 @@ class StorageTierManager(SecondaryTierManager):
             if op == "store":
                 # the workers' compression-by-cost choice, as of this answer
                 self._compression_on = not res.flags & ResultFlag.COMPRESSION_OFF
+                self._page_cache_bounded = bool(res.flags & ResultFlag.PAGE_CACHE_BOUNDED)
                 self._finish_stores(res, what)
             elif op == "load":
                 start = 0
@@ -1003,6 +1006,7 @@ class StorageTierManager(SecondaryTierManager):
         stats.set_gauge(RING_DEPTH, self._pool.queued_jobs(), (self._label,))
         stats.set_gauge(POOL_BROKEN, int(self._broken), (self._label,))
         stats.set_gauge(COMPRESSION_ON, int(self._compression_on), (self._label,))
+        stats.set_gauge(PAGE_CACHE_BOUNDED, int(self._page_cache_bounded), (self._label,))
 
     @classmethod
     def build_metric_definitions(cls, tier_config: dict[str, Any]) -> dict[str, Any]:
@@ -1032,6 +1036,11 @@ class StorageTierManager(SecondaryTierManager):
                 "cost (compression \"auto\") has them store raw frames (as of the last "
                 "store answered; each change and its measured inputs are logged by the "
                 "worker at INFO).", t),
+            PAGE_CACHE_BOUNDED: metrics.GaugeMetadata(
+                "1 while the tier workers keep the page cache of their stores bounded (fs "
+                "page_cache_bytes: a fixed bound, or \"auto\" once buffered writes showed new "
+                "page cache to be expensive; the worker logs the bound at INFO), else 0 (as "
+                "of the last store answered).", t),
             RING_DEPTH: metrics.GaugeMetadata(
                 "Jobs waiting in the tier workers' job rings (all tiers share the pool).", t),
         }
