@@ -10,6 +10,9 @@ seconds and wall seconds per GiB. Modes, run one after another:
 * ``window``: buffered, writeback started after each file and files past the window
   (``--window-mib``) waited for and dropped (``shmtier/tiers/fs/writeback.py``, the same
   class the tier uses); "waited" is the time spent waiting for a writeback;
+* ``auto``: the window as ``page_cache_bytes: "auto"`` runs it (the tier's default): each
+  write timed, no bound until a measure is expensive; the line says when it closed and
+  at what bound;
 * ``anon``: the same bytes copied into new anonymous memory (mmap), kept until the end,
   to tell the machine's cost of new memory from the filesystem's.
 
@@ -41,8 +44,9 @@ from shmtier.tiers.fs import writeback  # noqa: E402
 def run_files(root: str, mode: str, rounds: int, files: int, size: int,
               window_bytes: int) -> list[tuple[float, float, float]]:
     data = os.urandom(size)
-    win = (writeback.WritebackWindow(window_bytes, lambda name: os.open(name, os.O_RDONLY))
-           if mode == "window" else None)
+    bound = {"window": window_bytes, "auto": writeback.AUTO}.get(mode)
+    win = (writeback.WritebackWindow(bound, lambda name: os.open(name, os.O_RDONLY))
+           if bound is not None else None)
     out, k = [], 0
     for _ in range(rounds):
         waited = 0.0
@@ -52,7 +56,12 @@ def run_files(root: str, mode: str, rounds: int, files: int, size: int,
             k += 1
             fd = os.open(final + ".tmp", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
             try:
-                os.write(fd, data)
+                if win is not None and win.measuring:  # as the tier's ChunkWriter does
+                    cpu = time.thread_time()
+                    os.write(fd, data)
+                    win.note_write(size, time.thread_time() - cpu)
+                else:
+                    os.write(fd, data)
                 if win is not None:
                     win.start(fd)
             finally:
@@ -65,6 +74,10 @@ def run_files(root: str, mode: str, rounds: int, files: int, size: int,
         gib = files * size / 2**30
         out.append(((time.thread_time() - cpu0) / gib, (time.perf_counter() - wall0) / gib,
                     waited / gib))
+    if mode == "auto":
+        print(f"auto    closed: " + ("no (writes stayed cheap)" if win.closed_by is None else
+              f"after {win.closed_at_bytes / 2**30:.2f} GiB written, at {win.closed_by[0]:.1f} "
+              f"s/GiB, bound {win.max_bytes / 2**20:.0f} MiB"))
     return out
 
 
@@ -91,14 +104,14 @@ def main(argv=None) -> int:
     ap.add_argument("--files", type=int, default=400, help="files (or copies) per round")
     ap.add_argument("--file-kib", type=int, default=1408)
     ap.add_argument("--window-mib", type=int, default=64, help="window mode's bound")
-    ap.add_argument("--modes", default="plain,window,anon")
+    ap.add_argument("--modes", default="plain,window,auto,anon")
     args = ap.parse_args(argv)
     modes = [m for m in args.modes.split(",") if m]
-    bad = [m for m in modes if m not in ("plain", "window", "anon")]
+    bad = [m for m in modes if m not in ("plain", "window", "auto", "anon")]
     if bad:
-        ap.error(f"--modes: unknown {bad} (plain, window, anon)")
-    if "window" in modes and not writeback.supported():
-        ap.error("window mode needs sync_file_range and POSIX_FADV_DONTNEED (Linux)")
+        ap.error(f"--modes: unknown {bad} (plain, window, auto, anon)")
+    if {"window", "auto"} & set(modes) and not writeback.supported():
+        ap.error("window and auto modes need sync_file_range and POSIX_FADV_DONTNEED (Linux)")
     size = args.file_kib << 10
     print(f"# page_cache_cost: {args.rounds} rounds x {args.files} x {args.file_kib} KiB "
           f"({args.files * size / 2**30:.2f} GiB a round) per mode; window {args.window_mib} MiB; "

@@ -105,6 +105,9 @@ class WritebackWindow:
         self._measured_cpu_s = 0.0
         #: (CPU s per GiB of the measure that closed it, monotonic time) of an auto window
         self.closed_by: tuple[float, float] | None = None
+        self._written = 0
+        #: bytes written (``note_write``) when an auto window closed
+        self.closed_at_bytes: int | None = None
 
     @property
     def measuring(self) -> bool:
@@ -123,6 +126,7 @@ class WritebackWindow:
         an auto window at its footprint once a measure comes out expensive."""
         if self.max_bytes is not None:
             return
+        self._written += size
         self._measured_bytes += size
         self._measured_cpu_s += cpu_s
         if self._measured_bytes < AUTO_MEASURE_BYTES:
@@ -132,10 +136,12 @@ class WritebackWindow:
         if s_per_gib > AUTO_EXPENSIVE_S_PER_GIB:
             self.max_bytes = max(AUTO_MIN_BYTES, self._bytes)
             self.closed_by = (s_per_gib, time.monotonic())
+            self.closed_at_bytes = self._written
             logger.info("tier %s: buffered writes cost %.1f s of CPU per GiB (new page cache "
-                        "is expensive on this host): this worker's stores now keep at most "
-                        "%d MiB in the page cache (page_cache_bytes \"auto\")", self._label,
-                        s_per_gib, self.max_bytes >> 20)
+                        "is expensive on this host) after %d MiB written: this worker's "
+                        "stores now keep at most %d MiB in the page cache (page_cache_bytes "
+                        "\"auto\")", self._label, s_per_gib, self._written >> 20,
+                        self.max_bytes >> 20)
 
     def published(self, where: Any, size: int) -> None:
         """A file of ``size`` bytes written (``start``) is published at ``where``; drop
