@@ -246,3 +246,39 @@ def test_the_page_cache_gauge_says_whether_the_workers_bound_it(engines, tmp_pat
     e.offload([key(i) for i in range(6)], 0, ReqContext("a"))
     e.settle()
     assert e.manager.get_stats().data["data"][PAGE_CACHE_BOUNDED][("1:fs",)] == expected
+
+
+def test_an_auto_window_that_closes_in_a_worker_drops_and_says_so(engines, tmp_path,
+                                                                  monkeypatch):
+    """Real tier workers with ``page_cache_bytes: "auto"`` whose writes all count as
+    expensive (a test hook, tests/worker_hooks): each worker's window closes after its
+    first files, the gauge turns 1, the oldest files leave the page cache while the
+    newest stay, and every chunk file still loads back whole and verified."""
+    hooks = os.path.join(os.path.dirname(os.path.abspath(__file__)), "worker_hooks")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
+        p for p in (hooks, os.environ.get("PYTHONPATH")) if p))
+    monkeypatch.setenv("SHMTIER_TEST_FS_ROOT", str(tmp_path))
+    monkeypatch.setenv("SHMTIER_TEST_PAGE_CACHE_MEASURE", str(2 * 8192))
+    e = engines(tmp_path, page_cache_bytes="auto", chunks=24)
+    e.settle()
+    keys = [key(i) for i in range(16)]
+    for i in range(0, 16, 2):  # one job of 2 keys a step: the files come in order
+        e.offload(keys[i:i + 2], i, ReqContext(f"r{i}"))
+        e.settle()
+    assert e.manager.get_stats().data["data"][PAGE_CACHE_BOUNDED][("1:fs",)] == 1
+    paths = sorted(tmp_path.rglob("*.kv"), key=lambda p: p.stat().st_mtime_ns)
+    assert len(paths) == 16
+    cached = [cached_pages(str(p)) for p in paths]
+    # each worker's window closed at one file (its footprint then): it keeps its newest
+    # file whole and has dropped the rest; the newest file of all is one of those kept
+    whole = sum(1 for c, n in cached if c == n)
+    assert cached[-1][0] == cached[-1][1] and whole in (1, 2), cached
+    assert sum(1 for c, _n in cached if c == 0) == 16 - whole, cached
+    reader = FsBackend(str(tmp_path), e.spec.fingerprint, min_free_bytes=0)  # the tier's files
+    try:
+        chunk = e.spec.chunk_payload_bytes
+        out = np.zeros((16, chunk), dtype=np.uint8)
+        res = reader.load(keys, list(range(16)), out, chunk)
+        assert res.outcomes == [OK] * 16  # whole and verified (checksums)
+    finally:
+        reader.close()

@@ -6,7 +6,10 @@ workers gets them, under the root ``SHMTIER_TEST_FS_ROOT`` only:
   ``.kv`` name) that many seconds late, so a test can kill a worker mid-job;
 * ``SHMTIER_TEST_FS_CAPACITY``: ``os.statvfs`` reports a filesystem of that many
   bytes, as full as the files under the root make it (a small filesystem, for the
-  free-space floor).
+  free-space floor);
+* ``SHMTIER_TEST_PAGE_CACHE_MEASURE``: every buffered write counts as expensive and a
+  measure of ``page_cache_bytes: "auto"`` is that many bytes (its bound at least one
+  byte), so a worker's auto window closes after its first few files.
 
 Nothing else changes; without ``SHMTIER_TEST_FS_ROOT`` this module does nothing.
 """
@@ -63,3 +66,11 @@ if _ROOT:
 
     os.rename = rename
     os.statvfs = statvfs
+
+    _MEASURE = int(os.environ.get("SHMTIER_TEST_PAGE_CACHE_MEASURE") or 0)
+    if _MEASURE:
+        from shmtier.tiers.fs import writeback
+
+        writeback.AUTO_EXPENSIVE_S_PER_GIB = -1.0
+        writeback.AUTO_MEASURE_BYTES = _MEASURE
+        writeback.AUTO_MIN_BYTES = 1
