@@ -76,7 +76,7 @@ def run_files(root: str, mode: str, rounds: int, files: int, size: int,
                     waited / gib))
     if mode == "auto":
         print(f"auto    closed: " + ("no (writes stayed cheap)" if win.closed_by is None else
-              f"after {win.closed_at_bytes / 2**30:.2f} GiB written, at {win.closed_by[0]:.1f} "
+              f"after {win.closed_at_bytes / 2**30:.2f} GiB written, at {win.closed_by:.1f} "
               f"s/GiB, bound {win.max_bytes / 2**20:.0f} MiB"))
     return out
 

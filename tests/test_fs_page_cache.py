@@ -175,7 +175,7 @@ def test_auto_window_stays_open_while_writes_are_cheap_and_closes_at_its_footpri
     w.note_write(step, 6.0 * step / gib)
     assert not w.measuring
     assert w.max_bytes == max(writeback.AUTO_MIN_BYTES, 12 * step)
-    assert round(w.closed_by[0], 3) == 6.0
+    assert round(w.closed_by, 3) == 6.0 and w.closed_at_bytes == 20 * step
 
 
 def test_auto_window_keeps_at_least_its_minimum(tmp_path):

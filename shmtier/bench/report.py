@@ -10,8 +10,8 @@ from __future__ import annotations
 import statistics
 
 from shmtier.bench.common import fmt_mr, med_range, pct
-from shmtier.bench.driver import (KINDS, MANAGER_COUNTERS, PAGE_CACHE_BOUNDED, READ_BYTES, RING_DEPTH,
-                                  WRITE_BYTES)
+from shmtier.bench.driver import (KINDS, MANAGER_COUNTERS, PAGE_CACHE_BOUNDED, READ_BYTES,
+                                  RING_DEPTH, WRITE_BYTES)
 from shmtier.bench.slow_steps import attribute, format_table
 
 LABELS = {"shmtier": "shmtier", "vllm": "vLLM 0.33"}

@@ -31,7 +31,6 @@ import ctypes
 import ctypes.util
 import logging
 import os
-import time
 from collections import deque
 from typing import Any, Callable
 
@@ -93,9 +92,8 @@ class WritebackWindow:
     window writes when it closes."""
 
     def __init__(self, max_bytes: int | str, open_file: Callable[[Any], int], label: str = ""):
-        self.auto = max_bytes == AUTO
         #: the bound; None while an auto window is open
-        self.max_bytes: int | None = None if self.auto else int(max_bytes)
+        self.max_bytes: int | None = None if max_bytes == AUTO else int(max_bytes)
         self._open = open_file
         self._label = label
         # (where, bytes, writeback started), oldest first
@@ -103,10 +101,10 @@ class WritebackWindow:
         self._bytes = 0
         self._measured_bytes = 0
         self._measured_cpu_s = 0.0
-        #: (CPU s per GiB of the measure that closed it, monotonic time) of an auto window
-        self.closed_by: tuple[float, float] | None = None
         self._written = 0
-        #: bytes written (``note_write``) when an auto window closed
+        #: an auto window that closed: the CPU s per GiB of the measure that closed it,
+        #: and the bytes written (``note_write``) by then
+        self.closed_by: float | None = None
         self.closed_at_bytes: int | None = None
 
     @property
@@ -135,7 +133,7 @@ class WritebackWindow:
         self._measured_bytes, self._measured_cpu_s = 0, 0.0
         if s_per_gib > AUTO_EXPENSIVE_S_PER_GIB:
             self.max_bytes = max(AUTO_MIN_BYTES, self._bytes)
-            self.closed_by = (s_per_gib, time.monotonic())
+            self.closed_by = s_per_gib
             self.closed_at_bytes = self._written
             logger.info("tier %s: buffered writes cost %.1f s of CPU per GiB (new page cache "
                         "is expensive on this host) after %d MiB written: this worker's "
