@@ -77,7 +77,8 @@ if REPO_ROOT not in sys.path:
 
 from shmtier.bench import trace as bench_trace  # noqa: E402
 from shmtier.bench.common import exit_through_finally, rotated, write_json  # noqa: E402
-from shmtier.bench.driver import Config, make_data_pool, run_one  # noqa: E402
+from shmtier.bench.driver import (Config, make_data_pool, run_once_more_on_stall,  # noqa: E402
+                                  run_one)
 from shmtier.bench.managers import VARIANT_TOKENS, WORKER_SCHED, known_manager  # noqa: E402
 from shmtier.bench.report import label, print_kinds, print_slowest, print_table, summarise  # noqa: E402
 
@@ -259,10 +260,10 @@ def main(argv=None) -> int:
     raws = {n: [] for n in names}
     step_runs = {n: [] for n in names}  # per-step lists, for print_slowest
     run_no = 0
+    stalls: list[dict] = []  # runs that made no progress (each run again once)
     for r in range(args.repeats):
         for n in rotated(names, r):
-            run_no += 1
-            res = run_one(n, trace, cfg, data_pool, run_no)
+            res, run_no = run_once_more_on_stall(n, trace, cfg, data_pool, run_no + 1, stalls)
             s = summarise(res, chunk_bytes)
             sums[n].append(s)
             raws[n].append({k: v for k, v in res.items()
@@ -319,11 +320,15 @@ def main(argv=None) -> int:
             print(f"target ({label(n)} step p99 <= {args.target:g} x vLLM's, same trace): "
                   f"{'MET' if met else 'NOT MET'} ({p99[n]:.0f} µs vs {p99['vllm']:.0f} µs; "
                   f"{sum(1 for x in paired if x <= args.target)} of {len(paired)} run pairs within)")
+    for stall in stalls:
+        print(f"run {stall['run_no']} of {label(stall['manager'])} made no progress and was run "
+              f"again (not in the figures): {stall['error']}")
     print(f"load avg at end {os.getloadavg()[0]:.2f}")
 
     if args.json:
         write_json(args.json, {"bench": "tiering_steps", "args": vars(args), "vllm": vllm_note,
-                               "trace": trace.summary(), "summaries": sums, "runs": raws},
+                               "trace": trace.summary(), "summaries": sums, "runs": raws,
+                               "stalls": stalls},
                    default=str)
         print(f"wrote {args.json}")
     return 0

@@ -200,3 +200,30 @@ def test_retired_run_dir_is_emptied_then_removed_at_exit(tmp_path):
     assert p.returncode == 0, p.stderr
     assert p.stdout.strip() == "[0, 0]"  # both files still there, emptied, while it ran
     assert not root.exists()  # gone once the process exited
+
+
+def test_a_stalled_run_is_run_once_more_and_reported():
+    """A run that makes no progress (a manager that never answers) costs one more run,
+    reported, instead of the whole set; a second stall in a row stops the bench with its
+    error. (The stall is injected: no real manager stalls on demand.)"""
+    from shmtier.bench.driver import NoProgress, run_once_more_on_stall
+
+    calls = []
+
+    def flaky(name, trace, cfg, pool, run_no):
+        calls.append(run_no)
+        if len(calls) == 1:
+            raise NoProgress(f"{name}: no progress after 9 steps (1 waiting, 0 running)")
+        return {"run_no": run_no}
+
+    stalls = []
+    res, used = run_once_more_on_stall("vllm", None, None, None, 4, stalls, run=flaky)
+    assert res == {"run_no": 5} and used == 5 and calls == [4, 5]
+    assert stalls == [{"manager": "vllm", "run_no": 4,
+                       "error": "vllm: no progress after 9 steps (1 waiting, 0 running)"}]
+
+    def stuck(name, trace, cfg, pool, run_no):
+        raise NoProgress(f"{name}: stuck in run {run_no}")
+
+    with pytest.raises(NoProgress, match="stuck in run 8"):
+        run_once_more_on_stall("vllm", None, None, None, 7, [], run=stuck)

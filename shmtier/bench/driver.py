@@ -125,7 +125,7 @@ def _dir_bytes(root: str) -> int:
 
 
 class NoProgress(RuntimeError):
-    pass
+    """A manager stopped answering: a request never admitted or a job never finished."""
 
 
 def drive(mut: Mut, trace, cfg, data_pool: np.ndarray, probe: StepProbe | None = None) -> dict:
@@ -551,6 +551,23 @@ def retire_root(root: str) -> None:
     if not _RETIRED:
         atexit.register(_remove_retired)
     _RETIRED.append(root)
+
+
+def run_once_more_on_stall(name: str, trace, cfg, data_pool, run_no: int, stalls: list,
+                           run=None) -> tuple[dict, int]:
+    """``run_one`` (or ``run``, same arguments), and once more as run ``run_no + 1`` if the
+    first attempt made no progress (``NoProgress``; its directory and segments are cleaned
+    up as after any run): one stalled run then costs a repeat instead of the whole set.
+    Each stall is printed and appended to ``stalls`` as ``{"manager", "run_no",
+    "error"}``; a second stall in a row raises it. Returns the run's figures and the run
+    number it used."""
+    run = run_one if run is None else run
+    try:
+        return run(name, trace, cfg, data_pool, run_no), run_no
+    except NoProgress as e:
+        stalls.append({"manager": name, "run_no": run_no, "error": str(e)})
+        print(f"  ! {name}: run {run_no} made no progress ({e}); running it again", flush=True)
+    return run(name, trace, cfg, data_pool, run_no + 1), run_no + 1
 
 
 def run_one(name: str, trace, cfg, data_pool, run_no: int, profiler=None) -> dict:

@@ -170,7 +170,10 @@ def _markdown(rep: dict, names: list) -> str:
              f"{cfg['workers']} tier workers, compression {cfg['compression']}",
              f"- {rep['repeats']} run(s) per manager, alternated (order rotated per repeat); "
              "cells: median [min-max] over runs; ratios: per run pair, median [min-max]",
-             f"- **verification: {rep['verification']['text']}**", ""]
+             f"- **verification: {rep['verification']['text']}**"]
+    lines += [f"- **run {st['run_no']} of {label(st['manager'])} made no progress and was run "
+              f"again** (not in the figures): {st['error']}" for st in rep.get("stalls", ())]
+    lines.append("")
     if limits:
         lines += ["## This machine's limits (measured in this run)", "",
                   "| limit | GB/s |", "|---|---|",

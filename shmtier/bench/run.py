@@ -122,7 +122,7 @@ def run_bench(args) -> int:
     from shmtier.bench import limits as bench_limits
     from shmtier.bench import trace as bench_trace
     from shmtier.bench.common import exit_through_finally, rotated
-    from shmtier.bench.driver import Config, make_data_pool, run_one
+    from shmtier.bench.driver import Config, make_data_pool, run_once_more_on_stall
     from shmtier.bench.output import extend_summary, write_reports
     from shmtier.bench.report import label, summarise
 
@@ -202,11 +202,11 @@ def run_bench(args) -> int:
     sums = {n: [] for n in names}
     raws = {n: [] for n in names}
     run_no = 0
+    stalls: list[dict] = []  # runs that made no progress (each run again once)
     for r in range(repeats):
         for n in rotated(names, r):
-            run_no += 1
-            progress.start(run_no, n)
-            res = run_one(n, trace, cfg, data_pool, run_no)
+            progress.start(run_no + 1, n)
+            res, run_no = run_once_more_on_stall(n, trace, cfg, data_pool, run_no + 1, stalls)
             progress.done()
             s = extend_summary(summarise(res, chunk_bytes), res, chunk_bytes, limits)
             sums[n].append(s)
@@ -216,6 +216,7 @@ def run_bench(args) -> int:
                   f"{s['hit_cpu']:.2f} fs {s['hit_fs']:.2f}, {s['verified']} loaded chunks "
                   f"checked, {s['wrong_kv']} wrong, wall {s['wall_s']:.1f} s", flush=True)
     meta["load_avg_end"] = os.getloadavg()[0]
+    meta["stalls"] = stalls  # in report.json: runs that made no progress and were run again
     report = write_reports(out_dir, meta, limits, sums, raws, plots=not args.no_plots)
     print(f"  verification: {report['verification']['text']}")
     for line in report["ratio_lines"]:
