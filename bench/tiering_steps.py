@@ -54,7 +54,8 @@ tier's page-cache bound (``pcN``: ``page_cache_bytes`` of N MiB per tier worker,
 
 The parts live in the package (``shmtier bench`` ships them): shmtier/bench/managers.py
 (building both managers), shmtier/bench/driver.py (one run: the driver and its timing),
-shmtier/bench/report.py (summaries and tables), shmtier/bench/trace.py (the trace),
+shmtier/bench/report.py (summaries and tables), shmtier/bench/goals.py (issue 14's goals,
+judged after a set with vLLM), shmtier/bench/trace.py (the trace),
 shmtier/bench/common.py (what every bench shares); this file is the command line.
 """
 
@@ -65,7 +66,6 @@ import cProfile
 import os
 import platform
 import pstats
-import statistics
 import sys
 import tempfile
 import time
@@ -77,6 +77,7 @@ if REPO_ROOT not in sys.path:
 
 from shmtier.bench import trace as bench_trace  # noqa: E402
 from shmtier.bench.common import exit_through_finally, rotated, write_json  # noqa: E402
+from shmtier.bench.goals import evaluate, format_goals  # noqa: E402
 from shmtier.bench.driver import (Config, make_data_pool, run_once_more_on_stall,  # noqa: E402
                                   run_one)
 from shmtier.bench.managers import VARIANT_TOKENS, WORKER_SCHED, known_manager  # noqa: E402
@@ -125,8 +126,6 @@ def main(argv=None) -> int:
                     help="shmtier's fs tier write_depth (default: its default)")
     ap.add_argument("--dir", default=None, help="parent of the fs tiers' temp dirs (default: system tmp)")
     ap.add_argument("--seed", type=int, default=1234)
-    ap.add_argument("--target", type=float, default=0.5,
-                    help="target: shmtier step p99 <= target x vLLM's")
     ap.add_argument("--json", metavar="PATH", help="write every run's figures as JSON")
     ap.add_argument("--profile", default=None, metavar="MANAGER",
                     help="cProfile one run of this manager (driver thread) instead of the bench")
@@ -298,28 +297,16 @@ def main(argv=None) -> int:
     print("wrong KV served (loaded row differs from what its key stored, byte for byte): " + ", ".join(
         f"{label(n)} {wrong[n]} of {sum(s['verified'] for s in sums[n])}" for n in names))
 
+    goals = {}
     if "vllm" in names:
-        p99 = {n: statistics.median(s["step_us_p99"] for s in sums[n]) for n in names}
-        p50 = {n: statistics.median(s["step_us_p50"] for s in sums[n]) for n in names}
         for n in names:
             if n == "vllm":
                 continue
-            paired = [a["step_us_p99"] / b["step_us_p99"] for a, b in zip(sums[n], sums["vllm"])]
-            ratio = p99[n] / p99["vllm"]
-            spec = {m: statistics.median(s["spec_cpu_s"] for s in sums[m]) for m in (n, "vllm")}
-            allp = {m: statistics.median(s["cpu_s"] for s in sums[m]) for m in (n, "vllm")}
-            pairs = [a["spec_cpu_s"] / b["spec_cpu_s"] for a, b in zip(sums[n], sums["vllm"])]
-            print(f"\nscheduler-process CPU in the manager (spec) {label(n)}/vLLM: "
-                  f"{spec[n] / spec['vllm']:.2f}x ({spec[n]:.2f} s vs {spec['vllm']:.2f} s; per run "
-                  f"pair: {', '.join(f'{x:.2f}' for x in pairs)}); whole process, the driver's own "
-                  f"work included: {allp[n] / allp['vllm']:.2f}x ({allp[n]:.2f} s vs "
-                  f"{allp['vllm']:.2f} s)")
-            print(f"step time {label(n)}/vLLM: p50 {p50[n] / p50['vllm']:.2f}x, p99 {ratio:.2f}x "
-                  f"(per run pair: {', '.join(f'{x:.2f}' for x in paired)})")
-            met = ratio <= args.target
-            print(f"target ({label(n)} step p99 <= {args.target:g} x vLLM's, same trace): "
-                  f"{'MET' if met else 'NOT MET'} ({p99[n]:.0f} µs vs {p99['vllm']:.0f} µs; "
-                  f"{sum(1 for x in paired if x <= args.target)} of {len(paired)} run pairs within)")
+            goals[n] = evaluate(sums[n], sums["vllm"])
+            print(f"\nissue 14's goals, {label(n)} vs vLLM 0.33 (ratio of the medians over runs; "
+                  f"the spread: per run pair; bench/goals.py judges saved sets):")
+            for line in format_goals(goals[n], label(n)):
+                print("  " + line)
     for stall in stalls:
         print(f"run {stall['run_no']} of {label(stall['manager'])} made no progress and was run "
               f"again (not in the figures): {stall['error']}")
@@ -328,7 +315,7 @@ def main(argv=None) -> int:
     if args.json:
         write_json(args.json, {"bench": "tiering_steps", "args": vars(args), "vllm": vllm_note,
                                "trace": trace.summary(), "summaries": sums, "runs": raws,
-                               "stalls": stalls},
+                               "stalls": stalls, "goals": goals},
                    default=str)
         print(f"wrote {args.json}")
     return 0

@@ -1,0 +1,82 @@
+#!/usr/bin/env python
+"""Issue 14's goals judged over saved tiering_steps.py sets.
+
+Run from a checkout::
+
+    .venv/bin/python bench/tiering_steps.py --managers shmtier,vllm --json set1.json
+    .venv/bin/python bench/goals.py set1.json [set2.json ...] [--manager shmtier@pcauto]
+
+Each file is one set (``tiering_steps.py --json``) with runs of vLLM and of the manager;
+the runs of every file given are pooled (run i of each manager in a file is a pair), so
+several sets on the same trace give one verdict over all their runs. Files of different
+traces or scales are refused: a verdict mixes only like with like. The table and its
+rules are shmtier/bench/goals.py's, the same tiering_steps.py prints after a set.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
+REPO_ROOT = os.path.dirname(BENCH_DIR)
+if REPO_ROOT not in sys.path:
+    sys.path.insert(0, REPO_ROOT)
+
+from shmtier.bench.goals import evaluate, format_goals  # noqa: E402
+
+#: the arguments that make two sets the same experiment (trace and sizes)
+SAME_SET_ARGS = ("chunk_kib", "cpu_mib", "workload", "conversations", "requests", "zipf",
+                 "arrival_rate", "step_ms", "max_running", "batch", "seed")
+
+
+def pooled_runs(paths: list[str], manager: str) -> tuple[list, list, dict]:
+    """The summaries of ``manager`` and of vLLM from every file, paired within each file
+    (the shorter side of a file sets its pairs), and the experiment's arguments. Raises
+    ValueError naming the file that lacks a manager or differs in an argument."""
+    shm, vllm, args0 = [], [], None
+    for path in paths:
+        with open(path) as f:
+            data = json.load(f)
+        if data.get("bench") != "tiering_steps":
+            raise ValueError(f"{path}: not a tiering_steps.py JSON (bench={data.get('bench')!r})")
+        sums = data["summaries"]
+        for name in (manager, "vllm"):
+            if not sums.get(name):
+                raise ValueError(f"{path}: no runs of {name!r} (it has {sorted(sums)})")
+        args = {k: data["args"].get(k) for k in SAME_SET_ARGS}
+        if args0 is None:
+            args0 = args
+        else:
+            diff = {k: (args0[k], args[k]) for k in SAME_SET_ARGS if args0[k] != args[k]}
+            if diff:
+                raise ValueError(f"{path}: another experiment than {paths[0]} "
+                                 f"({', '.join(f'{k} {a!r} vs {b!r}' for k, (a, b) in diff.items())})")
+        n = min(len(sums[manager]), len(sums["vllm"]))
+        shm += sums[manager][:n]
+        vllm += sums["vllm"][:n]
+    return shm, vllm, args0
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[1])
+    ap.add_argument("files", nargs="+", help="tiering_steps.py --json outputs of one experiment")
+    ap.add_argument("--manager", default="shmtier", help="the manager judged against vllm")
+    args = ap.parse_args(argv)
+    try:
+        shm, vllm, exp = pooled_runs(args.files, args.manager)
+    except (OSError, ValueError, KeyError) as e:
+        print(f"goals.py: {e}", file=sys.stderr)
+        return 2
+    print(f"issue 14's goals over {len(shm)} run pairs from {len(args.files)} set(s): "
+          f"{args.manager} vs vLLM 0.33, chunk {exp['chunk_kib']} KiB, CPU tier "
+          f"{exp['cpu_mib']} MiB, workload {exp['workload']}")
+    for line in format_goals(evaluate(shm, vllm), args.manager):
+        print("  " + line)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

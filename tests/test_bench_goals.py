@@ -1,0 +1,119 @@
+"""Issue 14's goal table (shmtier/bench/goals.py) and bench/goals.py over saved sets: fixed
+summaries in, verdicts out."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from shmtier.bench.goals import GOALS, evaluate, format_goals, whole_run_cpu_s
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def summary(**over) -> dict:
+    """A run's summary with every figure the goals read (vLLM-like values by default)."""
+    s = {"step_us_p99": 1000.0, "step_us_p999": 2000.0, "step_us_max": 4000.0,
+         "step_us_p50": 100.0, "spec_cpu_s": 4.0, "cpu_s": 5.0, "workers_cpu_s": None,
+         "promo_ms_p50": 50.0, "hit_fs": 0.4, "disk_per_logical": 1.0}
+    s.update(over)
+    return s
+
+
+def shm_summary(**over) -> dict:
+    """A shmtier run that meets every goal against ``summary()`` by default."""
+    s = summary(step_us_p99=400.0, step_us_p999=500.0, step_us_max=1000.0, step_us_p50=90.0,
+                spec_cpu_s=0.8, cpu_s=3.0, workers_cpu_s=4.0, promo_ms_p50=10.0, hit_fs=0.41,
+                disk_per_logical=0.66)
+    s.update(over)
+    return s
+
+
+def by_figure(rows):
+    return {r["figure"]: r for r in rows}
+
+
+def test_every_goal_met_and_the_ratio_is_of_the_medians():
+    rows = evaluate([shm_summary(), shm_summary(step_us_p99=300.0), shm_summary(step_us_p99=2000.0)],
+                    [summary()] * 3)
+    assert [r["figure"] for r in rows] == [g.figure for g in GOALS]
+    assert all(r["met"] for r in rows)
+    p99 = by_figure(rows)["step time p99"]
+    assert p99["ratio"] == pytest.approx(0.4)  # median 400 / median 1000, not a mean of ratios
+    assert p99["pairs"] == pytest.approx([0.4, 0.3, 2.0])
+    assert p99["pairs_within"] == 2
+    assert format_goals(rows)[-1] == "9 of 9 goals met (0 n/a)"
+
+
+def test_whole_run_cpu_adds_the_tier_workers():
+    assert whole_run_cpu_s(summary(cpu_s=5.0, workers_cpu_s=None)) == 5.0
+    assert whole_run_cpu_s(shm_summary(cpu_s=3.0, workers_cpu_s=4.0)) == 7.0
+    row = by_figure(evaluate([shm_summary(cpu_s=3.0, workers_cpu_s=5.0)], [summary(cpu_s=5.0)]))
+    whole = row["scheduler process + tier workers, whole run"]
+    assert whole["ratio"] == pytest.approx(1.6) and whole["met"] is False
+
+
+def test_each_bound_is_judged_in_its_direction():
+    rows = by_figure(evaluate(
+        [shm_summary(step_us_p999=700.0, hit_fs=0.39, step_us_p50=100.0, disk_per_logical=0.71)],
+        [summary()]))
+    assert rows["step time p99.9"]["met"] is False          # 0.35 > 0.3
+    assert rows["hit rate (secondary tier)"]["met"] is False  # 0.975 < 1.0: at least
+    assert rows["step time p50"]["met"] is True               # exactly 1.0 is within
+    disk = rows["bytes on disk ÷ logical"]                    # shmtier's own figure
+    assert disk["absolute"] and disk["ratio"] == pytest.approx(0.71) and disk["met"] is False
+
+
+def test_a_figure_a_run_lacks_is_na_not_a_verdict():
+    rows = evaluate([shm_summary(promo_ms_p50=None, spec_cpu_s=None)], [summary()])
+    na = [r["figure"] for r in rows if r["met"] is None]
+    assert na == ["scheduler-process CPU in the spec", "promotion p50"]
+    assert format_goals(rows)[-1] == "7 of 7 goals met (2 n/a)"
+    lines = "\n".join(format_goals(rows))
+    assert "n/a" in lines and "NOT MET" not in lines
+
+
+def test_evaluate_needs_both_managers():
+    with pytest.raises(ValueError, match="both managers"):
+        evaluate([], [summary()])
+
+
+def _set(path: Path, shm: list, vllm: list, **args) -> Path:
+    base = {"chunk_kib": 256, "cpu_mib": 128, "workload": "chat", "seed": 1234}
+    base.update(args)
+    path.write_text(json.dumps({"bench": "tiering_steps", "args": base,
+                                "summaries": {"shmtier": shm, "vllm": vllm}}))
+    return path
+
+
+def _goals_cli(*argv):
+    return subprocess.run([sys.executable, str(REPO / "bench" / "goals.py"), *map(str, argv)],
+                          capture_output=True, text=True, timeout=60)
+
+
+def test_cli_pools_sets_of_one_experiment(tmp_path):
+    a = _set(tmp_path / "a.json", [shm_summary(step_us_p999=900.0)], [summary()])
+    b = _set(tmp_path / "b.json", [shm_summary(), shm_summary()], [summary(), summary()])
+    out = _goals_cli(a, b)
+    assert out.returncode == 0, out.stderr
+    assert "over 3 run pairs from 2 set(s)" in out.stdout
+    line = next(x for x in out.stdout.splitlines() if "step time p99.9" in x)
+    assert line.split()[-4:] == ["2", "of", "3", "met"]  # median 500 / 2000 = 0.25
+    assert "9 of 9 goals met" in out.stdout
+
+
+def test_cli_refuses_sets_of_different_experiments_and_missing_managers(tmp_path):
+    a = _set(tmp_path / "a.json", [shm_summary()], [summary()])
+    b = _set(tmp_path / "b.json", [shm_summary()], [summary()], chunk_kib=1408)
+    out = _goals_cli(a, b)
+    assert out.returncode == 2
+    assert "b.json: another experiment" in out.stderr and "chunk_kib 256 vs 1408" in out.stderr
+    c = _set(tmp_path / "c.json", [shm_summary()], [])
+    out = _goals_cli(c)
+    assert out.returncode == 2 and "no runs of 'vllm'" in out.stderr
+    out = _goals_cli(a, "--manager", "shmtier@raw")
+    assert out.returncode == 2 and "no runs of 'shmtier@raw'" in out.stderr
