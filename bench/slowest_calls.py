@@ -11,8 +11,8 @@ Runs ``tiering_steps.py --managers shmtier`` (the arguments after ``--`` go to i
 of its own, and prints the profiles of the ``--keep`` slowest calls (wall time under the
 profiler, which adds about 1 µs per function call), cumulative order. Where a slow call's
 time sits in one line of code that takes µs when warm (``tottime`` of a function called
-once), the thread was off the CPU there, not running that code (bench/README.md, "Issue
-14's goals judged by bench/goals.py"). tiering_steps.py's own figures follow, inflated by
+once), the thread stalled there (descheduled, or a fault the host was slow to serve) rather
+than ran that code (bench/README.md, "Issue 14's goals judged by bench/goals.py"). tiering_steps.py's own figures follow, inflated by
 the profiling of that one method.
 """
 
