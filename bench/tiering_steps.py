@@ -266,7 +266,8 @@ def main(argv=None) -> int:
             s = summarise(res, chunk_bytes)
             sums[n].append(s)
             raws[n].append({k: v for k, v in res.items()
-                            if k not in ("step_ns", "step_cpu_ns", "step_kinds", "step_lookups", "slow")})
+                            if k not in ("step_ns", "step_cpu_ns", "step_kinds", "step_lookups", "slow",
+                                         "wake_late_ns")})
             step_runs[n].append({k: res[k] for k in ("step_ns", "step_cpu_ns", "step_kinds", "slow")})
             print(f"  run {r + 1}/{args.repeats} {label(n):>14}: {s['steps']} steps, step p50 "
                   f"{s['step_us_p50']:.0f} µs p99 {s['step_us_p99']:.0f} µs, promotion p50 "

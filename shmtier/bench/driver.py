@@ -193,6 +193,7 @@ def drive(mut: Mut, trace, cfg, data_pool: np.ndarray, probe: StepProbe | None =
             lock.release()
 
     step_ns: list[int] = []
+    wake_late_ns: list[int] = []  # per step that slept: wake-up after the sleep's end
     step_cpu_ns: list[int] = []
     step_kinds: list[list[int]] = []  # per step: wall ns per kind
     step_lookups: list[int] = []  # per step: lookup calls
@@ -381,6 +382,9 @@ def drive(mut: Mut, trace, cfg, data_pool: np.ndarray, probe: StepProbe | None =
         left = step_s - (time.perf_counter() - t_step0)
         if left > 0:
             time.sleep(left)
+            # how late the thread got its CPU back after the forward pass (tier workers and
+            # I/O threads in a long system call, or holding the core, delay it)
+            wake_late_ns.append(int((time.perf_counter() - t_step0 - step_s) * 1e9))
 
         # -- update_connector_output, engine hooks
         with locked():
@@ -447,6 +451,7 @@ def drive(mut: Mut, trace, cfg, data_pool: np.ndarray, probe: StepProbe | None =
         samples.append((step, _dir_bytes(mut.root), len(cpu_rows)))
     return {
         "steps": len(step_ns), "drain_steps": drain_steps, "step_ns": step_ns,
+        "wake_late_ns": wake_late_ns,
         "step_cpu_ns": step_cpu_ns, "step_kinds": step_kinds, "step_lookups": step_lookups,
         "slow": probe.result(),
         "ns": ns, "cpu_ns": cpu_ns, "calls": calls,

@@ -43,6 +43,7 @@ def summarise(res: dict, chunk_bytes: int) -> dict:
         "step_cpu_us_p50": pct(cpu_us, 50), "step_cpu_us_p99": pct(cpu_us, 99),
         "step_cpu_us_max": max(cpu_us), "step_cpu_us_mean": sum(cpu_us) / n_steps,
         "offcpu_us_p99": pct([w - c for w, c in zip(steps_us, cpu_us)], 99),
+        **wake_lateness(res.get("wake_late_ns")),
         "steps": n_steps, "drain_steps": res["drain_steps"],
         "cpu_s": res["cpu_s"], "main_thread_cpu_s": res["main_thread_cpu_s"],
         "other_threads_cpu_s": res["cpu_s"] - res["main_thread_cpu_s"],
@@ -109,6 +110,17 @@ def summarise(res: dict, chunk_bytes: int) -> dict:
     return s
 
 
+def wake_lateness(late_ns: list | None) -> dict:
+    """How late the driver's thread ran again after each step's forward-pass sleep (µs
+    past the sleep's end: p50, p99, p99.9, max): the engine thread's wait for a CPU while
+    the tier's processes or threads hold the cores, some of it in system calls the kernel
+    does not preempt. None for an older result without it."""
+    late = [v / 1e3 for v in late_ns] if late_ns else []
+    return {f"wake_us_{q}": (pct(late, v) if late else None)
+            for q, v in (("p50", 50), ("p99", 99), ("p999", 99.9))} | {
+        "wake_us_max": max(late) if late else None}
+
+
 def spec_cpu(res: dict) -> dict:
     """The scheduler process's CPU split into the manager's (the spec's) and the driver's
     own: ``spec_cpu_s`` = the main thread's CPU inside the manager's calls (every timed
@@ -162,6 +174,11 @@ ROWS = [  # (label, key, digits, ratio?)
     ("    p99 of (wall - CPU) µs: descheduled/waiting", "offcpu_us_p99", 1, True),
     ("  steps", "steps", 0, False),
     ("  drain steps", "drain_steps", 0, False),
+    ("back from the forward pass late by (wake-up after the step's sleep)", None, 0, False),
+    ("  p50 µs", "wake_us_p50", 1, True),
+    ("  p99 µs", "wake_us_p99", 1, True),
+    ("  p99.9 µs", "wake_us_p999", 0, True),
+    ("  max µs", "wake_us_max", 0, True),
     ("CPU over the run (s)", None, 0, False),
     ("  scheduler process in the manager (spec)", "spec_cpu_s", 2, True),
     ("    main thread inside its calls", "spec_main_cpu_s", 2, True),

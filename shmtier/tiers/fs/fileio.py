@@ -53,9 +53,48 @@ class PageBuffer:
         self._a = None
 
 
+#: Most bytes one write system call is given. A kernel built without preemption (this
+#: VM's runs PREEMPT_NONE) finishes a system call before its core goes to a task that woke,
+#: such as the engine thread at the end of its forward pass. A buffered write of a whole
+#: 1.4 MiB chunk into new page cache holds the core for ~0.35 ms when pages are cheap and
+#: for several ms when the host must back them; in pieces the writer returns to user space
+#: between them, where it can be preempted (bench/README.md, "The engine thread's wake-up
+#: behind the tier workers' writes").
+WRITE_PIECE_BYTES = 256 * 1024
+
+
 def writev_all(fd: int, parts, total: int) -> None:
-    """Write all of ``parts``: one writev when the kernel takes it all (as it does for a
-    regular file unless out of space or interrupted), else continue after a short write."""
+    """Write all of ``parts`` (``total`` bytes) in order, at most ``WRITE_PIECE_BYTES`` per
+    ``writev``, continuing after a short write (the kernel takes a whole piece for a regular
+    file unless out of space or interrupted). Raises ``OSError`` as ``os.writev`` does."""
+    if total <= WRITE_PIECE_BYTES:
+        _writev_fully(fd, parts, total)
+        return
+    for piece, size in _pieces(parts, WRITE_PIECE_BYTES):
+        _writev_fully(fd, piece, size)
+
+
+def _pieces(parts, limit: int):
+    """``parts`` cut into consecutive lists of views of at most ``limit`` bytes each,
+    with each list's byte count."""
+    piece, size = [], 0
+    for part in parts:
+        view = memoryview(part).cast("B")
+        offset = 0
+        while offset < len(view):
+            n = min(len(view) - offset, limit - size)
+            piece.append(view[offset:offset + n])
+            size += n
+            offset += n
+            if size == limit:
+                yield piece, size
+                piece, size = [], 0
+    if piece:
+        yield piece, size
+
+
+def _writev_fully(fd: int, parts, total: int) -> None:
+    """One ``writev`` of ``parts``, then more after a short write until all is written."""
     done = os.writev(fd, parts)
     if done == total:
         return
