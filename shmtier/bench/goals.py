@@ -114,7 +114,7 @@ def format_goals(rows: list[dict], name: str = "shmtier") -> list[str]:
         digits = 0 if big else 3
         bound = ("<= " if r["at_most"] else ">= ") + f"{r['bound']:g}"
         pairs = f"{min(r['pairs']):.2f}-{max(r['pairs']):.2f}" if r["pairs"] else "-"
-        ratio = "-" if r["ratio"] is None else f"{r['ratio']:.2f}"
+        ratio = "-" if r["ratio"] is None else f"{r['ratio']:.3f}"  # 0.999 is not 1.00
         verdict = "n/a" if r["met"] is None else ("met" if r["met"] else "NOT MET")
         what = r["figure"] + (" (shmtier's own)" if r["absolute"] else "")
         lines.append(f"{what:<46}{bound:>8}{_fmt(r['shm'], digits):>26}"
