@@ -74,7 +74,7 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import exit_through_finally, fmt_mr, med_range, pct, rotated, write_json  # noqa: E402
+from common import exit_through_finally, fmt_mr, join_or_kill, med_range, pct, rotated, write_json  # noqa: E402
 from p2p_transport import RawLoopback, process_cpu_s  # noqa: E402
 from shmtier.tiers.p2p.config import P2PTierConfig  # noqa: E402
 
@@ -339,10 +339,7 @@ class Engine:
             self.conn.send(("stop",))
         except OSError:
             pass
-        self.proc.join(15)
-        if self.proc.is_alive():
-            self.proc.kill()
-            self.proc.join()
+        join_or_kill([self.proc], 15)
 
 
 def main() -> None:

@@ -42,7 +42,7 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import exit_through_finally, fmt_mr, med_range, rotated, write_json  # noqa: E402
+from common import exit_through_finally, fmt_mr, join_or_kill, med_range, rotated, write_json  # noqa: E402
 
 FP, SEED = "bench-layout", 1
 
@@ -189,11 +189,7 @@ class RawLoopback:
                 conn.send("stop")
             except OSError:
                 pass
-        for proc in self.procs:
-            proc.join(5)
-            if proc.is_alive():
-                proc.kill()
-                proc.join()
+        join_or_kill(self.procs, 5)
         for conn in self.conns:
             conn.close()
         self.procs, self.conns = [], []
@@ -411,11 +407,7 @@ def main() -> None:
                 conn.send("stop")
             except OSError:
                 pass
-        for p in procs:
-            p.join(5)
-            if p.is_alive():
-                p.kill()
-                p.join()
+        join_or_kill(procs, 5)
         shutil.rmtree(keydir, ignore_errors=True)
 
 

@@ -32,7 +32,7 @@ import time
 
 import numpy as np
 
-from common import exit_through_finally, fmt_mr, med_range, pct
+from common import exit_through_finally, fmt_mr, join_or_kill, med_range, pct
 
 CHUNK = 1408 * 1024
 
@@ -79,11 +79,7 @@ def one_round(piece: int, writers: int, keep: int, seconds: float, parent: str) 
             late.append(time.perf_counter_ns() - t0 - 1_000_000)
     finally:
         stop.set()
-        for p in procs:
-            p.join(10)
-            if p.is_alive():
-                p.kill()
-                p.join()
+        join_or_kill(procs, 10)
         shutil.rmtree(directory, ignore_errors=True)
     return late
 

@@ -14,7 +14,7 @@ import statistics
 import sys
 from dataclasses import dataclass
 
-__all__ = ["rotated", "exit_through_finally", "write_json", "pct", "med_range", "fmt_mr",
+__all__ = ["rotated", "exit_through_finally", "join_or_kill", "write_json", "pct", "med_range", "fmt_mr",
            "DrivenRequest", "request_context"]
 
 
@@ -30,6 +30,16 @@ def exit_through_finally(signals=(signal.SIGTERM, signal.SIGHUP)) -> None:
     blocks, so a killed bench still removes its segments, files and directories."""
     for sig in signals:
         signal.signal(sig, lambda signum, _frame: sys.exit(128 + signum))
+
+
+def join_or_kill(procs, timeout_s: float) -> None:
+    """Join each of ``procs`` (``multiprocessing.Process``), waiting up to ``timeout_s``
+    for each to exit after it was told to stop; kill and reap one that does not."""
+    for proc in procs:
+        proc.join(timeout_s)
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
 
 
 def write_json(path: str, data, **dump_kwargs) -> None:
