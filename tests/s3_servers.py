@@ -121,8 +121,8 @@ class SeaweedS3(_S3Server):
 
     ``start()`` (again after ``kill()``: same ports, same data and buckets; the master's
     raft state is dropped so that it is leader at once) and ``kill()`` (SIGKILL to the process
-    group). ``close()`` kills it and removes every file it made (its dir and the gRPC
-    unix sockets weed puts in /tmp)."""
+    group). ``close()`` kills it and removes every file it made (its dir, its log files
+    included, and the gRPC unix sockets weed puts in /tmp)."""
 
     PORT_NAMES = ("master.port", "master.port.grpc", "volume.port", "volume.port.grpc",
                   "filer.port", "filer.port.grpc", "s3.port", "s3.port.grpc")
@@ -146,7 +146,8 @@ class SeaweedS3(_S3Server):
 
     def _command(self) -> list[str]:
         d = self.dir
-        args = [self.weed, "server", f"-dir={d}/data", f"-master.dir={d}/master",
+        # -logdir: its log files go with its dir (glog's default is /tmp, and they stayed)
+        args = [self.weed, f"-logdir={d}", "server", f"-dir={d}/data", f"-master.dir={d}/master",
                 "-ip=127.0.0.1", "-ip.bind=127.0.0.1", "-filer", "-s3",
                 f"-s3.config={d}/s3.json", "-s3.port.iceberg=0", "-s3.port.lance=0",
                 "-master.volumeSizeLimitMB=64", "-volume.max=0", "-master.telemetry=false",
