@@ -16,9 +16,10 @@ the run) is "n/a" and neither met nor missed.
 
 from __future__ import annotations
 
-import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
+
+from shmtier.bench.common import fmt_mr, med_range
 
 __all__ = ["Goal", "GOALS", "whole_run_cpu_s", "evaluate", "format_goals"]
 
@@ -62,13 +63,6 @@ GOALS = (
 )
 
 
-def _median_range(values: list) -> tuple[float, float, float] | None:
-    values = [v for v in values if v is not None]
-    if not values:
-        return None
-    return statistics.median(values), min(values), max(values)
-
-
 def evaluate(shm: list[dict], vllm: list[dict], goals=GOALS) -> list[dict]:
     """One row per goal for shmtier's runs ``shm`` against vLLM's runs ``vllm`` (summaries,
     run i of each a pair): ``figure``, ``bound``, ``at_most``, ``absolute``, ``shm`` and
@@ -81,7 +75,7 @@ def evaluate(shm: list[dict], vllm: list[dict], goals=GOALS) -> list[dict]:
     for goal in goals:
         a = [goal.value(s) for s in shm]
         b = [goal.value(s) for s in vllm]
-        mr_a, mr_b = _median_range(a), _median_range(b)
+        mr_a, mr_b = med_range(a), med_range(b)
         if goal.absolute:
             ratio = mr_a[0] if mr_a else None
             pairs = [x for x in a if x is not None]
@@ -97,13 +91,6 @@ def evaluate(shm: list[dict], vllm: list[dict], goals=GOALS) -> list[dict]:
     return rows
 
 
-def _fmt(mr, digits: int) -> str:
-    if mr is None:
-        return "-"
-    med, lo, hi = mr
-    return f"{med:.{digits}f} [{lo:.{digits}f}-{hi:.{digits}f}]"
-
-
 def format_goals(rows: list[dict], name: str = "shmtier") -> list[str]:
     """``evaluate``'s rows as a table (one line per goal) and a last line counting the
     goals met."""
@@ -117,8 +104,8 @@ def format_goals(rows: list[dict], name: str = "shmtier") -> list[str]:
         ratio = "-" if r["ratio"] is None else f"{r['ratio']:.3f}"  # 0.999 is not 1.00
         verdict = "n/a" if r["met"] is None else ("met" if r["met"] else "NOT MET")
         what = r["figure"] + (" (shmtier's own)" if r["absolute"] else "")
-        lines.append(f"{what:<46}{bound:>8}{_fmt(r['shm'], digits):>26}"
-                     f"{_fmt(r['vllm'], digits):>26}{ratio:>8}{pairs:>14}"
+        lines.append(f"{what:<46}{bound:>8}{fmt_mr(r['shm'], digits):>26}"
+                     f"{fmt_mr(r['vllm'], digits):>26}{ratio:>8}{pairs:>14}"
                      f"{r['pairs_within']:>5} of {len(r['pairs']):<2}  {verdict}")
     judged = [r for r in rows if r["met"] is not None]
     lines.append(f"{sum(r['met'] for r in judged)} of {len(judged)} goals met "
