@@ -227,3 +227,14 @@ def test_a_stalled_run_is_run_once_more_and_reported():
 
     with pytest.raises(NoProgress, match="stuck in run 8"):
         run_once_more_on_stall("vllm", None, None, None, 7, [], run=stuck)
+
+
+def test_wake_lateness_is_summarised_from_the_driver_s_sleeps():
+    """The driver's per-step lateness after its forward-pass sleep (ns) as µs percentiles;
+    an older result without it reads None, not zero."""
+    from shmtier.bench.report import wake_lateness
+
+    late = wake_lateness([100_000] * 998 + [2_000_000, 9_000_000])
+    assert late == {"wake_us_p50": 100.0, "wake_us_p99": 100.0, "wake_us_p999": 2000.0,
+                    "wake_us_max": 9000.0}
+    assert set(wake_lateness(None).values()) == {None}

@@ -115,10 +115,9 @@ def wake_lateness(late_ns: list | None) -> dict:
     past the sleep's end: p50, p99, p99.9, max): the engine thread's wait for a CPU while
     the tier's processes or threads hold the cores, some of it in system calls the kernel
     does not preempt. None for an older result without it."""
-    late = [v / 1e3 for v in late_ns] if late_ns else []
-    return {f"wake_us_{q}": (pct(late, v) if late else None)
-            for q, v in (("p50", 50), ("p99", 99), ("p999", 99.9))} | {
-        "wake_us_max": max(late) if late else None}
+    late = [v / 1e3 for v in late_ns or ()]
+    return {"wake_us_p50": pct(late, 50), "wake_us_p99": pct(late, 99),
+            "wake_us_p999": pct(late, 99.9), "wake_us_max": max(late, default=None)}
 
 
 def spec_cpu(res: dict) -> dict:
