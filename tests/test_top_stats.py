@@ -60,13 +60,18 @@ class MetricsFold:
 
 
 def _stepped_and_published(fold: "MetricsFold", manager, engine_id: str) -> None:
-    """``fold.step`` past the publish interval, then wait for the publish: by that step's
-    ``get_stats``, or by the manager's between-steps round after it while rounds come."""
-    before = snapshot(engine_id).stats.publishes
+    """``fold.step`` past the publish interval, then wait for a publish that holds it: by
+    that step's ``get_stats``, or by a between-steps round after it while rounds come. A
+    round may publish just before the step (the interval had passed): a publish counts
+    only once the published lookups are the fold's."""
     fold.step(manager)
     deadline = time.monotonic() + 5
-    while snapshot(engine_id).stats.publishes == before:
-        assert time.monotonic() < deadline, "the step's stats were never published"
+    while True:
+        st = snapshot(engine_id).stats
+        if st is not None and all(t["lookups"] == fold.counter(metrics.CHUNK_QUERIES, t["label"])
+                                  for t in st.tiers):
+            return
+        assert time.monotonic() < deadline, f"the step's stats were never published: {st}"
         time.sleep(0.002)
 
 
