@@ -10,6 +10,7 @@ import uuid
 import pytest
 
 from s3_servers import moto_faults, moto_s3, seaweedfs_s3, seaweedfs_s3_killable  # noqa: F401
+from shmtier.shared import codec_choice
 from shmtier.shared.segment import list_segments
 
 SHM_DIR = "/dev/shm"
@@ -53,3 +54,18 @@ def no_shm_leak():
 def engine_id() -> str:
     """A unique engine id, so tests never share a segment by accident."""
     return f"test-{uuid.uuid4().hex[:12]}"
+
+
+@pytest.fixture
+def idle_host(monkeypatch):
+    """Compression by cost (``shmtier/shared/codec_choice.py``) in this process sees a host
+    with CPU to spare, whatever the machine's load, so codec mode "auto" compresses when
+    not behind (its rule 3). For tests whose subject is what a compressed frame holds:
+    on a busy host "auto" rightly stores raw, and the choice itself is tested with
+    given inputs in test_codec_choice.py. Applies to choosers made after it (each takes
+    the process's host view when built); tier worker processes keep their own."""
+    host = codec_choice.HostCpu()
+    host.idle_cores, host.share = float(os.cpu_count() or 1), 1.0
+    monkeypatch.setattr(host, "update", lambda: None)
+    monkeypatch.setattr(codec_choice, "_host", host)
+    return host

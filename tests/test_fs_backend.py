@@ -41,6 +41,9 @@ from shmtier.tiers.fs.namespace import (
     namespace_dir_name,
 )
 
+# what a frame holds, not whether "auto" compresses on a busy host (test_codec_choice.py)
+pytestmark = pytest.mark.usefixtures("idle_host")
+
 FP = "model=test-model|dtype=bfloat16|block=16x4|tp=1|codec=1"
 OK, MISS, ERROR, CORRUPT, REJECTED, EXISTS, INVALID = Outcome
 PAD = 0xA5  # bytes past chunk_bytes in every row

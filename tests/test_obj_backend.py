@@ -24,6 +24,9 @@ from shmtier.tiers.config import TierContext
 from shmtier.tiers.obj.backend import ObjBackend
 from shmtier.tiers.obj.config import ObjTierConfig
 
+# what an object holds, not whether "auto" compresses on a busy host (test_codec_choice.py)
+pytestmark = pytest.mark.usefixtures("idle_host")
+
 FP = "model=test-model|dtype=bfloat16|block=16x4|tp=1|codec=1"
 OK, MISS, ERROR, CORRUPT, REJECTED, EXISTS, INVALID = Outcome
 PAD = 0xA5

@@ -185,8 +185,9 @@ def _assert_index_is_the_disk(tier, root) -> dict[bytes, int]:
 
 def test_each_stored_chunk_is_indexed_with_its_own_file_size(engines, tmp_path):
     """Per-key stored sizes from the workers reach the index exactly: compressible and
-    incompressible chunks of one pool job each count their own file's bytes."""
-    e = engines(tmp_path, chunks=12)
+    incompressible chunks of one pool job each count their own file's bytes ("zstd":
+    compressed whatever the host's load; "auto" may rightly store raw on a busy host)."""
+    e = engines(tmp_path, chunks=12, top={"compression": "zstd"})
     keys = [key(i) for i in range(9)]
     _fill_mixed(e, range(9))
     e.offload(keys, 0, ReqContext("a"))
