@@ -64,3 +64,28 @@ def is_tier_worker(pid: int, engine_id: str) -> bool:
 def tier_worker_pids(engine_id: str) -> list[int]:
     """Pids of the running tier workers of ``engine_id``."""
     return [int(e) for e in os.listdir("/proc") if e.isdigit() and is_tier_worker(int(e), engine_id)]
+
+
+
+def runnable_threads(pid: int) -> int | None:
+    """How many threads of ``pid`` are running or waiting in a run queue for a CPU now
+    (state R in ``/proc/PID/task/*/stat``); a thread blocked in a read, on a lock, or
+    stopped by a signal is not. None where it cannot be read (the process is gone).
+    One directory listing and one small read per thread; never blocks. (The kernel
+    adds run-queue time to ``schedstat`` only once a thread runs again, so a thread
+    starved of CPU is seen here, by its state, and not there.)"""
+    task_dir = f"/proc/{pid}/task"
+    try:
+        tids = os.listdir(task_dir)
+    except OSError:
+        return None
+    runnable, read = 0, 0
+    for tid in tids:
+        try:
+            with open(f"{task_dir}/{tid}/stat", "rb") as f:
+                state = f.read().rsplit(b")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            continue  # a thread that just ended
+        runnable += state == b"R"
+        read += 1
+    return runnable if read else None

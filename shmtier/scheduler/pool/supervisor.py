@@ -19,7 +19,9 @@ each copies its worker's stderr to ours and keeps the last line.
         gone?  spawn mode: Popen.poll(); external mode: the slot's holder changed or died
         own heartbeat advanced → HEALTHY
         a part older than job_timeout_s, or own heartbeat older than
-          heartbeat_timeout_s while it holds parts → SIGKILL → HUNG
+          heartbeat_timeout_s while it holds parts and its threads neither ran nor
+          waited for a CPU meanwhile (late_beats.py: a starved worker is slow, not
+          hung) → SIGKILL → HUNG
         gone → rings recovered, its parts failed exactly once → DEAD
           → RESTARTING (backoff; spawn mode) or STARTING (external: the next holder)
           → BROKEN: one slot failed to start max_start_failures times within
@@ -73,6 +75,7 @@ import time
 from typing import Any
 
 from shmtier.scheduler.pool.dispatch import Dispatch, PoolJobId, PoolResult
+from shmtier.scheduler.pool.late_beats import LateBeats
 from shmtier.scheduler.pool.old_holders import OldHolder, retire_old_holders
 from shmtier.scheduler.pool.worker_state import RUNNING, WorkerRecord, WorkerState
 from shmtier.shared import jobs
@@ -133,7 +136,7 @@ class WorkerPool:
     """The tier workers of one engine (see the module docstring).
 
     ``heartbeat_timeout_s``: a worker holding parts whose own heartbeat is older is
-    hung. ``max_start_failures`` start failures of one slot within
+    hung, unless it ran or waited for a CPU meanwhile (``late_beats.py``). ``max_start_failures`` start failures of one slot within
     ``start_failure_window_s`` break the pool. The part deadline is
     ``config.job_timeout_s``. Construction blocks while a previous scheduler's workers
     still hold slots (a warm restart; at most a few seconds, see the module docstring).
@@ -182,6 +185,8 @@ class WorkerPool:
         self.failed_parts_total = 0  # parts failed because their worker was gone
         self.start_failures_total = 0  # workers that died before becoming healthy
         self.hung_total = 0  # workers killed as hung (heartbeat or deadline)
+        #: the judge of late heartbeats (its ``spared_total``: late but busy, not killed)
+        self.late_beats = LateBeats(heartbeat_timeout_s)
         self.timed_out_total = 0  # of those, killed for a part past its deadline
         if mode == "spawn":
             try:
@@ -325,8 +330,13 @@ class WorkerPool:
             self.timed_out_total += 1
             self._kill(rec, f"hung (a job outstanding for {late_s:.1f} s, past its "
                             f"{self.config.job_timeout_s:g} s deadline)")
-        elif own and self._dispatch.load[w] > 0 and beat.age_s() > self.heartbeat_timeout_s:
-            self._kill(rec, "hung (no heartbeat for %.1f s)" % beat.age_s())
+        elif own and self._dispatch.load[w] > 0:
+            age = beat.age_s()
+            if self.late_beats.hung(w, rec.pid, beat.beat_ns, age, now):
+                self.late_beats.forget(w)
+                self._kill(rec, "hung (no heartbeat for %.1f s)" % age)
+        else:
+            self.late_beats.forget(w)
 
     def _gone(self, rec: WorkerRecord) -> str | None:
         """How the slot's current process ended, or None while it runs."""
