@@ -40,7 +40,7 @@ def _checks(judge: LateBeats, pid: int, until_age: float) -> float | None:
     timeout on an idle host; a busy one delays the checks themselves."""
     t0 = time.monotonic()
     while (age := time.monotonic() - t0) < until_age:
-        if judge.hung(0, pid, 12345, age, time.monotonic()):
+        if judge.hung(0, pid, 12345, age, time.monotonic(), TIMEOUT):
             return age
         time.sleep(CHECK)
     return None
@@ -49,27 +49,27 @@ def _checks(judge: LateBeats, pid: int, until_age: float) -> float | None:
 def test_a_blocked_or_stopped_worker_is_hung_at_the_timeout_as_before(child):
     sleeper = child("import time\ntime.sleep(60)")
     assert runnable_threads(sleeper.pid) == 0
-    age = _checks(LateBeats(TIMEOUT), sleeper.pid, 3 * TIMEOUT)
+    age = _checks(LateBeats(), sleeper.pid, 3 * TIMEOUT)
     assert age is not None and age > TIMEOUT, age  # within 3 timeouts
 
     spinner = child("while True: pass")
     spinner.send_signal(signal.SIGSTOP)
     time.sleep(0.05)
     assert runnable_threads(spinner.pid) == 0
-    age = _checks(LateBeats(TIMEOUT), spinner.pid, 3 * TIMEOUT)
+    age = _checks(LateBeats(), spinner.pid, 3 * TIMEOUT)
     assert age is not None and age > TIMEOUT, age  # within 3 timeouts
 
 
 def test_a_computing_worker_is_slow_not_hung_and_said_so_once(child, caplog):
     spinner = child("while True: pass")
-    judge = LateBeats(TIMEOUT)
+    judge = LateBeats()
     assert _checks(judge, spinner.pid, 4 * TIMEOUT) is None
     assert judge.spared_total >= 3  # a verdict per window of TIMEOUT / 2, past the timeout
     lines = [r.getMessage() for r in caplog.records]
     assert len(lines) == 1 and f"tier worker 0 (pid {spinner.pid}): no heartbeat for" in lines[0]
     assert "slow (a busy host), not hung" in lines[0]
     # a beat in time ends the window: sampling starts over at the next late beat
-    assert not judge.hung(0, spinner.pid, 12345, 0.01, time.monotonic())
+    assert not judge.hung(0, spinner.pid, 12345, 0.01, time.monotonic(), TIMEOUT)
     assert judge._windows == {}
 
 
@@ -77,5 +77,5 @@ def test_a_worker_that_cannot_be_read_is_hung_at_the_timeout(child):
     gone = child("pass")
     gone.wait(5)
     assert runnable_threads(gone.pid) is None
-    age = _checks(LateBeats(TIMEOUT), gone.pid, 3 * TIMEOUT)
+    age = _checks(LateBeats(), gone.pid, 3 * TIMEOUT)
     assert age is not None and age > TIMEOUT, age  # within 3 timeouts

@@ -14,6 +14,7 @@ import numpy as np
 
 import pytest
 from fs_engine import END, GPU_BLOCKS, HIT, MISS, PENDING, RETRY, engines, key  # noqa: F401
+from starve import starved
 from shmtier.shared.procinfo import tier_worker_pids as worker_processes
 import torch
 
@@ -281,6 +282,37 @@ def test_a_killed_tier_worker_fails_its_jobs_and_is_replaced(engines, tmp_path):
     e.offload([key(50 + i) for i in range(4)], 20, ReqContext("b"))
     e.settle()
     assert len(list(tmp_path.rglob("*.kv"))) >= 4  # the replacements work
+
+
+def test_a_starved_tier_worker_is_slow_not_hung_and_counted(engines, tmp_path):
+    """A tier worker starved of CPU mid-cascade (``starve.py``: a busy host) is not
+    killed: the tier counts it (``worker_late_but_busy``), restarts nothing, and every
+    chunk reaches disk and comes back byte-exact once the CPU frees up."""
+    e = engines(tmp_path, page=65536, bpc=16, chunks=8, workers=1)  # 1 MiB chunks
+    pool, m = e.spec.worker_pool, e.manager
+    pool.heartbeat_timeout_s = 0.4  # < one starved slice (a 2 s default may not be)
+    e.offload([key(0)], 0, ReqContext("w"))
+    e.settle()  # the worker is up
+    keys = [key(i) for i in range(1, 5)]
+    with starved([p.pid for p in pool._procs]):
+        e.offload(keys, 16, ReqContext("a"))  # their cascade: 4 MiB to compress and write
+        deadline = time.monotonic() + 30
+        while pool.late_beats.spared_total == 0:
+            with m.lock:
+                m.on_schedule_end(END)
+            assert pool.hung_total == 0 and time.monotonic() < deadline
+            time.sleep(0.02)
+    e.settle()
+    data = m.get_stats().data["data"]
+    assert data[fs_tier.WORKERS_LATE_BUT_BUSY][("1:fs",)] >= 1
+    assert fs_tier.WORKER_RESTARTS not in data and pool.restarts_total == 0
+    assert len(list(tmp_path.rglob("*.kv"))) == 5
+    for b in range(2):  # 8 more chunks evict keys 0-4 from the 8-row CPU tier
+        e.offload([key(100 + 4 * b + i) for i in range(4)], 0, ReqContext(f"b{b}"))
+        e.settle()
+    e.until_hit(keys, ReqContext("r"))  # promoted back from the files
+    got = e.load(keys, ReqContext("r"), list(range(32, 96)))
+    assert torch.equal(got, e.originals[0][16:80])  # where keys 1-4 were stored from
 
 
 def test_fs_tier_config_errors(tmp_path):

@@ -53,19 +53,19 @@ class _Window:
 
 
 class LateBeats:
-    """The late-heartbeat judge of one pool (``timeout_s``: its heartbeat timeout).
-    ``spared_total``: windows in which a late worker was judged slow, not hung."""
+    """The late-heartbeat judge of one pool. ``spared_total``: windows in which a late
+    worker was judged slow, not hung."""
 
-    def __init__(self, timeout_s: float):
-        self.timeout_s = timeout_s
+    def __init__(self) -> None:
         self.spared_total = 0
         self._windows: dict[int, _Window] = {}
         self._logged: dict[int, int] = {}  # worker index -> its process last logged slow
 
-    def hung(self, index: int, pid: int, beat_ns: int, age_s: float, now: float) -> bool:
+    def hung(self, index: int, pid: int, beat_ns: int, age_s: float, now: float,
+             timeout_s: float) -> bool:
         """Whether worker ``index`` (process ``pid``, holding parts; its own heartbeat
-        ``beat_ns`` is ``age_s`` old) is hung now."""
-        half = self.timeout_s / 2
+        ``beat_ns`` is ``age_s`` old) is hung now, by the pool's heartbeat ``timeout_s``."""
+        half = timeout_s / 2
         if age_s <= half:
             self._windows.pop(index, None)
             return False
@@ -76,7 +76,7 @@ class LateBeats:
         win.samples += 1
         win.runnable += bool(n)
         win.unreadable |= n is None
-        if age_s <= self.timeout_s:
+        if age_s <= timeout_s:
             return False
         if win.unreadable:
             return True

@@ -186,7 +186,7 @@ class WorkerPool:
         self.start_failures_total = 0  # workers that died before becoming healthy
         self.hung_total = 0  # workers killed as hung (heartbeat or deadline)
         #: the judge of late heartbeats (its ``spared_total``: late but busy, not killed)
-        self.late_beats = LateBeats(heartbeat_timeout_s)
+        self.late_beats = LateBeats()
         self.timed_out_total = 0  # of those, killed for a part past its deadline
         if mode == "spawn":
             try:
@@ -332,7 +332,7 @@ class WorkerPool:
                             f"{self.config.job_timeout_s:g} s deadline)")
         elif own and self._dispatch.load[w] > 0:
             age = beat.age_s()
-            if self.late_beats.hung(w, rec.pid, beat.beat_ns, age, now):
+            if self.late_beats.hung(w, rec.pid, beat.beat_ns, age, now, self.heartbeat_timeout_s):
                 self.late_beats.forget(w)
                 self._kill(rec, "hung (no heartbeat for %.1f s)" % age)
         else:

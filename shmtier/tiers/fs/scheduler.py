@@ -21,6 +21,7 @@ from shmtier.tiers.storage.scheduler import (
     RING_DEPTH,
     STORED_RATIO,
     WORKER_RESTARTS,
+    WORKERS_LATE_BUT_BUSY,
     StorageTierManager,
 )
 
@@ -29,8 +30,8 @@ EVICTED_CHUNKS = "vllm:kv_offload_shmtier_fs_evicted_chunks"
 
 __all__ = ["FsTierManager", "BYTES_ON_DISK", "EVICTED_CHUNKS", "CODEC_SECONDS",
            "CORRUPT_CHUNKS", "MAX_COMBINED_KEYS", "PROBE_HITS", "PROBED_KEYS",
-           "PROBES_EXPIRED", "STORED_RATIO", "WORKER_RESTARTS", "POOL_BROKEN",
-           "RING_DEPTH"]
+           "PROBES_EXPIRED", "STORED_RATIO", "WORKER_RESTARTS", "WORKERS_LATE_BUT_BUSY",
+           "POOL_BROKEN", "RING_DEPTH"]
 
 
 class FsTierManager(StorageTierManager):

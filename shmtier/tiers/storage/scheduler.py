@@ -120,11 +120,19 @@ CODEC_SECONDS = "vllm:kv_offload_shmtier_codec_seconds"
 WORKER_RESTARTS = "vllm:kv_offload_shmtier_worker_restarts"
 RING_DEPTH = "vllm:kv_offload_shmtier_ring_depth"
 POOL_BROKEN = "vllm:kv_offload_shmtier_worker_pool_broken"
+WORKERS_LATE_BUT_BUSY = "vllm:kv_offload_shmtier_worker_late_but_busy"
 PROBED_KEYS = "vllm:kv_offload_shmtier_lookup_probed_keys"
 PROBE_HITS = "vllm:kv_offload_shmtier_lookup_probe_hits"
 PROBES_EXPIRED = "vllm:kv_offload_shmtier_lookup_probes_expired"
 COMPRESSION_ON = "vllm:kv_offload_shmtier_compression_on"
 PAGE_CACHE_BOUNDED = "vllm:kv_offload_shmtier_page_cache_bounded"
+
+
+#: the pool's running totals each tier reports as its own counters (all tiers share the pool)
+_POOL_COUNTERS = (
+    (WORKER_RESTARTS, lambda pool: pool.restarts_total),
+    (WORKERS_LATE_BUT_BUSY, lambda pool: pool.late_beats.spared_total),
+)
 
 
 class _Cascade:
@@ -225,7 +233,7 @@ class StorageTierManager(SecondaryTierManager):
         self._finished: list[JobResult] = []
         self._events: list[OffloadingEvent] = []
         self._stats = metrics.OffloadingStats()
-        self._restarts_seen = self._pool.restarts_total
+        self._pool_totals_seen = [total(self._pool) for _, total in _POOL_COUNTERS]
         # chunks known gone (deleted, or a load found them missing or corrupt) since the
         # listing in flight was sent: it may have walked past their files before
         self._gone_since_listing: set[OffloadKey] = set()
@@ -931,10 +939,12 @@ class StorageTierManager(SecondaryTierManager):
             # the pool logged why, once, and fails what it held; from now on lookups MISS
             # and new jobs fail at once
             self._broken = True
-        restarts = self._pool.restarts_total
-        if restarts != self._restarts_seen:
-            self._stats.increase_counter(WORKER_RESTARTS, restarts - self._restarts_seen, (self._label,))
-            self._restarts_seen = restarts
+        seen = self._pool_totals_seen
+        for i, (name, total) in enumerate(_POOL_COUNTERS):
+            now = total(self._pool)
+            if now != seen[i]:
+                self._stats.increase_counter(name, now - seen[i], (self._label,))
+                seen[i] = now
         if self._scan_id is None and not self._index_complete and not self._broken:
             self._gone_since_listing.clear()
             self._scan_id = self._pool.submit("scan", self._tier, [])  # ring full, or failed
@@ -1018,6 +1028,10 @@ class StorageTierManager(SecondaryTierManager):
             STORED_RATIO: metrics.CounterMetadata("Bytes written to the tier after compression.", t),
             CODEC_SECONDS: metrics.CounterMetadata("Seconds tier workers spent compressing.", t),
             WORKER_RESTARTS: metrics.CounterMetadata("Tier worker processes restarted.", t),
+            WORKERS_LATE_BUT_BUSY: metrics.CounterMetadata(
+                "Times a tier worker's heartbeat was past the timeout while its threads were "
+                "running or waiting for a CPU (a busy host): judged slow, not hung, and not "
+                "restarted (one per half timeout; the worker's first is logged).", t),
             cls.EVICTED_METRIC: metrics.CounterMetadata(
                 "Chunks evicted from the tier for capacity.", t),
             PROBED_KEYS: metrics.CounterMetadata(
