@@ -66,7 +66,6 @@ def tier_worker_pids(engine_id: str) -> list[int]:
     return [int(e) for e in os.listdir("/proc") if e.isdigit() and is_tier_worker(int(e), engine_id)]
 
 
-
 def runnable_threads(pid: int) -> int | None:
     """How many threads of ``pid`` are running or waiting in a run queue for a CPU now
     (state R in ``/proc/PID/task/*/stat``); a thread blocked in a read, on a lock, or

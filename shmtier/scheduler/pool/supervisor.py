@@ -136,8 +136,9 @@ class WorkerPool:
     """The tier workers of one engine (see the module docstring).
 
     ``heartbeat_timeout_s``: a worker holding parts whose own heartbeat is older is
-    hung, unless it ran or waited for a CPU meanwhile (``late_beats.py``). ``max_start_failures`` start failures of one slot within
-    ``start_failure_window_s`` break the pool. The part deadline is
+    hung, unless it ran or waited for a CPU meanwhile (``late_beats.py``).
+    ``max_start_failures`` start failures of one slot within ``start_failure_window_s``
+    break the pool. The part deadline is
     ``config.job_timeout_s``. Construction blocks while a previous scheduler's workers
     still hold slots (a warm restart; at most a few seconds, see the module docstring).
     """
@@ -185,9 +186,9 @@ class WorkerPool:
         self.failed_parts_total = 0  # parts failed because their worker was gone
         self.start_failures_total = 0  # workers that died before becoming healthy
         self.hung_total = 0  # workers killed as hung (heartbeat or deadline)
+        self.timed_out_total = 0  # of those, killed for a part past its deadline
         #: the judge of late heartbeats (its ``spared_total``: late but busy, not killed)
         self.late_beats = LateBeats()
-        self.timed_out_total = 0  # of those, killed for a part past its deadline
         if mode == "spawn":
             try:
                 now = time.monotonic()
