@@ -173,10 +173,14 @@ BACKPRESSURE_BLOCKS_DROPPED = "vllm:kv_offload_tiering_backpressure_blocks_dropp
 # evicted before they could go (lost, as a drop would have lost them)
 CASCADE_DEFERRED_CHUNKS = "vllm:kv_offload_shmtier_cascade_deferred_chunks"
 CASCADE_DEFERRED_LOST_CHUNKS = "vllm:kv_offload_shmtier_cascade_deferred_lost_chunks"
+# vLLM 0.34's deferred release of failed promotions (scheduler/tiering/deferred_release.py)
+DEFERRED_RELEASE_CHUNKS = "vllm:kv_offload_tiering_deferred_release_chunks"
+DEFERRED_RELEASE_HOLD = "vllm:kv_offload_tiering_deferred_release_hold_seconds"
 
 LOOKUP_SYNC_BUCKETS = (1e-5, 5e-5, 1e-4, 5e-4, 1e-3, 5e-3, 1e-2, 5e-2, 0.1, 0.5, 1.0)
 LOOKUP_ASYNC_BUCKETS = (1e-4, 5e-4, 1e-3, 5e-3, 1e-2, 5e-2, 0.1, 0.5, 1.0, 5.0, 10.0)
 PROMOTION_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+DEFERRED_RELEASE_HOLD_BUCKETS = (0.01, 0.05, 0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0)
 
 
 def tiering_metric_definitions() -> dict[str, MetricMetadata]:
@@ -225,6 +229,23 @@ def cascade_deferral_metric_definitions() -> dict[str, MetricMetadata]:
             "its max_pinned_rows primary rows.", t),
         CASCADE_DEFERRED_LOST_CHUNKS: CounterMetadata(
             "Deferred cascade chunks the primary tier evicted before they could be cascaded.", t),
+    }
+
+
+def deferred_release_metric_definitions() -> dict[str, MetricMetadata]:
+    """The deferred-release series (vLLM 0.34's names, types, labels and buckets) the
+    tiering manager emits for a tier whose failed promotions may hold primary rows.
+    Declared by the tiers that can defer (``SecondaryTierManager.defers_release``), so
+    the spec-level series stay those of the vLLM in use; a spec for vLLM >= 0.34 declares
+    them for every tier, as vLLM's does."""
+    t = (TIER,)
+    return {
+        DEFERRED_RELEASE_CHUNKS: GaugeMetadata(
+            "Primary rows of failed promotions held out of the free pool until the tier "
+            "confirms its I/O can no longer write them.", t),
+        DEFERRED_RELEASE_HOLD: HistogramMetadata(
+            "Seconds a failed promotion's primary rows were held before their deferred "
+            "release, observed at release.", t, DEFERRED_RELEASE_HOLD_BUCKETS),
     }
 
 

@@ -442,6 +442,7 @@ class CPUOffloadingManager:
         if done and self.events is not None:
             self.events.append(OffloadingEvent(
                 keys=done, medium=self.medium, removed=not success, metadata_only=not success,
+                req_context=req_context,
             ))
 
     def on_request_finished(self, req_context: ReqContext) -> None:
@@ -544,6 +545,9 @@ class CPUPrimaryTierOffloadingManager(CPUOffloadingManager):
         super().__init__(segment.table, cache_policy, cache_policy_module_path, enable_events,
                          store_threshold=0, info=info, attach=attach)
         self.segment = segment
+        # rows of failed promotions a tier may still write: out of the free pool (and
+        # counted write-pending) until release_deferred_write
+        self._deferred_rows: set[int] = set()
 
     def prepare_read(self, keys: Collection[OffloadKey], req_context: ReqContext) -> CPULoadStoreSpec:
         return CPULoadStoreSpec.of_ids(self._pin(keys))
@@ -562,6 +566,54 @@ class CPUPrimaryTierOffloadingManager(CPUOffloadingManager):
     def complete_write(self, keys: Collection[OffloadKey], req_context: ReqContext,
                        success: bool = True) -> None:
         self.complete_store(keys, req_context, success)
+
+    def defer_write_release(self, keys: Collection[OffloadKey]) -> list[int]:
+        """Fail the pending writes of ``keys`` as ``complete_write(False)`` does (the
+        keys leave the cache: lookups MISS, a later store gets a fresh row; a
+        metadata-only removal event), but keep their rows out of the free pool, still
+        counted write-pending: a tier may still be writing them. Returns those rows, for
+        ``release_deferred_write`` once it cannot any more. Keys not pending are skipped
+        (as ``complete_store`` skips them). Scheduler process, under the manager's lock."""
+        rows, refcnt = self._rows, self._refcnt
+        failed = list({key: row for key in keys  # once each, in order
+                       if (row := rows.get(key)) is not None and refcnt[row] < 0}.items())
+        for key, _ in failed:
+            self._policy.remove(key)
+        held: list[int] = []
+        self._index.release(failed, held)  # unmapped, the table's key cleared
+        self._deferred_rows.update(held)
+        if failed and self.events is not None:
+            self.events.append(OffloadingEvent(keys=[key for key, _ in failed],
+                                               medium=self.medium, removed=True,
+                                               metadata_only=True))
+        return held
+
+    def release_deferred_write(self, rows: Iterable[int]) -> None:
+        """Return rows that ``defer_write_release`` held to the free pool (their writer
+        can no longer touch them). A row it does not hold raises KeyError, nothing changed."""
+        rows = list(rows)
+        unknown = [row for row in rows if row not in self._deferred_rows]
+        if unknown or len(set(rows)) != len(rows):
+            raise KeyError(f"release_deferred_write: rows {unknown or rows} are not held "
+                           f"(or repeated) by a deferred release")
+        self._deferred_rows.difference_update(rows)
+        self._num_write_pending -= len(rows)
+        self._free_list.extend(rows)
+
+    @property
+    def num_deferred_release_chunks(self) -> int:
+        """Rows held by deferred releases (out of the free pool)."""
+        return len(self._deferred_rows)
+
+    def reset_cache(self) -> None:
+        """As the CPU tier's, refused (RuntimeError) while a deferred release holds rows:
+        a tier may still write them, so they cannot become free rows."""
+        if self._deferred_rows:
+            raise RuntimeError(
+                f"reset_cache with {len(self._deferred_rows)} primary rows of failed "
+                f"promotions still held (a tier may still write them): drain the tiers "
+                f"until every deferred release is set first")
+        super().reset_cache()
 
     def get_kv_memoryview(self) -> memoryview:
         return self.segment.arena_rows()

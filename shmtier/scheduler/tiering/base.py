@@ -24,6 +24,7 @@ Adding a built-in tier type ``t`` (docs/architecture.md, "Adding a tier"):
 
 from __future__ import annotations
 
+import threading
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Collection, Iterable, Sequence
@@ -92,17 +93,26 @@ class TransferJob:
 @dataclass
 class JobResult:
     """The one report of a submitted job. ``successful_keys`` (promotions only)
-    lists the keys that did land when ``success`` is False; None means none."""
+    lists the keys that did land when ``success`` is False; None means none.
+
+    ``deferred_release`` (vLLM 0.34's field; failed promotions only): set when the
+    tier's I/O may still write the primary rows of the failed keys. The manager fails
+    those keys at once but keeps their rows out of the free pool until the tier sets
+    the event (from any thread), once nothing of its I/O can touch them any more
+    (``deferred_release.py``). ``drain_jobs`` returns only with every such event set.
+    The manager reads it with ``getattr``: a tier written for an older vLLM returns
+    that vLLM's JobResult, without it."""
 
     job_id: JobId
     success: bool
     successful_keys: Collection[OffloadKey] | None = None
     transfer_time: float | None = None
     transfer_bytes: int | None = None
+    deferred_release: threading.Event | None = None
 
 
 _OPTIONAL = ("tolerates_off_thread_polling", "polls_between_steps", "locality",
-             "max_pinned_rows", "poll_fds")
+             "max_pinned_rows", "poll_fds", "defers_release")
 
 
 def optional_attribute(tier: Any, name: str) -> Any:
@@ -140,7 +150,9 @@ class SecondaryTierManager(ABC):
     ``lookup`` answers HIT (present now), MISS, or RETRY (not known yet: ask
     again next step). Every submitted job is reported exactly once by
     ``get_finished_jobs``. ``drain_jobs`` blocks until every submitted job has
-    completed or failed, without aborting a copy in flight.
+    completed or failed, without aborting a copy in flight, and every
+    ``JobResult.deferred_release`` it handed out is set (so it bounds how long a
+    release can be deferred; past that it raises).
     """
 
     medium: ClassVar[Medium | None] = None
@@ -172,6 +184,10 @@ class SecondaryTierManager(ABC):
     #: fd left readable costs a round per interval (``poll_thread.py``). None: the
     #: thread polls every interval.
     poll_fds: Callable[[], Sequence[int]] | None = None
+    #: Its failed promotions may carry ``JobResult.deferred_release``: the manager reports
+    #: its deferred-release gauge every step (as it does for any tier once it deferred),
+    #: and the tier declares ``metrics.deferred_release_metric_definitions()``.
+    defers_release: ClassVar[bool] = False
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)

@@ -21,7 +21,8 @@ Data flow::
        (with an ``admission`` rule other than write-through, only the chunks it admits;
         the CPU-tier hits of a lookup scan may admit more when the scan ends)
     tier.get_finished_jobs ──(polled once per step, and always in prepare_store)──▶
-         promotion: rows become ready (or are freed: MISS next time)
+         promotion: rows become ready (or are freed: MISS next time; with the result's
+                    deferred_release, held until the tier sets it: deferred_release.py)
          cascade:   rows unpinned, backpressure detector updated
 
 Promotion rows are reserved per lookup *scan* (docs/vllm-contract.md §6.3 reserves per key):
@@ -60,7 +61,8 @@ once, but the tiers hear of it only after the request's last pending primary
 store has completed (a cascade for it may still follow until then).
 
 Size: one class implementing vLLM's ``TieringOffloadingManager`` interface; its lookup
-metrics (``lookup_metrics.py``) and poll threads (``poll_thread.py``, ``window_poll.py``) live apart,
+metrics (``lookup_metrics.py``), poll threads (``poll_thread.py``, ``window_poll.py``) and deferred
+releases (``deferred_release.py``) live apart,
 and what is left shares the request and scan state, so it stays one module (~780 lines).
 """
 
@@ -102,6 +104,7 @@ from shmtier.scheduler.tiering.base import (
     TransferJob,
     optional_attribute,
 )
+from shmtier.scheduler.tiering.deferred_release import DeferredReleases
 from shmtier.scheduler.tiering.lookup_metrics import LookupTracker, RequestLookups
 from shmtier.scheduler.tiering.poll_thread import POLL_JOIN_TIMEOUT_S, TierPollThread
 from shmtier.scheduler.tiering.window_poll import StepRhythm, StepWindowPollThread
@@ -222,6 +225,9 @@ class TieringOffloadingManager:
         self._parents = [_TierFacingParent(self, i) for i in range(len(self.tiers))]
         self._tracker = LookupTracker(self.labels)
         self._stats = metrics.OffloadingStats()
+        # rows of failed promotions a tier may still write (vLLM 0.34's deferred release)
+        self._held = DeferredReleases(primary, self.labels[1:],
+                                      [optional_attribute(t, "defers_release") for t in self.tiers])
         # A tier written for vLLM speaks vLLM's enums: map them to ours once, by name.
         self._tier_kind = [
             (_same_enum(Medium, t.medium), _same_enum(Locality, optional_attribute(t, "locality")))
@@ -266,6 +272,11 @@ class TieringOffloadingManager:
         when it does not run (for benches and tests)."""
         t = self._window_thread
         return None if t is None else (t.rounds, t.missed)
+
+    def report_deferred_releases_of_every_tier(self) -> None:
+        """Report the deferred-release gauge of every tier every step, as vLLM 0.34 does
+        (for an adapter that declares the series for every tier)."""
+        self._held.report_every_tier()
 
     @property
     def lock(self) -> threading.Lock:
@@ -313,6 +324,8 @@ class TieringOffloadingManager:
                     self._complete_promotion(job, tier_idx, result)
                 else:
                     self._complete_cascade(job, tier_idx, result)
+            if self._held.by_tier[tier_idx]:
+                self._held.release_ready(tier_idx, self._stats)
 
     def _complete_promotion(self, job: TransferJob, tier_idx: int, result: JobResult) -> None:
         label = (self.labels[tier_idx + 1],)
@@ -328,7 +341,11 @@ class TieringOffloadingManager:
             if self.admission is not None:
                 self.admission.on_promoted(tier_idx, landed)
         if failed:
-            self.primary.complete_write(failed, ctx, False)
+            release = getattr(result, "deferred_release", None)  # vLLM < 0.34: none
+            if release is None:
+                self.primary.complete_write(failed, ctx, False)
+            else:  # the tier may still write their rows: held until it sets the event
+                self._held.defer(tier_idx, failed, release)
             sources = self._load_sources.get(ctx.req_id)
             if sources:
                 mine = self._hit_source[tier_idx]
@@ -788,7 +805,7 @@ class TieringOffloadingManager:
     def has_pending_work(self) -> bool:
         if self._scan_ctx is not None:  # _ENDS_THE_SCAN
             self._end_scan()
-        return (bool(self._jobs) or bool(self._parked) or self._has_deferred()
+        return (bool(self._jobs) or bool(self._parked) or self._has_deferred() or bool(self._held)
                 or any(tier.has_pending_work() for tier in self.tiers))
 
     def take_events(self) -> Iterable[OffloadingEvent]:
@@ -821,6 +838,7 @@ class TieringOffloadingManager:
                 stats_into(stats)
             else:
                 metrics.merge_stats(stats, tier.get_stats())
+        self._held.gauges_into(stats)
         if self._publisher is not None:  # while rounds come, they publish
             rounds = self._rhythm is not None and self._rhythm.rounds_came
             self._publisher.observe(stats, publish=not rounds)
@@ -846,6 +864,10 @@ class TieringOffloadingManager:
         if self._jobs:
             owners = sorted({self.labels[t + 1] for _, t in self._jobs.values()})
             raise RuntimeError(f"reset_cache: tiers {owners} still hold jobs after drain_jobs()")
+        if self._held:  # (the primary refuses to reset too)
+            raise RuntimeError(f"reset_cache: tiers {self._held.holding_tiers()} did not set the "
+                               f"deferred_release events of their failed promotions in "
+                               f"drain_jobs(); their primary rows may still be written")
         self._pending_promotions = [{} for _ in self.tiers]
         self._load_sources.clear()
         self._parked.clear()
