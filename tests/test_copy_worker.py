@@ -1,6 +1,8 @@
 """Block copy worker: byte-exact round trips through a real segment, the vLLM
 row layout at exact offsets, two ranks in two processes, queue independence,
-descriptor errors.
+descriptor errors, the GPU side given as block ids (vLLM 0.32/0.33's
+GPULoadStoreSpec) or as device pointers (vLLM 0.34's DevicePointers, here a
+local dataclass of the same shape), failed copies reported as failed results.
 
 The "GPU" KV caches are CPU tensors here (what runs everywhere); the copy
 semantics are the ones the CUDA path uses.
@@ -18,7 +20,7 @@ import threading
 import traceback
 import types
 import uuid
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import numpy as np
 import pytest
@@ -99,16 +101,49 @@ def expected_placement(pages, refs, bpc, geometry, rank, gpu_ids, chunk_ids, siz
         cpos += -(-(size + skip) // bpc)
 
 
+@dataclasses.dataclass
+class Pointers:
+    """The shape of vLLM 0.34's ``DevicePointers`` (this file stays vLLM-free)."""
+
+    ptrs: np.ndarray
+    sizes: np.ndarray
+    group_block_counts: tuple
+    group_data_ref_counts: tuple
+    block_indices: tuple
+
+
+def pointers_for(caches, refs, block_ids, sizes, indices) -> Pointers:
+    """Addresses of blocks ``block_ids`` (groups of ``sizes``) of every ref, in vLLM's
+    order: for each group, for each ref, for each block (``base + id * row stride``)."""
+    ptrs, nbytes, pos = [], [], 0
+    for size, group in zip(sizes, refs):
+        ids = list(block_ids[pos:pos + size])
+        for ref in group:
+            entry = caches.tensors[ref.tensor_idx]
+            tensor = entry if isinstance(entry, torch.Tensor) else entry.tensor
+            ptrs += [tensor.data_ptr() + b * tensor.stride(0) for b in ids]
+            nbytes += [ref.page_size_bytes] * len(ids)
+        pos += size
+    return Pointers(np.array(ptrs, dtype=np.uint64), np.array(nbytes, dtype=np.uint64),
+                    tuple(sizes), tuple(len(group) for group in refs), tuple(indices))
+
+
+def outcomes(results) -> list[tuple]:
+    """(job id, success, bytes) of each TransferResult."""
+    return [(r.job_id, r.success, r.transfer_size) for r in results]
+
+
 def arena_array(segment) -> np.ndarray:
     return np.frombuffer(segment.arena_rows(), dtype=np.uint8).reshape(-1)
 
 
 def check_store_and_round_trip(segment, pages, refs, bpc, rank, sizes, indices, chunk_ids,
                                num_blocks=64, seed=0, threads=True, check_whole_arena=True,
-                               consecutive=False, patch=None):
+                               consecutive=False, patch=None, pointers=False):
     """Store, verify the arena byte-exactly, load into fresh caches, verify.
 
-    GPU block ids are scattered, or (``consecutive``) runs of ascending ids.
+    GPU block ids are scattered, or (``consecutive``) runs of ascending ids; the
+    GPU side is a GPULoadStoreSpec, or (``pointers``) device pointers to those blocks.
     """
     geometry = segment.geometry
     rng = np.random.default_rng(seed)
@@ -122,6 +157,9 @@ def check_store_and_round_trip(segment, pages, refs, bpc, rank, sizes, indices, 
         load_ids = list(range(num_blocks - total, num_blocks))
     src_spec = GPULoadStoreSpec(gpu_ids, sizes, indices)
     dst_spec = GPULoadStoreSpec(load_ids, sizes, indices)
+    if pointers:
+        src_spec = pointers_for(src, refs, gpu_ids, sizes, indices)
+        dst_spec = pointers_for(dst, refs, load_ids, sizes, indices)
     cpu_spec = CPULoadStoreSpec(chunk_ids)
     placement = list(expected_placement(pages, refs, bpc, geometry, rank,
                                          gpu_ids, chunk_ids, sizes, indices))
@@ -138,8 +176,7 @@ def check_store_and_round_trip(segment, pages, refs, bpc, rank, sizes, indices, 
                 assert worker.submit_load(job_id, cpu_spec, dst_spec) is True
             worker.wait({job_id})
             results = worker.get_finished()
-        assert [(r.job_id, r.success, r.transfer_size) for r in results] == [
-            (job_id, True, expected_bytes)]
+        assert outcomes(results) == [(job_id, True, expected_bytes)]
         assert results[0].transfer_time >= 0
 
     before = arena_array(segment).copy()
@@ -203,6 +240,12 @@ ROUND_TRIPS = {  # layout: (pages, refs, bpc, num_chunks, world_size, rank); one
     ("four-blocks-per-chunk", {"consecutive": True}),
     ("cuda-copy-plan-on-cpu-tensors", {"consecutive": False}),
     ("cuda-copy-plan-on-cpu-tensors", {"consecutive": True}),
+    ("one-block-per-chunk", {"pointers": True}),
+    ("one-block-per-chunk", {"pointers": True, "threads": False}),
+    ("four-blocks-per-chunk", {"pointers": True}),
+    ("four-blocks-per-chunk", {"pointers": True, "consecutive": True}),
+    ("cuda-copy-plan-on-cpu-tensors", {"pointers": True}),
+    ("cuda-copy-plan-on-cpu-tensors", {"pointers": True, "consecutive": True}),
 ])
 def test_round_trip(engine_id, case, variant):
     (pages, refs, bpc, num_chunks, world_size, rank), job = ROUND_TRIPS[case]
@@ -229,6 +272,8 @@ def test_two_groups_two_tensors_unpadded_pages(engine_id):
     round_trips(engine_id, pages, refs, bpc=2, num_chunks=10, jobs=[
         dict(sizes=[5, 3], indices=[4, 3], chunk_ids=[7, 1, 0, 8, 2]),
         dict(sizes=[5, 3], indices=[4, 3], chunk_ids=[3, 4, 5, 6, 9], consecutive=True,
+             check_whole_arena=False),
+        dict(sizes=[4, 3], indices=[1, 2], chunk_ids=[9, 3, 2, 6, 0], pointers=True,
              check_whole_arena=False)])
 
 
@@ -405,10 +450,11 @@ def test_random_descriptors_match_layout_model(data):
     rank = data.draw(st.integers(0, world_size - 1), label="rank")
     num_chunks = rows + data.draw(st.integers(1, 3))
     chunk_ids = data.draw(st.permutations(range(num_chunks)))[:rows]
+    pointers = data.draw(st.booleans(), label="pointers")
     geometry = geometry_for(pages, bpc, world_size, num_chunks)
     with opened(f"test-cw-{uuid.uuid4().hex[:12]}", geometry, rank=rank) as segment:
         check_store_and_round_trip(segment, pages, refs, bpc, rank, sizes, indices, chunk_ids,
-                                   num_blocks=sum(sizes) + 3, seed=rows)
+                                   num_blocks=sum(sizes) + 3, seed=rows, pointers=pointers)
 
 
 def test_failed_copy_is_reported_not_raised(engine_id):
@@ -457,6 +503,195 @@ def test_wrong_descriptors_raise_clear_errors(engine_id, gpu, sizes, indices, ch
             assert worker.get_finished() == []
             with pytest.raises(ValueError, match="GPULoadStoreSpec"):
                 worker.submit_store(3, CPULoadStoreSpec([0]), CPULoadStoreSpec([0]))
+
+
+# ----------------------------------------------------------------------------- device pointers
+
+PTR_PAGES = [4096, 2048]
+PTR_ROW = 2560  # tensor 1's block stride: a packed layout, wider than its page
+PTR_REFS = [[CanonicalKVCacheRef(0, 4096), CanonicalKVCacheRef(1, 2000)]]
+
+
+def strided_caches(seed: int | None) -> CanonicalKVCaches:
+    """Tensor 0 plain; tensor 1 a (16, 2048) view with a 2560-byte block stride.
+    Random bytes (``seed``), or zeros."""
+    gen = torch.Generator().manual_seed(seed or 0)
+    make = (lambda *shape: torch.randint(-128, 128, shape, dtype=torch.int8, generator=gen)) \
+        if seed is not None else (lambda *shape: torch.zeros(shape, dtype=torch.int8))
+    return CanonicalKVCaches([make(16, 4096), make(16, PTR_ROW)[:, :2048]], PTR_REFS)
+
+
+def test_pointers_into_a_strided_tensor_round_trip(engine_id):
+    geometry = geometry_for(PTR_PAGES, 2, 1, 6)
+    with opened(engine_id, geometry) as segment:
+        src, dst = strided_caches(seed=4), strided_caches(seed=None)
+        with BlockCopyWorker(src, segment, 2, 0) as storer, \
+                BlockCopyWorker(dst, segment, 2, 0) as loader:
+            storer.submit_store(1, pointers_for(src, PTR_REFS, [3, 5, 6], [3], [1]),
+                                CPULoadStoreSpec([4, 0]))
+            storer.wait({1})
+            loader.submit_load(2, CPULoadStoreSpec([4, 0]),
+                               pointers_for(dst, PTR_REFS, [9, 0, 15], [3], [1]))
+            loader.wait({2})
+            assert outcomes(storer.get_finished()) == [(1, True, 3 * 6096)]
+            assert outcomes(loader.get_finished()) == [(2, True, 3 * 6096)]
+        expected = [torch.zeros(16, page, dtype=torch.int8) for page in PTR_PAGES]
+        for a, b in zip([3, 5, 6], [9, 0, 15]):
+            expected[0][b] = src.tensors[0][a]
+            expected[1][b, :2000] = src.tensors[1][a, :2000]
+        assert torch.equal(dst.tensors[0], expected[0])
+        assert torch.equal(dst.tensors[1], expected[1])  # unpadded bytes only
+        assert not dst.tensors[1].as_strided((16, PTR_ROW - 2048), (PTR_ROW, 1), 2048).any(), \
+            "bytes between tensor 1's pages were written"
+
+
+def _mutated(good: Pointers, tensors, case: str) -> Pointers:
+    p = dataclasses.replace(good, ptrs=good.ptrs.copy(), sizes=good.sizes.copy())
+    base0, base1 = tensors[0].data_ptr(), tensors[1].data_ptr()
+    if case == "groups":
+        p.group_block_counts, p.group_data_ref_counts, p.block_indices = (3, 0), (2, 0), (1, 0)
+    elif case == "refs":
+        p.group_data_ref_counts = (1,)
+    elif case == "negative-count":
+        p.group_block_counts = (-1,)
+    elif case == "short":
+        p.ptrs = p.ptrs[:-1]
+    elif case == "float":
+        p.ptrs = p.ptrs.astype(np.float64)
+    elif case == "padded-size":
+        p.sizes[4] = 2048
+    elif case == "past-the-end":
+        p.ptrs[0] = base0 + 16 * 4096
+    elif case == "below":
+        p.ptrs[2] = base0 - 4096
+    elif case == "other-tensor":
+        p.ptrs[3] = base0 + 3 * 4096  # ref 1's block, pointing into tensor 0
+    elif case == "page-not-row":
+        p.ptrs[3] = base1 + 2048  # one page on, but tensor 1's blocks are 2560 apart
+    return p
+
+
+@pytest.mark.parametrize("case, message", [
+    ("groups", "2 group block counts, 2 data-ref counts and 2 block indices, but the KV "
+               "caches have 1 groups"),
+    ("refs", "carry 1 data refs per block, but the KV caches' group 0 has 2"),
+    ("negative-count", "group_block_counts=-1"),
+    ("short", "carry 5 ptrs and 6 sizes, but .* need 6"),
+    ("float", "ptrs must be a 1-D integer array"),
+    ("padded-size", r"data ref 1 \(kv tensor 1\): copy sizes must equal the ref's unpadded "
+                    "page of 2000 bytes, got 2048 for block 1"),
+    ("past-the-end", r"data ref 0 \(kv tensor 0\): device pointer 0x[0-9a-f]+ of block 0 "
+                     "lies outside the tensor's blocks"),
+    ("below", r"kv tensor 0\): device pointer .* of block 2 lies outside"),
+    ("other-tensor", r"data ref 1 \(kv tensor 1\): .* of block 0 lies outside"),
+    ("page-not-row", "of block 0 is 2048 bytes past a block boundary .*block stride 2560"),
+])
+def test_wrong_device_pointers_raise_clear_errors(engine_id, case, message):
+    geometry = geometry_for(PTR_PAGES, 2, 1, 6)
+    with opened(engine_id, geometry) as segment:
+        caches = strided_caches(seed=None)
+        good = pointers_for(caches, PTR_REFS, [3, 5, 6], [3], [1])
+        bad = _mutated(good, caches.tensors, case)
+        with BlockCopyWorker(caches, segment, 2, 0) as worker:
+            with pytest.raises(ValueError, match=message):
+                worker.submit_store(1, bad, CPULoadStoreSpec([0, 1]))
+            with pytest.raises(ValueError, match=message):
+                worker.submit_load(2, CPULoadStoreSpec([0, 1]), bad, expedited=True)
+            # the chunk side is checked by the same planner as for block ids
+            with pytest.raises(ValueError, match="needs 3 GPU block ids and 2 chunk ids"):
+                worker.submit_store(3, good, CPULoadStoreSpec([0]))
+            assert worker.get_finished() == []
+
+
+@pytest.mark.parametrize("threads", [True, False])
+def test_failed_copy_keeps_its_place_and_later_jobs_run(engine_id, threads):
+    pages = [4096]
+    refs = [[CanonicalKVCacheRef(0, 4096)]]
+    geometry = geometry_for(pages, 1, 1, 4)
+    with opened(engine_id, geometry) as segment:
+        src = random_caches(pages, 4, refs, seed=2)
+        with BlockCopyWorker(src, segment, 1, 0, threads=threads) as worker:
+            run = worker._store_queue._execute
+
+            def fails_for_job_2(job):
+                if job.job_id == 2:
+                    raise OSError("injected copy failure")
+                run(job)
+
+            worker._store_queue._execute = fails_for_job_2
+            for job_id in (1, 2, 3):
+                assert worker.submit_store(job_id, pointers_for(src, refs, [job_id], [1], [0]),
+                                           CPULoadStoreSpec([job_id])) is True
+            worker.wait({1, 2, 3})
+            assert outcomes(worker.get_finished()) == [
+                (1, True, 4096), (2, False, 0), (3, True, 4096)]
+        arena = arena_array(segment)
+        for chunk in (1, 3):
+            start = chunk * geometry.row_stride
+            assert np.array_equal(arena[start:start + 4096],
+                                  src.tensors[0].tensor[chunk].numpy().view(np.uint8))
+        assert not arena[2 * geometry.row_stride:2 * geometry.row_stride + 4096].any()
+
+
+def test_cuda_queue_reports_device_errors_as_failed_jobs(monkeypatch):
+    """CudaQueue's bookkeeping with stand-ins for torch.cuda's stream and events
+    (no GPU here): a launch that raises, an event that raises when polled or waited
+    on, or one never recorded, is a failed result in its place; nothing raises."""
+    from shmtier.gpu import copy_queues
+
+    class Event:
+        def __init__(self, enable_timing=False):
+            self.state = "unrecorded"
+
+        def record(self, stream):
+            if self.state == "fail-record":
+                raise RuntimeError("CUDA error: record")
+            self.state = "pending"
+
+        def query(self):
+            if self.state == "error":
+                raise RuntimeError("CUDA error: an illegal memory access was encountered")
+            return self.state == "done"
+
+        def synchronize(self):
+            if self.state == "error":
+                raise RuntimeError("CUDA error: an illegal memory access was encountered")
+            self.state = "done"
+
+        def elapsed_time(self, end):
+            return 2.0
+
+    monkeypatch.setattr(torch.cuda, "Stream",
+                        lambda device=None: types.SimpleNamespace(wait_stream=lambda s: None))
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: nullcontext())
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(copy_queues, "clear_cuda_error", lambda: None)
+
+    def execute(job):  # job id -> what the device does with it
+        if job.job_id == 3:
+            raise RuntimeError("CUDA error: invalid argument")  # fails at launch
+        if job.job_id == 5:
+            job.end_event.state = "fail-record"  # its end event cannot be recorded
+        return []
+
+    queue = copy_queues.CudaQueue("store", execute, torch.device("cuda", 0))
+    jobs = {}
+    for job_id in (1, 2, 3, 4):
+        jobs[job_id] = copy_queues.Job(job_id, [], 100)
+        queue.submit(jobs[job_id])
+    jobs[1].end_event.state = "done"
+    jobs[2].end_event.state = "error"  # the copy faulted on the device
+    jobs[3].end_event.state = "done"  # its end event was recorded after the failed launch
+    assert outcomes(queue.get_finished()) == [(1, True, 100), (2, False, 0), (3, False, 0)]
+    assert queue.get_finished() == []  # job 4 still running
+    jobs[4].end_event.state = "error"
+    queue.wait({4})  # logged, not raised
+    assert outcomes(queue.get_finished()) == [(4, False, 0)]
+    assert len(queue._events) == 2  # only job 1's events are reused
+
+    queue.submit(copy_queues.Job(5, [], 100))
+    assert outcomes(queue.get_finished()) == [(5, False, 0)]  # nothing to wait for
 
 
 # ----------------------------------------------------------------------------- two ranks

@@ -10,11 +10,19 @@ them finished in that order:
 * :class:`CudaQueue` (CUDA tensors): one CUDA stream per queue that first waits on
   the submitting thread's current stream; events give completion and timing.
 
+A job whose copy raises (in the queue thread; for CUDA at launch, or when its
+event reports an error while polled or waited on) is kept in its place and
+reported by ``get_finished`` as ``TransferResult(job_id, False, 0, elapsed)``;
+``get_finished`` and ``wait`` never raise for a failed copy. vLLM 0.34's
+connector turns a failed async load into a failed receive and raises for a
+failed sync load; 0.32/0.33's connector asserts success.
+
 Shared bytes: none of their own; the copy functions touch the arena and the KV tensors.
 """
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import threading
 import time
@@ -28,6 +36,23 @@ import torch
 from shmtier.contract import TransferResult
 
 logger = logging.getLogger("shmtier.gpu.copy_worker")  # failed jobs log as the worker's
+
+
+def clear_cuda_error() -> None:
+    """Reset the CUDA runtime's last-error slot after a failed call, so a later
+    unrelated launch check does not report it (a sticky error stays)."""
+    cudart = torch.cuda.cudart()
+    fn = getattr(cudart, "cudaGetLastError", None)
+    if fn is not None:
+        fn()
+        return
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = {line.split()[-1] for line in maps if "libcudart" in line}
+        for path in paths:
+            ctypes.CDLL(path).cudaGetLastError()
+    except OSError:
+        pass
 
 
 @dataclass
@@ -142,7 +167,13 @@ class ThreadQueue:
 
 
 class CudaQueue:
-    """FIFO queue of copy jobs issued on one CUDA stream; events mark completion."""
+    """FIFO queue of copy jobs issued on one CUDA stream; events mark completion.
+
+    A job whose launch fails is still reported in order, once its end event
+    (recorded after the failure) completes; a job whose event raises while
+    polled or waited on, or could not be recorded, is reported failed at once.
+    Events of failed jobs are not reused.
+    """
 
     def __init__(self, name: str, execute: Callable[[Job], list[Any]], device: torch.device):
         self.name = name
@@ -155,42 +186,68 @@ class CudaQueue:
     def _event(self):
         return self._events.pop() if self._events else torch.cuda.Event(enable_timing=True)
 
+    def _fail(self, job: Job, exc: BaseException, when: str) -> None:
+        job.error = exc
+        if isinstance(exc, RuntimeError):  # torch's CUDA errors
+            clear_cuda_error()
+        logger.error("copy job %d on queue %s failed %s: %s", job.job_id, self.name, when, exc,
+                     exc_info=exc)
+
     def submit(self, job: Job) -> None:
         stream = self._stream
         job.start_event, job.end_event = self._event(), self._event()
-        # Stores must read finished KV; loads must land after the zeroing of
-        # their destination blocks: both were queued on the current stream.
-        stream.wait_stream(torch.cuda.current_stream(self._device))
-        with torch.cuda.stream(stream):
-            job.start_event.record(stream)
-            try:
-                job.keepalive = self._execute(job)
-            except Exception as exc:  # noqa: BLE001 - reported as a failed job
-                job.error = exc
-                logger.exception("copy job %d on queue %s failed", job.job_id, self.name)
-            job.end_event.record(stream)
+        recorded = False
+        try:
+            # Stores must read finished KV; loads must land after the zeroing of
+            # their destination blocks: both were queued on the current stream.
+            stream.wait_stream(torch.cuda.current_stream(self._device))
+            with torch.cuda.stream(stream):
+                job.start_event.record(stream)
+                try:
+                    job.keepalive = self._execute(job)
+                finally:
+                    job.end_event.record(stream)
+                    recorded = True
+        except Exception as exc:  # noqa: BLE001 - reported as a failed job
+            self._fail(job, exc, "at launch")
+            if not recorded:
+                job.end_event = None  # nothing to wait for
         job.copies = None
         self._pending.append(job)
 
     def get_finished(self) -> list[TransferResult]:
         results = []
-        while self._pending and self._pending[0].end_event.query():
-            job = self._pending.popleft()
-            job.elapsed = job.start_event.elapsed_time(job.end_event) * 1e-3
-            results.append(job.result())
-            self._events += (job.start_event, job.end_event)
+        while self._pending:
+            job = self._pending[0]
+            if job.end_event is not None:
+                try:
+                    if not job.end_event.query():
+                        break
+                    if job.error is None:
+                        job.elapsed = job.start_event.elapsed_time(job.end_event) * 1e-3
+                except RuntimeError as exc:
+                    self._fail(job, exc, "while polled for completion")
+            self._pending.popleft()
+            if job.error is None:
+                self._events += (job.start_event, job.end_event)
             job.keepalive = None
+            results.append(job.result())
         return results
 
     def wait(self, job_ids: set[int]) -> None:
         for job in list(self._pending):
-            if job.job_id in job_ids:
-                job.end_event.synchronize()
+            if job.job_id in job_ids and job.end_event is not None:
+                try:
+                    job.end_event.synchronize()
+                except RuntimeError as exc:
+                    self._fail(job, exc, "while waited on")
+                    job.end_event = None  # reported failed by get_finished
 
     def shutdown(self) -> None:
         try:
             for job in self._pending:
-                job.end_event.synchronize()
+                if job.end_event is not None:
+                    job.end_event.synchronize()
         finally:
             self._pending.clear()
             self._events.clear()

@@ -27,6 +27,12 @@ are consumed in order and every id of both specs must be used exactly once
 (else ``ValueError`` at submit). For every ref of a group the ref's *unpadded*
 page bytes of each block are copied.
 
+vLLM 0.34 passes the GPU side as ``DevicePointers`` instead (one address and
+size per block and ref, the same ``block_indices``): they are checked against
+the KV tensors and turned back into block ids per ref
+(``device_pointers.py``), then planned and copied exactly like a spec's ids,
+so every copy reads or writes exactly the given addresses.
+
 Execution:
 
 * CUDA (KV tensors on a CUDA device): the worker's slot ranges are registered
@@ -42,8 +48,10 @@ Execution:
 
 Expedited loads (sync loads the connector waits on before the forward) have
 their own queue, so they never wait behind regular loads. Completion is
-reported in submission order per queue. The jobs and both kinds of queue are in
-``copy_queues.py``; this module plans the copies and performs them.
+reported in submission order per queue; a copy that fails is reported as a
+failed result, never raised from ``get_finished``/``wait``. The jobs and both
+kinds of queue are in ``copy_queues.py``; this module plans the copies and
+performs them.
 """
 
 from __future__ import annotations
@@ -57,7 +65,8 @@ import torch
 
 from shmtier.contract import TransferResult
 from shmtier.gpu.canonical import block_tensors
-from shmtier.gpu.copy_queues import CudaQueue, Job, RefCopy, ThreadQueue
+from shmtier.gpu.copy_queues import CudaQueue, Job, RefCopy, ThreadQueue, clear_cuda_error
+from shmtier.gpu.device_pointers import blocks_from_pointers, is_device_pointers
 from shmtier.shared.layout import PAGE_SIZE
 
 logger = logging.getLogger(__name__)
@@ -89,23 +98,6 @@ def _run_bounds(breaks: np.ndarray, n: int) -> list[tuple[int, int]]:
 # ----------------------------------------------------------------------------- pinning
 
 
-def _clear_cuda_error() -> None:
-    """Reset the runtime's last-error slot after a failed registration, so a
-    later unrelated launch check does not report it."""
-    cudart = torch.cuda.cudart()
-    fn = getattr(cudart, "cudaGetLastError", None)
-    if fn is not None:
-        fn()
-        return
-    try:
-        with open("/proc/self/maps") as maps:
-            paths = {line.split()[-1] for line in maps if "libcudart" in line}
-        for path in paths:
-            ctypes.CDLL(path).cudaGetLastError()
-    except OSError:
-        pass
-
-
 def _host_register(ranges: list[tuple[int, int]]) -> list[int]:
     """Register every (address, length) range, or none: returns the registered
     addresses (empty after a failure, which is rolled back and logged)."""
@@ -116,7 +108,7 @@ def _host_register(ranges: list[tuple[int, int]]) -> list[int]:
         if err == 0:
             done.append(address)
             continue
-        _clear_cuda_error()
+        clear_cuda_error()
         logger.warning(
             "cudaHostRegister failed (error %d) at %#x (+%d bytes); the arena stays "
             "pageable: copies are correct but slower", err, address, length)
@@ -130,7 +122,7 @@ def _host_unregister(addresses: list[int]) -> None:
     for address in reversed(addresses):
         err = int(cudart.cudaHostUnregister(address))
         if err:
-            _clear_cuda_error()
+            clear_cuda_error()
             logger.warning("cudaHostUnregister(%#x) failed (error %d)", address, err)
 
 
@@ -285,12 +277,17 @@ class BlockCopyWorker:
     # ------------------------------------------------------------------ public API
 
     def submit_store(self, job_id: int, src: Any, dst: Any) -> bool:
-        """Queue a GPU -> arena copy of the blocks in ``src`` (GPULoadStoreSpec)
-        into the chunks of ``dst`` (CPULoadStoreSpec). Returns True.
+        """Queue a copy of the GPU blocks ``src`` into the chunks of ``dst``
+        (CPULoadStoreSpec). Returns True.
 
-        Called by the connector's worker half (``start_kv_transfers`` /
+        ``src`` is a GPULoadStoreSpec (vLLM 0.32/0.33: block ids) or a
+        DevicePointers (vLLM 0.34: ``resolve_device_pointers``' addresses,
+        checked to be whole blocks of this worker's KV tensors). Called by the
+        connector's worker half (``start_kv_transfers`` /
         ``handle_preemptions``) in the GPU worker process. Never blocks on the
-        copy; raises ``ValueError`` at once if the specs are inconsistent.
+        copy; raises ``ValueError`` at once if the descriptors are
+        inconsistent. A copy that fails later is reported by ``get_finished``
+        with ``success=False``.
         """
         self._check_open()
         copies, nbytes = self._plan(src, dst)
@@ -298,13 +295,16 @@ class BlockCopyWorker:
         return True
 
     def submit_load(self, job_id: int, src: Any, dst: Any, expedited: bool = False) -> bool:
-        """Queue an arena -> GPU copy from the chunks of ``src`` (CPULoadStoreSpec)
-        into the blocks of ``dst`` (GPULoadStoreSpec). Returns True.
+        """Queue a copy from the chunks of ``src`` (CPULoadStoreSpec) into the
+        GPU blocks ``dst`` (GPULoadStoreSpec or DevicePointers, as for
+        :meth:`submit_store`). Returns True.
 
         ``expedited`` (a sync load the caller will ``wait`` on this step) uses
         its own queue, never behind regular loads. Called by the connector's
         worker half in the GPU worker process; never blocks on the copy;
-        raises ``ValueError`` at once if the specs are inconsistent.
+        raises ``ValueError`` at once if the descriptors are inconsistent. A
+        copy that fails later is reported by ``get_finished`` with
+        ``success=False``.
         """
         self._check_open()
         copies, nbytes = self._plan(dst, src)
@@ -315,7 +315,10 @@ class BlockCopyWorker:
     def get_finished(self) -> list[TransferResult]:
         """Jobs completed since the last call: stores, then loads, then
         expedited loads, each in submission order. ``transfer_size`` = bytes
-        this worker copied, ``transfer_time`` = seconds the copy ran.
+        this worker copied, ``transfer_time`` = seconds the copy ran. A job
+        whose copy raised (CPU: in its queue thread; CUDA: at launch, or an
+        error its stream's event reports) comes back ``success=False``,
+        ``transfer_size=0``; it is never raised here.
 
         Called by the connector's worker half once per step in the GPU worker
         process. Never blocks.
@@ -382,19 +385,31 @@ class BlockCopyWorker:
         if self._closed:
             raise RuntimeError("BlockCopyWorker is shut down")
 
-    def _plan(self, gpu_spec: Any, cpu_spec: Any) -> tuple[list[RefCopy], int]:
-        """Turn a (GPU spec, CPU spec) pair into per-ref copy lists (docs/vllm-contract.md §5).
+    def _plan(self, gpu_side: Any, cpu_spec: Any) -> tuple[list[RefCopy], int]:
+        """Turn a (GPU side, CPU spec) pair into per-ref copy lists (docs/vllm-contract.md §5).
 
-        Runs in the submitting thread; raises ``ValueError`` naming the problem.
+        ``gpu_side`` is a GPULoadStoreSpec (block ids; vLLM 0.32/0.33) or a
+        DevicePointers (addresses; vLLM 0.34), mapped back to block ids by
+        :func:`~shmtier.gpu.device_pointers.blocks_from_pointers`; the chunk
+        layout below is the same for both. Runs in the submitting thread;
+        raises ``ValueError`` naming the problem.
         """
-        try:
-            group_sizes = [int(s) for s in gpu_spec.group_sizes]
-            block_indices = [int(i) for i in gpu_spec.block_indices]
-        except AttributeError:
-            raise ValueError(
-                f"the GPU side of a transfer must be a GPULoadStoreSpec (with group_sizes "
-                f"and block_indices), got {type(gpu_spec).__name__}") from None
-        gpu_ids = np.asarray(gpu_spec.block_ids, dtype=np.int64).reshape(-1)
+        if is_device_pointers(gpu_side):
+            pointed = blocks_from_pointers(gpu_side, self._blocks, self._group_refs)
+            group_sizes, block_indices = pointed.group_sizes, pointed.block_indices
+            num_gpu = sum(group_sizes)  # consistent by construction
+        else:
+            try:
+                group_sizes = [int(s) for s in gpu_side.group_sizes]
+                block_indices = [int(i) for i in gpu_side.block_indices]
+                gpu_ids = np.asarray(gpu_side.block_ids, dtype=np.int64).reshape(-1)
+            except AttributeError:
+                raise ValueError(
+                    f"the GPU side of a transfer must be a GPULoadStoreSpec (block_ids, "
+                    f"group_sizes, block_indices) or DevicePointers (ptrs, sizes, "
+                    f"group_block_counts, group_data_ref_counts, block_indices), got "
+                    f"{type(gpu_side).__name__}") from None
+            pointed, num_gpu = None, len(gpu_ids)
         cpu_ids = np.asarray(cpu_spec.block_ids, dtype=np.int64).reshape(-1)
         num_groups = len(self._group_refs)
         if len(group_sizes) != num_groups or len(block_indices) != num_groups:
@@ -417,33 +432,37 @@ class BlockCopyWorker:
                 raise ValueError(f"group {g}: size={size}, block_index={first} (need >= 0)")
             skip = first % bpc
             rows = _cdiv(size + skip, bpc)
-            if gpos + size > len(gpu_ids) or cpos + rows > len(cpu_ids):
+            if gpos + size > num_gpu or cpos + rows > len(cpu_ids):
                 raise ValueError(
                     f"group {g} needs {size} GPU block ids and {rows} chunk ids "
                     f"(skip {skip} of {bpc} blocks per chunk) after {gpos} and {cpos} "
-                    f"consumed, but the transfer has {len(gpu_ids)} GPU block ids and "
+                    f"consumed, but the transfer has {num_gpu} GPU block ids and "
                     f"{len(cpu_ids)} chunk ids")
-            group_gpu = gpu_ids[gpos:gpos + size]
-            limit = self._group_num_blocks[g]
-            if group_gpu.min() < 0 or group_gpu.max() >= limit:
-                raise ValueError(
-                    f"group {g}: GPU block ids must lie in 0..{limit - 1}, got "
-                    f"min {group_gpu.min()} max {group_gpu.max()}")
+            if pointed is not None:
+                ref_gpu = pointed.ref_blocks[g]  # each ref's own tensor, bounds-checked
+            else:
+                group_gpu = gpu_ids[gpos:gpos + size]
+                limit = self._group_num_blocks[g]
+                if group_gpu.min() < 0 or group_gpu.max() >= limit:
+                    raise ValueError(
+                        f"group {g}: GPU block ids must lie in 0..{limit - 1}, got "
+                        f"min {group_gpu.min()} max {group_gpu.max()}")
+                ref_gpu = [group_gpu] * len(self._group_refs[g])
             chunks = cpu_ids[cpos:cpos + rows]
             sub = np.arange(skip, skip + size, dtype=np.int64)
             base = chunks[sub // bpc] * self.row_stride + self.slot_offset
             within = sub % bpc
-            for t, unpadded in self._group_refs[g]:
+            for (t, unpadded), ids in zip(self._group_refs[g], ref_gpu):
                 offsets = base + (self.tensor_offsets[t] + within * self.page_sizes[t])
-                copies.append(RefCopy(t, unpadded, group_gpu, offsets))
+                copies.append(RefCopy(t, unpadded, ids, offsets))
                 nbytes += size * unpadded
             gpos += size
             cpos += rows
-        if gpos != len(gpu_ids) or cpos != len(cpu_ids):
+        if gpos != num_gpu or cpos != len(cpu_ids):
             raise ValueError(
                 f"transfer ids not consumed exactly: groups {group_sizes} with block "
                 f"indices {block_indices} use {gpos} GPU block ids and {cpos} chunk ids "
-                f"({bpc} blocks per chunk), but the specs carry {len(gpu_ids)} GPU block "
+                f"({bpc} blocks per chunk), but the specs carry {num_gpu} GPU block "
                 f"ids and {len(cpu_ids)} chunk ids")
         return copies, nbytes
 
