@@ -398,3 +398,30 @@ def test_a_tier_written_for_vllm_returns_vllms_job_result(rig):
     assert job.rows[0] in free_rows(r.primary)
     with m.lock:
         assert r.primary.lookup(key(1), ctx) is MISS
+
+
+def test_a_row_release_is_set_once_sealed_and_every_holder_let_go():
+    """The pool's release (``shmtier/scheduler/pool/row_release.py``): held once per killed
+    worker process, sealed when its pool job completes; a tier chains its own to it."""
+    from shmtier.scheduler.pool.row_release import RowRelease
+
+    pool_release, tier_release, called = RowRelease(), RowRelease(), []
+    pool_release.hold()
+    pool_release.hold()  # two killed workers held parts of the job
+    pool_release.let_go()  # one is gone before the job completes: not set, not sealed
+    assert not pool_release.event.is_set()
+    assert pool_release.seal() is pool_release
+    tier_release.hold()
+    pool_release.then(tier_release.let_go)
+    pool_release.then(lambda: called.append(1))
+    assert tier_release.seal() is tier_release
+    with pytest.raises(RuntimeError, match="after seal"):
+        pool_release.hold()
+    pool_release.let_go()  # the second is gone
+    assert pool_release.event.is_set() and tier_release.event.is_set() and called == [1]
+    pool_release.then(lambda: called.append(2))  # already set: at once
+    assert called == [1, 2]
+    with pytest.raises(RuntimeError, match="without a holder"):
+        pool_release.let_go()
+    nobody = RowRelease()
+    assert nobody.seal() is None and nobody.event.is_set()

@@ -1013,6 +1013,89 @@ def test_a_lost_job_fails_by_its_deadline_and_its_worker_is_replaced(pools):
             lost.wait(5)
 
 
+def test_a_killed_workers_load_fails_at_once_and_its_rows_are_released_once_it_is_gone(pools):
+    """A worker SIGSTOPped while it holds a load part is killed at the part's deadline.
+    The load fails right then (the part's keys ERROR, the other worker's part served
+    byte-exact), with a release that stays unset while the killed process is not reaped
+    (it could still write those rows) and is set at the health check that reaps it.
+    ``drain`` returns only once every such release is set."""
+    timeout = 2.0
+    env = pools(num_workers=2, num_chunks=64, heartbeat_timeout_s=60.0, job_timeout_s=timeout)
+    pool, arena = env.pool, env.arena
+    wait_up(env)
+    arena[:16] = np.random.default_rng(11).integers(0, 256, (16, 4096), dtype=np.uint8)
+    keys = [_key(i, b"held") for i in range(16)]
+    assert run(pool, "store", 0, keys, list(range(16))).outcomes == [Outcome.OK] * 16
+
+    def load_with(stopped):
+        """Load ``keys`` into rows 16.. (spread: 8 keys per worker) with ``stopped``
+        SIGSTOPped; returns the pool job id and which keys went to ``stopped``."""
+        arena[16:32] = 0
+        stopped.send_signal(signal.SIGSTOP)
+        jid = submit(pool, "load", 0, keys, list(range(16, 32)))
+        w = pool._procs.index(stopped)
+        mine = sorted(p for part in pool._dispatch.parts.values() if part.worker == w
+                      for p in part.positions)
+        assert 0 < len(mine) < 16, mine
+        return jid, mine
+
+    def check(r, mine, stopped):
+        assert [i for i, o in enumerate(r.outcomes) if o != Outcome.OK] == mine, r.outcomes
+        m = _HUNG.search(r.error)
+        assert m and int(m.group(2)) == stopped.pid and "deadline" in r.error, r.error
+        served = [i for i in range(16) if i not in mine]
+        assert np.array_equal(arena[[16 + i for i in served]], arena[served])
+        assert not arena[[16 + i for i in mine]].any()  # the stopped worker wrote nothing
+
+    # 1. the load fails at once; the rows are held until the process is reaped
+    stopped = env.procs()[0]
+    try:
+        jid, mine = load_with(stopped)
+        deadline = time.monotonic() + timeout + 10
+        got = []
+        while not got:  # poll and take in one go: the kill's poll makes the result
+            pool.poll()
+            got = pool.take(0)
+            assert time.monotonic() < deadline, "the load was not failed"
+            time.sleep(0.005)
+        [r] = got
+        assert r.job_id == jid
+        check(r, mine, stopped)
+        assert stopped.returncode is None  # killed, not reaped: it may still write
+        assert r.release is not None and not r.release.event.is_set()
+        assert pool.rows_held() and pool.failed_parts_total == 1
+        while not r.release.event.is_set():  # the next health check reaps it
+            pool.poll()
+            assert time.monotonic() < deadline, "the killed worker was never reaped"
+            time.sleep(0.005)
+        assert stopped.returncode == -signal.SIGKILL and not pool.rows_held()
+        settle = time.monotonic() + 0.3
+        while time.monotonic() < settle:  # nothing reported twice (its part failed once)
+            pool.poll()
+            assert pool.take(0) == []
+            time.sleep(0.02)
+    finally:
+        if stopped.poll() is None:
+            stopped.kill()
+            stopped.wait(5)
+
+    # 2. drain returns only once the killed process is gone and the release set
+    wait_up(env, timeout_s=15)
+    stopped = env.procs()[0]
+    try:
+        jid, mine = load_with(stopped)
+        pool.drain(timeout + 10)
+        assert stopped.returncode == -signal.SIGKILL and not pool.rows_held()
+        [r] = pool.take(0)
+        check(r, mine, stopped)
+        assert r.release is None or r.release.event.is_set()
+    finally:
+        if stopped.poll() is None:
+            stopped.kill()
+            stopped.wait(5)
+    assert pool.broken is None
+
+
 # --- 11. a pool whose workers cannot start ------------------------------------------------
 
 

@@ -18,9 +18,12 @@ ring, no process, nothing here blocks.
                  outcomes, logical and stored bytes and seconds go into its pool job,
                  key by key; the job's last part → done[tier] (``take``)
     health check: overdue(now) → workers holding a part past its deadline;
-                 fail_worker(w) → every part worker w held completes as failed,
-                 exactly once (only after its process is gone: a load must never
-                 write a row after its job was failed and the row reused)
+                 fail_loads(w) → the load parts of worker w (just SIGKILLed, maybe still
+                 writing their rows) complete as failed now, their pool jobs holding a
+                 RowRelease until the supervisor sees the process gone;
+                 fail_worker(w) → every other part worker w held completes as failed,
+                 exactly once (only after its process is gone: a store may still read
+                 its pinned rows until then)
 
 Ordering: all jobs for one key go to one worker while any job for that key is
 outstanding, so a worker sees a key's store, load and delete in submit order.
@@ -34,6 +37,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import NewType
 
+from shmtier.scheduler.pool.row_release import RowRelease
 from shmtier.shared import jobs
 from shmtier.shared.jobs import Outcome, WireJobId
 
@@ -55,7 +59,10 @@ class PoolResult:
     """One finished pool job: per key, in submit order, its outcome and what the backend
     reported for it (logical and stored bytes, seconds); a key whose part failed is
     ERROR with zeros. A ``scan`` lists ``scan_keys`` with their ``scan_stored_bytes``.
-    ``flags``: the ``jobs.ResultFlag`` bits of all its parts' results, ORed."""
+    ``flags``: the ``jobs.ResultFlag`` bits of all its parts' results, ORed.
+    ``release`` (loads only): set when a part failed because its worker was killed, whose
+    process may still write the rows of that part's keys: its ``event`` is set once every
+    such process is gone (hold those rows until then); None when nothing may write them."""
 
     job_id: PoolJobId
     op: str
@@ -71,12 +78,14 @@ class PoolResult:
     scan_stored_bytes: list[int] = field(default_factory=list)
     submit_time: float = 0.0
     flags: int = 0
+    release: RowRelease | None = None
 
 
 @dataclass(slots=True)
 class _Parent:
     result: PoolResult
     remaining: int
+    release: RowRelease | None = None  # held by killed workers that may write its rows
 
 
 @dataclass(slots=True)
@@ -126,6 +135,9 @@ class Dispatch:
         self.load = [0] * num_workers  # outstanding parts per worker
         self._bound: dict[bytes, list[int]] = {}  # key -> [worker, outstanding parts]
         self.done: dict[int, list[PoolResult]] = {}
+        # parts failed while their worker's process may still run (``fail_loads``) -> that
+        # worker: a result it still sends for one is dropped (until it is gone)
+        self._failed_early: dict[WireJobId, int] = {}
 
     def plan(self, op: str, tier: int, keys: list[bytes], rows: list[int] | None,
              args: dict | None, live: list[int]) -> tuple[PoolJobId, list[Planned]]:
@@ -211,7 +223,10 @@ class Dispatch:
         """Merge one worker result (or a failed one made here) into its pool job."""
         part = self.parts.get(result.job_id)
         if part is None:
-            logger.error("result for unknown job %d ignored", result.job_id)
+            if result.job_id in self._failed_early:
+                logger.debug("result for job %d, failed already, ignored", result.job_id)
+            else:
+                logger.error("result for unknown job %d ignored", result.job_id)
             return
         parent = self.parents[part.parent]
         out = parent.result
@@ -245,6 +260,8 @@ class Dispatch:
         if parent.remaining == 0:
             if out.outcomes is None:  # no key answered for (a scan, or every part failed empty)
                 _fill_failed(out)
+            if parent.release is not None:
+                out.release = parent.release.seal()
             del self.parents[out.job_id]
             self.done.setdefault(out.tier, []).append(out)
 
@@ -290,6 +307,29 @@ class Dispatch:
         for part_id, part in mine:
             self.complete(jobs.Result.failed(part_id, why, len(part.positions) - part.answered))
         return len(mine)
+
+    def fail_loads(self, w: int, why: str) -> list[RowRelease]:
+        """Complete now, as failed (``why``), the load parts worker ``w`` holds: its
+        process was just SIGKILLed and may still write their rows. Each one's pool job
+        gets a release held once per part; returns those releases, for the caller to let
+        go when the process is gone. A result the process still sends for one is dropped."""
+        parents, released = self.parents, []
+        mine = [(part_id, part) for part_id, part in self.parts.items()
+                if part.worker == w and parents[part.parent].result.op == "load"]
+        for part_id, part in mine:
+            parent = parents[part.parent]
+            if parent.release is None:
+                parent.release = RowRelease()
+            parent.release.hold()
+            released.append(parent.release)
+            self._failed_early[part_id] = w
+            self.complete(jobs.Result.failed(part_id, why, len(part.positions) - part.answered))
+        return released
+
+    def forget_failed_early(self, w: int) -> None:
+        """Worker ``w``'s process is gone: no result of it can come any more."""
+        if self._failed_early:
+            self._failed_early = {p: x for p, x in self._failed_early.items() if x != w}
 
     def fail_all(self, why: str) -> int:
         """Complete every outstanding part as failed (shutdown, after the workers stopped)."""

@@ -21,8 +21,10 @@ each copies its worker's stderr to ours and keeps the last line.
         a part older than job_timeout_s, or own heartbeat older than
           heartbeat_timeout_s while it holds parts and its threads neither ran nor
           waited for a CPU meanwhile (late_beats.py: a starved worker is slow, not
-          hung) → SIGKILL → HUNG
-        gone → rings recovered, its parts failed exactly once → DEAD
+          hung) → SIGKILL → HUNG; its load parts fail at once, their rows held
+          (PoolResult.release) until the process is gone
+        gone → rings recovered, its other parts failed exactly once, the rows
+          of its failed loads released → DEAD
           → RESTARTING (backoff; spawn mode) or STARTING (external: the next holder)
           → BROKEN: one slot failed to start max_start_failures times within
             start_failure_window_s (never HEALTHY in between)
@@ -58,8 +60,14 @@ generation on its command line and serves only that one (``workers/job_loop.py``
 A part's deadline: a worker that holds a part ``job_timeout_s`` after it was
 submitted is judged hung and killed (spawn mode: its process; external mode:
 SIGKILL to the slot's holder, verified by pid and start time) *before* its parts
-are failed, so a load never writes a CPU row after its job was failed and the
-row reused.
+are failed. Its load parts fail right after the kill (the request need not wait for
+the process to be gone: a SIGKILLed process in uninterruptible I/O may take long), with
+a ``PoolResult.release`` whose event is set once it is gone (spawn mode: reaped;
+external mode: no longer running), so a load never writes a CPU row after the row was
+reused: the tier hands the event to the manager as the promotion's
+``deferred_release``, which keeps the rows out of the free pool until then. Its other
+parts (a store still reading pinned rows) fail once it is gone. ``drain`` waits for
+both.
 """
 
 from __future__ import annotations
@@ -77,6 +85,7 @@ from typing import Any
 from shmtier.scheduler.pool.dispatch import Dispatch, PoolJobId, PoolResult
 from shmtier.scheduler.pool.late_beats import LateBeats
 from shmtier.scheduler.pool.old_holders import OldHolder, retire_old_holders
+from shmtier.scheduler.pool.row_release import RowRelease
 from shmtier.scheduler.pool.worker_state import RUNNING, WorkerRecord, WorkerState
 from shmtier.shared import jobs
 from shmtier.shared.pool_config import EXIT_BACKENDS_FAILED, PoolConfig
@@ -177,6 +186,9 @@ class WorkerPool:
         self._tails: list[_StderrTail | None] = [None] * self.n  # spawn mode
         self._claims_seen = [0] * self.n  # external mode: slot claims accounted for
         self._live = list(range(self.n))  # refreshed by the health check
+        # per slot: releases of the rows its killed process's failed loads may still
+        # write, let go once that process is gone (``_bury``)
+        self._reaping: dict[int, list[RowRelease]] = {}
         self._next_health = 0.0
         self._closed = False
         #: None while the pool works; once broken, the reason (for good).
@@ -213,6 +225,11 @@ class WorkerPool:
     def outstanding(self) -> int:
         """Pool jobs submitted and not yet finished or failed."""
         return len(self._dispatch.parents)
+
+    def rows_held(self) -> bool:
+        """Whether a killed worker that may still write rows of failed loads is not gone
+        yet (their releases are not set)."""
+        return bool(self._reaping)
 
     def queued_jobs(self) -> int:
         """Jobs put in the job rings and not yet taken by a worker."""
@@ -370,12 +387,15 @@ class WorkerPool:
             rec.holder_seen(beat.pid, beat.start_time, now)
 
     def _kill(self, rec: WorkerRecord, why: str) -> None:
-        """SIGKILL the slot's current process (HUNG); its parts fail once it is gone."""
+        """SIGKILL the slot's current process (HUNG); its load parts fail now, their
+        rows held until it is gone; its other parts fail once it is gone."""
         w = rec.index
+        killed = False
         if self.mode == "spawn":
             proc = self._procs[w]
             if proc is not None and proc.poll() is None:
                 proc.kill()
+                killed = True
         else:
             slot = self.rings.worker(w)
             beat = slot.last_beat()
@@ -385,11 +405,32 @@ class WorkerPool:
                     and slot.holder_alive()):
                 try:
                     os.kill(rec.pid, signal.SIGKILL)
+                    killed = True
                 except ProcessLookupError:
                     pass
         if why.startswith("hung"):
             self.hung_total += 1
         rec.killed(why)
+        if killed:
+            self._fail_loads_now(rec, why)
+
+    def _fail_loads_now(self, rec: WorkerRecord, why: str) -> None:
+        """Fail the load parts of worker ``rec``, SIGKILLed just now and perhaps still
+        writing their rows: their pool jobs carry a release, let go when it is gone."""
+        w = rec.index
+        self._drain_results(w, self._result_rings[w])  # what it finished is valid
+        held = self._dispatch.fail_loads(w, f"tier worker {w} (pid {rec.pid}) {why}")
+        if held:
+            self._reaping.setdefault(w, []).extend(held)
+            self.failed_parts_total += len(held)
+            logger.warning("tier worker %d (pid %d): %d load part(s) failed now; their rows "
+                           "stay held until the process is gone", w, rec.pid, len(held))
+
+    def _let_go_rows(self, w: int) -> None:
+        """Worker ``w``'s killed process is gone: the rows of its failed loads are free."""
+        self._dispatch.forget_failed_early(w)
+        for release in self._reaping.pop(w, ()):
+            release.let_go()
 
     def _bury(self, rec: WorkerRecord, how: str, now: float) -> None:
         """The slot's process is gone: recover its rings, fail its parts, count a
@@ -405,6 +446,8 @@ class WorkerPool:
         start_failure = self.broken is None and (not rec.was_healthy
                                                  or code == EXIT_BACKENDS_FAILED)
         failed = self._fail_slot(w, f"tier worker {w} (pid {rec.pid}) {why}")
+        failed += len(self._reaping.get(w, ()))  # (failed at the kill)
+        self._let_go_rows(w)
         if start_failure:
             self.start_failures_total += 1
         rec.gone(why if why == how else f"{why}, {how}", now, start_failure, failed)
@@ -499,16 +542,21 @@ class WorkerPool:
     # --- drain and shutdown ---
 
     def drain(self, timeout_s: float = 60.0) -> None:
-        """Block until every submitted job is finished or failed (results stay in ``take``)."""
+        """Block until every submitted job is finished or failed (results stay in ``take``)
+        and every release of rows a killed worker may write is set (it is gone)."""
         deadline = time.monotonic() + timeout_s
         parents = self._dispatch.parents
-        while parents:
+        while parents or self._reaping:
             self.poll()
-            if not parents:
+            if not (parents or self._reaping):
                 break
             if time.monotonic() > deadline:
-                raise TimeoutError(f"{len(parents)} tier worker jobs still outstanding "
-                                   f"after {timeout_s:g} s")
+                if parents:
+                    raise TimeoutError(f"{len(parents)} tier worker jobs still outstanding "
+                                       f"after {timeout_s:g} s")
+                raise TimeoutError(
+                    f"tier workers {sorted(self._reaping)} were killed but are not gone "
+                    f"after {timeout_s:g} s; the rows of their failed loads stay held")
             time.sleep(0.001)
 
     def _running(self, w: int) -> bool:
@@ -547,6 +595,10 @@ class WorkerPool:
                     proc.wait(5)
                 self._procs[w] = None
             self._dispatch.fail_all("tier worker pool shut down")
+            # spawn mode: every process was waited for above; external mode: the engine
+            # is shutting down, nothing reuses a row any more
+            for w in list(self._reaping):
+                self._let_go_rows(w)
             for w, tail in enumerate(self._tails):
                 if tail is not None:
                     tail.join(1.0)

@@ -51,7 +51,10 @@ answered before keep their outcomes) or a delete that did is probed: a chunk
 there is indexed with its size, none is forgotten. Failed stores are logged once
 per change of state: the first failure after stores worked, or one of another reason
 (a WARNING), and an INFO once stores succeed again; never once per result. A load that fails with ERROR
-keeps its key (only MISS and CORRUPT drop it).
+keeps its key (only MISS and CORRUPT drop it). A load whose worker was killed (at its
+deadline, or hung) fails at once, but that process may still write its rows until it is
+gone: the promotion's ``JobResult.deferred_release`` is set only then (the pool's
+``PoolResult.release``), and the manager holds those rows out of the free pool meanwhile.
 
 Submission: ``submit_store``/``submit_load`` only queue. The queue goes to the
 pool as one job per operation (loads first; a step's loads of many keys as one job
@@ -92,6 +95,7 @@ from shmtier.contract import (
     ScheduleEndContext,
 )
 from shmtier.scheduler.pool import PoolJobId, PoolResult
+from shmtier.scheduler.pool.row_release import RowRelease
 from shmtier.scheduler.tiering.base import JobResult, SecondaryTierManager, TransferJob
 from shmtier.shared.codec import frame_header_size
 from shmtier.shared.jobs import SUCCESS, Outcome, ResultFlag, free_bytes_in
@@ -155,7 +159,7 @@ class _Promotion:
     """One tier promotion (load) job until each of its keys has its outcome: its keys
     may be read by several workers at once (a large step's loads are split)."""
 
-    __slots__ = ("job", "pending", "ok", "seconds", "nbytes")
+    __slots__ = ("job", "pending", "ok", "seconds", "nbytes", "release")
 
     def __init__(self, job: TransferJob, pending: int):
         self.job = job
@@ -163,6 +167,15 @@ class _Promotion:
         self.ok: list[OffloadKey] = []
         self.seconds = 0.0
         self.nbytes = 0
+        # the rows of its failed keys a killed worker may still write: held until the
+        # pool's releases of them are set (its JobResult's deferred_release)
+        self.release: RowRelease | None = None
+
+    def hold_until(self, pool_release: RowRelease) -> None:
+        if self.release is None:
+            self.release = RowRelease()
+        self.release.hold()
+        pool_release.then(self.release.let_go)
 
 
 class StorageTierManager(SecondaryTierManager):
@@ -189,6 +202,9 @@ class StorageTierManager(SecondaryTierManager):
     # storage tiers between steps").
     tolerates_off_thread_polling = False
     polls_between_steps = True
+    # a worker killed while it loads may still write the rows: its failed promotions
+    # carry deferred_release (set once the pool sees the process gone)
+    defers_release = True
 
     def __init__(self, offloading_spec: Any, primary_kv_view: memoryview, tier_type: str,
                  backpressure_detector: Any = None, *, config: Any):
@@ -603,6 +619,9 @@ class StorageTierManager(SecondaryTierManager):
                 start = 0
                 for promo, keys in what:  # each tier job: its own keys' outcomes and figures
                     end = start + len(keys)
+                    if res.release is not None and any(
+                            code != Outcome.OK for code in res.outcomes[start:end]):
+                        promo.hold_until(res.release)  # a killed worker may write them
                     self._finish_load(promo, keys, res.outcomes[start:end],
                                       sum(res.seconds[start:end]),
                                       sum(res.logical_bytes[start:end]))
@@ -881,10 +900,13 @@ class StorageTierManager(SecondaryTierManager):
         promo.pending -= final
         if promo.pending <= 0:
             job = promo.job
+            release = promo.release.seal() if promo.release is not None else None
             self._finished.append(JobResult(job.job_id, len(promo.ok) == len(job.keys),
                                             successful_keys=promo.ok,
                                             transfer_time=promo.seconds,
-                                            transfer_bytes=promo.nbytes))
+                                            transfer_bytes=promo.nbytes,
+                                            deferred_release=None if release is None
+                                            else release.event))
 
     def _namespace_reset(self) -> None:
         """A worker found the tier's namespace gone or made anew: the chunks indexed are
@@ -952,7 +974,9 @@ class StorageTierManager(SecondaryTierManager):
     def drain_jobs(self) -> None:
         """Block until every tier job is reported: stores that wait for room go once the
         deletes they wait for are drained; what can never go (nothing in flight would
-        make room) fails."""
+        make room) fails. Returns only once every worker killed with a load part is gone
+        (each ``deferred_release`` handed out is set); raises TimeoutError past
+        ``_DRAIN_S`` otherwise."""
         deadline = time.monotonic() + _DRAIN_S
         while True:
             self._submit_queued()
@@ -960,7 +984,7 @@ class StorageTierManager(SecondaryTierManager):
                       or not (self._index_complete or self._broken))
             if self._store_queue and (not moving or time.monotonic() >= deadline):
                 self._fail_waiting_stores()
-            if not (self._jobs or self._store_queue):
+            if not (self._jobs or self._store_queue or self._pool.rows_held()):
                 return
             left = deadline - time.monotonic()
             self._pool.drain(left if left > 0 else 1.0)
@@ -1042,6 +1066,7 @@ class StorageTierManager(SecondaryTierManager):
             PROBES_EXPIRED: metrics.CounterMetadata(
                 "Lookup probes not answered within probe_timeout_s (answered MISS).", t),
             **metrics.cascade_deferral_metric_definitions(),
+            **metrics.deferred_release_metric_definitions(),
             POOL_BROKEN: metrics.GaugeMetadata(
                 "1 once the tier workers failed to start repeatedly (the tier then answers "
                 "MISS and fails its jobs at once; the log says why), else 0.", t),
