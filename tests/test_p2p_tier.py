@@ -696,3 +696,160 @@ def test_poll_fds_is_the_endpoint_socket_and_the_next_off_thread_poll_reads_it(e
     finally:
         engine.close()
     assert p2p.poll_fds() == ()  # shut down: nothing to wait on
+
+
+# --------------------------------------------------------------------------- deferred release
+
+
+class _StoppedEndpoint:
+    """An engine in this process (its tier-poll thread stopped: the test polls) whose p2p
+    endpoint is SIGSTOPped while a promotion from a peer is in flight: the endpoint never
+    answers, so the scheduler half kills it at the load's deadline (fetch_timeout_s +
+    WATCHDOG_EXTRA_S, shortened here)."""
+
+    def __init__(self, engine_id: str, monkeypatch):
+        import fs_engine
+        from shmtier.tiers.p2p import scheduler as p2p_scheduler
+
+        monkeypatch.setattr(p2p_scheduler, "WATCHDOG_EXTRA_S", 1.0)
+        self.end = fs_engine.END
+        self.engine = fs_engine.Engine(engine_id, None, tier_type="p2p", **LAYOUT,
+                                       **tier({"plaintext": True}, fetch_timeout_s=0.5))
+        self.m = self.engine.manager
+        self.p2p, self.primary = self.m.tiers[0], self.m.primary
+        self.proc = None
+        assert self.m._poll_thread.stop()
+        self.until(lambda: self.p2p._ready, "the endpoint never became ready")
+
+    def step(self) -> None:
+        with self.m.lock:
+            self.m.on_schedule_end(self.end)
+
+    def until(self, done, what: str, timeout_s: float = 30) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not done():
+            self.step()
+            assert time.monotonic() < deadline, what
+            time.sleep(0.005)
+
+    def promote_with_endpoint_stopped(self, keys) -> tuple:
+        """SIGSTOP the endpoint and promote ``keys`` from a peer (it need not exist: the
+        stopped endpoint never gets to it); returns (request, the rows reserved)."""
+        from shmtier.contract import LookupResult, ReqContext
+
+        self.proc = self.p2p._proc
+        self.proc.send_signal(signal.SIGSTOP)
+        ctx = ReqContext(f"c-{self.proc.pid}", pd("kv-stopped", 9))
+        with self.m.lock:
+            self.m.on_new_request(ctx)
+            answers = [self.m.lookup(k, ctx) for k in keys]
+            assert answers == [LookupResult.HIT_PENDING] * len(keys)
+            self.m.on_schedule_end(self.end)  # the load goes to the stopped endpoint
+        resident = self.primary.resident_keys()
+        return ctx, sorted(resident[k] for k in keys)
+
+    def record_results(self) -> list:
+        """Every JobResult the tier reports from now on (a list that fills up)."""
+        results, real = [], self.p2p.get_finished_jobs
+
+        def recorded():
+            got = list(real())
+            results.extend(got)
+            return got
+
+        self.p2p.get_finished_jobs = recorded
+        return results
+
+    def free_rows(self) -> set:
+        from shmtier.shared.chunk_table import NUM_ALLOCATED
+
+        p = self.primary
+        return set(p._free_list) | set(range(p._counters[NUM_ALLOCATED], p._num_chunks))
+
+    def close(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(5)
+        self.engine.close()
+
+
+@pytest.fixture
+def stopped_endpoint(engine_id, monkeypatch):
+    made = []
+
+    def make():
+        made.append(_StoppedEndpoint(engine_id, monkeypatch))
+        return made[-1]
+
+    yield make
+    for e in made:
+        e.close()
+
+
+@pytest.mark.timeout(120)
+def test_a_promotion_failed_while_the_endpoint_may_still_receive_holds_its_rows(
+        stopped_endpoint):
+    """The stopped endpoint is killed at the load's deadline: the promotion fails at once
+    (its keys MISS), but its rows stay out of the free pool (gauge) while the killed
+    process is not reaped -- until then it could still write them -- and return at the
+    poll that reaps it (the hold observed). Then a new endpoint starts."""
+    from shmtier import metrics
+    from shmtier.contract import LookupResult
+
+    e = stopped_endpoint()
+    m, primary, label = e.m, e.primary, ("1:p2p",)
+    keys = [chunk_key(i) for i in (1, 2, 3)]
+    ctx, rows = e.promote_with_endpoint_stopped(keys)
+    results = e.record_results()
+    old_pid = e.proc.pid
+    e.until(lambda: primary.num_deferred_release_chunks, "the promotion never failed")
+    [failed] = results
+    release = failed.deferred_release
+    assert not failed.success and release is not None
+    # set only once the killed process is reaped (a later poll of the same step may
+    # have reaped it already: the manager releases at its next poll of the tier)
+    assert not release.is_set() or e.proc.returncode == -signal.SIGKILL
+    assert sorted(primary._deferred_rows) == rows
+    assert e.free_rows().isdisjoint(rows)
+    with m.lock:
+        assert [primary.lookup(k, ctx) for k in keys] == [LookupResult.MISS] * 3
+        data = m.get_stats().data["data"]
+        assert m.has_pending_work()
+    assert data[metrics.DEFERRED_RELEASE_CHUNKS] == {label: 3}
+    assert data[metrics.PROMOTION_JOB_FAILURES] == {label: 1}
+
+    e.until(lambda: not primary.num_deferred_release_chunks, "the rows were never released")
+    assert e.proc.returncode == -signal.SIGKILL
+    assert set(rows) <= e.free_rows()
+    with m.lock:
+        data = m.get_stats().data["data"]
+        assert [m.lookup(k, ctx) for k in keys] == [LookupResult.MISS] * 3  # the request failed
+        m.on_request_finished(ctx)
+    assert data[metrics.DEFERRED_RELEASE_CHUNKS] == {label: 0}
+    assert len(data[metrics.DEFERRED_RELEASE_HOLD][label]) == 1
+    e.until(lambda: e.p2p._proc is not None and e.p2p._proc.pid != old_pid and e.p2p._ready,
+            "no new endpoint")
+    assert e.p2p.restarts == 1
+
+
+@pytest.mark.timeout(120)
+def test_drain_jobs_returns_only_once_every_release_is_set(stopped_endpoint):
+    """A reset while a promotion waits on the stopped endpoint: drain_jobs kills it at the
+    load's deadline and returns only once the process is reaped, with the failed load's
+    deferred_release set; the manager then releases the rows and resets."""
+    from shmtier import metrics
+
+    e = stopped_endpoint()
+    keys = [chunk_key(i) for i in (4, 5)]
+    ctx, rows = e.promote_with_endpoint_stopped(keys)
+    results = e.record_results()
+    with e.m.lock:
+        e.m.reset_cache()  # raises if drain_jobs returned with an event unset
+        data = e.m.get_stats().data["data"]
+        e.m.on_reset_flushed()
+    assert e.proc.returncode == -signal.SIGKILL
+    [failed] = results
+    assert not failed.success and failed.deferred_release is not None
+    assert failed.deferred_release.is_set()
+    assert e.primary.num_deferred_release_chunks == 0 and set(rows) <= e.free_rows()
+    assert len(data[metrics.DEFERRED_RELEASE_HOLD][("1:p2p",)]) == 1

@@ -45,7 +45,12 @@ Cascades of requests without the producer role are answered success at once (the
 nothing to keep). The endpoint dying fails its loads and parked stores (rows unpinned:
 it can no longer touch them) and is restarted with backoff (0.5 s doubling to 30 s).
 A load the endpoint does not answer within ``fetch_timeout_s`` + 10 s gets it killed
-first, so no row is freed while it could still be written.
+(SIGKILL, not waited for on the scheduler thread): its loads fail at once (their keys
+MISS), but until a later poll finds the process reaped it may still be receiving into
+their rows, so each carries a ``JobResult.deferred_release`` set only then; the manager
+keeps those rows out of the free pool meanwhile (``tiering/deferred_release.py``). The
+next endpoint starts once the killed one is reaped. ``drain_jobs`` waits (at most
+``REAP_WAIT_S``, else it raises) until every killed endpoint is reaped.
 
 Metrics: the per-peer counters carry the label ``peer`` (the other engine's "host:port";
 ``"inbound"`` for refusals at this engine's server; at most ``MAX_PEER_LABELS`` peers by
@@ -94,6 +99,7 @@ OFF_THREAD_SEEN_S = 0.05  # the tier-poll thread polled this recently: it sends 
 # and each look (getsockopt EVENTS) costs ~3 µs of the lock holder's time (bench/README.md)
 READ_GAP_S = 0.0005
 STOP_WAIT_S = 2.0
+REAP_WAIT_S = 10.0  # drain_jobs waits this long at most for a killed endpoint to be gone
 
 LOOKUPS = "vllm:kv_offload_shmtier_p2p_lookups"
 LOOKUP_HITS = "vllm:kv_offload_shmtier_p2p_lookup_hits"
@@ -161,6 +167,7 @@ class P2PTierManager(SecondaryTierManager):
     medium = None
     cache_hit_source = CacheHitSource.P2P
     tolerates_off_thread_polling = True
+    defers_release = True  # a killed endpoint may still write the rows of its failed loads
 
     def __init__(self, offloading_spec: Any, primary_kv_view: memoryview, tier_type: str,
                  backpressure_detector: Any = None, *, config: P2PTierConfig | None = None):
@@ -201,6 +208,8 @@ class P2PTierManager(SecondaryTierManager):
         self._tmpdir = tempfile.mkdtemp(prefix=f"shmtier-p2p-{self._engine_id}-")
         self._sock = None
         self._proc: subprocess.Popen | None = None
+        # killed endpoints not yet reaped, each with the release of its failed loads' rows
+        self._reaping: list[tuple[subprocess.Popen, threading.Event | None]] = []
         self._gen = 0
         self._outbox: collections.deque = collections.deque()  # packed, to send
         self._pending: list[dict] = []  # queued this step: one send at its end (_flush)
@@ -276,7 +285,7 @@ class P2PTierManager(SecondaryTierManager):
         self._outbox.clear()
         self._pending = []
 
-    def _endpoint_died(self, why: str) -> None:
+    def _endpoint_died(self, why: str, release: threading.Event | None = None) -> None:
         code = self._proc.poll() if self._proc is not None else None
         logger.error("p2p tier %s: endpoint process %s (%s); failing %d loads and %d parked "
                      "requests, restarting in %.1f s", self._label,
@@ -287,17 +296,19 @@ class P2PTierManager(SecondaryTierManager):
         self._proc = None
         self._close_socket()
         self._ready = False
-        self._fail_all("endpoint gone")
+        self._fail_all("endpoint gone", release)
         now = time.monotonic()
         self._restart_at = now + self._backoff
         self._backoff = min(RESTART_CAP_S, self._backoff * 2)
         self.restarts += 1
         self._stats.increase_counter(RESTARTS, 1, (self._label,))
 
-    def _fail_all(self, why: str) -> None:
+    def _fail_all(self, why: str, release: threading.Event | None = None) -> None:
+        """Fail every load (``release``: their rows may still be written until it is set),
+        parked store and open lookup; the external lookups in progress end."""
         for job, _, req in self._loads.values():
             self._fail_request_keys(req, job.keys)
-            self._finished.append(JobResult(job.job_id, False, []))
+            self._finished.append(JobResult(job.job_id, False, [], deferred_release=release))
             self._count_failure(req.peer)
         self._loads.clear()
         for kvid, parked in self._parked.items():
@@ -313,10 +324,42 @@ class P2PTierManager(SecondaryTierManager):
             ext.dead = True
 
     def _kill_endpoint(self, why: str) -> None:
-        if self._proc is not None:
-            self._proc.kill()
-            self._proc.wait()
-        self._endpoint_died(why)
+        """SIGKILL the endpoint without waiting for it (a process in uninterruptible I/O
+        may take long to go): its loads fail now, their rows held until ``_reap`` finds
+        it reaped."""
+        proc, release = self._proc, None
+        if proc is not None:
+            proc.kill()
+            if proc.poll() is None:
+                release = threading.Event() if self._loads else None
+                self._reaping.append((proc, release))
+        self._endpoint_died(why, release)
+
+    def _reap(self) -> None:
+        """Reap the killed endpoints that are gone and set their releases. Non-blocking."""
+        left = []
+        for proc, release in self._reaping:
+            if proc.poll() is None:
+                left.append((proc, release))
+            elif release is not None:
+                release.set()
+        self._reaping = left
+
+    def _wait_reaped(self, what: str) -> None:
+        """Block until every killed endpoint is reaped (at most REAP_WAIT_S each) and set
+        their releases; RuntimeError if one is not gone by then."""
+        while self._reaping:
+            proc, release = self._reaping[0]
+            try:
+                proc.wait(REAP_WAIT_S)
+            except subprocess.TimeoutExpired:
+                raise RuntimeError(
+                    f"p2p tier {self._label}: {what}: the endpoint process {proc.pid} was "
+                    f"killed but is not gone after {REAP_WAIT_S:g} s; the primary rows its "
+                    f"failed loads may still write stay held") from None
+            if release is not None:
+                release.set()
+            self._reaping.pop(0)
 
     def _send(self, msg: dict) -> None:
         """Queue ``msg`` for the endpoint: what a step queues goes as one message at
@@ -351,8 +394,10 @@ class P2PTierManager(SecondaryTierManager):
         off_thread = threading.get_ident() != self._step_thread
         if off_thread:
             self._off_thread_at = now
+        if self._reaping:
+            self._reap()
         if self._proc is None:
-            if now >= self._restart_at:
+            if now >= self._restart_at and not self._reaping:
                 self._start_endpoint()
             return
         if now >= self._next_check:
@@ -733,9 +778,12 @@ class P2PTierManager(SecondaryTierManager):
     def has_pending_work(self) -> bool:
         self._poll()
         return bool(self._loads or self._parked or self._lookups or self._probe_queue
-                    or self._external or self._finished)
+                    or self._external or self._finished or self._reaping)
 
     def drain_jobs(self) -> None:
+        """Wait for the loads (killing the endpoint past their deadline), fail the parked
+        stores; returns only once every killed endpoint is reaped and the releases of its
+        failed loads are set (RuntimeError past REAP_WAIT_S)."""
         deadline = time.monotonic() + self.config.fetch_timeout_s + WATCHDOG_EXTRA_S
         self._flush()
         while self._loads and self._proc is not None:
@@ -744,6 +792,7 @@ class P2PTierManager(SecondaryTierManager):
                 self._kill_endpoint("drain_jobs: loads unanswered")
                 break
             time.sleep(0.001)
+        self._wait_reaped("drain_jobs")
         for kvid in list(self._parked):
             parked = self._parked.pop(kvid)
             self._send({"t": "unpark", "req": kvid})
@@ -780,6 +829,7 @@ class P2PTierManager(SecondaryTierManager):
             UNBOUND_TIMEOUTS: c("Parked requests released by unbound_store_timeout_s.", t),
             PARKED_ROWS: metrics.GaugeMetadata("Primary rows pinned for peers.", t),
             RESTARTS: c("Endpoint process restarts.", t),
+            **metrics.deferred_release_metric_definitions(),
         }
 
     @classmethod
@@ -806,6 +856,11 @@ class P2PTierManager(SecondaryTierManager):
         elif self._proc is not None:
             self._proc.kill()
             self._proc.wait()
+        try:
+            self._wait_reaped("shutdown")
+        except RuntimeError as e:  # shutting down: nothing reuses the rows any more
+            logger.error("%s", e)
+            self._reaping = []
         self._closed = True
         self._proc = None
         self._fail_all("shutdown")
