@@ -9,8 +9,9 @@ Run from a checkout::
 Each file is one set (``tiering_steps.py --json``) with runs of vLLM and of the manager;
 the runs of every file given are pooled (run i of each manager in a file is a pair), so
 several sets on the same trace give one verdict over all their runs. Files of different
-traces or scales are refused: a verdict mixes only like with like. The table and its
-rules are shmtier/bench/goals.py's, the same tiering_steps.py prints after a set.
+traces, scales or vLLM baselines (0.33, 0.34) are refused: a verdict mixes only like
+with like. The table and its rules are shmtier/bench/goals.py's, the same tiering_steps.py
+prints after a set.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ REPO_ROOT = os.path.dirname(BENCH_DIR)
 if REPO_ROOT not in sys.path:
     sys.path.insert(0, REPO_ROOT)
 
+from shmtier.bench.baseline import saved_baseline  # noqa: E402
 from shmtier.bench.goals import evaluate, format_goals  # noqa: E402
 
 #: the arguments that make two sets the same experiment (trace and sizes)
@@ -34,8 +36,9 @@ SAME_SET_ARGS = ("chunk_kib", "cpu_mib", "workload", "conversations", "requests"
 
 def pooled_runs(paths: list[str], manager: str) -> tuple[list, list, dict]:
     """The summaries of ``manager`` and of vLLM from every file, paired within each file
-    (the shorter side of a file sets its pairs), and the experiment's arguments. Raises
-    ValueError naming the file that lacks a manager or differs in an argument."""
+    (the shorter side of a file sets its pairs), and the experiment's arguments (with
+    ``baseline``: the vLLM they ran against). Raises ValueError naming the file that lacks
+    a manager or differs in an argument or in its vLLM baseline."""
     shm, vllm, args0 = [], [], None
     for path in paths:
         with open(path) as f:
@@ -47,10 +50,11 @@ def pooled_runs(paths: list[str], manager: str) -> tuple[list, list, dict]:
             if not sums.get(name):
                 raise ValueError(f"{path}: no runs of {name!r} (it has {sorted(sums)})")
         args = {k: data["args"].get(k) for k in SAME_SET_ARGS}
+        args["baseline"] = saved_baseline(data)
         if args0 is None:
             args0 = args
         else:
-            diff = {k: (args0[k], args[k]) for k in SAME_SET_ARGS if args0[k] != args[k]}
+            diff = {k: (args0[k], args[k]) for k in args if args0[k] != args[k]}
             if diff:
                 raise ValueError(f"{path}: another experiment than {paths[0]} "
                                  f"({', '.join(f'{k} {a!r} vs {b!r}' for k, (a, b) in diff.items())})")
@@ -71,9 +75,10 @@ def main(argv=None) -> int:
         print(f"goals.py: {e}", file=sys.stderr)
         return 2
     print(f"issue 14's goals over {len(shm)} run pairs from {len(args.files)} set(s): "
-          f"{args.manager} vs vLLM 0.33, chunk {exp['chunk_kib']} KiB, CPU tier "
+          f"{args.manager} vs {exp['baseline']}, chunk {exp['chunk_kib']} KiB, CPU tier "
           f"{exp['cpu_mib']} MiB, workload {exp['workload']}")
-    for line in format_goals(evaluate(shm, vllm), args.manager):
+    column = exp["baseline"].removesuffix(" TieringOffloadingSpec")
+    for line in format_goals(evaluate(shm, vllm), args.manager, column):
         print("  " + line)
     return 0
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Scheduler-side cost of tiering per engine step: shmtier vs vLLM 0.33, same trace.
+"""Scheduler-side cost of tiering per engine step: shmtier vs vLLM (0.33 or 0.34), same trace.
 
 Run from a checkout::
 
@@ -17,17 +17,18 @@ same driver on the same trace (shmtier/bench/trace.py; multi-turn chat unless
 * ``shmtier``: ``shmtier.spec.TieringOffloadingSpec(...).get_manager()`` - primary
   tier in one POSIX shm segment, fs tier I/O and compression in tier worker
   processes (``num_tier_workers``);
-* ``vllm``: vLLM 0.33's own ``TieringOffloadingManager`` with its
+* ``vllm``: the installed vLLM's (0.33 or 0.34) own ``TieringOffloadingManager`` with its
   ``CPUPrimaryTierOffloadingManager`` over a ``SharedOffloadRegion`` and its
   ``FileSystemTierManager`` (thread pool and async-lookup thread in this process),
   built from the real classes; the fs tier gets a minimal stand-in for the
   ``OffloadingSpec`` with exactly the attributes it reads (``config`` fields for
   its FileMapper namespace, ``blocks_per_chunk``, ``kv_events_config``).
 
-The driver plays the OffloadingConnector's scheduler half (docs/vllm-contract.md §2.3), once
-per step, with ``manager.lock`` held: admit waiting requests (``on_new_request``
-once, then a lookup scan over the prefix after the GPU-cached chunks until MISS;
-HIT_PENDING or RETRY defers the request to the next step, RETRY does not stop the
+The driver plays the OffloadingConnector's scheduler half (docs/vllm-contract.md §2.3) of
+the installed vLLM's line (0.33 or 0.34; where they differ, shmtier/bench/baseline.py; the
+same calls for every manager; without vLLM, 0.34's), once per step, with
+``manager.lock`` held: admit waiting requests (``on_new_request`` once, then a
+lookup scan over the prefix after the GPU-cached chunks until MISS; HIT_PENDING or RETRY defers the request to the next step, RETRY does not stop the
 scan; hits -> ``prepare_load`` + ``get_load_source`` per loaded key); every
 running request offers its next chunks to ``prepare_store`` (the driver then
 writes the rows, standing in for the GPU copy; its read of the spec's ``block_ids`` is
@@ -52,7 +53,8 @@ cascade admission (``second_touch``; the default is vLLM's write-through) and/or
 tier's page-cache bound (``pcN``: ``page_cache_bytes`` of N MiB per tier worker,
 ``pcauto``: "auto", ``pcoff``: null).
 
-The parts live in the package (``shmtier bench`` ships them): shmtier/bench/managers.py
+The parts live in the package (``shmtier bench`` ships them): shmtier/bench/baseline.py
+(which vLLM, its connector's calls), shmtier/bench/managers.py
 (building both managers), shmtier/bench/driver.py (one run: the driver and its timing),
 shmtier/bench/report.py (summaries and tables), shmtier/bench/goals.py (issue 14's goals,
 judged after a set with vLLM), shmtier/bench/trace.py (the trace),
@@ -75,6 +77,7 @@ REPO_ROOT = os.path.dirname(BENCH_DIR)
 if REPO_ROOT not in sys.path:
     sys.path.insert(0, REPO_ROOT)
 
+from shmtier.bench import baseline  # noqa: E402
 from shmtier.bench import trace as bench_trace  # noqa: E402
 from shmtier.bench.common import exit_through_finally, rotated, write_json  # noqa: E402
 from shmtier.bench.goals import evaluate, format_goals  # noqa: E402
@@ -146,33 +149,18 @@ def main(argv=None) -> int:
     chunk_bytes = args.chunk_kib * 1024
     if chunk_bytes % 4096:
         ap.error("--chunk-kib must be a multiple of 4")
+    exit_through_finally()  # unwinds through the finally blocks: managers, dirs, /dev/shm
+
+    connector, vllm_note = baseline.load("vllm" in names or args.profile == "vllm")
+    if connector.baseline is None and "vllm" in names:
+        names.remove("vllm")
     cfg = Config(chunk_bytes=chunk_bytes, cpu_bytes=args.cpu_mib << 20, step_ms=args.step_ms,
                  max_running=args.max_running, batch=args.batch, workers=args.workers,
                  dir=args.dir or tempfile.gettempdir(), worker_sched=args.worker_sched,
                  compression=args.compression,
                  direct_io={"writes": "writes", "auto": "auto", "on": True,
                             "off": False}[args.fs_direct_io],
-                 write_depth=args.fs_write_depth)
-
-    exit_through_finally()  # unwinds through the finally blocks: managers, dirs, /dev/shm
-
-    vllm_note = ""
-    if "vllm" in names or args.profile == "vllm":
-        t0 = time.perf_counter()
-        try:
-            import vllm
-            import vllm.v1.kv_offload.tiering.manager  # noqa: F401 - fail here, not mid-run
-            vllm_note = f"vLLM {vllm.__version__} imported in {time.perf_counter() - t0:.1f} s (not timed)"
-            try:
-                import vllm.fs_io_C  # noqa: F401
-                vllm_note += "; its fs tier uses the fs_io_C extension"
-            except Exception as e:  # noqa: BLE001
-                vllm_note += (f"; fs_io_C not importable here ({type(e).__name__}), so its fs tier "
-                              f"runs its pure-Python I/O path")
-        except Exception as e:  # noqa: BLE001
-            if "vllm" in names:
-                names.remove("vllm")
-            vllm_note = f"vLLM NOT importable ({type(e).__name__}: {e}): shmtier measured alone"
+                 write_depth=args.fs_write_depth, connector=connector)
 
     t0 = time.perf_counter()
     if args.workload == "chat":
@@ -186,7 +174,7 @@ def main(argv=None) -> int:
     data_pool = make_data_pool(chunk_bytes, 16, args.seed)
 
     if args.profile:
-        if args.profile == "vllm" and vllm_note.startswith("vLLM NOT"):
+        if args.profile == "vllm" and connector.baseline is None:
             print(f"cannot profile vllm: {vllm_note}")
             return 2
         prof = cProfile.Profile()
@@ -201,10 +189,10 @@ def main(argv=None) -> int:
         return 0
 
     print("shmtier bench: tiering_steps - scheduler-side cost per engine step, shmtier vs "
-          "vLLM 0.33 tiering with an fs tier")
+          f"{connector.baseline or 'vLLM (not measured)'} tiering with an fs tier")
     print(f"python {platform.python_version()} on {platform.machine()}, {os.cpu_count()} CPUs "
           f"(shared, noisy: read medians, mind the spreads), load avg {os.getloadavg()[0]:.2f} "
-          f"at start; {vllm_note or 'vLLM not requested'}")
+          f"at start; {vllm_note}")
     print("method:")
     print(f"  trace (shmtier/bench/trace.py, seed {args.seed}, generated in {gen_s:.2f} s, the same for "
           f"every run): {trace.describe(capacity)}")
@@ -217,7 +205,7 @@ def main(argv=None) -> int:
           f"{args.workers} (spawned processes; scheduling {args.worker_sched}: "
           f"{WORKER_SCHED[args.worker_sched]}), compression {args.compression}, direct_io {args.fs_direct_io}, write_depth {args.fs_write_depth or 'default'}, min_free_bytes None;"
           f" variants shmtier@TOKENS override scheduling / compression (raw = none)")
-    print("  vLLM: TieringOffloadingManager(CPUPrimaryTierOffloadingManager(SharedOffloadRegion),"
+    print(f"  {label('vllm')}: TieringOffloadingManager(CPUPrimaryTierOffloadingManager(SharedOffloadRegion),"
           " [FileSystemTierManager]) built from its classes, fs tier defaults (16+16 I/O threads,"
           " O_DIRECT if the dir allows it, async lookup thread), no backpressure on either side")
     print(f"  driver = the connector's scheduler half (docs/vllm-contract.md §2.3), one step every "
@@ -231,8 +219,11 @@ def main(argv=None) -> int:
           "first 16 bytes, checked at every load);")
     print("    finished -> on_request_finished; on_schedule_end; sleep out the step (forward "
           "pass); complete_store/complete_load for")
-    print("    jobs prepared the step before; has_pending_work, get_stats, list(take_events()). "
-          "After the trace: idle steps until")
+    success = "passed" if connector.store_success_kwarg else "not passed"
+    print("    jobs prepared the step before (their keys and complete_store's arguments as "
+          f"vLLM {connector.line}'s connector passes them:")
+    print(f"    {connector.as_dict()['job_keys']}, success= {success}); has_pending_work, "
+          "get_stats, list(take_events()). After the trace: idle steps until")
     print("    has_pending_work() is False (drain, not in the step figures).")
     print("  timed: every manager call with perf_counter_ns, and thread_time_ns for its on-CPU part "
           "(a request's lookup scan as one region);")
@@ -304,9 +295,9 @@ def main(argv=None) -> int:
             if n == "vllm":
                 continue
             goals[n] = evaluate(sums[n], sums["vllm"])
-            print(f"\nissue 14's goals, {label(n)} vs vLLM 0.33 (ratio of the medians over runs; "
+            print(f"\nissue 14's goals, {label(n)} vs {label('vllm')} (ratio of the medians over runs; "
                   f"the spread: per run pair; bench/goals.py judges saved sets):")
-            for line in format_goals(goals[n], label(n)):
+            for line in format_goals(goals[n], label(n), label("vllm")):
                 print("  " + line)
     for stall in stalls:
         print(f"run {stall['run_no']} of {label(stall['manager'])} made no progress and was run "
@@ -315,6 +306,7 @@ def main(argv=None) -> int:
 
     if args.json:
         write_json(args.json, {"bench": "tiering_steps", "args": vars(args), "vllm": vllm_note,
+                               "baseline": connector.as_dict(),
                                "trace": trace.summary(), "summaries": sums, "runs": raws,
                                "stalls": stalls, "goals": goals},
                    default=str)

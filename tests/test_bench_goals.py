@@ -82,11 +82,11 @@ def test_evaluate_needs_both_managers():
         evaluate([], [summary()])
 
 
-def _set(path: Path, shm: list, vllm: list, **args) -> Path:
+def _set(path: Path, shm: list, vllm: list, top: dict | None = None, **args) -> Path:
     base = {"chunk_kib": 256, "cpu_mib": 128, "workload": "chat", "seed": 1234}
     base.update(args)
     path.write_text(json.dumps({"bench": "tiering_steps", "args": base,
-                                "summaries": {"shmtier": shm, "vllm": vllm}}))
+                                "summaries": {"shmtier": shm, "vllm": vllm}, **(top or {})}))
     return path
 
 
@@ -117,3 +117,22 @@ def test_cli_refuses_sets_of_different_experiments_and_missing_managers(tmp_path
     assert out.returncode == 2 and "no runs of 'vllm'" in out.stderr
     out = _goals_cli(a, "--manager", "shmtier@raw")
     assert out.returncode == 2 and "no runs of 'shmtier@raw'" in out.stderr
+
+
+def test_cli_pools_only_sets_against_the_same_vllm(tmp_path):
+    """A set names the vLLM it ran against (``baseline``; a set saved before that entry
+    existed, by its vLLM note): sets against 0.33 and 0.34 are not pooled."""
+    old = _set(tmp_path / "old.json", [shm_summary()], [summary()],
+               top={"vllm": "vLLM 0.33.0 imported in 5.2 s (not timed)"})
+    v33 = _set(tmp_path / "v33.json", [shm_summary()], [summary()],
+               top={"baseline": {"baseline": "vLLM 0.33.0 TieringOffloadingSpec"}})
+    v34 = _set(tmp_path / "v34.json", [shm_summary()], [summary()],
+               top={"baseline": {"baseline": "vLLM 0.34.0 TieringOffloadingSpec"}})
+    out = _goals_cli(old, v33)
+    assert out.returncode == 0, out.stderr
+    assert "shmtier vs vLLM 0.33.0 TieringOffloadingSpec" in out.stdout
+    assert out.stdout.splitlines()[1].split()[-8:-6] == ["vLLM", "0.33.0"]  # the column head
+    out = _goals_cli(v33, v34)
+    assert out.returncode == 2
+    assert ("v34.json: another experiment" in out.stderr and "baseline 'vLLM 0.33.0 "
+            "TieringOffloadingSpec' vs 'vLLM 0.34.0 TieringOffloadingSpec'" in out.stderr)

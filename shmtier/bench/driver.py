@@ -6,10 +6,13 @@ scheduler half over the whole trace, one engine step at a time: admit waiting re
 (on_new_request, lookup scan, prepare_load + get_load_source), offer each running
 request's next chunks to prepare_store (the rows then filled, standing in for the GPU
 copy), on_request_finished, on_schedule_end; sleep out the step; complete last step's
-jobs; has_pending_work, get_stats, take_events. Every manager call is timed (wall and
-on-CPU); the run's raw figures come back as a dict for shmtier/bench/report.py. After the
-run the manager and its /dev/shm entries are removed and its directory emptied, also on
-error; the emptied directories go when the process exits (``retire_root``).
+jobs; has_pending_work, get_stats, take_events. Where vLLM 0.33's and 0.34's connectors
+differ (the keys a job's completion gets, ``complete_store``'s arguments) the calls are
+made as ``cfg.connector`` says (shmtier/bench/baseline.py), for every manager alike. Every
+manager call is timed (wall and on-CPU); the run's raw figures come back as a dict for
+shmtier/bench/report.py. After the run the manager and its /dev/shm entries are removed
+and its directory emptied, also on error; the emptied directories go when the process
+exits (``retire_root``).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from shmtier.bench import baseline
 from shmtier.bench.common import DrivenRequest, request_context
 from shmtier.bench.managers import MAKERS, TOKENS_PER_CHUNK, Mut, make_shmtier, sched_of, sweep_shm
 from shmtier.bench.slow_steps import StepProbe
@@ -56,6 +60,9 @@ class Config:
     max_extra_steps: int = 20_000
     samples: int = 0  # >0: sample the fs tier's bytes on disk about this many times per run
     progress: object = None  # callable(run_fraction) called about every 2% of the trace
+    # the connector whose calls are replayed (shmtier/bench/baseline.py); None: the one
+    # baseline.load picked
+    connector: object = None
 
 
 def pool_index(key: bytes, n_pool: int) -> int:
@@ -135,6 +142,9 @@ def drive(mut: Mut, trace, cfg, data_pool: np.ndarray, probe: StepProbe | None =
     probe = probe if probe is not None else StepProbe(KINDS)
     p_begin, p_end = probe.begin, probe.end
     m = mut.manager
+    conn = cfg.connector or baseline.connector()
+    job_keys = conn.job_keys
+    complete_store = conn.store_completer(m)
     LR = mut.LookupResult
     HIT, MISS, PENDING, RETRY = LR.HIT, LR.MISS, LR.HIT_PENDING, LR.RETRY
     ReqContext, SEC = mut.ReqContext, mut.ScheduleEndContext
@@ -171,7 +181,7 @@ def drive(mut: Mut, trace, cfg, data_pool: np.ndarray, probe: StepProbe | None =
         out = fn(*args)
         w1 = pc()
         c1 = tt()
-        p_end(p0, kind, len(args[0]) if args and isinstance(args[0], list) else 1)
+        p_end(p0, kind, len(args[0]) if args and isinstance(args[0], (list, tuple, set)) else 1)
         charge(kind, w1 - w0, c1 - c0)
         return out
 
@@ -329,7 +339,7 @@ def drive(mut: Mut, trace, cfg, data_pool: np.ndarray, probe: StepProbe | None =
                         if not verify_row(rows[cid], key, data_pool, payload):
                             wrong_kv += 1
                             wrong_by_source[src] += 1
-                    new_jobs.append((False, req, load_keys))
+                    new_jobs.append((False, req, job_keys(load_keys)))
                 req.admitted = step
                 deferrals.append(req.deferrals)
                 queue_steps.append(step - tr.arrival_step)
@@ -354,7 +364,7 @@ def drive(mut: Mut, trace, cfg, data_pool: np.ndarray, probe: StepProbe | None =
                         to_store = list(out.keys_to_store)
                         if to_store:
                             to_fill.append((to_store, np.asarray(out.store_spec.block_ids).tolist()))
-                            new_jobs.append((True, req, to_store))
+                            new_jobs.append((True, req, job_keys(to_store)))
                             inflight_store.update(to_store)
                             stored_chunks += len(to_store)
                         req.cursor += len(offer)
@@ -390,7 +400,7 @@ def drive(mut: Mut, trace, cfg, data_pool: np.ndarray, probe: StepProbe | None =
         with locked():
             for is_store, req, keys in completions:
                 if is_store:
-                    timed("complete_store", m.complete_store, keys, req.ctx)
+                    timed("complete_store", complete_store, keys, req.ctx)
                     inflight_store.subtract(keys)
                     for key in keys:
                         if inflight_store[key] <= 0:

@@ -1,5 +1,5 @@
-"""Issue 14's goals for shmtier against vLLM 0.33's tiering on the same trace: each figure,
-its bound and whether a set of runs meets it.
+"""Issue 14's goals for shmtier against vLLM's own tiering (0.33 or 0.34) on the same
+trace: each figure, its bound and whether a set of runs meets it.
 
 Who calls: ``bench/tiering_steps.py`` after a set that ran vLLM (printed, and stored in its
 JSON as ``goals``) and ``bench/goals.py`` over saved JSON files (the runs of several sets
@@ -91,10 +91,10 @@ def evaluate(shm: list[dict], vllm: list[dict], goals=GOALS) -> list[dict]:
     return rows
 
 
-def format_goals(rows: list[dict], name: str = "shmtier") -> list[str]:
+def format_goals(rows: list[dict], name: str = "shmtier", baseline: str = "vLLM") -> list[str]:
     """``evaluate``'s rows as a table (one line per goal) and a last line counting the
-    goals met."""
-    lines = [f"{'figure':<46}{'goal':>8}{name:>26}{'vLLM 0.33':>26}{'ratio':>8}"
+    goals met; ``name`` and ``baseline`` (e.g. "vLLM 0.34.0") head the two columns."""
+    lines = [f"{'figure':<46}{'goal':>8}{name:>26}{baseline:>26}{'ratio':>8}"
              f"{'per pair':>14}{'pairs in':>10}  verdict"]
     for r in rows:
         big = r["shm"] is not None and r["shm"][0] >= 100

@@ -3,9 +3,11 @@
 ``make_shmtier``: shmtier's ``TieringOffloadingSpec(...).get_manager()`` (primary tier in
 one POSIX shm segment, fs tier I/O and compression in tier worker processes), waited on
 until every worker is up, optionally with another scheduling or compression (the
-``shmtier@TOKENS`` variants). ``make_vllm``: vLLM 0.33's own ``TieringOffloadingManager``
-over its ``CPUPrimaryTierOffloadingManager`` and ``FileSystemTierManager``, built from
-the real classes. Each comes back as a :class:`Mut`: the manager and what the driver
+``shmtier@TOKENS`` variants). ``make_vllm``: the installed vLLM's own (0.33 or 0.34,
+shmtier/bench/baseline.py) ``TieringOffloadingManager`` over its
+``CPUPrimaryTierOffloadingManager`` and ``FileSystemTierManager``, built from the real
+classes as its ``TieringOffloadingSpec.get_manager`` builds them (the same on both
+lines). Each comes back as a :class:`Mut`: the manager and what the driver
 needs around it (its row view, its contract types, where its files and processes are).
 """
 
@@ -190,7 +192,7 @@ def make_shmtier(cfg, root: str, engine_id: str, variant: str = "") -> Mut:
 
 
 def _vllm_spec_standin(cfg):
-    """The attributes vLLM 0.33's FileSystemTierManager reads from its offloading_spec:
+    """The attributes vLLM's FileSystemTierManager (0.33, 0.34) reads from its offloading_spec:
     ``blocks_per_chunk``, ``kv_events_config.enable_kv_cache_events`` (only with
     enable_kv_events) and, for FileMapper.from_offloading_spec, ``config.groups``,
     ``config.model``, ``config.cache``, ``config.parallel``, ``config.replicated_layout``,

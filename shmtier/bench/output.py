@@ -132,7 +132,7 @@ def write_reports(out_dir: str, meta: dict, limits: dict | None, sums: dict, raw
         def r(key):
             v = per.get(key)
             return f"{v['median']:.2f}x [{v['min']:.2f}-{v['max']:.2f}]" if v else "-"
-        ratio_lines.append(f"{label(n)}/vLLM step time: p50 {r('step_us_p50')}, p99 "
+        ratio_lines.append(f"{label(n)}/{label('vllm')} step time: p50 {r('step_us_p50')}, p99 "
                            f"{r('step_us_p99')}, p99.9 {r('step_us_p999')}; process CPU "
                            f"{r('cpu_s')}; promotion p50 {r('promo_ms_p50')}")
     if plots:
@@ -162,6 +162,8 @@ def _markdown(rep: dict, names: list) -> str:
              f"{rep['cpus']} CPUs, load average {rep['load_avg_start']:.2f} at start, "
              f"{rep['load_avg_end']:.2f} at end",
              f"- {rep['vllm']}",
+             f"- **vLLM baseline: {rep['baseline']['baseline'] or 'none'}**; the driver makes the "
+             f"{rep['baseline']['replay']}",
              f"- trace: {rep['trace_text']}" + (f" (from {rep['trace_file']})" if rep['trace_file'] else ""),
              f"- chunk {cfg['chunk_bytes'] >> 10} KiB, CPU tier {cfg['cpu_mib']} MiB "
              f"({cfg['capacity_chunks']} chunks) for every manager, fs tier unbounded in a fresh "
@@ -186,7 +188,7 @@ def _markdown(rep: dict, names: list) -> str:
     else:
         lines += ["Machine limits not measured (--no-limits).", ""]
     head = "| figure | " + " | ".join(label(n) for n in names)
-    head += "".join(f" | {label(n)}/vLLM" for n in others) + " | of the limit |"
+    head += "".join(f" | {label(n)}/{label('vllm')}" for n in others) + " | of the limit |"
     lines += ["## Results", "", head, "|" + "---|" * (2 + len(names) + len(others))]
     rows = [(lbl, key, d, ratio, None) for lbl, key, d, ratio in ROWS] + EXTRA_ROWS
     for lbl, key, digits, ratio, lim in rows:

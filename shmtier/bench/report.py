@@ -9,17 +9,16 @@ from __future__ import annotations
 
 import statistics
 
+from shmtier.bench import baseline
 from shmtier.bench.common import fmt_mr, med_range, pct
 from shmtier.bench.driver import (KINDS, MANAGER_COUNTERS, PAGE_CACHE_BOUNDED, READ_BYTES,
                                   RING_DEPTH, WRITE_BYTES)
 from shmtier.bench.slow_steps import attribute, format_table
 
-LABELS = {"shmtier": "shmtier", "vllm": "vLLM 0.33"}
-
-
 def label(name: str) -> str:
-    """Column label of a manager name: ``vllm``, ``shmtier`` or ``shmtier@<worker-sched>``."""
-    return LABELS.get(name, name)
+    """Column label of a manager name: ``vllm`` (the loaded vLLM's version, e.g. "vLLM
+    0.34.0": shmtier/bench/baseline.py), ``shmtier`` or ``shmtier@TOKENS``."""
+    return baseline.label() if name == "vllm" else name
 
 
 def summarise(res: dict, chunk_bytes: int) -> dict:

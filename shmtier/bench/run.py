@@ -1,11 +1,13 @@
 """``shmtier bench``: one trace through shmtier's spec (its real tier worker processes)
-and, when vLLM is importable, through vLLM 0.33's own tiering manager with its fs tier,
-the same capacity, runs alternated (``--repeats``); every loaded chunk checked byte for
-byte; this machine's limits measured in the same run; a JSON report, a Markdown summary
-and PNG plots (matplotlib, if importable) under ``--out``.
+and, when vLLM is importable, through the installed vLLM's own tiering manager with its
+fs tier (0.33 or 0.34: which one, and how its connector's calls are replayed, is
+``baseline.py``'s), the same capacity, runs alternated (``--repeats``); every loaded
+chunk checked byte for byte; this machine's limits measured in the same run; a JSON
+report, a Markdown summary and PNG plots (matplotlib, if importable) under ``--out``.
 
-The parts: ``trace.py`` (generators, JSON lines), ``managers.py`` (both managers, built
-the same size), ``driver.py`` (one run: the connector's scheduler-side call sequence, timed),
+The parts: ``trace.py`` (generators, JSON lines), ``baseline.py`` (the vLLM baseline: its
+version and its connector's calls), ``managers.py`` (both managers, built the same size),
+``driver.py`` (one run: the connector's scheduler-side call sequence, timed),
 ``report.py`` (per-run summary, the tables), ``limits.py``, ``output.py`` (JSON, Markdown,
 plots). bench/tiering_steps.py is the same driver with the longer text tables.
 """
@@ -99,26 +101,9 @@ class Progress:
             sys.stderr.flush()
 
 
-def _vllm_note(names: list) -> str:
-    t0 = time.perf_counter()
-    try:
-        import vllm
-        import vllm.v1.kv_offload.tiering.manager  # noqa: F401 - fail here, not mid-run
-    except Exception as e:  # noqa: BLE001
-        names.remove("vllm")
-        return f"vLLM NOT importable ({type(e).__name__}: {e}): shmtier measured alone"
-    note = f"vLLM {vllm.__version__} imported in {time.perf_counter() - t0:.1f} s (not timed)"
-    try:
-        import vllm.fs_io_C  # noqa: F401
-        note += "; its fs tier uses the fs_io_C extension"
-    except Exception as e:  # noqa: BLE001
-        note += (f"; fs_io_C not importable ({type(e).__name__}), so its fs tier runs its "
-                 "pure-Python I/O path")
-    return note
-
-
 def run_bench(args) -> int:
     global label
+    from shmtier.bench import baseline
     from shmtier.bench import limits as bench_limits
     from shmtier.bench import trace as bench_trace
     from shmtier.bench.common import exit_through_finally, rotated
@@ -155,7 +140,9 @@ def run_bench(args) -> int:
     work_dir = args.dir or tempfile.gettempdir()
     exit_through_finally()
 
-    vllm_note = _vllm_note(names) if "vllm" in names else "vLLM not requested"
+    connector, vllm_note = baseline.load("vllm" in names)
+    if connector.baseline is None and "vllm" in names:
+        names.remove("vllm")
     t0 = time.perf_counter()
     try:
         if args.trace:
@@ -188,10 +175,12 @@ def run_bench(args) -> int:
     progress = Progress(repeats * len(names))
     cfg = Config(chunk_bytes=chunk_bytes, cpu_bytes=cpu_mib << 20, step_ms=step_ms,
                  max_running=args.max_running, batch=args.batch, workers=args.workers,
-                 dir=work_dir, compression=args.compression, samples=60, progress=progress)
+                 dir=work_dir, compression=args.compression, samples=60, progress=progress,
+                 connector=connector)
     data_pool = make_data_pool(chunk_bytes, 16, args.seed)
     meta = {"bench": "shmtier bench", "size": size, "repeats": repeats, "managers": names,
-            "vllm": vllm_note, "trace": trace.summary(), "trace_text": trace.describe(capacity),
+            "vllm": vllm_note, "baseline": connector.as_dict(), "trace": trace.summary(),
+            "trace_text": trace.describe(capacity),
             "trace_file": args.trace, "python": platform.python_version(),
             "machine": platform.machine(), "cpus": os.cpu_count(),
             "load_avg_start": os.getloadavg()[0], "started": time.strftime("%Y-%m-%d %H:%M:%S"),
