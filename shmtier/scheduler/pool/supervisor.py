@@ -21,8 +21,8 @@ each copies its worker's stderr to ours and keeps the last line.
         a part older than job_timeout_s, or own heartbeat older than
           heartbeat_timeout_s while it holds parts and its threads neither ran nor
           waited for a CPU meanwhile (late_beats.py: a starved worker is slow, not
-          hung) → SIGKILL → HUNG; its load parts fail at once, their rows held
-          (PoolResult.release) until the process is gone
+          hung) → SIGKILL → HUNG; spawn mode: its load parts fail at once, their
+          rows held (PoolResult.release) until the process is gone
         gone → rings recovered, its other parts failed exactly once, the rows
           of its failed loads released → DEAD
           → RESTARTING (backoff; spawn mode) or STARTING (external: the next holder)
@@ -60,13 +60,15 @@ generation on its command line and serves only that one (``workers/job_loop.py``
 A part's deadline: a worker that holds a part ``job_timeout_s`` after it was
 submitted is judged hung and killed (spawn mode: its process; external mode:
 SIGKILL to the slot's holder, verified by pid and start time) *before* its parts
-are failed. Its load parts fail right after the kill (the request need not wait for
-the process to be gone: a SIGKILLed process in uninterruptible I/O may take long), with
-a ``PoolResult.release`` whose event is set once it is gone (spawn mode: reaped;
-external mode: no longer running), so a load never writes a CPU row after the row was
-reused: the tier hands the event to the manager as the promotion's
-``deferred_release``, which keeps the rows out of the free pool until then. Its other
-parts (a store still reading pinned rows) fail once it is gone. ``drain`` waits for
+are failed. In spawn mode its load parts fail right after the kill (the request need
+not wait for the process to be gone: a SIGKILLed process in uninterruptible I/O may take
+long), with a ``PoolResult.release`` whose event is set once it is reaped, so a load
+never writes a CPU row after the row was reused: the tier hands the event to the manager
+as the promotion's ``deferred_release``, which keeps the rows out of the free pool until
+then. Its other parts (a store still reading pinned rows) fail once it is gone, and so do
+all parts in external mode: there the next holder may claim the slot before the pool
+recovers it and run the parts still queued (``_fail_slot``), so a load part failed
+early could still be written by it after its rows were released. ``drain`` waits for
 both.
 """
 
@@ -387,8 +389,8 @@ class WorkerPool:
             rec.holder_seen(beat.pid, beat.start_time, now)
 
     def _kill(self, rec: WorkerRecord, why: str) -> None:
-        """SIGKILL the slot's current process (HUNG); its load parts fail now, their
-        rows held until it is gone; its other parts fail once it is gone."""
+        """SIGKILL the slot's current process (HUNG); spawn mode: its load parts fail
+        now, their rows held until it is reaped; its other parts fail once it is gone."""
         w = rec.index
         killed = False
         if self.mode == "spawn":
@@ -411,7 +413,7 @@ class WorkerPool:
         if why.startswith("hung"):
             self.hung_total += 1
         rec.killed(why)
-        if killed:
+        if killed and self.mode == "spawn":  # (external: see the module docstring)
             self._fail_loads_now(rec, why)
 
     def _fail_loads_now(self, rec: WorkerRecord, why: str) -> None:
