@@ -8,13 +8,13 @@ tested in test_p2p_tier.py, test_pool.py and test_fs_deferred_release.py."""
 from __future__ import annotations
 
 import threading
-import time
 
 import numpy as np
 import pytest
 
 from shmtier import metrics
-from shmtier.contract import LookupResult, Medium, ReqContext, RequestOffloadingContext, ScheduleEndContext
+from shmtier.contract import (LookupResult, Medium, ReqContext, RequestOffloadingContext,
+                              ScheduleEndContext)
 from shmtier.scheduler.primary import CPUPrimaryTierOffloadingManager
 from shmtier.scheduler.tiering.base import JobResult, SecondaryTierManager
 from shmtier.scheduler.tiering.manager import TieringOffloadingManager

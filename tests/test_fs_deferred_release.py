@@ -13,7 +13,7 @@ import time
 import pytest
 import torch
 
-from fs_engine import END, GPU_BLOCKS, HIT, MISS, PENDING, engines, key  # noqa: F401
+from fs_engine import END, MISS, PENDING, engines, key  # noqa: F401  (engines: a fixture)
 from shmtier import metrics
 from shmtier.contract import ReqContext
 from shmtier.shared.chunk_table import NUM_ALLOCATED
