@@ -1,11 +1,12 @@
 """Suite-wide guards: every test must leave /dev/shm as it found it. Also the S3
 servers' fixtures (``s3_servers.py``), defined here once so that the session-scoped
-servers are shared by every test module."""
+servers are shared by every test module, and the ``vllm`` marker on tests/vllm/."""
 
 from __future__ import annotations
 
 import os
 import uuid
+from pathlib import Path
 
 import pytest
 
@@ -14,6 +15,17 @@ from shmtier.shared import codec_choice
 from shmtier.shared.segment import list_segments
 
 SHM_DIR = "/dev/shm"
+VLLM_TESTS = Path(__file__).parent / "vllm"
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects
+def pytest_collection_modifyitems(items):
+    """Every test under tests/vllm/ gets the ``vllm`` marker (setup.cfg), so that
+    ``scripts/test -m vllm`` selects them; tests elsewhere that need vLLM carry it
+    themselves."""
+    for item in items:
+        if VLLM_TESTS in item.path.parents:
+            item.add_marker(pytest.mark.vllm)
 
 
 def _shmtier_entries() -> set[str]:

@@ -607,6 +607,7 @@ def test_clock_is_passed_to_built_detectors():
 # ====================================================================== the clock
 
 
+@pytest.mark.vllm
 def test_detector_follows_a_patched_time_monotonic():
     """Without an injected clock, time is ``time.monotonic()`` looked up at every call, so
     patching it the way vLLM's own tests do (``patch("time.monotonic", return_value=...)``
@@ -929,6 +930,7 @@ def _drive(config: dict, policy: tuple, ops: list) -> None:
         vllm_bp.time = saved
 
 
+@pytest.mark.vllm
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(config=CONFIGS, policy=POLICIES, ops=OPS)
 def test_matches_vllm_decision_for_decision(config, policy, ops):
@@ -964,6 +966,7 @@ def _seeded_ops(rng: random.Random, n: int) -> list:
     return ops
 
 
+@pytest.mark.vllm
 @pytest.mark.parametrize("seed", range(8))
 def test_matches_vllm_on_seeded_long_runs(seed):
     """Reproducible companion of the hypothesis test: long runs in every configuration."""

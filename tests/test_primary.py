@@ -391,6 +391,7 @@ def test_out_of_tree_policy_loads_from_module_path(tmp_path, monkeypatch):
         manager(2, "OrderedDict", cache_policy_module_path="fifo_policy")
 
 
+@pytest.mark.vllm
 def test_a_policy_written_for_vllm_runs_unchanged():
     pytest.importorskip("vllm.v1.kv_offload.cpu.policies.lru")
     m = manager(2, "LRUCachePolicy", cache_policy_module_path="vllm.v1.kv_offload.cpu.policies.lru")

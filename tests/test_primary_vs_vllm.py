@@ -12,6 +12,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+pytestmark = pytest.mark.vllm
+
 vllm_manager = pytest.importorskip("vllm.v1.kv_offload.cpu.manager")
 vllm_base = pytest.importorskip("vllm.v1.kv_offload.base")
 
