@@ -112,6 +112,10 @@ class ReqContext:
     object under its type, so a manager or policy can cache per-request data)
     and the end-token position of every key the scheduler derived, from which
     head-to-tail order is recovered when stores arrive out of order.
+
+    The token counts are vLLM 0.34's (live until the request finishes, then
+    frozen; None where not known): vLLM's own ``ReqContext`` reaches the core as it
+    is, so a tier reads them the same way from either; this class answers None.
     """
 
     req_id: str
@@ -122,6 +126,22 @@ class ReqContext:
     _offload_key_positions: dict[OffloadKey, int] = field(
         default_factory=dict, repr=False, init=False
     )
+
+    @property
+    def num_computed_tokens(self) -> int | None:
+        return None
+
+    @property
+    def num_in_flight_tokens(self) -> int | None:
+        return None
+
+    @property
+    def num_prompt_tokens(self) -> int | None:
+        return None
+
+    @property
+    def num_tokens(self) -> int | None:
+        return None
 
     def set_state(self, val: Any) -> None:
         self._state[type(val)] = val
@@ -258,7 +278,9 @@ class OffloadingEvent:
     """Keys stored in or removed from one tier.
 
     ``ownership`` names the secondary tier (None for the primary);
-    ``metadata_only`` marks clean-up after a failed store, not a public eviction.
+    ``metadata_only`` marks clean-up after a failed store, not a public eviction;
+    ``req_context`` is the request whose store or failed store made the event, where
+    one did (vLLM 0.34 describes stored chunks from it).
     """
 
     keys: list[OffloadKey]
@@ -268,6 +290,7 @@ class OffloadingEvent:
     ownership: str | None = None
     removal_expected: bool = False
     metadata_only: bool = False
+    req_context: ReqContext | None = field(default=None, repr=False, compare=False)
 
 
 @dataclass

@@ -146,7 +146,8 @@ def test_arena_geometry_and_info_equal_vllms_own_tiering_spec(case, engine_id):
         theirs.num_chunks, theirs.kv_bytes_per_chunk, theirs.cpu_page_size_per_worker)
     assert ours.core.blocks_per_chunk == theirs.blocks_per_chunk == case["bpc"]
     assert ours.replicated_layout == theirs.replicated_layout
-    assert ours.core._tier_info().as_config_info() == theirs.cpu_info.as_config_info()
+    if hasattr(theirs, "cpu_info"):  # config info is 0.33's (0.32 has none)
+        assert ours.core._tier_info().as_config_info() == theirs.cpu_info.as_config_info()
     assert "block_size" not in ours.core.extra_config  # vLLM resolved it already
 
 
@@ -169,22 +170,59 @@ def test_invalid_configs_fail_at_construction_naming_the_key(engine_id):
 
 
 @pytest.mark.parametrize("version,ok", [
-    ("0.33.0", True), ("0.33.2", True), ("0.33.0rc1", True), ("0.33.1.dev4+gabcdef", True),
-    ("0.32.9", False), ("0.34.0", False), ("1.33.0", False), ("dev", False), ("", False)])
+    ("0.32.0", True), ("0.33.0", True), ("0.33.2", True), ("0.34.0rc1", True),
+    ("0.34.1.dev4+gabcdef", True), ("0.31.9", False), ("0.35.0", False), ("1.33.0", False),
+    ("dev", False), ("", False)])
 def test_supported_version_range(version, ok):
     assert sv.vllm_version_supported(version) is ok
+
+
+def _installed_line() -> str:
+    """The release line of the installed vLLM by its version string (0.32, 0.33, 0.34)."""
+    import vllm
+
+    return ".".join(vllm.__version__.split(".")[:2])
+
+
+def test_the_installed_vllm_is_recognised_by_its_interfaces():
+    """The dialect picked by the interfaces is the installed release line, and the
+    per-line report says exactly which newer lines' interfaces it lacks."""
+    line = _installed_line()
+    assert sv.DIALECT.name == line
+    assert sv.check_vllm() is sv.DIALECT
+    report = sv.missing_vllm_interfaces()
+    assert set(report) == {"0.32", "0.33", "0.34"}
+    assert report[line] == []
+    older = {"0.34": ("0.33", "0.32"), "0.33": ("0.32",), "0.32": ()}[line]
+    for name in older:  # an older line's interfaces are all there too
+        assert report[name] == []
+    base = "vllm.v1.kv_offload.base"
+    if line in ("0.32", "0.33"):
+        assert f"{base}.DevicePointers" in report["0.34"]
+        assert "vllm.v1.kv_offload.tiering.base.JobResult.deferred_release" in report["0.34"]
+    if line == "0.32":
+        assert set(report["0.33"]) == {
+            f"{base}.OffloadingSpec.config_info_keys", f"{base}.OffloadingManager.lock",
+            f"{base}.OffloadingManager.on_reset_flushed", f"{base}.OffloadingManager.config_info",
+            f"{base}.OffloadingEvent.metadata_only",
+            f"{base}.OffloadingGaugeMetadata.multiprocess_mode",
+            "vllm.v1.kv_offload.config.OffloadingModelConfig.max_model_len"}
+    # what each line asks of the adapter
+    assert sv.DIALECT.connector_takes_lock is (line != "0.32")
+    assert sv.DIALECT.device_pointers is (line == "0.34")
+    assert sv.DIALECT.failed_transfers is (line == "0.34")
 
 
 def test_the_installed_vllm_passes_and_another_version_is_refused(monkeypatch):
     sv.check_vllm()
     with pytest.raises(sv.VLLMCompatibilityError,
-                       match=r"vLLM 0\.34\.1 is installed, shmtier supports vLLM >=0\.33,<0\.34"):
-        sv.check_vllm(vllm_module=types.SimpleNamespace(__version__="0.34.1"))
+                       match=r"vLLM 0\.35\.1 is installed, shmtier supports vLLM >=0\.32,<0\.35"):
+        sv.check_vllm(vllm_module=types.SimpleNamespace(__version__="0.35.1"))
     monkeypatch.setenv(sv.VERSION_CHECK_ENV, "0")
-    sv.check_vllm(vllm_module=types.SimpleNamespace(__version__="dev"))  # interfaces still fine
+    assert sv.check_vllm(vllm_module=types.SimpleNamespace(__version__="dev")) is sv.DIALECT
 
 
-def test_the_interface_check_names_every_missing_piece():
+def test_the_interface_check_names_every_missing_piece_per_version():
     import importlib
 
     real_base = importlib.import_module("vllm.v1.kv_offload.base")
@@ -206,14 +244,20 @@ def test_the_interface_check_names_every_missing_piece():
             raise ImportError("gone")
         return importlib.import_module(name)
 
-    missing = sv.missing_vllm_interfaces(fake_import)
-    assert missing == [
+    common = [
         "vllm.v1.kv_offload.base.OffloadingWorker.wait",
         "vllm.v1.kv_offload.base.TransferResult",
         "module vllm.v1.metrics.cache_hit_source (ImportError: gone)",
     ]
-    with pytest.raises(sv.VLLMCompatibilityError, match="OffloadingWorker.wait.*TransferResult"):
+    missing = sv.missing_vllm_interfaces(fake_import)
+    assert missing["0.32"] == common  # what every line needs comes first, in order
+    for name in ("0.33", "0.34"):
+        assert missing[name][:3] == common
+    with pytest.raises(sv.VLLMCompatibilityError) as info:
         sv.check_vllm(import_module=fake_import)
+    text = str(info.value)
+    for name in ("0.34", "0.33", "0.32"):
+        assert f"as vLLM {name} it lacks: vllm.v1.kv_offload.base.OffloadingWorker.wait" in text
 
 
 # ----------------------------------------------------------------------------- metrics
@@ -297,7 +341,7 @@ class Rig:
     def close(self):
         for w in self.workers:
             w.shutdown()
-        assert not self.manager.lock.locked()
+        assert not self.manager.core.lock.locked()
         self.manager.shutdown()  # without the lock, as the connector does
 
 
@@ -455,16 +499,18 @@ def test_the_connector_call_sequence_with_vllm_types(tier, rigs, engine_id, fs_r
         settle(m, sink)
 
         # --- metrics: every emitted name and label set was accepted by vLLM's front end
-        with m.lock:
-            info = OffloadingConnectorStats()
-            info.set_info(m.config_info())
-        sink.observe(info)
+        if hasattr(OffloadingConnectorStats, "set_info"):  # config info is 0.33's
+            with m.lock:
+                info = OffloadingConnectorStats()
+                info.set_info(m.config_info())
+            sink.observe(info)
         label = f"1:{tier}"
         assert sink.seen["vllm:kv_offload_tiering_chunk_hits"] >= {(label,)}
         assert (label, "success") in sink.seen["vllm:kv_offload_tiering_promotion_latency_seconds"]
         text = sink.text()
         assert f'vllm:kv_offload_tiering_read_bytes_total{{engine="0",model_name="m",tier="{label}"}}' in text
-        assert 'vllm:kv_offload_config_info{' in text and 'tier="0:primary"' in text
+        if hasattr(OffloadingConnectorStats, "set_info"):
+            assert 'vllm:kv_offload_config_info{' in text and 'tier="0:primary"' in text
         if tier == "fs":
             assert "vllm:kv_offload_shmtier_fs_bytes_on_disk" in sink.seen
     finally:
@@ -491,6 +537,7 @@ def test_kv_load_tiers_filter_applies_to_vllm_contexts(rigs, engine_id):
         assert [m.lookup(k, only_storage) for k in keys] == [MISS, MISS]
         assert [m.lookup(k, nothing) for k in keys] == [MISS, MISS]
         assert [m.lookup(k, only_cpu) for k in keys] == [PENDING, PENDING]
+    step(m, sink)  # a step's lookups always end with on_schedule_end
 
 
 def test_a_tier_written_for_vllm_loads_through_module_path(rigs, engine_id):
@@ -510,7 +557,8 @@ def test_a_tier_written_for_vllm_loads_through_module_path(rigs, engine_id):
     lookup_until(m, sink, keys, c, HIT)
     with m.lock:
         assert m.get_load_source(keys[0], c) is CacheHitSource.HOST
-        assert m.config_info()[1] == {"example_info": 7, "tier": "1:ExampleSecondaryTierManager"}
+        own = {"example_info": 7} if sv.DIALECT.name != "0.32" else {}  # 0.32's has none
+        assert m.config_info()[1] == {**own, "tier": "1:ExampleSecondaryTierManager"}
 
 
 def test_ranks_write_their_own_slots_and_replicated_ranks_share_one(engine_id):

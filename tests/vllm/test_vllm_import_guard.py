@@ -32,5 +32,5 @@ def test_shmtier_imports_without_vllm_and_the_adapter_says_what_it_needs():
     assert out.returncode == 0, out.stderr
     line = out.stdout.strip().splitlines()[-1]
     assert line.startswith("IMPORT-ERROR VLLMCompatibilityError"), out.stdout + out.stderr
-    assert "vLLM >=0.33,<0.34" in line
+    assert "vLLM >=0.32,<0.35" in line
     assert "cannot be imported" in line and "pip install" in line

@@ -6,6 +6,7 @@ registry. Imports vLLM: a test module imports this after its
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -20,6 +21,13 @@ from vllm.v1.kv_offload.config import (
 )
 
 
+def _model_config(name: str, dtype: str, max_model_len: int) -> OffloadingModelConfig:
+    """vLLM's model config; 0.32's has no ``max_model_len``."""
+    names = {f.name for f in dataclasses.fields(OffloadingModelConfig)}
+    extra = {"max_model_len": max_model_len} if "max_model_len" in names else {}
+    return OffloadingModelConfig(name, dtype, **extra)
+
+
 def offloading_config(extra, engine_id, *, layers=("layer.0", "layer.1"), kv_bytes_per_block=2048,
                       dtype="float16", rank=0, world_size=1, pp=1, bpc=1, events=True,
                       replicated=False, canonical=False, max_model_len=512) -> OffloadingConfig:
@@ -32,7 +40,7 @@ def offloading_config(extra, engine_id, *, layers=("layer.0", "layer.1"), kv_byt
         enable_kv_cache_events=events,
         extra_config=extra,
         engine_id=engine_id,
-        model=OffloadingModelConfig("tiny-llama", dtype, max_model_len),
+        model=_model_config("tiny-llama", dtype, max_model_len),
         cache=OffloadingCacheConfig(16, bpc),
         parallel=OffloadingParallelConfig(rank, world_size, world_size // pp, pp, 1, 1, 0, 1,
                                           None, True),

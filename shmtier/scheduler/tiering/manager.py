@@ -847,7 +847,8 @@ class TieringOffloadingManager:
     def config_info(self) -> list[dict[str, Any]]:
         info = [{**(self.primary.config_info()[0] or {}), "tier": PRIMARY_LABEL}]
         for tier_idx, tier in enumerate(self.tiers):
-            info.append({**tier.config_info(), "tier": self.labels[tier_idx + 1]})
+            own = tier.config_info() if hasattr(tier, "config_info") else {}  # 0.32's tiers lack it
+            info.append({**own, "tier": self.labels[tier_idx + 1]})
         return info
 
     # --- reset and shutdown ---
