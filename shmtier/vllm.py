@@ -381,7 +381,11 @@ class ShmTierOffloadingManager(_vb.OffloadingManager):
 
     def reset_cache(self) -> None:
         self.core.reset_cache()
-        self._steps_to_reset_flushed = self._reset_flush_steps
+        if self._reset_flush_steps:  # vLLM never calls on_reset_flushed
+            if self.core.copies_in_flight_at_reset:
+                self._steps_to_reset_flushed = self._reset_flush_steps
+            else:  # nothing to flush: as 0.33's connector, end the hold at once
+                self.core.on_reset_flushed()
 
     def on_reset_flushed(self) -> None:
         self._steps_to_reset_flushed = 0
@@ -550,9 +554,12 @@ class ShmTierOffloadingSpec(_vb.OffloadingSpec):
 
     @classmethod
     def build_metric_definitions(cls, extra_config: dict[str, Any]) -> dict[str, Any]:
-        """vLLM's metric metadata for every series shmtier's managers and tiers emit."""
-        return {name: to_vllm_metric_metadata(md)
-                for name, md in CoreSpec.build_metric_definitions(extra_config).items()}
+        """vLLM's metric metadata for every series shmtier's managers and tiers emit
+        (on 0.34 also the deferred-release series of every tier, as vLLM declares them)."""
+        definitions = CoreSpec.build_metric_definitions(extra_config)
+        if DIALECT.deferred_release_metrics:
+            definitions.update(_m.deferred_release_metric_definitions())
+        return {name: to_vllm_metric_metadata(md) for name, md in definitions.items()}
 
     @classmethod
     def config_info_keys(cls, extra_config: dict[str, Any]) -> tuple[str, ...]:
@@ -563,7 +570,10 @@ class ShmTierOffloadingSpec(_vb.OffloadingSpec):
     def get_manager(self) -> ShmTierOffloadingManager:
         if self._manager is None:
             steps = 0 if DIALECT.calls_on_reset_flushed else _reset_flush_steps(self.config)
-            self._manager = _MANAGER_CLASS(self.core.get_manager(), reset_flush_steps=steps)
+            core = self.core.get_manager()
+            if DIALECT.deferred_release_metrics:
+                core.report_deferred_releases_of_every_tier()
+            self._manager = _MANAGER_CLASS(core, reset_flush_steps=steps)
         return self._manager
 
     # --- GPU worker processes ---

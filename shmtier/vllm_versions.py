@@ -133,23 +133,27 @@ class Dialect:
     #: stored primary events carry ``req_context`` and ``removal_expected=True``, as
     #: vLLM's CPU manager makes them (its self-describing events read both)
     stored_events_carry_request: bool
+    #: the spec declares the deferred-release series for every tier and the manager
+    #: reports its gauge every step (``JobResult.deferred_release`` exists)
+    deferred_release_metrics: bool
 
 
 DIALECTS: tuple[Dialect, ...] = (  # newest first: the first that fits is taken
     Dialect("0.34", COMMON_INTERFACES + _SINCE_0_33 + _SINCE_0_34,
             connector_takes_lock=True, calls_on_reset_flushed=True,
             metadata_only_events=True, gauge_multiprocess_mode=True,
-            device_pointers=True, failed_transfers=True, stored_events_carry_request=True),
+            device_pointers=True, failed_transfers=True, stored_events_carry_request=True,
+            deferred_release_metrics=True),
     Dialect("0.33", COMMON_INTERFACES + _SINCE_0_33,
             connector_takes_lock=True, calls_on_reset_flushed=True,
             metadata_only_events=True, gauge_multiprocess_mode=True,
             device_pointers=False, failed_transfers=False,
-            stored_events_carry_request=False),
+            stored_events_carry_request=False, deferred_release_metrics=False),
     Dialect("0.32", COMMON_INTERFACES,
             connector_takes_lock=False, calls_on_reset_flushed=False,
             metadata_only_events=False, gauge_multiprocess_mode=False,
             device_pointers=False, failed_transfers=False,
-            stored_events_carry_request=False),
+            stored_events_carry_request=False, deferred_release_metrics=False),
 )
 
 

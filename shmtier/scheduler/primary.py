@@ -373,6 +373,11 @@ class CPUOffloadingManager:
         return (len(self._free_list) + self._num_chunks - self._counters[NUM_ALLOCATED]
                 + self._num_evictable - held)
 
+    def copies_may_be_in_flight(self) -> bool:
+        """Whether a resident row is pinned or write-pending: a copy (a GPU worker's, a
+        tier worker's) may still read or write it. Scheduler thread, O(1)."""
+        return len(self._rows) != self._num_evictable
+
     def is_evictable(self, key: OffloadKey) -> bool:
         """Resident, stored and not pinned: a chunk eviction could take now."""
         return self.ref_count(key) == 0

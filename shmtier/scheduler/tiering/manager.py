@@ -212,6 +212,7 @@ class TieringOffloadingManager:
         self._parked: dict[str, _RequestState] = {}  # requests with parked cascade keys
         self._load_sources: dict[str, dict[OffloadKey, CacheHitSource]] = {}
         self._promotions_held = False
+        self.copies_in_flight_at_reset = False  # set by reset_cache
         # the current lookup scan: its request, the promotions awaiting rows (key ->
         # tier index, in lookup order) and the keys it answered HIT (kept from eviction)
         self._scan_ctx: ReqContext | None = None
@@ -876,6 +877,8 @@ class TieringOffloadingManager:
             state.pending_primary_stores = 0
             state.parked_cascade_keys.clear()
             self._maybe_finalize(state)
+        # what a caller that must fence copies itself (vLLM 0.32's adapter) needs to know
+        self.copies_in_flight_at_reset = self.primary.copies_may_be_in_flight()
         self.primary.reset_cache()
         self._polled_this_step = False
         for tier in self.tiers:
