@@ -32,8 +32,28 @@ class CachePolicyFactory:
         def bases():
             return with_vllm_base(CachePolicy, "vllm.v1.kv_offload.cpu.policies.base",
                                   "CachePolicy")
-        return cls._registry.resolve(name, module_path, bases, key="eviction_policy",
-                                     module_key="cache_policy_module_path")
+        policy_cls = cls._registry.resolve(name, module_path, bases, key="eviction_policy",
+                                           module_key="cache_policy_module_path")
+        if module_path is not None:
+            _check_hooks(policy_cls, name)
+        return policy_cls
+
+
+def _check_hooks(policy_cls: type, name: str) -> None:
+    """Refuse, naming what is missing, an out-of-tree policy without the hooks shmtier's
+    CPU tier calls (0.33's interface; a policy written for vLLM 0.32 lacks
+    ``on_request_access`` and takes no ``req_context`` in ``insert``)."""
+    import inspect
+
+    missing = [hook for hook in ("on_request_access", "on_request_finished", "on_store_miss")
+               if not callable(getattr(policy_cls, hook, None))]
+    if "req_context" not in inspect.signature(policy_cls.insert).parameters:
+        missing.append("insert(key, chunk, req_context)")
+    if missing:
+        raise ValueError(
+            f"eviction_policy = {name!r} (cache_policy_module_path) lacks what shmtier's CPU "
+            f"tier calls: {', '.join(missing)}; write it for vLLM 0.33's CachePolicy "
+            f"interface (a policy written for vLLM 0.32 does not fit)")
 
 
 CachePolicyFactory.register_cache_policy("lru", "shmtier.scheduler.policies.lru", "LRUCachePolicy")
