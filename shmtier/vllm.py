@@ -151,6 +151,7 @@ __all__ = [
     "ShmTierOffloadingSpec",
     "ShmTierOffloadingManager",
     "ShmTierOffloadingWorker",
+    "TransferFailed",
     "VLLMCompatibilityError",
     "DIALECT",
     "check_vllm",

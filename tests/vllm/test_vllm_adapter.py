@@ -689,3 +689,27 @@ def test_without_the_connectors_lock_and_flush_callback_the_manager_fences_itsel
     m.on_request_finished(c)
     settle(m, sink)
     assert not m.core.lock.locked()
+
+
+def test_a_failed_copy_is_reported_where_vllm_takes_it_and_named_where_not(rigs, engine_id):
+    """0.34's connector turns a failed load into a failed receive: the result says
+    success=False. Before 0.34 it asserts success, so the worker raises TransferFailed
+    naming the job instead (and the next jobs still run)."""
+    rig = rigs(engine_id, [])
+    core = rig.worker.core
+
+    def boom(job):
+        raise OSError("injected copy failure")
+
+    core._load_queue._execute = boom
+    spec = CPULoadStoreSpec([0])
+    gpu = vb.GPULoadStoreSpec([3, 4], group_sizes=[2], block_indices=[0])
+    assert rig.worker.submit_load(7, spec, gpu) is True
+    rig.worker.wait({7})
+    if sv.DIALECT.failed_transfers:
+        (result,) = rig.worker.get_finished()
+        assert isinstance(result, vb.TransferResult)
+        assert (result.job_id, result.success) == (7, False)
+    else:
+        with pytest.raises(sv.TransferFailed, match=r"copy job\(s\) \[7\] failed"):
+            rig.worker.get_finished()
