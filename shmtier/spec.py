@@ -7,8 +7,10 @@ at shutdown); each GPU worker process calls ``get_worker(kv_caches, rank)``
 (it joins the segment as a member). The vLLM adapter wraps this class.
 
 Construction order of ``get_manager`` (reverse order on failure, so nothing
-is left half-built): segment -> primary tier -> tier worker pool (only when a
-built-in worker-backed tier is configured) -> secondary tiers -> manager.
+is left half-built): segment (with its guardian unless ``warm_restart``: it
+removes the segment if this process dies unclosed) -> primary tier -> tier worker
+pool (only when a built-in worker-backed tier is configured) -> secondary tiers ->
+manager.
 """
 
 from __future__ import annotations
@@ -168,6 +170,8 @@ class TieringOffloadingSpec:
             segment = self._open_segment(owner=True,
                                          warm_restart=self.primary_config.warm_restart)
             cleanup.append(segment.close)
+            if not self.primary_config.warm_restart:
+                segment.remove_when_owner_dies()  # a crash leaves nothing in /dev/shm
             primary = CPUPrimaryTierOffloadingManager(
                 segment, self.primary_config.eviction_policy,
                 self.primary_config.cache_policy_module_path, self.enable_events,
@@ -210,7 +214,8 @@ class TieringOffloadingSpec:
         from shmtier.gpu.copy_worker import BlockCopyWorker
 
         segment = self._open_segment(owner=False,
-                                     rank=0 if self.layout.replicated_layout else rank)
+                                     rank=0 if self.layout.replicated_layout else rank,
+                                     warm_restart=self.primary_config.warm_restart)
         try:
             return BlockCopyWorker(kv_caches, segment, self.blocks_per_chunk,
                                    0 if self.layout.replicated_layout else rank,

@@ -20,18 +20,27 @@ fingerprint match, so a restarted scheduler finds what the old one stored.
 
 Lifetime: the owner unlinks the name on ``close()``; a member that created the
 segment and closes before any owner claimed it unlinks too. Mappings stay valid
-in processes that still hold them. ``clean_stale_segments()`` (``shmtier
-clean``) removes what crashed processes left behind.
+in processes that still hold them. An owner that dies without closing leaves a stale
+segment: unless it keeps it for a warm restart, its guardian process removes it and
+its ring semaphores (``remove_when_owner_dies``, ``segment_guardian.py``);
+``clean_stale_segments()`` (``shmtier clean``) removes what is left otherwise.
+
+Staleness has one rule (``SegmentHeader.owner_alive``: the owner's pid, start time and
+boot id; before any owner claimed it, the creator's), and every removal of a segment
+that exists goes through :func:`remove_if_stale` or ``_join``, under the object's
+``flock``: ``open_segment`` holds it on an existing segment from its staleness check to
+its claim, so nothing removes a segment that a new owner is re-attaching to.
 
 Space: the creator refuses (:class:`SegmentSpaceError`, the name unlinked again)
 when ``/dev/shm`` has less free space than the segment needs, and reserves every
 page with ``posix_fallocate`` before mapping it, so the kernel refuses up front
 (ENOSPC) instead of a page fault raising SIGBUS later.
 
-May block: ``open_segment`` waits up to ``timeout_s`` for a creator; nothing else
-blocks.
+May block: ``open_segment`` waits up to ``timeout_s`` for a creator (and for the
+lock of an existing segment); ``remove_if_stale`` up to its ``lock_wait_s``;
+``remove_when_owner_dies`` while its guardian starts; nothing else blocks.
 
-Size (~640 lines): the join protocol, the stale/warm-restart rules and the space checks
+Size (~760 lines): the join protocol, the stale/warm-restart rules and the space checks
 all act on the one header and must agree on its states; split, each half would need the
 other's invariants restated.
 """
@@ -39,6 +48,7 @@ other's invariants restated.
 from __future__ import annotations
 
 import errno
+import fcntl
 import hashlib
 import logging
 import mmap
@@ -293,6 +303,7 @@ class Segment:
         self.rings = self._view[layout.rings_off : layout.rings_off + layout.rings_len]
         self.stats = self._view[STATS_OFFSET:HEADER_SIZE]
         self.closed = False
+        self.guardian = None  # set by remove_when_owner_dies
 
     @property
     def geometry(self) -> ArenaGeometry:
@@ -348,6 +359,25 @@ class Segment:
         worker slots itself (``workers/job_loop.py``, ``shmtier/scheduler/pool/``)."""
         return _GENERATION.unpack_from(self._view, _GENERATION_OFFSET)[0]
 
+    def remove_when_owner_dies(self):
+        """Start this segment's guardian: a small process, outside this one's process
+        tree, that removes the segment and its ring semaphores if this process dies
+        without closing it (``segment_guardian.py``). Owner only, once, for an owner
+        that does not keep its segment for a warm restart; ``close()`` lets it go.
+
+        Scheduler process; blocks while the guardian starts (one Python start-up, at
+        most 10 s). Returns the :class:`~shmtier.shared.segment_guardian.Guardian`, or
+        None (logged as a WARNING) when it could not be started: the engine then runs
+        unguarded, and ``shmtier clean`` removes what a crash leaves."""
+        if not self.is_owner or self.closed:
+            raise SegmentError(f"segment {self.name}: only its open owner starts a guardian")
+        if self.guardian is not None:
+            return self.guardian
+        from shmtier.shared.segment_guardian import Guardian
+
+        self.guardian = Guardian.start(self.name, self._inode)
+        return self.guardian
+
     def _unclaimed(self) -> bool:
         return self.header().owner_pid == 0
 
@@ -371,6 +401,8 @@ class Segment:
         self.closed = True
         if self.is_owner or (self.is_creator and self._unclaimed()):
             self.unlink()
+        if self.guardian is not None:
+            self.guardian.release()  # after the unlink: it exits, touching nothing
         self.table.release()
         for view in (self.arena, self.rings, self.stats, self._view):
             try:
@@ -474,7 +506,9 @@ def open_segment(
 
     ``owner=True`` for the scheduler (claims ownership, unlinks on close);
     members pass their GPU ``rank`` so only their slot of each row is
-    pre-faulted. ``rings_len`` reserves that many bytes (page rounded) for the
+    pre-faulted. ``warm_restart``: a segment whose owner is dead is kept, not
+    replaced: the owner re-attaches to it, and a member (a GPU worker, which vLLM
+    starts before the scheduler) joins it for the owner to come. ``rings_len`` reserves that many bytes (page rounded) for the
     tier workers' rings; every opener must pass the same value. ``reserve_bytes``:
     room on ``/dev/shm`` the caller needs beside the segment (its ring semaphores),
     checked only when this process creates the segment. Raises
@@ -502,16 +536,25 @@ def open_segment(
         except posix_ipc.ExistentialError:
             continue  # unlinked between our two opens: race again for creation
         try:
+            # held from the staleness check to the claim: a
+            # guardian or `shmtier clean` (remove_if_stale) waits, then sees a live owner
+            if not _lock(shm.fd, deadline):
+                raise SegmentTimeoutError(
+                    f"segment {name}: another process held its lock for {timeout_s:g} s "
+                    f"(a guardian or `shmtier clean` removing it, or an opener joining it)")
             outcome = _join(name, shm.fd, layout, fingerprint, owner=owner,
                             warm_restart=warm_restart, deadline=deadline, timeout_s=timeout_s)
             if outcome is None:
                 continue  # stale or abandoned segment was removed: start over
             buf, inode = outcome
+            segment = Segment(name, buf, inode, layout, is_creator=False, is_owner=False)
+            if owner:
+                segment.claim_ownership()
         finally:
+            # unlocked explicitly: the mapping shares the open file, which keeps a lock
+            # past close() for as long as it is mapped
+            fcntl.flock(shm.fd, fcntl.LOCK_UN)
             shm.close_fd()
-        segment = Segment(name, buf, inode, layout, is_creator=False, is_owner=False)
-        if owner:
-            segment.claim_ownership()
         if prefault and not owner:
             segment.prefault(rank)
         return segment
@@ -550,10 +593,14 @@ def _join(name: str, fd: int, layout: SegmentLayout, fingerprint: str, *, owner:
         time.sleep(0.005)
 
     if not header.owner_alive():
-        if owner and warm_restart:
+        if warm_restart:
             _check_compatible(name, header, layout, fingerprint)
-            logger.info("segment %s: re-attaching after owner pid %d died (warm restart)",
-                        name, header.owner_pid)
+            if owner:
+                logger.info("segment %s: re-attaching after owner pid %d died (warm restart)",
+                            name, header.owner_pid)
+            else:
+                logger.info("segment %s: joining it for a warm restart (owner pid %d died; "
+                            "the next owner re-attaches)", name, header.owner_pid)
         else:
             logger.info("segment %s is stale (owner pid %d dead); replacing it",
                         name, header.owner_pid or header.creator_pid)
@@ -580,6 +627,20 @@ def _unlink_if_same(name: str, inode: int) -> None:
         pass
 
 
+def _lock(fd: int, deadline: float) -> bool:
+    """Take the exclusive ``flock`` of the segment behind ``fd`` (released by ``LOCK_UN``,
+    or once every descriptor and mapping of that open file is gone), polling every 5 ms until ``deadline`` (``time.monotonic()``); whether it was
+    taken. Holders keep it for microseconds: a staleness check and what follows it."""
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.005)
+
+
 @dataclass(frozen=True)
 class SegmentStatus:
     name: str
@@ -588,6 +649,29 @@ class SegmentStatus:
     creator_pid: int
     alive: bool
     fingerprint: str
+
+
+def _status(name: str, fd: int) -> SegmentStatus:
+    """The status of the segment open as ``fd``, by the staleness rule (module docstring).
+
+    No header yet: a creator is between ``shm_open`` and its first write, or died there;
+    only the latter is stale (it gets a few seconds)."""
+    st = os.fstat(fd)
+    raw = os.pread(fd, HEADER_SIZE, 0)
+    if len(raw) < HEADER_SIZE:
+        young = time.time() - st.st_mtime < 5.0
+        return SegmentStatus(name, st.st_size, 0, 0, young, "")
+    header = SegmentHeader.decode(raw)
+    return SegmentStatus(name, st.st_size, header.owner_pid, header.creator_pid,
+                         header.owner_alive(), header.fingerprint)
+
+
+def _open_entry(name: str) -> int | None:
+    try:
+        return os.open(os.path.join(SHM_DIR, name.lstrip("/")),
+                       os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    except OSError:
+        return None
 
 
 def list_segments() -> list[SegmentStatus]:
@@ -600,38 +684,54 @@ def list_segments() -> list[SegmentStatus]:
     for entry in entries:
         if not entry.startswith(NAME_PREFIX):
             continue
-        path = os.path.join(SHM_DIR, entry)
+        fd = _open_entry(entry)
+        if fd is None:
+            continue
         try:
-            with open(path, "rb") as f:
-                raw = f.read(HEADER_SIZE)
-                size = os.fstat(f.fileno()).st_size
+            found.append(_status("/" + entry, fd))
         except OSError:
-            continue
-        if len(raw) < HEADER_SIZE:
-            # no header yet: a creator is between shm_open and its first write,
-            # or died there; only the latter is stale (give it a few seconds)
-            young = time.time() - os.stat(path).st_mtime < 5.0
-            found.append(SegmentStatus("/" + entry, size, 0, 0, young, ""))
-            continue
-        header = SegmentHeader.decode(raw)
-        found.append(SegmentStatus("/" + entry, size, header.owner_pid, header.creator_pid,
-                                   header.owner_alive(), header.fingerprint))
+            pass
+        finally:
+            os.close(fd)
     return found
+
+
+def remove_if_stale(name: str, *, inode: int | None = None,
+                    lock_wait_s: float = 0.0) -> SegmentStatus | None:
+    """Unlink segment ``name`` (with its slash) if it is stale (the module docstring's one
+    rule) and, with ``inode``, still that object; returns its status as removed, or None
+    when nothing was removed (gone, alive, another object, or its lock still held after
+    ``lock_wait_s``). Any process; blocks up to ``lock_wait_s``.
+
+    Checks and unlinks under the segment's ``flock``, which ``open_segment`` holds on an
+    existing segment from its staleness check to its claim: a segment that a new owner
+    re-attached to (warm restart) is alive by then and kept."""
+    fd = _open_entry(name)
+    if fd is None:
+        return None
+    try:
+        if not _lock(fd, time.monotonic() + lock_wait_s):
+            return None
+        st = os.fstat(fd)
+        if st.st_nlink == 0 or (inode is not None and st.st_ino != inode):
+            return None
+        status = _status(name, fd)
+        if status.alive:
+            return None
+        _unlink_if_same(name, st.st_ino)  # the fd pins the inode: same number, same object
+        return status
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
 
 
 def clean_stale_segments(names: "set[str] | None" = None) -> list[str]:
     """Unlink every shmtier segment whose owner (or creator) is dead (only those named in
     ``names``, segment names with their slash, when given); returns their names."""
-    removed = []
-    for status in list_segments():
-        if status.alive or (names is not None and status.name not in names):
-            continue
-        try:
-            posix_ipc.unlink_shared_memory(status.name)
-            removed.append(status.name)
-        except posix_ipc.ExistentialError:
-            pass
-    return removed
+    return [status.name for status in list_segments()
+            if not status.alive and (names is None or status.name in names)
+            and remove_if_stale(status.name) is not None]
 
 
 def join_existing(engine_id: str, *, timeout_s: float = 30.0) -> Segment:
