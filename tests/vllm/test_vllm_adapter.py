@@ -713,3 +713,26 @@ def test_a_failed_copy_is_reported_where_vllm_takes_it_and_named_where_not(rigs,
     else:
         with pytest.raises(sv.TransferFailed, match=r"copy job\(s\) \[7\] failed"):
             rig.worker.get_finished()
+
+
+def test_an_engine_spread_over_nodes_is_refused_at_spec_build(engine_id):
+    """shmtier keeps an engine's KV in one host's shared memory: vLLM's config putting
+    one engine (one data-parallel replica) on two nodes fails the spec build, on every
+    vLLM, saying so; data parallelism across nodes (one replica per node) is fine."""
+    from vllm.config import DeviceConfig, ParallelConfig, VllmConfig, set_current_vllm_config
+
+    config = offloading_config({**SPEC, "cpu_bytes_to_use": 1 << 20}, engine_id)
+    spread = VllmConfig(parallel_config=ParallelConfig(nnodes=2, tensor_parallel_size=2),
+                        device_config=DeviceConfig(device="cpu"))
+    with set_current_vllm_config(spread):
+        with pytest.raises(ConfigError, match=r"nnodes = 2 puts one engine's workers on 2 "
+                                              r"nodes: shmtier keeps an engine's KV in one "
+                                              r"host's shared memory"):
+            sv.ShmTierOffloadingSpec(config)
+    replicas = VllmConfig(parallel_config=ParallelConfig(nnodes=2, data_parallel_size=2,
+                                                         data_parallel_size_local=1),
+                          device_config=DeviceConfig(device="cpu"))
+    with set_current_vllm_config(replicas):
+        assert replicas.parallel_config.nnodes_within_dp == 1
+        spec = sv.ShmTierOffloadingSpec(config)
+        spec.get_manager().shutdown()
