@@ -388,3 +388,51 @@ def test_remove_if_stale_waits_for_an_opener_holding_the_lock(engine_id):
             child.kill()
         child.join(10)
         _unlink_ours(engine_id)
+
+
+_WAIT = """
+import os, sys
+from shmtier.shared import segment_guardian as g
+owner = g._Owner(int(sys.argv[1]), int(sys.argv[2]))
+if sys.argv[3] == "poll" and owner.pidfd is not None:
+    os.close(owner.pidfd)
+    owner.pidfd = None  # as where pidfd_open is refused
+print("watching", owner.pidfd is not None, flush=True)
+print("died" if g._wait(owner) else "bye", flush=True)
+"""
+
+
+@pytest.mark.parametrize("how", ["pidfd", "poll"])
+@pytest.mark.parametrize("end", ["bye", "death"])
+def test_the_guardian_wakes_on_bye_and_on_its_owners_death(how, end):
+    """The guardian's wait, with a pidfd and polling: "bye" ends it as a clean shutdown,
+    the owner's death as a death (a sleeping process stands in for the owner)."""
+    import socket
+
+    owner = subprocess.Popen(["sleep", "60"])
+    mine, theirs = socket.socketpair()
+    guard = subprocess.Popen([sys.executable, "-c", _WAIT, str(owner.pid),
+                              str(procinfo.start_time(owner.pid)), how],
+                             stdin=theirs.fileno(), stdout=subprocess.PIPE, text=True)
+    theirs.close()
+    try:
+        assert guard.stdout.readline().split() == ["watching", str(how == "pidfd")]
+        t0 = time.monotonic()
+        if end == "bye":
+            mine.send(b"bye\n")
+        else:
+            mine.close()  # end of file alone is no death: the owner still runs
+            time.sleep(0.7)
+            assert guard.poll() is None
+            owner.kill()
+            t0 = time.monotonic()
+        assert guard.stdout.readline().strip() == ("bye" if end == "bye" else "died")
+        assert time.monotonic() - t0 < 2.0
+        assert guard.wait(10) == 0
+    finally:
+        for proc in (guard, owner):
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait(10)
+        guard.stdout.close()
+        mine.close()
