@@ -508,10 +508,11 @@ def open_segment(
     members pass their GPU ``rank`` so only their slot of each row is
     pre-faulted. ``warm_restart``: a segment whose owner is dead is kept, not
     replaced: the owner re-attaches to it, and a member (a GPU worker, which vLLM
-    starts before the scheduler) joins it for the owner to come. ``rings_len`` reserves that many bytes (page rounded) for the
-    tier workers' rings; every opener must pass the same value. ``reserve_bytes``:
-    room on ``/dev/shm`` the caller needs beside the segment (its ring semaphores),
-    checked only when this process creates the segment. Raises
+    starts before the scheduler) joins it for the owner to come. ``rings_len``
+    reserves that many bytes (page rounded) for the tier workers' rings; every opener
+    must pass the same value. ``reserve_bytes``: room on ``/dev/shm`` the caller needs
+    beside the segment (its ring semaphores), checked only when this process creates
+    the segment. Raises
     :class:`SegmentMismatchError`, :class:`SegmentOwnedError`,
     :class:`SegmentTimeoutError` or (when ``/dev/shm`` cannot hold a new segment,
     nothing left behind) :class:`SegmentSpaceError`, each naming the segment and values.
@@ -536,8 +537,8 @@ def open_segment(
         except posix_ipc.ExistentialError:
             continue  # unlinked between our two opens: race again for creation
         try:
-            # held from the staleness check to the claim: a
-            # guardian or `shmtier clean` (remove_if_stale) waits, then sees a live owner
+            # held from the staleness check to the claim: a guardian or `shmtier clean`
+            # (remove_if_stale) waits for it, then sees a live owner
             if not _lock(shm.fd, deadline):
                 raise SegmentTimeoutError(
                     f"segment {name}: another process held its lock for {timeout_s:g} s "
@@ -629,8 +630,10 @@ def _unlink_if_same(name: str, inode: int) -> None:
 
 def _lock(fd: int, deadline: float) -> bool:
     """Take the exclusive ``flock`` of the segment behind ``fd`` (released by ``LOCK_UN``,
-    or once every descriptor and mapping of that open file is gone), polling every 5 ms until ``deadline`` (``time.monotonic()``); whether it was
-    taken. Holders keep it for microseconds: a staleness check and what follows it."""
+    or once every descriptor and mapping of that open file is gone), polling every 5 ms
+    until ``deadline`` (``time.monotonic()``); whether it was taken. Holders keep it
+    briefly: a staleness check and what follows it (a joiner: also its wait for the
+    creator's ready mark)."""
     while True:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -16,7 +16,7 @@ and nothing of shmtier but ``procinfo`` until its owner is gone.
                                                    owner reaps it), so the guardian is
                                                    not the owner's descendant any more
                                                    pidfd_open(owner), start time checked
-    reads "ready PID" (≤ 10 s) ◀──────── stdout ── 
+    reads "ready PID" (≤ 10 s) ◀──────── stdout ──
     ... the engine runs; the guardian sleeps in poll(): nothing per step ...
     Segment.close(): unlinks, then "bye" ─ stdin ▶ exits 0, touching nothing
     owner dies (SIGKILL, OOM, a crash) ──────────▶ pidfd readable: remove_if_stale(NAME,
