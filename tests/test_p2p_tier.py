@@ -383,6 +383,101 @@ def test_rows_parked_for_a_symmetric_lookup_are_served_only_to_the_peer_that_ask
     assert st["parked"] == 0 and st["counters"]["server"]["bytes_sent"] == len(sent)
 
 
+def raw_fetch(port: int, client_keys, server_key: str, name: str, fingerprint: str,
+              hash_seed, req: str, ks: list, timeout_s: float = 10.0) -> dict:
+    """A raw pyzmq DEALER (not ChunkClient) with ``client_keys``'s CurveZMQ identity says
+    hello as ``name`` to the endpoint at ``port`` and fetches ``ks`` of request ``req``.
+    Returns ``{"hello": the hello answer's type, "status": [st per key], "data": [the
+    payload frames received]}``."""
+    import zmq
+
+    from shmtier.tiers.p2p import wire
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.linger = 0
+    sock.curve_secretkey = client_keys.secret
+    sock.curve_publickey = client_keys.public
+    sock.curve_serverkey = server_key.encode()
+    sock.rcvtimeo = int(timeout_s * 1000)
+    try:
+        sock.connect(f"tcp://127.0.0.1:{port}")
+        sock.send(wire.pack({"t": "hello", "v": wire.PROTOCOL_VERSION, "fp": fingerprint,
+                             "seed": hash_seed, "name": name}))
+        hello = wire.unpack(sock.recv())
+        out = {"hello": hello["t"], "status": [None] * len(ks), "data": []}
+        if hello["t"] != "hello_ok":
+            return out
+        sock.send(wire.pack({"t": "fetch", "rid": 7, "req": req,
+                             "keys": [chunk_key(k) for k in ks]}))
+        while None in out["status"]:
+            frames = sock.recv_multipart()
+            head = wire.unpack(frames[0])
+            assert head["t"] == "chunk" and head["rid"] == 7, head
+            out["status"][head["i"]] = head["st"]
+            out["data"].extend(bytes(f) for f in frames[1:])
+        return out
+    finally:
+        sock.close(0)
+        ctx.term()
+
+
+@pytest.mark.timeout(240)
+def test_an_admitted_peer_that_claims_the_consumers_name_is_served_nothing(engines, keys, capfd):
+    """Issue 28 (1). Three engines: the producer admits two keys (the consumer's and a
+    stranger's) and has no ``peers`` entry. A PD request bound to the consumer by
+    host:port only (no ``remote_public_key``): the producer cannot know the consumer's
+    key, and a hello's name proves nothing, so it parks nothing for it (it said so at
+    start, and says why when the request comes, counted as refused for that peer). A raw
+    pyzmq client holding the admitted stranger key says hello as the consumer
+    ("127.0.0.1:<consumer port>") and fetches: refused, no byte served. The same request
+    with the consumer's ``remote_public_key``: the spoofing client is refused again
+    (bound to the other key), the stranger engine too, and the rightful consumer gets
+    its chunks byte-exact."""
+    both = {"secret_key_file": keys.a["secret_key_file"],
+            "allow_keys": [keys.pub["b"], keys.pub["stranger"]]}
+    prod, cons, stranger = engines((tier(both), {}), (tier(keys.b), {}),
+                                   (tier(keys.stranger), {}))
+    started = capfd.readouterr().err  # what the engines logged at start
+    pst = prod.call("stats")
+    spoof = dict(client_keys=load_keypair(keys.stranger["secret_key_file"]),
+                 server_key=keys.pub["a"], name=f"127.0.0.1:{cons.port}",
+                 fingerprint=pst["fingerprint"], hash_seed=pst["hash_seed"])
+    # 1. bound by name only: nothing is parked for it, nobody is served
+    ks = [151, 152, 153]
+    by_name = {"kv_request_id": "kv-claimed", "remote_host": "127.0.0.1",
+               "remote_port": cons.port}
+    prod.call("produce", "p1", by_name, ks, 0)
+    got = raw_fetch(prod.port, req="kv-claimed", ks=ks, **spoof)
+    assert got["hello"] == "hello_ok"  # an admitted key: its session is fine
+    assert "ok" not in got["status"] and got["data"] == [], got["status"]
+    assert prod.call("refs", ks) == [0] * 3  # not parked: not pinned
+    assert "remote_public_key" in started and "no peers entry" in started, started
+    err = capfd.readouterr().err
+    assert f"127.0.0.1:{cons.port}" in err and "not parked" in err, err
+    st = wait_stats(prod, lambda st: metric(st, "refused_handshakes") >= 1)
+    assert st["metrics"]["refused_handshakes"] == {f"1:p2p,127.0.0.1:{cons.port}": 1}
+    assert st["parked"] == 0
+    got = cons.call("consume", "c1", pd("kv-claimed", prod.port), ks, 40, 20)
+    assert got["answers"][-1] == ["MISS"] * 3 and got["data"] is None
+    # 2. bound to the consumer's key: the spoof is refused, the consumer is served
+    ks = [154, 155, 156]
+    by_key = {**by_name, "kv_request_id": "kv-keyed", "remote_public_key": keys.pub["b"]}
+    sent = prod.call("produce", "p2", by_key, ks, 4)
+    got = raw_fetch(prod.port, req="kv-keyed", ks=ks, **spoof)
+    assert got["status"] == ["refused"] * 3 and got["data"] == []
+    got = stranger.call("consume", "c2", pd("kv-keyed", prod.port), ks, 40, 20)
+    assert got["answers"][-1] == ["MISS"] * 3 and got["data"] is None
+    st = wait_stats(prod, lambda st: st["counters"]["server"]["refused_requests"] >= 2)
+    server = st["counters"]["server"]
+    assert server["chunks"] == 0 and server["bytes_sent"] == 0
+    assert st["parked"] == 3 and all(r > 0 for r in prod.call("refs", ks))
+    got = cons.call("consume", "c3", pd("kv-keyed", prod.port), ks, 50, 20)
+    assert got["answers"][-1] == ["HIT"] * 3 and got["data"] == sent
+    wait_unpinned(prod, ks)
+    st = wait_stats(prod, lambda st: st["counters"]["server"]["chunks"] >= 3)
+    assert st["counters"]["server"]["bytes_sent"] == len(sent)
+
+
 # --------------------------------------------------------------------------- failures
 
 

@@ -104,7 +104,9 @@ class P2PTierConfig(TierConfig):
     ``allow_keys_dir`` (a directory of ``*.key`` public certificates) and/or
     ``allow_keys`` (Z85 list). ``peers``: ``{"host:port": public key or .key path}``, the
     server key this engine expects at each peer (without it: ``remote_public_key`` of
-    the request if allow-listed, else the allow-list's only key). ``plaintext``: no
+    the request if allow-listed, else the allow-list's only key; with none of them a
+    request naming that peer is neither parked for nor fetched from it:
+    ``keys_without_peers_entry``). ``plaintext``: no
     CurveZMQ at all (no keys accepted; logged as a WARNING). ``lookup_timeout_s``: a
     symmetric lookup not answered by then is a MISS; ``fetch_timeout_s``: a promotion's
     fetch round (it waits for chunks the producer has not parked yet) fails by then.
@@ -201,6 +203,18 @@ class P2PTierConfig(TierConfig):
             keys.extend(self.allow_keys)
             sources.append("allow_keys")
         return AllowList(keys, " + ".join(sources))
+
+    def keys_without_peers_entry(self) -> list[str]:
+        """The allow-listed keys (Z85) a request naming a peer by address cannot be bound
+        to without its ``remote_public_key``: none when plaintext or the allow-list holds
+        one key (that key is used), else those no ``peers`` entry names."""
+        if self.plaintext:
+            return []
+        allow = self.allow_list()
+        if len(allow) <= 1:
+            return []
+        named = {key for _, key in self.peers}
+        return [k.decode() for k in allow if k.decode() not in named]
 
     def effective_hash_seed(self) -> str:
         return self.hash_seed if self.hash_seed is not None else os.environ.get(

@@ -47,9 +47,9 @@ request finds the rest still parked), or, if the load failed, ``done`` for the w
 request (the peer unpins all it parked for it).
 
 Binding (``ChunkServer``'s ``request_owner``): a request parked with ``to`` is served only
-to that peer: by its Curve public key when the scheduler knew it, else by its hello name
-("host:port"); the rows parked for a peer's symmetric lookup are bound to the session that
-asked. ``complete`` marks and bindings are forgotten ``complete_ttl_s`` after they were
+to that peer: with CurveZMQ by its Curve public key (the handshake proves it; a ``to``
+without a key is served to nobody), in plaintext by its hello name ("host:port"); the rows
+parked for a peer's symmetric lookup are bound to the session that asked (its key). ``complete`` marks and bindings are forgotten ``complete_ttl_s`` after they were
 set (the scheduler half's ``unbound_store_timeout_s``).
 
 Checksums: each parked row's CRC-32C is computed once, by the main thread while it has
@@ -366,8 +366,14 @@ class Endpoint:
         return None if owner is None else owner[:2]
 
     def _bind(self, req: str, name: str, key: str) -> None:
-        """Serve ``req`` only to the peer with Curve key ``key`` (if given: authenticated),
-        else to the one whose hello names it ``name``."""
+        """Serve ``req`` only to the peer with Curve key ``key`` (authenticated by the
+        handshake); in plaintext to the one whose hello names it ``name``. With CurveZMQ
+        and no key it is served to nobody: a hello's name is the client's claim (the
+        scheduler half does not park such a request; this holds if it ever did)."""
+        if not key and not self.plaintext:
+            log.error("p2p endpoint %s: request %s bound to %r without its key: served to "
+                      "no peer", self.name, req, name)
+            name = key = "\0"
         self.owners[req] = ("" if key else name, key, time.monotonic() + self.complete_ttl_s)
 
     def _forget_old(self, now: float) -> None:

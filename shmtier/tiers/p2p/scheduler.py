@@ -20,7 +20,10 @@ Request roles, from ``kv_transfer_params`` (parsed once, in ``on_new_request``):
   with ``remote_host``/``remote_port`` (the decoder's endpoint; optional
   ``remote_public_key``) the parked rows are bound to that peer: with CurveZMQ to its
   key (from ``peers``, ``remote_public_key`` if allow-listed, or the allow-list's only
-  key), otherwise to its hello name "host:port"; other peers are refused and counted.
+  key; when none gives one the request is not parked at all, counted as refused for that
+  peer: a hello's name is the client's claim, and any admitted key could make it; the
+  tier says at start when its config leaves keys to ``remote_public_key``), in
+  plaintext to its hello name "host:port"; other peers are refused and counted.
   When the request finishes (all its stores submitted: the manager calls
   ``on_request_finished`` only then) the endpoint is told ``complete``: fetchers' misses
   of its keys are final at once instead of waiting out ``fetch_timeout_s``.
@@ -184,6 +187,7 @@ class P2PTierManager(SecondaryTierManager):
         self._keys = None if c.plaintext else c.keypair()
         self._allow = None if c.plaintext else c.allow_list()
         self._peer_keys = dict(c.peers)
+        self._unbindable_logged: set[str] = set()  # consumers named without a known key
         # vLLM's rule: the endpoint binds port + the engine's data-parallel index
         self.data_parallel_index = int(getattr(offloading_spec, "data_parallel_index", 0) or 0)
         self.port: int | None = c.listen_port(self.data_parallel_index) or None
@@ -237,6 +241,18 @@ class P2PTierManager(SecondaryTierManager):
             logger.warning("p2p tier %s: PLAINTEXT mode (plaintext=true): peers are not "
                            "authenticated and KV bytes cross the network unencrypted",
                            self._label)
+        else:
+            unnamed = c.keys_without_peers_entry()
+            if unnamed:
+                logger.warning(
+                    "p2p tier %s: %d of the %d allow-listed keys have no peers entry: a "
+                    "request that names such a peer by remote_host/remote_port "
+                    "(remote_decoder, remote_prefiller, remote_kv_source) must carry its "
+                    "remote_public_key, else nothing is parked for it (a producer) or "
+                    "fetched from it (a consumer): with CurveZMQ a peer is known by its "
+                    "key, never by the name its hello gives. Give them in peers "
+                    "(\"host:port\": key) to bind by address", self._label, len(unnamed),
+                    len(self._allow))
 
     # ------------------------------------------------------------------ endpoint process
 
@@ -602,9 +618,26 @@ class P2PTierManager(SecondaryTierManager):
         peer = f"{host}:{port}"
         req = _Request(role, kvid, peer)
         if role == "remote_decoder":  # bound to that consumer
-            key = (None if self.config.plaintext
-                   else self._server_key(peer, info.get("remote_public_key")))
-            req.to = [peer, key or ""]
+            if self.config.plaintext:
+                req.to = [peer, ""]  # by the name its hello gives: nothing better exists
+                return req
+            key = self._server_key(peer, info.get("remote_public_key"))
+            if key is None:
+                # a hello's name is the client's claim: with CurveZMQ a request is bound
+                # to a key the handshake proves, or it is not parked (docs/architecture.md)
+                req.failed = True
+                self._stats.increase_counter(REFUSED, 1, self._peer(peer))
+                if peer not in self._unbindable_logged:
+                    self._unbindable_logged.add(peer)
+                    logger.warning(
+                        "p2p tier %s: request %s: remote_decoder names consumer %s, whose "
+                        "public key is not known (no peers entry for it, no allow-listed "
+                        "remote_public_key in the request, and the allow-list holds %d "
+                        "keys): its chunks are not parked (a peer's hello name proves "
+                        "nothing); further such requests for %s are only counted",
+                        self._label, req_id, peer, len(self._allow), peer)
+                return req
+            req.to = [peer, key]
             return req
         if not self.config.plaintext:
             req.server_key = self._server_key(peer, info.get("remote_public_key"))
@@ -653,7 +686,7 @@ class P2PTierManager(SecondaryTierManager):
             self._finished.append(JobResult(job.job_id, True, transfer_time=0.0,
                                             transfer_bytes=0))
             return
-        if req.kvid in self._released or self._proc is None:
+        if req.failed or req.kvid in self._released or self._proc is None:
             self._finished.append(JobResult(job.job_id, False))
             return
         self._park(req.kvid, job, req.to)
