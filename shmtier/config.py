@@ -18,7 +18,17 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from shmtier.options import ConfigError, boolean, integer, invalid, number, one_of, reject_unknown, text
+from shmtier.options import (
+    Check,
+    ConfigError,
+    boolean,
+    integer,
+    invalid,
+    number,
+    one_of,
+    reject_unknown,
+    text,
+)
 from shmtier.scheduler.tiering.admission import DEFAULT_RULE, RULES
 from shmtier.scheduler.backpressure.settings import BackpressureSettings
 from shmtier.scheduler.policies.factory import CachePolicyFactory
@@ -35,11 +45,20 @@ from shmtier.tiers.registry import TierType
 
 __all__ = ["ConfigError", "KVLayout", "PrimaryTierConfig", "SecondaryTierConfig", "TieringConfig"]
 
-# Keys that vLLM's connector or factory read from the same mapping; accepted as is.
-PASSTHROUGH_KEYS = frozenset({
-    "spec_name", "spec_module_path", "offload_prompt_only", "self_describing_kv_events",
-    "sync_load_budget_bytes", "canonical_layout",
-})
+#: Keys that vLLM's factory or connector read from the same mapping (docs/vllm-contract.md
+#: §12.1), with what each accepts: vLLM reads them with ``bool()`` / ``int()``, so
+#: ``"false"`` would be True to it and ``"lots"`` fail only once the scheduler starts.
+#: Checked here, when the spec is built; passed to vLLM unchanged.
+CONNECTOR_KEYS: dict[str, Check] = {
+    "spec_name": text(),
+    "spec_module_path": text(),
+    "offload_prompt_only": boolean(),
+    "self_describing_kv_events": boolean(),
+    "sync_load_budget_bytes": integer(0),
+    "canonical_layout": one_of(
+        False, accepted="false (shmtier stores vLLM's direct per-rank layout only)"),
+}
+PASSTHROUGH_KEYS = frozenset(CONNECTOR_KEYS)
 PRIMARY_KEYS = frozenset({
     "cpu_bytes_to_use", "block_size", "blocks_per_chunk", "eviction_policy",
     "cache_policy_module_path", "store_threshold", "max_tracker_size", "key_width",
@@ -112,6 +131,8 @@ class PrimaryTierConfig:
         if not isinstance(extra, Mapping):
             raise invalid("kv_connector_extra_config", extra, "a mapping")
         reject_unknown(extra, KNOWN_KEYS, "kv_connector_extra_config")
+        for key, check in CONNECTOR_KEYS.items():
+            _get(extra, key, None, check)
         cpu_bytes = _required_int(extra, "cpu_bytes_to_use", 1)
         blocks_per_chunk = _blocks_per_chunk(extra, layout.gpu_block_size)
         policy = extra.get("eviction_policy", "lru")

@@ -111,8 +111,9 @@ def text() -> Check:
     return Check("a non-empty string", lambda v: v if isinstance(v, str) and v else _fail())
 
 
-def one_of(*values: Any) -> Check:
-    """One of ``values``, compared by value and type (True is not 1)."""
+def one_of(*values: Any, accepted: str | None = None) -> Check:
+    """One of ``values``, compared by value and type (True is not 1); ``accepted``: the
+    error's words for them (default: "one of" the values)."""
     shown = ", ".join(_show(v) for v in values)
 
     def convert(v):
@@ -120,7 +121,7 @@ def one_of(*values: Any) -> Check:
             if type(v) is type(allowed) and v == allowed:
                 return v
         _fail()
-    return Check(f"one of {shown}", convert)
+    return Check(accepted or f"one of {shown}", convert)
 
 
 def choice_upper(*names: str) -> Check:
@@ -268,8 +269,22 @@ def secret_file(min_bytes: int, max_bytes: int) -> Check:
                  f"hex digits", convert)
 
 
+def require_string_keys(given: Collection[Any], where: str,
+                        known: Collection[str] | None = None) -> None:
+    """ConfigError when a key of ``given`` (a mapping's keys) is not a string: option
+    names are strings (a Python caller may pass ``{1: ...}``; JSON cannot)."""
+    bad = [k for k in given if not isinstance(k, str)]
+    if bad:
+        shown = ", ".join(repr(k) for k in bad)
+        accepted = f"; accepted keys: {sorted(known)}" if known is not None else ""
+        raise ConfigError(f"{where} has a key that is not a string: {shown} (keys are "
+                          f"option names){accepted}")
+
+
 def reject_unknown(given: Collection[str], known: Collection[str], where: str) -> None:
-    """ConfigError for keys of ``given`` not in ``known``, with did-you-mean hints."""
+    """ConfigError for keys of ``given`` not in ``known``, with did-you-mean hints (and
+    for a key that is not a string)."""
+    require_string_keys(given, where, known)
     unknown = sorted(set(given) - set(known))
     if not unknown:
         return

@@ -26,7 +26,7 @@ from collections.abc import Mapping
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
-from shmtier.options import Check, ConfigError, reject_unknown
+from shmtier.options import Check, ConfigError, reject_unknown, require_string_keys
 
 #: The default of an option that must be given.
 REQUIRED: Any = MISSING
@@ -94,6 +94,7 @@ class PassThroughTierConfig(TierConfig):
     @classmethod
     def from_options(cls, options: Mapping[str, Any], *, where: str,
                      context: TierContext = TierContext()) -> "PassThroughTierConfig":
+        require_string_keys(options, where)  # they become keyword arguments
         return cls(dict(options))
 
     def constructor_kwargs(self) -> dict[str, Any]:
