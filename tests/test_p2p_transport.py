@@ -327,6 +327,45 @@ def test_client_expecting_another_server_key_fails_cleanly(keys, shared_server, 
     assert after["chunks"] == before["chunks"] and after["handshakes"] == before["handshakes"]
 
 
+@pytest.mark.parametrize("case", ["endpoint_dies_mid_handshake", "another_server_key"])
+def test_a_broken_handshake_says_what_happened(keys, peers, clients, caplog, case):
+    """Issue 28: a peer whose endpoint dies while this client's CurveZMQ handshake is
+    under way (stopped, so the kernel took the connection but nobody answered; then
+    killed: the connection is reset and nothing listens any more) is reported as gone
+    mid-handshake, not as holding another public key; a peer that holds another key
+    than the server_key given (it closes every handshake) is reported as that. Both
+    within the call's timeout, counted as a refused handshake, the circuit open."""
+    server = peers.start(_spec(keys))
+    if case == "endpoint_dies_mid_handshake":
+        c = clients(server.port, keys.client, keys.server.public)
+        os.kill(server.proc.pid, signal.SIGSTOP)
+        killer = threading.Timer(0.5, os.kill, (server.proc.pid, signal.SIGKILL))
+        killer.start()
+    else:
+        c = clients(server.port, keys.client, keys.stranger.public)
+        killer = None
+    try:
+        with caplog.at_level("WARNING", logger="shmtier.tiers.p2p.client"):
+            t0 = time.monotonic()
+            r = c.fetch([b"k1"], [np.zeros(1, np.uint8)], timeout_s=4.0)
+            took = time.monotonic() - t0
+    finally:
+        if killer is not None:
+            killer.cancel()
+            server.proc.join(5)
+    assert took < 2.0, took
+    assert r.outcomes == [Outcome.ERROR]
+    logged = " ".join(rec.getMessage() for rec in caplog.records)
+    if case == "endpoint_dies_mid_handshake":
+        assert "went away during the CurveZMQ handshake" in r.details[0], r.details
+        assert "nothing listens" in r.details[0] and "server_key" not in r.details[0]
+        assert "went away during the CurveZMQ handshake" in logged and "server_key" not in logged
+    else:
+        assert "is not the server_key given" in r.details[0], r.details
+        assert "went away" not in r.details[0]
+    assert c.counters.refused_handshakes == {"handshake": 1} and c.circuit.state == "open"
+
+
 @pytest.mark.parametrize("field,value", [("fingerprint", "another-layout"),
                                          ("hash_seed", SEED + 1)])
 def test_other_layout_or_hash_seed_is_refused_and_counted(keys, shared_server, clients,

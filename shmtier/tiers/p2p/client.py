@@ -7,6 +7,7 @@ handling of both ends: ``transport.py``.
 
 from __future__ import annotations
 
+import errno
 import logging
 import math
 import time
@@ -28,6 +29,16 @@ __all__ = ["ChunkClient", "FetchResult"]
 log = logging.getLogger(__name__)
 
 RECV_HWM = 64              # chunk messages a client buffers (~90 MiB of 1.4 MiB chunks)
+# A peer that closes a CurveZMQ handshake has either gone (its endpoint died mid-handshake)
+# or holds another key than the server_key given (it closes every handshake): the event
+# alone does not tell them apart. libzmq reconnects after reconnect_ivl (100 ms + up to as
+# much again); its next attempt is the verdict: refused (nothing listens), or closed again.
+# Watched for this long at most (then the call fails saying both).
+HANDSHAKE_VERDICT_S = 0.5
+MONITOR_EVENTS = (wire.HANDSHAKE_EVENTS | zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED
+                  | zmq.EVENT_HANDSHAKE_SUCCEEDED)
+_PROTOCOL_ERRORS = {getattr(zmq, n): n[len("PROTOCOL_ERROR_"):].lower() for n in dir(zmq)
+                    if n.startswith("PROTOCOL_ERROR_ZMTP_")}
 
 
 @dataclass
@@ -123,6 +134,8 @@ class ChunkClient:
         self._poller: zmq.Poller | None = None
         self._ready = False
         self._disconnected = False
+        self._broken = ""  # how the peer closed a handshake, while its reconnect is watched
+        self._broken_until = 0.0
         self._rid = 0
         if plaintext:
             wire.plaintext_warning(log, "client of", self.endpoint)
@@ -421,7 +434,7 @@ class ChunkClient:
                 sock.curve_secretkey = self._keys.secret
                 sock.curve_publickey = self._keys.public
                 sock.curve_serverkey = self._server_key
-            self._mon = sock.get_monitor_socket(wire.HANDSHAKE_EVENTS | zmq.EVENT_DISCONNECTED)
+            self._mon = sock.get_monitor_socket(MONITOR_EVENTS)
             self._sock = sock
             self._poller = zmq.Poller()
             self._poller.register(sock, zmq.POLLIN)
@@ -471,33 +484,77 @@ class ChunkClient:
                     self._discard_rest()
                     self.counters.errors += 1
                     continue
-            if self._disconnected:
+            if self._disconnected and not self._broken:
                 raise _PeerFailure(f"peer {self.peer} disconnected")
-            left = deadline - time.monotonic()
+            until = min(deadline, self._broken_until) if self._broken else deadline
+            left = until - time.monotonic()
             if left <= 0:
+                if self._broken:
+                    raise _PeerFailure(
+                        f"{self._mechanism} handshake with {self.peer} failed "
+                        f"({self._broken}) and its next connection did not end within "
+                        f"{HANDSHAKE_VERDICT_S:g} s: the peer's endpoint went away, or "
+                        f"{self._closes_every_handshake}", "handshake")
                 raise _Timeout()
             events = dict(self._poller.poll(max(1, math.ceil(left * 1000))))
             if self._mon in events:
                 self._drain_monitor()
 
     def _drain_monitor(self) -> None:
+        """Take the socket's monitor events; raises _PeerFailure for a refused or
+        failed handshake, saying which (see HANDSHAKE_VERDICT_S)."""
         while True:
             try:
                 event = parse_monitor_message(self._mon.recv_multipart(zmq.NOBLOCK))
             except zmq.Again:
                 return
-            kind = event["event"]
+            kind, value = event["event"], int(event["value"])
             if kind == zmq.EVENT_DISCONNECTED:
                 self._disconnected = True
             elif kind == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
                 raise _PeerFailure(f"refused by {self.peer} at the CurveZMQ handshake (ZAP "
-                                   f"status {event['value']}: this client's public key is not "
+                                   f"status {value}: this client's public key is not "
                                    f"in the peer's allow-list)", "auth")
+            elif (kind == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                  and value == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH):
+                raise _PeerFailure(f"CurveZMQ handshake with {self.peer} failed: the peer "
+                                   f"does not speak CurveZMQ (plaintext?)", "handshake")
+            elif (kind == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                  and value == zmq.PROTOCOL_ERROR_ZMTP_CRYPTOGRAPHIC) or (
+                    self._broken and kind in (zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL,
+                                              zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)):
+                # it took the connection again and closed this handshake too (or its
+                # answer did not decrypt): it is there, and holds another key
+                raise _PeerFailure(
+                    f"{self._mechanism} handshake with {self.peer} failed"
+                    f"{' twice' if self._broken else ''} ({self._broken or _why(kind, value)}): "
+                    f"{self._closes_every_handshake}", "handshake")
             elif kind in (zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL,
                           zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL):
-                raise _PeerFailure(f"CurveZMQ handshake with {self.peer} failed (the peer's "
-                                   f"public key is not the server_key given, or it does not "
-                                   f"speak the same mechanism)", "handshake")
+                self._broken = _why(kind, value)  # gone, or another key: see its reconnect
+                self._broken_until = time.monotonic() + HANDSHAKE_VERDICT_S
+            elif self._broken and kind == zmq.EVENT_CLOSED:  # the reconnect was refused
+                raise _PeerFailure(
+                    f"the peer {self.peer} went away during the {self._mechanism} "
+                    f"handshake ({self._broken}); nothing listens at {self.peer} now",
+                    "handshake")
+            elif self._broken and kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                raise _PeerFailure(
+                    f"the peer {self.peer} closed the {self._mechanism} handshake "
+                    f"({self._broken}) and accepted the next one: its endpoint restarted",
+                    "handshake")
+
+    @property
+    def _mechanism(self) -> str:
+        return "plaintext ZMTP" if self.plaintext else "CurveZMQ"
+
+    @property
+    def _closes_every_handshake(self) -> str:
+        """Why a peer that is there closes each handshake, in words."""
+        if self.plaintext:
+            return "the peer closes every plaintext handshake (does it expect CurveZMQ?)"
+        return ("the peer's public key is not the server_key given (peers, "
+                "remote_public_key, or the allow-list's only key)")
 
     def _discard_rest(self) -> None:
         while self._sock is not None and self._sock.rcvmore:
@@ -514,3 +571,12 @@ class ChunkClient:
         self._sock = self._mon = self._poller = None
         self._ready = False
         self._disconnected = False
+        self._broken = ""
+
+
+def _why(kind: int, value: int) -> str:
+    """A failed handshake's monitor event in words: the errno of a closed connection, or
+    the ZMTP protocol error."""
+    if kind == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:
+        return f"connection closed: {errno.errorcode.get(value, value)}"
+    return f"protocol error {_PROTOCOL_ERRORS.get(value, hex(value))}"

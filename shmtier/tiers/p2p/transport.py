@@ -39,7 +39,10 @@ are never read into a row) and the peer's :class:`PeerCircuit` opens: later call
 once until its backoff expires. A peer that drops the connection (killed) fails the call
 as soon as the client's socket monitor says so; one restarted between calls is met with a
 new connection and hello by the next call (or, if its restart went unseen, its ``no_hello``
-answer makes the client say hello once more within the same deadline). The server never
+answer makes the client say hello once more within the same deadline). A handshake the
+peer closes fails the call saying why, after watching libzmq's next connection (at most
+``client.HANDSHAKE_VERDICT_S``): refused, the peer went away mid-handshake; closed again,
+its public key is not the ``server_key`` given. The server never
 blocks on one peer: its
 sends are non-blocking and a peer whose queue is full waits in its own outbox
 (``stall_timeout_s``, then dropped) while the others are served.
