@@ -428,16 +428,22 @@ def test_one_step_of_promotions_is_one_pool_job_and_each_request_gets_its_outcom
 
 def test_workers_that_never_start_break_the_tier_which_then_misses_fast(engines, tmp_path,
                                                                         caplog):
-    """The root passed the spec's checks, but the tier workers cannot use it (a file sits
-    where the namespace directory goes): the pool breaks within a bounded time and says so
+    """The root passed the spec's checks, but the tier workers cannot use it (the
+    namespace directory holds a config.json of another format: another program's files,
+    never an outage to wait out): the pool breaks within a bounded time and says so
     once; the fs tier then answers MISS and fails jobs at once, the scheduler's calls stay
     fast, the CPU tier keeps serving, and nothing is left behind."""
+    import json
+
     from shmtier.tiers.fs.namespace import namespace_dir_name
 
     layout = KVLayout("m", "bfloat16", 16, 8192, 1)
     probe = TieringOffloadingSpec({"cpu_bytes_to_use": 16 * 8192, "secondary_tiers": [
         {"type": "fs", "root_dir": str(tmp_path)}]}, layout, "never-built")
-    (tmp_path / namespace_dir_name(probe.fingerprint)).write_text("not a directory")
+    ns = tmp_path / namespace_dir_name(probe.fingerprint)
+    ns.mkdir()
+    (ns / "config.json").write_text(json.dumps({"format": "another-program",
+                                                "format_version": 7}))
     caplog.set_level(logging.WARNING)
     started = time.monotonic()
     e = engines(tmp_path)
@@ -644,3 +650,112 @@ def test_a_reset_namespace_drops_the_index_and_is_listed_again(engines, tmp_path
     assert data[fs_tier.BYTES_ON_DISK][("1:fs",)] == sum(files.values())
     # not known any more: probed (RETRY) and found absent
     assert _tier_answers_settled(e, tier, old) == [MISS] * 4
+
+
+def _namespace_path(e, root):
+    from shmtier.tiers.fs.namespace import namespace_dir_name
+
+    return root / namespace_dir_name(e.spec.fingerprint)
+
+
+def _restart_every_worker(e) -> None:
+    """SIGKILL each tier worker in turn and wait until the pool has replaced it (its
+    replacement built its backend and beats); the pool must not break meanwhile."""
+    pool = e.spec.worker_pool
+    for slot, pid in pool.healthy_workers():
+        os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while not any(s == slot and p != pid for s, p in pool.healthy_workers()):
+            assert pool.broken is None, pool.broken
+            assert time.monotonic() < deadline, "the worker was not replaced"
+            with e.manager.lock:
+                e.manager.on_schedule_end(END)
+            time.sleep(0.02)
+
+
+@pytest.mark.parametrize("in_the_way", ["symlink", "file"])
+def test_a_namespace_replaced_by_a_link_or_a_file_is_an_outage_the_tier_recovers_from(
+        engines, tmp_path, in_the_way, caplog):
+    """Issue 28 item 5: the namespace directory replaced by a symlink (or a plain file)
+    while the engine runs, then every tier worker restarted: the replacements start (they
+    failed 3 times within 30 s and the pool broke for good, even after the link was
+    removed); the tier refuses the link (nothing read or written through it), answers
+    MISS, fails cascades cleanly; once the path is free again the next cascades make the
+    namespace and promote byte-exact."""
+    import shutil
+
+    root = tmp_path / "root"
+    root.mkdir()
+    e = engines(root, chunks=8, workers=2)
+    tier = e.manager.tiers[0]
+    old = [key(i) for i in range(4)]
+    e.offload(old, 0, ReqContext("a"))
+    e.settle()
+    path = _namespace_path(e, root)
+    elsewhere = tmp_path / "elsewhere"
+    shutil.move(path, elsewhere)  # the chunks are out of the tier's reach now
+    if in_the_way == "symlink":
+        os.symlink(elsewhere, path)
+    else:
+        path.write_text("not a directory")
+    caplog.set_level(logging.WARNING)
+    _restart_every_worker(e)
+    e.offload([key(10 + i) for i in range(8)], 4, ReqContext("b"))  # old ones out of the CPU
+    e.settle()
+    assert e.spec.worker_pool.broken is None
+    assert _tier_answers_settled(e, tier, old) == [MISS] * 4  # nothing through the link
+    assert sorted(p.name for p in elsewhere.rglob("*.kv")) == sorted(
+        k.hex() + ".kv" for k in old)  # nothing written through it either
+    with e.manager.lock:
+        assert e.manager.lookup(old[0], ReqContext("c")) is MISS
+    assert not any("cannot build its tier backends" in r.getMessage() for r in caplog.records)
+    os.unlink(path)
+    resumed = [key(20 + i) for i in range(4)]
+    e.offload(resumed, 12, ReqContext("d"))
+    e.settle()
+    assert path.is_dir() and not path.is_symlink()
+    assert {bytes.fromhex(p.name[:-3]) for p in path.rglob("*.kv")} >= set(resumed)
+    e.offload([key(30 + i) for i in range(8)], 16, ReqContext("e"))  # out of the CPU tier
+    e.settle()
+    reader = ReqContext("reader")
+    e.until_hit(resumed, reader)
+    got = e.load(resumed, reader, list(range(GPU_BLOCKS - 4, GPU_BLOCKS)))
+    assert torch.equal(got, e.originals[0][12:16])
+    assert e.spec.worker_pool.broken is None
+
+
+def test_a_fresh_engine_on_a_root_whose_namespace_is_a_link_starts_and_recovers(
+        engines, tmp_path):
+    """Issue 28 item 5, at start: an engine whose namespace path is a symlink (it was
+    broken from the start: its workers never started) runs without the tier's chunks
+    (MISS; cascades fail), and once the link is removed stores and promotes."""
+    from shmtier.tiers.fs.namespace import namespace_dir_name
+
+    root = tmp_path / "root"
+    root.mkdir()
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    layout = KVLayout("m", "bfloat16", 16, 8192, 1)
+    probe = TieringOffloadingSpec({"cpu_bytes_to_use": 16 * 8192, "secondary_tiers": [
+        {"type": "fs", "root_dir": str(root)}]}, layout, "never-built")
+    path = root / namespace_dir_name(probe.fingerprint)
+    os.symlink(elsewhere, path)
+    e = engines(root, chunks=8, workers=2)
+    tier = e.manager.tiers[0]
+    keys = [key(i) for i in range(4)]
+    e.offload(keys, 0, ReqContext("a"))
+    e.settle()
+    assert e.spec.worker_pool.broken is None
+    assert list(elsewhere.iterdir()) == []
+    assert not set(tier.indexed_chunks()) & set(keys)
+    os.unlink(path)
+    later = [key(10 + i) for i in range(4)]
+    e.offload(later, 4, ReqContext("b"))
+    e.settle()
+    e.offload([key(20 + i) for i in range(8)], 8, ReqContext("c"))  # out of the CPU tier
+    e.settle()
+    reader = ReqContext("reader")
+    e.until_hit(later, reader)
+    got = e.load(later, reader, list(range(GPU_BLOCKS - 4, GPU_BLOCKS)))
+    assert torch.equal(got, e.originals[0][4:8])
+    assert e.spec.worker_pool.broken is None

@@ -66,11 +66,12 @@ class FsBackend(TierBackend):
     ValueError for invalid arguments or a namespace directory whose config.json names
     another fingerprint or format, OSError when the namespace cannot be created (e.g. a
     read-only root without an existing namespace) or its path is a symbolic link. With
-    ``defer_namespace`` (``open``: every tier worker) a root that is gone or a
-    filesystem too full to make the namespace (``namespace.DEFERRABLE``) is not an error:
-    the backend starts without a namespace (stores fail as below, loads MISS; logged
-    once) and its first store that can makes it, so a worker restarted during such an
-    outage starts (else the pool would count start failures and break for good). Such a
+    ``defer_namespace`` (``open``: every tier worker) a root that is gone, a
+    filesystem too full to make the namespace (``namespace.DEFERRABLE``) or a link or a
+    file where the namespace directory goes is not an error: the backend starts without
+    a namespace (stores fail as below, loads MISS; logged once) and its first store that
+    can makes it, so a worker restarted during such an outage starts (else the pool
+    would count start failures and break for good). Such a
     backend uses buffered I/O when ``direct_io`` is "auto" or "writes" (nothing to
     probe); with ``direct_io`` true it does not defer.
 
@@ -85,7 +86,8 @@ class FsBackend(TierBackend):
     again by the next store too: nothing is remembered as broken, so stores resume as
     soon as the root is back or space is freed (``namespace.py``, "Recovery").
     Each change seen (removed, replaced, made again; with ``flag_created``, also a
-    namespace this backend had to make when it opened) raises ``ResultFlag.NAMESPACE_RESET``
+    namespace this backend had to make, or could not open, when it opened) raises
+    ``ResultFlag.NAMESPACE_RESET``
     (``take_flags``) so that the scheduler half drops its index and lists the tier again,
     and zeroes ``counters.bytes_on_disk``; the process that made the namespace again logs
     it once (WARNING, with the path).
@@ -179,13 +181,15 @@ class FsBackend(TierBackend):
                                    mac_key=mac_key)
         self._generation = self.ns.generation
         # A namespace this worker had to create may have replaced one the scheduler half
-        # indexed (deleted while every worker was restarting): its first result says so.
-        # Not at engine start (``flag_created`` false: a first worker, not a
+        # indexed (deleted while every worker was restarting), and one it could not open
+        # (a link or a file in its place, the root gone) holds none of what it indexed:
+        # its first result says so. Not at engine start (``flag_created`` false: a first worker, not a
         # ``WorkerContext.replacement``): the namespace is new to everyone
         # then, and a first worker's late first result must not drop what the others
         # stored meanwhile.
         self._flags = (ResultFlag.NAMESPACE_RESET
-                       if self.ns.created_at_open and flag_created else 0)
+                       if flag_created and (self.ns.created_at_open or self.ns.fd < 0)
+                       else 0)
 
     @classmethod
     def open(cls, args: dict, context: WorkerContext) -> "FsBackend":

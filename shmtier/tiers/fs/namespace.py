@@ -65,7 +65,12 @@ in between or the reason changed), never per store or per chunk. A worker that s
 while the namespace cannot be made for a reason of the medium's state (the root gone,
 the filesystem full: ``defer=True``, what tier workers use) starts without it and makes
 it at its first store, so a worker restarted during such an outage does not fail to
-start (a pool whose workers fail to start breaks for good).
+start (a pool whose workers fail to start breaks for good). A symbolic link or a plain
+file where the namespace directory goes is such an outage too (issue 28): the link is
+refused (loads and probes MISS, stores fail with ``ELOOP`` or ``ENOTDIR``, logged once),
+a worker starts anyway, and the namespace is used again once the path is free (made at
+the next store) or a directory. A namespace directory whose config.json names another
+fingerprint or format is not an outage: it is someone else's, and opening it fails.
 """
 
 from __future__ import annotations
@@ -112,11 +117,19 @@ MIN_FANOUT_BITS, MAX_FANOUT_BITS = 2, 16
 #: Leaf directory descriptors a namespace keeps open (least recently used closed first).
 MAX_OPEN_LEAVES = 128
 #: Errnos of the medium's state that a deferred open (``Namespace(defer=True)``) waits
-#: out: the root gone, the filesystem or quota full.
+#: out: the root gone, the filesystem or quota full. (A link or a file at the namespace
+#: path is waited out too: ``_in_the_way``.)
 DEFERRABLE = (errno.ENOENT, errno.ENOSPC, errno.EDQUOT)
 
 _DIR_FLAGS = os.O_RDONLY | O_DIRECTORY
 _T = TypeVar("_T")
+
+
+def _in_the_way(e: OSError) -> bool:
+    """Whether ``e`` (raised opening the namespace of a root that exists) says that a
+    link or a file sits where the namespace directory goes: an outage a deferred open
+    waits out like the root gone (``Namespace(defer=True)``), not a reason to fail."""
+    return isinstance(e, LinkRefused) or e.errno == errno.ENOTDIR
 
 
 class LinkRefused(OSError):
@@ -190,10 +203,12 @@ class Namespace:
     namespace path is a symbolic link, ValueError for a config.json that names another
     fingerprint or format, is malformed or is a link, OSError when the namespace cannot
     be created. With ``defer`` (and ``create``), a root that does not exist and a
-    namespace that cannot be made for want of space (``DEFERRABLE``) raise nothing: the
-    namespace starts with no directory held (``fd`` -1, ``fanout_bits`` None; logged
-    once) and the first ``sync(create=True)`` that can makes or opens it. Not
-    thread-safe (one per worker process).
+    namespace that cannot be made for want of space (``DEFERRABLE``) raise nothing, nor
+    does a link or a file at the namespace path (the root itself must be a directory):
+    the namespace starts with no directory held (``fd`` -1, ``fanout_bits`` None; logged
+    once) and the first ``sync(create=True)`` that can makes or opens it (a link is
+    never followed meanwhile: ``sync`` refuses it each time). Not thread-safe (one per
+    worker process).
     """
 
     def __init__(self, root_dir: str, fingerprint: str, *, capacity_bytes: int | None,
@@ -219,12 +234,14 @@ class Namespace:
         #: or not tried since it was): one WARNING per change of state.
         self._unusable: tuple[int, str] | None = None
         created = False
+        root_ok = False
         try:
             self._check_root()
+            root_ok = True
             fd, bits, created = self._attach(self._default_fanout(), create=create)
         except OSError as e:
-            if not (defer and create and not isinstance(e, LinkRefused)
-                    and e.errno in DEFERRABLE):
+            if not (defer and create and (e.errno in DEFERRABLE
+                                          or (root_ok and _in_the_way(e)))):
                 raise
             self._note_unusable(e)
         else:
