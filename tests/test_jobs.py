@@ -283,6 +283,36 @@ def test_split_result_of_many_short_keys_answers_each_key_once_in_order():
     assert [decode_result(encode_result(p)) for p in parts] == parts
 
 
+def test_a_figure_the_wire_cannot_carry_fails_only_its_key():
+    """Issue 28 item 4: a per-key figure over 32 bits (a file of 5 GiB named like a
+    chunk) failed the whole result at the worker (``'I' format requires ...``): 7 good
+    keys of 8 lost with it, a listing retried for ever. Checked at the worker before the
+    wire: that key fails alone, a listed key is left out, times are clamped."""
+    big = 5 << 30
+    n = 8
+    answered = Result(21, [Outcome.OK] * n, [4096] * n, [big] + [4200] * (n - 1),
+                      [0.125] * (n - 1) + [float("nan")], 0.5, "", flags=1)
+    (part,) = split_result(answered, 4096)
+    assert part.outcomes == [Outcome.ERROR] + [Outcome.OK] * (n - 1)
+    assert part.logical_bytes == [0] + [4096] * (n - 1)
+    assert part.stored_bytes == [0] + [4200] * (n - 1)
+    assert part.seconds == [0.125] * (n - 1) + [0.0]
+    assert "key 0" in part.error and "stored_bytes 5368709120" in part.error
+    assert part.flags == 1 and part.codec_s == 0.5
+    assert decode_result(encode_result(part)) == part
+    listing = Result(22, [], [], [100, big, 300, -1], [], keys=[b"a", b"b", b"c", b"d"])
+    parts = split_result(listing, 4096)
+    assert [k for p in parts for k in p.keys] == [b"a", b"c"]
+    assert [v for p in parts for v in p.stored_bytes] == [100, 300]
+    assert all(not p.error for p in parts)  # a listing with an error is listed again
+    many = Result(23, [Outcome.OK] * 300, [1] * 300, [big] * 300, [0.0] * 300)
+    parts = split_result(many, 512)
+    assert [o for p in parts for o in p.outcomes] == [Outcome.ERROR] * 300
+    assert "297 more" in parts[0].error
+    with pytest.raises(ValueError, match="outcomes must be codes"):  # not a figure: refused
+        split_result(Result(24, [99], [0], [0], [0.0]), 4096)
+
+
 # --- properties ---
 
 keys_st = st.lists(st.binary(max_size=8) | st.binary(max_size=120), max_size=80)

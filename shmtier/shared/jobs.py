@@ -194,6 +194,11 @@ ARG_TYPES: dict[str, type] = {
 }
 _UINT64_MAX = (1 << 64) - 1
 _UINT32_MAX = (1 << 32) - 1
+#: The largest per-key byte figure a result carries (``logical_bytes``, ``stored_bytes``:
+#: uint32 on the wire). A backend names nothing larger: a chunk of that size is no chunk
+#: of any layout (``wire_figures`` fails a key whose figure does not fit).
+MAX_KEY_FIGURE = _UINT32_MAX
+_F32_MAX = 3.4028234663852886e38
 
 
 class MalformedJob(ValueError):
@@ -636,18 +641,73 @@ def _result_growth(c: int, k: int, key_bytes: int) -> int:
             + key_bytes + _array_header_extra(k))
 
 
+def _figure_fits(v) -> bool:
+    return type(v) is int and 0 <= v <= _UINT32_MAX
+
+
+def wire_figures(result: Result) -> Result:
+    """``result`` with every per-key figure made one the wire carries (worker, before
+    encoding; ``split_result`` calls it when the result does not encode as it is).
+
+    An answered key whose ``logical_bytes`` or ``stored_bytes`` is not an int in
+    0..``MAX_KEY_FIGURE`` fails alone: ERROR, its byte figures 0, the error text naming
+    the key's position and the figure (a backend bug, or a chunk no layout has: its
+    neighbours keep their outcomes). A listed key (a ``scan``) whose size does not fit
+    is left out of the listing: it cannot be a chunk the scheduler could count (the error
+    text stays as it is: a listing with an error is listed again). A time that is
+    negative, NaN or beyond float32 becomes 0.0 (times inform, they decide nothing).
+    Returns ``result`` itself when nothing needed changing."""
+    n = len(result.outcomes)
+    logical, stored, seconds = result.logical_bytes, result.stored_bytes, result.seconds
+    bad = [i for i in range(min(n, len(logical), len(stored)))
+           if not (_figure_fits(logical[i]) and _figure_fits(stored[i]))]
+    listed = stored[n:]
+    drop = [j for j, v in enumerate(listed) if not _figure_fits(v)]
+    times = [t if (isinstance(t, (int, float)) and 0.0 <= t <= _F32_MAX) else 0.0
+             for t in seconds]
+    if not bad and not drop and times == list(seconds):
+        return result
+    outcomes, logical, answered = list(result.outcomes), list(logical), list(stored[:n])
+    notes = []
+    for i in bad:
+        notes.append(f"key {i}: logical_bytes {logical[i]!r:.24}, stored_bytes "
+                     f"{answered[i]!r:.24} (the wire carries 0..{_UINT32_MAX})")
+        outcomes[i] = Outcome.ERROR
+        logical[i] = answered[i] = 0
+    error = result.error
+    if notes:
+        error = "; ".join(([error] if error else []) + notes[:3]
+                          + ([f"{len(notes) - 3} more"] if len(notes) > 3 else []))
+    keys = result.keys
+    if drop:
+        gone = set(drop)
+        keys = [k for j, k in enumerate(keys) if j not in gone]
+        listed = [v for j, v in enumerate(listed) if j not in gone]
+    return result._replace(outcomes=outcomes, logical_bytes=logical,
+                           stored_bytes=answered + listed, seconds=times, error=error,
+                           keys=keys)
+
+
 def split_result(result: Result, max_bytes: int) -> list[Result]:
     """Split a result that does not fit ``max_bytes`` (worker): a scan's long ``keys``
     listing, or per-key data of many (short) keys.
 
-    A result that fits comes back as ``[result]``. Otherwise every part has the same
+    Per-key figures the wire cannot carry are first made ones it can (``wire_figures``:
+    such a key fails alone, such a listed key is left out), so one bad figure never
+    fails its neighbours. A result that fits comes back as ``[result]``. Otherwise every part has the same
     job id and all but the last ``more=True``; the first carries ``codec_s``, the
     error text and the flags; each part answers for the next run of keys (outcomes, logical and
     stored bytes, seconds) and then lists the next run of ``keys`` with their stored
     sizes. An error text too long for one part is shortened (marked "[truncated]");
-    keys and per-key data never are: ValueError when a single key cannot fit.
+    keys and per-key data never are: ValueError when a single key cannot fit, or for
+    what is wrong with the result besides its figures (``encode_result``).
     """
-    if len(encode_result(result)) <= max_bytes:
+    try:
+        encoded = encode_result(result)
+    except ValueError:
+        result = wire_figures(result)
+        encoded = encode_result(result)
+    if len(encoded) <= max_bytes:
         return [result]
     n = len(result.outcomes)
     keys, listed = result.keys, result.stored_bytes[n:]
