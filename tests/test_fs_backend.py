@@ -1285,3 +1285,185 @@ def test_a_deleted_root_fails_stores_until_it_exists_again(tmp_path, caplog):
     messages = [rec.getMessage() for rec in caplog.records]
     assert len(messages) == 2, messages  # root gone (once, not per store), then recreated
     assert "root_dir" in messages[0] and "recreated" in messages[1]
+
+
+# --------------------------------------------------------------------------- foreign files
+
+BIG = 5 << 30  # a file no chunk could be stored in: over 4 GiB (sparse: costs no disk)
+
+
+def _plant_big(path: str) -> None:
+    """A sparse file of ``BIG`` bytes at ``path`` (replacing what is there), as a user's
+    ``truncate -s 5G`` or a stray copy would leave it."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    if os.path.lexists(path):
+        os.unlink(path)
+    with open(path, "wb") as f:
+        f.truncate(BIG)
+
+
+def _on_the_wire(res: BatchResult) -> None:
+    """``res`` encodes as the job loop sends it, every figure as the backend gave it."""
+    msg = decode_result(encode_result(res.to_result(7)))
+    assert msg.stored_bytes == res.stored_bytes and msg.outcomes == res.outcomes
+
+
+@pytest.mark.parametrize("chunk_bytes_known", [True, False], ids=["layout", "no-layout"])
+def test_a_chunk_named_file_no_chunk_could_be_is_a_foreign_miss_removed_and_counted(
+        tmp_path, chunk_bytes_known):
+    """Issue 28 item 4: a file over 4 GiB at a chunk's name (no frame of this layout, nor
+    any the wire could size) is a foreign file for every op: load and probe answer MISS,
+    scan leaves it out, delete frees nothing of ours, a store replaces it; each time it is
+    removed and counted (``foreign_files_removed``), and its neighbours in the batch are
+    answered as if it were not there, with figures the wire carries."""
+    cb = 8192
+    src = make_arena(4, cb, cb, "bf16")
+    keys = keys_for(4)
+    b = backend(tmp_path, **({"chunk_bytes": cb} if chunk_bytes_known else {}))
+    stored = b.store(keys, range(4), src, cb)
+    assert stored.all_ok
+    big = b.path_for(keys[0])
+
+    _plant_big(big)
+    p = b.probe(keys)
+    assert p.outcomes == [MISS, OK, OK, OK] and p.stored_bytes == [0] + stored.stored_bytes[1:]
+    _on_the_wire(p)
+    assert not os.path.lexists(big) and b.counters.foreign_files_removed == 1
+
+    _plant_big(big)
+    listed = {e.key: e.stored_bytes for e in b.scan()}
+    assert listed == dict(zip(keys[1:], stored.stored_bytes[1:]))
+    assert b.counters.bytes_on_disk == sum(stored.stored_bytes[1:])
+    assert not os.path.lexists(big) and b.counters.foreign_files_removed == 2
+
+    _plant_big(big)
+    dst = np.full_like(src, EMPTY)
+    lr = b.load(keys, range(4), dst, cb)
+    assert lr.outcomes == [MISS, OK, OK, OK], lr.details
+    assert lr.stored_bytes[0] == 0 and lr.logical_bytes[0] == 0
+    assert np.array_equal(dst[1:, :cb], src[1:, :cb])
+    _on_the_wire(lr)
+    assert not os.path.lexists(big) and b.counters.foreign_files_removed == 3
+    assert b.counters.corrupt_files_detected == 0  # not a damaged chunk of ours
+
+    _plant_big(big)
+    d = b.delete(keys[:2])
+    assert d.outcomes == [MISS, OK] and d.stored_bytes == [0, stored.stored_bytes[1]]
+    _on_the_wire(d)
+    assert not os.path.lexists(big) and b.counters.foreign_files_removed == 4
+
+    _plant_big(big)
+    s = b.store(keys[:1], [0], src, cb)  # skip_existing: a foreign file is no chunk
+    assert s.outcomes == [OK] and s.stored_bytes == stored.stored_bytes[:1]
+    _on_the_wire(s)
+    assert os.path.getsize(big) == stored.stored_bytes[0]
+    assert b.counters.foreign_files_removed == 5
+    assert b.load(keys[:1], [0], dst, cb).outcomes == [OK]
+    assert np.array_equal(dst[0, :cb], src[0, :cb])
+
+
+def test_a_file_a_little_longer_than_its_frame_is_still_a_damaged_chunk(tmp_path):
+    """The foreign-file bound leaves room for damage: a chunk's file with bytes appended
+    (up to what a chunk of the layout could be, and some) stays CORRUPT "length"."""
+    cb = 8192
+    src = make_arena(1, cb, cb, "bytes")
+    key = keys_for(1)[0]
+    b = backend(tmp_path, chunk_bytes=cb, codec_config=CompressionConfig(mode="none"))
+    assert b.store([key], [0], src, cb).all_ok
+    with open(b.path_for(key), "ab") as f:
+        f.write(bytes(cb // 64))
+    assert b.probe([key]).outcomes == [OK]
+    lr = b.load([key], [0], src.copy(), cb)
+    assert (lr.outcomes, lr.details) == ([CORRUPT], ["length"])
+    assert b.counters.foreign_files_removed == 0
+
+
+# --------------------------------------------------------------------------- namespace in the way
+
+
+def _opened(root, **kw) -> FsBackend:
+    """A backend as a tier worker opens it (``FsBackend.open``: the namespace deferred
+    while the medium cannot hold it)."""
+    args = {"root_dir": str(root), "fsync": False, "max_bytes": None, "min_free_bytes": 0,
+            "direct_io": False, **kw}
+    return FsBackend.open(args, WorkerContext(FP, 8192, 2))
+
+
+@pytest.mark.parametrize("in_the_way", ["symlink", "file"])
+def test_a_worker_starts_with_its_namespace_path_in_the_way_and_recovers(
+        tmp_path, caplog, in_the_way):
+    """Issue 28 item 5: a link or a plain file where the namespace directory goes is an
+    outage, not a start failure: a worker opens its backend anyway (else the pool fails
+    to start its workers and breaks for good), refuses the link (nothing is followed or
+    written through it), answers MISS, lists nothing, fails stores, warns once; once
+    the path is free again (or a directory), the next store makes the namespace and
+    works, flagged for the scheduler half."""
+    import logging
+
+    cb = 8192
+    src = make_arena(2, cb, cb, "bf16")
+    keys = keys_for(2)
+    root = tmp_path / "root"
+    root.mkdir()
+    path = root / namespace_dir_name(FP)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    if in_the_way == "symlink":
+        os.symlink(elsewhere, path)
+    else:
+        path.write_text("not a directory")
+    caplog.set_level(logging.WARNING, logger="shmtier.tiers.fs")
+    b = _opened(root)  # raised LinkRefused / NotADirectoryError: a worker that never starts
+    try:
+        dst = np.full_like(src, EMPTY)
+        for _ in range(3):
+            assert b.load(keys, [0, 1], dst, cb).outcomes == [MISS, MISS]
+            assert b.probe(keys).outcomes == [MISS, MISS]
+            assert list(b.scan()) == []
+            r = b.store(keys, [0, 1], src, cb)
+            assert r.outcomes == [ERROR, ERROR], r.details
+            assert r.details[0].startswith("ELOOP" if in_the_way == "symlink" else "ENOTDIR")
+        assert (dst == EMPTY).all()
+        assert list(elsewhere.iterdir()) == []  # nothing written through the link
+        if in_the_way == "symlink":
+            assert b.counters.links_refused > 0
+        warnings = [rec.getMessage() for rec in caplog.records if rec.levelno >= logging.WARNING]
+        assert len(warnings) == 1, warnings  # once, not per op or per store
+        assert str(path) in warnings[0]
+        os.unlink(path)
+        r = b.store(keys, [0, 1], src, cb)
+        assert r.outcomes == [OK, OK], r.details
+        assert _namespace_reset(b)
+        assert path.is_dir() and not path.is_symlink()
+        assert b.load(keys, [1, 0], dst, cb).outcomes == [OK, OK]
+        assert np.array_equal(dst[1, :cb], src[0, :cb])
+        assert {e.key for e in b.scan()} == set(keys)
+    finally:
+        b.close()
+
+
+def test_a_worker_uses_a_namespace_directory_put_back_in_place_of_the_link(tmp_path):
+    """The namespace moved away and a link left in its place; once the operator moves the
+    directory back, a worker started meanwhile serves the chunks in it."""
+    cb = 8192
+    src = make_arena(2, cb, cb, "bf16")
+    keys = keys_for(2)
+    root = tmp_path / "root"
+    root.mkdir()
+    first = _opened(root)
+    assert first.store(keys, [0, 1], src, cb).all_ok
+    first.close()
+    path = root / namespace_dir_name(FP)
+    os.rename(path, tmp_path / "moved")
+    os.symlink(tmp_path / "moved", path)
+    b = _opened(root)
+    try:
+        dst = np.full_like(src, EMPTY)
+        assert b.load(keys, [0, 1], dst, cb).outcomes == [MISS, MISS]
+        os.unlink(path)
+        os.rename(tmp_path / "moved", path)
+        assert b.load(keys, [0, 1], dst, cb).outcomes == [OK, OK]
+        assert np.array_equal(dst[:, :cb], src[:, :cb])
+        assert _namespace_reset(b)
+    finally:
+        b.close()

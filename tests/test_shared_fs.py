@@ -154,3 +154,66 @@ def test_a_key_probed_absent_then_stored_is_a_hit(engines, tmp_path):
     e.offload([key(100 + i) for i in range(4)], 4, ReqContext("b"))  # keys leave the CPU tier
     e.settle()
     assert e.answers_settled(keys, ctx) == [HIT] * 4  # promoted from the tier
+
+
+def _plant_big(path) -> None:
+    """A sparse file over 4 GiB at ``path`` (``truncate -s 5G``: costs no disk)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if path.exists():
+        path.unlink()
+    with open(path, "wb") as f:
+        f.truncate(5 << 30)
+
+
+def _chunk_file(root, k):
+    return next(p for p in root.rglob("*.kv") if p.name == k.hex() + ".kv")
+
+
+def test_a_file_over_4_gib_named_like_a_chunk_fails_no_promotion_of_its_neighbours(
+        engines, tmp_path):
+    """Issue 28 item 4, inside a promotion: one of 8 indexed chunks' files replaced by a
+    file no chunk could be (over 4 GiB, whose size the result's 32-bit field cannot
+    carry) is that key's MISS, removed; the 7 others promote byte-exact (the whole job
+    failed: 7 good keys MISS, the big one left indexed)."""
+    e = engines(tmp_path, chunks=8)
+    keys = [key(i) for i in range(8)]
+    e.offload(keys, 0, ReqContext("a"))
+    e.settle()
+    e.offload([key(100 + i) for i in range(8)], 8, ReqContext("b"))  # out of the CPU tier
+    e.settle()
+    big = _chunk_file(tmp_path, keys[0])
+    _plant_big(big)
+    ctx = ReqContext("r")
+    assert e.answers_settled(keys, ctx) == [MISS] + [HIT] * 7
+    got = e.load(keys[1:], ctx, list(range(40, 47)))
+    assert torch.equal(got, e.originals[0][1:8])
+    assert not big.exists()
+    assert keys[0] not in _fs(e).indexed_chunks()
+
+
+def test_a_file_over_4_gib_named_like_a_chunk_does_not_stop_the_listing(engines, tmp_path):
+    """Issue 28 item 4, the listing: an engine starting on a root that holds such a file
+    lists the root (it retried for ever: with ``probe_unknown`` false a never-stored key
+    answered RETRY for good, and with ``max_bytes`` nothing was stored again); the file
+    is removed, the chunks beside it are indexed and promote, and stores go on."""
+    a = engines(tmp_path, chunks=8)
+    keys = [key(i) for i in range(4)]
+    a.offload(keys, 0, ReqContext("a"))
+    a.settle()
+    big = _chunk_file(tmp_path, keys[0])
+    _plant_big(big)
+    b = engines(tmp_path, chunks=8, probe_unknown=False, max_bytes=1 << 20)
+    b.settle(timeout_s=20)  # the listing landed
+    assert not big.exists()
+    assert set(_fs(b).indexed_chunks()) == set(keys[1:])
+    ctx = ReqContext("r")
+    with b.manager.lock:  # never stored: a MISS at once, not RETRY
+        assert b.manager.lookup(key(77), ctx) is MISS
+    assert b.answers_settled(keys, ctx) == [MISS, HIT, HIT, HIT]
+    got = b.load(keys[1:], ctx, list(range(40, 43)))
+    assert torch.equal(got, a.originals[0][1:4])
+    new = [key(200 + i) for i in range(4)]
+    b.offload(new, 8, ReqContext("c"))
+    b.settle()
+    assert set(new) <= set(_fs(b).indexed_chunks())
+    assert {_chunk_file(tmp_path, k).name for k in new}  # on disk

@@ -41,7 +41,7 @@ from shmtier.shared.jobs import ResultFlag
 from shmtier.tiers.backend import BatchResult, Outcome, ScanEntry, TierBackend, WorkerContext
 from shmtier.tiers.fs.config import DEFAULT_WRITE_DEPTH
 from shmtier.tiers.fs.fileio import probe_direct_io, unlink_quietly
-from shmtier.tiers.fs.load import ChunkReader
+from shmtier.tiers.fs.load import ChunkReader, chunk_file_cap, remove_foreign
 from shmtier.tiers.chunk_names import chunk_key, key_problem, with_mac_id
 from shmtier.tiers.fs.namespace import TEMP_SUFFIX, LinkRefused, Namespace
 from shmtier.tiers.fs.outcomes import FsCounters, errno_outcome
@@ -130,6 +130,7 @@ class FsBackend(TierBackend):
         mac_key: bytes | None = None,
         flag_created: bool = True,
         defer_namespace: bool = False,
+        chunk_bytes: int | None = None,
     ):
         if not isinstance(namespace, str) or not namespace:
             raise ValueError(f"fs tier namespace must be a non-empty fingerprint string, got {namespace!r}")
@@ -142,6 +143,9 @@ class FsBackend(TierBackend):
             raise ValueError(f"fs tier element_size={element_size!r}: must be an integer in 1..255")
         if not isinstance(chunk_bytes_hint, int) or chunk_bytes_hint <= 0:
             raise ValueError(f"fs tier chunk_bytes_hint={chunk_bytes_hint!r}: must be a positive integer")
+        if chunk_bytes is not None and (not isinstance(chunk_bytes, int) or chunk_bytes <= 0):
+            raise ValueError(f"fs tier chunk_bytes={chunk_bytes!r}: must be a positive integer "
+                             f"or None")
         if direct_io not in (True, False, "auto", "writes"):
             raise ValueError(f"fs tier direct_io={direct_io!r}: must be true, false, \"auto\" "
                              f"or \"writes\"")
@@ -155,6 +159,9 @@ class FsBackend(TierBackend):
         self.namespace_dir = self.ns.dir
         self.fsync = bool(fsync)
         self.element_size = element_size
+        #: the layout's chunk size (None: not known): a file larger than any chunk of it
+        #: is foreign (``load.chunk_file_cap``)
+        self.chunk_bytes = chunk_bytes
         self.max_bytes = max_bytes
         self.min_free_bytes = min_free_bytes
         self.stale_temp_age_s = float(stale_temp_age_s)
@@ -203,7 +210,7 @@ class FsBackend(TierBackend):
                    write_depth=args.get("write_depth", DEFAULT_WRITE_DEPTH),
                    page_cache_bytes=args.get("page_cache_bytes"),
                    mac_key=args.get("mac_key"), flag_created=context.replacement,
-                   defer_namespace=True)
+                   defer_namespace=True, chunk_bytes=context.chunk_bytes)
 
     @property
     def fanout_bits(self) -> tuple[int, int] | None:
@@ -283,13 +290,18 @@ class FsBackend(TierBackend):
 
         Per key: OK (``stored_bytes`` = bytes freed), MISS (also for a symbolic link at
         the chunk's name: the link is removed, never its target; counted in
-        ``links_refused``), ERROR, INVALID. A load already reading the file finishes
+        ``links_refused``; and for a foreign file, ``_foreign``: removed, counted),
+        ERROR, INVALID. A load already reading the file finishes
         with the old bytes."""
         return self._per_key("delete", keys, "unlink", self._delete_one)
 
     def _delete_one(self, res: BatchResult, i: int, key: bytes) -> None:
         rel, name = self.ns.locate(key)
         st = self.ns.stat_entry(rel, name)
+        if self._foreign(st, key):  # not a chunk of ours: nothing freed
+            remove_foreign(self.ns, self.counters, (rel, name), st)
+            res.set(i, Outcome.MISS)
+            return
         self.ns.unlink_entry(rel, name)  # a link itself, never its target
         if stat.S_ISLNK(st.st_mode):  # not a chunk of ours: nothing freed
             self.counters.links_refused += 1
@@ -305,12 +317,17 @@ class FsBackend(TierBackend):
     def probe(self, keys: Sequence[bytes]) -> BatchResult:
         """Presence by one ``stat`` per key, without reading: OK with ``stored_bytes``
         (present; not verified — a corrupt file is found by ``load``) or MISS (also for
-        a symbolic link, never followed: counted in ``links_refused``)."""
+        a symbolic link, never followed: counted in ``links_refused``; and for a foreign
+        file, ``_foreign``: removed, counted)."""
         return self._per_key("probe", keys, "stat", self._probe_one)
 
     def _probe_one(self, res: BatchResult, i: int, key: bytes) -> None:
-        st = self.ns.stat_entry(*self.ns.locate(key))
-        if stat.S_ISREG(st.st_mode):
+        entry = self.ns.locate(key)
+        st = self.ns.stat_entry(*entry)
+        if self._foreign(st, key):
+            remove_foreign(self.ns, self.counters, entry, st)
+            res.set(i, Outcome.MISS)
+        elif stat.S_ISREG(st.st_mode):
             res.set(i, Outcome.OK)
             res.stored_bytes[i] = st.st_size
         else:
@@ -356,6 +373,13 @@ class FsBackend(TierBackend):
                 seconds[i] += time.perf_counter() - t
         return res
 
+    def _foreign(self, st: os.stat_result, key: bytes) -> bool:
+        """Whether the file ``st`` at ``key``'s chunk name is larger than any chunk of the
+        layout could be (``load.chunk_file_cap``, of ``chunk_bytes``): a foreign file,
+        never a chunk of ours, whose size is never reported (it may not fit a result)."""
+        return stat.S_ISREG(st.st_mode) and st.st_size > chunk_file_cap(len(key),
+                                                                         self.chunk_bytes)
+
     # ------------------------------------------------------------------ scan
 
     def scan(self) -> Iterator[ScanEntry]:
@@ -369,7 +393,8 @@ class FsBackend(TierBackend):
         seen. When the walk completes, ``counters.bytes_on_disk`` is set to the total
         found. Unreadable directories are skipped and counted (``scan_errors``). No
         symbolic link is followed: one in place of a fan-out directory or a chunk file
-        is skipped and counted (``links_refused``). With no namespace now (removed, and
+        is skipped and counted (``links_refused``); a foreign file (``_foreign``) is left
+        out, removed and counted. With no namespace now (removed, and
         no store made it again yet) the listing is empty; with one that cannot be used
         (a link or a file at its path) too, counted in ``scan_errors``.
         """
@@ -403,6 +428,9 @@ class FsBackend(TierBackend):
                 if not stat.S_ISREG(st.st_mode):
                     if stat.S_ISLNK(st.st_mode):
                         c.links_refused += 1
+                    continue
+                if self._foreign(st, key):
+                    remove_foreign(self.ns, c, (rel, name), st)
                     continue
                 total += st.st_size
                 yield ScanEntry(key, st.st_size, st.st_mtime)

@@ -9,7 +9,10 @@ Files are opened up to 16 at a time with ``posix_fadvise(WILLNEED)`` (the device
 them in parallel while earlier ones are verified); each is then read whole (one
 ``preadv``) into a reusable page-aligned buffer and decoded into the row by the codec,
 which checks everything (magic, version, lengths, key, checksum, MAC, and the file size
-against the frame's stored length) before and after writing the row. With
+against the frame's stored length) before and after writing the row. A file larger than
+any chunk of the layout could be (``chunk_file_cap``) is not read at all: a foreign
+file, the key's MISS, removed and counted, whatever its size (its neighbours in the
+batch are answered as if it were not there). With
 ``direct_io`` the file is read in whole pages with ``O_DIRECT`` instead
 (``fileio.read_direct``). A file that fails is reported CORRUPT (the reason as its
 detail), unlinked (only if the path still names the inode that was read: a concurrent
@@ -31,6 +34,7 @@ import time
 from typing import Sequence
 
 from shmtier.shared.codec import ChunkDecoder, CorruptChunkError, frame_header_size
+from shmtier.shared.jobs import MAX_KEY_FIGURE
 from shmtier.tiers.backend import BatchResult, Outcome, as_arena, check_batch, row_problem
 from shmtier.tiers.fs.fileio import (
     ALIGN,
@@ -48,6 +52,35 @@ from shmtier.tiers.fs.outcomes import FsCounters, errno_outcome
 
 _PREFETCH = 16  # files of a load batch opened (and read ahead) at once
 _IN_ROW = memoryview(b"")  # marker: a raw frame's payload was read straight into the row
+
+
+def chunk_file_cap(key_len: int, chunk_bytes: int | None) -> int:
+    """The largest file that may hold a chunk of ``chunk_bytes`` (None: not known) under
+    a key of ``key_len`` bytes. A frame is at most its header (with a MAC tag) and the raw
+    chunk (the codec stores raw what compression does not shrink); a file somewhat longer
+    (up to ``chunk_bytes // 64 + 4096`` more) is a damaged chunk: CORRUPT "length" at
+    load. A longer file is no chunk of the layout at all but a foreign file at a chunk's
+    name: every op answers MISS for it, removes it and counts it
+    (``foreign_files_detected`` / ``_removed``), and never reports its size. Never more
+    than a result carries per key (``jobs.MAX_KEY_FIGURE``): without ``chunk_bytes``
+    that is the bound."""
+    if chunk_bytes is None:
+        return MAX_KEY_FIGURE
+    cap = frame_header_size(key_len, mac=True) + chunk_bytes + chunk_bytes // 64 + 4096
+    return min(cap, MAX_KEY_FIGURE)
+
+
+def remove_foreign(ns: Namespace, counters: FsCounters, entry: tuple[str, str],
+                   st: os.stat_result) -> None:
+    """A foreign file (``chunk_file_cap``) judged by ``st`` at ``entry`` (leaf directory,
+    name): counted, and removed unless it was replaced meanwhile or the medium refuses
+    (EROFS: left, counted as detected only)."""
+    counters.foreign_files_detected += 1
+    try:
+        if ns.unlink_entry_if_same(*entry, st):
+            counters.foreign_files_removed += 1
+    except OSError:
+        pass
 
 
 class ChunkReader:
@@ -84,7 +117,8 @@ class ChunkReader:
             try:
                 for i in range(lo, min(n, lo + _PREFETCH)):
                     t = time.perf_counter()
-                    got = self._open(keys[i], rows[i], a.shape[0], res, i, blocked)
+                    got = self._open(keys[i], rows[i], a.shape[0], chunk_bytes, res, i,
+                                     blocked)
                     if got is not None:
                         opened[i] = got
                     seconds[i] += time.perf_counter() - t
@@ -100,10 +134,12 @@ class ChunkReader:
         res.codec_seconds = self._codec_s
         return res
 
-    def _open(self, key, row, num_rows: int, res: BatchResult, i: int,
+    def _open(self, key, row, num_rows: int, chunk_bytes: int, res: BatchResult, i: int,
               blocked: OSError | None):
         """Open key's file and start its readahead: (fd, stat, (rel, name)), or None when
-        key i's outcome is already decided (set in ``res``)."""
+        key i's outcome is already decided (set in ``res``): a file larger than any chunk
+        of ``chunk_bytes`` (``chunk_file_cap``) is a foreign file's MISS here, before any
+        readahead of it."""
         bad = key_problem(key)
         if bad is None:
             bad = row_problem(row, num_rows)
@@ -141,6 +177,11 @@ class ChunkReader:
                 raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR))
             if not stat.S_ISREG(st.st_mode):
                 raise OSError(errno.EINVAL, "not a regular file")
+            if st.st_size > chunk_file_cap(len(key), chunk_bytes):
+                close_quietly(fd)
+                remove_foreign(self.ns, c, entry, st)
+                res.set(i, Outcome.MISS)
+                return None
             if self.direct_io:
                 # set after the checks: O_DIRECT at open would turn EISDIR into EINVAL
                 fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | O_DIRECT)
@@ -162,10 +203,10 @@ class ChunkReader:
         size = st.st_size
         chunk_bytes = out.nbytes
         hs = frame_header_size(len(key), mac=self._decoder.mac)
-        cap = hs + chunk_bytes + chunk_bytes // 64 + 4096  # frames are never much larger
+        cap = chunk_file_cap(len(key), chunk_bytes)  # ``_open`` judged larger files
         reason = None
         try:
-            if size < hs or size > cap:
+            if size < hs:
                 reason = "length"
             elif self.direct_io:
                 frame = read_direct(fd, size, cap, self._buf)
@@ -243,12 +284,10 @@ class ChunkReader:
         c.corrupt_files_detected += 1
         c.corrupt_by_reason[reason] = c.corrupt_by_reason.get(reason, 0) + 1
         try:
-            now = self.ns.stat_entry(*entry)
-            if (now.st_dev, now.st_ino) != (st.st_dev, st.st_ino):
-                return  # re-stored meanwhile by another writer: not the file we judged
-            self.ns.unlink_entry(*entry)
-        except FileNotFoundError:
-            return  # someone else removed it already
+            # kept when re-stored meanwhile by another writer (not the file we judged)
+            # or removed by someone else already
+            if not self.ns.unlink_entry_if_same(*entry, st):
+                return
         except OSError:
             c.corrupt_remove_failed += 1
             return

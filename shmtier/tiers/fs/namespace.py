@@ -640,6 +640,23 @@ class Namespace:
         """Unlink entry ``name`` of leaf directory ``rel`` (a link itself, never its target)."""
         self.in_leaf(rel, lambda d: os.unlink(name, dir_fd=d))
 
+    def unlink_entry_if_same(self, rel: str, name: str, st: os.stat_result) -> bool:
+        """Unlink entry ``name`` of leaf directory ``rel`` only if it is still the file
+        ``st`` describes (device and inode): one made again under the name meanwhile (a
+        concurrent store of the key) is kept. True when this call removed it, False when
+        it was gone or replaced; other OSErrors (EROFS, EACCES) propagate."""
+        def unlink_same(d: int) -> bool:
+            now = os.stat(name, dir_fd=d, follow_symlinks=False)
+            if (now.st_dev, now.st_ino) != (st.st_dev, st.st_ino):
+                return False
+            os.unlink(name, dir_fd=d)
+            return True
+
+        try:
+            return self.in_leaf(rel, unlink_same)
+        except FileNotFoundError:
+            return False
+
     def fsync_leaf(self, rel: str) -> None:
         """fsync leaf directory ``rel`` (makes the entries created or renamed in it durable)."""
         os.fsync(self._leaf(rel, False)[0])

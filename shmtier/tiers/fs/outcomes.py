@@ -55,6 +55,10 @@ class FsCounters:
     corrupt_by_reason: dict = field(default_factory=dict)
     temp_files_removed: int = 0
     misplaced_files_removed: int = 0  # chunk files in a directory their key does not map to
+    # files at a chunk's name too large for any chunk of the layout (``load.chunk_file_cap``):
+    # not ours, a MISS for every op; removed unless the medium refuses (or it was replaced)
+    foreign_files_detected: int = 0
+    foreign_files_removed: int = 0
     scan_errors: int = 0
     links_refused: int = 0  # symbolic links met where the layout has a file or directory
     namespace_resets: int = 0  # the namespace directory removed, replaced or made again

@@ -7,7 +7,10 @@ rename per key, a ``statvfs`` per batch and, with ``fsync``, one directory fsync
 directory written. Every file is reached through the ``Namespace``: created, renamed and
 unlinked relative to its leaf directory's descriptor, never through a symbolic link (a
 link at a chunk's name is replaced by the rename, as any old file is; a link in place of
-a fan-out directory fails the key: ERROR, ``ELOOP``, counted in ``links_refused``).
+a fan-out directory fails the key: ERROR, ``ELOOP``, counted in ``links_refused``). A
+file at a chunk's name larger than any chunk could be (``load.chunk_file_cap``) is no
+chunk: removed and counted before the key is written (never EXISTS, its size never
+credited to the capacity checks).
 
 A file's content is exactly the frame of ``shmtier.shared.codec`` (magic, version,
 codec, element size, raw length, stored length, the full key, a checksum of the raw
@@ -52,6 +55,7 @@ from shmtier.tiers.fs.fileio import (
     writev_all,
 )
 from shmtier.tiers.chunk_names import key_problem
+from shmtier.tiers.fs.load import chunk_file_cap, remove_foreign
 from shmtier.tiers.fs.namespace import LinkRefused, Namespace
 from shmtier.tiers.fs.outcomes import NO_SPACE, FsCounters, errno_outcome
 
@@ -162,6 +166,9 @@ class ChunkWriter:
                     old_size = st.st_size
                     if stat.S_ISLNK(st.st_mode):  # not a chunk: the rename replaces the link
                         c.links_refused += 1
+                        old_size = 0
+                    elif old_size > chunk_file_cap(len(key), chunk_bytes):
+                        remove_foreign(self.ns, c, (rel, final), st)  # not a chunk either
                         old_size = 0
                     elif skip_existing:
                         res.set(i, Outcome.EXISTS)
