@@ -22,9 +22,16 @@ import tempfile
 from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
+from shmtier.shared.redact import redact, register_secret
+
 
 class ConfigError(ValueError):
-    """Invalid configuration: names the key, the value and what is accepted."""
+    """Invalid configuration: names the key, the value and what is accepted. Its text
+    never holds a secret: a URL's user part, a registered secret value and credential
+    headers are taken out (``shmtier.shared.redact.redact``), whoever built the text."""
+
+    def __init__(self, *args: Any):
+        super().__init__(*(redact(a) if isinstance(a, str) else a for a in args))
 
 
 def invalid(key: str, value: Any, accepted: str) -> ConfigError:
@@ -162,13 +169,15 @@ def writable_dir() -> Check:
 class Secret:
     """Key material from the config (e.g. the fs tier's MAC key): compares by value and
     never shows it -- ``repr`` and ``str`` name only its length and where it came from,
-    so a config object can be logged."""
+    so a config object can be logged. Made, it is registered with
+    ``shmtier.shared.redact``: no error or log line of this process shows its value."""
 
     __slots__ = ("value", "source")
 
     def __init__(self, value: bytes, source: str):
         self.value = bytes(value)
         self.source = source
+        register_secret(self.value)  # never in this process's errors and logs
 
     def __repr__(self) -> str:
         return f"<secret: {len(self.value)} bytes from {self.source}>"

@@ -66,13 +66,17 @@ from collections.abc import Iterator
 import numpy as np
 
 from shmtier.shared import jobs
+from shmtier.shared.log_setup import configure_logging
 from shmtier.shared.pool_config import EXIT_BACKENDS_FAILED, PoolConfig
+from shmtier.shared.redact import register_secrets_in
 from shmtier.shared.ring import RingSet
 from shmtier.shared.segment import join_existing
 from shmtier.tiers import registry
 from shmtier.tiers.backend import BatchResult, UnsupportedOp, WorkerContext
 
-logger = logging.getLogger(__name__)
+# by its module's name also when run as ``python -m shmtier.workers.job_loop`` (__main__):
+# log_setup configures the ``shmtier`` loggers only
+logger = logging.getLogger("shmtier.workers.job_loop")
 
 _OWNER_CHECK_S = 1.0
 _KEYS_PER_BEAT = 8
@@ -115,6 +119,8 @@ def make_backends(config: PoolConfig, namespace: str, *, replacement: bool = Fal
                             replacement=replacement)
     backends = []
     for entry in config.tiers:
+        if entry is not None:  # keys and tokens in its options: never in a log line
+            register_secrets_in(entry.get("args"))
         tier = registry.registered(entry["type"]) if entry is not None else None
         if entry is not None and (tier is None or not tier.worker_backed):
             raise ValueError(f"tier type {entry['type']!r} has no worker backend here")
@@ -522,7 +528,9 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of a spawned worker: ``main([engine_id, index])``, or with the owner
     generation of the scheduler that starts it: ``main([engine_id, index, generation])``."""
     argv = sys.argv[1:] if argv is None else argv
-    logging.basicConfig(level=os.environ.get("SHMTIER_LOG", "WARNING"))
+    # shmtier's loggers at SHMTIER_LOG, third-party ones only by name, secrets redacted
+    # (shmtier/shared/log_setup.py); the root logger stays as it is
+    configure_logging(f"tier-worker {argv[1] if len(argv) > 1 else '?'}")
     return run_worker(argv[0], int(argv[1]), int(argv[2]) if len(argv) > 2 else None)
 
 

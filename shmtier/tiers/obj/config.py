@@ -21,6 +21,8 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from shmtier.options import Check, ConfigError, Secret, choice_upper, integer, invalid, number
+from shmtier.shared.redact import install as redact_logs
+from shmtier.shared.redact import redact_url
 from shmtier.tiers.config import REQUIRED, TierContext, option
 from shmtier.tiers.storage.config import StorageTierConfig
 
@@ -92,12 +94,15 @@ def _scheme(key: str, v: Any) -> str | None:
 
 
 def _endpoint(key: str, v: Any, scheme: str | None) -> str:
+    """The endpoint normalised (module docstring of S3StoreConfig); errors show the value
+    without its user part (``http://***@host``): it may hold a password."""
     accepted = ("an endpoint as host:port or http(s)://host:port (scheme from "
                 "store_config.scheme when absent), or \"\" for AWS's default endpoint")
     if v is None:
         return ""
     if not isinstance(v, str):
         raise invalid(key, v, accepted)
+    shown = redact_url(v)
     text = v.strip()
     if not text:
         return ""
@@ -107,7 +112,7 @@ def _endpoint(key: str, v: Any, scheme: str | None) -> str:
         parts = urlsplit(text)
         port = parts.port  # ValueError for a port out of range or not a number
     except ValueError as e:
-        raise invalid(key, v, f"{accepted} ({e})") from None
+        raise invalid(key, shown, f"{accepted} ({e})") from None
     problem = None
     if parts.scheme.lower() not in ("http", "https"):
         problem = f"scheme {parts.scheme!r}"
@@ -118,7 +123,7 @@ def _endpoint(key: str, v: Any, scheme: str | None) -> str:
     elif parts.path not in ("", "/") or parts.query or parts.fragment:
         problem = "a path, query or fragment"
     if problem is not None:
-        raise invalid(key, v, f"{accepted} ({problem})")
+        raise invalid(key, shown, f"{accepted} ({problem})")
     host = parts.hostname
     if ":" in host:  # IPv6 literal
         host = f"[{host}]"
@@ -274,4 +279,5 @@ class ObjTierConfig(StorageTierConfig):
         super().check_together(where, context)
         from shmtier.tiers.obj.client import check_bucket
 
+        redact_logs()  # botocore's wire log shows credential headers (boto3's chain too)
         check_bucket(self, where)
