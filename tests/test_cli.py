@@ -290,6 +290,51 @@ def test_fsck_finds_and_repairs_a_frame_of_another_chunk_size(tmp_path):
     assert code == 0 and report["chunks"] == 3
 
 
+def test_fsck_calls_a_chunk_longer_than_its_frame_oversized_not_truncated(tmp_path):
+    """Issue 28: a chunk with bytes appended, and a file at a chunk's name over 4 GiB
+    (sparse), are ``oversized`` (they were reported "truncated"), with their sizes; a cut
+    one stays ``truncated``; ``--repair`` removes all three. Also in a namespace whose
+    chunk size is unknown (only the 4 GiB bound applies there)."""
+    from shmtier.tiers.fs.backend import FsBackend
+
+    fingerprint, chunk = _spec_fingerprint()
+    root = tmp_path / "root"
+    root.mkdir()
+    rng = np.random.default_rng(3)
+    planted = {}
+    for namespace, size in ((fingerprint, chunk), ("fp-free", 4096)):
+        b = FsBackend(str(root), namespace, min_free_bytes=None)
+        try:
+            arena = rng.integers(0, 256, (4, size), dtype=np.uint8)
+            assert b.store([key(i) for i in range(4)], list(range(4)), arena, size).all_ok
+            paths = [b.path_for(key(i)) for i in range(3)]
+        finally:
+            b.close()
+        frame = os.path.getsize(paths[0])
+        with open(paths[0], "ab") as f:
+            f.write(b"\0" * 100)
+        os.truncate(paths[1], frame // 2)
+        os.truncate(paths[2], 5 << 30)
+        planted[namespace] = paths, frame
+    code, report = cli_json("fsck", str(root))
+    assert code == 1 and report["counts"] == {"oversized": 4, "truncated": 2}, report["problems"]
+    details = {p["path"]: (p["kind"], p["detail"], p["size"]) for p in report["problems"]}
+    for namespace, (paths, frame) in planted.items():
+        rel = [os.path.relpath(p, root) for p in paths]
+        assert details[rel[0]] == ("oversized", f"length: {frame + 100} bytes, the frame has "
+                                                f"{frame}", frame + 100)
+        assert details[rel[1]][:2] == ("truncated", f"length: {frame // 2} bytes, the frame "
+                                                    f"has {frame}")
+        kind, detail, size = details[rel[2]]
+        assert kind == "oversized" and size == 5 << 30
+        assert detail.startswith(f"length: {5 << 30} bytes, more than any chunk of the layout")
+    code, report = cli_json("fsck", str(root), "--verify", "--repair")
+    assert code == 0 and report["repaired"] == 6
+    assert not any(os.path.exists(p) for paths, _ in planted.values() for p in paths)
+    code, report = cli_json("fsck", str(root), "--verify")
+    assert code == 0 and report["chunks"] == 2
+
+
 # ------------------------------------------------------------------ fsck: obj bucket
 
 def test_fsck_of_an_obj_bucket(moto_s3, tmp_path):

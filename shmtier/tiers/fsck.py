@@ -28,7 +28,10 @@ from shmtier.tiers.chunk_names import MAC_MARK
 #: Every kind of problem fsck reports, and what it means.
 KINDS = {
     "corrupt": "a chunk whose frame fails a check (header, key, CRC, MAC): a load refuses it",
-    "truncated": "a chunk whose size is not its frame's (a torn or cut write)",
+    "truncated": "a chunk shorter than its frame (a torn or cut write)",
+    "oversized": "a chunk longer than its frame (bytes appended), or a file at a chunk's name "
+                 "larger than any chunk of its namespace's layout could be (not ours: the tier "
+                 "removes it as a miss)",
     "wrong_size": "a chunk whose frame holds another chunk size than its namespace's layout "
                   "(e.g. copied from another namespace): a load refuses it",
     "foreign": "an entry in a namespace directory that is none of the tier's names",
@@ -214,7 +217,8 @@ class FrameCheck:
             return "corrupt", ("mac: a tagged frame in a namespace without a MAC key" if h.tag
                                else "mac: a frame without a tag in a MAC'd namespace")
         if size != h.frame_size:
-            return "truncated", f"length: {size} bytes, the frame has {h.frame_size}"
+            return ("truncated" if size < h.frame_size else "oversized",
+                    f"length: {size} bytes, the frame has {h.frame_size}")
         if h.raw_len > MAX_RAW_BYTES:
             return "corrupt", f"length: raw length {h.raw_len} exceeds {MAX_RAW_BYTES}"
         if self.chunk_bytes is not None and h.raw_len != self.chunk_bytes:

@@ -33,6 +33,7 @@ import stat
 from shmtier.tiers.chunk_names import chunk_key, is_namespace_name, mac_id_of
 from shmtier.tiers.fs.backend import DEFAULT_STALE_TEMP_AGE_S
 from shmtier.tiers.fs.fileio import O_CLOEXEC, close_quietly, pread_full
+from shmtier.tiers.fs.load import chunk_file_cap
 from shmtier.tiers.fs.namespace import TEMP_SUFFIX, LinkRefused, Namespace, open_nofollow
 from shmtier.tiers.fsck import (
     FrameCheck,
@@ -180,6 +181,12 @@ class _Walk:
                 self._bad(dir_fd, name, st, "foreign", where)
                 return
             size = st.st_size
+            cap = chunk_file_cap(len(key), self.ns_report.chunk_bytes)
+            if size > cap:  # what the tier's ops remove as a foreign file
+                self._bad(dir_fd, name, st, "oversized", where,
+                          f"length: {size} bytes, more than any chunk of the layout could be "
+                          f"(at most {cap})")
+                return
             head = self._read(fd, min(size, FrameCheck.head_bytes(len(key))))
             judged = self.check.check_header(head, key, size)
             if isinstance(judged, tuple):
