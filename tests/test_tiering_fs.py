@@ -323,6 +323,39 @@ def test_fs_tier_config_errors(tmp_path):
         TieringOffloadingSpec({"cpu_bytes_to_use": 1 << 20, "workers": "fork"}, layout, "x")
 
 
+def test_two_fs_tiers_on_one_root_are_refused_naming_both(tmp_path):
+    """Issue 28: two fs tiers of one engine on one root (by any path: a link, a trailing
+    slash) would share one namespace, double-count its bytes and evict each other's
+    chunks: refused, naming both tiers. Another directory, or another MAC key (another
+    namespace), is fine. (``check_shared_roots``: the spec's config calls it with its
+    tiers; here with each tier checked as the spec checks it.)"""
+    from shmtier.config import SecondaryTierConfig
+    from shmtier.tiers.fs.config import check_shared_roots
+
+    root = tmp_path / "root"
+    (root / "sub").mkdir(parents=True)
+    os.symlink(root, tmp_path / "link")
+
+    def tiers(*entries):
+        return [SecondaryTierConfig.from_dict({"type": "fs", **e}, where=f"secondary_tiers[{i}]")
+                for i, e in enumerate(entries)]
+
+    with pytest.raises(ConfigError, match=(
+            r"secondary_tiers\[1\].root_dir = '.*/link' is invalid: "
+            r"secondary_tiers\[0\].root_dir \('.*/root'\) is the same directory, and with no "
+            r"MAC key both fs tiers would share one namespace")):
+        check_shared_roots(tiers({"root_dir": str(root)}, {"root_dir": str(tmp_path / "link")}))
+    key = "ab" * 16
+    with pytest.raises(ConfigError, match=r"secondary_tiers\[2\].root_dir = .* is invalid: "
+                                          r"secondary_tiers\[0\].root_dir is the same directory, "
+                                          r"and with the same MAC key"):
+        check_shared_roots(tiers({"root_dir": str(root), "mac_key": key},
+                                 {"root_dir": str(root / "sub"), "mac_key": key},
+                                 {"root_dir": str(root) + "/", "mac_key": key}))
+    check_shared_roots(tiers({"root_dir": str(root)}, {"root_dir": str(root / "sub")}))
+    check_shared_roots(tiers({"root_dir": str(root)}, {"root_dir": str(root), "mac_key": key}))
+
+
 def test_external_worker_pool_serves_the_engine(engine_id, tmp_path):
     """``"workers": "external"`` + ``shmtier workers --engine-id``: the engine's
     cascades are written by workers it did not start."""

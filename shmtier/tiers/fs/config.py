@@ -2,14 +2,19 @@
 
 Checked when the spec is built, so a missing, non-directory or read-only
 ``root_dir``, a string for a boolean or a ``max_bytes`` too small for one chunk
-fails there, naming the key, before any tier worker starts.
+fails there, naming the key, before any tier worker starts; and so do two fs tiers of
+one engine on one root (``check_shared_roots``: the engine's config calls it with all
+its tiers).
 """
 
 from __future__ import annotations
 
+import os
+from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
-from shmtier.options import boolean, integer, one_of, writable_dir
+from shmtier.options import ConfigError, boolean, integer, one_of, writable_dir
 from shmtier.tiers.config import REQUIRED, option
 from shmtier.tiers.storage.config import StorageTierConfig
 
@@ -56,3 +61,43 @@ class FsTierConfig(StorageTierConfig):
             "auto", "bounded once new page cache proves expensive"), worker=True)
     n_read_threads: int | None = option(None, integer(1).or_none())
     n_write_threads: int | None = option(None, integer(1).or_none())
+
+
+def check_shared_roots(tiers: Iterable[Any]) -> None:
+    """Refuse two fs tiers of one engine that would share one namespace directory: the
+    same ``root_dir`` (the same directory, by whatever path or link) and the same MAC
+    key, or none (the namespace is the layout's fingerprint and the key's id).
+
+    ``tiers``: the engine's checked ``secondary_tiers`` entries (objects with ``where``,
+    e.g. "secondary_tiers[1]", and ``options``, the tier's config; those whose options
+    are no ``FsTierConfig`` are skipped). Called when the spec is built, after each
+    tier's own checks; a few ``stat`` calls. Raises ConfigError naming both tiers.
+
+    Why refuse: the two tiers would index the same files, each counting them against its
+    own ``max_bytes`` (the disk holds less than either tier counts; its bytes gauge
+    twice what is there), each evicting chunks the other indexes (a chunk the upper
+    tier evicts is gone from the lower one too: its lookups HIT, its loads MISS), and
+    each cascade to the lower tier finds the chunk there already: it adds no capacity.
+    Different directories (even on one filesystem) or different MAC keys are fine."""
+    seen: dict[tuple, tuple[str, str]] = {}
+    for tier in tiers:
+        config = getattr(tier, "options", None)
+        if not isinstance(config, FsTierConfig):
+            continue
+        try:
+            st = os.stat(config.root_dir)
+            where_on_disk: tuple = (st.st_dev, st.st_ino)
+        except OSError:  # checked a moment ago: gone since, compare by path
+            where_on_disk = (os.path.realpath(config.root_dir),)
+        namespace = (where_on_disk, config.mac_secret)
+        other = seen.get(namespace)
+        if other is not None:
+            same = "" if other[1] == config.root_dir else f" ({other[1]!r})"
+            raise ConfigError(
+                f"{tier.where}.root_dir = {config.root_dir!r} is invalid: "
+                f"{other[0]}.root_dir{same} is the same directory, and with "
+                f"{'the same MAC key' if config.mac_secret is not None else 'no MAC key'} "
+                f"both fs tiers would share one namespace (each counting the other's files "
+                f"against its max_bytes and evicting the other's chunks); expected a "
+                f"directory of its own for each fs tier of an engine")
+        seen[namespace] = (tier.where, config.root_dir)
