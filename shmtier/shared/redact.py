@@ -54,7 +54,8 @@ _USERINFO = re.compile(r"(\b[A-Za-z][A-Za-z0-9+.\-]*://)[^/?#@\s'\"<>]+@")
 _HEADERS = r"(?:x-amz-security-token|proxy-authorization|authorization)"
 # 'X-Amz-Security-Token': b'...'  /  "Authorization": "..."
 _QUOTED_HEADER = re.compile(
-    rf"""(?i)(?P<name>(?P<q>['"]){_HEADERS}(?P=q)\s*:\s*b?)(?P<vq>['"])(?:\\.|(?!(?P=vq)).)*(?P=vq)""")
+    rf"""(?i)(?P<name>(?P<q>['"]){_HEADERS}(?P=q)\s*:\s*b?)"""
+    r"""(?P<vq>['"])(?:\\.|(?!(?P=vq)).)*(?P=vq)""")
 # x-amz-security-token:...  /  Authorization: AWS4-HMAC-SHA256 ...  /  ...Token=...&
 _PLAIN_HEADER = re.compile(rf"""(?i)(\b{_HEADERS}\s*[:=]\s*)(?!['"\s])[^&\r\n'"]*""")
 
