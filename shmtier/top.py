@@ -11,7 +11,10 @@ each second; no socket is touched). The scheduler's statistics (per tier: chunks
 lookups, hits, promotions, cascades, backpressure drops, evictions) come from the
 segment's stats area, which the scheduler publishes as it steps
 (``shmtier/scheduler/stats_publisher.py``); hit rates are shown since the scheduler
-started and over the frame's interval.
+started and over the frame's interval. Each tier's line also shows what its tier workers
+counted that no result shows, when not zero (symbolic links refused, corrupt chunks they
+could not remove, listing errors: the worker slots' counters in the segment, the same
+figures as the tier's ``vllm:kv_offload_shmtier_*`` counters).
 """
 
 from __future__ import annotations
@@ -23,6 +26,11 @@ import time
 from shmtier.shared.segment import human_bytes
 from shmtier.shared.snapshot import Snapshot, snapshot, snapshots
 from shmtier.tiers.p2p.status import p2p_sessions
+
+# what the tier workers count that no result shows (ring.TIER_COUNTERS), in words
+_COUNTER_WORDS = {"links_refused": "links refused",
+                  "corrupt_remove_failed": "corrupt chunks not removed",
+                  "scan_errors": "listing errors"}
 
 
 def _tiers_words(s: Snapshot) -> str:
@@ -168,7 +176,9 @@ def frame_text(cur: Snapshot, prev: Snapshot | None) -> str:
                      f"pending {r.pending}  ready {r.ready}  pinned {r.pinned}")
     for t in cur.tiers:
         where = " ".join(f"{k}={v}" for k, v in t.where.items())
-        lines.append(f"tier {t.index}  {t.type or '(no workers)'}  {where}")
+        counted = "".join(f"  {_COUNTER_WORDS.get(name, name)} {n}"
+                          for name, n in t.worker_counters.items() if n)
+        lines.append(f"tier {t.index}  {t.type or '(no workers)'}  {where}{counted}")
     if cur.pool:
         p = cur.pool
         total = ("" if rates["jobs_per_s"] is None else

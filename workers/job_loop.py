@@ -38,7 +38,11 @@ rings (``shmtier/scheduler/pool/old_holders.py``).
 
 Each result answered is also added to the slot's counters in the segment
 (``WorkerRings.tally``: job parts, logical bytes, codec ns, failed keys; read by
-``shmtier top`` and the external pool's metrics endpoint).
+``shmtier top`` and the external pool's metrics endpoint); with each job's last answer
+(just before it), what the job's backend counted that no result shows (``TierBackend.worker_counts``: symbolic
+links refused, corrupt chunks it could not remove, listing errors) is added to the
+slot's counters of that tier (``WorkerRings.tally_tier``; the tier's scheduler half
+exports them as metrics, ``shmtier top`` shows them).
 After each job the backend's ``take_flags()`` (``jobs.ResultFlag`` bits it raised,
 e.g. that its namespace was reset) go with the job's result.
 A job for a tier that has no worker half, or for an op its backend does not
@@ -188,7 +192,8 @@ class JobRunner:
 
     def __init__(self, backends: list, arena: np.ndarray, chunk_bytes: int, slot_size: int,
                  beat=lambda: None, take_new=lambda: [], answer=lambda result: None,
-                 stop_requested=lambda: False, tally=None, check_owner=lambda: None):
+                 stop_requested=lambda: False, tally=None, check_owner=lambda: None,
+                 tally_tier=None):
         self.backends = backends
         self.arena = arena
         self.chunk_bytes = chunk_bytes
@@ -201,6 +206,10 @@ class JobRunner:
         # tally(jobs, bytes, codec_ns, failed_keys): the slot's counters in the segment
         # (WorkerRings.tally), added to for each result answered
         self.tally = tally
+        # tally_tier(tier, counts): the slot's counters of that tier (WorkerRings.tally_tier),
+        # added to after each job with what its backend counted since (worker_counts)
+        self.tally_tier = tally_tier
+        self._tier_counts: dict[int, tuple] = {}  # tier -> worker_counts() at the last job
         self.queue: deque = deque()
         self._store_keys_queued = 0  # keys of the store jobs in ``queue``
 
@@ -230,11 +239,33 @@ class JobRunner:
 
     def run_and_answer(self, job) -> None:
         self.check_owner()
+        counted = self.tally_tier is None or not isinstance(job, jobs.Job)
         for result in self.results(job):
+            if not counted and not result.more:
+                # before the job's last answer: the scheduler half that takes it finds
+                # the counts there (the ring's post publishes these stores with it)
+                counted = True
+                self._count_tier(job.tier)
             self.answer(result)
             if self.tally is not None:
                 self._count(result)
         self.beat()
+
+    def _count_tier(self, tier: int) -> None:
+        """Add what tier ``tier``'s backend counted since the last job
+        (``worker_counts``) to the slot's counters of that tier."""
+        backend = self.backends[tier] if 0 <= tier < len(self.backends) else None
+        if backend is None:
+            return
+        try:
+            now = tuple(backend.worker_counts())
+        except Exception:  # a backend bug must not take the worker down
+            logger.exception("tier worker: tier %d: worker_counts failed", tier)
+            return
+        before = self._tier_counts.get(tier, (0,) * len(now))
+        self._tier_counts[tier] = now
+        if now != before:
+            self.tally_tier(tier, [max(0, a - b) for a, b in zip(now, before)])
 
     def _count(self, result: jobs.Result) -> None:
         """Add one answered result to the slot's counters: a job when its last piece is
@@ -470,7 +501,7 @@ def run_worker(engine_id: str, index: int, generation: int | None = None) -> int
                            take_new=lambda: me.jobs.get_many(_BATCH, timeout_s=0),
                            answer=lambda result: _answer(me, result, segment, check_owner),
                            stop_requested=lambda: bool(stopping), tally=me.tally,
-                           check_owner=check_owner)
+                           check_owner=check_owner, tally_tier=me.tally_tier)
         next_owner_check = time.monotonic() + _OWNER_CHECK_S
         last_job = 0.0
         while not stopping:

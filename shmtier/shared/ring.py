@@ -18,12 +18,16 @@ Layout of the ring area (little-endian; every block 64-byte aligned)::
 
     area header   64 B   magic (written last by the creator), version, num_workers,
                          slots, slot_size, creator pid + start time, boot id
-    control       64 B x num_workers: heartbeat ns (CLOCK_MONOTONIC), holder pid,
-                         holder start time, claims (how many processes claimed it);
-                         then the worker's counters (``WorkerCounters``: jobs done,
-                         logical bytes moved, codec ns, failed keys), written only
-                         by the slot's holder, read by anyone (``shmtier top``,
-                         ``shmtier workers --metrics-port``)
+    control       CONTROL_SIZE B x num_workers: heartbeat ns (CLOCK_MONOTONIC), holder
+                         pid, holder start time, claims (how many processes claimed
+                         it); then the worker's counters (``WorkerCounters``: jobs
+                         done, logical bytes moved, codec ns, failed keys); then its
+                         tiers' counters (``TIER_COUNTERS`` for each of the pool's
+                         first ``MAX_COUNTED_TIERS`` tiers: what a tier's backend
+                         counts that no result shows, e.g. symbolic links refused);
+                         written only by the slot's holder, read by anyone (the tier's
+                         scheduler half for its metrics, ``shmtier top``, ``shmtier
+                         workers --metrics-port``)
     per worker i: job ring i, then result ring i; each ring:
         ring header 192 B: line 0 slots/slot_size, line 1 head (producer's counter),
                            line 2 tail (consumer's counter) - separate cache lines
@@ -106,12 +110,19 @@ from shmtier.shared._wire import RingPort
 logger = logging.getLogger(__name__)
 
 AREA_MAGIC = b"SHMRINGS"
-AREA_VERSION = 1
+AREA_VERSION = 2  # 2: the tiers' counters in each control block
 AREA_HEADER_SIZE = 64
-CONTROL_SIZE = 64  # per worker
+#: What a worker slot counts per tier (by the pool config's tier index), in this order:
+#: counts a tier's backend keeps that no result carries (``TierBackend.worker_counts``),
+#: named as the backends' counter fields are. A tier that does not keep one counts 0.
+TIER_COUNTERS = ("links_refused", "corrupt_remove_failed", "scan_errors")
+MAX_COUNTED_TIERS = 11  # as the stats area's secondary tiers; later tiers are not counted
+_TIER_WORDS = 8  # first word of the tiers' counters in a control block
 RING_HEADER_SIZE = 192
 SLOT_HEADER_SIZE = 8
 ALIGN = 64
+CONTROL_SIZE = 384  # per worker: 8 words, then the tiers' counters (33 words), 64-aligned
+assert (_TIER_WORDS + MAX_COUNTED_TIERS * len(TIER_COUNTERS)) * 8 <= CONTROL_SIZE
 SEM_NAME_MAX = 251  # NAME_MAX (255) minus glibc's "sem." prefix in /dev/shm
 SHM_DIR = "/dev/shm"
 
@@ -431,6 +442,25 @@ class WorkerRings:
         """The slot's counters as last written (any process)."""
         ctl = self._ctl
         return WorkerCounters(ctl[_JOBS], ctl[_BYTES], ctl[_CODEC_NS], ctl[_FAILED_KEYS])
+
+    def tally_tier(self, tier: int, counts) -> None:
+        """Add ``counts`` (one int per ``TIER_COUNTERS`` name, in order) to tier ``tier``'s
+        counters (the holder only; a tier from ``MAX_COUNTED_TIERS`` on is not counted).
+        Never blocks."""
+        if not 0 <= tier < MAX_COUNTED_TIERS:
+            return
+        ctl, base = self._ctl, _TIER_WORDS + tier * len(TIER_COUNTERS)
+        for i, n in enumerate(counts):
+            if n:
+                ctl[base + i] += n
+
+    def tier_counters(self, tier: int) -> tuple[int, ...]:
+        """Tier ``tier``'s counters as last written (``TIER_COUNTERS`` order; zeros for a
+        tier not counted). Any process."""
+        if not 0 <= tier < MAX_COUNTED_TIERS:
+            return (0,) * len(TIER_COUNTERS)
+        base = _TIER_WORDS + tier * len(TIER_COUNTERS)
+        return tuple(self._ctl[base:base + len(TIER_COUNTERS)])
 
     def claim(self) -> None:
         """Record the calling process as this worker slot's holder and beat.
@@ -781,6 +811,8 @@ class SlotState:
     counters: WorkerCounters
     job_depth: int
     result_depth: int
+    #: per tier index (the first ``MAX_COUNTED_TIERS``): its ``TIER_COUNTERS``, in order
+    tier_counters: tuple = ()
 
 
 @dataclass(frozen=True)
@@ -796,13 +828,13 @@ class AreaState:
     workers: list[SlotState]
 
 
-_CONTROL_WORDS = struct.Struct("<8Q")
+_CONTROL_WORDS = struct.Struct(f"<{_TIER_WORDS + MAX_COUNTED_TIERS * len(TIER_COUNTERS)}Q")
 _COUNTER = struct.Struct("<Q")
 
 
 def inspect_area(region) -> AreaState | None:
     """A snapshot of a ring area for tools (``shmtier top``, ``ls``): geometry, and per
-    worker slot its heartbeat word, counters and ring depths (``head - tail`` of each
+    worker slot its heartbeat word, counters (its tiers' too) and ring depths (``head - tail`` of each
     ring). Reads bytes only: opens no semaphore, writes nothing, takes no lock, so it
     may run in any process at any rate (``region`` may be a read-only mapping). None
     when the area holds no rings (never created, or being torn down). Values are read
@@ -833,8 +865,11 @@ def inspect_area(region) -> AreaState | None:
             tail = _COUNTER.unpack_from(region, off + _TAIL * 8)[0]
             depths.append(min(max(head - tail, 0), ns))
         alive = bool(beat.pid) and procinfo.is_alive(beat.pid, beat.start_time, me_boot)
+        k = len(TIER_COUNTERS)
+        tiers = tuple(tuple(w[_TIER_WORDS + t * k:_TIER_WORDS + (t + 1) * k])
+                      for t in range(MAX_COUNTED_TIERS))
         workers.append(SlotState(i, beat, alive, WorkerCounters(*w[_JOBS:_FAILED_KEYS + 1]),
-                                 depths[0], depths[1]))
+                                 depths[0], depths[1], tiers))
     return AreaState(nw, ns, size, pid, procinfo.is_alive(pid, start, boot), workers)
 
 

@@ -31,7 +31,7 @@ import numpy as np
 from shmtier.shared.chunk_table import GENERATION, ChunkTable
 from shmtier.shared.layout import HEADER_SIZE, STATS_OFFSET
 from shmtier.shared.pool_config import CONFIG_BYTES, PoolConfig
-from shmtier.shared.ring import AreaState, inspect_area
+from shmtier.shared.ring import TIER_COUNTERS, AreaState, inspect_area
 from shmtier.shared.segment import (
     LAYOUT_VERSION,
     MAGIC,
@@ -71,11 +71,13 @@ class Rows:
 @dataclass
 class TierInfo:
     """A secondary tier as the segment names it: index, type (None: no worker half),
-    where it stores (no secrets)."""
+    where it stores (no secrets), and what its tier workers counted that no result shows
+    (``worker_counters``: ``ring.TIER_COUNTERS`` summed over the worker slots)."""
 
     index: int
     type: str | None
     where: dict = field(default_factory=dict)
+    worker_counters: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -282,6 +284,11 @@ def _pool(snap: Snapshot, rings: memoryview) -> None:
                                        _where(entry["args"]) if entry else {}))
     if area is None:
         return
+    for tier in snap.tiers:
+        if tier.type is not None and tier.index < len(area.workers[0].tier_counters):
+            tier.worker_counters = {name: sum(w.tier_counters[tier.index][i]
+                                              for w in area.workers)
+                                    for i, name in enumerate(TIER_COUNTERS)}
     now = time.monotonic_ns()
     for w in area.workers:
         hb, c = w.heartbeat, w.counters

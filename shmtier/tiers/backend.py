@@ -32,6 +32,7 @@ import numpy as np
 
 from shmtier.shared import jobs
 from shmtier.shared.jobs import SUCCESS, Outcome
+from shmtier.shared.ring import TIER_COUNTERS
 
 __all__ = ["BatchResult", "Outcome", "ScanEntry", "TierBackend", "UnsupportedOp",
            "WorkerContext", "as_arena", "check_batch", "row_problem"]
@@ -243,6 +244,17 @@ class TierBackend(abc.ABC):
         cleared. The job loop calls it after every job it ran on the backend and sends
         them with that job's result (e.g. ``NAMESPACE_RESET``, noticed during any op)."""
         return 0
+
+    def worker_counts(self) -> tuple[int, ...]:
+        """What this backend counted, since it was made, of ``ring.TIER_COUNTERS`` (in
+        that order; 0 for a name it does not count): events no result shows, which the
+        job loop adds to the worker slot's counters after every job (the tier's scheduler
+        half exports them as metrics; ``shmtier top`` shows them). This default reads the
+        same-named int fields of the backend's ``counters`` object (the fs and obj tiers'
+        ``FsCounters``/``ObjCounters``); a backend that keeps them elsewhere overrides it.
+        Never blocks."""
+        c = getattr(self, "counters", None)
+        return tuple(int(getattr(c, name, 0) or 0) for name in TIER_COUNTERS)
 
     def close(self) -> None:
         """Release the backend's resources (buffers, descriptors). Idempotent."""

@@ -99,6 +99,7 @@ from shmtier.scheduler.pool.row_release import RowRelease
 from shmtier.scheduler.tiering.base import JobResult, SecondaryTierManager, TransferJob
 from shmtier.shared.codec import frame_header_size
 from shmtier.shared.jobs import SUCCESS, Outcome, ResultFlag, free_bytes_in
+from shmtier.shared.ring import TIER_COUNTERS
 from shmtier.tiers.storage.lookup_probes import LookupProbes
 
 logger = logging.getLogger(__name__)
@@ -130,6 +131,19 @@ PROBE_HITS = "vllm:kv_offload_shmtier_lookup_probe_hits"
 PROBES_EXPIRED = "vllm:kv_offload_shmtier_lookup_probes_expired"
 COMPRESSION_ON = "vllm:kv_offload_shmtier_compression_on"
 PAGE_CACHE_BOUNDED = "vllm:kv_offload_shmtier_page_cache_bounded"
+#: What the tier workers count that no result shows (``ring.TIER_COUNTERS``, kept in the
+#: worker slots' counters in the segment), each exported as a counter of its own name.
+WORKER_COUNTER_METRICS = {name: f"vllm:kv_offload_shmtier_{name}" for name in TIER_COUNTERS}
+LINKS_REFUSED = WORKER_COUNTER_METRICS["links_refused"]
+_WORKER_COUNTER_HELP = {
+    "links_refused": "Symbolic links a tier worker met where the tier's layout has a file or "
+                     "a directory (a chunk's name, a fan-out or the namespace directory), "
+                     "refused and never followed (load and probe: MISS; store: ELOOP).",
+    "corrupt_remove_failed": "Chunks a tier worker found corrupt but could not remove from "
+                             "the medium (they stay there, served as a miss each time).",
+    "scan_errors": "Listings of the medium, or directories in one, that a tier worker could "
+                   "not read (the listing is incomplete; the tier lists again).",
+}
 
 
 #: the pool's running totals each tier reports as its own counters (all tiers share the pool)
@@ -250,6 +264,7 @@ class StorageTierManager(SecondaryTierManager):
         self._events: list[OffloadingEvent] = []
         self._stats = metrics.OffloadingStats()
         self._pool_totals_seen = [total(self._pool) for _, total in _POOL_COUNTERS]
+        self._worker_counts_seen = self._worker_counts()
         # chunks known gone (deleted, or a load found them missing or corrupt) since the
         # listing in flight was sent: it may have walked past their files before
         self._gone_since_listing: set[OffloadKey] = set()
@@ -590,7 +605,10 @@ class StorageTierManager(SecondaryTierManager):
 
     def _process_results(self) -> None:
         self._pool.poll()
-        for res in self._pool.take(self._tier):
+        results = self._pool.take(self._tier)
+        if results:  # a worker adds its tier counts before it answers a job's last piece
+            self._note_worker_counts()
+        for res in results:
             if res.flags & ResultFlag.NAMESPACE_RESET:  # before this result's outcomes
                 # a flagged listing is not adopted either (_scan_id is None now): another
                 # worker may have stored into the new namespace after this walk passed the
@@ -956,6 +974,26 @@ class StorageTierManager(SecondaryTierManager):
         if self._max_bytes is not None and self.bytes_committed > self._max_bytes:
             self._evict(self.bytes_committed - self._max_bytes - self._deleting_bytes)
 
+    def _worker_counts(self) -> list[int]:
+        """This tier's ``TIER_COUNTERS`` summed over the worker slots (the segment's
+        control words: monotonic over each slot's holders). A few word reads per slot."""
+        sums = [0] * len(TIER_COUNTERS)
+        rings = self._pool.rings
+        for w in range(self._pool.n):
+            for i, n in enumerate(rings.worker(w).tier_counters(self._tier)):
+                sums[i] += n
+        return sums
+
+    def _note_worker_counts(self) -> None:
+        """Count what the workers counted for this tier since the last look (its
+        ``WORKER_COUNTER_METRICS``)."""
+        seen, now = self._worker_counts_seen, self._worker_counts()
+        for i, name in enumerate(TIER_COUNTERS):
+            if now[i] > seen[i]:
+                self._stats.increase_counter(WORKER_COUNTER_METRICS[name], now[i] - seen[i],
+                                             (self._label,))
+        self._worker_counts_seen = now
+
     def _note_pool_health(self) -> None:
         if self._pool.broken is not None and not self._broken:
             # the pool logged why, once, and fails what it held; from now on lookups MISS
@@ -1082,6 +1120,8 @@ class StorageTierManager(SecondaryTierManager):
                 "of the last store answered).", t),
             RING_DEPTH: metrics.GaugeMetadata(
                 "Jobs waiting in the tier workers' job rings (all tiers share the pool).", t),
+            **{WORKER_COUNTER_METRICS[name]: metrics.CounterMetadata(_WORKER_COUNTER_HELP[name], t)
+               for name in TIER_COUNTERS},
         }
 
     @classmethod
