@@ -74,6 +74,7 @@ import sys
 import time
 
 from shmtier.shared import procinfo
+from shmtier.shared.log_setup import configure_logging
 
 MODULE = "shmtier.shared.segment_guardian"
 logger = logging.getLogger(MODULE)  # the same name when run as __main__
@@ -254,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
     if os.fork():
         os._exit(0)  # leave the owner's process tree: the owner reaps this first process
     os.chdir("/")
-    logging.basicConfig(level=os.environ.get("SHMTIER_LOG", "WARNING"))
+    configure_logging("segment-guardian")
     owner = _Owner(int(pid), int(started))
     os.write(1, f"ready {os.getpid()}\n".encode())
     null = os.open(os.devnull, os.O_WRONLY)

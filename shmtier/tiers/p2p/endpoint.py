@@ -79,6 +79,8 @@ import zmq
 
 from shmtier.shared.codec import crc32c
 from shmtier.shared.jobs import Outcome
+from shmtier.shared.log_setup import configure_logging
+from shmtier.shared.redact import register_secrets_in
 from shmtier.shared.segment import join_existing
 from shmtier.tiers.p2p.circuit import PeerCircuit
 from shmtier.tiers.p2p.client import ChunkClient
@@ -533,10 +535,10 @@ def keep_receive_buffers() -> bool:
 
 
 def main() -> int:
-    logging.basicConfig(level=os.environ.get("SHMTIER_LOG", "WARNING"),
-                        format="%(asctime)s %(levelname)s p2p-endpoint %(name)s: %(message)s")
+    configure_logging("p2p-endpoint")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     settings = unpack(sys.stdin.buffer.read())
+    register_secrets_in(settings)  # its CurveZMQ secret key never reaches a log line
     # background work: below the scheduler, before any thread (they inherit it)
     os.nice(int(settings.get("niceness", 0)))
     if not keep_receive_buffers():
