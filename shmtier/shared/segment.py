@@ -5,12 +5,13 @@ processes and tier workers open it as *members*. Any of them may arrive first.
 
 Join protocol (all roles)::
 
-    shm_open(O_CREAT | O_EXCL, 0600) ── wins ──▶ creator: check /dev/shm's free space,
-            │                                    write header, ftruncate, fallocate,
-            │ exists                             pre-fault, then state READY (last)
+    shm_open(O_CREAT | O_EXCL, 0600) ── wins ──▶ creator: flock (still linked? else
+            │                                    start over), check /dev/shm's free
+            │                                    space, write header, unlock, ftruncate,
+            │ exists                             fallocate, pre-fault, state READY (last)
             ▼
-    shm_open(existing) ──▶ wait (poll 5 ms, bounded) until state == READY,
-                           creator died or gave up (state FAILED / name unlinked)
+    shm_open(existing), flock ──▶ stale (the rule below)? replace it at once; else wait
+                           (poll 5 ms, bounded) until state == READY
                            ──▶ check geometry + fingerprint (mismatch names both)
 
 A segment whose owner (or, before any owner claimed it, whose creator) is dead
@@ -25,11 +26,23 @@ segment: unless it keeps it for a warm restart, its guardian process removes it 
 its ring semaphores (``remove_when_owner_dies``, ``segment_guardian.py``);
 ``clean_stale_segments()`` (``shmtier clean``) removes what is left otherwise.
 
-Staleness has one rule (``SegmentHeader.owner_alive``: the owner's pid, start time and
-boot id; before any owner claimed it, the creator's), and every removal of a segment
-that exists goes through :func:`remove_if_stale` or ``_join``, under the object's
-``flock``: ``open_segment`` holds it on an existing segment from its staleness check to
-its claim, so nothing removes a segment that a new owner is re-attaching to.
+Staleness has one rule (``_alive``), the same for an opener (``_join``), ``shmtier ls``
+(``list_segments``), ``shmtier clean`` and the guardian (``remove_if_stale``):
+
+* a shmtier header: live while its owner runs (pid, start time and boot id:
+  ``SegmentHeader.owner_alive``) or, before any owner claimed it, its creator; stale
+  once its creator marked it FAILED;
+* no shmtier header (shorter than one, or another magic: a creator that died before
+  writing it, or a file that no creator made): stale, unless its ``flock`` is held.
+  A creator holds the lock from its ``O_EXCL`` create until its header is written (one
+  write), and checks once it has the lock that the name is still its object: a judge
+  that takes the lock and finds no header may remove it at once, with no grace period.
+
+Every removal of a segment that exists goes through :func:`remove_if_stale` or
+``_join``, under the object's ``flock``: ``open_segment`` holds it on an existing
+segment from its staleness check to its claim, so nothing removes a segment that a new
+owner is re-attaching to. A replaced segment goes at once: an engine never waits out
+the open timeout for a creator that is dead.
 
 Space: the creator refuses (:class:`SegmentSpaceError`, the name unlinked again)
 when ``/dev/shm`` has less free space than the segment needs, and reserves every
@@ -234,6 +247,10 @@ class SegmentHeader:
         return self.layout.geometry
 
     def owner_alive(self) -> bool:
+        """Whether the owner (before any owner claimed it: the creator) runs; False for
+        a header that is not a shmtier one (it names nobody)."""
+        if self.magic != MAGIC:
+            return False
         if self.owner_pid:
             return procinfo.is_alive(self.owner_pid, self.owner_start, self.boot_id)
         return procinfo.is_alive(self.creator_pid, self.creator_start, self.boot_id)
@@ -451,16 +468,28 @@ def _check_compatible(name: str, header: SegmentHeader, layout: SegmentLayout,
 
 
 def _create(name: str, shm: posix_ipc.SharedMemory, layout: SegmentLayout, fingerprint: str,
-            prefault_rank: int | None, prefault: bool, reserve_bytes: int) -> Segment:
+            prefault_rank: int | None, prefault: bool, reserve_bytes: int,
+            deadline: float) -> Segment | None:
+    """Initialise the object ``shm`` just created (``O_EXCL``); None when a judge removed
+    it as headerless before this process took its lock (the caller starts over)."""
     buf = None
+    inode = os.fstat(shm.fd).st_ino
     try:
+        # Until the header is written, the lock is what tells a judge that a creator is
+        # at work (the module docstring's rule). A judge that took it first saw no
+        # header and may have removed the name: then this object is nobody's.
+        if not _lock(shm.fd, deadline):
+            raise SegmentTimeoutError(f"segment {name}: another process held the lock of "
+                                      f"the segment this process just created")
+        if os.fstat(shm.fd).st_nlink == 0:
+            return None
         _check_space(name, layout.total_len, reserve_bytes)
         # The header goes in with one write *before* the object grows: a joiner that
         # sees HEADER_SIZE bytes sees who the creator is (state still INITIALISING).
         os.pwrite(shm.fd, _encode_header(layout, fingerprint).ljust(HEADER_SIZE, b"\0"), 0)
+        fcntl.flock(shm.fd, fcntl.LOCK_UN)  # before the mapping shares (and keeps) it
         os.ftruncate(shm.fd, layout.total_len)
         _allocate(name, shm.fd, layout.total_len, reserve_bytes)  # no SIGBUS on a later fault
-        inode = os.fstat(shm.fd).st_ino
         buf = mmap.mmap(shm.fd, layout.total_len)
         segment = Segment(name, buf, inode, layout, is_creator=True, is_owner=False)
         if prefault:
@@ -474,10 +503,7 @@ def _create(name: str, shm: posix_ipc.SharedMemory, layout: SegmentLayout, finge
                 buf.close()
             except (BufferError, ValueError):
                 pass
-        try:
-            posix_ipc.unlink_shared_memory(name)
-        except posix_ipc.ExistentialError:
-            pass
+        _unlink_if_same(name, inode)  # a judge may have replaced it meanwhile
         raise
     finally:
         shm.close_fd()
@@ -528,7 +554,9 @@ def open_segment(
             pass
         else:
             segment = _create(name, shm, layout, fingerprint, prefault_rank, prefault,
-                              reserve_bytes)
+                              reserve_bytes, deadline)
+            if segment is None:
+                continue  # removed before its header was written: race again
             if owner:
                 segment.claim_ownership()
             return segment
@@ -573,23 +601,19 @@ def _join(name: str, fd: int, layout: SegmentLayout, fingerprint: str, *, owner:
         if st.st_nlink == 0:
             return None  # creator gave up and unlinked it
         header = _read_header(fd)
-        if header is not None and header.state == FAILED:
-            _unlink_if_same(name, st.st_ino)
-            return None
-        if header is not None and header.state == READY:
+        if header is not None and header.magic == MAGIC and header.state == READY:
             break
-        if header is not None and header.magic == MAGIC and not procinfo.is_alive(
-            header.creator_pid, header.creator_start, header.boot_id
-        ):
-            logger.warning("segment %s: creator pid %d died while initialising; replacing it",
-                           name, header.creator_pid)
+        if not _alive(header, fd, locked=True):  # the caller holds the lock
+            if header is None or header.magic != MAGIC or header.state != FAILED:
+                logger.warning("segment %s is stale (%s); replacing it", name,
+                               _stale_why(header, st.st_size))
             _unlink_if_same(name, st.st_ino)
             return None
         if time.monotonic() > deadline:
-            creator = f"creator pid {header.creator_pid}" if header else "its creator"
             raise SegmentTimeoutError(
-                f"segment {name}: {creator} did not finish initialising it within "
-                f"{timeout_s:g} s (raise the timeout or remove it with `shmtier clean`)"
+                f"segment {name}: creator pid {header.creator_pid} did not finish "
+                f"initialising it within {timeout_s:g} s (raise the timeout or remove it "
+                f"with `shmtier clean`)"
             )
         time.sleep(0.005)
 
@@ -654,19 +678,52 @@ class SegmentStatus:
     fingerprint: str
 
 
-def _status(name: str, fd: int) -> SegmentStatus:
-    """The status of the segment open as ``fd``, by the staleness rule (module docstring).
+def _alive(header: SegmentHeader | None, fd: int, *, locked: bool) -> bool:
+    """The staleness rule (module docstring) for the segment open as ``fd`` whose header
+    reads ``header`` (None: shorter than one): whether it is live. ``locked``: the
+    caller holds the segment's lock (then a segment without a header is stale: no
+    creator is writing one); else a held lock means a creator is writing it."""
+    if header is None or header.magic != MAGIC:
+        return not locked and _lock_held(fd)
+    if header.state == FAILED:
+        return False  # its creator gave up on it (and unlinks it, if it still runs)
+    return header.owner_alive()
 
-    No header yet: a creator is between ``shm_open`` and its first write, or died there;
-    only the latter is stale (it gets a few seconds)."""
+
+def _stale_why(header: SegmentHeader | None, size: int) -> str:
+    """Why a segment the rule calls stale is, for a log line."""
+    if header is None:
+        return (f"{size} bytes, no header: its creator died before writing one, or no "
+                f"shmtier creator made it")
+    if header.magic != MAGIC:
+        return f"no shmtier header (magic {header.magic!r}): no shmtier creator made it"
+    if header.state == FAILED:
+        return "its creator gave up initialising it"
+    if header.state != READY:
+        return f"creator pid {header.creator_pid} died while initialising it"
+    return f"owner pid {header.owner_pid or header.creator_pid} dead"
+
+
+def _lock_held(fd: int) -> bool:
+    """Whether another open file holds the segment's ``flock`` now (never waits)."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    fcntl.flock(fd, fcntl.LOCK_UN)
+    return False
+
+
+def _status(name: str, fd: int, *, locked: bool) -> SegmentStatus:
+    """The status of the segment open as ``fd``, by the staleness rule (``_alive``);
+    ``locked``: the caller holds its lock."""
     st = os.fstat(fd)
-    raw = os.pread(fd, HEADER_SIZE, 0)
-    if len(raw) < HEADER_SIZE:
-        young = time.time() - st.st_mtime < 5.0
-        return SegmentStatus(name, st.st_size, 0, 0, young, "")
-    header = SegmentHeader.decode(raw)
-    return SegmentStatus(name, st.st_size, header.owner_pid, header.creator_pid,
-                         header.owner_alive(), header.fingerprint)
+    header = _read_header(fd)
+    alive = _alive(header, fd, locked=locked)
+    if header is None or header.magic != MAGIC:
+        return SegmentStatus(name, st.st_size, 0, 0, alive, "")
+    return SegmentStatus(name, st.st_size, header.owner_pid, header.creator_pid, alive,
+                         header.fingerprint)
 
 
 def _open_entry(name: str) -> int | None:
@@ -691,7 +748,7 @@ def list_segments() -> list[SegmentStatus]:
         if fd is None:
             continue
         try:
-            found.append(_status("/" + entry, fd))
+            found.append(_status("/" + entry, fd, locked=False))
         except OSError:
             pass
         finally:
@@ -718,7 +775,7 @@ def remove_if_stale(name: str, *, inode: int | None = None,
         st = os.fstat(fd)
         if st.st_nlink == 0 or (inode is not None and st.st_ino != inode):
             return None
-        status = _status(name, fd)
+        status = _status(name, fd, locked=True)
         if status.alive:
             return None
         _unlink_if_same(name, st.st_ino)  # the fd pins the inode: same number, same object
