@@ -78,6 +78,35 @@ def test_warm_restart_keeps_the_rows_byte_exact(capsys):
     assert "first scheduler (pid" in out and "SIGKILLed after request 12 of 24" in out
 
 
+def test_files_too_big_for_a_chunk_are_never_served_and_all_removed(capsys):
+    """Issue 28 item 4 under load: chunk files replaced by sparse 5 GiB files are MISSes
+    the tier removes (or a fresh engine's listing does), never a failed listing or a
+    failed promotion of their neighbours (the verdict's settling, index and fresh-scan
+    checks fail then)."""
+    rc, result = _run(Chaos(big_file_at=(0.3, 0.6), big_files=2), seed=6)
+    _passed(rc, result)
+    f = result.faults["big_files"]
+    assert f["events"] == 2 and f["planted"] >= 3
+    check = _check(result, "files too big for a chunk removed")
+    assert check.ok and check.counts["planted"] == f["planted"] and check.counts["left"] == 0
+    assert check.counts["gone_in_run"] >= 1  # later turns promote what was replaced early
+
+
+def test_a_namespace_link_with_a_worker_restarted_under_it_is_an_outage(capsys):
+    """Issue 28 item 5 under load: the namespace directory moved aside and a symlink put
+    in its place, a tier worker SIGKILLed meanwhile: its replacement starts (the pool broke
+    for good: "failed to start 3 times"), and once the link is gone and the directory back
+    cascades land again; no wrong byte, index equals files."""
+    rc, result = _run(Chaos(namespace_link_at=(0.25,), link_for=0.25), seed=7, turns=5)
+    _passed(rc, result)
+    f = result.faults["namespace_link"]
+    assert f["links"] == 1 and f["kills"] == 1 and f["replaced"] == 1 and f["pool_broken"] == 0
+    assert f["put_back"] == 1
+    assert _check(result, "tier workers start under a namespace link").ok
+    assert _check(result, "stores work after the namespace link is removed").counts[
+        "written_after_link"] > 0
+
+
 def test_a_wrong_byte_fails_the_verdict_with_its_step(capsys):
     victim = trace.chunk_keys(0, 1)[0]  # conversation 0's first chunk: loaded on later turns
 
@@ -102,6 +131,10 @@ def test_a_wrong_byte_fails_the_verdict_with_its_step(capsys):
     (dict(corrupt_at=(1.5,)), r"Chaos.corrupt_at = \(1.5,\): fractions of the trace must be in \[0, 1\)"),
     (dict(fill_root_at=0.9, fill_for=0.2), r"Chaos.fill_for = 0.2: must be > 0 and end before"),
     (dict(corrupt_files=0), r"Chaos.corrupt_files = 0: must be >= 1"),
+    (dict(big_files=0), r"Chaos.big_files = 0: must be >= 1"),
+    (dict(namespace_link_at=(0.95,), link_for=0.1),
+     r"Chaos.link_for = 0.1: must be > 0 and end before the trace does"),
+    (dict(big_file_at=(-0.1,)), r"Chaos.big_file_at = \(-0.1,\): fractions of the trace"),
 ])
 def test_bad_chaos_is_refused_naming_the_field(bad, match):
     with pytest.raises(ValueError, match=match):

@@ -1,13 +1,16 @@
 """``shmtier bench --stress``: shmtier's stress run (``shmtier.stress.run_stress``, what
 ``shmtier run`` runs) under sustained load with every fault on: tier workers SIGKILLed at
 random intervals, chunk files damaged (payload bytes flipped, cut, header overwritten), the
-fs namespace and then the root removed, a tier worker stopped (SIGSTOP) past the pool's
-heartbeat timeout, the scheduler SIGKILLed halfway and warm-restarted on its segment, and
-the root's filesystem (a tmpfs mounted for the run; "skipped: <why>" in the verdict where
-mounting is not permitted) filled for a while. Invariants are checked while the load runs
-(no wrong byte, rows and pins equal to the jobs in flight, every job completed exactly
-once, every manager call under a bound) and at the end (index equals files, damaged files
-accounted for, a fresh engine's scan agrees, nothing left in /dev/shm).
+fs namespace and then the root removed, chunk files replaced by sparse 5 GiB files, the
+namespace directory replaced by a symlink while a tier worker restarts, a tier worker
+stopped (SIGSTOP) past the pool's heartbeat timeout, the scheduler SIGKILLed halfway and
+warm-restarted on its segment, and the root's filesystem (a tmpfs mounted for the run;
+"skipped: <why>" in the verdict where mounting is not permitted) filled for a while.
+Invariants are checked while the load runs (no wrong byte, rows and pins equal to the jobs
+in flight, every job completed exactly once, every manager call under a bound) and at the
+end (index equals files, damaged files accounted for, a fresh engine's scan agrees and no
+file too big for a chunk is left, workers restarted under the namespace link started and
+stores resumed after it, nothing left in /dev/shm).
 
 The verdict is the run's ``StressResult``: ``stress.json`` under ``--out`` holds each
 check's name, verdict and counts, the violations with their steps, what each fault did,
@@ -33,7 +36,8 @@ def stress_chaos(kill_every_s: float, stall_s: float):
                  delete_namespace_at=(0.3,), delete_root_at=(0.6,),
                  root_gone_s=0.2, corrupt_at=(0.2, 0.45, 0.9), corrupt_files=4,
                  fill_root_at=0.7, fill_for=0.1, stall_at=(0.35,), stall_s=stall_s,
-                 warm_restart_at=0.5)
+                 warm_restart_at=0.5, big_file_at=(0.4, 0.85), big_files=2,
+                 namespace_link_at=(0.12,), link_for=0.06)
 
 
 def run_stress_bench(args) -> int:

@@ -23,6 +23,17 @@ and each deferred step); nothing here waits on a tier worker. Faults and what ea
   the manager calls made meanwhile are timed apart.
 * ``warm_restart_at``: the scheduler process is SIGKILLed there and a new one re-attaches
   to its segment (``shmtier/stress/restart.py``; the run does it, not this runner).
+* ``big_file_at``: replace ``big_files`` random chunk files by sparse files over 4 GiB
+  (``faults.plant_big``; never one already damaged), each remembered by path and inode:
+  the tier must take each for a foreign file (a MISS, removed), never fail its neighbours,
+  and none may be left once a fresh engine listed the root.
+* ``namespace_link_at``: move the namespace directory beside the root and put a symbolic
+  link to it in its place, then SIGKILL a healthy tier worker (at the next tick that finds
+  one), so that its replacement starts with the link there; after ``link_for`` of the
+  trace, and once that replacement beat (or the pool broke, or ``LINK_WAIT_S`` passed;
+  until it beat each step waits ``LINK_PAUSE_S``), remove the link and move the directory
+  back. Bytes cascaded after that count (``written_after_link``); the replacement
+  becoming healthy counts (``link_replacements_healthy``).
 """
 
 from __future__ import annotations
@@ -38,6 +49,12 @@ from shmtier.shared import procinfo
 from shmtier.stress import faults
 
 WRITE_BYTES = "vllm:kv_offload_tiering_write_bytes"
+#: The most the runner waits, past ``link_for``, for the worker killed under a namespace
+#: link to be replaced before it removes the link.
+LINK_WAIT_S = 15.0
+#: Meanwhile each step of the trace waits this long (the pool starts the replacement in
+#: the manager's calls between steps): a short trace does not end before it.
+LINK_PAUSE_S = 0.05
 
 
 @dataclass(frozen=True)
@@ -59,10 +76,15 @@ class Chaos:
     warm_restart_at: float | None = None  # kill the scheduler here; warm restart
     # a SIGKILL of a tier worker at these fractions, whatever kill_every_s's clock says
     kill_worker_at: tuple[float, ...] = ()
+    big_file_at: tuple[float, ...] = ()  # replace chunk files by sparse 5 GiB files ...
+    big_files: int = 1  # ... this many each time
+    namespace_link_at: tuple[float, ...] = ()  # the namespace directory becomes a link ...
+    link_for: float = 0.1  # ... for this fraction of the trace (a worker restarts meanwhile)
 
     def __post_init__(self) -> None:
         for name in ("kill_worker_at", "delete_namespace_at", "delete_root_at", "corrupt_at",
-                     "stall_at", "fill_root_at", "warm_restart_at"):
+                     "stall_at", "fill_root_at", "warm_restart_at", "big_file_at",
+                     "namespace_link_at"):
             value = getattr(self, name)
             for f in (value if isinstance(value, tuple) else () if value is None else (value,)):
                 if not 0 <= f < 1:
@@ -73,6 +95,12 @@ class Chaos:
                              f"the trace does (fill_root_at = {self.fill_root_at})")
         if self.corrupt_files < 1:
             raise ValueError(f"Chaos.corrupt_files = {self.corrupt_files!r}: must be >= 1")
+        if self.big_files < 1:
+            raise ValueError(f"Chaos.big_files = {self.big_files!r}: must be >= 1")
+        for at in self.namespace_link_at:
+            if not 0 < self.link_for < 1 - at:
+                raise ValueError(f"Chaos.link_for = {self.link_for!r}: must be > 0 and end "
+                                 f"before the trace does (namespace_link_at = {at})")
         if self.stall_s <= 0 or self.root_gone_s < 0:
             raise ValueError(f"Chaos.stall_s = {self.stall_s!r}, root_gone_s = "
                              f"{self.root_gone_s!r}: must be > 0 and >= 0")
@@ -91,19 +119,24 @@ class ChaosRunner:
 
     def __init__(self, chaos: Chaos, rng, pool, engine_id: str, root: str, requests: int,
                  counters: dict, timer, first: int = 0, last: int | None = None,
-                 filler: str | None = None):
+                 filler: str | None = None, namespace: str | None = None):
+        """``namespace``: the name of the engine's namespace directory under ``root``
+        (for ``namespace_link_at``; None: the one found there at the time)."""
         self.chaos, self.rng, self.pool, self.engine_id, self.root = (
             chaos, rng, pool, engine_id, root)
+        self.namespace = namespace
         self.counters, self.timer, self.filler = counters, timer, filler
         last = requests if last is None else last
         at = lambda fs, what: [(int(f * requests), what) for f in fs  # noqa: E731
                                if first <= int(f * requests) < last]
         fill = () if chaos.fill_root_at is None or filler is None else (chaos.fill_root_at,)
         free = () if not fill else (chaos.fill_root_at + chaos.fill_for,)
+        unlink = tuple(f + chaos.link_for for f in chaos.namespace_link_at)
         self.events = sorted(at(chaos.delete_namespace_at, "namespace")
                              + at(chaos.delete_root_at, "root") + at(chaos.corrupt_at, "corrupt")
                              + at(fill, "fill") + at(free, "free") + at(chaos.stall_at, "stall")
-                             + at(chaos.kill_worker_at, "kill"))
+                             + at(chaos.kill_worker_at, "kill") + at(chaos.big_file_at, "big")
+                             + at(chaos.namespace_link_at, "link") + at(unlink, "unlink"))
         self.kills_waiting = 0
         self.kill_at = self._next_kill(time.monotonic())
         self.recreate_at: float | None = None
@@ -121,8 +154,22 @@ class ChaosRunner:
                        "corrupt_events": 0, "stalls": 0, "stalls_resumed": 0,
                        "stalls_killed_as_hung": 0, "stall_max_call_ms": 0.0, "fills": 0,
                        "filled_bytes": 0, "written_after_free": 0,
+                       "big_file_events": 0, "big_files_planted": 0, "namespace_links": 0,
+                       "namespace_links_skipped": 0, "namespace_links_removed": 0,
+                       "namespace_dirs_put_back": 0, "link_kills": 0,
+                       "link_replacements_healthy": 0, "link_pool_broken": 0,
+                       "written_after_link": 0,
                        **{f"corrupted_{how}": 0 for how in faults.CORRUPTIONS}}
         self.corrupted: list[list] = []  # [path, faults.identity, how]
+        self.big: list[list] = []  # [path, faults.identity] of the files plant_big made
+        #: the namespace link in place: (namespace path, aside path, (slot, pid) killed
+        #: under it, None, or "replaced" once its replacement beat (or the pool broke),
+        #: when to give up waiting for it: None until ``link_for`` is over)
+        self.linked: tuple | None = None
+        self.written_at_unlink: float | None = None
+        #: The link was still in place when the trace ended (removed only by ``stop``):
+        #: whether stores resume after it cannot be judged.
+        self.link_removed_at_end = False
 
     def _next_kill(self, now: float) -> float:
         every = self.chaos.kill_every_s
@@ -134,6 +181,14 @@ class ChaosRunner:
             self._recreate_root()
         if self.stalled is not None and now >= self.stalled[1]:
             self._resume()
+        if self.linked is not None:
+            if self.linked[2] is None:  # none was healthy at the link: kill one now
+                self._kill_under_link()
+            replaced = self._replaced_or_late(now)
+            if replaced and self.linked[3] is not None:  # and link_for is over
+                self._restore_namespace()
+            elif not replaced:  # the operator waits for the restart: so does the trace,
+                time.sleep(LINK_PAUSE_S)  # a little per step
         while self.events and self.events[0][0] <= request_no:
             what = self.events.pop(0)[1]
             if what == "stall":
@@ -155,6 +210,9 @@ class ChaosRunner:
         self.kill_at = math.inf
         self.events = [e for e in self.events if e[1] == "free"]
         self.stalls_waiting = self.kills_waiting = 0
+        if self.linked is not None:
+            self._restore_namespace()
+            self.link_removed_at_end = True
         if self.recreate_at is not None:
             self._recreate_root(at_end=True)
         if self.stalled is not None:
@@ -164,33 +222,48 @@ class ChaosRunner:
         if self.written_at_free is not None:
             self.counts["written_after_free"] = (self.counters.get(WRITE_BYTES, 0)
                                                  - self.written_at_free)
+        self.note_written()
+
+    def note_written(self) -> None:
+        """Count the bytes cascaded since the namespace link was removed (again at the end
+        of the run: the settling's cascades count too)."""
+        if self.written_at_unlink is not None:
+            self.counts["written_after_link"] = (self.counters.get(WRITE_BYTES, 0)
+                                                 - self.written_at_unlink)
 
     # --- tier workers ---
 
-    def _healthy_worker(self) -> int | None:
+    def _healthy_worker(self) -> tuple[int, int] | None:
+        """A random healthy tier worker's ``(slot, pid)``, or None."""
         live = self.pool.healthy_workers() if self.pool is not None else []
         if not live:
             return None
-        _, pid = live[int(self.rng.integers(len(live)))]
+        slot, pid = live[int(self.rng.integers(len(live)))]
         # the pool's record names our own child: check its command line anyway
-        return pid if procinfo.is_tier_worker(pid, self.engine_id) else None
+        return (slot, pid) if procinfo.is_tier_worker(pid, self.engine_id) else None
 
     def _kill(self) -> bool:
-        pid = self._healthy_worker()
+        return self._kill_one() is not None
+
+    def _kill_one(self) -> tuple[int, int] | None:
+        """SIGKILL a random healthy tier worker (not a stalled one): its ``(slot, pid)``."""
+        worker = self._healthy_worker()
+        slot, pid = worker if worker is not None else (None, None)
         if pid is None or (self.stalled is not None and pid == self.stalled[0]):
             self.counts["no_worker_to_kill"] += pid is None
-            return False
+            return None
         try:
             os.kill(pid, signal.SIGKILL)
         except OSError:
-            return False
+            return None
         self.counts["kills"] += 1
-        return True
+        return slot, pid
 
     def _stall(self) -> bool:
-        pid = self._healthy_worker()
-        if pid is None:
+        worker = self._healthy_worker()
+        if worker is None:
             return False
+        pid = worker[1]
         try:
             os.kill(pid, signal.SIGSTOP)
         except OSError:
@@ -222,7 +295,7 @@ class ChaosRunner:
 
     def _corrupt(self) -> None:
         self.counts["corrupt_events"] += 1
-        done = {c[0] for c in self.corrupted}
+        done = {c[0] for c in self.corrupted} | {b[0] for b in self.big}
         files = [p for p in faults.chunk_files(self.root) if p not in done]
         n = min(self.chaos.corrupt_files, len(files))
         for i in self.rng.choice(len(files), n, replace=False).tolist() if n else []:
@@ -231,6 +304,79 @@ class ChaosRunner:
             if ident is not None:
                 self.counts[f"corrupted_{how}"] += 1
                 self.corrupted.append([files[i], ident, how])
+
+    def _big(self) -> None:
+        self.counts["big_file_events"] += 1
+        done = {c[0] for c in self.corrupted} | {b[0] for b in self.big}
+        files = [p for p in faults.chunk_files(self.root) if p not in done]
+        n = min(self.chaos.big_files, len(files))
+        for i in self.rng.choice(len(files), n, replace=False).tolist() if n else []:
+            ident = faults.plant_big(files[i])
+            if ident is not None:
+                self.counts["big_files_planted"] += 1
+                self.big.append([files[i], ident])
+
+    def _namespace_path(self) -> str | None:
+        if self.namespace is not None:
+            return os.path.join(self.root, self.namespace)
+        from shmtier.tiers.chunk_names import is_namespace_name
+
+        try:
+            names = [n for n in os.listdir(self.root) if is_namespace_name(n)]
+        except OSError:
+            return None
+        return os.path.join(self.root, names[0]) if names else None
+
+    def _link(self) -> None:
+        ns = self._namespace_path()
+        aside = os.path.join(os.path.dirname(self.root), "namespace-aside")
+        if self.linked is not None or ns is None or not faults.link_namespace(ns, aside):
+            self.counts["namespace_links_skipped"] += 1
+            return
+        self.counts["namespace_links"] += 1
+        self.linked = (ns, aside, None, None)
+        self._kill_under_link()
+
+    def _kill_under_link(self) -> None:
+        """SIGKILL a healthy tier worker while the link is in place (its replacement starts
+        with the link there); when none is healthy now, the next ticks try again."""
+        killed = self._kill_one()
+        if killed is not None:
+            self.counts["link_kills"] += 1
+            ns, aside, _, give_up = self.linked
+            self.linked = (ns, aside, killed, give_up)
+
+    def _unlink(self) -> None:
+        """``link_for`` is over: remove the link once the worker killed under it has been
+        replaced (``_replaced_or_late``), at the latest ``LINK_WAIT_S`` from now."""
+        if self.linked is not None:
+            ns, aside, killed, _ = self.linked
+            self.linked = (ns, aside, killed, time.monotonic() + LINK_WAIT_S)
+
+    def _replaced_or_late(self, now: float) -> bool:
+        """Whether the worker killed under the link has a healthy replacement (counted
+        once), the pool broke (counted), or ``LINK_WAIT_S`` passed since ``link_for``
+        ended (none could be killed, or its replacement never beat)."""
+        ns, aside, killed, give_up = self.linked
+        if killed == "replaced":
+            return True
+        if self.pool.broken is not None:
+            self.counts["link_pool_broken"] += 1
+            self.linked = (ns, aside, "replaced", give_up)
+            return True
+        if killed is not None and any(slot == killed[0] and pid != killed[1]
+                                      for slot, pid in self.pool.healthy_workers()):
+            self.counts["link_replacements_healthy"] += 1
+            self.linked = (ns, aside, "replaced", give_up)
+            return True
+        return give_up is not None and now >= give_up
+
+    def _restore_namespace(self) -> None:
+        ns, aside, _, _ = self.linked
+        self.linked = None
+        self.counts["namespace_links_removed"] += 1
+        self.counts["namespace_dirs_put_back"] += faults.unlink_namespace(ns, aside)
+        self.written_at_unlink = self.counters.get(WRITE_BYTES, 0)
 
     def _fill(self) -> None:
         self.counts["fills"] += 1
@@ -311,4 +457,12 @@ def report(counts: dict) -> str:
                  f"resumed, {c['stalls_killed_as_hung']} killed as hung by the pool")
     if c["fills"]:
         line += f"; root filled {c['fills']}x ({c['filled_bytes']} filler bytes)"
+    if c["big_file_events"]:
+        line += f"; {c['big_files_planted']} chunk files replaced by sparse 5 GiB files"
+    if c["namespace_links"] or c["namespace_links_skipped"]:
+        line += (f"; namespace replaced by a symlink {c['namespace_links']}x "
+                 f"({c['namespace_links_skipped']} skipped; {c['link_kills']} workers "
+                 f"SIGKILLed under it, {c['link_replacements_healthy']} replacements healthy, "
+                 f"pool broken {c['link_pool_broken']}x; directory put back "
+                 f"{c['namespace_dirs_put_back']}x)")
     return line

@@ -58,14 +58,32 @@ def damaged_left(corrupted: list) -> dict[bytes, str]:
             if faults.still_there(path, ident)}
 
 
+def big_left(big: list) -> dict[bytes, str]:
+    """Of the files the run made too big for any chunk (``[path, identity]``), those still
+    at their path: key -> path."""
+    from shmtier.tiers.fs.namespace import chunk_key
+
+    return {chunk_key(os.path.basename(path)): path for path, ident in big
+            if faults.still_there(path, ident)}
+
+
 def check_index(result: StressResult, root: str, who: str, indexed: dict[bytes, int],
                 gauge: int, max_bytes: int | None, temps_allowed: bool = True,
-                damaged: dict[bytes, str] | None = None) -> None:
+                damaged: dict[bytes, str] | None = None,
+                foreign: dict[bytes, str] | None = None) -> None:
     """The fs index (and its bytes gauge) against the files on disk. ``damaged``: files
     the run damaged and the tier never read since (a cut one is smaller than its index
-    entry): left out of the size comparisons, named in the line."""
+    entry): left out of the size comparisons, named in the line. ``foreign``: files the
+    run made too big for any chunk (``big_left``) that no op of the tier met since: no
+    chunk at all, left out of every comparison (an index entry of the chunk they replaced
+    too), named in the line."""
     on_files, temps = files(root)
     damaged = damaged or {}
+    away = (foreign or {}).keys() & on_files.keys()
+    if away:
+        on_files = {k: v for k, v in on_files.items() if k not in away}
+        gauge -= sum(indexed[k] for k in away if k in indexed)
+        indexed = {k: v for k, v in indexed.items() if k not in away}
     apart = damaged.keys() & on_files.keys() & indexed.keys()
     on_disk = sum(on_files.values())
     diff = (gauge - sum(indexed[k] for k in apart)) - (on_disk - sum(on_files[k] for k in apart))
@@ -73,6 +91,8 @@ def check_index(result: StressResult, root: str, who: str, indexed: dict[bytes, 
     missing = indexed.keys() - on_files.keys()
     sized = [k for k in on_files.keys() & indexed.keys() - apart if on_files[k] != indexed[k]]
     but = f"; {len(apart)} damaged files never read again left out" if apart else ""
+    if away:
+        but += f"; {len(away)} files too big for a chunk, never met again, left out"
     result.check(f"{who}: bytes", diff == 0,
                  f"{who}: fs bytes_on_disk gauge {gauge} vs *.kv files {on_disk} "
                  f"({len(on_files)} files, {len(indexed)} indexed{but}): diff {diff:+d}",

@@ -1,15 +1,19 @@
 """The stress run's fault primitives, each one system call or a few: damage a chunk file,
-mount and fill a small tmpfs, find and signal a tier worker of the run's own engine.
+put a file no chunk could be in a chunk file's place, put a link in the namespace
+directory's place, mount and fill a small tmpfs, find and signal a tier worker of the run's
+own engine.
 
 Who calls: the chaos runner (``shmtier/stress/chaos.py``) on the run's scheduler thread,
 between manager calls. ``fill`` and ``corrupt`` write files (bounded by the tmpfs size or
-one chunk file); nothing here waits on another process.
+one chunk file; ``plant_big``'s file is sparse: it takes no space); nothing here waits on
+another process.
 """
 
 from __future__ import annotations
 
 import errno
 import os
+import shutil
 import subprocess
 
 #: How a chunk file is damaged: XOR bytes of its payload, cut it in half, overwrite the
@@ -48,6 +52,73 @@ def corrupt(path: str, how: str, rng) -> list | None:
         return identity(os.fstat(fd))
     finally:
         os.close(fd)
+
+
+#: The size of the file ``plant_big`` puts at a chunk's name: more than any chunk, and more
+#: than a result's 32-bit per-key figure carries (issue 28: such a file failed the tier).
+BIG_FILE_BYTES = 5 << 30
+
+
+def plant_big(path: str) -> list | None:
+    """Replace the chunk file at ``path`` by a sparse file of ``BIG_FILE_BYTES`` (made
+    beside it and renamed over it: a reader sees the chunk or the big file); returns the
+    big file's identity, or None when ``path`` is gone (an eviction won the race)."""
+    if not os.path.isfile(path) or os.path.islink(path):
+        return None
+    tmp = os.path.join(os.path.dirname(path), f".stress-big.{os.getpid()}")
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        try:
+            os.ftruncate(fd, BIG_FILE_BYTES)
+        finally:
+            os.close(fd)
+        os.rename(tmp, path)
+        return identity(os.lstat(path))
+    except OSError:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        return None
+
+
+def link_namespace(namespace: str, aside: str) -> bool:
+    """Move the namespace directory ``namespace`` to ``aside`` (same filesystem; an empty
+    directory there when the namespace is absent now) and put a symbolic link to it in
+    its place: what an operator's ``mv ns elsewhere && ln -s elsewhere ns`` leaves. False
+    when the link could not be made (the root is gone): nothing changed then."""
+    if os.path.lexists(aside):
+        shutil.rmtree(aside, ignore_errors=True)
+    try:
+        if os.path.isdir(namespace) and not os.path.islink(namespace):
+            os.rename(namespace, aside)
+        else:
+            os.mkdir(aside, 0o700)
+        os.symlink(aside, namespace)
+        return True
+    except OSError:
+        if os.path.isdir(aside) and not os.path.lexists(namespace):
+            try:
+                os.rename(aside, namespace)
+            except OSError:
+                pass
+        return False
+
+
+def unlink_namespace(namespace: str, aside: str) -> bool:
+    """Remove the link at ``namespace`` and move the directory ``aside`` back in its place
+    (the operator undoing ``link_namespace``); when something else is there now or the root
+    is gone, ``aside`` is removed instead. True when the directory went back."""
+    if os.path.islink(namespace):
+        os.unlink(namespace)
+    if not os.path.lexists(namespace) and os.path.isdir(os.path.dirname(namespace)):
+        try:
+            os.rename(aside, namespace)
+            return True
+        except OSError:
+            pass
+    shutil.rmtree(aside, ignore_errors=True)
+    return False
 
 
 def identity(st: os.stat_result) -> list:

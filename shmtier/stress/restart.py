@@ -90,9 +90,12 @@ def _child(params: dict) -> None:
     from shmtier.stress.checks import settle
 
     settle(engine.manager)  # tier workers up and the fs root listed
+    from shmtier.tiers.fs.namespace import namespace_dir_name
+
     runner = ChaosRunner(Chaos.from_dict(p["chaos"]), np.random.default_rng(p["seed"] + 1),
                          engine.pool, p["engine_id"], p["root"], len(queue), totals.counters,
-                         timer, 0, p["stop"], p["filler"])
+                         timer, 0, p["stop"], p["filler"],
+                         namespace=namespace_dir_name(engine.spec.fingerprint))
     play(engine, convs, queue, 0, p["stop"], chunks_per_turn=p["chunks_per_turn"],
          runner=runner, totals=totals, timer=timer, clock=clock, result=result,
          check_every=p["check_every"])
@@ -101,7 +104,9 @@ def _child(params: dict) -> None:
                                  engine.manager.lock)
     out = {"totals": totals.as_dict(), "steps": clock.step, "step_us": timer.step_us,
            "call_s": timer.call_s, "result": result.as_dict(), "chaos": runner.counts,
-           "corrupted": runner.corrupted, "ledger": engine.ledger.counts(),
+           "corrupted": runner.corrupted, "big": runner.big,
+           "link_removed_at_end": runner.link_removed_at_end,
+           "ledger": engine.ledger.counts(),
            "rows_at_kill": {"pinned": pinned, "pending": pending,
                             "resident": len(engine.manager.primary.resident_keys())},
            "pid": os.getpid()}

@@ -18,12 +18,13 @@ import numpy as np
 
 from shmtier.shared import procinfo
 from shmtier.stress import checks, trace
-from shmtier.stress.faults import mount_tmpfs, unmount
+from shmtier.stress.faults import BIG_FILE_BYTES, mount_tmpfs, unmount
 from shmtier.stress.chaos import WRITE_BYTES, Chaos, ChaosRunner, merge_counts, report
 from shmtier.stress.engine import LAYOUT, Engine, Totals, arena_mismatches, play, shm_left
 from shmtier.stress.invariants import CallTimer, Clock, check_rows
 from shmtier.stress.verdict import StressResult
 from shmtier.tiers.fs import scheduler as fs_tier
+from shmtier.tiers.fs.namespace import namespace_dir_name
 
 
 def run_stress(conversations: int = 24, turns: int = 4, chunks_per_turn: int = 4,
@@ -64,6 +65,8 @@ def run_stress(conversations: int = 24, turns: int = 4, chunks_per_turn: int = 4
     engine = None
     first: dict = {}
     corrupted: list = []
+    big: list = []
+    big_before_fresh: dict = {}
     detected = 0
     ran = False
     started = time.monotonic()
@@ -110,7 +113,7 @@ def run_stress(conversations: int = 24, turns: int = 4, chunks_per_turn: int = 4
         checks.settle(engine.manager)  # tier workers up and the fs root listed
         runner = ChaosRunner(chaos, np.random.default_rng(seed + 1), engine.pool, engine_id,
                              root, len(queue), totals.counters, timer, start, len(queue),
-                             filler)
+                             filler, namespace=namespace_dir_name(engine.spec.fingerprint))
         if first.get("chaos", {}).get("fills"):
             runner.written_at_free = 0  # freed in the first scheduler: all of ours count
         play(engine, convs, queue, start, len(queue), chunks_per_turn=chunks_per_turn,
@@ -119,6 +122,7 @@ def run_stress(conversations: int = 24, turns: int = 4, chunks_per_turn: int = 4
         runner.stop()
         counts = merge_counts(first.get("chaos", {}), runner.counts) if first else runner.counts
         corrupted = first.get("corrupted", []) + runner.corrupted
+        big = first.get("big", []) + runner.big
         settled = checks.settle(engine.manager, timeout_s=60.0)
         with engine.manager.lock:
             stats = engine.stats_into(totals, timer)
@@ -127,6 +131,9 @@ def run_stress(conversations: int = 24, turns: int = 4, chunks_per_turn: int = 4
         if runner.written_at_free is not None:  # the cascades the settling completed too
             counts["written_after_free"] = (totals.counters.get(WRITE_BYTES, 0)
                                             - runner.written_at_free)
+        runner.note_written()  # so do those after the namespace link was removed
+        counts["written_after_link"] = (first.get("chaos", {}).get("written_after_link", 0)
+                                        + runner.counts["written_after_link"])
         pinned, pending = check_rows(engine_id, engine.ledger, result, clock, engine.manager.lock)
         _report(totals, timer, clock, time.monotonic() - started)
         if chaos != Chaos():
@@ -162,9 +169,13 @@ def run_stress(conversations: int = 24, turns: int = 4, chunks_per_turn: int = 4
                          f"{totals.counters.get('vllm:kv_offload_tiering_cascade_job_failures', 0)}"
                          f"; bytes cascaded after it was freed {counts['written_after_free']}",
                          written_after_free=counts["written_after_free"])
+        if counts.get("namespace_links"):
+            _check_link(result, counts, engine,
+                        runner.link_removed_at_end or first.get("link_removed_at_end", False))
         damaged = checks.damaged_left(corrupted)
+        big_before_fresh = checks.big_left(big)
         checks.check_index(result, root, "live engine", indexed, gauge, max_bytes,
-                           damaged=damaged)
+                           damaged=damaged, foreign=big_before_fresh)
         detected = int(totals.counters.get(fs_tier.CORRUPT_CHUNKS, 0))
         ran = True
     finally:
@@ -179,6 +190,16 @@ def run_stress(conversations: int = 24, turns: int = 4, chunks_per_turn: int = 4
             checks.fresh_scan(result, extra, LAYOUT, root, max_bytes)
         except Exception as e:  # a check that cannot run fails
             result.check("fresh engine's scan", False, f"fresh engine's scan: {e!r}")
+        if big:
+            left = checks.big_left(big)
+            result.check("files too big for a chunk removed", not left,
+                         f"chunk files replaced by sparse {BIG_FILE_BYTES >> 30} GiB files: "
+                         f"{len(big)}; gone by the end of the trace (the tier took them for "
+                         f"foreign files, or they went with the namespace) "
+                         f"{len(big) - len(big_before_fresh)}; removed by a fresh engine's "
+                         f"listing {len(big_before_fresh) - len(left)}; left {len(left)}",
+                         planted=len(big), gone_in_run=len(big) - len(big_before_fresh),
+                         left_at_end=len(big_before_fresh), left=len(left))
     finally:
         _clean(base, mounted, engine_id, result)
     left = shm_left(engine_id)
@@ -190,6 +211,40 @@ def run_stress(conversations: int = 24, turns: int = 4, chunks_per_turn: int = 4
     failed = result.failed + sorted(result.violation_counts)
     print(f"all checks passed: {'yes' if result.passed else 'NO: ' + ', '.join(failed)}")
     return result.exit_code
+
+
+def _check_link(result: StressResult, counts: dict, engine: Engine, at_end: bool) -> None:
+    """The namespace-link fault: the worker killed under the link was replaced (its
+    replacement started with the link in place), the pool never broke, and cascades landed
+    once the link was gone (not judged when it went only as the trace ended, nor the
+    restart when no worker was ever healthy to be killed under the link)."""
+    c = counts
+    broken = engine.pool.broken
+    if not c["link_kills"] and broken is None and not c["link_pool_broken"]:
+        why = ("not judged: no tier worker was healthy to be killed while the link was in "
+               "place (the pool is not broken)")
+        result.faults.setdefault("namespace_link", {})["restart_check"] = why
+        print(f"  [--] tier workers start under a namespace link: {why}")
+    else:
+        replaced = (c["link_replacements_healthy"] == c["link_kills"]
+                    and not c["link_pool_broken"])
+        result.check("tier workers start under a namespace link", replaced and broken is None,
+                     f"namespace replaced by a symlink {c['namespace_links']}x: tier workers "
+                     f"SIGKILLed under it {c['link_kills']}, replaced and healthy "
+                     f"{c['link_replacements_healthy']}; pool broken: "
+                     f"{'no' if broken is None else broken}",
+                     links=c["namespace_links"], kills=c["link_kills"],
+                     replaced=c["link_replacements_healthy"], pool_broken=broken is not None)
+    if at_end:
+        why = ("not judged: the link was removed only when the trace ended (nothing was left "
+               "to store)")
+        result.faults.setdefault("namespace_link", {})["resume_check"] = why
+        print(f"  [--] stores work after the namespace link is removed: {why}")
+        return
+    result.check("stores work after the namespace link is removed", c["written_after_link"] > 0,
+                 f"namespace link removed {c['namespace_links_removed']}x (the directory put "
+                 f"back {c['namespace_dirs_put_back']}x); bytes cascaded after it "
+                 f"{c['written_after_link']}", written_after_link=c["written_after_link"])
 
 
 def _clean(base: str, mounted: bool, engine_id: str, result: StressResult) -> None:
@@ -324,6 +379,18 @@ def _faults(chaos: Chaos, c: dict, fill: dict | None) -> dict:
                             "stalls": c["stalls"], "resumed": c["stalls_resumed"],
                             "killed_as_hung": c["stalls_killed_as_hung"],
                             "max_call_ms": c["stall_max_call_ms"]}}
+    if chaos.big_file_at:
+        out["big_files"] = {"at": list(chaos.big_file_at), "events": c["big_file_events"],
+                            "planted": c["big_files_planted"]}
+    if chaos.namespace_link_at:
+        out["namespace_link"] = {"at": list(chaos.namespace_link_at), "for": chaos.link_for,
+                                 "links": c["namespace_links"],
+                                 "not_made": c["namespace_links_skipped"],
+                                 "kills": c["link_kills"],
+                                 "replaced": c["link_replacements_healthy"],
+                                 "pool_broken": c["link_pool_broken"],
+                                 "put_back": c["namespace_dirs_put_back"],
+                                 "written_after_link": c["written_after_link"]}
     if chaos.fill_root_at is not None:
         out["fill_root"] = {**(fill or {}), "at": chaos.fill_root_at, "for": chaos.fill_for,
                             "fills": c["fills"], "filled_bytes": c["filled_bytes"],
