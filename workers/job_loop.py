@@ -22,6 +22,9 @@ Runs in: one tier worker process (spawned by the pool, or started by
                         results.try_put(encoded result): a store or delete after
                         each slice (more=True but the last), other ops at the end
           every few seconds: owner (scheduler) alive? else exit
+    meanwhile, while the job thread is inside a backend call (it may wait on the medium
+    for as long as the backend's timeouts allow): the busy-beat thread beats every
+    heartbeat interval (``workers/busy_beat.py``), so a slow medium is busy, not hung
 
 Owner generation (``Segment.owner_generation``: a header word the owner bumps when it
 claims the segment, at creation and at each warm re-attach): a worker serves the owner
@@ -59,6 +62,7 @@ the job in hand). A worker whose tier backends cannot be built exits with
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -77,6 +81,7 @@ from shmtier.shared.ring import RingSet
 from shmtier.shared.segment import join_existing
 from shmtier.tiers import registry
 from shmtier.tiers.backend import BatchResult, UnsupportedOp, WorkerContext
+from shmtier.workers.busy_beat import BusyBeat
 
 # by its module's name also when run as ``python -m shmtier.workers.job_loop`` (__main__):
 # log_setup configures the ``shmtier`` loggers only
@@ -188,12 +193,14 @@ class JobRunner:
     called between slices of a store job; the loads it brings run at once and their
     results go to ``answer``; the rest are queued behind. ``check_owner`` is called before
     each job and each slice of one; it raises (a ``BaseException``) to abandon the work
-    unanswered (the worker's owner generation went stale)."""
+    unanswered (the worker's owner generation went stale). ``busy_beat`` (a
+    :class:`~shmtier.workers.busy_beat.BusyBeat`, or None) is told of each backend call
+    that does a job's I/O, so the worker beats while it waits on its medium."""
 
     def __init__(self, backends: list, arena: np.ndarray, chunk_bytes: int, slot_size: int,
                  beat=lambda: None, take_new=lambda: [], answer=lambda result: None,
                  stop_requested=lambda: False, tally=None, check_owner=lambda: None,
-                 tally_tier=None):
+                 tally_tier=None, busy_beat: BusyBeat | None = None):
         self.backends = backends
         self.arena = arena
         self.chunk_bytes = chunk_bytes
@@ -203,6 +210,7 @@ class JobRunner:
         self.answer = answer
         self.stop_requested = stop_requested
         self.check_owner = check_owner
+        self.busy_beat = busy_beat
         # tally(jobs, bytes, codec_ns, failed_keys): the slot's counters in the segment
         # (WorkerRings.tally), added to for each result answered
         self.tally = tally
@@ -324,9 +332,14 @@ class JobRunner:
         pieces: list[jobs.Result] = []
         whole = BatchResult(job.op, [], [], [], [], [])
         try:
+            beating = self.busy_beat  # beats while the backend waits on its medium
             if job.op == "scan":
-                pieces = self._fit(self._scan(job, handler), job)
+                with beating.busy() if beating else contextlib.nullcontext():
+                    listing = self._scan(job, handler)  # the backend runs as it is iterated
+                pieces = self._fit(listing, job)
             else:
+                if beating is not None:
+                    handler = beating.wrap(handler)
                 last_answer = time.monotonic()
                 for start, keys, part in self._in_slices(handler, job, backend):
                     if len(part.outcomes) != len(keys):
@@ -463,7 +476,7 @@ def run_worker(engine_id: str, index: int, generation: int | None = None) -> int
     stopping = []
     signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
     segment = join_existing(engine_id)
-    rings = runner = None
+    rings = runner = busy_beat = None
     mine = [generation]
 
     def check_owner() -> None:
@@ -497,11 +510,15 @@ def run_worker(engine_id: str, index: int, generation: int | None = None) -> int
             logger.error("tier worker %d cannot build its tier backends: %s: %s",
                          index, type(e).__name__, e)
             return EXIT_BACKENDS_FAILED
+        # started after nice and the policy were set (it inherits them), not while the
+        # backends are built: a worker that hangs there is a start failure, as before
+        busy_beat = BusyBeat(me.beat, config.heartbeat_interval_s)
         runner = JobRunner(backends, arena, config.chunk_bytes, config.slot_size, me.beat,
                            take_new=lambda: me.jobs.get_many(_BATCH, timeout_s=0),
                            answer=lambda result: _answer(me, result, segment, check_owner),
                            stop_requested=lambda: bool(stopping), tally=me.tally,
-                           check_owner=check_owner, tally_tier=me.tally_tier)
+                           check_owner=check_owner, tally_tier=me.tally_tier,
+                           busy_beat=busy_beat)
         next_owner_check = time.monotonic() + _OWNER_CHECK_S
         last_job = 0.0
         while not stopping:
@@ -532,6 +549,8 @@ def run_worker(engine_id: str, index: int, generation: int | None = None) -> int
                        mine[0], segment.owner_generation())
         return 3
     finally:
+        if busy_beat is not None:
+            busy_beat.stop()  # no beat for a slot this process leaves
         if rings is not None:
             try:
                 rings.worker(index).unclaim()  # a no-op unless this process holds the slot

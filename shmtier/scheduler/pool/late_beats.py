@@ -5,8 +5,10 @@ thread, for each worker that holds job parts: :meth:`LateBeats.hung` with the ag
 worker's own heartbeat. Never blocks; reads ``/proc`` only while a beat is late
 (``procinfo.runnable_threads``: one listing and one small read per thread of the worker).
 
-Why: a worker beats between job slices and once before it builds its tier backends. On
-a host whose cores are all busy, a worker (nice 10 and SCHED_BATCH: it yields to the
+Why: a worker beats between job slices, once before it builds its tier backends and,
+while its job thread is inside a backend call (waiting on its medium), every heartbeat
+interval from its busy-beat thread (``workers/busy_beat.py``). On a host whose cores
+are all busy, a worker (nice 10 and SCHED_BATCH: it yields to the
 engine by design) may get a few percent of a core for seconds. A slice, or building the
 backends at start (importing boto3), then takes longer than the heartbeat timeout,
 though the worker never stopped running or waiting to run. Killing it frees no CPU and
@@ -20,10 +22,12 @@ The rule, per worker, while its beat is older than half the timeout, at every ch
         otherwise (blocked, stopped)        hung (the caller kills it)
     its threads cannot be read              hung past the timeout (as without this rule)
 
-A worker blocked on I/O or a lock, or SIGSTOPped, is never in state R: it is judged hung
-as before, at the same age. A worker that computes forever without beating is spared
-here but still killed by the part deadline (``job_timeout_s``), which this rule does
-not touch.
+A worker SIGSTOPped, or blocked outside a backend call (its job loop stuck on a lock),
+is never in state R and does not beat: it is judged hung as before, at the same age. One
+blocked inside a backend call (a slow object store) beats from its busy-beat thread, so
+its beat is never late here, however long one request takes: the part deadline bounds
+that. A worker that computes forever without beating is spared here but still killed by
+the part deadline (``job_timeout_s``), which this rule does not touch.
 """
 
 from __future__ import annotations

@@ -21,7 +21,8 @@ each copies its worker's stderr to ours and keeps the last line.
         a part older than job_timeout_s, or own heartbeat older than
           heartbeat_timeout_s while it holds parts and its threads neither ran nor
           waited for a CPU meanwhile (late_beats.py: a starved worker is slow, not
-          hung) → SIGKILL → HUNG; spawn mode: its load parts fail at once, their
+          hung; one waiting on its medium inside a backend call beats meanwhile,
+          workers/busy_beat.py: busy, not hung) → SIGKILL → HUNG; spawn mode: its load parts fail at once, their
           rows held (PoolResult.release) until the process is gone
         gone → rings recovered, its other parts failed exactly once, the rows
           of its failed loads released → DEAD
@@ -147,7 +148,9 @@ class WorkerPool:
     """The tier workers of one engine (see the module docstring).
 
     ``heartbeat_timeout_s``: a worker holding parts whose own heartbeat is older is
-    hung, unless it ran or waited for a CPU meanwhile (``late_beats.py``).
+    hung, unless it ran or waited for a CPU meanwhile (``late_beats.py``). It does not
+    bound one request to a tier's medium: a worker beats while it waits inside a
+    backend call (``workers/busy_beat.py``); the part deadline bounds that.
     ``max_start_failures`` start failures of one slot within ``start_failure_window_s``
     break the pool. The part deadline is
     ``config.job_timeout_s``. Construction blocks while a previous scheduler's workers

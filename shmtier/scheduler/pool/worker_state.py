@@ -28,7 +28,8 @@ States:
 * STARTING: spawned (or, external mode, waiting for or seeing a new holder) and its
   heartbeat has not advanced yet. A worker beats once when it claims its slot,
   before it builds its tier backends, and then at least every heartbeat interval
-  from its job loop: a beat *after* the first one shows the job loop runs.
+  from its job loop (inside a backend call, from its busy-beat thread:
+  ``workers/busy_beat.py``): a beat *after* the first one shows the job loop runs.
 * HEALTHY: its own heartbeat advanced. Clears the slot's start failures.
 * HUNG: judged hung by the supervisor (a job part past its deadline, or its own
   heartbeat older than the timeout while it holds jobs), or stopped because the
