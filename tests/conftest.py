@@ -12,10 +12,14 @@ import pytest
 
 from s3_servers import moto_faults, moto_s3, seaweedfs_s3, seaweedfs_s3_killable  # noqa: F401
 from shmtier.shared import codec_choice
-from shmtier.shared.segment import list_segments
+from shmtier.shared.ring import ring_semaphore_segment
+from shmtier.shared.segment import NAME_PREFIX, list_segments
 
 SHM_DIR = "/dev/shm"
 VLLM_TESTS = Path(__file__).parent / "vllm"
+#: This test session's engine-id prefix: every ``engine_id`` the fixture gives carries it,
+#: so the leak check can tell this session's segments from another suite's on the host.
+SESSION_PREFIX = f"test-{uuid.uuid4().hex[:8]}-"
 
 
 @pytest.hookimpl(tryfirst=True)  # before `-m` deselects
@@ -35,25 +39,40 @@ def _shmtier_entries() -> set[str]:
         return set()
 
 
-def _foreign(entries: set[str]) -> set[str]:
-    """Segments held by another live process (a concurrent test run), and their ring
-    semaphores: not ours to judge."""
+def _leaks(entries: set[str]) -> set[str]:
+    """The entries (segments and their ring semaphores) among ``entries`` that this
+    session leaked: those whose segment this process holds (whatever its name), and those
+    named with ``SESSION_PREFIX`` unless another live process holds their segment (a
+    child of this session still winding down) - a dead holder there is a killed child or
+    a crashed worker of this session. Another suite's entries on the same host (another
+    prefix) are never judged, even when their holder is dead."""
     me = os.getpid()
-    live = {s.name.lstrip("/") for s in list_segments()
-            if s.alive and me not in (s.owner_pid, s.creator_pid)}
-    return {e for e in entries if e in live or any(e.startswith(f"sem.{seg}.") for seg in live)}
+    status = {s.name.lstrip("/"): s for s in list_segments()}
+    ours = NAME_PREFIX + SESSION_PREFIX
+    leaked = set()
+    for entry in entries:
+        segment = entry if entry.startswith(NAME_PREFIX) else ring_semaphore_segment(entry)
+        held = status.get(segment) if segment else None
+        if held is not None and held.alive:
+            if me in (held.owner_pid, held.creator_pid):
+                leaked.add(entry)
+        elif segment.startswith(ours) if segment else ours in entry:
+            leaked.add(entry)
+    return leaked
 
 
 @pytest.fixture(autouse=True)
 def no_shm_leak():
     """Fail the test that leaves a shmtier segment or semaphore behind (and remove it).
 
-    A new entry counts as this test's leak when this process holds it or its
-    holder is dead (a killed child, a crashed worker)."""
+    A new entry counts as this test's leak when this process holds it, or when it is
+    named with this session's prefix (``SESSION_PREFIX``, the ``engine_id`` fixture's)
+    and its holder is dead (a killed child, a crashed worker) or gone. Entries of other
+    suites running on the host are not this test's, whatever their state."""
     before = _shmtier_entries()
     yield
     new = _shmtier_entries() - before
-    leaked = new - _foreign(new)
+    leaked = _leaks(new)
     for entry in leaked:
         try:
             os.unlink(os.path.join(SHM_DIR, entry))
@@ -64,8 +83,9 @@ def no_shm_leak():
 
 @pytest.fixture
 def engine_id() -> str:
-    """A unique engine id, so tests never share a segment by accident."""
-    return f"test-{uuid.uuid4().hex[:12]}"
+    """A unique engine id, so tests never share a segment by accident; it carries this
+    session's prefix (``SESSION_PREFIX``), by which the leak check knows its segments."""
+    return f"{SESSION_PREFIX}{uuid.uuid4().hex[:12]}"
 
 
 @pytest.fixture
