@@ -306,6 +306,11 @@ class TieringConfig:
         secondary = tuple(
             SecondaryTierConfig.from_dict(tier, top, where=f"secondary_tiers[{i}]", context=context)
             for i, tier in enumerate(tiers))
+        # checks across one engine's tiers, by the tier configs that declare one
+        for options_cls in dict.fromkeys(type(t.options) for t in secondary):
+            check_together = getattr(options_cls, "check_engine_tiers", None)
+            if check_together is not None:
+                check_together(secondary)
         try:
             compression = CompressionConfig.from_config(extra.get("compression", "auto"))
         except ValueError as e:

@@ -354,6 +354,15 @@ def test_two_fs_tiers_on_one_root_are_refused_naming_both(tmp_path):
                                  {"root_dir": str(root) + "/", "mac_key": key}))
     check_shared_roots(tiers({"root_dir": str(root)}, {"root_dir": str(root / "sub")}))
     check_shared_roots(tiers({"root_dir": str(root)}, {"root_dir": str(root), "mac_key": key}))
+    # the spec's config refuses it when the spec is built, before anything is created
+    from shmtier.config import TieringConfig
+
+    with pytest.raises(ConfigError, match=r"secondary_tiers\[1\].root_dir = .* both fs tiers "
+                                          r"would share one namespace"):
+        TieringConfig.from_extra_config({"secondary_tiers": [
+            {"type": "fs", "root_dir": str(root)}, {"type": "fs", "root_dir": str(root)}]})
+    TieringConfig.from_extra_config({"secondary_tiers": [
+        {"type": "fs", "root_dir": str(root)}, {"type": "fs", "root_dir": str(root / "sub")}]})
 
 
 def test_external_worker_pool_serves_the_engine(engine_id, tmp_path):

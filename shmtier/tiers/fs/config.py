@@ -62,6 +62,12 @@ class FsTierConfig(StorageTierConfig):
     n_read_threads: int | None = option(None, integer(1).or_none())
     n_write_threads: int | None = option(None, integer(1).or_none())
 
+    @classmethod
+    def check_engine_tiers(cls, tiers: Iterable[Any]) -> None:
+        """One engine's checked ``secondary_tiers`` together (each was checked alone):
+        no two fs tiers share a namespace (:func:`check_shared_roots`)."""
+        check_shared_roots(tiers)
+
 
 def check_shared_roots(tiers: Iterable[Any]) -> None:
     """Refuse two fs tiers of one engine that would share one namespace directory: the
