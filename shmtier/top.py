@@ -60,7 +60,8 @@ def ls_text(snaps: list[Snapshot]) -> str:
     """``shmtier ls``: one line per segment."""
     if not snaps:
         return "no shmtier segments on this host"
-    head = (f"{'ENGINE':24s} {'STATE':6s} {'OWNER':>8s} {'SIZE':>10s} {'ROWS USED':>13s} "
+    width = max(24, *(len(s.engine_id) for s in snaps))  # an id is never cut: users copy it
+    head = (f"{'ENGINE':{width}s} {'STATE':6s} {'OWNER':>8s} {'SIZE':>10s} {'ROWS USED':>13s} "
             f"{'ROW':>9s} {'WS':>3s} {'WORKERS':>7s}  TIERS")
     lines = [head]
     for s in snaps:
@@ -69,7 +70,7 @@ def ls_text(snaps: list[Snapshot]) -> str:
         g = s.geometry or {}
         workers = (f"{sum(w.alive for w in s.workers)}/{len(s.workers)}" if s.workers
                    else "-")
-        lines.append(f"{s.engine_id[:24]:24s} {state:6s} {s.owner_pid or s.creator_pid:>8d} "
+        lines.append(f"{s.engine_id:{width}s} {state:6s} {s.owner_pid or s.creator_pid:>8d} "
                      f"{human_bytes(s.size):>10s} {rows:>13s} "
                      f"{human_bytes(g['row_stride']) if g else '-':>9s} "
                      f"{g.get('world_size', '-'):>3} {workers:>7s}  {_tiers_words(s)}"

@@ -105,15 +105,18 @@ def test_cascade_admission_decides_per_tier_and_exempts_request_level_tiers():
 # --- the config keys ---
 
 def test_config_default_is_write_through_for_every_tier(tmp_path):
-    tiers = [{"type": "fs", "root_dir": str(tmp_path)}, {"type": "fs", "root_dir": str(tmp_path)}]
+    (tmp_path / "lower").mkdir()
+    tiers = [{"type": "fs", "root_dir": str(tmp_path)},
+             {"type": "fs", "root_dir": str(tmp_path / "lower")}]  # one namespace each
     cfg = TieringConfig.from_extra_config({"secondary_tiers": tiers})
     assert (cfg.admission, cfg.admission_window) == ("all", None)
     assert cfg.admission_rules() == ("all", "all")
 
 
 def test_config_top_level_rule_and_a_tier_override(tmp_path):
+    (tmp_path / "lower").mkdir()
     tiers = [{"type": "fs", "root_dir": str(tmp_path)},
-             {"type": "fs", "root_dir": str(tmp_path), "admission": "all"}]
+             {"type": "fs", "root_dir": str(tmp_path / "lower"), "admission": "all"}]
     cfg = TieringConfig.from_extra_config({"secondary_tiers": tiers, "admission": "second_touch",
                                            "admission_window": 100})
     assert cfg.admission_rules() == ("second_touch", "all")
