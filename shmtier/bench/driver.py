@@ -8,11 +8,14 @@ request's next chunks to prepare_store (the rows then filled, standing in for th
 copy), on_request_finished, on_schedule_end; sleep out the step; complete last step's
 jobs; has_pending_work, get_stats, take_events. Where vLLM 0.33's and 0.34's connectors
 differ (the keys a job's completion gets, ``complete_store``'s arguments) the calls are
-made as ``cfg.connector`` says (shmtier/bench/baseline.py), for every manager alike. Every
-manager call is timed (wall and on-CPU); the run's raw figures come back as a dict for
-shmtier/bench/report.py. After the run the manager and its /dev/shm entries are removed
-and its directory emptied, also on error; the emptied directories go when the process
-exits (``retire_root``).
+made as ``cfg.connector`` says (shmtier/bench/baseline.py), for every manager alike. A
+waiting request that, with nothing else left, loses hits to the waiting requests' own
+promotions ``cfg.self_eviction_scans`` lookup scans in a row (vLLM's LRU does that: see the
+check in ``drive``) is given up as an aborted one (on_request_finished) and listed in the
+figures' "abandoned". Every manager call is timed (wall and on-CPU); the run's raw figures
+come back as a dict for shmtier/bench/report.py. After the run the manager and its
+/dev/shm entries are removed and its directory emptied, also on error; the emptied
+directories go when the process exits (``retire_root``).
 """
 
 from __future__ import annotations
@@ -58,6 +61,9 @@ class Config:
     write_depth: int | None = None  # None: the fs tier's default
     drain_timeout_s: float = 60.0
     max_extra_steps: int = 20_000
+    # a waiting request that loses hits to the waiting requests' own promotions this
+    # many lookup scans in a row, nothing else left, is given up (``drive``, SELF_EVICTION)
+    self_eviction_scans: int = 1000
     samples: int = 0  # >0: sample the fs tier's bytes on disk about this many times per run
     progress: object = None  # callable(run_fraction) called about every 2% of the trace
     # the connector whose calls are replayed (shmtier/bench/baseline.py); None: the one
@@ -94,6 +100,10 @@ class _Req(DrivenRequest):
     deferrals: int = 0
     admitted: int = -1
     pending_since: dict = field(default_factory=dict)  # key -> (step, perf_counter)
+    # the keys its last lookup scan was answered HIT for, if that scan ran with only
+    # waiting requests left (``idle`` in drive); else None
+    idle_hits: frozenset | None = None
+    self_evictions: int = 0  # such scans in a row that lost a hit of the scan before
 
 
 def _proc_cpu_s(pid: int) -> float | None:
@@ -133,6 +143,11 @@ def _dir_bytes(root: str) -> int:
 
 class NoProgress(RuntimeError):
     """A manager stopped answering: a request never admitted or a job never finished."""
+
+
+#: why the driver gives a request up (``drive``'s "abandoned")
+SELF_EVICTION = ("with only waiting requests left, each lookup scan lost chunks it had "
+                 "been answered HIT for to the waiting requests' own promotions")
 
 
 def drive(mut: Mut, trace, cfg, data_pool: np.ndarray, probe: StepProbe | None = None) -> dict:
@@ -226,6 +241,8 @@ def drive(mut: Mut, trace, cfg, data_pool: np.ndarray, probe: StepProbe | None =
     stored_chunks = 0
     fill_cpu = 0.0
     inflight_store = Counter()  # keys with a store prepared and not yet completed
+    abandoned = []  # requests given up (SELF_EVICTION): one dict each
+    longest_self_eviction = 0  # most self-evicting scans in a row of any request
     mstats = {"counters": Counter(), "gauge_max": {}, "promo_job_s": []}
 
     reqs = trace.requests
@@ -264,6 +281,11 @@ def drive(mut: Mut, trace, cfg, data_pool: np.ndarray, probe: StepProbe | None =
         lookups_before = calls["lookup"]
         new_jobs = []
         new_ids = []
+        # Only waiting requests left (the trace has arrived, nothing runs, no job of the
+        # driver in flight): between two lookup scans in this state the manager takes rows
+        # for nothing but the waiting requests' own promotions (the self-eviction below).
+        idle = ai == len(reqs) and not running and not completions
+        give_up = []
         with locked():
             # -- get_num_new_matched_tokens / update_state_after_alloc
             free = cfg.max_running - len(running)
@@ -312,7 +334,33 @@ def drive(mut: Mut, trace, cfg, data_pool: np.ndarray, probe: StepProbe | None =
                             probe_miss_steps.append(step - since[0])
                 if deferred:
                     req.deferrals += 1
-                    skipped.append(req)
+                    # Self-eviction: with only waiting requests left, keys this request
+                    # was answered HIT for at its last scan (also idle) answer
+                    # HIT_PENDING/RETRY now: the manager evicted them for the waiting
+                    # requests' own promotions. vLLM's LRU ranks a waiting request's rows
+                    # by when it was first seen, below the rows stored since, so once the
+                    # CPU tier is full each scan evicts the request's own hits to promote
+                    # what the last scan evicted, and it seldom sees its prefix whole
+                    # (bench/README.md, "A request vLLM's manager does not admit"). vLLM's
+                    # connector defers it step after step; after
+                    # ``cfg.self_eviction_scans`` such scans in a row the driver gives it
+                    # up, as a client would abort it.
+                    lost = 0
+                    if idle and req.idle_hits:
+                        lost = sum(1 for key, r in zip(keys[g:], answers)
+                                   if r is not HIT and key in req.idle_hits)
+                    req.self_evictions = req.self_evictions + 1 if lost else 0
+                    longest_self_eviction = max(longest_self_eviction, req.self_evictions)
+                    if req.self_evictions >= cfg.self_eviction_scans:
+                        give_up.append(req)
+                        abandoned.append({
+                            "req": tr.idx, "arrival_step": tr.arrival_step, "step": step,
+                            "deferrals": req.deferrals, "keys": n - g,
+                            "scans": req.self_evictions, "why": SELF_EVICTION})
+                    else:
+                        req.idle_hits = (frozenset(k for k, r in zip(keys[g:], answers)
+                                                   if r is HIT) if idle else None)
+                        skipped.append(req)
                     continue
                 eligible += n - g
                 st_elig += n - g
@@ -374,6 +422,8 @@ def drive(mut: Mut, trace, cfg, data_pool: np.ndarray, probe: StepProbe | None =
                 else:  # waits for its load, or decodes
                     still.append(req)
             running = still
+            for req in give_up:  # aborted while waiting, as the connector finishes it
+                timed("on_request_finished", m.on_request_finished, req.ctx)
             timed("on_schedule_end", m.on_schedule_end, SEC(new_ids, ()))
 
         # -- forward pass: the GPU workers copy the new stores into their rows
@@ -467,7 +517,8 @@ def drive(mut: Mut, trace, cfg, data_pool: np.ndarray, probe: StepProbe | None =
         "ns": ns, "cpu_ns": cpu_ns, "calls": calls,
         "lookup_results": dict(results),
         "promo_steps": promo_steps, "promo_ms": promo_ms, "probe_miss_steps": probe_miss_steps,
-        "deferrals": deferrals, "queue_steps": queue_steps,
+        "deferrals": deferrals, "queue_steps": queue_steps, "abandoned": abandoned,
+        "self_eviction_scans_max": longest_self_eviction,
         "loaded": dict(loaded), "read_back_keys": len(read_back), "eligible": eligible, "alloc_failures": alloc_failures,
         "wrong_kv": wrong_kv, "verified": verified, "stored_chunks": stored_chunks,
         "wrong_by_source": dict(wrong_by_source), "verified_bytes": verified * payload,

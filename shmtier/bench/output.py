@@ -175,6 +175,11 @@ def _markdown(rep: dict, names: list) -> str:
              f"- **verification: {rep['verification']['text']}**"]
     lines += [f"- **run {st['run_no']} of {label(st['manager'])} made no progress and was run "
               f"again** (not in the figures): {st['error']}" for st in rep.get("stalls", ())]
+    lines += [f"- **{label(n)} run {i + 1} gave up request {a['req']}** after {a['scans']} lookup "
+              f"scans in a row ({a['why']}; arrived at step {a['arrival_step']}, given up at "
+              f"{a['step']}): not admitted, so not in its hit and load figures"
+              for n in names for i, s in enumerate(sums[n])
+              for a in s.get("abandoned_requests", ())]
     lines.append("")
     if limits:
         lines += ["## This machine's limits (measured in this run)", "",

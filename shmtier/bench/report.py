@@ -62,6 +62,10 @@ def summarise(res: dict, chunk_bytes: int) -> dict:
         "defer_max": max(defer) if defer else None,
         "deferred_frac": sum(1 for x in defer if x) / len(defer) if defer else None,
         "queue_p50": pct(res["queue_steps"], 50), "queue_p99": pct(res["queue_steps"], 99),
+        # requests the driver gave up (driver.SELF_EVICTION); absent from an older result
+        "abandoned": len(res.get("abandoned", ())),
+        "abandoned_requests": list(res.get("abandoned", ())),
+        "self_eviction_scans_max": res.get("self_eviction_scans_max"),
         "lookups": total_lookups, "lookups_per_step": total_lookups / n_steps,
         "lookups_per_loaded_chunk": total_lookups / loaded_total if loaded_total else None,
         "pending_frac": (res["lookup_results"].get("HIT_PENDING", 0)
@@ -208,6 +212,9 @@ ROWS = [  # (label, key, digits, ratio?)
     ("  requests deferred at least once", "deferred_frac", 3, True),
     ("  arrival -> admitted p50 steps", "queue_p50", 0, False),
     ("  arrival -> admitted p99 steps", "queue_p99", 0, True),
+    ("  most scans in a row losing hits to waiting requests' own promotions",
+     "self_eviction_scans_max", 0, False),
+    ("  requests given up for that (never admitted)", "abandoned", 0, False),
     ("lookups", None, 0, False),
     ("  calls per run", "lookups", 0, True),
     ("  per step", "lookups_per_step", 1, True),

@@ -203,7 +203,9 @@ def run_bench(args) -> int:
             print(f"  run {r + 1}/{repeats} {label(n):>10}: {s['steps']} steps, step p50 "
                   f"{s['step_us_p50']:.0f} µs p99 {s['step_us_p99']:.0f} µs, hits CPU "
                   f"{s['hit_cpu']:.2f} fs {s['hit_fs']:.2f}, {s['verified']} loaded chunks "
-                  f"checked, {s['wrong_kv']} wrong, wall {s['wall_s']:.1f} s", flush=True)
+                  f"checked, {s['wrong_kv']} wrong, wall {s['wall_s']:.1f} s"
+                  + (f", {s['abandoned']} request(s) given up (self-eviction)"
+                     if s["abandoned"] else ""), flush=True)
     meta["load_avg_end"] = os.getloadavg()[0]
     meta["stalls"] = stalls  # in report.json: runs that made no progress and were run again
     report = write_reports(out_dir, meta, limits, sums, raws, plots=not args.no_plots)
