@@ -1,0 +1,300 @@
+"""A real vLLM OpenAI API server in its own process group, for the e2e suite.
+
+:class:`Server` starts ``python -m vllm.entrypoints.openai.api_server`` (the interpreter
+running the tests: the cpu-0.32 environment) on a free 127.0.0.1 port, with the suite's
+fixed engine flags (:func:`engine_args`) and, when given, a ``--kv-transfer-config``
+naming shmtier (:func:`kv_config`). ``start()`` returns at once; ``wait_ready()`` waits
+for ``/health`` (and raises with the log's tail if the server exits first), then sends
+one short warm-up request; ``stop()`` sends SIGTERM to the API server, SIGKILL to its
+process group after ``grace_s``, waits until no process of the group is left and returns
+the shmtier entries of its engine still in /dev/shm (which it then removes, so that a
+failing test leaves the machine clean: the caller asserts on what it returned). Everything runs in the pytest process;
+``stop()`` never raises.
+
+The flags every server gets, with offloading or not (a reference server is the same
+command minus ``--kv-transfer-config``): ``--dtype bfloat16``, ``--enforce-eager`` (no
+torch.compile: the suite's start-up budget), ``--block-size 32`` (the CPU attention
+backend's smallest), ``--max-model-len``, ``--num-gpu-blocks-override`` (a device cache
+of a few prompts, so that prefixes come back from shmtier's tiers), ``--seed 0``; and the
+environment ``VLLM_CPU_NUM_OF_RESERVED_CPU=1`` (vLLM reserves a core when a KV connector
+is set, which changes the OMP thread count and with it bf16 rounding: every server
+reserves one), ``VLLM_CPU_KVCACHE_SPACE=1`` (1 GiB: without it the CPU worker asks for
+92% of the node's memory and refuses to start on a shared machine),
+``VLLM_SERVER_DEV_MODE=1`` (``POST /reset_prefix_cache``), ``HF_HUB_OFFLINE=1``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from typing import Any
+
+from s3_servers import free_port
+
+SHM_DIR = "/dev/shm"
+BLOCK_SIZE = 32            # tokens per device block and per shmtier chunk
+MAX_MODEL_LEN = 512
+GPU_BLOCKS = 24            # 768 tokens of device cache
+SERVED_NAME = "e2e-llama"
+
+BASE_ENV = {
+    "VLLM_CPU_NUM_OF_RESERVED_CPU": "1",
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "VLLM_SERVER_DEV_MODE": "1",
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "VLLM_NO_USAGE_STATS": "1",
+    "DO_NOT_TRACK": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+    "PYTHONUNBUFFERED": "1",
+}
+
+
+def engine_args(model_dir: str) -> list[str]:
+    """The engine flags every server of the suite gets (reference or not)."""
+    return ["--model", model_dir, "--served-model-name", SERVED_NAME,
+            "--dtype", "bfloat16", "--enforce-eager", "--seed", "0",
+            "--block-size", str(BLOCK_SIZE), "--max-model-len", str(MAX_MODEL_LEN),
+            "--num-gpu-blocks-override", str(GPU_BLOCKS),
+            "--disable-uvicorn-access-log"]
+
+
+def kv_config(engine_id: str, *, cpu_rows: int, tiers: list[dict] | None = None,
+              **extra: Any) -> dict:
+    """A ``--kv-transfer-config`` naming shmtier: a CPU tier of ``cpu_rows`` chunks of one
+    device block each, ``tiers`` as ``secondary_tiers``, ``extra`` further keys of
+    ``kv_connector_extra_config``."""
+    row = 2 * 2 * 2 * 32 * BLOCK_SIZE * 2  # layers x (K, V) x kv heads x head_dim x tokens x bf16
+    cfg = {"spec_name": "ShmTierOffloadingSpec", "spec_module_path": "shmtier.vllm",
+           "cpu_bytes_to_use": cpu_rows * row, "block_size": BLOCK_SIZE,
+           "secondary_tiers": list(tiers or [])}
+    cfg.update(extra)
+    return {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+            "engine_id": engine_id, "kv_connector_extra_config": cfg}
+
+
+def shm_entries(engine_id: str) -> list[str]:
+    """This engine's shmtier entries in /dev/shm: its segment(s) (``shmtier_<id>``, a
+    data-parallel suffix included) and their ring semaphores."""
+    stem = f"shmtier_{engine_id}"
+    try:
+        names = os.listdir(SHM_DIR)
+    except FileNotFoundError:
+        return []
+    return sorted(n for n in names
+                  if n == stem or n.startswith(stem + "_dp") or n.startswith(f"sem.{stem}."))
+
+
+def remove_shm(entries: list[str]) -> None:
+    for name in entries:
+        try:
+            os.unlink(os.path.join(SHM_DIR, name))
+        except FileNotFoundError:
+            pass
+
+
+def group_pids(pgid: int) -> list[int]:
+    """Live processes (zombies excluded) whose process group is ``pgid``."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        fields = stat[stat.rfind(")") + 2:].split()
+        if fields[0] != "Z" and int(fields[2]) == pgid:
+            out.append(int(entry))
+    return out
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: SIGKILL when the starting thread ends (PR_SET_PDEATHSIG);
+    vLLM's own processes then see their parent gone and exit, and shmtier's segment
+    guardian removes the engine's shared memory."""
+    import ctypes
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG = 1
+
+
+class ServerError(RuntimeError):
+    """A server did not start, or exited when it should not have."""
+
+
+class Server:
+    """One API server. ``name`` labels it in logs and the report; ``kv`` is a
+    :func:`kv_config` dict (None: a reference server without offloading)."""
+
+    def __init__(self, name: str, model_dir: str, log_dir: str, *, kv: dict | None = None,
+                 shutdown_timeout_s: float | None = None, env: dict | None = None,
+                 args: list[str] | None = None):
+        self.name = name
+        self.kv = kv
+        self.engine_id = kv["engine_id"] if kv else None
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = os.path.join(log_dir, f"{name}-{self.port}.log")
+        self.cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+                    *engine_args(model_dir), "--host", "127.0.0.1", "--port", str(self.port)]
+        if kv is not None:
+            self.cmd += ["--kv-transfer-config", json.dumps(kv)]
+        if shutdown_timeout_s is not None:
+            self.cmd += ["--shutdown-timeout", str(shutdown_timeout_s)]
+        self.cmd += list(args or [])
+        self.env = {**os.environ, **BASE_ENV, **(env or {})}
+        self.proc: subprocess.Popen | None = None
+        self.started_at = 0.0
+        self.startup_s: float | None = None
+        self._client = None
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def start(self) -> "Server":
+        """Start the server (from the test's main thread: the server is SIGKILLed when
+        the thread that started it ends, so that a killed test run leaves no server)."""
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(self.cmd, env=self.env, stdout=log,
+                                         stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                         start_new_session=True, preexec_fn=_die_with_parent)
+        self.started_at = time.monotonic()
+        return self
+
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def wait_ready(self, timeout_s: float = 180.0) -> "Server":
+        """Wait until ``GET /health`` answers 200; :class:`ServerError` with the log's
+        tail when the server exits or is not ready within ``timeout_s``."""
+        deadline = self.started_at + timeout_s
+        while time.monotonic() < deadline:
+            if not self.alive:
+                raise ServerError(f"server {self.name} exited with {self.proc.returncode} "
+                                  f"while starting:\n{self.log_tail()}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        self.startup_s = time.monotonic() - self.started_at
+                        self.warm_up()
+                        return self
+            except (urllib.error.URLError, OSError):
+                pass
+            time.sleep(0.25)
+        raise ServerError(f"server {self.name} not ready within {timeout_s:.0f}s:\n"
+                          f"{self.log_tail()}")
+
+    def warm_up(self) -> None:
+        """One short request (fewer tokens than a block: nothing is stored or looked up).
+
+        vllm-cpu 0.32 on this machine (AMX) kills its model worker with SIGILL in
+        ``cpu_attention_with_kv_cache`` when the engine's first forward pass computes a
+        single token on top of a prefix a KV connector loaded (a first request whose whole
+        prompt is a hit, e.g. on a p2p decoder); once any request ran, the same request
+        works. Every server therefore answers one request before its scenario starts."""
+        self.client.chat.completions.create(
+            model=SERVED_NAME, messages=[{"role": "user", "content": "warm up"}],
+            temperature=0, max_tokens=2)
+
+    def stop(self, grace_s: float = 30.0, *, keep_shm: bool = False) -> list[str]:
+        """Stop the server as an operator does (SIGTERM to the API server, which stops
+        its engine; vLLM's ``--shutdown-timeout`` decides how long the engine drains),
+        then SIGKILL whatever of its process group is left after ``grace_s``; wait until
+        none of it is left and return this engine's shmtier entries still in /dev/shm
+        (then removed; ``keep_shm``: neither, for a warm restart). Never raises; a
+        second call returns [].
+
+        SIGTERM goes to the API server alone, not to the group: a signal to every
+        process at once (Ctrl-C in a terminal, a control-group stop) reaches vLLM's
+        model worker too, and vLLM 0.32's EngineCore then exits without its teardown,
+        so shmtier's close never runs (the segment guardian removes the segment)."""
+        if self._client is not None:
+            self._client.close()
+            self._client = None
+        proc, self.proc = self.proc, None
+        if proc is None:
+            return []
+        pgid = proc.pid
+        try:
+            proc.send_signal(signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+        try:
+            proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            pass
+        deadline = time.monotonic() + 5.0  # its children exit after it
+        while group_pids(pgid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        self.kill_group(pgid)
+        proc.wait()
+        if not self.engine_id or keep_shm:
+            return []
+        leftovers = shm_entries(self.engine_id)
+        remove_shm(leftovers)
+        return leftovers
+
+    @staticmethod
+    def kill_group(pgid: int, timeout_s: float = 10.0) -> None:
+        """SIGKILL every process of group ``pgid`` until none is left (processes that
+        left the group with setsid are not found here)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            pids = group_pids(pgid)
+            if not pids or time.monotonic() > deadline:
+                return
+            try:
+                os.killpg(pgid, signal.SIGKILL)
+            except ProcessLookupError:
+                return
+            time.sleep(0.05)
+
+    def log_tail(self, lines: int = 40) -> str:
+        try:
+            with open(self.log_path, "rb") as f:
+                return b"\n".join(f.read().splitlines()[-lines:]).decode(errors="replace")
+        except OSError:
+            return "(no log)"
+
+    # ------------------------------------------------------------------ HTTP
+
+    @property
+    def client(self):
+        """An ``openai.OpenAI`` client for this server (no retries)."""
+        if self._client is None:
+            import openai
+            self._client = openai.OpenAI(base_url=self.url + "/v1", api_key="e2e",
+                                         max_retries=0, timeout=120)
+        return self._client
+
+    def get(self, path: str) -> str:
+        with urllib.request.urlopen(self.url + path, timeout=30) as r:
+            return r.read().decode()
+
+    def post(self, path: str) -> Any:
+        req = urllib.request.Request(self.url + path, data=b"", method="POST")
+        with urllib.request.urlopen(req, timeout=60) as r:
+            body = r.read().decode()
+        return json.loads(body) if body else None
+
+    def metrics_text(self) -> str:
+        return self.get("/metrics")
+
+    # ------------------------------------------------------------------ processes
+
+    def engine_core_pid(self) -> int:
+        """The EngineCore process: the owner of this engine's shmtier segment."""
+        return self.top()["owner_pid"]
+
+    def top(self) -> dict:
+        """``shmtier top ENGINE --once --json`` of this engine (segment, tier workers)."""
+        out = subprocess.run([os.path.join(os.path.dirname(sys.executable), "shmtier"),
+                              "top", self.engine_id, "--once", "--json", "--interval", "0.1"],
+                             capture_output=True, text=True, timeout=60, check=True)
+        return json.loads(out.stdout)

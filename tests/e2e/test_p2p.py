@@ -1,0 +1,168 @@
+"""Prefill/decode disaggregation over shmtier's ``p2p`` tier, CurveZMQ keys, through
+vLLM's HTTP API (issue 27, scenario d).
+
+The test plays the proxy: it sends each prompt to the prefill server with
+``kv_transfer_params`` ``{"remote_decoder": {"kv_request_id", "remote_host",
+"remote_port"}}`` and ``max_tokens=1``, then to the decode server with
+``{"remote_prefiller": {"kv_request_id", "remote_host", "remote_port"}}``; the decode
+server's p2p tier fetches the prompt's chunks from the prefiller's endpoint. Keys are
+made with the operator's command (README, "Sharing KV between engines: the p2p tier").
+The two servers serve both tests of the module.
+
+Until the decoder has fetched them, a prefill request's parked chunks keep the prefill
+engine stepping with nothing to run (its model worker measured at ~90% of a core here,
+for up to ``unbound_store_timeout_s``), which held up another engine on this host for
+that whole window; the proxy here therefore sends the decode request at once, and the
+reference server answers it afterwards.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from e2e_metrics import Metrics, assert_tier_served
+from e2e_server import kv_config
+from e2e_tiers import CPU_ROWS
+from s3_servers import free_port
+
+#: servers start in tens of seconds on 2 cores (more on a busy host)
+pytestmark = pytest.mark.timeout(600)
+
+P2P = "1:p2p"
+FETCHED = "vllm:kv_offload_shmtier_p2p_fetched_bytes_total"
+SERVED = "vllm:kv_offload_shmtier_p2p_served_bytes_total"
+
+
+def _keys(serve) -> tuple[str, str, str]:
+    """Key pairs ``prefill`` and ``decode`` in a keys dir, and each side's allow-list
+    dir holding the other's public key."""
+    keys, allow_p, allow_d = serve.dir("keys"), serve.dir("allow-prefill"), serve.dir(
+        "allow-decode")
+    for name in ("prefill", "decode"):
+        subprocess.run([sys.executable, "-m", "shmtier.tiers.p2p.keys", "generate", keys,
+                        name], check=True, capture_output=True, timeout=60)
+    shutil.copy(os.path.join(keys, "decode.key"), allow_p)
+    shutil.copy(os.path.join(keys, "prefill.key"), allow_d)
+    return keys, allow_p, allow_d
+
+
+def _settled(server, name: str, timeout_s: float = 10.0) -> float:
+    """``name``'s value once it is non-zero. The p2p endpoint's own counters reach
+    /metrics with the scheduler's stats of a later engine step (the endpoint is another
+    process), so the server is asked a short request now and then to make it step."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        v = Metrics.scrape(server).value(name)
+        if v > 0 or time.monotonic() > deadline:
+            return v
+        server.warm_up()
+        time.sleep(0.5)
+
+
+def _p2p_counters(d: Metrics) -> str:
+    """The decoder's p2p counters in a window, for failure messages."""
+    prefix = "vllm:kv_offload_shmtier_p2p_"
+    return "p2p " + ", ".join(f"{n[len(prefix):]} {d.value(n):g}" for n in d.names(prefix)
+                              if n.endswith("_total") and d.value(n))
+
+
+class PD:
+    """A prefill server and a decode server with p2p tiers that admit each other."""
+
+    def __init__(self, serve, cmp_factory=None):
+        keys, allow_p, allow_d = _keys(serve)
+        self.pport, self.dport = free_port(), free_port()
+        prefill_tier = {"type": "p2p", "host": "127.0.0.1", "port": self.pport,
+                        "secret_key_file": os.path.join(keys, "prefill.key_secret"),
+                        "allow_keys_dir": allow_p, "unbound_store_timeout_s": 60}
+        decode_tier = {"type": "p2p", "host": "127.0.0.1", "port": self.dport,
+                       "secret_key_file": os.path.join(keys, "decode.key_secret"),
+                       "allow_keys_dir": allow_d,
+                       "peers": {f"127.0.0.1:{self.pport}": os.path.join(allow_d,
+                                                                         "prefill.key")}}
+        self.p = serve.start("d-prefill", kv_config(serve.engine_id("pf"), cpu_rows=CPU_ROWS,
+                                                    tiers=[prefill_tier]))
+        self.d = serve.start("d-decode", kv_config(serve.engine_id("dc"), cpu_rows=CPU_ROWS,
+                                                   tiers=[decode_tier]))
+        serve.ready(self.p, self.d)
+
+    def run(self, cmp, msgs: list[dict], kvid: str, timeout_s: float | None = None):
+        """What a PD proxy does: the prompt to the prefiller (one token), then at once to
+        the decoder with the prefiller's address; both answers. The reference answers
+        the decode prompt after the decoder did: until the decoder has fetched them, the
+        prefiller's parked chunks keep its engine stepping, which takes a core (see the
+        module docstring) and would hold up the reference server."""
+        pre = cmp.ask(self.p, msgs, max_tokens=1, label=f"prefill {kvid}",
+                      kv_transfer_params={"remote_decoder": {
+                          "kv_request_id": kvid, "remote_host": "127.0.0.1",
+                          "remote_port": self.dport}})
+        dec = cmp.ask(self.d, msgs, label=f"decode {kvid}", timeout_s=timeout_s,
+                      reference_first=False,
+                      kv_transfer_params={"remote_prefiller": {
+                          "kv_request_id": kvid, "remote_host": "127.0.0.1",
+                          "remote_port": self.pport}})
+        return pre, dec
+
+
+@pytest.fixture(scope="module")
+def pd(module_serve):
+    return PD(module_serve)
+
+
+def test_p2p_prefill_to_decode(pd, cmp, prompts, report):
+    """Requests with prefixes of their own: each decode request's prompt is fetched from
+    the prefiller; two one at a time (their TTFT in the report), then three at once."""
+    p, d = pd.p, pd.d
+
+    def one(i: int):
+        msgs = [prompts.system(f"d-system-{i}", 100), prompts.user(f"d-{i}", 150)]
+        return pd.run(cmp, msgs, f"e2e-p2p-{i}")
+
+    for i in range(2):
+        before = Metrics.scrape(d)
+        pre, dec = one(i)
+        delta = Metrics.scrape(d) - before
+        assert_tier_served(delta, P2P, f"decode request {i}; {_p2p_counters(delta)}")
+        report.ttft("d: p2p, prefill server", "none (cold)", pre)
+        report.ttft("d: p2p, decode server", P2P, dec)
+    before = Metrics.scrape(d)
+    with ThreadPoolExecutor(3) as pool:
+        list(pool.map(one, range(2, 5)))
+    delta = Metrics.scrape(d) - before
+    assert_tier_served(delta, P2P, f"three concurrent decode requests; {_p2p_counters(delta)}")
+    fetched, served = _settled(d, FETCHED), _settled(p, SERVED)
+    assert fetched > 0 and served > 0, (f"p2p endpoints: decoder fetched {fetched:g} bytes, "
+                                        f"prefiller served {served:g}")
+    cmp.assert_identical()
+    report.scenario("d: p2p prefill -> decode (CurveZMQ)", cmp.asked,
+                    "every decode request's prompt fetched from the prefill server "
+                    f"({fetched:g} bytes over ZeroMQ)")
+
+
+@pytest.mark.xfail(strict=False, reason=(
+    "shmtier p2p on vLLM 0.32 (to be fixed by the p2p tier's owner): the decode of the second "
+    "of two PD requests sharing a prefix is deferred at every step ('Offloading manager "
+    "delayed request as backend requested') and is not served within 15 s, although the "
+    "prefiller parked its new chunks; with a prefix of its own the same flow takes ~0.1-1 s"))
+def test_p2p_requests_sharing_a_prefix(pd, cmp, prompts, report):
+    """Two PD requests with one system prompt (as most requests have): the second's new
+    chunks come from the prefiller within seconds, the shared ones are already on both
+    sides (the prefiller's device cache, the decoder's)."""
+    system = prompts.system("d-shared-system", 100)
+    for i in range(2):
+        before = Metrics.scrape(pd.d)
+        _, dec = pd.run(cmp, [system, prompts.user(f"d-shared-{i}", 150)],
+                        f"e2e-p2p-shared-{i}", timeout_s=15)
+        delta = Metrics.scrape(pd.d) - before
+        assert_tier_served(delta, P2P, f"shared-prefix decode {i}; {_p2p_counters(delta)}")
+        assert dec.ttft_s < 5, f"shared-prefix decode {i}: first token after {dec.ttft_s:.1f}s"
+    cmp.assert_identical()
+    report.scenario("d: p2p, two requests sharing a prefix", cmp.asked,
+                    "the second decode's new chunks fetched from the prefill server")
