@@ -9,9 +9,11 @@ into a temp dir: ``e2e_model.py``), ``prompts`` (text of exact token counts),
 ``reference`` (a server without offloading, the same engine flags, started once and
 answering every test's prompts, memoized), ``report`` (``e2e_report.py``: written and
 printed at the end of the session). Per test: ``serve`` (per module: ``module_serve``), a
-factory of shmtier servers that stops every server it started at the end (SIGTERM, then SIGKILL of the process
-group) and fails the test when one left shmtier entries of its engine in /dev/shm
-(removing them); ``cmp``, a :class:`e2e_chats.Compare` against the reference.
+factory of shmtier servers that stops every server it started at the end (SIGTERM to the
+API server, then SIGKILL of its process group) and fails the test when one left shmtier
+entries of its engine in /dev/shm (removing them); ``cmp``, a
+:class:`e2e_chats.Compare` against the reference. Engine ids carry the session's prefix,
+so the suite-wide leak check (tests/conftest.py) judges these servers' segments too.
 """
 
 from __future__ import annotations
@@ -33,32 +35,6 @@ def pytest_collection_modifyitems(items):
     for item in items:
         if E2E_DIR in item.path.parents:
             item.add_marker(pytest.mark.e2e)
-
-
-@pytest.fixture(autouse=True)
-def no_shm_leak():
-    """Overrides the suite-wide guard (tests/conftest.py), which judges every new
-    shmtier entry whose holder is dead: on a machine others share, that includes their
-    tests' entries. Here only the suite's own engines count (ids ``e2e-...``, from
-    ``Serve.engine_id``): an entry of one that appeared during the test and whose
-    segment has no live owner fails the test (and is removed)."""
-    from shmtier.shared.segment import list_segments
-
-    def ours() -> set[str]:
-        return {e for e in os.listdir("/dev/shm") if e.startswith(("shmtier_e2e-",
-                                                                   "sem.shmtier_e2e-"))}
-
-    before = ours()
-    yield
-    live = {seg.name.lstrip("/") for seg in list_segments() if seg.alive}
-    leaked = {e for e in ours() - before
-              if not any(e == n or e.startswith(f"sem.{n}.") for n in live)}
-    for e in leaked:
-        try:
-            os.unlink(os.path.join("/dev/shm", e))
-        except FileNotFoundError:
-            pass
-    assert not leaked, f"test left shared memory behind: {sorted(leaked)}"
 
 
 @pytest.fixture(scope="session")
@@ -91,20 +67,20 @@ def e2e_tmp(e2e_available):
 
 @pytest.fixture(scope="session")
 def model_dir(e2e_tmp):
-    import e2e_model
+    from . import e2e_model
     return e2e_model.make_model(os.path.join(e2e_tmp, "model"))
 
 
 @pytest.fixture(scope="session")
 def prompts(model_dir):
-    from e2e_chats import Prompts
+    from .e2e_chats import Prompts
     return Prompts(model_dir)
 
 
 @pytest.fixture(scope="session")
 def report(e2e_available):
     global _report
-    from e2e_report import Report
+    from .e2e_report import Report
     if _report is None:
         _report = Report()
     return _report
@@ -113,9 +89,9 @@ def report(e2e_available):
 @pytest.fixture(scope="session")
 def reference(model_dir, e2e_tmp, report):
     """The engine without offloading (started now, waited for on first use)."""
-    from e2e_chats import Reference
-    from e2e_metrics import Metrics
-    from e2e_server import Server
+    from .e2e_chats import Reference
+    from .e2e_metrics import Metrics
+    from .e2e_server import Server
     server = Server("reference", model_dir, e2e_tmp).start()
     ref = Reference(server)
     yield ref
@@ -130,7 +106,7 @@ def reference(model_dir, e2e_tmp, report):
 
 @pytest.fixture
 def cmp(reference):
-    from e2e_chats import Compare
+    from .e2e_chats import Compare
     return Compare(reference)
 
 
@@ -143,7 +119,10 @@ class Serve:
         self.leftovers: dict[str, list[str]] = {}
 
     def engine_id(self, tag: str) -> str:
-        return f"e2e-{tag}-{uuid.uuid4().hex[:8]}"
+        """A unique engine id with this session's prefix, by which the suite-wide leak
+        check (tests/conftest.py) judges the segments a test's servers left."""
+        from conftest import SESSION_PREFIX  # tests/conftest.py (this one is e2e.conftest)
+        return f"{SESSION_PREFIX}e2e-{tag}-{uuid.uuid4().hex[:8]}"
 
     def dir(self, name: str) -> str:
         d = os.path.join(self.tmp, f"{name}-{uuid.uuid4().hex[:6]}")
@@ -152,7 +131,7 @@ class Serve:
 
     def start(self, name: str, kv: dict, **kw):
         """Start a server (not waited for: ``ready(...)``)."""
-        from e2e_server import Server
+        from .e2e_server import Server
         s = Server(name, self.model_dir, self.tmp, kv=kv, **kw).start()
         self.servers.append(s)
         return s
@@ -171,7 +150,7 @@ class Serve:
         """Stop ``server`` now (its bytes go to the report); the shmtier entries of its
         engine it left in /dev/shm (removed; ``keep_shm``: kept for a warm restart, not
         counted)."""
-        from e2e_metrics import Metrics
+        from .e2e_metrics import Metrics
         if server.alive and server.startup_s is not None:
             try:
                 self.report.server_bytes(server, Metrics.scrape(server))
@@ -211,7 +190,7 @@ def module_serve(model_dir, e2e_tmp, report):
 def pytest_terminal_summary(terminalreporter):
     if _report is None:
         return
-    from e2e_report import report_path
+    from .e2e_report import report_path
     text = _report.render()
     path = report_path()
     with open(path, "w") as f:

@@ -21,8 +21,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-import e2e_model
-from e2e_server import BLOCK_SIZE, SERVED_NAME
+from . import e2e_model
+from .e2e_server import BLOCK_SIZE, SERVED_NAME
 
 MAX_TOKENS = 12
 

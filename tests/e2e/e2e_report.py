@@ -14,7 +14,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from e2e_metrics import (CPU_TIER, LOAD_BYTES, STORE_BYTES, TIER_READ_BYTES,
+from .e2e_metrics import (CPU_TIER, LOAD_BYTES, STORE_BYTES, TIER_READ_BYTES,
                          TIER_WRITE_BYTES, Metrics)
 
 P2P_FETCHED = "vllm:kv_offload_shmtier_p2p_fetched_bytes_total"

@@ -116,12 +116,27 @@ def group_pids(pgid: int) -> list[int]:
     return out
 
 
-def _die_with_parent() -> None:
-    """In the child before exec: SIGKILL when the starting thread ends (PR_SET_PDEATHSIG);
-    vLLM's own processes then see their parent gone and exit, and shmtier's segment
-    guardian removes the engine's shared memory."""
-    import ctypes
-    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG = 1
+#: The watchdog of one server (a process of its own): it blocks reading its stdin, a pipe
+#: the test process holds; at EOF (the test process ended, however it ended, or ``stop()``
+#: closed it) it stops the server's process group: SIGTERM, SIGKILL 5 s later. vLLM 0.32's
+#: EngineCore and model worker outlive a SIGKILLed API server, so the whole group is its job.
+_WATCHDOG = """
+import os, signal, sys, time
+pgid = int(sys.argv[1])
+sys.stdin.buffer.read()
+for sig, wait in ((signal.SIGTERM, 5.0), (signal.SIGKILL, 0.0)):
+    try:
+        os.killpg(pgid, sig)
+    except ProcessLookupError:
+        break
+    end = time.monotonic() + wait
+    while time.monotonic() < end:
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            sys.exit(0)
+        time.sleep(0.1)
+"""
 
 
 class ServerError(RuntimeError):
@@ -150,6 +165,7 @@ class Server:
         self.cmd += list(args or [])
         self.env = {**os.environ, **BASE_ENV, **(env or {})}
         self.proc: subprocess.Popen | None = None
+        self._watchdog: subprocess.Popen | None = None
         self.started_at = 0.0
         self.startup_s: float | None = None
         self._client = None
@@ -157,12 +173,15 @@ class Server:
     # ------------------------------------------------------------------ lifecycle
 
     def start(self) -> "Server":
-        """Start the server (from the test's main thread: the server is SIGKILLed when
-        the thread that started it ends, so that a killed test run leaves no server)."""
+        """Start the server in a process group of its own, with a watchdog that stops
+        that group when the test process ends without stopping it (:data:`_WATCHDOG`)."""
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(self.cmd, env=self.env, stdout=log,
                                          stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         start_new_session=True, preexec_fn=_die_with_parent)
+                                         start_new_session=True)
+        self._watchdog = subprocess.Popen(
+            [sys.executable, "-c", _WATCHDOG, str(self.proc.pid)], stdin=subprocess.PIPE,
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
         self.started_at = time.monotonic()
         return self
 
@@ -234,6 +253,10 @@ class Server:
             time.sleep(0.1)
         self.kill_group(pgid)
         proc.wait()
+        if self._watchdog is not None:
+            self._watchdog.stdin.close()  # its group is gone: it exits at once
+            self._watchdog.wait()
+            self._watchdog = None
         if not self.engine_id or keep_shm:
             return []
         leftovers = shm_entries(self.engine_id)

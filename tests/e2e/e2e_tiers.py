@@ -13,9 +13,9 @@ import os
 import time
 from collections.abc import Callable
 
-from e2e_chats import flush
-from e2e_metrics import CPU_TIER, DEVICE_HIT_TOKENS, Metrics, assert_tier_served
-from e2e_server import BLOCK_SIZE, GPU_BLOCKS
+from .e2e_chats import flush
+from .e2e_metrics import CPU_TIER, DEVICE_HIT_TOKENS, Metrics, assert_tier_served
+from .e2e_server import BLOCK_SIZE, GPU_BLOCKS
 
 #: CPU tier rows of the scenarios' servers: more than a device cache, fewer than a
 #: conversation round plus the fillers that push it out (so the fs tier gets to serve).

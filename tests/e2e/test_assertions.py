@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import pytest
 
-from e2e_chats import ask
-from e2e_metrics import CPU_TIER, DEVICE_HIT_TOKENS, Metrics, assert_tier_served
+from .e2e_chats import ask
+from .e2e_metrics import CPU_TIER, DEVICE_HIT_TOKENS, Metrics, assert_tier_served
 
 
 @pytest.mark.parametrize("tier", [CPU_TIER, "1:fs", "1:obj", "1:p2p"])

@@ -23,10 +23,10 @@ import time
 
 import pytest
 
-from e2e_chats import Conversations, flush
-from e2e_metrics import CPU_TIER, WORKER_RESTARTS, Metrics, assert_tier_served
-from e2e_server import kv_config, shm_entries
-from e2e_tiers import CPU_ROWS, FLUSH_CPU, FLUSH_DEVICE, fs_tier
+from .e2e_chats import Conversations, flush
+from .e2e_metrics import CPU_TIER, WORKER_RESTARTS, Metrics, assert_tier_served
+from .e2e_server import kv_config, shm_entries
+from .e2e_tiers import CPU_ROWS, FLUSH_CPU, FLUSH_DEVICE, fs_tier
 
 #: servers start in tens of seconds on 2 cores (more on a busy host)
 pytestmark = pytest.mark.timeout(600)
@@ -95,9 +95,6 @@ def test_tier_worker_killed_and_reset_prefix_cache(faults_server, cmp, prompts, 
                     "fs serves the prefixes from before the reset, the CPU tier new ones")
 
 
-@pytest.mark.xfail(strict=False, reason=(
-    "issue 27 deliverable 4 (another engineer): an EngineCore killed outright leaves its "
-    "CPU tier segment and ring semaphores in /dev/shm until that fix lands"))
 def test_engine_core_sigkill_leaves_nothing_in_dev_shm(faults_server, module_serve):
     s = faults_server
     assert shm_entries(s.engine_id), "the engine has no shmtier entries to begin with"

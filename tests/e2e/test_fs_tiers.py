@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import pytest
 
-from e2e_chats import Conversations, flush
-from e2e_metrics import (CHECKSUM_FAILURES, CPU_TIER, Metrics, assert_tier_served,
+from .e2e_chats import Conversations, flush
+from .e2e_metrics import (CHECKSUM_FAILURES, CPU_TIER, Metrics, assert_tier_served,
                          tier_figures)
-from e2e_server import kv_config
-from e2e_tiers import (CPU_ROWS, FLUSH_CPU, FLUSH_DEVICE, corrupt_kv_files, fs_tier,
+from .e2e_server import kv_config
+from .e2e_tiers import (CPU_ROWS, FLUSH_CPU, FLUSH_DEVICE, corrupt_kv_files, fs_tier,
                        kv_files, probe_tiers, wait_stable)
 
 #: servers start in tens of seconds on 2 cores (more on a busy host)

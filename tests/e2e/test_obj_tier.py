@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import pytest
 
-from e2e_chats import Conversations
-from e2e_metrics import Metrics, assert_tier_served
-from e2e_server import kv_config
-from e2e_tiers import CPU_ROWS, obj_tier, wait_stable
+from .e2e_chats import Conversations
+from .e2e_metrics import Metrics, assert_tier_served
+from .e2e_server import kv_config
+from .e2e_tiers import CPU_ROWS, obj_tier, wait_stable
 
 #: servers start in tens of seconds on 2 cores (more on a busy host)
 pytestmark = pytest.mark.timeout(600)

@@ -27,9 +27,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from e2e_metrics import Metrics, assert_tier_served
-from e2e_server import kv_config
-from e2e_tiers import CPU_ROWS
+from .e2e_metrics import Metrics, assert_tier_served
+from .e2e_server import kv_config
+from .e2e_tiers import CPU_ROWS
 from s3_servers import free_port
 
 #: servers start in tens of seconds on 2 cores (more on a busy host)
@@ -147,10 +147,12 @@ def test_p2p_prefill_to_decode(pd, cmp, prompts, report):
 
 
 @pytest.mark.xfail(strict=False, reason=(
-    "shmtier p2p on vLLM 0.32 (to be fixed by the p2p tier's owner): the decode of the second "
-    "of two PD requests sharing a prefix is deferred at every step ('Offloading manager "
-    "delayed request as backend requested') and is not served within 15 s, although the "
-    "prefiller parked its new chunks; with a prefix of its own the same flow takes ~0.1-1 s"))
+    "shmtier p2p, to be looked at by the tier's owner: on this host under load (others' "
+    "work, load average 10-20) the decode of the second of two PD requests sharing a prefix "
+    "was deferred at every step ('Offloading manager delayed request as backend requested') "
+    "past 15-20 s, or waited 12-60 s, although the prefiller had parked its new chunks; "
+    "requests with prefixes of their own were served in ~0.1-1 s in the same runs, and at "
+    "low load this test passes"))
 def test_p2p_requests_sharing_a_prefix(pd, cmp, prompts, report):
     """Two PD requests with one system prompt (as most requests have): the second's new
     chunks come from the prefiller within seconds, the shared ones are already on both
