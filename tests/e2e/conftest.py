@@ -25,6 +25,13 @@ import uuid
 from pathlib import Path
 
 import pytest
+from conftest import SESSION_PREFIX  # the suite-wide tests/conftest.py (this is e2e.conftest)
+
+from . import e2e_model
+from .e2e_chats import Compare, Prompts, Reference
+from .e2e_metrics import Metrics
+from .e2e_report import Report, report_path
+from .e2e_server import Server
 
 E2E_DIR = Path(__file__).parent
 _report = None
@@ -67,20 +74,17 @@ def e2e_tmp(e2e_available):
 
 @pytest.fixture(scope="session")
 def model_dir(e2e_tmp):
-    from . import e2e_model
     return e2e_model.make_model(os.path.join(e2e_tmp, "model"))
 
 
 @pytest.fixture(scope="session")
 def prompts(model_dir):
-    from .e2e_chats import Prompts
     return Prompts(model_dir)
 
 
 @pytest.fixture(scope="session")
 def report(e2e_available):
     global _report
-    from .e2e_report import Report
     if _report is None:
         _report = Report()
     return _report
@@ -89,9 +93,6 @@ def report(e2e_available):
 @pytest.fixture(scope="session")
 def reference(model_dir, e2e_tmp, report):
     """The engine without offloading (started now, waited for on first use)."""
-    from .e2e_chats import Reference
-    from .e2e_metrics import Metrics
-    from .e2e_server import Server
     server = Server("reference", model_dir, e2e_tmp).start()
     ref = Reference(server)
     yield ref
@@ -106,7 +107,6 @@ def reference(model_dir, e2e_tmp, report):
 
 @pytest.fixture
 def cmp(reference):
-    from .e2e_chats import Compare
     return Compare(reference)
 
 
@@ -121,7 +121,6 @@ class Serve:
     def engine_id(self, tag: str) -> str:
         """A unique engine id with this session's prefix, by which the suite-wide leak
         check (tests/conftest.py) judges the segments a test's servers left."""
-        from conftest import SESSION_PREFIX  # tests/conftest.py (this one is e2e.conftest)
         return f"{SESSION_PREFIX}e2e-{tag}-{uuid.uuid4().hex[:8]}"
 
     def dir(self, name: str) -> str:
@@ -131,7 +130,6 @@ class Serve:
 
     def start(self, name: str, kv: dict, **kw):
         """Start a server (not waited for: ``ready(...)``)."""
-        from .e2e_server import Server
         s = Server(name, self.model_dir, self.tmp, kv=kv, **kw).start()
         self.servers.append(s)
         return s
@@ -150,7 +148,6 @@ class Serve:
         """Stop ``server`` now (its bytes go to the report); the shmtier entries of its
         engine it left in /dev/shm (removed; ``keep_shm``: kept for a warm restart, not
         counted)."""
-        from .e2e_metrics import Metrics
         if server.alive and server.startup_s is not None:
             try:
                 self.report.server_bytes(server, Metrics.scrape(server))
@@ -190,7 +187,6 @@ def module_serve(model_dir, e2e_tmp, report):
 def pytest_terminal_summary(terminalreporter):
     if _report is None:
         return
-    from .e2e_report import report_path
     text = _report.render()
     path = report_path()
     with open(path, "w") as f:

@@ -37,6 +37,8 @@ from typing import Any
 
 from s3_servers import free_port
 
+from . import e2e_model
+
 SHM_DIR = "/dev/shm"
 BLOCK_SIZE = 32            # tokens per device block and per shmtier chunk
 MAX_MODEL_LEN = 512
@@ -70,7 +72,8 @@ def kv_config(engine_id: str, *, cpu_rows: int, tiers: list[dict] | None = None,
     """A ``--kv-transfer-config`` naming shmtier: a CPU tier of ``cpu_rows`` chunks of one
     device block each, ``tiers`` as ``secondary_tiers``, ``extra`` further keys of
     ``kv_connector_extra_config``."""
-    row = 2 * 2 * 2 * 32 * BLOCK_SIZE * 2  # layers x (K, V) x kv heads x head_dim x tokens x bf16
+    m = e2e_model
+    row = m.LAYERS * 2 * m.KV_HEADS * (m.HIDDEN // m.HEADS) * BLOCK_SIZE * 2  # K and V, bf16
     cfg = {"spec_name": "ShmTierOffloadingSpec", "spec_module_path": "shmtier.vllm",
            "cpu_bytes_to_use": cpu_rows * row, "block_size": BLOCK_SIZE,
            "secondary_tiers": list(tiers or [])}

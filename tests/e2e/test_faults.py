@@ -10,8 +10,8 @@
 - The same with ``warm_restart``: the segment stays, and a new server with the same
   ``engine_id`` serves the old prefixes from it.
 
-The first three share one server (``module_serve``; the SIGKILL test is last and ends
-it). Answers are compared with the engine without offloading throughout.
+The first two tests share one server (``module_serve``; the SIGKILL test comes second and
+ends it). Answers are compared with the engine without offloading throughout.
 """
 
 from __future__ import annotations
@@ -30,7 +30,6 @@ from .e2e_tiers import CPU_ROWS, FLUSH_CPU, FLUSH_DEVICE, fs_tier
 
 #: servers start in tens of seconds on 2 cores (more on a busy host)
 pytestmark = pytest.mark.timeout(600)
-
 
 FS = "1:fs"
 #: "within a few seconds" (issue 27): how long the SIGKILL test waits for /dev/shm
@@ -95,7 +94,7 @@ def test_tier_worker_killed_and_reset_prefix_cache(faults_server, cmp, prompts, 
                     "fs serves the prefixes from before the reset, the CPU tier new ones")
 
 
-def test_engine_core_sigkill_leaves_nothing_in_dev_shm(faults_server, module_serve):
+def test_engine_core_sigkill_leaves_nothing_in_dev_shm(faults_server):
     s = faults_server
     assert shm_entries(s.engine_id), "the engine has no shmtier entries to begin with"
     os.kill(s.engine_core_pid(), signal.SIGKILL)

@@ -17,7 +17,6 @@ from .e2e_tiers import CPU_ROWS, obj_tier, wait_stable
 #: servers start in tens of seconds on 2 cores (more on a busy host)
 pytestmark = pytest.mark.timeout(600)
 
-
 OBJ = "1:obj"
 
 

@@ -79,12 +79,15 @@ class PD:
     def __init__(self, serve, cmp_factory=None):
         keys, allow_p, allow_d = _keys(serve)
         self.pport, self.dport = free_port(), free_port()
+        # endpoint_niceness 0: at the default (10) the endpoints, on a host that other
+        # work keeps busy (load 10-20 here), did not answer within fetch_timeout_s (10 s)
         prefill_tier = {"type": "p2p", "host": "127.0.0.1", "port": self.pport,
                         "secret_key_file": os.path.join(keys, "prefill.key_secret"),
-                        "allow_keys_dir": allow_p, "unbound_store_timeout_s": 60}
+                        "allow_keys_dir": allow_p, "unbound_store_timeout_s": 60,
+                        "endpoint_niceness": 0}
         decode_tier = {"type": "p2p", "host": "127.0.0.1", "port": self.dport,
                        "secret_key_file": os.path.join(keys, "decode.key_secret"),
-                       "allow_keys_dir": allow_d,
+                       "allow_keys_dir": allow_d, "endpoint_niceness": 0,
                        "peers": {f"127.0.0.1:{self.pport}": os.path.join(allow_d,
                                                                          "prefill.key")}}
         self.p = serve.start("d-prefill", kv_config(serve.engine_id("pf"), cpu_rows=CPU_ROWS,
@@ -147,12 +150,12 @@ def test_p2p_prefill_to_decode(pd, cmp, prompts, report):
 
 
 @pytest.mark.xfail(strict=False, reason=(
-    "shmtier p2p, to be looked at by the tier's owner: on this host under load (others' "
-    "work, load average 10-20) the decode of the second of two PD requests sharing a prefix "
-    "was deferred at every step ('Offloading manager delayed request as backend requested') "
-    "past 15-20 s, or waited 12-60 s, although the prefiller had parked its new chunks; "
-    "requests with prefixes of their own were served in ~0.1-1 s in the same runs, and at "
-    "low load this test passes"))
+    "shmtier p2p, not pinned down (for the tier's owner): on this host loaded by other work "
+    "(load average 10-20) the decode of the second of two PD requests sharing a prefix was "
+    "deferred at every step ('Offloading manager delayed request as backend requested') "
+    "for 12-60 s, or past the client's timeout, although the prefiller had parked its new "
+    "chunks; requests with prefixes of their own were served in ~0.1-1 s in the same runs. "
+    "It passes at low load, and passed at load 15-22 with endpoint_niceness 0"))
 def test_p2p_requests_sharing_a_prefix(pd, cmp, prompts, report):
     """Two PD requests with one system prompt (as most requests have): the second's new
     chunks come from the prefiller within seconds, the shared ones are already on both
