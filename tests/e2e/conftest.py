@@ -92,12 +92,12 @@ def report(e2e_available):
 
 @pytest.fixture(scope="session")
 def reference(model_dir, e2e_tmp, report):
-    """The engine without offloading (started now, waited for on first use)."""
-    server = Server("reference", model_dir, e2e_tmp).start()
-    ref = Reference(server)
-    yield ref
-    if server.alive and server.startup_s is not None:
-        report.startup(server)
+    """The engine without offloading, started and waited for before any other server
+    (so that its start-up time is one of a server starting alone)."""
+    server = Server("reference", model_dir, e2e_tmp).start().wait_ready()
+    report.startup(server)
+    yield Reference(server)
+    if server.alive:
         try:
             report.server_bytes(server, Metrics.scrape(server))
         except OSError:

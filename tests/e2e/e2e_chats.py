@@ -68,21 +68,17 @@ def ask(server, messages: list[dict], max_tokens: int = MAX_TOKENS,
 
 
 class Reference:
-    """The reference server's answers, memoized per (messages, max_tokens). The server
-    is started by the session fixture and waited for on first use."""
+    """The reference server's answers (a running server), memoized per (messages,
+    max_tokens)."""
 
     def __init__(self, server):
         self.server = server
-        self._ready = False
         self._lock = threading.Lock()
         self._memo: dict[str, Answer] = {}
 
     def answer(self, messages: list[dict], max_tokens: int = MAX_TOKENS) -> Answer:
         key = json.dumps([messages, max_tokens], sort_keys=True)
         with self._lock:
-            if not self._ready:
-                self.server.wait_ready()
-                self._ready = True
             hit = self._memo.get(key)
         if hit is None:
             hit = ask(self.server, messages, max_tokens)

@@ -32,7 +32,7 @@ def human(n: float) -> str:
 @dataclass
 class Report:
     started: float = field(default_factory=time.time)
-    startups: list[tuple[str, bool, float]] = field(default_factory=list)
+    startups: list[tuple[str, bool, float, int]] = field(default_factory=list)
     ttfts: list[tuple[str, str, int, float]] = field(default_factory=list)
     tier_bytes: list[tuple[str, str, float, float]] = field(default_factory=list)
     scenarios: list[tuple[str, int, str]] = field(default_factory=list)
@@ -41,7 +41,8 @@ class Report:
     def startup(self, server) -> None:
         if server.startup_s is not None:
             with self._lock:
-                self.startups.append((server.name, server.kv is not None, server.startup_s))
+                self.startups.append((server.name, server.kv is not None, server.startup_s,
+                                      server.overlapped))
 
     def ttft(self, scenario: str, served_by: str, answer) -> None:
         """``served_by``: "none (cold)", "device", "0:primary", "1:fs", ... (as checked
@@ -82,15 +83,16 @@ class Report:
                "show that each tier serves prefixes through a real engine, not what it "
                "gains on a GPU with a real model.", ""]
         out += ["## Server start-up (process start to /health 200)", "",
-                "| server | shmtier | seconds |", "|---|---|---|"]
-        for name, kv, s in self.startups:
-            out.append(f"| {name} | {'yes' if kv else 'no'} | {s:.1f} |")
-        with_, without = ([s for _, kv, s in self.startups if kv],
-                          [s for _, kv, s in self.startups if not kv])
+                "| server | shmtier | seconds | other servers starting meanwhile |",
+                "|---|---|---|---|"]
+        for name, kv, s, overlapped in self.startups:
+            out.append(f"| {name} | {'yes' if kv else 'no'} | {s:.1f} | {overlapped} |")
+        alone = [(kv, s) for _, kv, s, overlapped in self.startups if not overlapped]
+        with_, without = [s for kv, s in alone if kv], [s for kv, s in alone if not kv]
         if with_ and without:
-            out += ["", f"Median: {statistics.median(without):.1f} s without shmtier "
-                        f"({len(without)} starts), {statistics.median(with_):.1f} s with "
-                        f"({len(with_)} starts)."]
+            out += ["", f"Servers that started alone: median {statistics.median(without):.1f} s "
+                        f"without shmtier ({len(without)}), {statistics.median(with_):.1f} s "
+                        f"with ({len(with_)})."]
         out += ["", "## Time to first token", "",
                 "Streamed greedy chat completions; \"served by\" is the tier whose "
                 "/metrics counters showed the prefix's load in that request's window "

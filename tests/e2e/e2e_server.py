@@ -150,6 +150,8 @@ class Server:
     """One API server. ``name`` labels it in logs and the report; ``kv`` is a
     :func:`kv_config` dict (None: a reference server without offloading)."""
 
+    _starting: set["Server"] = set()  # started, not yet ready (or failed)
+
     def __init__(self, name: str, model_dir: str, log_dir: str, *, kv: dict | None = None,
                  shutdown_timeout_s: float | None = None, env: dict | None = None,
                  args: list[str] | None = None):
@@ -171,6 +173,9 @@ class Server:
         self._watchdog: subprocess.Popen | None = None
         self.started_at = 0.0
         self.startup_s: float | None = None
+        #: other servers that were starting at some point while this one started (the
+        #: report compares start-up times of servers that started alone)
+        self.overlapped = 0
         self._client = None
 
     # ------------------------------------------------------------------ lifecycle
@@ -186,6 +191,10 @@ class Server:
             [sys.executable, "-c", _WATCHDOG, str(self.proc.pid)], stdin=subprocess.PIPE,
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
         self.started_at = time.monotonic()
+        for other in Server._starting:
+            other.overlapped += 1
+            self.overlapped += 1
+        Server._starting.add(self)
         return self
 
     @property
@@ -195,6 +204,12 @@ class Server:
     def wait_ready(self, timeout_s: float = 180.0) -> "Server":
         """Wait until ``GET /health`` answers 200; :class:`ServerError` with the log's
         tail when the server exits or is not ready within ``timeout_s``."""
+        try:
+            return self._wait_ready(timeout_s)
+        finally:
+            Server._starting.discard(self)
+
+    def _wait_ready(self, timeout_s: float) -> "Server":
         deadline = self.started_at + timeout_s
         while time.monotonic() < deadline:
             if not self.alive:

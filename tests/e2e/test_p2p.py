@@ -79,8 +79,9 @@ class PD:
     def __init__(self, serve, cmp_factory=None):
         keys, allow_p, allow_d = _keys(serve)
         self.pport, self.dport = free_port(), free_port()
-        # endpoint_niceness 0: at the default (10) the endpoints, on a host that other
-        # work keeps busy (load 10-20 here), did not answer within fetch_timeout_s (10 s)
+        # On this shared host, loaded by other work (load average 10-20), the decoder's
+        # first fetch was not served within the default fetch_timeout_s (10 s), more often
+        # with the endpoints at the default endpoint_niceness (10): both set for that host.
         prefill_tier = {"type": "p2p", "host": "127.0.0.1", "port": self.pport,
                         "secret_key_file": os.path.join(keys, "prefill.key_secret"),
                         "allow_keys_dir": allow_p, "unbound_store_timeout_s": 60,
@@ -88,6 +89,7 @@ class PD:
         decode_tier = {"type": "p2p", "host": "127.0.0.1", "port": self.dport,
                        "secret_key_file": os.path.join(keys, "decode.key_secret"),
                        "allow_keys_dir": allow_d, "endpoint_niceness": 0,
+                       "fetch_timeout_s": 30,
                        "peers": {f"127.0.0.1:{self.pport}": os.path.join(allow_d,
                                                                          "prefill.key")}}
         self.p = serve.start("d-prefill", kv_config(serve.engine_id("pf"), cpu_rows=CPU_ROWS,
