@@ -33,6 +33,9 @@ answers ``("ok", value)`` or ``("error", text)``.
   and ``metrics``: the tier's counters so far (``get_stats``), ``{short name: {labels
   joined by ",": value}}`` (short name: after ``p2p_``); the engine's ``fingerprint`` and
   ``hash_seed`` (what a peer's hello must carry).
+- ``("idle", flag)``: stop (True) or resume (False) the steps between commands, as an
+  engine vLLM has nothing to step for; value: ``has_pending_work()`` (vLLM steps an
+  engine with no request while it is True). ``("step",)``: one step; value: the same.
 - ``("stop",)``.
 """
 
@@ -179,6 +182,7 @@ def serve(conn, engine_id: str, tier: dict, layout: dict) -> None:
         timed(m.on_request_finished, ctx)
 
     metrics_seen: dict = {}
+    idle = [False]  # True: no step unless asked (an engine vLLM has nothing to step for)
 
     def stats():
         proc = p2p._proc
@@ -205,7 +209,8 @@ def serve(conn, engine_id: str, tier: dict, layout: dict) -> None:
         conn.send(("ready", p2p.port))
         while True:
             if not conn.poll(0.005):
-                step()
+                if not idle[0]:
+                    step()
                 continue
             try:
                 cmd = conn.recv()
@@ -236,6 +241,12 @@ def serve(conn, engine_id: str, tier: dict, layout: dict) -> None:
                         out = [m.primary.ref_count(fs_engine.key(k)) for k in cmd[1]]
                 elif cmd[0] == "stats":
                     out = stats()
+                elif cmd[0] == "idle":  # stop (True) or resume (False) stepping when idle
+                    idle[0] = cmd[1]
+                    out = timed(m.has_pending_work)
+                elif cmd[0] == "step":
+                    step()
+                    out = timed(m.has_pending_work)
                 else:
                     raise ValueError(f"unknown command {cmd[0]!r}")
                 conn.send(("ok", out))

@@ -948,3 +948,33 @@ def test_drain_jobs_returns_only_once_every_release_is_set(stopped_endpoint):
     assert failed.deferred_release.is_set()
     assert e.primary.num_deferred_release_chunks == 0 and set(rows) <= e.free_rows()
     assert len(data[metrics.DEFERRED_RELEASE_HOLD][("1:p2p",)]) == 1
+
+
+@pytest.mark.timeout(120)
+def test_parked_chunks_need_no_engine_steps(engines, keys):
+    """Once a PD prefill request finished and its chunks are parked, the tier reports no
+    pending work (vLLM steps an engine while there is: an idle prefill server would spin
+    until its decoder fetched, for up to ``unbound_store_timeout_s``). With the producer's
+    engine not stepping at all, its endpoint serves the consumer byte-exact, and the
+    producer's next step unpins the fetched rows."""
+    prod, cons = engines((tier(keys.a), {}), (tier(keys.b), {}))
+    ks = [91, 92, 93]
+    sent = prod.call("produce", "p1", "kv-idle", ks, 0)
+    deadline = time.monotonic() + 10
+    while prod.call("idle", True):  # the store job's result, then nothing is pending
+        assert time.monotonic() < deadline, "the producer still has pending work"
+        prod.call("idle", False)
+        time.sleep(0.05)
+    assert prod.call("stats")["parked"] == len(ks)
+    assert all(r > 0 for r in prod.call("refs", ks))  # parked: pinned
+    got = cons.call("consume", "c1", pd("kv-idle", prod.port), ks, 40, 20)
+    assert got["answers"][-1] == ["HIT"] * len(ks) and got["data"] == sent
+    # the peer's release reaches the producer's tier without a step (its poll thread or
+    # the next step); the rows are unpinned by the step that takes the jobs' results
+    deadline = time.monotonic() + 10
+    while prod.call("stats")["parked"]:
+        assert time.monotonic() < deadline, "the consumer's release never reached the producer"
+        time.sleep(0.05)
+    prod.call("step")
+    assert prod.call("refs", ks) == [0] * len(ks)
+    assert not prod.call("step")

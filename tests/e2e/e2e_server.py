@@ -102,6 +102,28 @@ def remove_shm(entries: list[str]) -> None:
             pass
 
 
+def mapped_shm(pids: list[int]) -> set[str]:
+    """The /dev/shm entries that processes ``pids`` map or hold open (POSIX shared memory
+    and named semaphores: vLLM's message queues, multiprocessing's locks)."""
+    found = set()
+    prefix = SHM_DIR + "/"
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/maps") as f:
+                for line in f:
+                    at = line.find(prefix)
+                    if at >= 0:
+                        name = line[at + len(prefix):].rstrip("\n")
+                        found.add(name.removesuffix(" (deleted)"))
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if target.startswith(prefix):
+                    found.add(target[len(prefix):].removesuffix(" (deleted)"))
+        except OSError:
+            continue
+    return found
+
+
 def group_pids(pgid: int) -> list[int]:
     """Live processes (zombies excluded) whose process group is ``pgid``."""
     out = []
@@ -177,6 +199,12 @@ class Server:
         #: report compares start-up times of servers that started alone)
         self.overlapped = 0
         self._client = None
+        #: /dev/shm entries of vLLM's own (not shmtier's) that the server's processes
+        #: mapped once it served; ``stop()`` removes those its processes left behind
+        self.vllm_shm: set[str] = set()
+        #: what ``stop()`` removed of them (an EngineCore killed outright leaves its
+        #: message queues' segments: vLLM's resource tracker dies with the group)
+        self.vllm_shm_left: list[str] = []
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -220,6 +248,8 @@ class Server:
                     if r.status == 200:
                         self.startup_s = time.monotonic() - self.started_at
                         self.warm_up()
+                        self.vllm_shm = {n for n in mapped_shm(group_pids(self.proc.pid))
+                                         if not n.startswith(("shmtier_", "sem.shmtier_"))}
                         return self
             except (urllib.error.URLError, OSError):
                 pass
@@ -244,8 +274,9 @@ class Server:
         its engine; vLLM's ``--shutdown-timeout`` decides how long the engine drains),
         then SIGKILL whatever of its process group is left after ``grace_s``; wait until
         none of it is left and return this engine's shmtier entries still in /dev/shm
-        (then removed; ``keep_shm``: neither, for a warm restart). Never raises; a
-        second call returns [].
+        (then removed; ``keep_shm``: neither, for a warm restart). vLLM's own entries
+        that its processes left (``vllm_shm``) are removed too, and listed in
+        ``vllm_shm_left``. Never raises; a second call returns [].
 
         SIGTERM goes to the API server alone, not to the group: a signal to every
         process at once (Ctrl-C in a terminal, a control-group stop) reaches vLLM's
@@ -275,6 +306,9 @@ class Server:
             self._watchdog.stdin.close()  # its group is gone: it exits at once
             self._watchdog.wait()
             self._watchdog = None
+        self.vllm_shm_left = sorted(n for n in self.vllm_shm
+                                    if os.path.exists(os.path.join(SHM_DIR, n)))
+        remove_shm(self.vllm_shm_left)
         if not self.engine_id or keep_shm:
             return []
         leftovers = shm_entries(self.engine_id)

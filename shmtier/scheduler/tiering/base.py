@@ -112,7 +112,7 @@ class JobResult:
 
 
 _OPTIONAL = ("tolerates_off_thread_polling", "polls_between_steps", "locality",
-             "max_pinned_rows", "poll_fds", "defers_release")
+             "max_pinned_rows", "poll_fds", "defers_release", "idle_jobs")
 
 
 def optional_attribute(tier: Any, name: str) -> Any:
@@ -188,6 +188,11 @@ class SecondaryTierManager(ABC):
     #: its deferred-release gauge every step (as it does for any tier once it deferred),
     #: and the tier declares ``metrics.deferred_release_metric_definitions()``.
     defers_release: ClassVar[bool] = False
+    #: A method ``idle_jobs() -> int``: how many of this tier's submitted jobs need no
+    #: engine step to finish (another process completes them; their results are taken by
+    #: a later poll). ``has_pending_work`` does not keep an idle engine stepping for them
+    #: (vLLM steps an engine with no request while it is True). None: every job does.
+    idle_jobs: Callable[[], int] | None = None
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)

@@ -247,6 +247,8 @@ class TieringOffloadingManager:
         # consecutive lookups (a request's scan) pass the same filter object
         self._last_lookup_tiers: tuple[Any, int | None, list[tuple[int, Any]]] = (
             _NO_FILTER, None, [])
+        self._idle_job_counts = [f for f in (optional_attribute(t, "idle_jobs")
+                                             for t in self.tiers) if f is not None]
         self._polled = [i for i, t in enumerate(self.tiers)
                         if optional_attribute(t, "tolerates_off_thread_polling")]
         self._poll_thread: TierPollThread | None = None
@@ -806,7 +808,10 @@ class TieringOffloadingManager:
     def has_pending_work(self) -> bool:
         if self._scan_ctx is not None:  # _ENDS_THE_SCAN
             self._end_scan()
-        return (bool(self._jobs) or bool(self._parked) or self._has_deferred() or bool(self._held)
+        jobs = len(self._jobs)
+        if jobs and self._idle_job_counts:
+            jobs -= sum(count() for count in self._idle_job_counts)
+        return (jobs > 0 or bool(self._parked) or self._has_deferred() or bool(self._held)
                 or any(tier.has_pending_work() for tier in self.tiers))
 
     def take_events(self) -> Iterable[OffloadingEvent]:

