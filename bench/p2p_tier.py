@@ -98,7 +98,7 @@ def engine_proc(conn, engine_id: str, tier: dict, rows: int, chunk: int, profile
     from shmtier.config import KVLayout
     from shmtier.contract import LookupResult, ReqContext, ScheduleEndContext
     from shmtier.spec import TieringOffloadingSpec
-    from shmtier.tiers.p2p.scheduler import FETCH_SECONDS
+    from shmtier.tiers.p2p.peer_metrics import FETCH_SECONDS
 
     HIT, MISS, RETRY = LookupResult.HIT, LookupResult.MISS, LookupResult.RETRY
     END = ScheduleEndContext((), ())
@@ -216,7 +216,7 @@ def engine_proc(conn, engine_id: str, tier: dict, rows: int, chunk: int, profile
     def renice(niceness):
         """Set every thread of this engine's endpoint process to ``niceness`` (an
         experiment: the tier's ``endpoint_niceness`` as if configured so)."""
-        pid = p2p._proc.pid
+        pid = p2p.endpoint.proc.pid
         for tid in os.listdir(f"/proc/{pid}/task"):
             os.setpriority(os.PRIO_PROCESS, int(tid), niceness)
         return pid
@@ -280,14 +280,14 @@ def engine_proc(conn, engine_id: str, tier: dict, rows: int, chunk: int, profile
 
     try:
         deadline = time.monotonic() + 60
-        while not p2p._ready:
+        while not p2p.endpoint.ready:
             assert time.monotonic() < deadline, "p2p endpoint did not start"
             step()
             time.sleep(0.005)
         conn.send(("ready", p2p.port))
         handlers = {"produce": produce, "promote": promote, "wait_unparked": wait_unparked,
                     "steps": steps, "produce_stream": produce_stream, "renice": renice,
-                    "endpoint_cpu": lambda: process_cpu_s(p2p._proc.pid)}
+                    "endpoint_cpu": lambda: process_cpu_s(p2p.endpoint.proc.pid)}
         while True:
             if not conn.poll(IDLE_STEP_S):
                 step()

@@ -204,7 +204,7 @@ def server_peer(conn, chunks: int, size: int, keydir: str | None,
     _place(0, cpus)
     from shmtier.shared.codec import crc32c
     from shmtier.tiers.p2p.keys import AllowList, load_keypair
-    from shmtier.tiers.p2p.transport import ChunkServer
+    from shmtier.tiers.p2p.endpoint.transport import ChunkServer
     arena = _arena(chunks, size, 7)
     rows = {b"chunk-%d" % i: memoryview(arena[i]) for i in range(chunks)}
     if given_crc:
@@ -274,7 +274,7 @@ def main() -> None:
     import zmq
     from shmtier.shared.codec import crc32c
     from shmtier.tiers.p2p.keys import generate_keypair_files, load_keypair
-    from shmtier.tiers.p2p.transport import ChunkClient
+    from shmtier.tiers.p2p.endpoint.transport import ChunkClient
 
     size = int(args.chunk_mib * 2 ** 20)
     total = size * args.chunks
@@ -286,7 +286,7 @@ def main() -> None:
         pin_peer, pin_here = {cpus[-1]}, set(cpus[:-1])
         os.sched_setaffinity(0, pin_here)  # (before this process's zmq context: its I/O thread too)
     try:  # the client's process mallocs as the p2p endpoint's does (an older shmtier: as is)
-        from shmtier.tiers.p2p.endpoint import keep_receive_buffers
+        from shmtier.tiers.p2p.endpoint.process import keep_receive_buffers
         keep_receive_buffers()
     except ImportError:
         pass
