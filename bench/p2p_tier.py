@@ -1,11 +1,11 @@
 """Cross-engine promotion GB/s of the p2p tier against raw ZeroMQ, and the scheduler's step time.
 
-    .venv/bin/python bench/p2p_tier.py                  # 32 chunks of 1.4 MiB, 5 repeats (~1-2 min)
-    .venv/bin/python bench/p2p_tier.py --quick          # smoke test: 8 chunks, 2 repeats, short step runs
-    .venv/bin/python bench/p2p_tier.py --json bench/results/p2p_tier.json
-    .venv/bin/python bench/p2p_tier.py --profile        # + cProfile of the consumer's scheduler process
-    .venv/bin/python bench/p2p_tier.py --pin            # two hosts on one: producer / consumer on their own CPUs
-    .venv/bin/python bench/p2p_tier.py --pin --only raw,pd,sym   # just these promotions (no step runs)
+    .venv/bin/python -m bench.p2p_tier                  # 32 chunks of 1.4 MiB, 5 repeats (~1-2 min)
+    .venv/bin/python -m bench.p2p_tier --quick          # smoke test: 8 chunks, 2 repeats, short step runs
+    .venv/bin/python -m bench.p2p_tier --json bench/results/p2p_tier.json
+    .venv/bin/python -m bench.p2p_tier --profile        # + cProfile of the consumer's scheduler process
+    .venv/bin/python -m bench.p2p_tier --pin            # two hosts on one: producer / consumer on their own CPUs
+    .venv/bin/python -m bench.p2p_tier --pin --only raw,pd,sym   # just these promotions (no step runs)
 
 ``--pin`` stands in for the two hosts of a real deployment: the producer engine (its
 scheduler and endpoint) and the raw sender run on the last CPU, the consumer engine and the
@@ -67,16 +67,14 @@ import hashlib
 import multiprocessing as mp
 import os
 import shutil
-import sys
 import tempfile
 import time
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import exit_through_finally, fmt_mr, join_or_kill, med_range, pct, rotated, write_json  # noqa: E402
-from p2p_transport import RawLoopback, process_cpu_s  # noqa: E402
-from shmtier.tiers.p2p.config import P2PTierConfig  # noqa: E402
+from bench.p2p_transport import RawLoopback, process_cpu_s
+from shmtier.bench.common import exit_through_finally, fmt_mr, join_or_kill, med_range, pct, rotated, write_json
+from shmtier.tiers.p2p.config import P2PTierConfig
 
 IDLE_STEP_S = 0.005
 STREAM_AHEAD = 3  # PD requests the producer keeps parked ahead of the consumer (step runs)

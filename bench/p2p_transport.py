@@ -1,8 +1,8 @@
 """Loopback GB/s of the p2p transport: raw ZeroMQ against ChunkClient.fetch into rows.
 
-    .venv/bin/python bench/p2p_transport.py                 # 64 chunks of 1.4 MiB, 7 repeats
-    .venv/bin/python bench/p2p_transport.py --quick         # smoke test: 16 chunks, 2 repeats
-    .venv/bin/python bench/p2p_transport.py --json bench/results/p2p_transport.json
+    .venv/bin/python -m bench.p2p_transport                 # 64 chunks of 1.4 MiB, 7 repeats
+    .venv/bin/python -m bench.p2p_transport --quick         # smoke test: 16 chunks, 2 repeats
+    .venv/bin/python -m bench.p2p_transport --json bench/results/p2p_transport.json
 
 Method: each configuration has its own peer process (multiprocessing spawn) on
 tcp://127.0.0.1, started once; every repeat runs each configuration once, in an order
@@ -35,14 +35,12 @@ import argparse
 import multiprocessing as mp
 import os
 import shutil
-import sys
 import tempfile
 import time
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import exit_through_finally, fmt_mr, join_or_kill, med_range, rotated, write_json  # noqa: E402
+from shmtier.bench.common import exit_through_finally, fmt_mr, join_or_kill, med_range, rotated, write_json
 
 FP, SEED = "bench-layout", 1
 
