@@ -4,6 +4,8 @@ Runs in: the p2p endpoint process (``process.py``) that serves an engine's chunk
 peers, on its main thread (the :meth:`ChunkServer.poll` loop), and in the test and bench
 processes that stand in for a peer. Never runs in the scheduler process. The message
 flow, the row-memory rule and the failure handling of both ends: ``transport.py``.
+
+Over 600 lines: one class whose state (sessions, bindings, ZAP answers) one thread owns.
 """
 
 from __future__ import annotations
