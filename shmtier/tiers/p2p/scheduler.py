@@ -130,6 +130,7 @@ class P2PTierManager(SecondaryTierManager):
         self.endpoint = EndpointSupervisor(self._label, self._engine_id,
                                            settings=self._settings, handle=self._handle,
                                            check=self._check, gone=self._endpoint_gone)
+        self._poll = self.endpoint.poll  # the tier's polls are its endpoint's (hot path)
         try:
             self.endpoint.start()
         except BaseException:
@@ -198,9 +199,6 @@ class P2PTierManager(SecondaryTierManager):
         self._lookups.clear()
         for ext in self._external.values():
             ext.dead = True
-
-    def _poll(self) -> None:
-        self.endpoint.poll()
 
     def _check(self, now: float) -> str | None:
         """Every CHECK_EVERY_S while the endpoint runs (its supervisor's ``check``): the
