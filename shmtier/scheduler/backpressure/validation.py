@@ -5,8 +5,10 @@ Who calls: :mod:`.settings` at configuration time (any process that parses
 and :func:`shmtier.scheduler.backpressure.build_detector` in the scheduler process, so a
 value is judged by one piece of code wherever it arrives. May it block: no; resolving a
 dotted class path imports that module, nothing else does I/O. Imports nothing of shmtier
-beyond the standard library: the built-in classes are described here by import path,
-constructor signature and base classes (tests check these against the real classes).
+beyond the standard library (and, when asked for a tier type's defaults, the tier
+registry, which says how a type's stores behave): the built-in classes are described
+here by import path, constructor signature and base classes (tests check these against
+the real classes).
 """
 
 from __future__ import annotations
@@ -53,8 +55,6 @@ LOCAL_HIGH_WATER_S = 0.010
 LOCAL_LOW_WATER_S = 0.002
 NETWORK_HIGH_WATER_S = 0.050
 NETWORK_LOW_WATER_S = 0.010
-NETWORK_TIER_TYPES = frozenset({"obj"})
-STORAGE_TIER_TYPES = frozenset({"fs", "obj"})
 
 #: The EMA detector's numeric constructor parameters, in order.
 EMA_FIELDS = ("high_water_s", "low_water_s", "alpha", "warmup_completions",
@@ -79,14 +79,20 @@ _FIELD_SPECS: dict[str, tuple[str, float, bool]] = {
 
 
 def ema_default_config(tier_type: str, locality: str | None = None) -> dict[str, Any]:
-    """The EMA detector's per-tier defaults (see the module docstring)."""
+    """The EMA detector's per-tier defaults: the network water marks for a ``REMOTE``
+    locality or a tier type whose registry entry says its stores cross a network, else
+    the local ones; a ``failure_threshold`` when the type counts failed stores as
+    pressure (its ``BackpressureProfile`` in ``shmtier/tiers/registry.py``)."""
+    from shmtier.tiers.registry import backpressure_profile
+
+    profile = backpressure_profile(tier_type)
     remote = isinstance(locality, str) and locality.upper() == "REMOTE"
-    if remote or tier_type in NETWORK_TIER_TYPES:
+    if remote or profile.network:
         config: dict[str, Any] = {"high_water_s": NETWORK_HIGH_WATER_S,
                                   "low_water_s": NETWORK_LOW_WATER_S}
     else:
         config = {"high_water_s": LOCAL_HIGH_WATER_S, "low_water_s": LOCAL_LOW_WATER_S}
-    if tier_type in STORAGE_TIER_TYPES:
+    if profile.failures_are_pressure:
         config["failure_threshold"] = DEFAULT_FAILURE_THRESHOLD
     return config
 

@@ -4,8 +4,9 @@ vLLM's keys (contract §10.4): ``host``, ``port``, ``backends``, ``num_threads``
 ``unbound_store_timeout_s``; and shmtier's: the CurveZMQ key pair and allow-list,
 ``peers`` (which public key a peer's server has), ``plaintext``, and the endpoint's
 deadlines. Key files are read and checked here, when the spec is built, so a missing or
-wrong key fails naming its option before any process or socket is made; the endpoint
-process reads them again (``endpoint_settings``).
+wrong key fails naming its option before any process or socket is made; the scheduler
+half reads them again at start and hands them to its endpoint process in its settings
+(``P2PTierManager._settings``).
 """
 
 from __future__ import annotations
