@@ -190,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
 def _fsck(args) -> int:
     import json
 
-    from shmtier.tiers.fsck import EXIT_USAGE, FsckError
+    from shmtier.storage.fsck import EXIT_USAGE, FsckError
 
     obj = bool(args.bucket or args.tier_config)
     if obj == bool(args.root):
@@ -273,7 +273,7 @@ def _clean(engine_ids: list[str], roots: list[str]) -> int:
     code = 0
     for root in roots:
         from shmtier.tiers.fs.fsck import fsck_root
-        from shmtier.tiers.fsck import FsckError
+        from shmtier.storage.fsck import FsckError
 
         try:
             report = fsck_root(root, repair={"orphan_temp"})

@@ -25,8 +25,8 @@ import torch
 from shmtier.contract import ReqContext
 from shmtier.scheduler.pool import WorkerState
 from shmtier.shared.jobs import Outcome
+from shmtier.storage import scheduler as storage_tier
 from shmtier.tiers.fs import scheduler as fs_tier
-from shmtier.tiers.storage import scheduler as storage_tier
 
 LABEL = ("1:fs",)
 HOOKS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "worker_hooks")

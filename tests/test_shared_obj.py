@@ -13,8 +13,8 @@ import torch
 from shmtier.config import ConfigError, KVLayout
 from shmtier.contract import ReqContext
 from shmtier.spec import TieringOffloadingSpec
+from shmtier.storage import scheduler as storage_tier
 from shmtier.tiers.obj import scheduler as obj_tier
-from shmtier.tiers.storage import scheduler as storage_tier
 
 LABEL = ("1:obj",)
 

@@ -3,14 +3,14 @@
 
 Who calls: the tiering manager, in the scheduler process, under its lock. Everything
 but the names is the storage tiers' scheduler half
-(``shmtier/tiers/storage/scheduler.py``: index, capacity, eviction, lookup probes of a
+(``shmtier/storage/scheduler.py``: index, capacity, eviction, lookup probes of a
 shared root, job batching): this module says what the medium is called and which
 metrics the tier reports.
 """
 
 from __future__ import annotations
 
-from shmtier.tiers.storage.scheduler import (
+from shmtier.storage.scheduler import (
     CODEC_SECONDS,
     CORRUPT_CHUNKS,
     MAX_COMBINED_KEYS,

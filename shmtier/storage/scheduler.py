@@ -100,7 +100,7 @@ from shmtier.scheduler.tiering.base import JobResult, SecondaryTierManager, Tran
 from shmtier.shared.codec import frame_header_size
 from shmtier.shared.jobs import SUCCESS, Outcome, ResultFlag, free_bytes_in
 from shmtier.shared.ring import TIER_COUNTERS
-from shmtier.tiers.storage.lookup_probes import LookupProbes
+from shmtier.storage.lookup_probes import LookupProbes
 
 logger = logging.getLogger(__name__)
 
