@@ -18,7 +18,7 @@ from fs_engine import engines, key  # noqa: F401 (the engines fixture)
 
 from shmtier.contract import ReqContext
 from shmtier.shared.jobs import Outcome
-from shmtier.storage.scheduler import PAGE_CACHE_BOUNDED
+from shmtier.storage.tier_metrics import PAGE_CACHE_BOUNDED
 from shmtier.tiers.fs import writeback
 from shmtier.tiers.fs.backend import FsBackend
 

@@ -10,20 +10,20 @@ metrics the tier reports.
 
 from __future__ import annotations
 
-from shmtier.storage.scheduler import (
+from shmtier.storage.scheduler import StorageTierManager
+from shmtier.storage.tier_metrics import (
     CODEC_SECONDS,
     CORRUPT_CHUNKS,
-    MAX_COMBINED_KEYS,
+    POOL_BROKEN,
     PROBE_HITS,
     PROBED_KEYS,
-    POOL_BROKEN,
     PROBES_EXPIRED,
     RING_DEPTH,
     STORED_RATIO,
     WORKER_RESTARTS,
     WORKERS_LATE_BUT_BUSY,
-    StorageTierManager,
 )
+from shmtier.storage.transfers import MAX_COMBINED_KEYS
 
 BYTES_ON_DISK = "vllm:kv_offload_shmtier_fs_bytes_on_disk"
 EVICTED_CHUNKS = "vllm:kv_offload_shmtier_fs_evicted_chunks"
