@@ -88,8 +88,9 @@ class Cascades:
         """Cascade the parked keys now ready; the others stay parked."""
         if not self.parked:
             return
-        parked, self.parked = self.parked, {}
-        for state in parked.values():
+        parked = list(self.parked.values())
+        self.parked.clear()  # (in place: the manager reads it per step)
+        for state in parked:
             keys, state.parked_cascade_keys = state.parked_cascade_keys, []
             self.present(state, keys)  # parks the still-pending ones again
             self._manager._maybe_finalize(state)

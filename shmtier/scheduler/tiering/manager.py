@@ -153,6 +153,7 @@ class TieringOffloadingManager:
         self._has_deferred, self._flush_deferred_cascades = (
             self._cascades.any_deferred, self._cascades.flush)
         self._flush_parked_cascades = self._cascades.flush_parked
+        self._parked = self._cascades.parked  # request id -> state with parked keys
         self._parents = [TierFacingParent(self, i) for i in range(len(self.tiers))]
         self._tracker = LookupTracker(self.labels)
         self._stats = metrics.OffloadingStats()
@@ -460,8 +461,7 @@ class TieringOffloadingManager:
     def has_pending_work(self) -> bool:
         if self._scan is not None:
             self._scan.end()
-        return (bool(self._jobs) or bool(self._cascades.parked) or self._has_deferred()
-                or bool(self._held)
+        return (bool(self._jobs) or bool(self._parked) or self._has_deferred() or bool(self._held)
                 or any(tier.has_pending_work() for tier in self.tiers))
 
     def take_events(self) -> Iterable[OffloadingEvent]:
@@ -504,7 +504,7 @@ class TieringOffloadingManager:
                                f"deferred_release events of their failed promotions in "
                                f"drain_jobs(); their primary rows may still be written")
         self._promotions.reset()
-        self._cascades.parked.clear()
+        self._parked.clear()
         for state in list(self._requests.values()):
             state.pending_primary_stores = 0
             state.parked_cascade_keys.clear()
