@@ -57,16 +57,14 @@ rows until it is gone: the promotion's ``JobResult.deferred_release`` is set onl
 (the pool's ``PoolResult.release``), and the manager holds those rows out of the free
 pool meanwhile.
 
-Submission: ``submit_store``/``submit_load`` only queue. The queue goes to the
-pool as one job per operation (loads first; a step's loads of many keys as one job
-per worker, LOAD_SPLIT_KEYS keys at least, so every worker reads) at
-``on_schedule_end`` and at the next ``get_finished_jobs`` -- so a step's promotions of
-many requests, or the cascades of all the stores that completed together, cost one ring
-put and one wake-up per worker instead of one per request (measured: this was the
-largest part of the slowest steps). A full job ring fails the queued jobs at once and
-tells the backpressure detector (deletes and probes are sent again next step).
-Per step the work is in proportion to what changed: no walk over the index
-but the eviction's, from its LRU end.
+Submission (``dispatch.py``): ``submit_store``/``submit_load`` only queue; the queues go
+to the pool combined, one job per operation, at ``on_schedule_end`` and at the next
+``get_finished_jobs`` (or the step-window thread's round), so a step's promotions of many
+requests, or the cascades of all the stores that completed together, cost one ring put
+and one wake-up per worker instead of one per request (measured: this was the largest
+part of the slowest steps). Results (``results.py``) go back into the ledger. Per step
+the work is in proportion to what changed: no walk over the index but the eviction's,
+from its LRU end.
 """
 
 from __future__ import annotations
