@@ -184,7 +184,7 @@ def _fsck(args, tools: list) -> int:
     import json
 
     from shmtier.tiers.commands import read_mac_key
-    from shmtier.tiers.fsck import EXIT_USAGE, FsckError
+    from shmtier.storage.fsck import EXIT_USAGE, FsckError
 
     chosen = [t for t in tools if t.chosen(args)]
     if len(chosen) != 1:

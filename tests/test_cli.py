@@ -26,7 +26,7 @@ from shmtier.contract import ReqContext
 from shmtier.shared import procinfo
 from shmtier.shared.snapshot import snapshot
 from shmtier.spec import TieringOffloadingSpec
-from shmtier.tiers.chunk_names import chunk_key
+from shmtier.storage.chunk_names import chunk_key
 from shmtier.tiers.fs.fsck import fsck_root
 
 
@@ -250,8 +250,8 @@ def _spec_fingerprint(**layout) -> tuple[str, int]:
 
 
 def test_fsck_finds_and_repairs_a_frame_of_another_chunk_size(tmp_path):
+    from shmtier.storage.fsck import layout_chunk_bytes
     from shmtier.tiers.fs.backend import FsBackend
-    from shmtier.tiers.fsck import layout_chunk_bytes
 
     fingerprint, chunk = _spec_fingerprint()
     assert chunk == 4096 * 2 * 2 and layout_chunk_bytes(fingerprint) == chunk

@@ -18,9 +18,9 @@ from fs_engine import engines, key  # noqa: F401 (the engines fixture)
 
 from shmtier.contract import ReqContext
 from shmtier.shared.jobs import Outcome
+from shmtier.storage.tier_metrics import PAGE_CACHE_BOUNDED
 from shmtier.tiers.fs import writeback
 from shmtier.tiers.fs.backend import FsBackend
-from shmtier.tiers.storage.scheduler import PAGE_CACHE_BOUNDED
 
 OK, MISS = Outcome.OK, Outcome.MISS
 CB = 256 * 1024  # chunk bytes: 64 pages

@@ -18,8 +18,8 @@ from s3_servers import free_port
 from shmtier.options import ConfigError
 from shmtier.shared.codec import CompressionConfig, parse_frame_header
 from shmtier.shared.jobs import Outcome
+from shmtier.storage.chunk_names import namespace_dir_name
 from shmtier.tiers.backend import WorkerContext
-from shmtier.tiers.chunk_names import namespace_dir_name
 from shmtier.tiers.config import TierContext
 from shmtier.tiers.obj.backend import ObjBackend
 from shmtier.tiers.obj.config import ObjTierConfig

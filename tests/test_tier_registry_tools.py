@@ -28,7 +28,7 @@ from shmtier.shared.layout import ArenaGeometry
 from shmtier.shared.segment import open_segment
 from shmtier.tiers import registry
 from shmtier.tiers.commands import TierFsck, TierStatus
-from shmtier.tiers.fsck import FsckReport, NamespaceReport
+from shmtier.storage.fsck import FsckReport, NamespaceReport
 from shmtier.top import run_top
 
 NAME = "scratch"

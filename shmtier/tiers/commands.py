@@ -43,7 +43,7 @@ class TierFsck:
 
     def run(self, args: argparse.Namespace, mac_key: bytes | None) -> Any:
         """Check (and with ``args.repair`` repair) the target; a report with ``as_dict()``,
-        ``text()`` and ``exit_code`` (``shmtier.tiers.fsck.FsckReport``). Raises
+        ``text()`` and ``exit_code`` (``shmtier.storage.fsck.FsckReport``). Raises
         ``FsckError``, ``ValueError`` or ``OSError`` for a target that cannot be checked."""
         raise NotImplementedError
 

@@ -38,11 +38,11 @@ from typing import Callable, Iterator, Sequence
 
 from shmtier.shared.codec import CompressionConfig, mac_key_id
 from shmtier.shared.jobs import ResultFlag
+from shmtier.storage.chunk_names import chunk_key, key_problem, with_mac_id
 from shmtier.tiers.backend import BatchResult, Outcome, ScanEntry, TierBackend, WorkerContext
 from shmtier.tiers.fs.config import DEFAULT_WRITE_DEPTH
 from shmtier.tiers.fs.fileio import probe_direct_io, unlink_quietly
 from shmtier.tiers.fs.load import ChunkReader, chunk_file_cap, remove_foreign
-from shmtier.tiers.chunk_names import chunk_key, key_problem, with_mac_id
 from shmtier.tiers.fs.namespace import TEMP_SUFFIX, LinkRefused, Namespace
 from shmtier.tiers.fs.outcomes import FsCounters, errno_outcome
 from shmtier.tiers.fs.store import ChunkWriter

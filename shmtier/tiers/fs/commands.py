@@ -41,7 +41,7 @@ class FsFsck(TierFsck):
     def clean(self, args) -> tuple[list[str], int]:
         """Remove the temp files of dead writers under each ``--root``."""
         from shmtier.tiers.fs.fsck import fsck_root
-        from shmtier.tiers.fsck import FsckError
+        from shmtier.storage.fsck import FsckError
 
         lines, code = [], 0
         for root in args.root:

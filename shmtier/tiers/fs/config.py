@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from shmtier.options import ConfigError, boolean, integer, one_of, writable_dir
+from shmtier.storage.config import StorageTierConfig
 from shmtier.tiers.config import REQUIRED, option
-from shmtier.tiers.storage.config import StorageTierConfig
 
 #: O_DIRECT writes a tier worker keeps in flight by default (``write_depth``), and the most.
 DEFAULT_WRITE_DEPTH = 8

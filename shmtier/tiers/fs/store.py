@@ -42,6 +42,7 @@ from typing import Sequence
 
 from shmtier.shared.codec import ChunkEncoder, CompressionConfig
 from shmtier.shared.codec_choice import CodecChooser
+from shmtier.storage.chunk_names import key_problem
 from shmtier.tiers.backend import BatchResult, Outcome, as_arena, check_batch, row_problem
 from shmtier.tiers.fs import writeback
 from shmtier.tiers.fs.config import DEFAULT_WRITE_DEPTH
@@ -54,7 +55,6 @@ from shmtier.tiers.fs.fileio import (
     unlink_quietly,
     writev_all,
 )
-from shmtier.tiers.chunk_names import key_problem
 from shmtier.tiers.fs.load import chunk_file_cap, remove_foreign
 from shmtier.tiers.fs.namespace import LinkRefused, Namespace
 from shmtier.tiers.fs.outcomes import NO_SPACE, FsCounters, errno_outcome

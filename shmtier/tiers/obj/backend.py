@@ -42,6 +42,13 @@ from shmtier.shared.codec import (
 )
 from shmtier.shared.codec_choice import CodecChooser
 from shmtier.shared.jobs import ResultFlag
+from shmtier.storage.chunk_names import (
+    chunk_key,
+    chunk_name,
+    key_problem,
+    namespace_dir_name,
+    with_mac_id,
+)
 from shmtier.tiers.backend import (
     BatchResult,
     Outcome,
@@ -51,13 +58,6 @@ from shmtier.tiers.backend import (
     as_arena,
     check_batch,
     row_problem,
-)
-from shmtier.tiers.chunk_names import (
-    chunk_key,
-    chunk_name,
-    key_problem,
-    namespace_dir_name,
-    with_mac_id,
 )
 from shmtier.tiers.obj.client import endpoint_label, error_detail, import_boto3, make_client
 

@@ -23,8 +23,8 @@ from urllib.parse import urlsplit
 from shmtier.options import Check, ConfigError, Secret, choice_upper, integer, invalid, number
 from shmtier.shared.redact import install as redact_logs
 from shmtier.shared.redact import redact_url
+from shmtier.storage.config import StorageTierConfig
 from shmtier.tiers.config import REQUIRED, TierContext, option
-from shmtier.tiers.storage.config import StorageTierConfig
 
 _BUCKET = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
 #: Longest prefix: object keys (prefix, namespace, fan-out, 200 hex digits) stay far

@@ -1,6 +1,6 @@
 """Options every storage tier takes (any process): ``fs`` and ``obj`` configs extend
 :class:`StorageTierConfig`, which the storage scheduler half reads
-(``shmtier/tiers/storage/scheduler.py``) and whose frame options (MAC key, a
+(``shmtier/storage/scheduler.py``) and whose frame options (MAC key, a
 ``max_bytes`` that holds one chunk's frame) every storage tier's workers use.
 
 Who calls: the tier config classes when the spec is built, in any process. Pure but
