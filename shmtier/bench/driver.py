@@ -2,7 +2,8 @@
 
 ``run_one`` builds the manager (shmtier/bench/managers.py) on a fresh temp directory, freezes
 the GC heap as vLLM's engine core does, and ``drive`` plays the OffloadingConnector's
-scheduler half over the whole trace, one engine step at a time: admit waiting requests
+scheduler half over the whole trace through the connector driver (shmtier/connector_driver.py),
+one engine step at a time: admit waiting requests
 (on_new_request, lookup scan, prepare_load + get_load_source), offer each running
 request's next chunks to prepare_store (the rows then filled, standing in for the GPU
 copy), on_request_finished, on_schedule_end; sleep out the step; complete last step's
@@ -12,7 +13,8 @@ made as ``cfg.connector`` says (shmtier/bench/baseline.py), for every manager al
 waiting request that, with nothing else left, loses hits to the waiting requests' own
 promotions ``cfg.self_eviction_scans`` lookup scans in a row (vLLM's LRU does that: see the
 check in ``drive``) is given up as an aborted one (on_request_finished) and listed in the
-figures' "abandoned". Every manager call is timed (wall and on-CPU); the run's raw figures
+figures' "abandoned". Every manager call is timed (wall and on-CPU: the driver's regions,
+booked by ``_Figures``); the run's raw figures
 come back as a dict for shmtier/bench/report.py. After the run the manager and its
 /dev/shm entries are removed and its directory emptied, also on error; the emptied
 directories go when the process exits (``retire_root``).
@@ -35,12 +37,13 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from shmtier.bench import baseline
-from shmtier.bench.common import DrivenRequest, request_context
+from shmtier.bench.common import DrivenRequest
 from shmtier.bench.managers import MAKERS, TOKENS_PER_CHUNK, Mut, make_shmtier, sched_of, sweep_shm
 from shmtier.bench.slow_steps import StepProbe
+from shmtier.connector_driver import LOCK_WAIT, ConnectorDriver, Contract, Meter
 
 TAG = f"bench-ts-{os.getpid()}-"
-KINDS = ("lock wait", "on_new_request", "lookup", "prepare_load", "get_load_source",
+KINDS = (LOCK_WAIT, "on_new_request", "lookup", "prepare_load", "get_load_source",
          "prepare_store", "on_request_finished", "on_schedule_end", "complete_store",
          "complete_load", "has_pending_work", "get_stats", "take_events")
 CLK_TCK = os.sysconf("SC_CLK_TCK")
@@ -141,6 +144,42 @@ def _dir_bytes(root: str) -> int:
     return size
 
 
+class _Figures(Meter):
+    """Books each timed region of the driver (shmtier/connector_driver.py) to the run's
+    per-kind totals and to this step (``acc``: wall, CPU; ``step_kind``: wall per kind);
+    the probe brackets each region (its ``begin`` is this meter's)."""
+
+    def __init__(self, probe: StepProbe):
+        self.begin = probe.begin
+        self._probe_end = probe.end
+        self.ns = dict.fromkeys(KINDS, 0)  # wall ns inside the calls
+        self.cpu_ns = dict.fromkeys(KINDS, 0)  # this thread's CPU ns around the calls
+        self.calls = dict.fromkeys(KINDS, 0)
+        self.acc = [0, 0]  # this step: wall ns, cpu ns
+        self.step_kind = [0] * len(KINDS)  # this step: wall ns per kind
+        self._kind_idx = {k: i for i, k in enumerate(KINDS)}
+
+    def end(self, token, kind, calls, keys, wall_ns, cpu_ns):
+        self._probe_end(token, kind, keys)
+        self.ns[kind] += wall_ns
+        self.cpu_ns[kind] += cpu_ns
+        self.calls[kind] += calls
+        acc = self.acc
+        acc[0] += wall_ns
+        acc[1] += cpu_ns
+        self.step_kind[self._kind_idx[kind]] += wall_ns
+
+
+class _DrainCpu(Meter):
+    """The drain's regions: only their CPU, summed (not in the step figures)."""
+
+    def __init__(self):
+        self.cpu_ns = 0
+
+    def end(self, token, kind, calls, keys, wall_ns, cpu_ns):
+        self.cpu_ns += cpu_ns
+
+
 class NoProgress(RuntimeError):
     """A manager stopped answering: a request never admitted or a job never finished."""
 
@@ -155,67 +194,18 @@ def drive(mut: Mut, trace, cfg, data_pool: np.ndarray, probe: StepProbe | None =
     (shmtier/bench/slow_steps.py) records what each step is made of (its ``on_gc`` is the
     caller's to register)."""
     probe = probe if probe is not None else StepProbe(KINDS)
-    p_begin, p_end = probe.begin, probe.end
     m = mut.manager
-    conn = cfg.connector or baseline.connector()
-    job_keys = conn.job_keys
-    complete_store = conn.store_completer(m)
-    LR = mut.LookupResult
-    HIT, MISS, PENDING, RETRY = LR.HIT, LR.MISS, LR.HIT_PENDING, LR.RETRY
-    ReqContext, SEC = mut.ReqContext, mut.ScheduleEndContext
-    lock = m.lock
-    lookup = m.lookup
-    pc = time.perf_counter_ns
-    tt = time.thread_time_ns
+    figures = _Figures(probe)
+    d = ConnectorDriver(m, contract=Contract(mut.LookupResult, mut.ReqContext, mut.ScheduleEndContext),
+                        connector=cfg.connector or baseline.connector(), meter=figures,
+                        tokens_per_chunk=TOKENS_PER_CHUNK)
+    job_keys = d.job_keys
+    HIT, PENDING, RETRY = d.HIT, d.PENDING, d.RETRY
     rows = mut.rows
     payload = cfg.chunk_bytes
     step_s = cfg.step_ms / 1e3
     n_pool = len(data_pool)
-
-    ns = dict.fromkeys(KINDS, 0)  # wall ns inside the calls
-    cpu_ns = dict.fromkeys(KINDS, 0)  # this thread's CPU ns around the calls
-    calls = dict.fromkeys(KINDS, 0)
-    acc = [0, 0]  # this step: wall ns, cpu ns
-    kind_idx = {k: i for i, k in enumerate(KINDS)}
-    step_kind = [0] * len(KINDS)  # this step: wall ns per kind
-    cur_kind = [step_kind]
-
-    def charge(kind, wall, cpu, n=1):
-        """Book one timed region (``n`` calls of ``kind``) to the run and to this step."""
-        ns[kind] += wall
-        cpu_ns[kind] += cpu
-        calls[kind] += n
-        acc[0] += wall
-        acc[1] += cpu
-        cur_kind[0][kind_idx[kind]] += wall
-
-    def timed(kind, fn, *args):
-        p0 = p_begin()
-        c0 = tt()
-        w0 = pc()
-        out = fn(*args)
-        w1 = pc()
-        c1 = tt()
-        p_end(p0, kind, len(args[0]) if args and isinstance(args[0], (list, tuple, set)) else 1)
-        charge(kind, w1 - w0, c1 - c0)
-        return out
-
-    class locked:
-        """``with lock``, the wait for it timed as scheduler-thread time ("lock wait"):
-        a manager's own threads (shmtier's tier-poll thread) may hold it."""
-
-        def __enter__(self):
-            p0 = p_begin()
-            c0 = tt()
-            w0 = pc()
-            lock.acquire()
-            w1 = pc()
-            c1 = tt()
-            p_end(p0, "lock wait")
-            charge("lock wait", w1 - w0, c1 - c0)
-
-        def __exit__(self, *exc):
-            lock.release()
+    ns, cpu_ns, calls, acc = figures.ns, figures.cpu_ns, figures.calls, figures.acc
 
     step_ns: list[int] = []
     wake_late_ns: list[int] = []  # per step that slept: wake-up after the sleep's end
@@ -276,7 +266,7 @@ def drive(mut: Mut, trace, cfg, data_pool: np.ndarray, probe: StepProbe | None =
             next_progress += progress_every
             cfg.progress(ai / len(reqs))
         acc[0] = acc[1] = 0
-        step_kind = cur_kind[0] = [0] * len(KINDS)
+        step_kind = figures.step_kind = [0] * len(KINDS)
         st_elig = st_host = st_other = 0
         lookups_before = calls["lookup"]
         new_jobs = []
@@ -286,7 +276,7 @@ def drive(mut: Mut, trace, cfg, data_pool: np.ndarray, probe: StepProbe | None =
         # for nothing but the waiting requests' own promotions (the self-eviction below).
         idle = ai == len(reqs) and not running and not completions
         give_up = []
-        with locked():
+        with d.locked():
             # -- get_num_new_matched_tokens / update_state_after_alloc
             free = cfg.max_running - len(running)
             skipped = []
@@ -295,23 +285,10 @@ def drive(mut: Mut, trace, cfg, data_pool: np.ndarray, probe: StepProbe | None =
                 tr = req.spec
                 keys = tr.keys
                 if req.ctx is None:
-                    req.ctx = request_context(ReqContext, f"r{tr.idx}", keys, TOKENS_PER_CHUNK)
-                    timed("on_new_request", m.on_new_request, req.ctx)
+                    req.ctx = d.new_request(f"r{tr.idx}", keys)
                 ctx = req.ctx
                 g, n = tr.gpu_cached, len(keys)
-                answers = []
-                p0 = p_begin()
-                c0 = tt()
-                w0 = pc()
-                for i in range(g, n):
-                    r = lookup(keys[i], ctx)
-                    answers.append(r)
-                    if r is MISS:
-                        break
-                w1 = pc()
-                c1 = tt()
-                p_end(p0, "lookup", len(answers))
-                charge("lookup", w1 - w0, c1 - c0, len(answers))
+                answers = d.scan(keys, ctx, g)
                 # -- driver bookkeeping (untimed)
                 now = time.perf_counter()
                 deferred = False
@@ -366,15 +343,8 @@ def drive(mut: Mut, trace, cfg, data_pool: np.ndarray, probe: StepProbe | None =
                 st_elig += n - g
                 load_keys = req.admit(hits)
                 if load_keys:
-                    spec = timed("prepare_load", m.prepare_load, load_keys, ctx)
-                    p0 = p_begin()
-                    c0 = tt()
-                    w0 = pc()
-                    sources = [m.get_load_source(k, ctx) for k in load_keys]
-                    w1 = pc()
-                    c1 = tt()
-                    p_end(p0, "get_load_source", len(load_keys))
-                    charge("get_load_source", w1 - w0, c1 - c0, len(load_keys))
+                    spec = d.prepare_load(load_keys, ctx)
+                    sources = d.load_sources(load_keys, ctx)
                     for key, cid, s in zip(load_keys, np.asarray(spec.block_ids).tolist(), sources):
                         src = getattr(s, "value", str(s))
                         loaded[src] += 1
@@ -405,7 +375,7 @@ def drive(mut: Mut, trace, cfg, data_pool: np.ndarray, probe: StepProbe | None =
                 if action == "offer":
                     keys = req.spec.keys
                     offer = list(keys[req.cursor:req.cursor + cfg.batch])
-                    out = timed("prepare_store", m.prepare_store, offer, req.ctx)
+                    out = d.prepare_store(offer, req.ctx)
                     if out is None:
                         alloc_failures += 1  # offered again next step
                     else:
@@ -418,13 +388,13 @@ def drive(mut: Mut, trace, cfg, data_pool: np.ndarray, probe: StepProbe | None =
                         req.cursor += len(offer)
                     still.append(req)
                 elif action == "finish":
-                    timed("on_request_finished", m.on_request_finished, req.ctx)
+                    d.finish(req.ctx)
                 else:  # waits for its load, or decodes
                     still.append(req)
             running = still
             for req in give_up:  # aborted while waiting, as the connector finishes it
-                timed("on_request_finished", m.on_request_finished, req.ctx)
-            timed("on_schedule_end", m.on_schedule_end, SEC(new_ids, ()))
+                d.finish(req.ctx)
+            d.end_step(new_ids)
 
         # -- forward pass: the GPU workers copy the new stores into their rows
         f0 = time.thread_time()
@@ -447,25 +417,18 @@ def drive(mut: Mut, trace, cfg, data_pool: np.ndarray, probe: StepProbe | None =
             wake_late_ns.append(int((time.perf_counter() - t_step0 - step_s) * 1e9))
 
         # -- update_connector_output, engine hooks
-        with locked():
-            for is_store, req, keys in completions:
-                if is_store:
-                    timed("complete_store", complete_store, keys, req.ctx)
-                    inflight_store.subtract(keys)
-                    for key in keys:
-                        if inflight_store[key] <= 0:
-                            del inflight_store[key]
-                else:
-                    timed("complete_load", m.complete_load, keys, req.ctx)
-                    req.waiting_load = False
+        d.complete_jobs([(is_store, keys, req.ctx) for is_store, req, keys in completions])
+        for is_store, req, keys in completions:  # driver bookkeeping (untimed)
+            if is_store:
+                inflight_store.subtract(keys)
+                for key in keys:
+                    if inflight_store[key] <= 0:
+                        del inflight_store[key]
+            else:
+                req.waiting_load = False
         completions = new_jobs
-        with locked():
-            timed("has_pending_work", m.has_pending_work)
-        with locked():
-            stats = timed("get_stats", m.get_stats)
-        fold_stats(mstats, stats)  # untimed: the manager's own metrics over the run
-        with locked():
-            timed("take_events", lambda: list(m.take_events()))
+        # untimed: the manager's own metrics over the run
+        fold_stats(mstats, d.engine_hooks().stats)
         step_ns.append(acc[0])
         step_cpu_ns.append(acc[1])
         step_kinds.append(step_kind)
@@ -475,26 +438,14 @@ def drive(mut: Mut, trace, cfg, data_pool: np.ndarray, probe: StepProbe | None =
         step += 1
 
     # drain: idle engine steps until the manager has nothing in flight (not in step stats)
-    drain_steps = 0
-    drain_cpu_ns = 0  # this thread's CPU inside the manager's calls while draining
-    deadline = time.perf_counter() + cfg.drain_timeout_s
-    while True:
-        with locked():
-            c0 = tt()
-            pending = m.has_pending_work()
-            if pending:
-                m.on_schedule_end(SEC((), ()))
-                stats = m.get_stats()
-            drain_cpu_ns += tt() - c0
-        if pending:
-            fold_stats(mstats, stats)
-        if not pending:
-            break
-        if time.perf_counter() > deadline:
-            raise NoProgress(f"{mut.name}: still has pending work {cfg.drain_timeout_s:g} s "
-                             f"after the trace")
-        drain_steps += 1
-        time.sleep(step_s)
+    drain = _DrainCpu()
+    d.measure(drain)
+    steps = d.settle(cfg.drain_timeout_s, sleep_s=step_s, stats=lambda s: fold_stats(mstats, s))
+    if steps is None:
+        raise NoProgress(f"{mut.name}: still has pending work {cfg.drain_timeout_s:g} s "
+                         f"after the trace")
+    drain_steps = steps - 1  # the last one found nothing pending
+    drain_cpu_ns = drain.cpu_ns  # this thread's CPU inside the manager's calls while draining
 
     wall = time.perf_counter() - wall0
     cpu = time.process_time() - cpu0
