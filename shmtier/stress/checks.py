@@ -12,27 +12,10 @@ from __future__ import annotations
 import os
 import uuid
 
-from shmtier.contract import ScheduleEndContext
+from shmtier.connector_driver import ConnectorDriver
 from shmtier.stress import faults
 from shmtier.stress.verdict import StressResult
 from shmtier.tiers.fs import scheduler as fs_tier
-
-END = ScheduleEndContext((), ())
-
-
-def settle(manager, timeout_s: float = 30.0) -> bool:
-    """Step the manager (no requests) until the tiers have no pending work."""
-    import time
-
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        with manager.lock:
-            manager.on_schedule_end(END)
-            if not manager.has_pending_work():
-                return True
-        time.sleep(0.002)
-    return False
-
 
 def files(root: str) -> tuple[dict[bytes, int], int]:
     """The ``*.kv`` chunk files under ``root`` (key -> size) and the number of temp files."""
@@ -141,7 +124,7 @@ def fresh_scan(result: StressResult, extra: dict, layout, root: str,
     spec = TieringOffloadingSpec(extra, layout, f"run-{uuid.uuid4().hex[:8]}")
     manager = spec.get_manager()
     try:
-        settled = settle(manager)
+        settled = ConnectorDriver(manager).settle(30.0, sleep_s=0.002) is not None
         with manager.lock:
             stats = manager.get_stats()
             gauge = sum(stats.data["data"].get(fs_tier.BYTES_ON_DISK, {}).values())

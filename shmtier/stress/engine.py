@@ -6,10 +6,11 @@ child that plays the trace until it is killed (``shmtier/stress/restart.py``); b
 their one scheduler thread. ``play`` blocks only on its own GPU copies (``worker.wait``);
 every manager call is timed (``invariants.CallTimer``).
 
-Each request follows the connector's order (docs/vllm-contract.md §2.3): look the prefix
-up (HIT_PENDING / RETRY defer it to a later step), load the hits and compare each byte
-with what was offloaded, store the new chunks, finish, ``on_schedule_end``. Every
-``check_every`` steps the rows invariant is checked against the job ledger.
+Each request is played alone through the connector driver (``ConnectorDriver.play``,
+shmtier/connector_driver.py, in the connector's order): look the prefix up (HIT_PENDING /
+RETRY defer it to a later step), load the hits and compare each byte with what was
+offloaded, store the new chunks, finish; then the engine's hooks. Every ``check_every``
+steps the rows invariant is checked against the job ledger.
 """
 
 from __future__ import annotations
@@ -21,14 +22,13 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 from shmtier.config import KVLayout
-from shmtier.contract import GPULoadStoreSpec, LookupResult, ReqContext
+from shmtier.connector_driver import ConnectorDriver
+from shmtier.contract import GPULoadStoreSpec
 from shmtier.stress import trace
-from shmtier.stress.checks import END
 from shmtier.stress.invariants import CallTimer, Clock, JobLedger, check_rows
 from shmtier.stress.verdict import StressResult
 from shmtier.tiers.fs import scheduler as fs_tier
 
-HIT, MISS = LookupResult.HIT, LookupResult.MISS
 LAYOUT = KVLayout("stress-model", "bfloat16", 16, trace.PAGE, 1)
 
 _COUNTED = ("vllm:kv_offload_tiering_write_bytes", "vllm:kv_offload_tiering_read_bytes",
@@ -73,6 +73,7 @@ class Engine:
         self.spec = TieringOffloadingSpec(extra, LAYOUT, engine_id)
         self.engine_id = engine_id
         self.manager = self.spec.get_manager()
+        self.driver = ConnectorDriver(self.manager)  # its meter: the run's CallTimer (play)
         self.worker = None
         try:
             self.gpu = torch.zeros((gpu_blocks, trace.PAGE), dtype=torch.int8)
@@ -107,101 +108,80 @@ class Engine:
             if not done.success:
                 raise RuntimeError(f"copy job {done.job_id} failed")
 
-    def stats_into(self, totals: Totals, timer: CallTimer):
-        stats = timer(self.manager.get_stats)
+    def count(self, totals: Totals, stats) -> None:
+        """Add the counters of one ``get_stats`` payload to ``totals``."""
         data = stats.data["data"]
         for name in _COUNTED:
             for value in data.get(name, {}).values():
                 totals.counters[name] = totals.counters.get(name, 0) + value
-        return stats
 
 
 def play(engine: Engine, convs: list, queue: list[int], first: int, last: int, *,
          chunks_per_turn: int, runner, totals: Totals, timer: CallTimer, clock: Clock,
          result: StressResult, check_every: int, settle_each: bool = False,
          expected=trace.content) -> None:
-    """Play requests ``first`` to ``last`` of ``queue`` (module docstring). ``expected``:
-    key -> the bytes a load of it must give (a test may pass a wrong one)."""
+    """Play requests ``first`` to ``last`` of ``queue`` (module docstring), each manager
+    call timed by ``timer``. ``expected``: key -> the bytes a load of it must give (a test
+    may pass a wrong one)."""
     import torch
 
-    from shmtier.stress.checks import settle
-
-    manager, gpu = engine.manager, engine.gpu
+    driver, gpu = engine.driver, engine.gpu
     max_chunks = gpu.shape[0] // 2
     next_check = clock.step + check_every
-    for n in range(first, last):
-        clock.request = n
-        runner.tick(n)
-        conv = convs[queue[n]]
-        keys = trace.chunk_keys(conv.cid, conv.chunks + chunks_per_turn)
-        ctx = ReqContext(f"req{n}")
-        for i, k in enumerate(keys):
-            ctx.set_offload_key_position(k, (i + 1) * 16)
-        with manager.lock:
-            timer(manager.on_new_request, ctx)
-        while True:  # lookup pass, repeated each step while deferred
-            hits, deferred = 0, False
-            with manager.lock:
-                for k in keys[: conv.chunks]:
-                    answer = timer(manager.lookup, k, ctx)
-                    if answer is HIT:
-                        hits += 1 if not deferred else 0
-                        continue
-                    if answer is MISS:
-                        break
-                    deferred = True
-                if deferred:
-                    timer(manager.on_schedule_end, END)
-            if not deferred:
-                break
-            totals.deferred_steps += 1
-            timer.close_step()
-            time.sleep(0.001)
+    driver.measure(timer)  # the requests' calls; not the settling (``settle_each``, after)
+    try:
+        for n in range(first, last):
+            clock.request = n
             runner.tick(n)
-        hit_keys = keys[:hits]
-        with manager.lock:
-            if hit_keys:
-                sources = [manager.get_load_source(k, ctx).value for k in hit_keys]
-                totals.lookups_hit_cpu += sources.count("host")
-                totals.lookups_promoted += len(hit_keys) - sources.count("host")
-                load = timer(manager.prepare_load, hit_keys, ctx)
-            new = keys[hits:]
-            out = timer(manager.prepare_store, keys, ctx)
-            if out is None:
-                totals.store_refused += len(new)
-        if hit_keys:
-            blocks = list(range(len(hit_keys)))
-            gpu[blocks] = 0
-            engine.copy("load", load, blocks)
-            for b, k in zip(blocks, hit_keys):
-                wrong = int(np.count_nonzero(gpu[b].numpy().view(np.uint8) != expected(k)))
-                if wrong:
-                    totals.wrong_bytes += wrong
-                    result.violate(clock.step, n, "no wrong byte served",
-                                   f"chunk {k.hex()[:16]}... loaded with {wrong} wrong bytes")
-            totals.chunks_loaded += len(hit_keys)
-        totals.chunks_computed += len(new)
-        if out is not None and out.keys_to_store:
-            blocks = list(range(max_chunks, max_chunks + len(out.keys_to_store)))
-            for b, k in zip(blocks, out.keys_to_store):
-                gpu[b] = torch.from_numpy(trace.content(k).view(np.int8))
-            engine.copy("store", out.store_spec, blocks)
-        with manager.lock:
-            if hit_keys:
-                timer(manager.complete_load, hit_keys, ctx)
-            if out is not None and out.keys_to_store:
-                timer(manager.complete_store, out.keys_to_store, ctx)
-            timer(manager.on_request_finished, ctx)
-            timer(manager.on_schedule_end, END)
-            engine.stats_into(totals, timer)
-            timer(manager.take_events)
-        timer.close_step()
-        if clock.step >= next_check:
-            next_check = clock.step + check_every
-            check_rows(engine.engine_id, engine.ledger, result, clock, manager.lock)
-        conv.chunks += chunks_per_turn
-        if settle_each:
-            settle(manager)
+            conv = convs[queue[n]]
+            keys = trace.chunk_keys(conv.cid, conv.chunks + chunks_per_turn)
+
+            def deferred():  # a step in which the request waited for its lookups
+                totals.deferred_steps += 1
+                timer.close_step()
+                time.sleep(0.001)
+                runner.tick(n)
+
+            def copy_load(spec, hit_keys):  # the hits into GPU blocks 0..., each byte checked
+                blocks = list(range(len(hit_keys)))
+                gpu[blocks] = 0
+                engine.copy("load", spec, blocks)
+                for b, k in zip(blocks, hit_keys):
+                    wrong = int(np.count_nonzero(gpu[b].numpy().view(np.uint8) != expected(k)))
+                    if wrong:
+                        totals.wrong_bytes += wrong
+                        result.violate(clock.step, n, "no wrong byte served",
+                                       f"chunk {k.hex()[:16]}... loaded with {wrong} wrong bytes")
+
+            def copy_store(out):  # the new chunks' bytes from GPU blocks max_chunks...
+                blocks = list(range(max_chunks, max_chunks + len(out.keys_to_store)))
+                for b, k in zip(blocks, out.keys_to_store):
+                    gpu[b] = torch.from_numpy(trace.content(k).view(np.int8))
+                engine.copy("store", out.store_spec, blocks)
+
+            played = driver.play(f"req{n}", keys, known=conv.chunks, copy_load=copy_load,
+                                 copy_store=copy_store, on_deferred=deferred)
+            hits = len(played.hits)
+            from_host = sum(1 for s in played.sources if s.value == "host")
+            totals.lookups_hit_cpu += from_host
+            totals.lookups_promoted += hits - from_host
+            totals.chunks_loaded += hits
+            new = len(keys) - hits
+            totals.chunks_computed += new
+            if played.store is None:
+                totals.store_refused += new
+            engine.count(totals, driver.engine_hooks().stats)
+            timer.close_step()
+            if clock.step >= next_check:
+                next_check = clock.step + check_every
+                check_rows(engine.engine_id, engine.ledger, result, clock, engine.manager.lock)
+            conv.chunks += chunks_per_turn
+            if settle_each:
+                driver.measure(None)
+                driver.settle(30.0, sleep_s=0.002)
+                driver.measure(timer)
+    finally:
+        driver.measure(None)
 
 
 def arena_mismatches(engine: Engine, expected=trace.content) -> tuple[int, int]:

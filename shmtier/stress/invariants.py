@@ -16,8 +16,9 @@ a read-only mapping, ``shmtier/shared/snapshot.py``).
   does) against what is in flight: rows pinned == keys of cascades in flight, rows pending
   == keys of promotions in flight (a step's GPU stores and loads are complete when it is
   checked). More is a leaked pin or row; fewer, a row freed under a job.
-* **latency** (``CallTimer``): every manager call on the scheduler thread takes less than
-  ``bound_s``; its p99 and max are reported.
+* **latency** (``CallTimer``, the connector driver's meter): every manager call on the
+  scheduler thread (a lookup scan counts as one) takes less than ``bound_s``; its p99 and
+  max are reported.
 * **bytes**: every loaded chunk is compared byte for byte where the run loads it.
 """
 
@@ -27,6 +28,7 @@ import time
 
 import numpy as np
 
+from shmtier.connector_driver import LOCK_WAIT, Meter
 from shmtier.shared.snapshot import snapshot
 from shmtier.stress.verdict import StressResult
 
@@ -39,9 +41,10 @@ class Clock:
         self.request = 0
 
 
-class CallTimer:
-    """Times each manager call; sums a step's calls (``step_us``); a call over
-    ``bound_s`` is a violation named after the call."""
+class CallTimer(Meter):
+    """Times each manager call (a region of shmtier/connector_driver.py; the waits for the
+    lock are not calls); sums a step's calls (``step_us``); a call over ``bound_s`` is a
+    violation named after the call."""
 
     def __init__(self, result: StressResult, clock: Clock, bound_s: float):
         self.result, self.clock, self.bound_s = result, clock, bound_s
@@ -50,20 +53,18 @@ class CallTimer:
         self.spent = 0.0
         self.windows: list[list[float]] = []  # open fault windows collect their calls' times
 
-    def __call__(self, fn, *args):
-        start = time.perf_counter()
-        try:
-            return fn(*args)
-        finally:
-            took = time.perf_counter() - start
-            self.spent += took
-            self.call_s.append(took)
-            for window in self.windows:
-                window.append(took)
-            if took > self.bound_s:
-                self.result.violate(self.clock.step, self.clock.request, "call latency",
-                                    f"{getattr(fn, '__name__', fn)} took {took * 1e3:.0f} ms "
-                                    f"(bound {self.bound_s * 1e3:.0f} ms)")
+    def end(self, token, kind, calls, keys, wall_ns, cpu_ns) -> None:
+        if kind == LOCK_WAIT:
+            return
+        took = wall_ns / 1e9
+        self.spent += took
+        self.call_s.append(took)
+        for window in self.windows:
+            window.append(took)
+        if took > self.bound_s:
+            self.result.violate(self.clock.step, self.clock.request, "call latency",
+                                f"{kind} took {took * 1e3:.0f} ms "
+                                f"(bound {self.bound_s * 1e3:.0f} ms)")
 
     def close_step(self) -> None:
         self.clock.step += 1

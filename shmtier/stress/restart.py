@@ -87,9 +87,7 @@ def _child(params: dict) -> None:
     queue = plan(p["conversations"], p["turns"], p["seed"])
     convs = [Conversation(c) for c in range(p["conversations"])]
     engine = Engine(p["extra"], p["engine_id"], p["gpu_blocks"], result, clock)
-    from shmtier.stress.checks import settle
-
-    settle(engine.manager)  # tier workers up and the fs root listed
+    engine.driver.settle(30.0, sleep_s=0.002)  # tier workers up and the fs root listed
     from shmtier.tiers.fs.namespace import namespace_dir_name
 
     runner = ChaosRunner(Chaos.from_dict(p["chaos"]), np.random.default_rng(p["seed"] + 1),

@@ -110,7 +110,7 @@ def run_stress(conversations: int = 24, turns: int = 4, chunks_per_turn: int = 4
         if chaos.warm_restart_at is not None:
             first["restarted_at"] = time.monotonic()
             _check_restart(engine, first, result, expected)
-        checks.settle(engine.manager)  # tier workers up and the fs root listed
+        engine.driver.settle(30.0, sleep_s=0.002)  # tier workers up and the fs root listed
         runner = ChaosRunner(chaos, np.random.default_rng(seed + 1), engine.pool, engine_id,
                              root, len(queue), totals.counters, timer, start, len(queue),
                              filler, namespace=namespace_dir_name(engine.spec.fingerprint))
@@ -123,11 +123,12 @@ def run_stress(conversations: int = 24, turns: int = 4, chunks_per_turn: int = 4
         counts = merge_counts(first.get("chaos", {}), runner.counts) if first else runner.counts
         corrupted = first.get("corrupted", []) + runner.corrupted
         big = first.get("big", []) + runner.big
-        settled = checks.settle(engine.manager, timeout_s=60.0)
-        with engine.manager.lock:
-            stats = engine.stats_into(totals, timer)
+        settled = engine.driver.settle(60.0, sleep_s=0.002) is not None
+        with engine.driver.locked():
+            stats = engine.driver.get_stats()
             gauge = sum(stats.data["data"].get(fs_tier.BYTES_ON_DISK, {}).values())
             indexed = engine.fs.indexed_chunks()
+        engine.count(totals, stats)
         if runner.written_at_free is not None:  # the cascades the settling completed too
             counts["written_after_free"] = (totals.counters.get(WRITE_BYTES, 0)
                                             - runner.written_at_free)
