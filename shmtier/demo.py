@@ -10,7 +10,9 @@ What runs where (the same split as under vLLM)::
 
 Turn 1 offloads every chunk of every request (evicting when the tier is
 full); turn 2 looks the prefixes up again, loads the hits into other GPU blocks
-and checks them byte for byte against the blocks they were stored from.
+and checks them byte for byte against the blocks they were stored from. Each request
+is played through the connector driver (shmtier/connector_driver.py), which times each
+manager call.
 """
 
 from __future__ import annotations
@@ -18,12 +20,12 @@ from __future__ import annotations
 import hashlib
 import multiprocessing as mp
 import os
-import time
 import uuid
 from statistics import median
 
 from shmtier.config import KVLayout, PrimaryTierConfig
-from shmtier.contract import CPULoadStoreSpec, GPULoadStoreSpec, LookupResult, ReqContext
+from shmtier.connector_driver import LOCK_WAIT, ConnectorDriver, Meter
+from shmtier.contract import CPULoadStoreSpec, GPULoadStoreSpec
 from shmtier.scheduler.primary import CPUPrimaryTierOffloadingManager
 from shmtier.shared.segment import open_segment
 
@@ -79,15 +81,16 @@ def _chunk_keys(request: int, num_chunks: int) -> list[bytes]:
     return keys
 
 
-class _Timer:
+class _Timer(Meter):
+    """µs per manager call, by kind (a lookup scan: its time over its lookups, once per
+    lookup)."""
+
     def __init__(self):
         self.samples: dict[str, list[float]] = {}
 
-    def __call__(self, name, fn, *args):
-        start = time.perf_counter()
-        out = fn(*args)
-        self.samples.setdefault(name, []).append((time.perf_counter() - start) * 1e6)
-        return out
+    def end(self, token, kind, calls, keys, wall_ns, cpu_ns):
+        if kind != LOCK_WAIT and calls:
+            self.samples.setdefault(kind, []).extend([wall_ns / calls / 1e3] * calls)
 
 
 def run_demo(requests: int = 12, chunks_per_request: int = 8, cpu_mib: int = 8,
@@ -137,49 +140,40 @@ def run_demo(requests: int = 12, chunks_per_request: int = 8, cpu_mib: int = 8,
     print(f"  {requests} requests x {chunks_per_request} chunks = "
           f"{requests * chunks_per_request} chunks offered "
           f"({requests * chunks_per_request / max(geometry.num_chunks, 1):.1f}x the CPU tier)")
+    driver = ConnectorDriver(manager, meter=timer,
+                             tokens_per_chunk=TOKENS_PER_BLOCK * blocks_per_chunk)
     try:
         offered = stored = refused = 0
         for r in range(requests):  # turn 1: compute and offload every prefix
             keys = _chunk_keys(r, chunks_per_request)
-            req = ReqContext(f"turn1-{r}")
-            timer("on_new_request", manager.on_new_request, req)
-            for i, k in enumerate(keys):
-                req.set_offload_key_position(k, (i + 1) * TOKENS_PER_BLOCK * blocks_per_chunk)
-            offered += len(keys)
-            out = timer("prepare_store", manager.prepare_store, keys, req)
-            if out is None:
-                refused += len(keys)
-            elif out.keys_to_store:
+
+            def store(out):
                 slots = [(r * chunks_per_request + keys.index(k)) % gpu_chunks for k in out.keys_to_store]
                 gpu_ids = [b for s in slots for b in gpu_blocks(s)]
                 run_job("store", gpu_ids, out.store_spec.chunk_ids.tolist(), gpu_ids)
-                timer("complete_store", manager.complete_store, out.keys_to_store, req)
+
+            out = driver.play(f"turn1-{r}", keys, known=0, copy_store=store).store
+            offered += len(keys)
+            if out is None:
+                refused += len(keys)
+            else:
                 stored += len(out.keys_to_store)
-            timer("on_request_finished", manager.on_request_finished, req)
         hits = misses = 0
         for r in range(requests):  # turn 2: the same prefixes come back
             keys = _chunk_keys(r, chunks_per_request)
-            req = ReqContext(f"turn2-{r}")
-            timer("on_new_request", manager.on_new_request, req)
-            hit_keys = []
-            for k in keys:
-                if timer("lookup", manager.lookup, k, req) != LookupResult.HIT:
-                    break
-                hit_keys.append(k)
-            hits += len(hit_keys)
-            misses += len(keys) - len(hit_keys)
-            if hit_keys:
-                spec = timer("prepare_load", manager.prepare_load, hit_keys, req)
+
+            def load(spec, hit_keys):
                 sources = [b for i in range(len(hit_keys))
                            for b in gpu_blocks((r * chunks_per_request + i) % gpu_chunks)]
-                scratch = [b for i in range(len(hit_keys))
-                           for b in gpu_blocks(gpu_chunks - 1 - i)]
+                scratch = [b for i in range(len(hit_keys)) for b in gpu_blocks(gpu_chunks - 1 - i)]
                 run_job("load", scratch, spec.chunk_ids.tolist(), sources)
-                timer("complete_load", manager.complete_load, hit_keys, req)
-            timer("on_request_finished", manager.on_request_finished, req)
-        events = list(manager.take_events())
-        evicted = sum(len(e.keys) for e in events if e.removed)
-        stats = manager.get_stats().data["data"]
+
+            hit_keys = driver.play(f"turn2-{r}", keys, offer=(), copy_load=load).hits
+            hits += len(hit_keys)
+            misses += len(keys) - len(hit_keys)
+        after = driver.engine_hooks()
+        evicted = sum(len(e.keys) for e in after.events if e.removed)
+        stats = after.stats.data["data"]
     finally:
         for q in queues:
             q.put(("stop",))
