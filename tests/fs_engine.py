@@ -1,15 +1,15 @@
 """The fs tier's test engine: the scheduler (spec manager) and GPU ranks (copy workers)
 in the test process, tier worker processes and real files under a root (shared by
-test_tiering_fs.py and test_fs_accounting.py)."""
+test_tiering_fs.py and test_fs_accounting.py). The manager is called through the
+connector driver (shmtier/connector_driver.py), in the connector's order."""
 
 from __future__ import annotations
-
-import time
 
 import pytest
 import torch
 
 from shmtier.config import KVLayout
+from shmtier.connector_driver import ConnectorDriver, Lookup
 from shmtier.contract import GPULoadStoreSpec, LookupResult, ScheduleEndContext
 from shmtier.gpu.canonical import CanonicalKVCacheRef, CanonicalKVCaches
 from shmtier.spec import TieringOffloadingSpec
@@ -44,6 +44,7 @@ class Engine:
         self.spec = TieringOffloadingSpec(extra, self.layout, engine_id,
                                           data_parallel_index=data_parallel_index)
         self.manager = self.spec.get_manager()
+        self.driver = ConnectorDriver(self.manager)
         self.bpc = bpc
         self.caches, self.originals, self.workers = [], [], []
         try:
@@ -70,81 +71,60 @@ class Engine:
             assert all(r.success for r in w.get_finished())
 
     def offload(self, keys, first_block, ctx):
-        m = self.manager
-        with m.lock:
-            out = m.prepare_store(keys, ctx)
-        assert out is not None
-        if out.keys_to_store:
+        """Store ``keys`` (which the manager must not refuse) from GPU blocks
+        ``first_block``... (``bpc`` each, in key order)."""
+
+        def copy(out):
             blocks = [first_block + keys.index(k) * self.bpc + j
                       for k in out.keys_to_store for j in range(self.bpc)]
             self.copy("store", out.store_spec, blocks)
-            with m.lock:
-                m.complete_store(out.keys_to_store, ctx)
+
+        out = self.driver.store(keys, ctx, copy)
+        assert out is not None
         return out
 
     def load(self, keys, ctx, dst):
         """Load ``keys`` (all HIT in the CPU tier for ``ctx``) into GPU blocks ``dst`` and
         finish ``ctx``; rank 0's blocks ``dst`` afterwards."""
-        with self.manager.lock:
-            spec = self.manager.prepare_load(keys, ctx)
-        for cache in self.caches:
-            cache[dst] = 0
-        self.copy("load", spec, dst)
-        with self.manager.lock:
-            self.manager.complete_load(keys, ctx)
-            self.manager.on_request_finished(ctx)
+
+        def copy(spec):
+            for cache in self.caches:
+                cache[dst] = 0
+            self.copy("load", spec, dst)
+
+        self.driver.load(keys, ctx, copy, finish=True)
         return self.caches[0][dst]
+
+    def _steps(self, keys, ctx, timeout_s, done=None, before_step=None, sleep_s=0.005):
+        """Look ``keys`` up once per step (each key's answer) until ``done`` (default:
+        none is PENDING or RETRY) or the timeout; the answers of each step."""
+        req = Lookup(keys, ctx)
+        self.driver.until([req], timeout_s=timeout_s, sleep_s=sleep_s, before_step=before_step,
+                          done=done)
+        return req.answers
 
     def answers_while(self, other, keys, ctx, timeout_s=20.0):
         """This engine's answers for ``keys``, asked once per step until none is PENDING
         or RETRY, while engine ``other`` steps too (its cascades and evictions go on)."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            with other.manager.lock:
-                other.manager.on_schedule_end(END)
-            with self.manager.lock:
-                answers = [self.manager.lookup(k, ctx) for k in keys]
-                self.manager.on_schedule_end(END)
-            if PENDING not in answers and RETRY not in answers:
-                return answers
-            assert time.monotonic() < deadline, answers
-            time.sleep(0.002)
+        answers = self._steps(keys, ctx, timeout_s, before_step=other.driver.step,
+                              sleep_s=0.002)[-1]
+        assert PENDING not in answers and RETRY not in answers, answers
+        return answers
 
     def settle(self, timeout_s=20.0):
-        deadline = time.monotonic() + timeout_s
-        while True:
-            with self.manager.lock:
-                self.manager.on_schedule_end(END)
-                if not self.manager.has_pending_work():
-                    return
-            assert time.monotonic() < deadline, "tier jobs did not finish"
-            time.sleep(0.005)
+        assert self.driver.settle(timeout_s), "tier jobs did not finish"
 
     def until_hit(self, keys, ctx, timeout_s=20.0):
         """Look up like the connector (one pass per step) until all HIT; returns answers seen."""
-        deadline, seen = time.monotonic() + timeout_s, []
-        while True:
-            with self.manager.lock:
-                answers = [self.manager.lookup(k, ctx) for k in keys]
-                self.manager.on_schedule_end(END)
-            seen.append(answers)
-            if all(a is HIT for a in answers):
-                return seen
-            assert MISS not in answers, f"a key was lost: {seen}"
-            assert time.monotonic() < deadline, f"never all HIT: {seen[-3:]}"
-            time.sleep(0.005)
+        seen = self._steps(keys, ctx, timeout_s,
+                           done=lambda answers: MISS in answers or all(a is HIT for a in answers))
+        assert MISS not in seen[-1], f"a key was lost: {seen}"
+        assert all(a is HIT for a in seen[-1]), f"never all HIT: {seen[-3:]}"
+        return seen
 
     def answers_settled(self, keys, ctx, timeout_s=20.0):
         """Look ``keys`` up once per step until no answer is PENDING or RETRY; the answers."""
-        deadline, answers = time.monotonic() + timeout_s, []
-        while time.monotonic() < deadline:
-            with self.manager.lock:
-                answers = [self.manager.lookup(k, ctx) for k in keys]
-                self.manager.on_schedule_end(END)
-            if PENDING not in answers and RETRY not in answers:
-                break
-            time.sleep(0.005)
-        return answers
+        return self._steps(keys, ctx, timeout_s)[-1]
 
     def record_pool_results(self) -> list:
         """Every pool result the fs tier takes from now on (a list that fills up)."""

@@ -46,25 +46,36 @@ import traceback
 
 
 def serve(conn, engine_id: str, tier: dict, layout: dict) -> None:
+    from dataclasses import dataclass
+
     import fs_engine
-    from shmtier.contract import LookupResult, ReqContext
+    from shmtier.connector_driver import Lookup, Meter
     from shmtier.tiers.p2p.requests import Request
 
-    HIT, MISS = LookupResult.HIT, LookupResult.MISS
     engine = fs_engine.Engine(engine_id, None, tier_type="p2p", **layout, **tier)
-    m = engine.manager
+    m, d = engine.manager, engine.driver
     p2p = m.tiers[0]
-    slowest = [0.0]
 
-    def timed(fn, *args):
-        t0 = time.perf_counter()
-        with m.lock:
-            out = fn(*args)
-        slowest[0] = max(slowest[0], time.perf_counter() - t0)
-        return out
+    class Slowest(Meter):
+        """The slowest timed region (a manager call or a wait for its lock) since reset."""
 
-    def step():
-        timed(m.on_schedule_end, fs_engine.END)
+        seconds = 0.0
+
+        def end(self, token, kind, calls, keys, wall_ns, cpu_ns):
+            self.seconds = max(self.seconds, wall_ns / 1e9)
+
+    slowest = Slowest()
+    d.measure(slowest)
+
+    @dataclass(eq=False)
+    class Consumer(Lookup):
+        first: int = 0  # its first GPU block
+        data: bytes | None = None  # the GPU bytes it loaded
+        done_s: float | None = None  # seconds from the start until its answers were final
+
+        def out(self):
+            return {"answers": [[a.name for a in step] for step in self.answers],
+                    "data": self.data, "done_s": self.done_s}
 
     def blocks(first, n):
         return [first + i * engine.bpc + j for i in range(n) for j in range(engine.bpc)]
@@ -74,9 +85,7 @@ def serve(conn, engine_id: str, tier: dict, layout: dict) -> None:
     def produce(req_id, kvid, keys, first_block, finish=True):
         if isinstance(kvid, str):
             kvid = {"kv_request_id": kvid}
-        ctx = ReqContext(req_id, None if kvid is None else {"remote_decoder": kvid})
-        timed(m.on_new_request, ctx)
-        open_requests[req_id] = ctx
+        open_requests[req_id] = d.open(req_id, params=None if kvid is None else {"remote_decoder": kvid})
         out = produce_more(req_id, keys, first_block)
         if finish:
             finish_request(req_id)
@@ -84,36 +93,30 @@ def serve(conn, engine_id: str, tier: dict, layout: dict) -> None:
 
     def produce_more(req_id, keys, first_block):
         engine.offload([fs_engine.key(k) for k in keys], first_block, open_requests[req_id])
-        step()
+        d.step()
         return b"".join(c[blocks(first_block, len(keys))].numpy().tobytes()
                         for c in engine.caches)
 
     def finish_request(req_id):
-        timed(m.on_request_finished, open_requests.pop(req_id))
-        step()
+        d.close(open_requests.pop(req_id))
 
     def consume(req_id, params, keys, first_block, timeout_s):
         (out,), slowest_s = consume_many([(req_id, params, keys, first_block)], timeout_s)
         return {**out, "slowest_call_s": slowest_s}
 
     def new_request(req_id, params, keys, first_block):
-        ctx = ReqContext(req_id, params)
-        timed(m.on_new_request, ctx)
-        return {"ctx": ctx, "keys": [fs_engine.key(k) for k in keys], "first": first_block,
-                "answers": [], "data": None, "done_s": None}
+        return Consumer([fs_engine.key(k) for k in keys], d.open(req_id, params=params),
+                        first=first_block)
 
     held: dict = {}
 
     def look(req_id, params, keys, first_block, timeout_s):
         r = held[req_id] = new_request(req_id, params, keys, first_block)
-        with m.lock:
-            first = [m.lookup(k, r["ctx"]).name for k in r["keys"]]
-        state = r["ctx"].get_state(Request)
-        deadline = time.monotonic() + timeout_s
-        while len(state.answers) < len(r["keys"]) and time.monotonic() < deadline:
-            step()
-            time.sleep(0.005)
-        return {"first": first, "peer": [state.answers.get(k) for k in r["keys"]]}
+        with d.locked():
+            first = [a.name for a in d.lookup_each(r.keys, r.ctx)]
+        state = r.ctx.get_state(Request)
+        d.step_until(lambda: len(state.answers) >= len(r.keys), timeout_s=timeout_s)
+        return {"first": first, "peer": [state.answers.get(k) for k in r.keys]}
 
     def resume(req_id, timeout_s):
         (out,), slowest_s = run([held.pop(req_id)], timeout_s)
@@ -121,22 +124,16 @@ def serve(conn, engine_id: str, tier: dict, layout: dict) -> None:
 
     def consume_in_parts(req_id, params, keys, first_block, split, timeout_s):
         """One request whose keys are promoted in two jobs: ``keys[:split]`` looked up
-        every step until HIT (loaded), then all of them (the rest is a second load of the
-        same request), then its HITs loaded to the GPU."""
+        every step until HIT or MISS (promoted), then all of them (the rest is a second
+        promotion of the same request), then its HITs loaded to the GPU."""
         r = new_request(req_id, params, keys, first_block)
         deadline = time.monotonic() + timeout_s
-        for upto in (split, len(keys)):
-            while True:
-                with m.lock:
-                    answers = [m.lookup(k, r["ctx"]) for k in r["keys"][:upto]]
-                r["answers"].append([a.name for a in answers])
-                if all(a is HIT or a is MISS for a in answers) or time.monotonic() > deadline:
-                    break
-                step()
-                time.sleep(0.005)
+        part = Lookup(r.keys[:split], r.ctx, answers=r.answers)
+        d.until([part], timeout_s=deadline - time.monotonic())
+        d.until([r], timeout_s=deadline - time.monotonic(), load=True)
         finish(r)
-        step()
-        return {"answers": r["answers"], "data": r["data"]}
+        d.step()
+        return {"answers": r.out()["answers"], "data": r.data}
 
     def consume_many(requests, timeout_s):
         """Several requests side by side, each looked up once per step until its answers
@@ -144,42 +141,37 @@ def serve(conn, engine_id: str, tier: dict, layout: dict) -> None:
         return run([new_request(*r) for r in requests], timeout_s)
 
     def run(reqs, timeout_s):
-        slowest[0] = 0.0
+        slowest.seconds = 0.0
         t0 = time.monotonic()
         deadline = t0 + timeout_s
         pending = list(reqs)
         while pending and time.monotonic() < deadline:
-            for r in list(pending):
-                t1 = time.perf_counter()
-                with m.lock:
-                    answers = [m.lookup(k, r["ctx"]) for k in r["keys"]]
-                slowest[0] = max(slowest[0], time.perf_counter() - t1)
-                r["answers"].append([a.name for a in answers])
-                if all(a is HIT or a is MISS for a in answers):
-                    finish(r)
-                    r["done_s"] = time.monotonic() - t0
-                    pending.remove(r)
-            step()
+            for r in d.look_step(pending, load=True):
+                finish(r)
+                r.done_s = time.monotonic() - t0
+                pending.remove(r)
             time.sleep(0.005)
         for r in pending:
             finish(r)
-        step()
-        return ([{k: r[k] for k in ("answers", "data", "done_s")} for r in reqs],
-                slowest[0])
+        d.step()
+        return [r.out() for r in reqs], slowest.seconds
 
     def finish(r):
-        keys, ctx, seen = r["keys"], r["ctx"], r["answers"]
-        hits = 0
-        while seen and hits < len(keys) and seen[-1][hits] == HIT.name:
-            hits += 1
-        if hits:
-            with m.lock:
-                spec = m.prepare_load(keys[:hits], ctx)
-            gpu = blocks(r["first"], hits)
+        """Load ``r``'s hits (prepared in its final step; one that timed out: the leading
+        HITs of its last answers) into its GPU blocks, and finish it."""
+        if not r.final and r.answers and d.leading_hits(r.answers[-1]):
+            r.hits = r.keys[:d.leading_hits(r.answers[-1])]
+            with d.locked():
+                r.load = d.prepare_load(r.hits, r.ctx)
+
+        def copy(spec, hits):
+            gpu = blocks(r.first, len(hits))
             engine.copy("load", spec, gpu)
-            timed(m.complete_load, keys[:hits], ctx)
-            r["data"] = b"".join(c[gpu].numpy().tobytes() for c in engine.caches)
-        timed(m.on_request_finished, ctx)
+            r.data = b"".join(c[gpu].numpy().tobytes() for c in engine.caches)
+
+        d.complete(r, copy)
+        with d.locked():
+            d.finish(r.ctx)
 
     metrics_seen: dict = {}
     idle = [False]  # True: no step unless asked (an engine vLLM has nothing to step for)
@@ -201,16 +193,12 @@ def serve(conn, engine_id: str, tier: dict, layout: dict) -> None:
                 "hash_seed": p2p.config.effective_hash_seed()}
 
     try:
-        deadline = time.monotonic() + 30
-        while not p2p.endpoint.ready:
-            assert time.monotonic() < deadline, "p2p endpoint did not start"
-            step()
-            time.sleep(0.005)
+        assert d.step_until(lambda: p2p.endpoint.ready, timeout_s=30), "p2p endpoint did not start"
         conn.send(("ready", p2p.port))
         while True:
             if not conn.poll(0.005):
                 if not idle[0]:
-                    step()
+                    d.step()
                 continue
             try:
                 cmd = conn.recv()
@@ -243,10 +231,12 @@ def serve(conn, engine_id: str, tier: dict, layout: dict) -> None:
                     out = stats()
                 elif cmd[0] == "idle":  # stop (True) or resume (False) stepping when idle
                     idle[0] = cmd[1]
-                    out = timed(m.has_pending_work)
+                    with d.locked():
+                        out = d.has_pending_work()
                 elif cmd[0] == "step":
-                    step()
-                    out = timed(m.has_pending_work)
+                    d.step()
+                    with d.locked():
+                        out = d.has_pending_work()
                 else:
                     raise ValueError(f"unknown command {cmd[0]!r}")
                 conn.send(("ok", out))
@@ -254,5 +244,6 @@ def serve(conn, engine_id: str, tier: dict, layout: dict) -> None:
                 conn.send(("error", traceback.format_exc()))
     finally:
         for r in held.values():  # looked up, never resumed
-            timed(m.on_request_finished, r["ctx"])
+            with d.locked():
+                d.finish(r.ctx)
         engine.close()

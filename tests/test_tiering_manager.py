@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from shmtier import metrics
+from shmtier.connector_driver import ConnectorDriver
 from shmtier.contract import (
     CacheHitSource,
     GPULoadStoreSpec,
@@ -24,8 +25,6 @@ from shmtier.scheduler.tiering.factory import SecondaryTierFactory
 from shmtier.scheduler.tiering.manager import TieringOffloadingManager
 from shmtier.shared.layout import ArenaGeometry
 from shmtier.shared.segment import open_segment
-
-import connector_calls
 
 HIT, MISS, PENDING, RETRY = (LookupResult.HIT, LookupResult.MISS, LookupResult.HIT_PENDING,
                              LookupResult.RETRY)
@@ -56,6 +55,7 @@ class Rig:
             primary.shutdown()
             raise
         self.manager = TieringOffloadingManager(primary, tiers)
+        self.driver = ConnectorDriver(self.manager)
         self.cache = torch.randint(-128, 128, (64, PAGE), dtype=torch.int8)
         self.original = self.cache.clone()
         self.member = open_segment(engine_id, geometry, "fp", owner=False, rank=0)
@@ -73,33 +73,31 @@ class Rig:
             self.worker.wait({self.jobs})
             assert all(r.success for r in self.worker.get_finished())
 
-        return connector_calls.offload(self.manager, keys, ctx, copy)
+        out = self.driver.store(keys, ctx, copy)
+        assert out is not None
+        return out
 
     def stored_request(self, keys, req_id="a"):
         """A new request stores ``keys`` from GPU blocks 0.. and a step passes (its
         cascades submitted); returns its context."""
-        ctx = ReqContext(req_id)
-        with self.manager.lock:
-            self.manager.on_new_request(ctx)
+        ctx = self.driver.open(req_id)
         self.offload(keys, list(range(len(keys))), ctx)
         self.step()
         return ctx
 
     def load(self, keys, blocks, ctx):
-        m = self.manager
-        with m.lock:
-            spec = m.prepare_load(keys, ctx)
-        self.cache[blocks] = 0
-        self.jobs += 1
-        self.worker.submit_load(self.jobs, spec, GPULoadStoreSpec(blocks, [len(blocks)], [0]))
-        self.worker.wait({self.jobs})
-        assert all(r.success for r in self.worker.get_finished())
-        with m.lock:
-            m.complete_load(keys, ctx)
+
+        def copy(spec):
+            self.cache[blocks] = 0
+            self.jobs += 1
+            self.worker.submit_load(self.jobs, spec, GPULoadStoreSpec(blocks, [len(blocks)], [0]))
+            self.worker.wait({self.jobs})
+            assert all(r.success for r in self.worker.get_finished())
+
+        self.driver.load(keys, ctx, copy)
 
     def step(self):
-        with self.manager.lock:
-            self.manager.on_schedule_end(END)
+        self.driver.step()
 
     def close(self):
         self.worker.shutdown()
