@@ -94,17 +94,16 @@ def engine_proc(conn, engine_id: str, tier: dict, rows: int, chunk: int, profile
     import logging
     logging.basicConfig(level=logging.ERROR)
     from shmtier.config import KVLayout
-    from shmtier.contract import LookupResult, ReqContext, ScheduleEndContext
+    from shmtier.connector_driver import ConnectorDriver, Lookup
     from shmtier.spec import TieringOffloadingSpec
     from shmtier.tiers.p2p.peer_metrics import FETCH_SECONDS
-
-    HIT, MISS, RETRY = LookupResult.HIT, LookupResult.MISS, LookupResult.RETRY
-    END = ScheduleEndContext((), ())
     stride = -(-chunk // 4096) * 4096
     extra = {"cpu_bytes_to_use": rows * stride, "blocks_per_chunk": 1,
              "secondary_tiers": [{"type": "p2p", **tier}]}
     spec = TieringOffloadingSpec(extra, KVLayout("bench", "bfloat16", 16, chunk, 1), engine_id)
     m = spec.get_manager()
+    d = ConnectorDriver(m)  # the connector's calls (shmtier/connector_driver.py)
+    HIT, MISS, RETRY = d.HIT, d.MISS, d.RETRY
     p2p = m.tiers[0]
     arena = np.asarray(m.primary.get_kv_memoryview())
     # the bytes a producer "computes": rows of a random pool, each stamped with its key
@@ -117,10 +116,6 @@ def engine_proc(conn, engine_id: str, tier: dict, rows: int, chunk: int, profile
         import cProfile
         prof = cProfile.Profile()
 
-    def step():
-        with m.lock:
-            m.on_schedule_end(END)
-
     def digest(row_ids) -> str:
         h = hashlib.blake2b(digest_size=16)
         for r in row_ids:
@@ -129,85 +124,77 @@ def engine_proc(conn, engine_id: str, tier: dict, rows: int, chunk: int, profile
 
     def produce(kvid, keys):
         keys = [_key(k) for k in keys]
-        ctx = ReqContext(f"p{next(nreq)}", {"remote_decoder": {"kv_request_id": kvid}}
-                         if kvid else None)
-        with m.lock:
-            m.on_new_request(ctx)
-            out = m.prepare_store(keys, ctx)
-        assert out is not None and out.keys_to_store == keys, "no rows to store into"
-        row_ids = np.asarray(out.store_spec.block_ids).tolist()
-        for i, (r, k) in enumerate(zip(row_ids, keys)):
-            arena[r, :chunk] = pool[(i + k[31]) % len(pool)]
-            arena[r, :len(k)] = np.frombuffer(k, np.uint8)
-        with m.lock:
-            m.complete_store(keys, ctx)
-            m.on_request_finished(ctx)
-        deadline = time.monotonic() + 30
-        while True:  # parked (PD) or cascaded (no role: answered at once)
-            step()
-            with m.lock:  # (a consumer already waiting may have fetched them: released)
+        ctx = d.open(f"p{next(nreq)}", params={"remote_decoder": {"kv_request_id": kvid}}
+                     if kvid else None)
+        row_ids = []
+
+        def fill(out):  # standing in for the GPU copy
+            row_ids.extend(np.asarray(out.store_spec.block_ids).tolist())
+            for i, (r, k) in enumerate(zip(row_ids, out.keys_to_store)):
+                arena[r, :chunk] = pool[(i + k[31]) % len(pool)]
+                arena[r, :len(k)] = np.frombuffer(k, np.uint8)
+
+        out = d.store(keys, ctx, fill)
+        assert out is not None and list(out.keys_to_store) == keys, "no rows to store into"
+        d.close(ctx)
+
+        def stored():  # parked (PD) or cascaded (no role: answered at once)
+            with d.locked():  # (a consumer already waiting may have fetched them: released)
                 parked = p2p._parked.get(kvid)
                 parked = kvid in p2p._released or (parked and parked.rows >= len(keys))
                 refs = [m.primary.ref_count(k) for k in keys]
-            if parked if kvid else all(r == 0 for r in refs):
-                break
-            assert time.monotonic() < deadline, "stores not parked"
-            time.sleep(0.001)
+            return parked if kvid else all(r == 0 for r in refs)
+
+        assert d.step_until(stored, timeout_s=30, sleep_s=0.001), "stores not parked"
         return digest(row_ids)
 
     def promote(requests, timeout_s):
         """Promote ``requests`` ((params, keys) each) side by side: they arrive in the same
-        step and are looked up every millisecond until all are HIT; timed from the first
-        lookup. ``digest``: one per request."""
-        reqs = [(ReqContext(f"c{next(nreq)}", params), [_key(k) for k in keys])
-                for params, keys in requests]
-        with m.lock:
+        step and are looked up every millisecond until all are HIT (each loaded in the step
+        its answers are); timed from the first lookup. ``digest``: one per request."""
+        with d.locked():
             p2p.get_stats()  # drain: FETCH_SECONDS of this promotion only
         t0 = time.perf_counter()
-        with m.lock:
-            for ctx, _ in reqs:
-                m.on_new_request(ctx)
+        with d.locked():
+            reqs = [Lookup([_key(k) for k in keys], d.new_request(f"c{next(nreq)}", params=params))
+                    for params, keys in requests]
         deadline = time.monotonic() + timeout_s
         located = None
         while True:
-            with m.lock:
-                answers = [m.lookup(k, ctx) for ctx, keys in reqs for k in keys]
-                m.on_schedule_end(END)
-            if located is None and RETRY not in answers:
+            d.look_step(reqs, load=True,
+                        done=lambda answers: MISS in answers or all(a is HIT for a in answers))
+            if located is None and not any(RETRY in r.answers[-1] for r in reqs):
                 located = time.perf_counter() - t0
-            if all(a is HIT for a in answers) or any(a is MISS for a in answers):
-                break
-            if time.monotonic() > deadline:
+            if (all(r.final for r in reqs) or any(MISS in r.answers[-1] for r in reqs)
+                    or time.monotonic() > deadline):
                 break
             time.sleep(0.001)
         seconds = time.perf_counter() - t0
+        answers = [a for r in reqs for a in r.answers[-1]]
         ok = all(a is HIT for a in answers)
         out = {"seconds": seconds, "ok": ok, "answers": sorted({a.name for a in answers}),
                "located_s": located if located is not None else seconds}
-        with m.lock:
-            loads = [m.prepare_load(keys, ctx) for ctx, keys in reqs] if ok else []
+        with d.locked():
             fetch = p2p.get_stats().data["data"].get(FETCH_SECONDS, {})
         out["fetch_s"] = sum(fetch.values())  # (side by side: the loads' times summed)
+        digests = []
+        for r in reqs:  # the promoted rows read while pinned, standing in for the GPU copy
+            d.complete(r, lambda spec, _hits: digests.append(
+                digest(np.asarray(spec.block_ids).tolist())))
         if ok:
-            out["digest"] = [digest(np.asarray(load.block_ids).tolist()) for load in loads]
-            with m.lock:
-                for ctx, keys in reqs:
-                    m.complete_load(keys, ctx)
-        with m.lock:
-            for ctx, _ in reqs:
-                m.on_request_finished(ctx)
-        step()
+            out["digest"] = digests
+        with d.locked():
+            for r in reqs:
+                d.finish(r.ctx)
+        d.step()
         return out
 
     def produce_stream(requests, ahead):
         """PD requests ``(kvid, keys)`` parked one after the other, at most ``ahead``
         parked at a time (a prefiller a little ahead of its decoder)."""
         for kvid, keys in requests:
-            deadline = time.monotonic() + 60
-            while len(p2p._parked) >= ahead:
-                assert time.monotonic() < deadline, "the consumer fetches nothing"
-                step()
-                time.sleep(0.002)
+            assert d.step_until(lambda: len(p2p._parked) < ahead, timeout_s=60, sleep_s=0.002), \
+                "the consumer fetches nothing"
             produce(kvid, keys)
         return len(requests)
 
@@ -220,11 +207,8 @@ def engine_proc(conn, engine_id: str, tier: dict, rows: int, chunk: int, profile
         return pid
 
     def wait_unparked(timeout_s):
-        deadline = time.monotonic() + timeout_s
-        while p2p._parked:
-            assert time.monotonic() < deadline, "parked chunks not released"
-            step()
-            time.sleep(0.002)
+        assert d.step_until(lambda: not p2p._parked, timeout_s=timeout_s, sleep_s=0.002), \
+            "parked chunks not released"
         return True
 
     def steps(requests, every, max_steps, period_s, profile_it=False):
@@ -241,28 +225,27 @@ def engine_proc(conn, engine_id: str, tier: dict, rows: int, chunk: int, profile
                 break
             t_step, c_step = time.perf_counter(), time.thread_time()
             load = False
-            with m.lock:
+            with d.locked():
                 if todo and n % every == 0:
                     params, keys = todo.pop(0)
-                    active.append((ReqContext(f"s{next(nreq)}", params),
-                                   [_key(k) for k in keys]))
-                    m.on_new_request(active[-1][0])
+                    keys = [_key(k) for k in keys]
+                    active.append((d.new_request(f"s{next(nreq)}", params=params), keys))
                 for req in list(active):
                     ctx, keys = req
-                    answers = [m.lookup(k, ctx) for k in keys]
+                    answers = d.lookup_each(keys, ctx)
                     if all(a is HIT for a in answers):
-                        m.prepare_load(keys, ctx)
-                        m.complete_load(keys, ctx)
+                        d.prepare_load(keys, ctx)
+                        d.complete_load(keys, ctx)
                         hits += len(keys)
                         load = True
                     if all(a is HIT or a is MISS for a in answers):
-                        m.on_request_finished(ctx)
+                        d.finish(ctx)
                         active.remove(req)
                         done += 1
-                m.on_schedule_end(END)
-                m.has_pending_work()
-                m.get_stats()
-                list(m.take_events())
+                d.end_step()
+                d.has_pending_work()
+                d.get_stats()
+                d.take_events()
             dt = time.perf_counter() - t_step
             times.append(dt)
             cpu.append(time.thread_time() - c_step)
@@ -270,25 +253,21 @@ def engine_proc(conn, engine_id: str, tier: dict, rows: int, chunk: int, profile
             time.sleep(max(0.0, period_s - dt))
         if prof and profile_it:
             prof.disable()
-        with m.lock:  # the cap was reached: end what is left (untimed)
+        with d.locked():  # the cap was reached: end what is left (untimed)
             for ctx, _ in active:
-                m.on_request_finished(ctx)
+                d.finish(ctx)
         return {"times": times, "cpu": cpu, "loaded": loaded, "requests_done": done,
                 "hits": hits}
 
     try:
-        deadline = time.monotonic() + 60
-        while not p2p.endpoint.ready:
-            assert time.monotonic() < deadline, "p2p endpoint did not start"
-            step()
-            time.sleep(0.005)
+        assert d.step_until(lambda: p2p.endpoint.ready, timeout_s=60), "p2p endpoint did not start"
         conn.send(("ready", p2p.port))
         handlers = {"produce": produce, "promote": promote, "wait_unparked": wait_unparked,
                     "steps": steps, "produce_stream": produce_stream, "renice": renice,
                     "endpoint_cpu": lambda: process_cpu_s(p2p.endpoint.proc.pid)}
         while True:
             if not conn.poll(IDLE_STEP_S):
-                step()
+                d.step()
                 continue
             cmd = conn.recv()
             if cmd[0] == "stop":
