@@ -46,8 +46,9 @@ from collections import deque
 from dataclasses import dataclass, field
 
 import shmtier.contract as shm_contract
-from shmtier.bench.common import DrivenRequest, request_context
+from shmtier.bench.common import DrivenRequest
 from shmtier.bench.common import exit_through_finally, fmt_mr, med_range, pct, rotated, write_json
+from shmtier.connector_driver import request_context
 from shmtier.scheduler.primary import (
     CPUOffloadingManager as ShmCPUOffloadingManager,
     CPUPrimaryTierOffloadingManager,

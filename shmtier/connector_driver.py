@@ -47,7 +47,8 @@ from typing import Any, Callable, NamedTuple
 
 from shmtier import contract as shmtier_contract
 
-__all__ = ["ConnectorDriver", "Meter", "Lookup", "Played", "Hooks", "Contract", "LOCK_WAIT"]
+__all__ = ["ConnectorDriver", "Meter", "Lookup", "Played", "Hooks", "Contract", "LOCK_WAIT",
+           "request_context"]
 
 #: the kind of the region that waits for ``manager.lock``
 LOCK_WAIT = "lock wait"
@@ -78,6 +79,18 @@ class Meter:
         """After the region's clocks are read: ``calls`` manager calls of ``kind`` (a scan:
         its lookups; ``LOCK_WAIT``: 1) handling ``keys`` keys (a call's key list, else 1)
         took ``wall_ns`` of wall time and ``cpu_ns`` of this thread's CPU."""
+
+
+def request_context(req_context: type, req_id: str, keys=(), tokens_per_chunk: int = 16,
+                    params: dict | None = None):
+    """A new ``req_context`` (shmtier's or vLLM's ``ReqContext``) with ``params`` as its
+    ``kv_transfer_params`` and each key's end-token position set as the connector sets it:
+    chunk i ends at token (i+1) x ``tokens_per_chunk`` (none for no ``keys``)."""
+    ctx = (req_context(req_id=req_id) if params is None
+           else req_context(req_id=req_id, kv_transfer_params=params))
+    for i, key in enumerate(keys):
+        ctx.set_offload_key_position(key, (i + 1) * tokens_per_chunk)
+    return ctx
 
 
 def _nothing(*_args) -> None:
@@ -213,19 +226,9 @@ class ConnectorDriver:
                   w1 - w0, c1 - c0)
         return out
 
-    def request_context(self, req_id: str, keys=(), params: dict | None = None):
-        """A new ``ReqContext`` with each key's end-token position set as the connector sets
-        it (none for no ``keys``). No manager call."""
-        ctx = (self.contract.ReqContext(req_id=req_id) if params is None
-               else self.contract.ReqContext(req_id=req_id, kv_transfer_params=params))
-        tpc = self.tokens_per_chunk
-        for i, key in enumerate(keys):
-            ctx.set_offload_key_position(key, (i + 1) * tpc)
-        return ctx
-
     def new_request(self, req_id: str, keys=(), params: dict | None = None):
         """``on_new_request`` for a new context (``request_context``); returns the context."""
-        ctx = self.request_context(req_id, keys, params)
+        ctx = request_context(self.contract.ReqContext, req_id, keys, self.tokens_per_chunk, params)
         self._call("on_new_request", self._m.on_new_request, ctx)
         return ctx
 

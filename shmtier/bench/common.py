@@ -1,6 +1,6 @@
 """What the benchmarks share: interleaving, the figures (percentiles, median [min-max]),
-exiting through ``finally`` on a signal, writing the JSON, and the connector's view
-of a request (its ``ReqContext`` and the driver's state for it).
+exiting through ``finally`` on a signal, writing the JSON, and a driver's state for a
+request (its ``ReqContext`` comes from shmtier/connector_driver.py).
 
 Used by ``shmtier bench`` and by the scripts in bench/ (``python -m bench.<name>``).
 """
@@ -15,7 +15,7 @@ import sys
 from dataclasses import dataclass
 
 __all__ = ["rotated", "exit_through_finally", "join_or_kill", "write_json", "pct", "med_range", "fmt_mr",
-           "DrivenRequest", "request_context"]
+           "DrivenRequest"]
 
 
 def rotated(items: list, repeat: int) -> list:
@@ -121,13 +121,3 @@ class DrivenRequest:
             self.decode_left -= 1
             return "decode"
         return "finish"
-
-
-def request_context(req_context: type, req_id: str, keys, tokens_per_chunk: int):
-    """A ``req_context`` (shmtier's or vLLM's ReqContext) for ``keys`` with their
-    positions set as the connector sets them: chunk i ends at token (i+1) x
-    ``tokens_per_chunk``."""
-    ctx = req_context(req_id=req_id)
-    for i, key in enumerate(keys):
-        ctx.set_offload_key_position(key, (i + 1) * tokens_per_chunk)
-    return ctx
