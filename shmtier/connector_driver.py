@@ -22,11 +22,12 @@ completions (``update_connector_output``), ``has_pending_work``, ``get_stats`` a
   ``end_step``, ``has_pending_work``, ``get_stats``, ``take_events``): one manager call,
   or one lookup scan, each. The caller holds ``locked()``. They block only as long as the
   manager does.
-* **sequences** (``open``, ``close``, ``step``, ``step_until``, ``look_step``, ``until``, ``complete``,
-  ``store``, ``load``, ``play``, ``complete_jobs``, ``engine_hooks``, ``settle``): take the lock
-  themselves, the caller must not hold it. The copies between arena rows and GPU blocks
-  (the GPU workers' part) run outside the lock, through a copy function the caller
-  gives, and may block; ``until``, ``play`` and ``settle`` sleep between steps.
+* **sequences** (``open``, ``close``, ``step``, ``step_until``, ``look_step``, ``until``,
+  ``complete``, ``store``, ``load``, ``play``, ``complete_jobs``, ``engine_hooks``,
+  ``settle``): take the lock themselves, the caller must not hold it. The copies between
+  arena rows and GPU blocks (the GPU workers' part) run outside the lock, through a copy
+  function the caller gives, and may block; ``step_until``, ``until`` and ``settle``
+  sleep between steps, ``play`` waits as its ``on_deferred`` hook does.
 
 Timing. Each call is a timed region on the calling thread: the clocks (``perf_counter_ns``
 wall, ``thread_time_ns`` on-CPU) are read right around the manager call, the lookup scan's
@@ -222,8 +223,8 @@ class ConnectorDriver:
         out = fn(*args)
         w1 = pc()
         c1 = tt()
-        self._end(token, kind, 1, len(args[0]) if args and isinstance(args[0], (list, tuple, set)) else 1,
-                  w1 - w0, c1 - c0)
+        keys = len(args[0]) if args and isinstance(args[0], (list, tuple, set)) else 1
+        self._end(token, kind, 1, keys, w1 - w0, c1 - c0)
         return out
 
     def new_request(self, req_id: str, keys=(), params: dict | None = None):
@@ -344,7 +345,8 @@ class ConnectorDriver:
         return True
 
     def look_step(self, reqs: list[Lookup], *, scan: bool = False, load: bool = False,
-                  sources: bool = False, done: Callable[[list], bool] | None = None) -> list[Lookup]:
+                  sources: bool = False,
+                  done: Callable[[list], bool] | None = None) -> list[Lookup]:
         """One step region: each request of ``reqs`` not yet final looks its keys up
         (``scan``: vLLM's scan, else ``lookup_each``); one whose answers are final (``done``;
         default: not deferred) gets, with ``load``, ``prepare_load`` of its leading HITs

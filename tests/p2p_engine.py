@@ -85,7 +85,8 @@ def serve(conn, engine_id: str, tier: dict, layout: dict) -> None:
     def produce(req_id, kvid, keys, first_block, finish=True):
         if isinstance(kvid, str):
             kvid = {"kv_request_id": kvid}
-        open_requests[req_id] = d.open(req_id, params=None if kvid is None else {"remote_decoder": kvid})
+        params = None if kvid is None else {"remote_decoder": kvid}
+        open_requests[req_id] = d.open(req_id, params=params)
         out = produce_more(req_id, keys, first_block)
         if finish:
             finish_request(req_id)

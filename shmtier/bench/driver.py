@@ -196,9 +196,9 @@ def drive(mut: Mut, trace, cfg, data_pool: np.ndarray, probe: StepProbe | None =
     probe = probe if probe is not None else StepProbe(KINDS)
     m = mut.manager
     figures = _Figures(probe)
-    d = ConnectorDriver(m, contract=Contract(mut.LookupResult, mut.ReqContext, mut.ScheduleEndContext),
-                        connector=cfg.connector or baseline.connector(), meter=figures,
-                        tokens_per_chunk=TOKENS_PER_CHUNK)
+    contract = Contract(mut.LookupResult, mut.ReqContext, mut.ScheduleEndContext)
+    d = ConnectorDriver(m, contract=contract, connector=cfg.connector or baseline.connector(),
+                        meter=figures, tokens_per_chunk=TOKENS_PER_CHUNK)
     job_keys = d.job_keys
     HIT, PENDING, RETRY = d.HIT, d.PENDING, d.RETRY
     rows = mut.rows
