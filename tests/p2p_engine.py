@@ -5,7 +5,9 @@
 tier options ``tier``, waits until the tier's endpoint runs and sends
 ``("ready", port)``. Then it answers commands (below) and, between them, steps the
 engine (``on_schedule_end`` every few ms) so the tier serves its peers. Every command
-answers ``("ok", value)`` or ``("error", text)``.
+answers ``("ok", value)`` or ``("error", text)``. The manager is called through the
+engine's connector driver (shmtier/connector_driver.py): a consumer's loads are prepared in
+the step its answers are final, as vLLM's connector does.
 
 - ``("produce", req_id, kvid, keys, first_block[, finish])``: a PD prefiller request
   (``remote_decoder``: ``{"kv_request_id": kvid}``, or ``kvid`` itself when it is a dict;

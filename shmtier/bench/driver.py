@@ -2,8 +2,8 @@
 
 ``run_one`` builds the manager (shmtier/bench/managers.py) on a fresh temp directory, freezes
 the GC heap as vLLM's engine core does, and ``drive`` plays the OffloadingConnector's
-scheduler half over the whole trace through the connector driver (shmtier/connector_driver.py),
-one engine step at a time: admit waiting requests
+scheduler half over the whole trace through the connector driver
+(shmtier/connector_driver.py), one engine step at a time: admit waiting requests
 (on_new_request, lookup scan, prepare_load + get_load_source), offer each running
 request's next chunks to prepare_store (the rows then filled, standing in for the GPU
 copy), on_request_finished, on_schedule_end; sleep out the step; complete last step's
@@ -13,11 +13,11 @@ made as ``cfg.connector`` says (shmtier/bench/baseline.py), for every manager al
 waiting request that, with nothing else left, loses hits to the waiting requests' own
 promotions ``cfg.self_eviction_scans`` lookup scans in a row (vLLM's LRU does that: see the
 check in ``drive``) is given up as an aborted one (on_request_finished) and listed in the
-figures' "abandoned". Every manager call is timed (wall and on-CPU: the driver's regions,
-booked by ``_Figures``); the run's raw figures
-come back as a dict for shmtier/bench/report.py. After the run the manager and its
-/dev/shm entries are removed and its directory emptied, also on error; the emptied
-directories go when the process exits (``retire_root``).
+figures' "abandoned". Every manager call is timed, wall and on-CPU (the driver's timed
+regions, booked by ``_Figures``); the run's raw figures come back as a dict for
+shmtier/bench/report.py. After the run the manager and its /dev/shm entries are removed
+and its directory emptied, also on error; the emptied directories go when the process
+exits (``retire_root``).
 """
 
 from __future__ import annotations
