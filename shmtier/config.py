@@ -33,6 +33,7 @@ from shmtier.scheduler.tiering.admission import DEFAULT_RULE, RULES
 from shmtier.scheduler.backpressure.settings import BackpressureSettings
 from shmtier.scheduler.policies.factory import CachePolicyFactory
 from shmtier.shared.codec import CompressionConfig
+from shmtier.shared.lanes import default_promotion_workers
 from shmtier.shared.layout import DEFAULT_KEY_WIDTH, ArenaGeometry
 from shmtier.shared.pool_config import (
     DEFAULT_WORKER_NICENESS,
@@ -67,7 +68,7 @@ PRIMARY_KEYS = frozenset({
 TIERING_KEYS = frozenset({
     "secondary_tiers", "tier_poll_interval_s", "tier_poll_window", "backpressure", "num_tier_workers", "workers",
     "compression", "tier_job_timeout_s", "admission", "admission_window",
-    "tier_worker_niceness", "tier_worker_policy",
+    "tier_worker_niceness", "tier_worker_policy", "tier_promotion_workers",
 })
 KNOWN_KEYS = PASSTHROUGH_KEYS | PRIMARY_KEYS | TIERING_KEYS
 WORKER_MODES = ("spawn", "external")
@@ -284,6 +285,9 @@ class TieringConfig:
     tier_worker_niceness: int = DEFAULT_WORKER_NICENESS
     # the tier workers' scheduling policy (PoolConfig.worker_policy)
     tier_worker_policy: str = DEFAULT_WORKER_POLICY
+    # the last this many tier workers run at the engine's priority and take loads and
+    # probes (PoolConfig.promotion_workers; default: default_promotion_workers)
+    tier_promotion_workers: int = 1
 
     @property
     def worker_backed(self) -> bool:
@@ -315,6 +319,7 @@ class TieringConfig:
             compression = CompressionConfig.from_config(extra.get("compression", "auto"))
         except ValueError as e:
             raise ConfigError(str(e)) from e
+        num_tier_workers = _num_tier_workers(extra)
         return cls(
             secondary_tiers=secondary,
             tier_poll_interval_s=float(_get(extra, "tier_poll_interval_s", 0.001, number(
@@ -322,7 +327,7 @@ class TieringConfig:
             tier_poll_window=float(_get(extra, "tier_poll_window", DEFAULT_TIER_POLL_WINDOW, number(
                 0, MAX_TIER_POLL_WINDOW,
                 accepted=f"a share of the engine's step period, 0 (off) to {MAX_TIER_POLL_WINDOW:g}"))),
-            num_tier_workers=_num_tier_workers(extra),
+            num_tier_workers=num_tier_workers,
             workers=_get(extra, "workers", "spawn", one_of(*WORKER_MODES)),
             compression=compression,
             tier_job_timeout_s=float(_get(extra, "tier_job_timeout_s", 60.0,
@@ -333,6 +338,7 @@ class TieringConfig:
                                       integer(0, 19)),
             tier_worker_policy=_get(extra, "tier_worker_policy", DEFAULT_WORKER_POLICY,
                                     one_of(*WORKER_POLICIES)),
+            tier_promotion_workers=_tier_promotion_workers(extra, num_tier_workers),
         )
 
     def admission_rules(self) -> tuple[str, ...]:
@@ -362,3 +368,10 @@ def _num_tier_workers(extra: Mapping[str, Any]) -> int:
     if value > limit:
         raise invalid(_key("num_tier_workers"), value, f"an integer in 1..{limit} on this host ({why})")
     return value
+
+
+def _tier_promotion_workers(extra: Mapping[str, Any], num_workers: int) -> int:
+    check = integer(0, num_workers - 1)
+    check.accepted += (f" (fewer than num_tier_workers = {num_workers}: at least one tier "
+                       "worker stays in the background lane for stores and deletes)")
+    return _get(extra, "tier_promotion_workers", default_promotion_workers(num_workers), check)

@@ -82,7 +82,8 @@ class TieringOffloadingSpec:
                                  "min_gain": codec.min_gain},
                           tiers=tiers, job_timeout_s=tiering.tier_job_timeout_s,
                           worker_niceness=tiering.tier_worker_niceness,
-                          worker_policy=tiering.tier_worker_policy)
+                          worker_policy=tiering.tier_worker_policy,
+                          promotion_workers=tiering.tier_promotion_workers)
 
     def _open_segment(self, **kwargs) -> Segment:
         """``open_segment`` for this engine; a /dev/shm too small for the CPU tier is a

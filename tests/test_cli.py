@@ -9,6 +9,7 @@ import contextlib
 import io
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -448,11 +449,15 @@ def test_top_reads_a_live_engine_without_slowing_its_scheduler(engine_id, tmp_pa
         assert frame["tiers"][0]["where"]["root_dir"] == str(tmp_path.resolve())
         workers = frame["workers"]
         assert [w["alive"] for w in workers] == [True, True]
+        assert [w["lane"] for w in workers] == ["background", "promotion"]  # the default lanes
         assert sum(w["bytes"] for w in workers) == 10 * 8192  # the cascades' chunk bytes
+        assert workers[1]["bytes"] == 0  # stores run in the background lane
         assert sum(w["jobs"] for w in workers) >= 2 and frame["rates"]["interval_s"] > 0
         assert all(w["job_depth"] == 0 and w["beat_age_s"] < 5 for w in workers)
         code, text = run_cli("top", engine_id, "--once", "--interval", "0.05")
-        assert code == 0 and "rows   used 10/16" in text and "pool   spawn, 2 workers" in text
+        assert code == 0 and "rows   used 10/16" in text
+        assert "pool   spawn, 2 workers (1 promotion)" in text
+        assert re.search(r"^\s+1\s+\d+\s+alive\s+promotion\s", text, re.M), text
 
         # a reader at 10 Hz (the live JSON stream) against the scheduler's step times
         _step_times(e, keys, 50)  # warm

@@ -9,6 +9,11 @@ engine before a replacement takes new ones. Exits when the engine's segment
 owner is gone or on SIGINT/SIGTERM (stopping its workers). With ``metrics_port`` it also
 serves the workers' Prometheus metrics (``metrics.py``).
 
+Lanes (``shared/lanes.py``): each worker sets its own priority from its index and the
+pool config; the promotion lane's workers keep the niceness they inherit from this
+process, so run ``shmtier workers`` at the engine's niceness. The start-up line names
+the lanes.
+
 One pool per engine (every ring has one consumer): it refuses, with exit code
 2 and touching nothing, an engine whose pool runs in spawn mode (the scheduler
 starts its own workers) or whose worker slots are held by live processes
@@ -22,9 +27,21 @@ import subprocess
 import sys
 import time
 
+from shmtier.shared.lanes import PROMOTION, worker_lane
 from shmtier.shared.pool_config import PoolConfig
 from shmtier.shared.ring import RingSet
 from shmtier.shared.segment import join_existing
+
+
+def lanes_text(config: PoolConfig) -> str:
+    """The pool's lanes in words: which slots run at this process's niceness."""
+    n = config.num_workers
+    promotion = [i for i in range(n) if worker_lane(i, n, config.promotion_workers) == PROMOTION]
+    if not promotion:
+        return "all in the background lane"
+    return (f"promotion lane: worker{'s' if len(promotion) > 1 else ''} "
+            f"{', '.join(map(str, promotion))} at this process's "
+            f"niceness; background lane: the others at +{config.worker_niceness}")
 
 
 def run_external_pool(engine_id: str, num_workers: int | None = None, *,
@@ -70,8 +87,8 @@ def run_external_pool(engine_id: str, num_workers: int | None = None, *,
             print(f"shmtier workers: metrics on http://{metrics_addr}:{port}/metrics",
                   flush=True)
         procs = [start(i) for i in range(config.num_workers)]
-        print(f"shmtier workers: {config.num_workers} tier workers serving {segment.name}",
-              flush=True)
+        print(f"shmtier workers: {config.num_workers} tier workers serving {segment.name} "
+              f"({lanes_text(config)})", flush=True)
         while not stopping and segment.header().owner_alive():
             for i, proc in enumerate(procs):
                 if proc is not None and proc.poll() is not None:

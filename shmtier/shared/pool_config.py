@@ -55,7 +55,11 @@ class PoolConfig:
     ``tier_worker_niceness`` key) is added to the niceness each worker inherits, by the
     worker itself before it starts any thread (``workers/job_loop.py``), spawned or
     external alike; ``worker_policy`` (``WORKER_POLICIES``, the ``tier_worker_policy``
-    key) is the scheduling policy it then sets for itself, inherited by its threads."""
+    key) is the scheduling policy it then sets for itself, inherited by its threads.
+    ``promotion_workers`` (the ``tier_promotion_workers`` key, 0..``num_workers`` - 1):
+    the last that many workers form the promotion lane (``shared/lanes.py``): they skip
+    both settings (they run at the priority they inherit, under SCHED_OTHER) and take
+    loads and probes; the others take stores and deletes."""
 
     num_workers: int
     chunk_bytes: int
@@ -69,6 +73,14 @@ class PoolConfig:
     job_timeout_s: float = 60.0
     worker_niceness: int = DEFAULT_WORKER_NICENESS
     worker_policy: str = DEFAULT_WORKER_POLICY
+    promotion_workers: int = 0
+
+    def __post_init__(self) -> None:
+        k = self.promotion_workers
+        if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k < max(1, self.num_workers):
+            raise ValueError(f"tier worker pool config: promotion_workers = {k!r} is invalid: "
+                             f"expected an integer in 0..{max(0, self.num_workers - 1)} (at "
+                             f"least one of its {self.num_workers} workers stays background)")
 
     def write(self, rings_area: memoryview) -> None:
         blob = msgpack.packb(asdict(self), use_bin_type=True)

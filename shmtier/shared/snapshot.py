@@ -30,6 +30,7 @@ import numpy as np
 
 from shmtier.shared.chunk_table import GENERATION, ChunkTable
 from shmtier.shared.layout import HEADER_SIZE, STATS_OFFSET
+from shmtier.shared.lanes import worker_lane
 from shmtier.shared.pool_config import CONFIG_BYTES, PoolConfig
 from shmtier.shared.ring import TIER_COUNTERS, AreaState, inspect_area
 from shmtier.shared.segment import (
@@ -96,6 +97,7 @@ class WorkerInfo:
     failed_keys: int
     job_depth: int
     result_depth: int
+    lane: str = ""  # shared/lanes.py: "promotion" or "background" ("" without a pool config)
 
 
 @dataclass
@@ -278,7 +280,8 @@ def _pool(snap: Snapshot, rings: memoryview) -> None:
         snap.pool = {"mode": config.mode, "num_workers": config.num_workers,
                      "slots": config.slots, "slot_size": config.slot_size,
                      "chunk_bytes": config.chunk_bytes, "codec": config.codec,
-                     "job_timeout_s": config.job_timeout_s}
+                     "job_timeout_s": config.job_timeout_s,
+                     "promotion_workers": config.promotion_workers}
         for i, entry in enumerate(config.tiers):
             snap.tiers.append(TierInfo(i, entry["type"] if entry else None,
                                        _where(entry["args"]) if entry else {}))
@@ -295,7 +298,9 @@ def _pool(snap: Snapshot, rings: memoryview) -> None:
         snap.workers.append(WorkerInfo(
             w.index, hb.pid, w.holder_alive, None if not hb.beat_ns else hb.age_s(now),
             hb.claims, max(0, hb.claims - 1), c.jobs, c.bytes, c.codec_ns / 1e9,
-            c.failed_keys, w.job_depth, w.result_depth))
+            c.failed_keys, w.job_depth, w.result_depth,
+            "" if config is None else worker_lane(w.index, config.num_workers,
+                                                  config.promotion_workers)))
 
 
 def _where(args: dict) -> dict:

@@ -8,8 +8,8 @@ ring, no process, nothing here blocks.
 
     WorkerPool.submit(op, tier, keys, rows)
       plan()     keys bound to a worker (a job for them is outstanding) → that worker;
-                 the rest → the least-loaded running workers (spread over all of them
-                 from 16 unbound keys on, else one);
+                 the rest → the least-loaded running workers of the op's lane (spread
+                 over all of them from 16 unbound keys on, else one);
                  each worker's part → one msgpack payload, or jobs.split_job parts
                  that each fit a ring slot
       ── the supervisor puts every payload in its worker's job ring, or none ──
@@ -27,6 +27,14 @@ ring, no process, nothing here blocks.
 
 Ordering: all jobs for one key go to one worker while any job for that key is
 outstanding, so a worker sees a key's store, load and delete in submit order.
+
+Lanes (``shared/lanes.py``): only unbound keys choose a lane, by the job's op: loads and
+probes go to the promotion lane (the last ``promotion_workers`` workers, at the
+engine's priority), every other op to the background lane. A lane with no running
+worker lends the other lane's running workers (a job never fails for want of a lane);
+with no worker running at all, a job waits in the rings of its own lane (of all
+workers when that lane is empty). The supervisor refreshes the running workers with
+``set_running`` at each health check, so ``plan`` only looks its op's list up.
 """
 
 from __future__ import annotations
@@ -40,6 +48,7 @@ from typing import NewType
 from shmtier.scheduler.pool.row_release import RowRelease
 from shmtier.shared import jobs
 from shmtier.shared.jobs import Outcome, WireJobId
+from shmtier.shared.lanes import PROMOTION_OPS, first_promotion_worker
 
 logger = logging.getLogger(__name__)
 
@@ -122,10 +131,17 @@ def _fill_failed(out: PoolResult) -> None:
 
 
 class Dispatch:
-    """Outstanding pool jobs, their parts and the key -> worker bindings."""
+    """Outstanding pool jobs, their parts and the key -> worker bindings.
+    ``promotion_workers``: the last that many workers form the promotion lane."""
 
-    def __init__(self, num_workers: int, max_payload: int, job_timeout_s: float):
+    def __init__(self, num_workers: int, max_payload: int, job_timeout_s: float,
+                 promotion_workers: int = 0):
         self.n = num_workers
+        first = first_promotion_worker(num_workers, promotion_workers)
+        self._lanes = (list(range(first)), list(range(first, num_workers)))  # background, promotion
+        # op -> the workers that take its unbound keys (``set_running``)
+        self._takers: dict[str, list[int]] = {}
+        self._all = list(range(num_workers))
         self.max_payload = max_payload
         self.job_timeout_s = job_timeout_s
         self._ids = itertools.count(1)  # pool job ids and part ids: never the same number
@@ -138,11 +154,26 @@ class Dispatch:
         # parts failed while their worker's process may still run (``fail_loads``) -> that
         # worker: a result it still sends for one is dropped (until it is gone)
         self._failed_early: dict[WireJobId, int] = {}
+        self.set_running(self._all)
+
+    def set_running(self, running: list[int]) -> None:
+        """The workers running now (ascending): they take unbound keys, each op's lane's
+        own, else the other lane's (see the module docstring)."""
+        background, promotion = ([w for w in running if w in lane] for lane in self._lanes)
+        to_background = background or promotion or self._lanes[0] or self._all
+        to_promotion = promotion or background or self._lanes[1] or self._all
+        self._takers = {op: to_promotion if op in PROMOTION_OPS else to_background
+                        for op in jobs.OPS}
+
+    def takers(self, op: str) -> list[int]:
+        """The workers that take ``op``'s unbound keys now."""
+        return self._takers.get(op) or self._all
 
     def plan(self, op: str, tier: int, keys: list[bytes], rows: list[int] | None,
-             args: dict | None, live: list[int]) -> tuple[PoolJobId, list[Planned]]:
+             args: dict | None) -> tuple[PoolJobId, list[Planned]]:
         """Assign ``keys`` to workers and encode the parts; returns (pool job id, parts).
         Registers nothing: :meth:`commit` does, once every part is in a ring."""
+        live = self._takers.get(op) or self._all
         groups: dict[int, Sequence[int]] = {}
         unbound: Sequence[int] = []
         bound = self._bound

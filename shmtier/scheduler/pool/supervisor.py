@@ -43,6 +43,13 @@ Ordering: all jobs for one key go to one worker while any job for that key is
 outstanding (``dispatch.py``). A full job ring makes ``submit`` return None
 without side effects: that is the backpressure signal.
 
+Lanes: the last ``config.promotion_workers`` workers run at the priority they inherit
+(the engine's) and take the unbound keys of loads and probes; the others run in the
+background (``tier_worker_niceness``, ``tier_worker_policy``) and take stores and
+deletes (``shared/lanes.py``; each worker sets its own priority from its index and the
+config, spawned or external). The health check tells ``dispatch`` which workers run, so
+a lane whose workers are all down or restarting lends the other lane's.
+
 Modes: ``spawn`` starts the workers as fresh interpreters (``python -m
 shmtier.workers.job_loop``: never a fork of the scheduler, which may hold CUDA
 state, and no re-import of the caller's main module); ``external`` expects
@@ -185,12 +192,12 @@ class WorkerPool:
                                     config.slots, config.slot_size)
         self._job_rings = [self.rings.worker(w).jobs for w in range(self.n)]
         self._result_rings = [self.rings.worker(w).results for w in range(self.n)]
-        self._dispatch = Dispatch(self.n, config.slot_size - 8, config.job_timeout_s)
+        self._dispatch = Dispatch(self.n, config.slot_size - 8, config.job_timeout_s,
+                                  config.promotion_workers)
         self._workers = [WorkerRecord(w) for w in range(self.n)]
         self._procs: list[subprocess.Popen | None] = [None] * self.n  # spawn mode
         self._tails: list[_StderrTail | None] = [None] * self.n  # spawn mode
         self._claims_seen = [0] * self.n  # external mode: slot claims accounted for
-        self._live = list(range(self.n))  # refreshed by the health check
         # per slot: releases of the rows its killed process's failed loads may still
         # write, let go once that process is gone (``_bury``)
         self._reaping: dict[int, list[RowRelease]] = {}
@@ -252,8 +259,7 @@ class WorkerPool:
         if self.broken is not None:
             return None
         dispatch = self._dispatch
-        parent_id, planned = dispatch.plan(op, tier, keys, rows, args,
-                                           self._live or list(range(self.n)))
+        parent_id, planned = dispatch.plan(op, tier, keys, rows, args)
         if len(planned) == 1:  # the common case: one slot, so try_put alone decides
             w, _, payload, _, _ = planned[0]
             if not self._job_rings[w].try_put(payload):
@@ -313,7 +319,7 @@ class WorkerPool:
         overdue = self._dispatch.overdue(now) if self._dispatch.parts else {}
         for rec in self._workers:
             self._check_worker(rec, now, overdue.get(rec.index))
-        self._live = [rec.index for rec in self._workers if rec.state in RUNNING]
+        self._dispatch.set_running([rec.index for rec in self._workers if rec.state in RUNNING])
 
     def _check_worker(self, rec: WorkerRecord, now: float, late_s: float | None) -> None:
         state, w = rec.state, rec.index
@@ -504,7 +510,7 @@ class WorkerPool:
             elif rec.state is WorkerState.RESTARTING:
                 self._fail_slot(rec.index, f"tier worker {rec.index}: the pool is broken")
                 rec.broke()
-        self._live = []
+        self._dispatch.set_running([])
 
     def _fail_slot(self, w: int, why: str) -> int:
         """Recover worker ``w``'s rings (its process is gone) and fail every part it
