@@ -173,7 +173,7 @@ class Dispatch:
              args: dict | None) -> tuple[PoolJobId, list[Planned]]:
         """Assign ``keys`` to workers and encode the parts; returns (pool job id, parts).
         Registers nothing: :meth:`commit` does, once every part is in a ring."""
-        live = self._takers.get(op) or self._all
+        live = self.takers(op)
         groups: dict[int, Sequence[int]] = {}
         unbound: Sequence[int] = []
         bound = self._bound
