@@ -231,8 +231,8 @@ def _read_key(path: str) -> bytes:
 def _fsck_bucket(args, mac_key: bytes | None):
     import json
 
-    from shmtier.tiers.obj.client import endpoint_label, make_client
-    from shmtier.tiers.obj.config import StoreConfigCheck, _prefix
+    from shmtier.tiers.obj.client import make_client
+    from shmtier.tiers.obj.config import ObjTierConfig, StoreConfigCheck, _prefix
     from shmtier.tiers.obj.fsck import fsck_bucket
 
     store: dict = {}
@@ -250,14 +250,12 @@ def _fsck_bucket(args, mac_key: bytes | None):
                         ("region", args.region)):
         if value:
             store[name] = value
-    checked = StoreConfigCheck()("store_config", store).as_plain()
-    args_ = {"store_config": checked, "io_threads": 4, "connect_timeout_s": 2.0,
-             "read_timeout_s": 10.0, "max_attempts": 3}
-    client = make_client(args_)
+    checked = StoreConfigCheck()("store_config", store)
+    client = make_client(ObjTierConfig(store_config=checked, max_attempts=3))
     try:
-        return fsck_bucket(client, checked["bucket"], _prefix(prefix), verify=args.verify,
+        return fsck_bucket(client, checked.bucket, _prefix(prefix), verify=args.verify,
                            repair=args.repair, mac_key=mac_key,
-                           endpoint=endpoint_label(checked))
+                           endpoint=checked.endpoint_label())
     finally:
         client.close()
 
