@@ -87,13 +87,15 @@ class ConnectorKeys(Options):
         None, text(), doc='"shmtier.vllm": the module vLLM imports the spec from',
         default_doc="— (vLLM requires it)")
     offload_prompt_only: bool | None = option(
-        None, boolean(), doc="vLLM's: offload only the prompt's blocks", default_doc="vLLM's")
+        None, boolean(), doc="vLLM's connector: offload prompt blocks only, not decode blocks",
+        default_doc="vLLM's (true)")
     self_describing_kv_events: bool | None = option(
-        None, boolean(), doc="vLLM's: KV events that describe their blocks themselves",
-        default_doc="vLLM's")
+        None, boolean(), doc="vLLM's connector: full BlockStored payloads (needs KV events "
+                             "enabled)", default_doc="vLLM's (false)")
     sync_load_budget_bytes: int | None = option(
-        None, integer(0), doc="vLLM's: bytes a step may load synchronously",
-        default_doc="vLLM's")
+        None, integer(0),
+        doc="vLLM's connector: per-step budget for loads waited on within the step",
+        default_doc="vLLM's (0)")
     canonical_layout: bool | None = option(
         None, one_of(False, accepted="false (shmtier stores vLLM's direct per-rank layout "
                                      "only)"),
@@ -228,8 +230,9 @@ class TierEntryKeys(Options):
 
     type: str = option(
         REQUIRED, text(),
-        doc="the tier type (fs, obj, p2p, example: their keys below), or the class name of "
-            "an out-of-tree tier (with module_path; every other key goes to its constructor)")
+        doc='"fs", "obj", "p2p", "example" (their keys below), a registered type, or the '
+            "class name of an out-of-tree tier with module_path (every other key goes to its "
+            "constructor)")
     module_path: str | None = option(
         None, text(), doc="the module an out-of-tree tier's class is imported from")
     backpressure: Any = option(
@@ -237,7 +240,10 @@ class TierEntryKeys(Options):
         doc="this tier's backpressure settings, over the top-level ones key by key; false: "
             "none for this tier; {}: the defaults", default_doc="the top-level one's")
     admission: str | None = option(
-        None, one_of(*RULES), doc="this tier's cascade admission rule",
+        None, one_of(*RULES),
+        doc="this tier's cascade admission rule, e.g. a slow remote tier admitting only "
+            "re-read chunks under a local one taking all; a request-level tier (the p2p "
+            "hand-off) always gets every chunk of the requests that ask for it",
         default_doc="the top-level admission")
 
 
@@ -330,13 +336,17 @@ class TieringConfig(Options):
     tier_poll_interval_s: float = option(
         0.001, number(accepted="a number of seconds (<= 0 disables polling between "
                                "steps)").then(float),
-        doc="how often the tiers' results are polled between engine steps")
+        doc="longest pause of the tier-poll thread, which polls the tiers that opt in (p2p; "
+            "one with news wakes it sooner), and the shortest interval between the "
+            "step-window thread's rounds; <= 0 turns both threads off")
     tier_poll_window: float = option(
         0.85, number(0, MAX_TIER_POLL_WINDOW,
                      accepted=f"a share of the engine's step period, 0 (off) to "
                               f"{MAX_TIER_POLL_WINDOW:g}").then(float),
-        doc="share of the step period after on_schedule_end in which storage tiers are "
-            "polled off the engine thread (scheduler/tiering/window_poll.py)")
+        doc="the storage tiers' finished jobs are collected by a thread while the engine "
+            "runs its forward pass, from just after on_schedule_end until this share of the "
+            "step period has passed (a step then sends only its loads, the round after it "
+            "the rest); 0: every poll and send inside the steps")
     compression: CompressionConfig = option(
         CompressionConfig(), CompressionConfig.check(),
         doc="how tier workers compress chunks: a mode, or a mapping (Compression below)",
@@ -347,7 +357,9 @@ class TieringConfig(Options):
             '(vLLM\'s behaviour) or "second_touch" (a chunk only once it was used twice; '
             "a tier entry's admission overrides it)")
     admission_window: int | None = option(
-        None, integer(1), doc="keys second_touch remembers",
+        None, integer(1),
+        doc="keys second_touch remembers (least recently touched forgotten first), about 175 "
+            "bytes each",
         default_doc="4 x the CPU tier's rows")
     pool: WorkerPoolOptions = field(default_factory=WorkerPoolOptions)
 

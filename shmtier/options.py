@@ -512,9 +512,13 @@ class Options:
     @classmethod
     def reference_rows(cls) -> list[tuple[str, str, str, str]]:
         """One row per option for the configuration reference: key, default, what is
-        accepted and what it does (Markdown-safe: ``|`` escaped, one line each)."""
+        accepted and what it does (Markdown-safe: ``|`` escaped, one line each); a class's
+        own options first, then those it inherits."""
+        own = [c.__dict__.get("__annotations__", {}) for c in cls.__mro__]
+        depth = {f.name: next(i for i, names in enumerate(own) if f.name in names)
+                 for f in cls.declared()}
         rows = []
-        for f in cls.declared():
+        for f in sorted(cls.declared(), key=lambda f: depth[f.name]):
             if f.metadata["default_doc"] is not None:
                 default = f.metadata["default_doc"]
             elif f.default is MISSING:

@@ -64,10 +64,9 @@ EMA_FIELDS = ("high_water_s", "low_water_s", "alpha", "warmup_completions",
               "decay_half_life_s", "cooldown_s", "failure_threshold")
 
 
-def _water(kind: str) -> str:
-    return (f"{kind} s/MiB; {LOCAL_HIGH_WATER_S if kind == 'high' else LOCAL_LOW_WATER_S:g} "
-            f"({NETWORK_HIGH_WATER_S if kind == 'high' else NETWORK_LOW_WATER_S:g} for an obj "
-            f"or REMOTE tier)")
+def _water(local: float, network: float) -> str:
+    """A water mark's default in words (it depends on the tier: ``ema_default_config``)."""
+    return f"{local:.3f} s/MiB ({network:.3f} for an obj or REMOTE tier)"
 
 
 def _policy_kwargs(key: str, value: Any) -> dict[str, Any]:
@@ -106,10 +105,10 @@ class BackpressureOptions(Options):
     high_water_s: float | None = option(
         None, number(0, min_open=True, finite=True),
         doc="an EMA of store latency per MiB above it puts the tier under pressure",
-        default_doc=_water("high"))
+        default_doc=_water(LOCAL_HIGH_WATER_S, NETWORK_HIGH_WATER_S))
     low_water_s: float | None = option(
         None, number(0, min_open=True, finite=True),
-        doc="an EMA below it clears pressure (<= high_water_s)", default_doc=_water("low"))
+        doc="an EMA below it clears pressure (<= high_water_s)", default_doc=_water(LOCAL_LOW_WATER_S, NETWORK_LOW_WATER_S))
     alpha: float = option(
         DEFAULT_ALPHA, number(0, 1, min_open=True, accepted="a number in (0, 1]"),
         doc="the EMA's smoothing factor")

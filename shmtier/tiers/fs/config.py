@@ -26,17 +26,21 @@ MAX_WRITE_DEPTH = 64
 class FsTierConfig(StorageTierConfig):
     """An ``fs`` tier: chunks as framed, checksummed files under ``root_dir``, in a
     namespace subdirectory per layout (engines of one layout may share it: DP replicas,
-    restarts, NFS). The options of every storage tier: ``StorageTierConfig``. Measurements
-    behind ``direct_io`` and ``page_cache_bytes``: bench/README.md."""
+    restarts, NFS), with the options every storage tier takes (``StorageTierConfig``).
+    Measurements behind ``direct_io`` and ``page_cache_bytes``: bench/README.md."""
 
     frame_word = "file"
 
     root_dir: str = option(
         REQUIRED, writable_dir(),
-        doc="the directory the tier keeps its files in (a namespace subdirectory per layout)")
+        doc="the directory the tier keeps its files in, checked when the spec is built; a "
+            "subdirectory per layout (model, dtype, geometry), so engines of different "
+            "models never mix")
     min_free_bytes: int | None = option(
         1 << 30, integer(0).or_none("null (no floor)"),
-        doc="free space the tier workers leave on the filesystem", default_doc="`1073741824` (1 GiB)")
+        doc="free space the tier workers keep on the filesystem; below it the tier evicts its "
+            "least recently used chunks, or fails cascades (one warning) when that cannot "
+            "help", default_doc="`1073741824` (1 GiB)")
     fsync: bool = option(
         False, boolean(),
         doc="fsync each file before publishing it (durable before it is indexed: NFS)")
@@ -44,17 +48,23 @@ class FsTierConfig(StorageTierConfig):
         False, one_of(False, True, "auto", "writes"),
         doc="false: buffered both ways; \"writes\": stores with O_DIRECT where the "
             "filesystem takes it, loads buffered; \"auto\": O_DIRECT both ways where the "
-            "filesystem takes it; true: both ways, required")
+            "filesystem takes it (probed at start); true: both ways, required. O_DIRECT "
+            "stores keep write_depth writes in flight per tier worker: no page-cache copy, "
+            "but every store waits for the device")
     write_depth: int = option(
         8, integer(1, MAX_WRITE_DEPTH),
-        doc="O_DIRECT writes a tier worker keeps in flight, each with a chunk-sized buffer")
+        doc="O_DIRECT writes a tier worker keeps in flight, each on an I/O thread with a "
+            "chunk-sized buffer; a store slice holds at least this many chunks (unused with "
+            "buffered I/O)")
     page_cache_bytes: int | str | None = option(
         "auto", integer(1).or_none("null (no limit)").or_text(
             "auto", "bounded once new page cache proves expensive"),
         doc="with buffered stores, the bytes of a tier worker's most recent files left in "
             "the page cache, older ones written back and dropped from it (null: the "
-            "kernel's choice; \"auto\": no limit until new page cache proves expensive, "
-            "then what it holds)")
+            "kernel's choice; \"auto\": no limit while new page cache is cheap; once 32 MiB "
+            "of a worker's buffered writes cost more than 2.5 s of CPU per GiB, the footprint "
+            "stops growing at what it then holds, at least 64 MiB: logged, and the gauge "
+            "page_cache_bounded). Linux only")
     n_read_threads: int | None = option(
         None, integer(1).or_none(),
         doc="vLLM's fs option: accepted and unused (the tier workers do the I/O)")

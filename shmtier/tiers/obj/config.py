@@ -257,9 +257,9 @@ def _prefix(v: Any) -> str:
 class ObjTierConfig(StorageTierConfig):
     """An ``obj`` tier: each chunk one object in shmtier's frame, at
     ``<prefix>/shmtier-<layout digest>/<fan-out>/<key hex>.kv`` in an S3 bucket (AWS S3,
-    MinIO, Ceph RGW, SeaweedFS), with boto3 in the tier workers. The options of every
-    storage tier: ``StorageTierConfig`` (``locality`` defaults to "REMOTE" here, vLLM's
-    obj default). Requests use botocore's "standard" retry mode: throttling, 5xx,
+    MinIO, Ceph RGW, SeaweedFS), with boto3 in the tier workers, with the options every
+    storage tier takes (``StorageTierConfig``; ``locality`` defaults to "REMOTE" here,
+    vLLM's obj default). Requests use botocore's "standard" retry mode: throttling, 5xx,
     timeouts and dropped connections are retried with exponential backoff."""
 
     frame_word = "object"

@@ -41,8 +41,9 @@ class StorageTierConfig(TierConfig):
 
     max_bytes: int | None = option(
         None, integer(1).or_none("null (unbounded)"),
-        doc="bytes this engine keeps on the medium at most (its own chunks; engines sharing "
-            "a medium bound only what each stores), at least one chunk's frame")
+        doc="bytes this engine keeps on the medium at most, at least one chunk's frame; "
+            "never exceeded (stores in flight reserve their largest frame), least recently "
+            "used chunks evicted; engines sharing a medium bound only what each stores")
     locality: str | None = option(
         None, choice_upper("LOCAL", "REMOTE").or_none(),
         doc="for vLLM's kv_load_tiers request filters and the backpressure defaults")
