@@ -222,6 +222,12 @@ def _bad() -> Any:
     raise ValueError("")
 
 
+#: A ``backpressure`` block, top level or a tier's (``false``: none; its keys are checked,
+#: merged, by ``BackpressureSettings.from_config``).
+_BACKPRESSURE = Check("a mapping of backpressure settings, or false (none)",
+                      lambda v: v if v is False or isinstance(v, Mapping) else _bad())
+
+
 @dataclass(frozen=True, kw_only=True)
 class TierEntryKeys(Options):
     """The keys of a ``secondary_tiers`` entry that are not its tier type's options
@@ -235,8 +241,8 @@ class TierEntryKeys(Options):
             "constructor)")
     module_path: str | None = option(
         None, text(), doc="the module an out-of-tree tier's class is imported from")
-    backpressure: Any = option(
-        None, Check("a mapping of backpressure settings, or false (none)", lambda v: v),
+    backpressure: Mapping[str, Any] | bool | None = option(
+        None, _BACKPRESSURE,
         doc="this tier's backpressure settings, over the top-level ones key by key; false: "
             "none for this tier; {}: the defaults", default_doc="the top-level one's")
     admission: str | None = option(
@@ -289,9 +295,12 @@ class SecondaryTierConfig:
         except ValueError as e:
             raise ConfigError(str(e)) from e
         options = {k: v for k, v in entry.items() if k not in TierEntryKeys.keys()}
+        block = entry.get("backpressure")
+        if block is not None:
+            TierEntryKeys.check_value("backpressure", block, f"{where}.backpressure")
         try:
             backpressure = BackpressureSettings.from_config(
-                tier.name, entry.get("locality"), top_backpressure, entry.get("backpressure"),
+                tier.name, entry.get("locality"), top_backpressure, block,
                 where=f"{where}.backpressure", top_level_where="backpressure")
         except ValueError as e:
             raise ConfigError(str(e)) from e
@@ -311,14 +320,6 @@ def _tier_list(key: str, value: Any) -> tuple:
     return tuple(value)
 
 
-def _backpressure_block(value: Any) -> Mapping[str, Any] | None:
-    if value is False:
-        return None
-    if not isinstance(value, Mapping):
-        raise ValueError("")
-    return value
-
-
 @dataclass(frozen=True, kw_only=True)
 class TieringConfig(Options):
     """The validated secondary-tier part of ``kv_connector_extra_config``: plain data,
@@ -329,8 +330,8 @@ class TieringConfig(Options):
         (), KeyedCheck("a list of tier dicts, each with a 'type'", _tier_list),
         doc="the secondary tiers, highest priority first: dicts of the keys of a tier entry "
             "and of its tier type (below)")
-    backpressure: Mapping[str, Any] | None = option(
-        None, Check("a mapping of backpressure settings, or false (none)", _backpressure_block),
+    backpressure: Mapping[str, Any] | bool | None = option(
+        None, _BACKPRESSURE,
         doc="default backpressure settings of every tier, merged key by key under each "
             "tier's own (Backpressure below)", default_doc="none (off)")
     tier_poll_interval_s: float = option(

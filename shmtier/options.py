@@ -277,7 +277,7 @@ class SecretCheck(Check):
                            to_plain=self._to_plain, from_plain=self._from_plain)
 
 
-def _secret_plain(source: str) -> dict[str, Callable[[Any], Any]]:
+def secret_plain(source: str) -> dict[str, Callable[[Any], Any]]:
     """How a :class:`Secret` travels to the tier workers: its bytes (in the engine's 0600
     segment), made a Secret again there (registered: never in that process's logs)."""
     return {"to_plain": lambda s: s.value, "from_plain": lambda b: Secret(b, source)}
@@ -306,7 +306,7 @@ def secret_hex(min_bytes: int, max_bytes: int, source: str) -> SecretCheck:
         return Secret(key, source)
     return SecretCheck(f"a secret of {min_bytes}..{max_bytes} bytes as "
                        f"{2 * min_bytes}..{2 * max_bytes} hex digits", convert,
-                       **_secret_plain(source))
+                       **secret_plain(source))
 
 
 def secret_file(min_bytes: int, max_bytes: int) -> Check:
@@ -351,7 +351,7 @@ def secret_file(min_bytes: int, max_bytes: int) -> Check:
         return Secret(key, f"file {path}")
     return Check(f"a private file (mode 600 or 400) holding a secret of "
                  f"{min_bytes}..{max_bytes} bytes, raw or as {2 * min_bytes}..{2 * max_bytes} "
-                 f"hex digits", convert, **_secret_plain("a key file the scheduler read"))
+                 f"hex digits", convert, **secret_plain("a key file the scheduler read"))
 
 
 def require_string_keys(given: Collection[Any], where: str,

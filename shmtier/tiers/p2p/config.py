@@ -15,7 +15,17 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from shmtier.options import Check, ConfigError, Secret, SecretCheck, boolean, integer, number, text
+from shmtier.options import (
+    Check,
+    ConfigError,
+    Secret,
+    SecretCheck,
+    boolean,
+    integer,
+    number,
+    secret_plain,
+    text,
+)
 from shmtier.tiers.config import TierConfig, TierContext, option
 
 DEFAULT_HOST = os.environ.get("VLLM_P2P_SIDE_CHANNEL_HOST", "localhost")
@@ -48,7 +58,8 @@ def _z85_secret() -> SecretCheck:
     def convert(v):
         from shmtier.tiers.p2p.keys import parse_key
         return Secret(parse_key(v, "secret_key"), "config secret_key")
-    return SecretCheck("a Curve secret key as 40 Z85 characters", convert)
+    return SecretCheck("a Curve secret key as 40 Z85 characters", convert,
+                       **secret_plain("config secret_key"))
 
 
 def _key_list() -> Check:
