@@ -23,6 +23,7 @@ from hypothesis import strategies as st
 from shmtier.shared._planes import crc32c
 from shmtier.shared.codec import (
     FLAG_MAC,
+    COMPRESSION_KEY,
     FRAME_MAGIC,
     FRAME_VERSION,
     MAC_TAG_BYTES,
@@ -737,7 +738,6 @@ def test_compression_config_parsing():
     assert CompressionConfig.from_config(c) is c
 
 
-KEY = "kv_connector_extra_config['compression']"
 ACCEPTS = ("'auto', 'zstd', 'none'", "'level'", "'min_gain'")
 
 
@@ -748,7 +748,7 @@ def test_compression_config_errors_name_key_value_and_accepted(value):
     with pytest.raises(ValueError) as ei:
         CompressionConfig.from_config(value)
     msg = str(ei.value)
-    assert f"{KEY} = {value!r} is invalid: expected" in msg, msg
+    assert f"{COMPRESSION_KEY} = {value!r} is invalid: expected" in msg, msg
     assert all(part in msg for part in ACCEPTS), msg
 
 
@@ -766,14 +766,14 @@ def test_compression_config_errors_name_key_value_and_accepted(value):
 def test_compression_mapping_errors_name_the_inner_key_value_and_accepted(value, key, accepted):
     with pytest.raises(ValueError) as ei:
         CompressionConfig.from_config(value)
-    assert str(ei.value) == f"{KEY}.{key} = {value[key]!r} is invalid: expected {accepted}"
+    assert str(ei.value) == f"{COMPRESSION_KEY}.{key} = {value[key]!r} is invalid: expected {accepted}"
 
 
 def test_compression_mapping_with_an_unknown_key_names_it():
     with pytest.raises(ValueError) as ei:
         CompressionConfig.from_config({"mode": "auto", "levle": 1})
     msg = str(ei.value)
-    assert f"{KEY} has unknown key(s) 'levle' (did you mean 'level'?)" in msg, msg
+    assert f"{COMPRESSION_KEY} has unknown key(s) 'levle' (did you mean 'level'?)" in msg, msg
     assert "accepted keys: ['level', 'min_gain', 'mode']" in msg, msg
 
 
