@@ -22,8 +22,8 @@ from hypothesis import strategies as st
 
 from shmtier.shared._planes import crc32c
 from shmtier.shared.codec import (
-    FLAG_MAC,
     COMPRESSION_KEY,
+    FLAG_MAC,
     FRAME_MAGIC,
     FRAME_VERSION,
     MAC_TAG_BYTES,
