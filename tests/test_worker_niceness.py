@@ -55,7 +55,7 @@ def test_spawned_workers_run_at_the_schedulers_niceness_plus_the_key(engine_id, 
     if policy is not None:
         keys["tier_worker_policy"] = policy
     spec = TieringOffloadingSpec(_extra(tmp_path, **keys), LAYOUT, engine_id)
-    assert spec.pool_config.worker_niceness == niceness
+    assert spec.pool_config.options.tier_worker_niceness == niceness
     manager = spec.get_manager()
     try:
         pids = _beaten_worker_pids(spec)
@@ -93,14 +93,15 @@ def test_external_workers_apply_the_engines_niceness(engine_id, tmp_path):
 
 
 def test_default_is_ten():
-    assert TieringConfig.from_extra_config({}).tier_worker_niceness == 10
-    assert PoolConfig(num_workers=1, chunk_bytes=4096).worker_niceness == 10
-    assert TieringConfig.from_extra_config({"tier_worker_niceness": 19}).tier_worker_niceness == 19
+    assert TieringConfig.from_extra_config({}).pool.tier_worker_niceness == 10
+    assert PoolConfig(chunk_bytes=4096).options.tier_worker_niceness == 10
+    assert TieringConfig.from_extra_config(
+        {"tier_worker_niceness": 19}).pool.tier_worker_niceness == 19
 
 
 def test_policy_default_is_batch_and_a_bad_one_names_the_choices():
-    assert TieringConfig.from_extra_config({}).tier_worker_policy == "batch"
-    assert PoolConfig(num_workers=1, chunk_bytes=4096).worker_policy == "batch"
+    assert TieringConfig.from_extra_config({}).pool.tier_worker_policy == "batch"
+    assert PoolConfig(chunk_bytes=4096).options.tier_worker_policy == "batch"
     with pytest.raises(ConfigError, match=r"\['tier_worker_policy'\] = 'idle' is invalid: "
                                           r"expected one of 'batch', 'other'"):
         TieringConfig.from_extra_config({"tier_worker_policy": "idle"})

@@ -76,7 +76,6 @@ import numpy as np
 from shmtier.shared import jobs
 from shmtier.shared.log_setup import configure_logging
 from shmtier.shared.pool_config import EXIT_BACKENDS_FAILED, PoolConfig
-from shmtier.shared.redact import register_secrets_in
 from shmtier.shared.ring import RingSet
 from shmtier.shared.segment import join_existing
 from shmtier.tiers import registry
@@ -119,21 +118,17 @@ _HURRY_BYTES = 16 << 20
 
 def make_backends(config: PoolConfig, namespace: str, *, replacement: bool = False) -> list:
     """One backend per tier of ``config`` (None where a tier has no worker half), each
-    built by its tier type's backend class from the registry. ``replacement``: this
-    worker's slot had a worker before (``WorkerContext.replacement``)."""
-    from shmtier.shared.codec import CompressionConfig
-
-    context = WorkerContext(namespace, config.chunk_bytes, config.element_size,
-                            CompressionConfig.from_config(config.codec or "auto"),
+    built from its tier's frozen config by its tier type's backend class from the
+    registry. ``replacement``: this worker's slot had a worker before
+    (``WorkerContext.replacement``)."""
+    context = WorkerContext(namespace, config.chunk_bytes, config.element_size, config.codec,
                             replacement=replacement)
     backends = []
     for entry in config.tiers:
-        if entry is not None:  # keys and tokens in its options: never in a log line
-            register_secrets_in(entry.get("args"))
-        tier = registry.registered(entry["type"]) if entry is not None else None
+        tier = registry.registered(entry.type) if entry is not None else None
         if entry is not None and (tier is None or not tier.worker_backed):
-            raise ValueError(f"tier type {entry['type']!r} has no worker backend here")
-        backends.append(tier.backend_class().open(entry["args"], context) if tier else None)
+            raise ValueError(f"tier type {entry.type!r} has no worker backend here")
+        backends.append(tier.backend_class().open(entry.options, context) if tier else None)
     return backends
 
 
@@ -456,7 +451,7 @@ def _note_free_bytes(part: BatchResult, backend) -> None:
 
 def _set_policy(policy: str) -> None:
     """Run the calling thread (and the threads it starts later) under ``policy``
-    (``PoolConfig.worker_policy``), keeping its niceness. A kernel that refuses is logged
+    (``WorkerPoolOptions.tier_worker_policy``), keeping its niceness. A kernel that refuses is logged
     once; the worker runs on under SCHED_OTHER."""
     if policy != "batch":
         return
@@ -492,8 +487,8 @@ def run_worker(engine_id: str, index: int, generation: int | None = None) -> int
         # default "batch") a woken worker does not preempt it at all: it runs at the next
         # tick or on an idle core. Both change only the calling thread on Linux: this runs
         # before the worker starts any thread (its threads inherit them).
-        os.nice(config.worker_niceness)
-        _set_policy(config.worker_policy)
+        os.nice(config.options.tier_worker_niceness)
+        _set_policy(config.options.tier_worker_policy)
         rings = RingSet.attach(segment.name, segment.rings, worker=index)
         if generation is None:
             mine[0] = segment.owner_generation()

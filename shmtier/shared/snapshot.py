@@ -275,13 +275,14 @@ def _pool(snap: Snapshot, rings: memoryview) -> None:
         except Exception:  # no config written (no worker-backed tier), or being written
             config = None
     if config is not None:
-        snap.pool = {"mode": config.mode, "num_workers": config.num_workers,
+        snap.pool = {"mode": config.options.workers,
+                     "num_workers": config.options.num_tier_workers,
                      "slots": config.slots, "slot_size": config.slot_size,
-                     "chunk_bytes": config.chunk_bytes, "codec": config.codec,
-                     "job_timeout_s": config.job_timeout_s}
+                     "chunk_bytes": config.chunk_bytes, "codec": config.codec.to_dict(),
+                     "job_timeout_s": config.options.tier_job_timeout_s}
         for i, entry in enumerate(config.tiers):
-            snap.tiers.append(TierInfo(i, entry["type"] if entry else None,
-                                       _where(entry["args"]) if entry else {}))
+            snap.tiers.append(TierInfo(i, entry.type if entry else None,
+                                       _where(entry.options.to_dict()) if entry else {}))
     if area is None:
         return
     for tier in snap.tiers:
