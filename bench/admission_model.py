@@ -4,8 +4,8 @@ what the secondary tier would serve if every admitted cascade landed.
 
 Run from a checkout::
 
-    .venv/bin/python bench/admission_model.py                       # chat, docqa, agent
-    .venv/bin/python bench/admission_model.py --chunk-kib 1408 --cpu-mib 1024   # design §10 scale
+    .venv/bin/python -m bench.admission_model                       # chat, docqa, agent
+    .venv/bin/python -m bench.admission_model --chunk-kib 1408 --cpu-mib 1024   # design §10 scale
 
 A model, not the engine: requests are replayed one at a time in arrival order (no
 concurrency, no backlog, nothing dropped) through an LRU CPU tier of the bench's size and an
@@ -23,17 +23,11 @@ cascades also queue and are dropped when the workers fall behind.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from collections import OrderedDict
 
-BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
-REPO_ROOT = os.path.dirname(BENCH_DIR)
-if REPO_ROOT not in sys.path:
-    sys.path.insert(0, REPO_ROOT)
-
-from shmtier.bench import trace as bench_trace  # noqa: E402
-from shmtier.scheduler.tiering.admission import DEFAULT_WINDOW_PER_ROW, RULES, make_rule  # noqa: E402
+from shmtier.bench import trace as bench_trace
+from shmtier.scheduler.tiering.admission import DEFAULT_WINDOW_PER_ROW, RULES, make_rule
 
 
 def replay(trace, capacity: int, rule) -> dict:

@@ -3,11 +3,11 @@
 
 Run from a checkout::
 
-    .venv/bin/python bench/codec.py                  # 3 data sets x 3 sizes, 7 repeats (~45 s)
-    .venv/bin/python bench/codec.py --quick          # smoke test: 3 repeats, fewer chunks
-    .venv/bin/python bench/codec.py --breakdown      # also time each step of the auto path
-    .venv/bin/python bench/codec.py --json bench/results/codec.json
-    .venv/bin/python bench/codec.py --crc            # CRC-32C only: one stream vs three (~20 s)
+    .venv/bin/python -m bench.codec                  # 3 data sets x 3 sizes, 7 repeats (~45 s)
+    .venv/bin/python -m bench.codec --quick          # smoke test: 3 repeats, fewer chunks
+    .venv/bin/python -m bench.codec --breakdown      # also time each step of the auto path
+    .venv/bin/python -m bench.codec --json bench/results/codec.json
+    .venv/bin/python -m bench.codec --crc            # CRC-32C only: one stream vs three (~20 s)
 
 What is measured, per data set and chunk size, single thread (= per core):
 
@@ -66,12 +66,8 @@ import zlib
 import numpy as np
 import zstandard
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if REPO_ROOT not in sys.path:
-    sys.path.insert(0, REPO_ROOT)
-
-from common import fmt_mr, med_range, rotated, write_json  # noqa: E402
-from shmtier.shared._planes import (  # noqa: E402
+from shmtier.bench.common import fmt_mr, med_range, rotated, write_json
+from shmtier.shared._planes import (
     CRC32C_BLOCKS,
     CRC32C_IMPL,
     crc32c,
@@ -79,8 +75,8 @@ from shmtier.shared._planes import (  # noqa: E402
     merge,
     split,
 )
-from shmtier.shared import codec as C  # noqa: E402
-from shmtier.shared.codec import (  # noqa: E402
+from shmtier.shared import codec as C
+from shmtier.shared.codec import (
     ChunkDecoder,
     ChunkEncoder,
     CompressionConfig,

@@ -4,10 +4,10 @@ this machine's limits measured in the same run (issue 14 item 1).
 
 Run from a checkout::
 
-    .venv/bin/python bench/cost_per_byte.py                 # 1408 KiB chunks, 192 MiB per run, 3 repeats
-    .venv/bin/python bench/cost_per_byte.py --quick         # smoke test: 32 MiB, 1 repeat
-    .venv/bin/python bench/cost_per_byte.py --chunk-kib 256 --total-mib 256 --repeats 5
-    .venv/bin/python bench/cost_per_byte.py --json bench/results/cost_per_byte.json
+    .venv/bin/python -m bench.cost_per_byte                 # 1408 KiB chunks, 192 MiB per run, 3 repeats
+    .venv/bin/python -m bench.cost_per_byte --quick         # smoke test: 32 MiB, 1 repeat
+    .venv/bin/python -m bench.cost_per_byte --chunk-kib 256 --total-mib 256 --repeats 5
+    .venv/bin/python -m bench.cost_per_byte --json bench/results/cost_per_byte.json
 
 What runs: one process, one thread -- what one tier worker does for one job after
 another. A cascade is what the job loop does for a store job: ``jobs.decode_job`` of
@@ -54,22 +54,16 @@ import sys
 import tempfile
 import time
 
-BENCH = os.path.dirname(os.path.abspath(__file__))
-REPO_ROOT = os.path.dirname(BENCH)
-for p in (REPO_ROOT, BENCH):
-    if p not in sys.path:
-        sys.path.insert(0, p)
+import numpy as np
 
-import numpy as np  # noqa: E402
-from common import exit_through_finally, write_json  # noqa: E402
-from fs_tier import (aligned, bench_big_file, bench_memcpy, bf16_arena,  # noqa: E402
-                     drop_cache, med, spread)
-
-from shmtier.shared import jobs  # noqa: E402
-from shmtier.shared._planes import crc32c, merge, split  # noqa: E402
-from shmtier.shared.codec import (ChunkDecoder, ChunkEncoder, CompressionConfig,  # noqa: E402
+from bench.fs_tier import (aligned, bench_big_file, bench_memcpy, bf16_arena, drop_cache, med,
+                           spread)
+from shmtier.bench.common import exit_through_finally, write_json
+from shmtier.shared import jobs
+from shmtier.shared._planes import crc32c, merge, split
+from shmtier.shared.codec import (ChunkDecoder, ChunkEncoder, CompressionConfig,
                                   frame_header_size, parse_frame_header)
-from shmtier.tiers.fs.backend import FsBackend  # noqa: E402
+from shmtier.tiers.fs.backend import FsBackend
 
 KIB, MIB, GIB, GB = 1 << 10, 1 << 20, 1 << 30, 1e9
 STORE_SLICE = 2 << 20  # workers/job_loop.py _STORE_SLICE_BYTES

@@ -4,10 +4,10 @@ machine's limits measured in the same run.
 
 Run from a checkout::
 
-    .venv/bin/python bench/fs_tier.py                  # 256 KiB-2 MiB chunks, 128 MiB per run, 3 repeats
-    .venv/bin/python bench/fs_tier.py --quick          # smoke test: 2 sizes, 32 MiB per run
-    .venv/bin/python bench/fs_tier.py --dir /mnt/nvme --total-mib 512 --repeats 5
-    .venv/bin/python bench/fs_tier.py --json bench/results/fs_tier.json
+    .venv/bin/python -m bench.fs_tier                  # 256 KiB-2 MiB chunks, 128 MiB per run, 3 repeats
+    .venv/bin/python -m bench.fs_tier --quick          # smoke test: 2 sizes, 32 MiB per run
+    .venv/bin/python -m bench.fs_tier --dir /mnt/nvme --total-mib 512 --repeats 5
+    .venv/bin/python -m bench.fs_tier --json bench/results/fs_tier.json
 
 What runs: one process, one thread -- what one tier worker does. ``FsBackend.store``
 and ``FsBackend.load`` are called in batches of ``--batch`` chunks (one job each) over
@@ -58,16 +58,13 @@ import sys
 import tempfile
 import time
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if REPO_ROOT not in sys.path:
-    sys.path.insert(0, REPO_ROOT)
+import numpy as np
 
-import numpy as np  # noqa: E402
-from common import exit_through_finally, rotated, write_json  # noqa: E402
+from shmtier.bench.common import exit_through_finally, rotated, write_json
 
-from shmtier.shared.codec import ChunkDecoder, ChunkEncoder, CompressionConfig  # noqa: E402
-from shmtier.tiers.fs.backend import FsBackend  # noqa: E402
-from shmtier.tiers.fs.fileio import probe_direct_io  # noqa: E402
+from shmtier.shared.codec import ChunkDecoder, ChunkEncoder, CompressionConfig
+from shmtier.tiers.fs.backend import FsBackend
+from shmtier.tiers.fs.fileio import probe_direct_io
 
 KIB, MIB, GB = 1 << 10, 1 << 20, 1e9
 PAGE = mmap.PAGESIZE

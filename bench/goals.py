@@ -3,8 +3,8 @@
 
 Run from a checkout::
 
-    .venv/bin/python bench/tiering_steps.py --managers shmtier,vllm --json set1.json
-    .venv/bin/python bench/goals.py set1.json [set2.json ...] [--manager shmtier@pcauto]
+    .venv/bin/python -m bench.tiering_steps --managers shmtier,vllm --json set1.json
+    .venv/bin/python -m bench.goals set1.json [set2.json ...] [--manager shmtier@pcauto]
 
 Each file is one set (``tiering_steps.py --json``) with runs of vLLM and of the manager;
 the runs of every file given are pooled (run i of each manager in a file is a pair), so
@@ -18,16 +18,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 
-BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
-REPO_ROOT = os.path.dirname(BENCH_DIR)
-if REPO_ROOT not in sys.path:
-    sys.path.insert(0, REPO_ROOT)
-
-from shmtier.bench.baseline import saved_baseline  # noqa: E402
-from shmtier.bench.goals import evaluate, format_goals  # noqa: E402
+from shmtier.bench.baseline import saved_baseline
+from shmtier.bench.goals import evaluate, format_goals
 
 #: the arguments that make two sets the same experiment (trace and sizes)
 SAME_SET_ARGS = ("chunk_kib", "cpu_mib", "workload", "conversations", "requests", "zipf",

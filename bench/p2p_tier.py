@@ -1,11 +1,11 @@
 """Cross-engine promotion GB/s of the p2p tier against raw ZeroMQ, and the scheduler's step time.
 
-    .venv/bin/python bench/p2p_tier.py                  # 32 chunks of 1.4 MiB, 5 repeats (~1-2 min)
-    .venv/bin/python bench/p2p_tier.py --quick          # smoke test: 8 chunks, 2 repeats, short step runs
-    .venv/bin/python bench/p2p_tier.py --json bench/results/p2p_tier.json
-    .venv/bin/python bench/p2p_tier.py --profile        # + cProfile of the consumer's scheduler process
-    .venv/bin/python bench/p2p_tier.py --pin            # two hosts on one: producer / consumer on their own CPUs
-    .venv/bin/python bench/p2p_tier.py --pin --only raw,pd,sym   # just these promotions (no step runs)
+    .venv/bin/python -m bench.p2p_tier                  # 32 chunks of 1.4 MiB, 5 repeats (~1-2 min)
+    .venv/bin/python -m bench.p2p_tier --quick          # smoke test: 8 chunks, 2 repeats, short step runs
+    .venv/bin/python -m bench.p2p_tier --json bench/results/p2p_tier.json
+    .venv/bin/python -m bench.p2p_tier --profile        # + cProfile of the consumer's scheduler process
+    .venv/bin/python -m bench.p2p_tier --pin            # two hosts on one: producer / consumer on their own CPUs
+    .venv/bin/python -m bench.p2p_tier --pin --only raw,pd,sym   # just these promotions (no step runs)
 
 ``--pin`` stands in for the two hosts of a real deployment: the producer engine (its
 scheduler and endpoint) and the raw sender run on the last CPU, the consumer engine and the
@@ -67,16 +67,14 @@ import hashlib
 import multiprocessing as mp
 import os
 import shutil
-import sys
 import tempfile
 import time
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import exit_through_finally, fmt_mr, join_or_kill, med_range, pct, rotated, write_json  # noqa: E402
-from p2p_transport import RawLoopback, process_cpu_s  # noqa: E402
-from shmtier.tiers.p2p.config import P2PTierConfig  # noqa: E402
+from bench.p2p_transport import RawLoopback, process_cpu_s
+from shmtier.bench.common import exit_through_finally, fmt_mr, join_or_kill, med_range, pct, rotated, write_json
+from shmtier.tiers.p2p.config import P2PTierConfig
 
 IDLE_STEP_S = 0.005
 STREAM_AHEAD = 3  # PD requests the producer keeps parked ahead of the consumer (step runs)
@@ -98,7 +96,7 @@ def engine_proc(conn, engine_id: str, tier: dict, rows: int, chunk: int, profile
     from shmtier.config import KVLayout
     from shmtier.contract import LookupResult, ReqContext, ScheduleEndContext
     from shmtier.spec import TieringOffloadingSpec
-    from shmtier.tiers.p2p.scheduler import FETCH_SECONDS
+    from shmtier.tiers.p2p.peer_metrics import FETCH_SECONDS
 
     HIT, MISS, RETRY = LookupResult.HIT, LookupResult.MISS, LookupResult.RETRY
     END = ScheduleEndContext((), ())
@@ -216,7 +214,7 @@ def engine_proc(conn, engine_id: str, tier: dict, rows: int, chunk: int, profile
     def renice(niceness):
         """Set every thread of this engine's endpoint process to ``niceness`` (an
         experiment: the tier's ``endpoint_niceness`` as if configured so)."""
-        pid = p2p._proc.pid
+        pid = p2p.endpoint.proc.pid
         for tid in os.listdir(f"/proc/{pid}/task"):
             os.setpriority(os.PRIO_PROCESS, int(tid), niceness)
         return pid
@@ -280,14 +278,14 @@ def engine_proc(conn, engine_id: str, tier: dict, rows: int, chunk: int, profile
 
     try:
         deadline = time.monotonic() + 60
-        while not p2p._ready:
+        while not p2p.endpoint.ready:
             assert time.monotonic() < deadline, "p2p endpoint did not start"
             step()
             time.sleep(0.005)
         conn.send(("ready", p2p.port))
         handlers = {"produce": produce, "promote": promote, "wait_unparked": wait_unparked,
                     "steps": steps, "produce_stream": produce_stream, "renice": renice,
-                    "endpoint_cpu": lambda: process_cpu_s(p2p._proc.pid)}
+                    "endpoint_cpu": lambda: process_cpu_s(p2p.endpoint.proc.pid)}
         while True:
             if not conn.poll(IDLE_STEP_S):
                 step()

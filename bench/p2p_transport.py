@@ -1,8 +1,8 @@
 """Loopback GB/s of the p2p transport: raw ZeroMQ against ChunkClient.fetch into rows.
 
-    .venv/bin/python bench/p2p_transport.py                 # 64 chunks of 1.4 MiB, 7 repeats
-    .venv/bin/python bench/p2p_transport.py --quick         # smoke test: 16 chunks, 2 repeats
-    .venv/bin/python bench/p2p_transport.py --json bench/results/p2p_transport.json
+    .venv/bin/python -m bench.p2p_transport                 # 64 chunks of 1.4 MiB, 7 repeats
+    .venv/bin/python -m bench.p2p_transport --quick         # smoke test: 16 chunks, 2 repeats
+    .venv/bin/python -m bench.p2p_transport --json bench/results/p2p_transport.json
 
 Method: each configuration has its own peer process (multiprocessing spawn) on
 tcp://127.0.0.1, started once; every repeat runs each configuration once, in an order
@@ -35,14 +35,12 @@ import argparse
 import multiprocessing as mp
 import os
 import shutil
-import sys
 import tempfile
 import time
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import exit_through_finally, fmt_mr, join_or_kill, med_range, rotated, write_json  # noqa: E402
+from shmtier.bench.common import exit_through_finally, fmt_mr, join_or_kill, med_range, rotated, write_json
 
 FP, SEED = "bench-layout", 1
 
@@ -204,7 +202,7 @@ def server_peer(conn, chunks: int, size: int, keydir: str | None,
     _place(0, cpus)
     from shmtier.shared.codec import crc32c
     from shmtier.tiers.p2p.keys import AllowList, load_keypair
-    from shmtier.tiers.p2p.transport import ChunkServer
+    from shmtier.tiers.p2p.endpoint.transport import ChunkServer
     arena = _arena(chunks, size, 7)
     rows = {b"chunk-%d" % i: memoryview(arena[i]) for i in range(chunks)}
     if given_crc:
@@ -274,7 +272,7 @@ def main() -> None:
     import zmq
     from shmtier.shared.codec import crc32c
     from shmtier.tiers.p2p.keys import generate_keypair_files, load_keypair
-    from shmtier.tiers.p2p.transport import ChunkClient
+    from shmtier.tiers.p2p.endpoint.transport import ChunkClient
 
     size = int(args.chunk_mib * 2 ** 20)
     total = size * args.chunks
@@ -286,7 +284,7 @@ def main() -> None:
         pin_peer, pin_here = {cpus[-1]}, set(cpus[:-1])
         os.sched_setaffinity(0, pin_here)  # (before this process's zmq context: its I/O thread too)
     try:  # the client's process mallocs as the p2p endpoint's does (an older shmtier: as is)
-        from shmtier.tiers.p2p.endpoint import keep_receive_buffers
+        from shmtier.tiers.p2p.endpoint.process import keep_receive_buffers
         keep_receive_buffers()
     except ImportError:
         pass

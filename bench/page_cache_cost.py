@@ -21,8 +21,8 @@ the end (also on Ctrl-C). On a VM whose balloon reports free memory to the host,
 first ~1 GiB of a mode is cheap (memory freed moments before) and later rounds show what
 memory the guest has to get back costs; ``window`` should stay flat.
 
-    .venv/bin/python bench/page_cache_cost.py                    # 6 rounds of 400 files each mode
-    .venv/bin/python bench/page_cache_cost.py --rounds 3 --files 200 --modes plain,window
+    .venv/bin/python -m bench.page_cache_cost                    # 6 rounds of 400 files each mode
+    .venv/bin/python -m bench.page_cache_cost --rounds 3 --files 200 --modes plain,window
 """
 
 from __future__ import annotations
@@ -36,9 +36,7 @@ import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from shmtier.tiers.fs import writeback  # noqa: E402
+from shmtier.tiers.fs import writeback
 
 
 def run_files(root: str, mode: str, rounds: int, files: int, size: int,

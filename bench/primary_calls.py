@@ -3,10 +3,10 @@
 
 Run from a checkout::
 
-    .venv/bin/python bench/primary_calls.py                 # 10k chunks, 5 repeats, lru and arc
-    .venv/bin/python bench/primary_calls.py --quick         # smoke test
-    .venv/bin/python bench/primary_calls.py --json bench/results/primary_calls.json
-    .venv/bin/python bench/primary_calls.py --profile seg --policy arc   # cProfile one run
+    .venv/bin/python -m bench.primary_calls                 # 10k chunks, 5 repeats, lru and arc
+    .venv/bin/python -m bench.primary_calls --quick         # smoke test
+    .venv/bin/python -m bench.primary_calls --json bench/results/primary_calls.json
+    .venv/bin/python -m bench.primary_calls --profile seg --policy arc   # cProfile one run
 
 What is timed: every manager call the OffloadingConnector's scheduler half makes
 (docs/vllm-contract.md §2.3), each wrapped in ``time.perf_counter_ns``; a request's lookup scan
@@ -45,20 +45,16 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if REPO_ROOT not in sys.path:
-    sys.path.insert(0, REPO_ROOT)
-
-import shmtier.contract as shm_contract  # noqa: E402
-from common import DrivenRequest, request_context  # noqa: E402
-from common import exit_through_finally, fmt_mr, med_range, pct, rotated, write_json  # noqa: E402
-from shmtier.scheduler.primary import (  # noqa: E402
+import shmtier.contract as shm_contract
+from shmtier.bench.common import DrivenRequest, request_context
+from shmtier.bench.common import exit_through_finally, fmt_mr, med_range, pct, rotated, write_json
+from shmtier.scheduler.primary import (
     CPUOffloadingManager as ShmCPUOffloadingManager,
     CPUPrimaryTierOffloadingManager,
 )
-from shmtier.shared.chunk_table import ChunkTable  # noqa: E402
-from shmtier.shared.layout import DEFAULT_KEY_WIDTH, ArenaGeometry  # noqa: E402
-from shmtier.shared.segment import open_segment  # noqa: E402
+from shmtier.shared.chunk_table import ChunkTable
+from shmtier.shared.layout import DEFAULT_KEY_WIDTH, ArenaGeometry
+from shmtier.shared.segment import open_segment
 
 # Call kinds, in the order a step makes them.
 KINDS = (

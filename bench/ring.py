@@ -3,9 +3,9 @@
 
 Run from a checkout::
 
-    .venv/bin/python bench/ring.py            # 10^6 jobs x 3 runs per transport (~3 min)
-    .venv/bin/python bench/ring.py --quick    # 10^5 jobs (~30 s)
-    .venv/bin/python bench/ring.py --json bench/results/ring.json
+    .venv/bin/python -m bench.ring            # 10^6 jobs x 3 runs per transport (~3 min)
+    .venv/bin/python -m bench.ring --quick    # 10^5 jobs (~30 s)
+    .venv/bin/python -m bench.ring --json bench/results/ring.json
 
 Topology: this process is the producer (the scheduler's role); 2 consumer
 processes (spawned, the tier workers' role). Each job is a real descriptor
@@ -55,18 +55,15 @@ import statistics
 import sys
 import time
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if REPO_ROOT not in sys.path:
-    sys.path.insert(0, REPO_ROOT)
+import numpy as np
+import posix_ipc
 
-import numpy as np  # noqa: E402
-import posix_ipc  # noqa: E402
-from common import exit_through_finally, med_range, rotated, write_json  # noqa: E402
+from shmtier.bench.common import exit_through_finally, med_range, rotated, write_json
 
-from shmtier.shared.jobs import decode_job, pack_job  # noqa: E402
-from shmtier.shared.layout import ArenaGeometry  # noqa: E402
-from shmtier.shared.ring import RingSet, ring_area_nbytes, semaphore_name  # noqa: E402
-from shmtier.shared.segment import open_segment  # noqa: E402
+from shmtier.shared.jobs import decode_job, pack_job
+from shmtier.shared.layout import ArenaGeometry
+from shmtier.shared.ring import RingSet, ring_area_nbytes, semaphore_name
+from shmtier.shared.segment import open_segment
 
 CTX = mp.get_context("spawn")
 GEOMETRY = ArenaGeometry(num_chunks=1, row_stride=4096, page_size_per_worker=4096, world_size=1)

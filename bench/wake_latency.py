@@ -4,8 +4,8 @@ pieces of a given size: the kernel effect behind the fs tier's ``WRITE_PIECE_BYT
 
 Run from a checkout::
 
-    .venv/bin/python bench/wake_latency.py                       # pieces 1408, 256, 64 KiB, x2
-    .venv/bin/python bench/wake_latency.py --pieces-kib 1408,128 --rounds 3 --seconds 5
+    .venv/bin/python -m bench.wake_latency                       # pieces 1408, 256, 64 KiB, x2
+    .venv/bin/python -m bench.wake_latency --pieces-kib 1408,128 --rounds 3 --seconds 5
 
 Method: per round and piece size, ``--writers`` processes (2: the default tier worker
 count) at the tier workers' scheduling (SCHED_BATCH, niceness 10) write new 1408 KiB files
@@ -32,7 +32,7 @@ import time
 
 import numpy as np
 
-from common import exit_through_finally, fmt_mr, join_or_kill, med_range, pct
+from shmtier.bench.common import exit_through_finally, fmt_mr, join_or_kill, med_range, pct
 
 CHUNK = 1408 * 1024
 

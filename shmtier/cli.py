@@ -89,15 +89,17 @@ def main(argv: list[str] | None = None) -> int:
                      help="refresh period (default 1)")
     top.add_argument("--iterations", type=int, default=None, metavar="N",
                      help="exit after N frames")
+    from shmtier.tiers import registry
+
+    fsck_tools = registry.fsck_tools()
+    targets = " or ".join(t.target for t in fsck_tools)
     fsck = sub.add_parser(
-        "fsck", help="check (and repair) an fs tier root or an obj tier bucket",
-        description="Check every shmtier namespace under an fs tier root (or in an obj "
-        "bucket): chunks and bytes per namespace, corrupt and truncated chunks, foreign "
-        "files, orphaned temp files of dead writers, chunks in the wrong fan-out directory, "
-        "links. Safe while engines use it; never follows a link and never touches anything "
-        "outside the namespaces. Exit codes: 0 clean (or all repaired), 1 problems left, "
-        "2 usage or I/O error.")
-    fsck.add_argument("root", nargs="?", metavar="ROOT", help="fs tier root_dir")
+        "fsck", help=f"check (and repair) {targets}",
+        description=f"Check every shmtier namespace in {targets}: chunks and bytes per "
+        "namespace, corrupt and truncated chunks, foreign files, orphaned temp files of "
+        "dead writers, chunks in the wrong fan-out directory, links. Safe while engines "
+        "use it; never follows a link and never touches anything outside the namespaces. "
+        "Exit codes: 0 clean (or all repaired), 1 problems left, 2 usage or I/O error.")
     fsck.add_argument("--verify", action="store_true",
                       help="decode every chunk (all CRCs; the MAC with --mac-key-file), "
                       "not only its header")
@@ -105,28 +107,18 @@ def main(argv: list[str] | None = None) -> int:
     fsck.add_argument("--json", action="store_true", help="print JSON")
     fsck.add_argument("--mac-key-file", metavar="FILE",
                       help="the tiers' MAC key (checks the tags of its namespace)")
-    fsck.add_argument("--stale-temp-age", type=float, default=None, metavar="SECONDS",
-                      help="temp files older than this are orphaned whoever wrote them "
-                      "(default: the fs tier's, 900)")
-    obj = fsck.add_argument_group("obj tier bucket (instead of ROOT); credentials from "
-                                  "--tier-config or boto3's chain (AWS_ACCESS_KEY_ID, ...)")
-    obj.add_argument("--bucket")
-    obj.add_argument("--endpoint", default="", help="endpoint URL (default: AWS)")
-    obj.add_argument("--prefix", default="", help="the tier's key prefix")
-    obj.add_argument("--region", default="")
-    obj.add_argument("--tier-config", metavar="FILE",
-                     help="a JSON secondary_tiers entry of type obj (store_config, prefix, "
-                     "mac_key_file)")
-    clean = sub.add_parser("clean", help="remove segments and semaphores of dead owners "
-                           "(and, with --root, orphaned fs temp files)",
+    for tool in fsck_tools:
+        tool.add_arguments(fsck)
+    cleaned = ", ".join(t.clean_what for t in fsck_tools if t.clean_what)
+    clean = sub.add_parser("clean", help="remove segments and semaphores of dead owners"
+                           + (f" (and, {cleaned})" if cleaned else ""),
                            description="Remove shmtier segments and ring semaphores whose "
-                           "owner process is dead; with --root, also the temp files of dead "
-                           "writers under an fs tier root. Exit codes: 0, 2 root unusable.")
+                           "owner process is dead" + (f" (and, {cleaned})" if cleaned else "")
+                           + ". Exit codes: 0, 2 a target to clean unusable.")
     clean.add_argument("engine_ids", nargs="*", metavar="ENGINE_ID",
                        help="only these engines' segments and semaphores (default: all)")
-    clean.add_argument("--root", action="append", default=[], metavar="DIR",
-                       help="an fs tier root_dir whose orphaned temp files to remove "
-                       "(repeatable)")
+    for tool in fsck_tools:
+        tool.add_clean_arguments(clean)
     bench = sub.add_parser(
         "bench", help="benchmark shmtier against vLLM 0.33's tiering on a trace; a report",
         description="Drive the connector's scheduler-side call sequence over a trace (seeded "
@@ -179,34 +171,29 @@ def main(argv: list[str] | None = None) -> int:
         return run_top(args.engine_id, once=args.once, as_json=args.json,
                        interval=args.interval, iterations=args.iterations)
     if args.command == "fsck":
-        return _fsck(args)
+        return _fsck(args, fsck_tools)
     if args.command == "bench":
         from shmtier.bench.run import run_bench
 
         return run_bench(args)
-    return _clean(args.engine_ids, args.root)
+    return _clean(args, fsck_tools)
 
 
-def _fsck(args) -> int:
+def _fsck(args, tools: list) -> int:
+    """``shmtier fsck``: the one tier whose target ``args`` name checks it."""
     import json
 
-    from shmtier.tiers.fsck import EXIT_USAGE, FsckError
+    from shmtier.tiers.commands import read_mac_key
+    from shmtier.storage.fsck import EXIT_USAGE, FsckError
 
-    obj = bool(args.bucket or args.tier_config)
-    if obj == bool(args.root):
-        print("shmtier fsck: give an fs tier ROOT, or --bucket / --tier-config for an obj "
-              "tier bucket (one of them)", file=sys.stderr)
+    chosen = [t for t in tools if t.chosen(args)]
+    if len(chosen) != 1:
+        print(f"shmtier fsck: give {', or '.join(t.usage for t in tools)} (one of them)",
+              file=sys.stderr)
         return EXIT_USAGE
     try:
-        mac_key = _read_key(args.mac_key_file) if args.mac_key_file else None
-        if obj:
-            report = _fsck_bucket(args, mac_key)
-        else:
-            from shmtier.tiers.fs.fsck import fsck_root
-
-            kw = {} if args.stale_temp_age is None else {"stale_temp_age_s": args.stale_temp_age}
-            report = fsck_root(args.root, verify=args.verify, repair=args.repair,
-                               mac_key=mac_key, **kw)
+        mac_key = read_mac_key(args.mac_key_file) if args.mac_key_file else None
+        report = chosen[0].run(args, mac_key)
     except (FsckError, ValueError, OSError) as e:
         print(f"shmtier fsck: {e}", file=sys.stderr)
         return EXIT_USAGE
@@ -217,72 +204,20 @@ def _fsck(args) -> int:
     return report.exit_code
 
 
-def _read_key(path: str) -> bytes:
-    """A MAC key file, read and checked as the tiers' ``mac_key_file`` option is."""
-    from shmtier.options import ConfigError, secret_file
-    from shmtier.shared.codec import MAC_KEY_BYTES
-
-    try:
-        return secret_file(*MAC_KEY_BYTES)("--mac-key-file", path).value
-    except ConfigError as e:
-        raise ValueError(str(e)) from None
-
-
-def _fsck_bucket(args, mac_key: bytes | None):
-    import json
-
-    from shmtier.tiers.obj.client import endpoint_label, make_client
-    from shmtier.tiers.obj.config import StoreConfigCheck, _prefix
-    from shmtier.tiers.obj.fsck import fsck_bucket
-
-    store: dict = {}
-    prefix = args.prefix
-    if args.tier_config:
-        with open(args.tier_config) as f:
-            entry = json.load(f)
-        if not isinstance(entry, dict) or not isinstance(entry.get("store_config"), dict):
-            raise ValueError(f"{args.tier_config}: expected a JSON object with store_config")
-        store = dict(entry["store_config"])
-        prefix = prefix or entry.get("prefix", "")
-        if mac_key is None and entry.get("mac_key_file"):
-            mac_key = _read_key(entry["mac_key_file"])
-    for name, value in (("bucket", args.bucket), ("endpoint_override", args.endpoint),
-                        ("region", args.region)):
-        if value:
-            store[name] = value
-    checked = StoreConfigCheck()("store_config", store).as_plain()
-    args_ = {"store_config": checked, "io_threads": 4, "connect_timeout_s": 2.0,
-             "read_timeout_s": 10.0, "max_attempts": 3}
-    client = make_client(args_)
-    try:
-        return fsck_bucket(client, checked["bucket"], _prefix(prefix), verify=args.verify,
-                           repair=args.repair, mac_key=mac_key,
-                           endpoint=endpoint_label(checked))
-    finally:
-        client.close()
-
-
-def _clean(engine_ids: list[str], roots: list[str]) -> int:
+def _clean(args, tools: list) -> int:
+    """``shmtier clean``: stale segments and semaphores, then each tier's part."""
     from shmtier.shared.ring import clean_stale_ring_semaphores
     from shmtier.shared.segment import clean_stale_segments
     from shmtier.shared.snapshot import resolve
 
-    names = {resolve(e) for e in engine_ids} if engine_ids else None
+    names = {resolve(e) for e in args.engine_ids} if args.engine_ids else None
     removed = clean_stale_segments(names) + clean_stale_ring_semaphores(names)
     lines = [f"removed {name}" for name in removed]
     code = 0
-    for root in roots:
-        from shmtier.tiers.fs.fsck import fsck_root
-        from shmtier.tiers.fsck import FsckError
-
-        try:
-            report = fsck_root(root, repair={"orphan_temp"})
-        except FsckError as e:
-            print(f"shmtier clean: {e}", file=sys.stderr)
-            code = 2
-            continue
-        lines += [f"removed {report.target}/{p.path}" for p in report.problems
-                  if p.kind == "orphan_temp" and p.repaired]
+    for tool in tools:
+        more, tool_code = tool.clean(args)
+        lines += more
+        code = max(code, tool_code)
     print("\n".join(lines) or "nothing stale")
     return code
 

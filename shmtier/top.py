@@ -5,9 +5,10 @@ Runs in: the ``shmtier`` CLI's process. Reads segments only through
 ``top`` may refresh at any rate without slowing an engine. ``top`` redraws with plain
 ANSI escapes (no curses, no extra dependency); ``--once`` prints one frame (two samples
 ``--interval`` apart, for the rates) and ``--json`` prints data instead of text (one JSON
-object per frame, one per line when live). An engine with a ``p2p`` tier also shows its
-endpoint's sessions (``shmtier.tiers.p2p.status``: a status file the endpoint rewrites
-each second; no socket is touched). The scheduler's statistics (per tier: chunks, bytes,
+object per frame, one per line when live). A tier type that reports more than the
+segment holds (a ``status`` tool in its registry entry, ``shmtier/tiers/registry.py``:
+the p2p tier's endpoint sessions, from a status file the endpoint rewrites each second)
+adds its entries under its type's name, and their lines to the text. The scheduler's statistics (per tier: chunks, bytes,
 lookups, hits, promotions, cascades, backpressure drops, evictions) come from the
 segment's stats area, which the scheduler publishes as it steps
 (``shmtier/scheduler/stats_publisher.py``); hit rates are shown since the scheduler
@@ -26,7 +27,7 @@ import time
 
 from shmtier.shared.segment import human_bytes
 from shmtier.shared.snapshot import Snapshot, snapshot, snapshots
-from shmtier.tiers.p2p.status import p2p_sessions
+from shmtier.tiers import registry
 
 # what the tier workers count that no result shows (ring.TIER_COUNTERS), in words
 _COUNTER_WORDS = {"links_refused": "links refused",
@@ -79,8 +80,10 @@ def ls_text(snaps: list[Snapshot]) -> str:
     return "\n".join(lines)
 
 
-def frame_data(cur: Snapshot, prev: Snapshot | None) -> dict:
-    """One frame of ``top`` as data: the snapshot, and rates against ``prev``."""
+def frame_data(cur: Snapshot, prev: Snapshot | None, status_tools: list | None = None) -> dict:
+    """One frame of ``top`` as data: the snapshot, rates against ``prev``, and under
+    each tier type's name what its status tool reports (``status_tools``: the
+    registry's, ``registry.status_tools()`` when None)."""
     d = cur.as_dict()
     dt = (cur.taken_ns - prev.taken_ns) / 1e9 if prev is not None else 0.0
     rates = {"interval_s": round(dt, 3), "jobs_per_s": None, "gb_per_s": None, "workers": []}
@@ -96,7 +99,8 @@ def frame_data(cur: Snapshot, prev: Snapshot | None) -> dict:
                                      "gb_per_s": round(gb, 4)})
         rates["jobs_per_s"], rates["gb_per_s"] = round(tj, 2), round(tb, 4)
     d["rates"] = rates
-    d["p2p"] = p2p_sessions(cur.engine_id)
+    for tool in registry.status_tools() if status_tools is None else status_tools:
+        d[tool.tier_type] = tool.sessions(cur.engine_id)
     if d["stats"] is not None:
         d["stats"]["tiers"] = _tier_stats(cur, prev)
     return d
@@ -158,9 +162,10 @@ def _stats_lines(st: dict | None) -> list[str]:
     return lines
 
 
-def frame_text(cur: Snapshot, prev: Snapshot | None) -> str:
+def frame_text(cur: Snapshot, prev: Snapshot | None, status_tools: list | None = None) -> str:
     """One frame of ``top`` in words."""
-    data = frame_data(cur, prev)
+    tools = registry.status_tools() if status_tools is None else status_tools
+    data = frame_data(cur, prev, tools)
     rates = data["rates"]
     state = "live" if cur.alive else "STALE (owner gone)"
     lines = [f"shmtier top  {cur.engine_id}  {state}  owner pid {cur.owner_pid}  "
@@ -204,27 +209,10 @@ def frame_text(cur: Snapshot, prev: Snapshot | None) -> str:
                          f"{w.failed_keys:>6d} {w.job_depth:>5d} {w.result_depth:>5d} "
                          f"{js:>8s} {gs:>7s}")
     lines.extend(_stats_lines(data["stats"]))
-    for p in data["p2p"]:
-        lines.extend(_p2p_lines(p))
+    for tool in tools:
+        for session in data[tool.tier_type]:
+            lines.extend(tool.lines(session))
     return "\n".join(lines)
-
-
-def _p2p_lines(p: dict) -> list[str]:
-    """One p2p endpoint's status (``p2p_sessions``) in words."""
-    state = "alive" if p.get("alive") else "GONE"
-    parked = p.get("parked") or {}
-    lines = [f"p2p    endpoint {p.get('endpoint')} pid {p.get('pid')} {state} "
-             f"(status {p.get('age_s', 0):.1f}s old){'  PLAINTEXT' if p.get('plaintext') else ''}"
-             f"  parked {parked.get('rows', 0)} rows of {parked.get('requests', 0)} requests"]
-    for i in p.get("inbound") or []:
-        refused = f"  REFUSED {i['refused']}" if i.get("refused") else ""
-        lines.append(f"  in  {i.get('name')}  sent {human_bytes(i.get('bytes_sent', 0))}{refused}")
-    for o in p.get("outbound") or []:
-        lines.append(f"  out {o.get('peer')}  circuit {o.get('circuit')}  failures "
-                     f"{o.get('failures', 0)}  chunks {o.get('chunks', 0)}  received "
-                     f"{human_bytes(o.get('bytes_received', 0))}"
-                     + (f"  last error {o['last_error']}" if o.get("last_error") else ""))
-    return lines
 
 
 def run_ls(as_json: bool) -> int:
@@ -245,6 +233,7 @@ def run_top(engine: str, *, once: bool, as_json: bool, interval: float,
               file=sys.stderr)
         return 2
     live_text = not once and not as_json
+    tools = registry.status_tools()
     shown = 0
     try:
         while True:
@@ -255,11 +244,12 @@ def run_top(engine: str, *, once: bool, as_json: bool, interval: float,
                 print(f"shmtier top: the segment of {engine!r} is gone", file=sys.stderr)
                 return 0 if shown else 2
             if as_json:
-                out.write(json.dumps(frame_data(cur, prev), indent=2 if once else None) + "\n")
+                out.write(json.dumps(frame_data(cur, prev, tools), indent=2 if once else None)
+                          + "\n")
             elif live_text:
-                out.write("\x1b[H\x1b[2J" + frame_text(cur, prev) + "\n")
+                out.write("\x1b[H\x1b[2J" + frame_text(cur, prev, tools) + "\n")
             else:
-                out.write(frame_text(cur, prev) + "\n")
+                out.write(frame_text(cur, prev, tools) + "\n")
             out.flush()
             shown += 1
             prev = cur

@@ -48,7 +48,7 @@ import traceback
 def serve(conn, engine_id: str, tier: dict, layout: dict) -> None:
     import fs_engine
     from shmtier.contract import LookupResult, ReqContext
-    from shmtier.tiers.p2p.scheduler import _Request
+    from shmtier.tiers.p2p.requests import Request
 
     HIT, MISS = LookupResult.HIT, LookupResult.MISS
     engine = fs_engine.Engine(engine_id, None, tier_type="p2p", **layout, **tier)
@@ -108,7 +108,7 @@ def serve(conn, engine_id: str, tier: dict, layout: dict) -> None:
         r = held[req_id] = new_request(req_id, params, keys, first_block)
         with m.lock:
             first = [m.lookup(k, r["ctx"]).name for k in r["keys"]]
-        state = r["ctx"].get_state(_Request)
+        state = r["ctx"].get_state(Request)
         deadline = time.monotonic() + timeout_s
         while len(state.answers) < len(r["keys"]) and time.monotonic() < deadline:
             step()
@@ -185,7 +185,7 @@ def serve(conn, engine_id: str, tier: dict, layout: dict) -> None:
     idle = [False]  # True: no step unless asked (an engine vLLM has nothing to step for)
 
     def stats():
-        proc = p2p._proc
+        proc = p2p.endpoint.proc
         with m.lock:
             data = p2p.get_stats().data["data"]
         for name, values in data.items():
@@ -194,15 +194,15 @@ def serve(conn, engine_id: str, tier: dict, layout: dict) -> None:
             for labels, v in values.items():
                 per = metrics_seen.setdefault(name.rpartition("p2p_")[2], {})
                 per[",".join(labels)] = per.get(",".join(labels), 0) + v
-        return {"counters": p2p.endpoint_counters, "metrics": metrics_seen,
+        return {"counters": p2p.metrics.endpoint_counters, "metrics": metrics_seen,
                 "parked": sum(p.rows for p in p2p._parked.values()),
-                "restarts": p2p.restarts, "pid": proc.pid if proc else None,
-                "port": p2p.port, "tmpdir": p2p._tmpdir, "fingerprint": p2p._fingerprint,
+                "restarts": p2p.endpoint.restarts, "pid": proc.pid if proc else None,
+                "port": p2p.port, "tmpdir": p2p.endpoint.tmpdir, "fingerprint": p2p._fingerprint,
                 "hash_seed": p2p.config.effective_hash_seed()}
 
     try:
         deadline = time.monotonic() + 30
-        while not p2p._ready:
+        while not p2p.endpoint.ready:
             assert time.monotonic() < deadline, "p2p endpoint did not start"
             step()
             time.sleep(0.005)

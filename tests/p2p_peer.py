@@ -42,7 +42,7 @@ def _flip(key: bytes, view: memoryview):
 
 def serve(conn, spec: dict) -> None:
     from shmtier.tiers.p2p.keys import AllowList, load_keypair
-    from shmtier.tiers.p2p.transport import ChunkServer
+    from shmtier.tiers.p2p.endpoint.transport import ChunkServer
 
     collect = _Collect()
     logging.getLogger("shmtier").addHandler(collect)

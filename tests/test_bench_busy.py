@@ -117,7 +117,7 @@ def test_a_lane_variant_sets_the_promotion_workers_of_the_benchs_shmtier(engine_
                  workers=2, dir=str(tmp_path))
     mut = make_shmtier(cfg, str(tmp_path), engine_id, variant)
     try:
-        assert mut.pool.config.promotion_workers == lanes
+        assert mut.pool.config.options.promotion_workers == lanes
         mine = os.getpriority(os.PRIO_PROCESS, 0)
         want = [os.SCHED_BATCH, os.SCHED_OTHER if lanes else os.SCHED_BATCH]
         assert [os.sched_getscheduler(pid) for pid in mut.worker_pids] == want

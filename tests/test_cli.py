@@ -27,7 +27,7 @@ from shmtier.contract import ReqContext
 from shmtier.shared import procinfo
 from shmtier.shared.snapshot import snapshot
 from shmtier.spec import TieringOffloadingSpec
-from shmtier.tiers.chunk_names import chunk_key
+from shmtier.storage.chunk_names import chunk_key
 from shmtier.tiers.fs.fsck import fsck_root
 
 
@@ -251,8 +251,8 @@ def _spec_fingerprint(**layout) -> tuple[str, int]:
 
 
 def test_fsck_finds_and_repairs_a_frame_of_another_chunk_size(tmp_path):
+    from shmtier.storage.fsck import layout_chunk_bytes
     from shmtier.tiers.fs.backend import FsBackend
-    from shmtier.tiers.fsck import layout_chunk_bytes
 
     fingerprint, chunk = _spec_fingerprint()
     assert chunk == 4096 * 2 * 2 and layout_chunk_bytes(fingerprint) == chunk
@@ -342,15 +342,16 @@ def test_fsck_of_an_obj_bucket(moto_s3, tmp_path):
     from shmtier.shared.codec import CompressionConfig
     from shmtier.tiers.backend import WorkerContext
     from shmtier.tiers.obj.backend import ObjBackend
+    from shmtier.tiers.obj.config import ObjTierConfig
 
     bucket = moto_s3.new_bucket("fsck")
     entry = {"type": "obj", "store_config": moto_s3.store_config(bucket), "prefix": "kv"}
     cfg = tmp_path / "tier.json"
     cfg.write_text(json.dumps(entry))
-    args = {"store_config": {**entry["store_config"], "endpoint_override": moto_s3.endpoint},
-            "prefix": "kv", "io_threads": 2}
+    config = ObjTierConfig.from_options(
+        {"store_config": entry["store_config"], "prefix": "kv", "io_threads": 2}, where="t")
     arena = np.random.default_rng(1).integers(0, 256, (6, 4096), dtype=np.uint8)
-    b = ObjBackend.open(args, WorkerContext("fp-obj", 4096, 2, CompressionConfig()))
+    b = ObjBackend.open(config, WorkerContext("fp-obj", 4096, 2, CompressionConfig()))
     c = moto_s3.client()
     try:
         assert b.store([key(i) for i in range(6)], list(range(6)), arena, 4096).all_ok
@@ -394,15 +395,16 @@ def test_fsck_of_an_obj_bucket_finds_a_frame_of_another_chunk_size(moto_s3, tmp_
     from shmtier.shared.codec import CompressionConfig
     from shmtier.tiers.backend import WorkerContext
     from shmtier.tiers.obj.backend import ObjBackend
+    from shmtier.tiers.obj.config import ObjTierConfig
 
     fingerprint, chunk = _spec_fingerprint()
     bucket = moto_s3.new_bucket("fsck-size")
     cfg = tmp_path / "tier.json"
     cfg.write_text(json.dumps({"type": "obj", "store_config": moto_s3.store_config(bucket)}))
-    args = {"store_config": {**moto_s3.store_config(bucket), "endpoint_override": moto_s3.endpoint},
-            "prefix": "", "io_threads": 2}
+    config = ObjTierConfig.from_options(
+        {"store_config": moto_s3.store_config(bucket), "io_threads": 2}, where="t")
     arena = np.random.default_rng(3).integers(0, 256, (2, chunk), dtype=np.uint8)
-    b = ObjBackend.open(args, WorkerContext(fingerprint, chunk, 2, CompressionConfig()))
+    b = ObjBackend.open(config, WorkerContext(fingerprint, chunk, 2, CompressionConfig()))
     try:
         assert b.store([key(0)], [0], arena, chunk).all_ok
         assert b.store([key(1)], [1], arena, chunk // 2).all_ok  # another layout's size

@@ -24,9 +24,10 @@ import torch
 
 from shmtier.contract import ReqContext
 from shmtier.scheduler.pool import WorkerState
+from shmtier.shared.codec import MAC_TAG_BYTES
 from shmtier.shared.jobs import Outcome
+from shmtier.storage import scheduler as storage_tier
 from shmtier.tiers.fs import scheduler as fs_tier
-from shmtier.tiers.storage import scheduler as storage_tier
 
 LABEL = ("1:fs",)
 HOOKS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "worker_hooks")
@@ -140,6 +141,30 @@ def test_one_request_larger_than_max_bytes_never_passes_it(engines, tmp_path):
     assert set(files) == set(keys[-2:])  # the two most recent
     assert data[fs_tier.EVICTED_CHUNKS][LABEL] == 18
     assert "vllm:kv_offload_tiering_cascade_job_failures" not in data  # all were stored
+
+
+def test_with_a_mac_key_a_store_reserves_its_whole_frame(engines, tmp_path, caplog):
+    """A frame with a MAC carries a tag after its header: each store reserves it too
+    (it reserved the frame without the tag, so stores that fit their reservations were
+    refused by the workers near the bound). max_bytes of three tagged files and six
+    chunks: the tier stores them as room appears, never refused, never past the bound."""
+    one = FILE + MAC_TAG_BYTES
+    e = engines(tmp_path, max_bytes=3 * one, chunks=24, mac_key="ab" * 32)
+    e.settle()
+    keys = [key(i) for i in range(6)]
+    with DiskSampler(tmp_path) as sampler:
+        for i, k in enumerate(keys):
+            e.offload([k], i, ReqContext(f"r{i}"))
+        e.settle(timeout_s=30)
+    files, data = assert_settled(e, tmp_path)
+    tier = e.manager.tiers[0]
+    assert set(files.values()) == {one} and all(tier._ledger.reservation(k) == one for k in files)
+    # three files, the last stored among them (which older ones were evicted depends on the
+    # order the two workers' stores landed in)
+    assert len(files) == 3 and set(files) <= set(keys) and keys[-1] in files
+    assert sampler.max <= 3 * one
+    assert "vllm:kv_offload_tiering_cascade_job_failures" not in data
+    assert not fs_warnings(caplog)  # nothing refused for space
 
 
 def test_store_jobs_in_flight_together_share_max_bytes(engines, tmp_path):

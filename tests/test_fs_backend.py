@@ -33,7 +33,9 @@ from shmtier.shared.codec import (
 from shmtier.tiers.backend import WorkerContext
 from shmtier.shared.jobs import Outcome, decode_result, encode_result
 from shmtier.tiers.backend import BatchResult
+from shmtier.options import Secret
 from shmtier.tiers.fs.backend import FsBackend
+from shmtier.tiers.fs.config import FsTierConfig
 from shmtier.tiers.fs.namespace import (
     CHUNK_SUFFIX,
     TEMP_SUFFIX,
@@ -730,8 +732,8 @@ def test_mac_round_trip_and_a_namespace_per_key(tmp_path, mode):
     # engines of other keys, or none, do not see these files; one of the same key does
     assert plain.probe(keys).outcomes == other.probe(keys).outcomes == [MISS] * 3
     assert list(plain.scan()) == list(other.scan()) == []
-    same = FsBackend.open({"root_dir": str(tmp_path), "fsync": False, "max_bytes": None,
-                           "min_free_bytes": 0, "direct_io": False, "mac_key": MAC_KEY},
+    same = FsBackend.open(FsTierConfig(root_dir=str(tmp_path), min_free_bytes=0,
+                                       mac_key=Secret(MAC_KEY, "test")),
                           WorkerContext(FP, cb, 2, codec))
     assert same.namespace_dir == a.namespace_dir
     assert sorted(e.key for e in same.scan()) == sorted(keys)
@@ -1384,9 +1386,8 @@ def test_a_file_a_little_longer_than_its_frame_is_still_a_damaged_chunk(tmp_path
 def _opened(root, **kw) -> FsBackend:
     """A backend as a tier worker opens it (``FsBackend.open``: the namespace deferred
     while the medium cannot hold it)."""
-    args = {"root_dir": str(root), "fsync": False, "max_bytes": None, "min_free_bytes": 0,
-            "direct_io": False, **kw}
-    return FsBackend.open(args, WorkerContext(FP, 8192, 2))
+    config = FsTierConfig(root_dir=str(root), min_free_bytes=0, **kw)
+    return FsBackend.open(config, WorkerContext(FP, 8192, 2))
 
 
 @pytest.mark.parametrize("in_the_way", ["symlink", "file"])

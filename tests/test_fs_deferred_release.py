@@ -2,7 +2,7 @@
 its job deadline) fails at once, but its primary rows stay held until the pool sees the
 process gone (reaped): vLLM 0.34's deferred release, end to end through the real spec,
 tier worker processes, segment and files (``shmtier/scheduler/pool/``,
-``shmtier/tiers/storage/scheduler.py``, ``shmtier/scheduler/tiering/deferred_release.py``).
+``shmtier/storage/scheduler.py``, ``shmtier/scheduler/tiering/deferred_release.py``).
 """
 
 from __future__ import annotations

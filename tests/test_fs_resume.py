@@ -37,7 +37,7 @@ def _kv_files(where: str) -> set[bytes]:
             for n in names if n.endswith(".kv")}
 
 
-SCHEDULER_LOG = "shmtier.tiers.storage.scheduler"
+SCHEDULER_LOG = "shmtier.storage.scheduler"
 
 
 def _tier_log(caplog, level=logging.INFO) -> list[str]:

@@ -1,4 +1,4 @@
-"""The lookup probes of a storage tier's scheduler half (``shmtier/tiers/storage/
+"""The lookup probes of a storage tier's scheduler half (``shmtier/storage/
 lookup_probes.py``): which keys are asked, when a lookup answers RETRY or MISS, and how
 long a miss is remembered. Pure bookkeeping: real clock, short times."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 
 from shmtier.contract import LookupResult
-from shmtier.tiers.storage.lookup_probes import LookupProbes
+from shmtier.storage.lookup_probes import LookupProbes
 
 RETRY, MISS = LookupResult.RETRY, LookupResult.MISS
 

@@ -1,4 +1,4 @@
-"""The p2p tier (shmtier/tiers/p2p/scheduler.py + endpoint.py): engines in separate processes
+"""The p2p tier (shmtier/tiers/p2p/scheduler.py, supervisor.py, endpoint/): engines in separate processes
 on 127.0.0.1 with real segments, endpoint processes and CurveZMQ keys.
 
 Each engine runs in a spawned process (tests/p2p_engine.py); every engine, endpoint,
@@ -28,7 +28,7 @@ from fs_engine import key as chunk_key  # noqa: E402
 from shmtier.options import ConfigError  # noqa: E402
 from shmtier.shared.segment import clean_stale_segments  # noqa: E402
 from shmtier.shared.jobs import Outcome  # noqa: E402
-from shmtier.tiers.p2p.client import ChunkClient  # noqa: E402
+from shmtier.tiers.p2p.endpoint.client import ChunkClient  # noqa: E402
 from shmtier.tiers.p2p.keys import generate_keypair_files, load_keypair, load_public_key  # noqa: E402
 from shmtier.tiers.p2p.status import p2p_sessions  # noqa: E402
 
@@ -391,7 +391,7 @@ def raw_fetch(port: int, client_keys, server_key: str, name: str, fingerprint: s
     payload frames received]}``."""
     import zmq
 
-    from shmtier.tiers.p2p import wire
+    from shmtier.tiers.p2p.endpoint import wire
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
     sock.linger = 0
@@ -775,18 +775,18 @@ def test_poll_fds_is_the_endpoint_socket_and_the_next_off_thread_poll_reads_it(e
         with m.lock:
             m.on_schedule_end(fs_engine.END)  # this thread steps: the others are off-thread
             fds = p2p.poll_fds()
-        assert fds == (p2p._sock.getsockopt(p2p._zmq.FD),)
+        assert fds == (p2p.endpoint._sock.getsockopt(p2p.endpoint._zmq.FD),)
         deadline = time.monotonic() + 30
         while not readable(fds[0]):  # the endpoint's "ready"
             assert time.monotonic() < deadline, "the endpoint never sent ready"
             time.sleep(0.01)
         with m.lock:
-            assert not p2p._ready
+            assert not p2p.endpoint.ready
             assert off_thread(p2p.poll_fds) == fds
-            p2p._read_at = time.monotonic() + 60  # as if just looked: READ_GAP_S applies
+            p2p.endpoint._read_at = time.monotonic() + 60  # as if just looked: READ_GAP_S applies
             off_thread(lambda: p2p.get_finished_jobs())
-            assert p2p._ready and not readable(fds[0])
-            p2p._read_at = time.monotonic() + 60
+            assert p2p.endpoint.ready and not readable(fds[0])
+            p2p.endpoint._read_at = time.monotonic() + 60
             p2p.get_finished_jobs()  # READ_GAP_S applies again: no look, no error
     finally:
         engine.close()
@@ -814,7 +814,7 @@ class _StoppedEndpoint:
         self.p2p, self.primary = self.m.tiers[0], self.m.primary
         self.proc = None
         assert self.m._poll_thread.stop()
-        self.until(lambda: self.p2p._ready, "the endpoint never became ready")
+        self.until(lambda: self.p2p.endpoint.ready, "the endpoint never became ready")
 
     def step(self) -> None:
         with self.m.lock:
@@ -832,7 +832,7 @@ class _StoppedEndpoint:
         stopped endpoint never gets to it); returns (request, the rows reserved)."""
         from shmtier.contract import LookupResult, ReqContext
 
-        self.proc = self.p2p._proc
+        self.proc = self.p2p.endpoint.proc
         self.proc.send_signal(signal.SIGSTOP)
         ctx = ReqContext(f"c-{self.proc.pid}", pd("kv-stopped", 9))
         with self.m.lock:
@@ -922,9 +922,10 @@ def test_a_promotion_failed_while_the_endpoint_may_still_receive_holds_its_rows(
         m.on_request_finished(ctx)
     assert data[metrics.DEFERRED_RELEASE_CHUNKS] == {label: 0}
     assert len(data[metrics.DEFERRED_RELEASE_HOLD][label]) == 1
-    e.until(lambda: e.p2p._proc is not None and e.p2p._proc.pid != old_pid and e.p2p._ready,
+    e.until(lambda: e.p2p.endpoint.proc is not None and e.p2p.endpoint.proc.pid != old_pid
+            and e.p2p.endpoint.ready,
             "no new endpoint")
-    assert e.p2p.restarts == 1
+    assert e.p2p.endpoint.restarts == 1
 
 
 @pytest.mark.timeout(120)

@@ -27,11 +27,11 @@ zmq = pytest.importorskip("zmq")
 
 import p2p_peer  # noqa: E402  (tests/ is on sys.path)
 from shmtier.shared.jobs import Outcome  # noqa: E402
-from shmtier.tiers.p2p.circuit import PeerCircuit  # noqa: E402
+from shmtier.tiers.p2p.endpoint.circuit import PeerCircuit  # noqa: E402
 from shmtier.tiers.p2p.keys import (AllowList, CurveKeyPair, KeyFileError,  # noqa: E402
                                     generate_keypair_files, keypair_from_config, load_keypair,
                                     load_public_key, parse_key)
-from shmtier.tiers.p2p.transport import ChunkClient, ChunkServer  # noqa: E402
+from shmtier.tiers.p2p.endpoint.transport import ChunkClient, ChunkServer  # noqa: E402
 
 CTX = mp.get_context("spawn")
 FP = "layout-fp-test"
@@ -345,7 +345,7 @@ def test_a_broken_handshake_says_what_happened(keys, peers, clients, caplog, cas
         c = clients(server.port, keys.client, keys.stranger.public)
         killer = None
     try:
-        with caplog.at_level("WARNING", logger="shmtier.tiers.p2p.client"):
+        with caplog.at_level("WARNING", logger="shmtier.tiers.p2p.endpoint.client"):
             t0 = time.monotonic()
             r = c.fetch([b"k1"], [np.zeros(1, np.uint8)], timeout_s=4.0)
             took = time.monotonic() - t0
@@ -586,7 +586,7 @@ def test_checksums_given_with_the_rows_are_sent_not_recomputed(monkeypatch):
     crc was taken fails only its own key (CORRUPT "checksum"), a malformed crc only its own
     key (ERROR), and the others land byte-exact in their rows."""
     from shmtier.shared.codec import crc32c
-    from shmtier.tiers.p2p import server as server_mod
+    from shmtier.tiers.p2p.endpoint import server as server_mod
 
     sizes = [1, 4097, 65536, int(1.4 * 2 ** 20)]
     rows = {b"k%d" % i: np.random.default_rng(i).integers(0, 256, n, dtype=np.uint8)
@@ -632,7 +632,7 @@ def test_pipelined_fetches_answered_out_of_order_land_in_their_rows():
     call's row, byte-exact; one chunk whose bytes fail its checksum fails only that key
     of that call; an answer for an unknown request id is ignored."""
     from shmtier.shared.codec import crc32c
-    from shmtier.tiers.p2p import wire
+    from shmtier.tiers.p2p.endpoint import wire
 
     ctx = zmq.Context()
     router = ctx.socket(zmq.ROUTER)
@@ -701,7 +701,7 @@ def test_pipelined_fetches_answered_out_of_order_land_in_their_rows():
 _RECEIVE_BUFFERS = r'''
 import resource, sys, threading
 if sys.argv[1] == "keep":
-    from shmtier.tiers.p2p.endpoint import keep_receive_buffers
+    from shmtier.tiers.p2p.endpoint.process import keep_receive_buffers
     assert keep_receive_buffers()
 def rounds():
     faults = []

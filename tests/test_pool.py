@@ -33,7 +33,7 @@ from shmtier.shared.procinfo import tier_worker_pids as worker_processes
 from shmtier.shared import jobs, procinfo
 from shmtier.shared.jobs import Outcome
 from shmtier.shared.layout import ArenaGeometry
-from shmtier.shared.pool_config import PoolConfig, rings_len_for
+from shmtier.shared.pool_config import PoolConfig, PoolTier, WorkerPoolOptions, rings_len_for
 from shmtier.shared.ring import (
     RingSet,
     clean_stale_ring_semaphores,
@@ -73,10 +73,10 @@ def _bf16_rows(rng: np.random.Generator, n: int, nbytes: int) -> np.ndarray:
     return (f.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8).reshape(n, nbytes)
 
 
-def _fs_tier(root: str) -> dict:
-    """The pool config entry of an fs tier at ``root`` (as the spec writes it; not
+def _fs_tier(root: str) -> PoolTier:
+    """The pool config entry of an fs tier at ``root`` (as the spec makes it; not
     checked here, so a test may hand the workers a root that does not exist)."""
-    return {"type": "fs", "args": FsTierConfig(root_dir=root, min_free_bytes=None).worker_args()}
+    return PoolTier("fs", FsTierConfig(root_dir=root, min_free_bytes=None))
 
 
 def _kv_files(root: str | Path) -> list[Path]:
@@ -121,10 +121,12 @@ class PoolEnv:
         self.root = root if fs_root is None else fs_root
         self.closed = False
         self.pool = None
-        self.cfg = PoolConfig(num_workers=num_workers, slots=slots, slot_size=slot_size,
-                              chunk_bytes=chunk_bytes, heartbeat_interval_s=heartbeat_interval_s,
-                              tiers=[_fs_tier(self.root), *extra_tiers],
-                              job_timeout_s=job_timeout_s, promotion_workers=promotion_workers)
+        self.cfg = PoolConfig(slots=slots, slot_size=slot_size, chunk_bytes=chunk_bytes,
+                              heartbeat_interval_s=heartbeat_interval_s,
+                              tiers=(_fs_tier(self.root), *extra_tiers),
+                              options=WorkerPoolOptions(num_tier_workers=num_workers,
+                                                        tier_job_timeout_s=job_timeout_s,
+                                                        tier_promotion_workers=promotion_workers))
         geometry = ArenaGeometry(num_chunks=num_chunks, row_stride=chunk_bytes,
                                  page_size_per_worker=chunk_bytes, world_size=1)
         self.seg = open_segment(engine_id, geometry, f"fp-{engine_id}", owner=True,
@@ -575,8 +577,8 @@ def test_malformed_descriptors_and_backendless_tiers_get_error_results(pools, ca
 
 def _owner_child(engine_id: str, root: str, conn) -> None:
     """A scheduler stand-in: own the segment, run a pool, report worker pids, then wait."""
-    cfg = PoolConfig(num_workers=2, slots=16, slot_size=1024, chunk_bytes=4096,
-                     heartbeat_interval_s=0.1, tiers=[_fs_tier(root)])
+    cfg = PoolConfig(slots=16, slot_size=1024, chunk_bytes=4096, heartbeat_interval_s=0.1,
+                     tiers=(_fs_tier(root),), options=WorkerPoolOptions(num_tier_workers=2))
     geometry = ArenaGeometry(num_chunks=8, row_stride=4096, page_size_per_worker=4096,
                              world_size=1)
     seg = open_segment(engine_id, geometry, "fp-owner-death", owner=True,

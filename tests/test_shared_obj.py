@@ -13,8 +13,8 @@ import torch
 from shmtier.config import ConfigError, KVLayout
 from shmtier.contract import ReqContext
 from shmtier.spec import TieringOffloadingSpec
+from shmtier.storage import tier_metrics
 from shmtier.tiers.obj import scheduler as obj_tier
-from shmtier.tiers.storage import scheduler as storage_tier
 
 LABEL = ("1:obj",)
 
@@ -77,7 +77,7 @@ def test_an_engine_promotes_chunks_another_stored_in_the_bucket(engines, tmp_pat
     assert seen[0] == [RETRY] * 16  # HEAD in B's workers first
     assert torch.equal(b.load(keys, ctx, list(range(40, 56))), a.originals[0][:16])
     data = b.manager.get_stats().data["data"]
-    assert data[storage_tier.PROBE_HITS][LABEL] == 16
+    assert data[tier_metrics.PROBE_HITS][LABEL] == 16
 
 
 def test_a_corrupt_object_is_a_miss_on_both_engines(engines, tmp_path, seaweedfs_s3):

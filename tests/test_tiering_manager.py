@@ -439,6 +439,86 @@ def test_a_scans_promotions_are_reserved_together_when_the_scan_ends(rig_factory
     assert calls == [[key(1), key(2), key(3)]]
 
 
+#: Every public call of the manager but these ends the open lookup scan first: ``lookup``
+#: begins or continues one, ``poll_between_steps`` leaves it as the engine left it (a
+#: connector that released the lock inside a scan), and the rest touch neither the
+#: primary nor the tiers' state (``shutdown`` runs without the lock, after the steps).
+DOES_NOT_END_THE_SCAN = {"lookup", "poll_between_steps", "shutdown", "config_info",
+                         "report_deferred_releases_of_every_tier"}
+ENDS_THE_SCAN = {  # name -> the call, with arguments a connector could pass
+    "get_load_source": lambda m, ctx: m.get_load_source(key(90), ctx),
+    "prepare_store": lambda m, ctx: m.prepare_store([key(91)], ctx),
+    "complete_store": lambda m, ctx: m.complete_store([], ctx),
+    "prepare_load": lambda m, ctx: m.prepare_load([], ctx),
+    "complete_load": lambda m, ctx: m.complete_load([], ctx),
+    "touch": lambda m, ctx: m.touch([key(92)], ctx),
+    "on_new_request": lambda m, ctx: m.on_new_request(ReqContext("another")),
+    "on_request_finished": lambda m, ctx: m.on_request_finished(ctx),
+    "on_schedule_end": lambda m, ctx: m.on_schedule_end(END),
+    "has_pending_work": lambda m, ctx: m.has_pending_work(),
+    "take_events": lambda m, ctx: m.take_events(),
+    "get_stats": lambda m, ctx: m.get_stats(),
+    "poll_tiers": lambda m, ctx: m.poll_tiers(),
+    "_create_store_job": lambda m, ctx: m.tiers[0].submit_store(  # a tier's parent's
+        m._parents[0].create_store_job([], ctx)),
+    "reset_cache": lambda m, ctx: m.reset_cache(),
+    "on_reset_flushed": lambda m, ctx: m.on_reset_flushed(),  # (after reset_cache)
+}
+
+
+def first_calls_of(code, call) -> list[str]:
+    """The functions ``call`` runs whose caller is the function of ``code``, in order
+    (traced: ``sys.settrace`` sees every Python call)."""
+    import sys
+
+    seen = []
+
+    def tracer(frame, event, arg):
+        if event == "call" and frame.f_back is not None and frame.f_back.f_code is code:
+            seen.append(frame.f_code.co_qualname)
+        return None
+
+    sys.settrace(tracer)
+    try:
+        call()
+    finally:
+        sys.settrace(None)
+    return seen
+
+
+def test_every_call_but_a_lookup_ends_the_lookup_scan_first(rig_factory, scripted_module):
+    """The scan object is the only thing that ends a scan (``LookupScan.end``, which
+    alone clears the manager's ``_scan``), and each public call of the manager but a
+    lookup calls it before anything else while a scan is open: its promotions have their
+    rows before any other call can see the primary. A new public method must be listed
+    here, on one side or the other."""
+    public = {name for name, value in vars(TieringOffloadingManager).items()
+              if callable(value) and not name.startswith("_")}
+    assert public == (set(ENDS_THE_SCAN) | DOES_NOT_END_THE_SCAN) - {"_create_store_job"}
+    rig = rig_factory(num_chunks=48, tiers=[{"type": "ScriptedTier", "module_path": scripted_module,
+                                             "answers": ["HIT"] * 64}])
+    m = rig.manager
+    for i, (name, call) in enumerate(ENDS_THE_SCAN.items()):
+        ctx = ReqContext(f"r{i}")
+        with m.lock:
+            m.on_new_request(ctx)
+            promoted = m.lookup(key(i), ctx) is PENDING  # (not while reset holds promotions)
+            assert m._scan is not None
+            assert m.primary.lookup(key(i), ctx) is MISS  # its row not reserved yet
+            calls = first_calls_of(getattr(TieringOffloadingManager, name).__code__,
+                                   lambda: call(m, ctx))
+            assert calls[:1] == ["LookupScan.end"], (name, calls[:3])
+            assert m._scan is None
+            if promoted and name != "reset_cache":
+                assert m.primary.lookup(key(i), ctx) is PENDING, name
+    with m.lock:  # the step-window thread's round leaves an open scan alone
+        ctx = ReqContext("window")
+        assert m.lookup(key(60), ctx) is PENDING
+        m.poll_between_steps()
+        assert m._scan is not None and m.primary.lookup(key(60), ctx) is MISS
+        m.take_events()
+
+
 def test_a_scans_promotions_never_evict_a_chunk_the_scan_answered_hit(rig_factory,
                                                                         scripted_module):
     """Per key, promoting key 3 would evict key 1 -- the least recent chunk, which the

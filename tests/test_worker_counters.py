@@ -16,7 +16,7 @@ import time
 from fs_engine import HIT, MISS, engines, key  # noqa: F401
 from shmtier.contract import ReqContext
 from shmtier.spec import TieringOffloadingSpec
-from shmtier.tiers.storage.scheduler import LINKS_REFUSED
+from shmtier.storage.tier_metrics import LINKS_REFUSED
 
 
 def _top(engine_id: str, *args: str) -> str:

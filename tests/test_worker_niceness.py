@@ -17,7 +17,7 @@ import pytest
 from fs_engine import END
 
 from shmtier.config import ConfigError, KVLayout, TieringConfig
-from shmtier.shared.pool_config import PoolConfig
+from shmtier.shared.pool_config import PoolConfig, WorkerPoolOptions
 from shmtier.spec import TieringOffloadingSpec
 
 LAYOUT = KVLayout("m", "bfloat16", 16, 8192, 1)
@@ -60,8 +60,8 @@ def test_spawned_workers_run_at_the_schedulers_niceness_plus_the_key(engine_id, 
     if promotion is not None:
         keys["tier_promotion_workers"] = promotion
     spec = TieringOffloadingSpec(_extra(tmp_path, **keys), LAYOUT, engine_id)
-    assert spec.pool_config.worker_niceness == niceness
-    assert spec.pool_config.promotion_workers == (1 if promotion is None else promotion)
+    assert spec.pool_config.options.tier_worker_niceness == niceness
+    assert spec.pool_config.options.tier_promotion_workers == (1 if promotion is None else promotion)
     manager = spec.get_manager()
     try:
         pids = _beaten_worker_pids(spec)
@@ -69,7 +69,7 @@ def test_spawned_workers_run_at_the_schedulers_niceness_plus_the_key(engine_id, 
         mine = os.getpriority(os.PRIO_PROCESS, 0)
         expected = os.SCHED_OTHER if policy == "other" else os.SCHED_BATCH  # batch: the default
         background = [(min(19, mine + niceness), expected)]
-        if spec.pool_config.promotion_workers:  # worker 1: the engine's priority
+        if spec.pool_config.options.promotion_workers:  # worker 1: the engine's priority
             want = background + [(mine, os.SCHED_OTHER)]
         else:
             want = background * 2
@@ -105,14 +105,15 @@ def test_external_workers_apply_the_engines_niceness(engine_id, tmp_path):
 
 
 def test_default_is_ten():
-    assert TieringConfig.from_extra_config({}).tier_worker_niceness == 10
-    assert PoolConfig(num_workers=1, chunk_bytes=4096).worker_niceness == 10
-    assert TieringConfig.from_extra_config({"tier_worker_niceness": 19}).tier_worker_niceness == 19
+    assert TieringConfig.from_extra_config({}).pool.tier_worker_niceness == 10
+    assert PoolConfig(chunk_bytes=4096).options.tier_worker_niceness == 10
+    assert TieringConfig.from_extra_config(
+        {"tier_worker_niceness": 19}).pool.tier_worker_niceness == 19
 
 
 def test_policy_default_is_batch_and_a_bad_one_names_the_choices():
-    assert TieringConfig.from_extra_config({}).tier_worker_policy == "batch"
-    assert PoolConfig(num_workers=1, chunk_bytes=4096).worker_policy == "batch"
+    assert TieringConfig.from_extra_config({}).pool.tier_worker_policy == "batch"
+    assert PoolConfig(chunk_bytes=4096).options.tier_worker_policy == "batch"
     with pytest.raises(ConfigError, match=r"\['tier_worker_policy'\] = 'idle' is invalid: "
                                           r"expected one of 'batch', 'other'"):
         TieringConfig.from_extra_config({"tier_worker_policy": "idle"})
@@ -135,27 +136,41 @@ def test_a_bad_niceness_fails_the_spec_before_anything_is_created(engine_id, tmp
 
 
 def test_one_promotion_worker_by_default_when_there_are_two_or_more():
-    assert TieringConfig.from_extra_config({}).tier_promotion_workers == 1
-    assert TieringConfig.from_extra_config({"num_tier_workers": 1}).tier_promotion_workers == 0
-    assert TieringConfig.from_extra_config({"num_tier_workers": 3}).tier_promotion_workers == 1
+    assert TieringConfig.from_extra_config({}).pool.tier_promotion_workers == 1
     assert TieringConfig.from_extra_config(
-        {"num_tier_workers": 3, "tier_promotion_workers": 2}).tier_promotion_workers == 2
-    assert PoolConfig(num_workers=2, chunk_bytes=4096).promotion_workers == 0  # as given
+        {"num_tier_workers": 1}).pool.tier_promotion_workers == 0
+    assert TieringConfig.from_extra_config(
+        {"num_tier_workers": 3}).pool.tier_promotion_workers == 1
+    assert TieringConfig.from_extra_config(
+        {"num_tier_workers": 3, "tier_promotion_workers": 2}).pool.tier_promotion_workers == 2
+    assert TieringConfig.from_extra_config(
+        {"tier_promotion_workers": None}).pool.tier_promotion_workers == 1  # null: absent
+    assert PoolConfig(chunk_bytes=4096).options.promotion_workers == 1  # of the default 2
+    assert WorkerPoolOptions(num_tier_workers=1).promotion_workers == 0
+    assert WorkerPoolOptions(tier_promotion_workers=0).promotion_workers == 0  # as given
 
 
-@pytest.mark.parametrize("workers, value", [(2, 2), (1, 1), (3, -1), (2, "one"), (2, 0.5),
-                                            (2, True)])
-def test_a_bad_promotion_worker_count_is_a_config_error_naming_key_value_and_range(workers,
-                                                                                  value):
+@pytest.mark.parametrize("workers, value", [(2, 2), (1, 1), (3, 3), (3, 7)])
+def test_a_promotion_lane_without_a_background_worker_names_key_value_and_range(workers,
+                                                                                value):
     with pytest.raises(ConfigError) as e:
         TieringConfig.from_extra_config({"num_tier_workers": workers,
                                          "tier_promotion_workers": value})
-    text = str(e.value)
-    assert f"['tier_promotion_workers'] = {value!r} is invalid: expected an integer in " \
-           f"0..{workers - 1} (fewer than num_tier_workers = {workers}" in text
+    assert (f"['tier_promotion_workers'] = {value!r} is invalid: expected an integer in "
+            f"0..{workers - 1} (fewer than num_tier_workers = {workers}: at least one tier "
+            f"worker stays in the background lane") in str(e.value)
 
 
-def test_a_pool_config_refuses_a_promotion_lane_without_a_background_worker():
-    with pytest.raises(ValueError, match=r"promotion_workers = 2 is invalid: expected an "
-                                         r"integer in 0\.\.1"):
-        PoolConfig(num_workers=2, chunk_bytes=4096, promotion_workers=2)
+@pytest.mark.parametrize("value", [-1, "one", 0.5, True])
+def test_a_promotion_worker_count_that_is_no_count_names_key_value_and_range(value):
+    with pytest.raises(ConfigError) as e:
+        TieringConfig.from_extra_config({"num_tier_workers": 2, "tier_promotion_workers": value})
+    assert f"['tier_promotion_workers'] = {value!r} is invalid: expected an integer >= 0" \
+        in str(e.value)
+
+
+def test_a_bad_promotion_worker_count_fails_the_spec_before_anything_is_created(engine_id,
+                                                                                tmp_path):
+    with pytest.raises(ConfigError, match=r"tier_promotion_workers'\] = 2 is invalid"):
+        TieringOffloadingSpec(_extra(tmp_path, tier_promotion_workers=2), LAYOUT, engine_id)
+    assert not [n for n in os.listdir("/dev/shm") if engine_id in n]

@@ -28,10 +28,10 @@ Runs in: one tier worker process (spawned by the pool, or started by
     heartbeat interval (``workers/busy_beat.py``), so a slow medium is busy, not hung
 
 Lane (``shared/lanes.py``), from the worker's index and the pool config in the segment,
-so spawned and external workers alike: a background worker adds ``worker_niceness`` to
-the niceness it inherited and runs under ``worker_policy`` (SCHED_BATCH by default); a
-promotion worker (the last ``promotion_workers`` slots) keeps the niceness it inherited
-and runs under SCHED_OTHER. The pool sends the promotion lane loads and probes; a worker
+so spawned and external workers alike: a background worker adds ``tier_worker_niceness``
+to the niceness it inherited and runs under ``tier_worker_policy`` (SCHED_BATCH by
+default); a promotion worker (the last ``promotion_workers`` slots) keeps the niceness it
+inherited and runs under SCHED_OTHER. The pool sends the promotion lane loads and probes; a worker
 runs whatever jobs it is sent all the same (a store bound to it by a key's ordering).
 
 Owner generation (``Segment.owner_generation``: a header word the owner bumps when it
@@ -85,7 +85,6 @@ from shmtier.shared import jobs
 from shmtier.shared.lanes import BACKGROUND, worker_lane
 from shmtier.shared.log_setup import configure_logging
 from shmtier.shared.pool_config import EXIT_BACKENDS_FAILED, PoolConfig
-from shmtier.shared.redact import register_secrets_in
 from shmtier.shared.ring import RingSet
 from shmtier.shared.segment import join_existing
 from shmtier.tiers import registry
@@ -128,21 +127,17 @@ _HURRY_BYTES = 16 << 20
 
 def make_backends(config: PoolConfig, namespace: str, *, replacement: bool = False) -> list:
     """One backend per tier of ``config`` (None where a tier has no worker half), each
-    built by its tier type's backend class from the registry. ``replacement``: this
-    worker's slot had a worker before (``WorkerContext.replacement``)."""
-    from shmtier.shared.codec import CompressionConfig
-
-    context = WorkerContext(namespace, config.chunk_bytes, config.element_size,
-                            CompressionConfig.from_config(config.codec or "auto"),
+    built from its tier's frozen config by its tier type's backend class from the
+    registry. ``replacement``: this worker's slot had a worker before
+    (``WorkerContext.replacement``)."""
+    context = WorkerContext(namespace, config.chunk_bytes, config.element_size, config.codec,
                             replacement=replacement)
     backends = []
     for entry in config.tiers:
-        if entry is not None:  # keys and tokens in its options: never in a log line
-            register_secrets_in(entry.get("args"))
-        tier = registry.registered(entry["type"]) if entry is not None else None
+        tier = registry.registered(entry.type) if entry is not None else None
         if entry is not None and (tier is None or not tier.worker_backed):
-            raise ValueError(f"tier type {entry['type']!r} has no worker backend here")
-        backends.append(tier.backend_class().open(entry["args"], context) if tier else None)
+            raise ValueError(f"tier type {entry.type!r} has no worker backend here")
+        backends.append(tier.backend_class().open(entry.options, context) if tier else None)
     return backends
 
 
@@ -465,9 +460,9 @@ def _note_free_bytes(part: BatchResult, backend) -> None:
 
 def _set_policy(policy: str) -> None:
     """Run the calling thread (and the threads it starts later) under ``policy``
-    (``PoolConfig.worker_policy``: "batch" or "other"), keeping its niceness. Set even
-    when it is "other": a worker the pool restarts from the step-window poll thread
-    inherits that thread's SCHED_BATCH. A kernel that refuses is logged once; the worker
+    (``WorkerPoolOptions.tier_worker_policy``: "batch" or "other"), keeping its niceness.
+    Set even when it is "other": a worker the pool restarts from the step-window poll
+    thread inherits that thread's SCHED_BATCH. A kernel that refuses is logged once; the worker
     runs on under the policy it inherited."""
     want = os.SCHED_BATCH if policy == "batch" else os.SCHED_OTHER
     try:
@@ -480,14 +475,15 @@ def _set_policy(policy: str) -> None:
 
 def _set_priority(config: PoolConfig, index: int) -> str:
     """Set this worker's priority by its lane (``shared/lanes.py``); returns the lane.
-    Background: niceness + ``worker_niceness`` and ``worker_policy``; promotion: the
-    niceness it inherited (the engine's, or ``shmtier workers``' in external mode) and
+    Background: niceness + ``tier_worker_niceness`` and ``tier_worker_policy``; promotion:
+    the niceness it inherited (the engine's, or ``shmtier workers``' in external mode) and
     SCHED_OTHER. Both change only the calling thread on Linux: call it before the worker
     starts any thread (its threads inherit them)."""
-    lane = worker_lane(index, config.num_workers, config.promotion_workers)
+    pool = config.options
+    lane = worker_lane(index, pool.num_tier_workers, pool.promotion_workers)
     if lane == BACKGROUND:
-        os.nice(config.worker_niceness)
-        _set_policy(config.worker_policy)
+        os.nice(pool.tier_worker_niceness)
+        _set_policy(pool.tier_worker_policy)
     else:
         _set_policy("other")
     return lane

@@ -2,7 +2,7 @@
 exiting through ``finally`` on a signal, writing the JSON, and the connector's view
 of a request (its ``ReqContext`` and the driver's state for it).
 
-Used by ``shmtier bench`` and, through bench/common.py, by the scripts in bench/.
+Used by ``shmtier bench`` and by the scripts in bench/ (``python -m bench.<name>``).
 """
 
 from __future__ import annotations

@@ -37,7 +37,7 @@ def add_arguments(p) -> None:
                    help="seeded generator: chat (multi-turn chat), docqa (long documents, many "
                    "readers), agent (agentic loops with branching); default chat")
     p.add_argument("--trace", metavar="FILE", help="replay a JSON-lines trace instead (schema: "
-                   "README, 'shmtier bench'; python -m shmtier.bench.trace --write makes one)")
+                   "bench/README.md, 'shmtier bench'; python -m shmtier.bench.trace --write makes one)")
     p.add_argument("--write-trace", metavar="FILE", help="also write the trace as JSON lines")
     p.add_argument("--requests", type=int, default=None, help="override the generator's size")
     p.add_argument("--seed", type=int, default=1234)

@@ -277,14 +277,15 @@ def _pool(snap: Snapshot, rings: memoryview) -> None:
         except Exception:  # no config written (no worker-backed tier), or being written
             config = None
     if config is not None:
-        snap.pool = {"mode": config.mode, "num_workers": config.num_workers,
+        snap.pool = {"mode": config.options.workers,
+                     "num_workers": config.options.num_tier_workers,
                      "slots": config.slots, "slot_size": config.slot_size,
-                     "chunk_bytes": config.chunk_bytes, "codec": config.codec,
-                     "job_timeout_s": config.job_timeout_s,
-                     "promotion_workers": config.promotion_workers}
+                     "chunk_bytes": config.chunk_bytes, "codec": config.codec.to_dict(),
+                     "job_timeout_s": config.options.tier_job_timeout_s,
+                     "promotion_workers": config.options.promotion_workers}
         for i, entry in enumerate(config.tiers):
-            snap.tiers.append(TierInfo(i, entry["type"] if entry else None,
-                                       _where(entry["args"]) if entry else {}))
+            snap.tiers.append(TierInfo(i, entry.type if entry else None,
+                                       _where(entry.options.to_dict()) if entry else {}))
     if area is None:
         return
     for tier in snap.tiers:
@@ -299,8 +300,8 @@ def _pool(snap: Snapshot, rings: memoryview) -> None:
             w.index, hb.pid, w.holder_alive, None if not hb.beat_ns else hb.age_s(now),
             hb.claims, max(0, hb.claims - 1), c.jobs, c.bytes, c.codec_ns / 1e9,
             c.failed_keys, w.job_depth, w.result_depth,
-            "" if config is None else worker_lane(w.index, config.num_workers,
-                                                  config.promotion_workers)))
+            "" if config is None else worker_lane(w.index, config.options.num_tier_workers,
+                                                  config.options.promotion_workers)))
 
 
 def _where(args: dict) -> dict:

@@ -319,7 +319,7 @@ class ChaosRunner:
     def _namespace_path(self) -> str | None:
         if self.namespace is not None:
             return os.path.join(self.root, self.namespace)
-        from shmtier.tiers.chunk_names import is_namespace_name
+        from shmtier.storage.chunk_names import is_namespace_name
 
         try:
             names = [n for n in os.listdir(self.root) if is_namespace_name(n)]

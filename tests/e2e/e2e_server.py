@@ -20,7 +20,9 @@ environment ``VLLM_CPU_NUM_OF_RESERVED_CPU=1`` (vLLM reserves a core when a KV c
 is set, which changes the OMP thread count and with it bf16 rounding: every server
 reserves one), ``VLLM_CPU_KVCACHE_SPACE=1`` (1 GiB: without it the CPU worker asks for
 92% of the node's memory and refuses to start on a shared machine),
-``VLLM_SERVER_DEV_MODE=1`` (``POST /reset_prefix_cache``), ``HF_HUB_OFFLINE=1``.
+``VLLM_SERVER_DEV_MODE=1`` (``POST /reset_prefix_cache``), ``HF_HUB_OFFLINE=1``. With
+``SHMTIER_E2E_DEVICE=cuda`` (a CUDA vLLM on a GPU: scripts/test-e2e-gpu) the two CPU
+variables are left out and each server takes a fifth of the GPU's memory.
 """
 
 from __future__ import annotations
@@ -45,9 +47,18 @@ MAX_MODEL_LEN = 512
 GPU_BLOCKS = 24            # 768 tokens of device cache
 SERVED_NAME = "e2e-llama"
 
-BASE_ENV = {
+#: ``cpu`` (vllm-cpu, scripts/test-e2e) or ``cuda`` (a CUDA build of vLLM on a GPU,
+#: scripts/test-e2e-gpu): the ``SHMTIER_E2E_DEVICE`` environment variable
+DEVICE = os.environ.get("SHMTIER_E2E_DEVICE", "cpu")
+if DEVICE not in ("cpu", "cuda"):
+    raise ValueError(f"SHMTIER_E2E_DEVICE={DEVICE!r}: accepted are 'cpu' and 'cuda'")
+
+_CPU_ENV = {
     "VLLM_CPU_NUM_OF_RESERVED_CPU": "1",
     "VLLM_CPU_KVCACHE_SPACE": "1",
+}
+BASE_ENV = {
+    **(_CPU_ENV if DEVICE == "cpu" else {}),
     "VLLM_SERVER_DEV_MODE": "1",
     "HF_HUB_OFFLINE": "1",
     "TRANSFORMERS_OFFLINE": "1",
@@ -64,7 +75,9 @@ def engine_args(model_dir: str) -> list[str]:
             "--dtype", "bfloat16", "--enforce-eager", "--seed", "0",
             "--block-size", str(BLOCK_SIZE), "--max-model-len", str(MAX_MODEL_LEN),
             "--num-gpu-blocks-override", str(GPU_BLOCKS),
-            "--disable-uvicorn-access-log"]
+            "--disable-uvicorn-access-log",
+            # on a GPU: several servers share it (the suite runs up to three at once)
+            *(["--gpu-memory-utilization", "0.2"] if DEVICE == "cuda" else [])]
 
 
 def kv_config(engine_id: str, *, cpu_rows: int, tiers: list[dict] | None = None,

@@ -34,13 +34,12 @@ from __future__ import annotations
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from shmtier.scheduler.backpressure import validation as _defaults
+from shmtier.scheduler.backpressure.policy import (BackpressurePolicy, LatencyEMAReading,
+                                                   ThrottledDropPolicy)
 from shmtier.scheduler.backpressure.validation import check_field, check_water_marks
-
-if TYPE_CHECKING:
-    from shmtier.scheduler.backpressure.policy import BackpressurePolicy
 
 Clock = Callable[[], float]
 
@@ -58,8 +57,6 @@ class BackpressureDetector(ABC):
     def __init__(self, policy: BackpressurePolicy | None = None, *,
                  clock: Clock | None = None) -> None:
         if policy is None:
-            # policy.py imports this module; the default needs it only here, once
-            from shmtier.scheduler.backpressure.policy import ThrottledDropPolicy
             policy = ThrottledDropPolicy()
         self._policy = policy
         self._clock = clock
@@ -164,7 +161,7 @@ class _Parameter:
         raise AttributeError(f"{self._name} is read-only")
 
 
-class EMABackpressureDetector(BackpressureDetector):
+class EMABackpressureDetector(BackpressureDetector, LatencyEMAReading):
     """Pressure from an exponential moving average of store latency per MiB.
 
     Each successful store contributes ``x = elapsed_s / (nbytes / 2**20)`` (s/MiB).

@@ -8,24 +8,45 @@ once per step (:func:`shmtier.scheduler.backpressure.record_backpressure_metrics
 May it block: never; every method is a few integer or float operations.
 
 Decisions match vLLM 0.33's ``DropStorePolicy`` and ``ThrottledDropPolicy``.
+
+Imports no detector: the detectors import this module (a detector's default policy is
+:class:`ThrottledDropPolicy`), so what a policy reads from its detector is stated here:
+``is_under_pressure()`` (:class:`PressureReading`), and for :class:`ThrottledDropPolicy`
+the latency EMA and its high water mark of a :class:`LatencyEMAReading`, which
+``EMABackpressureDetector`` is.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from typing import Protocol
 
-from shmtier.scheduler.backpressure.detector import BackpressureDetector, EMABackpressureDetector
 from shmtier.scheduler.backpressure.validation import DEFAULT_RAMP_FACTOR, check_field
 
-__all__ = ["BackpressurePolicy", "DropAccountingPolicy", "DropStorePolicy",
-           "ThrottledDropPolicy"]
+__all__ = ["BackpressurePolicy", "DropAccountingPolicy", "DropStorePolicy", "LatencyEMAReading",
+           "PressureReading", "ThrottledDropPolicy"]
+
+
+class PressureReading(Protocol):
+    """What every policy reads from its detector (a ``BackpressureDetector`` is one)."""
+
+    def is_under_pressure(self) -> bool: ...
+
+
+class LatencyEMAReading(ABC):
+    """A :class:`PressureReading` that keeps an EMA of store latency per MiB against a high
+    water mark: what :class:`ThrottledDropPolicy` needs. ``EMABackpressureDetector``
+    subclasses it."""
+
+    high_water_s: float
+    store_latency_ema: float
 
 
 class BackpressurePolicy(ABC):
     """Turns a detector's state into a store decision and counts what it drops."""
 
     @abstractmethod
-    def should_store(self, detector: BackpressureDetector) -> bool:
+    def should_store(self, detector: PressureReading) -> bool:
         """True to let the store through."""
 
     @abstractmethod
@@ -65,7 +86,7 @@ class DropAccountingPolicy(BackpressurePolicy):
 class DropStorePolicy(DropAccountingPolicy):
     """Drop every store while the detector reports pressure."""
 
-    def should_store(self, detector: BackpressureDetector) -> bool:
+    def should_store(self, detector: PressureReading) -> bool:
         return not detector.is_under_pressure()
 
 
@@ -89,8 +110,8 @@ class ThrottledDropPolicy(DropAccountingPolicy):
     def ramp_factor(self) -> float:
         return self._ramp_factor
 
-    def should_store(self, detector: BackpressureDetector) -> bool:
-        if not isinstance(detector, EMABackpressureDetector):
+    def should_store(self, detector: PressureReading) -> bool:
+        if not isinstance(detector, LatencyEMAReading):
             raise TypeError(
                 f"ThrottledDropPolicy needs an EMABackpressureDetector, got "
                 f"{type(detector).__name__}"

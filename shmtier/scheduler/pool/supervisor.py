@@ -43,8 +43,8 @@ Ordering: all jobs for one key go to one worker while any job for that key is
 outstanding (``dispatch.py``). A full job ring makes ``submit`` return None
 without side effects: that is the backpressure signal.
 
-Lanes: the last ``config.promotion_workers`` workers run at the priority they inherit
-(the engine's) and take the unbound keys of loads and probes; the others run in the
+Lanes: the last ``config.options.promotion_workers`` workers run at the priority they
+inherit (the engine's) and take the unbound keys of loads and probes; the others run in the
 background (``tier_worker_niceness``, ``tier_worker_policy``) and take stores and
 deletes (``shared/lanes.py``; each worker sets its own priority from its index and the
 config, spawned or external). The health check tells ``dispatch`` which workers run, so
@@ -98,14 +98,14 @@ from shmtier.scheduler.pool.old_holders import OldHolder, retire_old_holders
 from shmtier.scheduler.pool.row_release import RowRelease
 from shmtier.scheduler.pool.worker_state import RUNNING, WorkerRecord, WorkerState
 from shmtier.shared import jobs
-from shmtier.shared.pool_config import EXIT_BACKENDS_FAILED, PoolConfig
+from shmtier.shared.pool_config import EXIT_BACKENDS_FAILED, WORKER_MODES, PoolConfig
 from shmtier.shared.ring import RingBusyError, RingSet
 
 logger = logging.getLogger(__name__)
 
 _HEALTH_EVERY_S = 0.05
 _DRAIN_BATCH = 256  # results taken per ring call
-MODES = ("spawn", "external")
+MODES = WORKER_MODES
 
 __all__ = ["MODES", "PoolJobId", "PoolResult", "WorkerPool", "WorkerState"]
 
@@ -160,7 +160,7 @@ class WorkerPool:
     backend call (``workers/busy_beat.py``); the part deadline bounds that.
     ``max_start_failures`` start failures of one slot within ``start_failure_window_s``
     break the pool. The part deadline is
-    ``config.job_timeout_s``. Construction blocks while a previous scheduler's workers
+    ``config.options.tier_job_timeout_s``. Construction blocks while a previous scheduler's workers
     still hold slots (a warm restart; at most a few seconds, see the module docstring).
     """
 
@@ -171,14 +171,15 @@ class WorkerPool:
             raise ValueError(f"tier worker pool mode {mode!r}: must be one of {MODES}")
         if max_start_failures < 1:
             raise ValueError(f"max_start_failures={max_start_failures}: must be at least 1")
-        config = dataclasses.replace(config, mode=mode)
+        config = dataclasses.replace(
+            config, options=dataclasses.replace(config.options, workers=mode))
         self.engine_id = engine_id
         self.config = config
         self.mode = mode
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.max_start_failures = max_start_failures
         self.start_failure_window_s = start_failure_window_s
-        self.n = config.num_workers
+        self.n = config.options.num_tier_workers
         #: the owner incarnation this pool serves; its workers exit once it changes
         self.generation = segment.owner_generation()
         #: the previous scheduler's workers found holding slots (warm restart)
@@ -188,12 +189,12 @@ class WorkerPool:
                            "previous scheduler of this segment: %s after %.2f s", old.slot,
                            old.pid, "killed" if old.killed else "it left", old.gone_after_s)
         config.write(segment.rings)
-        self.rings = RingSet.create(segment.name, segment.rings, config.num_workers,
+        self.rings = RingSet.create(segment.name, segment.rings, self.n,
                                     config.slots, config.slot_size)
         self._job_rings = [self.rings.worker(w).jobs for w in range(self.n)]
         self._result_rings = [self.rings.worker(w).results for w in range(self.n)]
-        self._dispatch = Dispatch(self.n, config.slot_size - 8, config.job_timeout_s,
-                                  config.promotion_workers)
+        self._dispatch = Dispatch(self.n, config.slot_size - 8, config.options.tier_job_timeout_s,
+                                  config.options.promotion_workers)
         self._workers = [WorkerRecord(w) for w in range(self.n)]
         self._procs: list[subprocess.Popen | None] = [None] * self.n  # spawn mode
         self._tails: list[_StderrTail | None] = [None] * self.n  # spawn mode
@@ -355,10 +356,10 @@ class WorkerPool:
         # a part past its deadline: the worker is hung, unless the part was queued
         # before this process started and it has not had job_timeout_s of its own yet
         # (parts queued while the slot was restarting)
-        if late_s is not None and now - rec.started >= self.config.job_timeout_s:
+        if late_s is not None and now - rec.started >= self.config.options.tier_job_timeout_s:
             self.timed_out_total += 1
             self._kill(rec, f"hung (a job outstanding for {late_s:.1f} s, past its "
-                            f"{self.config.job_timeout_s:g} s deadline)")
+                            f"{self.config.options.tier_job_timeout_s:g} s deadline)")
         elif own and self._dispatch.load[w] > 0:
             age = beat.age_s()
             if self.late_beats.hung(w, rec.pid, beat.beat_ns, age, now, self.heartbeat_timeout_s):

@@ -9,7 +9,7 @@ What it walks is the tier's own layout, through the tier's own code: namespace
 directories (``shmtier-<hex>`` with a config.json, opened by ``Namespace.open_existing``),
 their fan-out directories (``Namespace.walk``), chunk names (``chunk_names.chunk_key``,
 ``Namespace.rel_dir``), temp files (``Namespace.temp_orphaned``, the rule of the tier's
-own scan) and frames (``shmtier.tiers.fsck.FrameCheck``: the codec's checks, and the
+own scan) and frames (``shmtier.storage.fsck.FrameCheck``: the codec's checks, and the
 chunk size the namespace's fingerprint names). Anything
 beside the namespace directories under the root (vLLM's own fs tier files, anyone
 else's) is counted and never looked into or touched.
@@ -30,18 +30,18 @@ import errno
 import os
 import stat
 
-from shmtier.tiers.chunk_names import chunk_key, is_namespace_name, mac_id_of
-from shmtier.tiers.fs.backend import DEFAULT_STALE_TEMP_AGE_S
-from shmtier.tiers.fs.fileio import O_CLOEXEC, close_quietly, pread_full
-from shmtier.tiers.fs.load import chunk_file_cap
-from shmtier.tiers.fs.namespace import TEMP_SUFFIX, LinkRefused, Namespace, open_nofollow
-from shmtier.tiers.fsck import (
+from shmtier.storage.chunk_names import chunk_key, is_namespace_name, mac_id_of
+from shmtier.storage.fsck import (
     FrameCheck,
     FsckError,
     FsckReport,
     NamespaceReport,
     layout_chunk_bytes,
 )
+from shmtier.tiers.fs.backend import DEFAULT_STALE_TEMP_AGE_S
+from shmtier.tiers.fs.fileio import O_CLOEXEC, close_quietly, pread_full
+from shmtier.tiers.fs.load import chunk_file_cap
+from shmtier.tiers.fs.namespace import TEMP_SUFFIX, LinkRefused, Namespace, open_nofollow
 
 def fsck_root(root: str, *, verify: bool = False, repair: bool | set[str] = False,
               mac_key: bytes | None = None,

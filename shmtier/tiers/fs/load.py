@@ -35,6 +35,7 @@ from typing import Sequence
 
 from shmtier.shared.codec import ChunkDecoder, CorruptChunkError, frame_header_size
 from shmtier.shared.jobs import MAX_KEY_FIGURE
+from shmtier.storage.chunk_names import key_problem
 from shmtier.tiers.backend import BatchResult, Outcome, as_arena, check_batch, row_problem
 from shmtier.tiers.fs.fileio import (
     ALIGN,
@@ -46,7 +47,6 @@ from shmtier.tiers.fs.fileio import (
     pread_full_into,
     read_direct,
 )
-from shmtier.tiers.chunk_names import key_problem
 from shmtier.tiers.fs.namespace import LinkRefused, Namespace
 from shmtier.tiers.fs.outcomes import FsCounters, errno_outcome
 

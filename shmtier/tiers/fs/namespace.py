@@ -86,7 +86,7 @@ from collections import OrderedDict
 from typing import Callable, Iterator, TypeVar
 
 from shmtier.shared import procinfo
-from shmtier.tiers.chunk_names import (  # noqa: F401 (re-exported: one source of truth)
+from shmtier.storage.chunk_names import (  # noqa: F401 (re-exported: one source of truth)
     CHUNK_SUFFIX,
     MAX_KEY_BYTES,
     NAMESPACE_PREFIX,

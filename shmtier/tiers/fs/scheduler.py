@@ -3,27 +3,27 @@
 
 Who calls: the tiering manager, in the scheduler process, under its lock. Everything
 but the names is the storage tiers' scheduler half
-(``shmtier/tiers/storage/scheduler.py``: index, capacity, eviction, lookup probes of a
+(``shmtier/storage/scheduler.py``: index, capacity, eviction, lookup probes of a
 shared root, job batching): this module says what the medium is called and which
 metrics the tier reports.
 """
 
 from __future__ import annotations
 
-from shmtier.tiers.storage.scheduler import (
+from shmtier.storage.scheduler import StorageTierManager
+from shmtier.storage.tier_metrics import (
     CODEC_SECONDS,
     CORRUPT_CHUNKS,
-    MAX_COMBINED_KEYS,
+    POOL_BROKEN,
     PROBE_HITS,
     PROBED_KEYS,
-    POOL_BROKEN,
     PROBES_EXPIRED,
     RING_DEPTH,
     STORED_RATIO,
     WORKER_RESTARTS,
     WORKERS_LATE_BUT_BUSY,
-    StorageTierManager,
 )
+from shmtier.storage.transfers import MAX_COMBINED_KEYS
 
 BYTES_ON_DISK = "vllm:kv_offload_shmtier_fs_bytes_on_disk"
 EVICTED_CHUNKS = "vllm:kv_offload_shmtier_fs_evicted_chunks"

@@ -42,9 +42,10 @@ from typing import Sequence
 
 from shmtier.shared.codec import ChunkEncoder, CompressionConfig
 from shmtier.shared.codec_choice import CodecChooser
+from shmtier.storage.chunk_names import key_problem
 from shmtier.tiers.backend import BatchResult, Outcome, as_arena, check_batch, row_problem
 from shmtier.tiers.fs import writeback
-from shmtier.tiers.fs.config import DEFAULT_WRITE_DEPTH
+from shmtier.tiers.fs.config import FsTierConfig
 from shmtier.tiers.fs.direct_writes import DirectWrite, DirectWrites
 from shmtier.tiers.fs.fileio import (
     O_DIRECT,
@@ -54,7 +55,6 @@ from shmtier.tiers.fs.fileio import (
     unlink_quietly,
     writev_all,
 )
-from shmtier.tiers.chunk_names import key_problem
 from shmtier.tiers.fs.load import chunk_file_cap, remove_foreign
 from shmtier.tiers.fs.namespace import LinkRefused, Namespace
 from shmtier.tiers.fs.outcomes import NO_SPACE, FsCounters, errno_outcome
@@ -89,7 +89,7 @@ class ChunkWriter:
     fsync: bool
     direct_io: bool
     mac_key: bytes | None = field(default=None, repr=False)  # frames carry a MAC tag
-    write_depth: int = DEFAULT_WRITE_DEPTH
+    write_depth: int = FsTierConfig.default("write_depth")
     page_cache_bytes: int | str | None = None  # buffered: recent files left in the page cache
 
     def __post_init__(self) -> None:

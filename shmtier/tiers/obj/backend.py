@@ -42,6 +42,13 @@ from shmtier.shared.codec import (
 )
 from shmtier.shared.codec_choice import CodecChooser
 from shmtier.shared.jobs import ResultFlag
+from shmtier.storage.chunk_names import (
+    chunk_key,
+    chunk_name,
+    key_problem,
+    namespace_dir_name,
+    with_mac_id,
+)
 from shmtier.tiers.backend import (
     BatchResult,
     Outcome,
@@ -52,14 +59,8 @@ from shmtier.tiers.backend import (
     check_batch,
     row_problem,
 )
-from shmtier.tiers.chunk_names import (
-    chunk_key,
-    chunk_name,
-    key_problem,
-    namespace_dir_name,
-    with_mac_id,
-)
-from shmtier.tiers.obj.client import endpoint_label, error_detail, import_boto3, make_client
+from shmtier.tiers.obj.client import error_detail, import_boto3, make_client
+from shmtier.tiers.obj.config import ObjTierConfig
 
 logger = logging.getLogger(__name__)
 
@@ -158,7 +159,7 @@ class ObjBackend(TierBackend):
     kind = "obj"
 
     def __init__(self, client: Any, bucket: str, namespace: str, *, prefix: str = "",
-                 io_threads: int = 4, codec_config: CompressionConfig | None = None,
+                 io_threads: int = ObjTierConfig.default("io_threads"), codec_config: CompressionConfig | None = None,
                  element_size: int = 2, max_bytes: int | None = None,
                  mac_key: bytes | None = None, endpoint: str = ""):
         if not isinstance(namespace, str) or not namespace:
@@ -206,18 +207,18 @@ class ObjBackend(TierBackend):
             raise
 
     @classmethod
-    def open(cls, args: dict, context: WorkerContext) -> "ObjBackend":
-        """A tier worker's backend for the ``obj`` worker args (``ObjTierConfig.worker_args``;
-        shape in ``client.py``): builds the process's boto3 client (no request) and the
-        backend (reads or writes config.json: one or two requests)."""
-        store = args["store_config"]
-        client = make_client(args)
+    def open(cls, config: ObjTierConfig, context: WorkerContext) -> "ObjBackend":
+        """A tier worker's backend for its tier's ``config``: builds the process's boto3
+        client (no request) and the backend (reads or writes config.json: one or two
+        requests)."""
+        store = config.store_config
+        client = make_client(config)
         try:
-            return cls(client, store["bucket"], context.namespace,
-                       prefix=args.get("prefix", ""), io_threads=int(args.get("io_threads", 4)),
+            return cls(client, store.bucket, context.namespace,
+                       prefix=config.prefix, io_threads=config.io_threads,
                        codec_config=context.codec, element_size=context.element_size,
-                       max_bytes=args.get("max_bytes"), mac_key=args.get("mac_key"),
-                       endpoint=endpoint_label(store))
+                       max_bytes=config.max_bytes, mac_key=config.mac_secret,
+                       endpoint=store.endpoint_label())
         except BaseException:
             client.close()
             raise

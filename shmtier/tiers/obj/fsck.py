@@ -8,7 +8,7 @@ each namespace, one ranged GET of each chunk's header (the whole object with
 It walks the tier's own layout (``backend.py``: ``[<prefix>/]shmtier-<hex>/config.json``
 and ``<key hex[0:3]>/<key hex>.kv``) with the tier's own names (``chunk_names``,
 ``backend.FANOUT_CHARS``, ``CONFIG_NAME``, ``FORMAT_NAME``) and judges frames with the
-codec (``shmtier.tiers.fsck.FrameCheck``, with the chunk size the namespace's
+codec (``shmtier.storage.fsck.FrameCheck``, with the chunk size the namespace's
 fingerprint names). Objects beside the namespaces are counted
 and never read or touched. The tier writes every object whole with one PUT, so there
 are no temp objects; an object deleted mid-walk is skipped.
@@ -18,8 +18,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from shmtier.tiers.chunk_names import chunk_key, is_namespace_name, mac_id_of, namespace_dir_name
-from shmtier.tiers.fsck import (
+from shmtier.storage.chunk_names import chunk_key, is_namespace_name, mac_id_of, namespace_dir_name
+from shmtier.storage.fsck import (
     FrameCheck,
     FsckError,
     FsckReport,

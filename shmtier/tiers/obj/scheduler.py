@@ -3,7 +3,7 @@
 
 Who calls: the tiering manager, in the scheduler process, under its lock. Everything
 but the names is the storage tiers' scheduler half
-(``shmtier/tiers/storage/scheduler.py``: index, ``max_bytes`` with LRU deletes,
+(``shmtier/storage/scheduler.py``: index, ``max_bytes`` with LRU deletes,
 lookup probes of a shared bucket (HEAD per key, in the workers), job batching): no
 request to the object store is ever made from the scheduler process after the spec's
 start-up check (``shmtier/tiers/obj/client.py``).
@@ -11,7 +11,7 @@ start-up check (``shmtier/tiers/obj/client.py``).
 
 from __future__ import annotations
 
-from shmtier.tiers.storage.scheduler import StorageTierManager
+from shmtier.storage.scheduler import StorageTierManager
 
 BYTES_STORED = "vllm:kv_offload_shmtier_obj_bytes_stored"
 EVICTED_CHUNKS = "vllm:kv_offload_shmtier_obj_evicted_chunks"

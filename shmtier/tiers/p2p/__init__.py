@@ -1,19 +1,21 @@
 """The ``p2p`` tier: engines fetch KV chunks from each other over ZeroMQ with CurveZMQ (issue 13).
 
-The tier: ``config.py`` (``P2PTierConfig``), ``scheduler.py`` (``P2PTierManager``, the
-scheduler half) and ``endpoint.py`` (the endpoint process it spawns: a ChunkServer and one
-ChunkClient per peer, on the engine's arena rows). The transport:
+By the process that runs it:
 
-- ``keys.py``: CurveZMQ key pairs in files or config, the allow-list of peer keys, and a
-  command line to make keys (``python -m shmtier.tiers.p2p.keys generate DIR NAME``).
-- ``transport.py``: the message flow, and where to import the transport from:
-  ``ChunkServer`` (``server.py``: serves arena rows to admitted peers) and ``ChunkClient``
-  (``client.py``: fetches them into local rows), both for tier worker processes.
-- ``wire.py``: the msgpack control messages; ``counters.py``: ``TransportCounters``;
-  ``circuit.py``: ``PeerCircuit``, the per-peer circuit breaker with backoff.
-- ``status.py``: each endpoint's sessions in a status file, and ``p2p_sessions`` that
-  reads them on the engine's host (for the ``shmtier`` CLI; no zmq needed).
+- every process that builds the spec: ``config.py`` (``P2PTierConfig``), ``keys.py``
+  (CurveZMQ key pairs in files or config and the allow-list of peer keys; also the
+  endpoint's, and a command line to make keys: ``python -m shmtier.tiers.p2p.keys
+  generate DIR NAME``).
+- the scheduler process: ``scheduler.py`` (``P2PTierManager``, the scheduler half:
+  requests, loads, parks, lookups), ``requests.py`` (a request's role and the peer it is
+  bound to), ``peer_metrics.py`` (its metrics) and ``supervisor.py`` (the endpoint
+  process: spawn, channel, backoff, watchdog, reaping).
+- the endpoint process (one per engine): ``endpoint/`` (its main loop, a ChunkServer and
+  one ChunkClient per peer, on the engine's arena rows; the transport between engines).
+- the ``shmtier`` CLI and the endpoint: ``status.py`` (each endpoint's sessions in a
+  status file, ``p2p_sessions`` that reads them on the engine's host, and ``P2PStatus``,
+  the tier's part of ``shmtier top``; no zmq needed).
 
-Importing this package imports nothing; each module but ``status.py`` needs pyzmq
-(extra ``p2p``).
+Importing this package imports nothing; each module but ``status.py`` and
+``peer_metrics.py``/``requests.py`` needs pyzmq (extra ``p2p``).
 """

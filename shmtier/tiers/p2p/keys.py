@@ -1,8 +1,10 @@
 """CurveZMQ keys of the ``p2p`` tier: key pairs in files or config, and the allow-list.
 
-Runs in: whichever process builds a p2p endpoint (tier worker processes for
-:mod:`shmtier.tiers.p2p.transport`; the scheduler when it checks the config; the
-operator's shell for the command line below). Reads small files, never blocks on the
+Runs in: the p2p endpoint process (its key pair and allow-list, for
+:mod:`shmtier.tiers.p2p.endpoint.transport`), every process that builds the spec (the
+tier's config check loads the key files), the scheduler process (the tier's scheduler
+half reads its key pair and allow-list once, at start), and the operator's shell for the
+command line below. Reads small files, never blocks on the
 network. Imports pyzmq (for its Curve25519 key functions and certificate reader), not
 torch or vLLM.
 
@@ -212,7 +214,8 @@ def _write_cert(path: str, mode: int, overwrite: bool, text: str) -> None:
 class AllowList:
     """The public keys (Z85) a server admits at the CurveZMQ handshake.
 
-    Built once by the process that runs a :class:`~shmtier.tiers.p2p.transport.ChunkServer`
+    Built once by the process that runs a
+    :class:`~shmtier.tiers.p2p.endpoint.transport.ChunkServer`
     (``from_directory`` reads files; ``from_keys`` checks config strings). Membership
     tests (``key in allow``, Z85 text or the 32 raw bytes the handshake gives) are a set
     lookup."""

@@ -2,8 +2,9 @@
 
 Runs in: the scheduler process (this half), under the tiering manager's lock; never
 blocks on I/O or the network. The network is the endpoint process's
-(``endpoint.py``): this half spawns and supervises it and talks to it over a ZeroMQ
-PAIR socket on ``ipc://`` with non-blocking sends and receives, polled in
+(``endpoint/``): this half has it spawned and supervised (``supervisor.py``: spawn,
+backoff, watchdog, reaping) and talks to it over a ZeroMQ PAIR socket on ``ipc://``
+with non-blocking sends and receives, polled in
 ``get_finished_jobs``, ``serve_external_requests``, ``on_schedule_end`` and
 ``has_pending_work`` (and by the tier-poll thread: ``tolerates_off_thread_polling``).
 Between rounds that thread waits on ``poll_fds``, the socket's ``FD`` (readable when
@@ -60,111 +61,37 @@ Metrics: the per-peer counters carry the label ``peer`` (the other engine's "hos
 name, then ``"other"``). No KV events (``take_events`` is the base's, empty): the tier
 owns no medium; what it parks are the CPU tier's rows, as in vLLM's p2p tier. Sessions
 for the CLI: ``status.py`` (``p2p_sessions``), written by the endpoint.
+
+What this module holds: the requests' roles, the loads, parks, lookups and the peers'
+symmetric lookups in flight, what each message from the endpoint means for them, and the
+tier's metrics; what to do with the endpoint process is ``supervisor.py``'s.
 """
 
 from __future__ import annotations
 
-import collections
 import itertools
 import logging
-import os
-import shutil
-import subprocess
-import sys
-import tempfile
 import threading
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 from typing import Any
-
-import msgpack
 
 from shmtier import metrics
 from shmtier.contract import (CacheHitSource, LookupResult, OffloadPolicy, ReqContext,
                               RequestOffloadingContext, ScheduleEndContext)
 from shmtier.scheduler.tiering.base import JobResult, ParentManager, SecondaryTierManager, TransferJob
 from shmtier.tiers.p2p.config import P2PTierConfig
-from shmtier.tiers.p2p.status import STATUS_FILE
+from shmtier.tiers.p2p.peer_metrics import (FETCH_SECONDS, LOOKUP_HITS, LOOKUPS, RESTARTS,
+                                            UNBOUND_TIMEOUTS, P2PMetrics, metric_definitions)
+from shmtier.tiers.p2p.requests import External, Parked, Request, RoleReader
+from shmtier.tiers.p2p.supervisor import EndpointSupervisor
 
 logger = logging.getLogger(__name__)
 
 HIT, MISS, RETRY, HIT_PENDING = (LookupResult.HIT, LookupResult.MISS, LookupResult.RETRY,
                                  LookupResult.HIT_PENDING)
-ROLES = ("remote_prefiller", "remote_kv_source", "remote_decoder")
-CHECK_EVERY_S = 0.05
-RESTART_BASE_S, RESTART_CAP_S, STABLE_S = 0.5, 30.0, 30.0
+# a load unanswered this long past fetch_timeout_s gets the endpoint killed (the watchdog)
 WATCHDOG_EXTRA_S = 10.0
-FLUSH_AFTER_S = 0.002  # messages queued this long go at the next poll, not only at step end
-OFF_THREAD_SEEN_S = 0.05  # the tier-poll thread polled this recently: it sends a step's batch
-# a poll this soon after the last look at the endpoint's socket (by either thread) does not
-# look again: a step polls 4-5 times within a few hundred µs and a tier-poll round twice,
-# and each look (getsockopt EVENTS) costs ~3 µs of the lock holder's time (bench/README.md)
-READ_GAP_S = 0.0005
-STOP_WAIT_S = 2.0
-REAP_WAIT_S = 10.0  # drain_jobs waits this long at most for a killed endpoint to be gone
-
-LOOKUPS = "vllm:kv_offload_shmtier_p2p_lookups"
-LOOKUP_HITS = "vllm:kv_offload_shmtier_p2p_lookup_hits"
-FETCHED_BYTES = "vllm:kv_offload_shmtier_p2p_fetched_bytes"
-SERVED_BYTES = "vllm:kv_offload_shmtier_p2p_served_bytes"
-FETCH_SECONDS = "vllm:kv_offload_shmtier_p2p_fetch_seconds"
-REFUSED = "vllm:kv_offload_shmtier_p2p_refused_handshakes"
-REFUSED_REQUESTS = "vllm:kv_offload_shmtier_p2p_refused_requests"
-FAILURES = "vllm:kv_offload_shmtier_p2p_failures"
-UNBOUND_TIMEOUTS = "vllm:kv_offload_shmtier_p2p_unbound_store_timeouts"
-PARKED_ROWS = "vllm:kv_offload_shmtier_p2p_parked_rows"
-RESTARTS = "vllm:kv_offload_shmtier_p2p_endpoint_restarts"
-PEER = "peer"  # label: the peer's "host:port" (MAX_PEER_LABELS of them, then "other")
-MAX_PEER_LABELS = 64
-INBOUND = "inbound"  # the peer label of refusals at this engine's own server
-
-
-@dataclass
-class _Request:
-    """A request's p2p role (ctx state)."""
-
-    role: str
-    kvid: str
-    peer: str = ""
-    server_key: str | None = None
-    failed: bool = False
-    answers: dict = field(default_factory=dict)   # key -> bool (symmetric)
-    # a consumer's peer may hold rows for it: true until a fetch round ended with "done"
-    # (a request that finishes unsettled sends a release, also one that never loaded)
-    unsettled: bool = True
-    probing: dict = field(default_factory=dict)   # key -> deadline (symmetric)
-    to_probe: list = field(default_factory=list)
-    to: list | None = None  # producer bound to one consumer: [its "host:port", its key or ""]
-
-    @property
-    def consumer(self) -> bool:
-        return self.role != "remote_decoder"
-
-
-@dataclass
-class _Parked:
-    jobs: list = field(default_factory=list)
-    rows: int = 0
-    deadline: float = 0.0
-    left: dict = field(default_factory=dict)  # job id -> its keys not yet fetched
-
-
-@dataclass
-class _External:
-    """A peer's symmetric lookup being answered through the ParentManager."""
-
-    tid: int
-    req: str
-    peer: str
-    keys: list
-    deadline: float
-    ctx: ReqContext | None = None
-    results: dict = field(default_factory=dict)
-    dead: bool = False
-    parked_keys: list = field(default_factory=list)  # its hits, parked with the answer
-    parked_rows: list = field(default_factory=list)
-
 
 class P2PTierManager(SecondaryTierManager):
     medium = None
@@ -186,54 +113,26 @@ class P2PTierManager(SecondaryTierManager):
         c = self.config
         self._keys = None if c.plaintext else c.keypair()
         self._allow = None if c.plaintext else c.allow_list()
-        self._peer_keys = dict(c.peers)
-        self._unbindable_logged: set[str] = set()  # consumers named without a known key
+        self.metrics = P2PMetrics(self._label)
+        self._roles = RoleReader(self._label, c.plaintext, self._allow, c.peers, self.metrics)
         # vLLM's rule: the endpoint binds port + the engine's data-parallel index
         self.data_parallel_index = int(getattr(offloading_spec, "data_parallel_index", 0) or 0)
         self.port: int | None = c.listen_port(self.data_parallel_index) or None
         self._finished: list[JobResult] = []
-        self._loads: dict[int, tuple[TransferJob, float, _Request]] = {}
-        self._parked: dict[str, _Parked] = {}
+        self._loads: dict[int, tuple[TransferJob, float, Request]] = {}
+        self._parked: dict[str, Parked] = {}
         self._released: dict[str, float] = {}  # PD ids done or timed out -> forget at
-        self._lookups: dict[int, tuple[_Request, list]] = {}
-        self._probe_queue: dict[str, _Request] = {}
-        self._external: dict[int, _External] = {}
+        self._lookups: dict[int, tuple[Request, list]] = {}
+        self._probe_queue: dict[str, Request] = {}
+        self._external: dict[int, External] = {}
         self._lids = itertools.count(1)
-        self._stats = metrics.OffloadingStats()
-        self.endpoint_counters: dict = {}
-        self._counters_seen: dict = {}
-        self._peer_labels: set[str] = set()
-        self.restarts = 0
-        # endpoint process
-        import zmq
-        self._zmq = zmq
-        self._zctx = zmq.Context()
-        # named after the engine: its endpoint's status file is found by it (status.py)
-        self._tmpdir = tempfile.mkdtemp(prefix=f"shmtier-p2p-{self._engine_id}-")
-        self._sock = None
-        self._proc: subprocess.Popen | None = None
-        # killed endpoints not yet reaped, each with the release of its failed loads' rows
-        self._reaping: list[tuple[subprocess.Popen, threading.Event | None]] = []
-        self._gen = 0
-        self._outbox: collections.deque = collections.deque()  # packed, to send
-        self._pending: list[dict] = []  # queued this step: one send at its end (_flush)
-        self._queued_at = 0.0
-        self._step_thread = None  # the thread that calls on_schedule_end
-        self._off_thread_at = -1.0  # when another thread (the tier-poll thread) last polled
-        self._flush_due = False  # a step's batch waits for that thread to send it
-        self._zmq_events = int(zmq.EVENTS)
-        self._zmq_pollin = int(zmq.POLLIN)
-        self._ready = False
-        self._ready_at = 0.0
-        self._backoff = RESTART_BASE_S
-        self._restart_at = 0.0
-        self._next_check = 0.0
-        self._read_at = -1.0  # when a poll last looked at the socket
-        self._sock_fd = -1  # the socket's zmq.FD (taken under the lock, when it is made)
-        self._look_next = False  # the next off-thread poll looks at the socket (poll_fds)
-        self._closed = False
+        # the endpoint process and the channel to it
+        self.endpoint = EndpointSupervisor(self._label, self._engine_id,
+                                           settings=self._settings, handle=self._handle,
+                                           check=self._check, gone=self._endpoint_gone)
+        self._poll = self.endpoint.poll  # the tier's polls are its endpoint's (hot path)
         try:
-            self._start_endpoint()
+            self.endpoint.start()
         except BaseException:
             self.shutdown()
             raise
@@ -256,7 +155,8 @@ class P2PTierManager(SecondaryTierManager):
 
     # ------------------------------------------------------------------ endpoint process
 
-    def _settings(self, ipc: str) -> dict:
+    def _settings(self, ipc: str, status: str) -> dict:
+        """The endpoint's settings (its supervisor asks at each spawn)."""
         c = self.config
         return {
             "engine_id": self._engine_id, "ipc": ipc, "host": c.host,
@@ -268,56 +168,17 @@ class P2PTierManager(SecondaryTierManager):
             "allow_source": None if c.plaintext else self._allow.source,
             "fetch_timeout_s": c.fetch_timeout_s, "lookup_timeout_s": c.lookup_timeout_s,
             "complete_ttl_s": c.unbound_store_timeout_s, "niceness": c.endpoint_niceness,
-            "status": os.path.join(self._tmpdir, STATUS_FILE),
+            "status": status,
         }
 
-    def _start_endpoint(self) -> None:
-        zmq = self._zmq
-        self._gen += 1
-        path = os.path.join(self._tmpdir, f"ep{self._gen}.sock")
-        sock = self._zctx.socket(zmq.PAIR)
-        sock.linger = 0
-        sock.sndhwm = sock.rcvhwm = 0
-        sock.bind(f"ipc://{path}")
-        self._sock = sock
-        self._sock_fd = sock.getsockopt(zmq.FD)
-        self._counters_seen = {}  # the new endpoint counts from 0
-        self._proc = subprocess.Popen([sys.executable, "-m", "shmtier.tiers.p2p.endpoint"],
-                                      stdin=subprocess.PIPE)
-        try:
-            self._proc.stdin.write(msgpack.packb(self._settings(f"ipc://{path}"),
-                                                 use_bin_type=True))
-            self._proc.stdin.close()
-        except OSError:
-            pass  # it died already: the next check restarts it
-        self._ready = False
-        self._next_check = time.monotonic() + CHECK_EVERY_S
-
-    def _close_socket(self) -> None:
-        if self._sock is not None:
-            self._sock.close(0)
-            self._sock = None
-            self._sock_fd = -1
-        self._outbox.clear()
-        self._pending = []
-
-    def _endpoint_died(self, why: str, release: threading.Event | None = None) -> None:
-        code = self._proc.poll() if self._proc is not None else None
-        logger.error("p2p tier %s: endpoint process %s (%s); failing %d loads and %d parked "
-                     "requests, restarting in %.1f s", self._label,
-                     f"exited with {code}" if code is not None else "killed", why,
-                     len(self._loads), len(self._parked), self._backoff)
-        if self._ready and time.monotonic() - self._ready_at > STABLE_S:
-            self._backoff = RESTART_BASE_S  # it had been running well: restart soon
-        self._proc = None
-        self._close_socket()
-        self._ready = False
+    def _endpoint_gone(self, why: str, release: threading.Event | None) -> str:
+        """The endpoint died or was killed: fail what it held (its supervisor's ``gone``);
+        what was failed, in words."""
+        failed = f"{len(self._loads)} loads and {len(self._parked)} parked requests"
+        self.metrics.endpoint_restarted()
         self._fail_all("endpoint gone", release)
-        now = time.monotonic()
-        self._restart_at = now + self._backoff
-        self._backoff = min(RESTART_CAP_S, self._backoff * 2)
-        self.restarts += 1
-        self._stats.increase_counter(RESTARTS, 1, (self._label,))
+        self.metrics.count_tier(RESTARTS)
+        return failed
 
     def _fail_all(self, why: str, release: threading.Event | None = None) -> None:
         """Fail every load (``release``: their rows may still be written until it is set),
@@ -325,7 +186,7 @@ class P2PTierManager(SecondaryTierManager):
         for job, _, req in self._loads.values():
             self._fail_request_keys(req, job.keys)
             self._finished.append(JobResult(job.job_id, False, [], deferred_release=release))
-            self._count_failure(req.peer)
+            self.metrics.count_failure(req.peer)
         self._loads.clear()
         for kvid, parked in self._parked.items():
             for job in parked.jobs:
@@ -339,121 +200,25 @@ class P2PTierManager(SecondaryTierManager):
         for ext in self._external.values():
             ext.dead = True
 
-    def _kill_endpoint(self, why: str) -> None:
-        """SIGKILL the endpoint without waiting for it (a process in uninterruptible I/O
-        may take long to go): its loads fail now, their rows held until ``_reap`` finds
-        it reaped."""
-        proc, release = self._proc, None
-        if proc is not None:
-            proc.kill()
-            if proc.poll() is None:
-                release = threading.Event() if self._loads else None
-                self._reaping.append((proc, release))
-        self._endpoint_died(why, release)
-
-    def _reap(self) -> None:
-        """Reap the killed endpoints that are gone and set their releases. Non-blocking."""
-        left = []
-        for proc, release in self._reaping:
-            if proc.poll() is None:
-                left.append((proc, release))
-            elif release is not None:
-                release.set()
-        self._reaping = left
-
-    def _wait_reaped(self, what: str) -> None:
-        """Block until every killed endpoint is reaped (at most REAP_WAIT_S each) and set
-        their releases; RuntimeError if one is not gone by then."""
-        while self._reaping:
-            proc, release = self._reaping[0]
-            try:
-                proc.wait(REAP_WAIT_S)
-            except subprocess.TimeoutExpired:
-                raise RuntimeError(
-                    f"p2p tier {self._label}: {what}: the endpoint process {proc.pid} was "
-                    f"killed but is not gone after {REAP_WAIT_S:g} s; the primary rows its "
-                    f"failed loads may still write stay held") from None
-            if release is not None:
-                release.set()
-            self._reaping.pop(0)
-
-    def _send(self, msg: dict) -> None:
-        """Queue ``msg`` for the endpoint: what a step queues goes as one message at
-        ``on_schedule_end`` (an ipc send costs the scheduler thread tens of µs) or, while
-        the tier-poll thread polls this tier, at that thread's next poll (within about a
-        millisecond, off the scheduler thread); else at a poll FLUSH_AFTER_S later (an
-        engine with no step to run)."""
-        if not self._pending:
-            self._queued_at = time.monotonic()
-        self._pending.append(msg)
-
-    def _flush(self) -> None:
-        self._flush_due = False
-        sock, zmq = self._sock, self._zmq
-        if self._pending and sock is not None:
-            batch = self._pending[0] if len(self._pending) == 1 else self._pending
-            self._outbox.append(msgpack.packb(batch, use_bin_type=True))
-            self._pending = []
-        while self._outbox and sock is not None:
-            try:
-                sock.send(self._outbox[0], zmq.NOBLOCK)
-            except zmq.Again:  # no endpoint connected yet
-                return
-            self._outbox.popleft()
-
-    def _poll(self) -> None:
-        """Supervise the endpoint and take what it sent (looking at the socket at most
-        every READ_GAP_S); send what is due. Non-blocking."""
-        if self._closed:
-            return
-        now = time.monotonic()
-        off_thread = threading.get_ident() != self._step_thread
-        if off_thread:
-            self._off_thread_at = now
-        if self._reaping:
-            self._reap()
-        if self._proc is None:
-            if now >= self._restart_at and not self._reaping:
-                self._start_endpoint()
-            return
-        if now >= self._next_check:
-            self._next_check = now + CHECK_EVERY_S
-            if self._proc.poll() is not None:
-                self._endpoint_died("its process ended")
-                return
-            for job, deadline, _ in self._loads.values():
-                if now > deadline:
-                    self._kill_endpoint(f"load job {job.job_id} unanswered past "
-                                        f"fetch_timeout_s + {WATCHDOG_EXTRA_S:g} s")
-                    return
-            self._expire(now)
-        zmq, sock = self._zmq, self._sock
-        # ask first: a recv that raises zmq.Again costs ~20 µs, and this runs several
-        # times a step, mostly with nothing to read (and at most every READ_GAP_S, except
-        # the tier-poll thread's first poll after poll_fds: reading EVENTS is what clears
-        # the edge-triggered FD it waits on, and news may have woken it)
-        if now - self._read_at >= READ_GAP_S or (off_thread and self._look_next):
-            self._read_at = now
-            if off_thread:
-                self._look_next = False
-            while sock.getsockopt(self._zmq_events) & self._zmq_pollin:
-                try:
-                    buf = sock.recv(zmq.NOBLOCK)
-                except zmq.Again:
-                    break
-                self._handle(msgpack.unpackb(buf, raw=False))
-        if (self._outbox or (self._flush_due and off_thread)
-                or (self._pending and now - self._queued_at >= FLUSH_AFTER_S)):
-            self._flush()
+    def _check(self, now: float) -> str | None:
+        """Every CHECK_EVERY_S while the endpoint runs (its supervisor's ``check``): the
+        watchdog's reason to kill it (a load unanswered past its deadline), else None
+        after releasing the parked requests past ``unbound_store_timeout_s``."""
+        for job, deadline, _ in self._loads.values():
+            if now > deadline:
+                return (f"load job {job.job_id} unanswered past fetch_timeout_s + "
+                        f"{WATCHDOG_EXTRA_S:g} s")
+        self._expire(now)
+        return None
 
     def _expire(self, now: float) -> None:
         for kvid in [k for k, p in self._parked.items() if now > p.deadline]:
             parked = self._parked.pop(kvid)
-            self._send({"t": "unpark", "req": kvid})
+            self.endpoint.send({"t": "unpark", "req": kvid})
             for job in parked.jobs:
                 self._finished.append(JobResult(job.job_id, False))
             self._released[kvid] = now + self.config.unbound_store_timeout_s
-            self._stats.increase_counter(UNBOUND_TIMEOUTS, 1, (self._label,))
+            self.metrics.count_tier(UNBOUND_TIMEOUTS)
             logger.warning("p2p tier %s: request %s: %d parked chunks not fetched within "
                            "unbound_store_timeout_s = %g s; released", self._label, kvid,
                            parked.rows, self.config.unbound_store_timeout_s)
@@ -464,7 +229,7 @@ class P2PTierManager(SecondaryTierManager):
     def _handle(self, msg: dict) -> None:
         t = msg["t"]
         if t == "ready":
-            self._ready, self._ready_at = True, time.monotonic()
+            self.endpoint.mark_ready()
             self.port = msg["port"]
         elif t == "load_done":
             self._load_done(msg)
@@ -476,11 +241,11 @@ class P2PTierManager(SecondaryTierManager):
             else:
                 self._release_keys(msg["req"], msg["keys"])
         elif t == "ext_lookup":
-            self._external[msg["tid"]] = _External(
+            self._external[msg["tid"]] = External(
                 msg["tid"], msg["req"], msg["peer"], msg["keys"],
                 time.monotonic() + self.config.lookup_timeout_s / 2)
         elif t == "counters":
-            self._take_counters(msg)
+            self.metrics.take_counters(msg)
 
     def _load_done(self, msg: dict) -> None:
         entry = self._loads.pop(msg["job"], None)
@@ -492,11 +257,11 @@ class P2PTierManager(SecondaryTierManager):
         success = len(ok) == len(keys)
         if success:  # the endpoint told the peer "done" after this round
             req.unsettled = False
-        self._stats.increase_counter(FETCH_SECONDS, msg["seconds"], self._peer(req.peer))
+        self.metrics.count(FETCH_SECONDS, msg["seconds"], req.peer)
         if not success:
             failed = [k for k in keys if k not in set(ok)]
             self._fail_request_keys(req, failed)
-            self._count_failure(req.peer)
+            self.metrics.count_failure(req.peer)
             logger.warning("p2p tier %s: request %s: %d of %d chunks not fetched from %s: %s",
                            self._label, req.kvid, len(failed), len(keys), req.peer,
                            msg["detail"])
@@ -504,7 +269,7 @@ class P2PTierManager(SecondaryTierManager):
                                         transfer_time=msg["seconds"],
                                         transfer_bytes=msg["nbytes"]))
 
-    def _fail_request_keys(self, req: _Request, keys: Iterable) -> None:
+    def _fail_request_keys(self, req: Request, keys: Iterable) -> None:
         if req.role == "remote_prefiller":
             req.failed = True
         for key in keys:
@@ -517,14 +282,14 @@ class P2PTierManager(SecondaryTierManager):
         req, keys = entry
         hits = msg["hits"]
         if hits is None:
-            self._count_failure(req.peer)
+            self.metrics.count_failure(req.peer)
             logger.warning("p2p tier %s: lookup for request %s at %s failed: %s",
                            self._label, req.kvid, req.peer, msg["detail"])
             hits = [False] * len(keys)
         for key, hit in zip(keys, hits):
             req.answers[key] = bool(hit)
             req.probing.pop(key, None)
-        self._stats.increase_counter(LOOKUP_HITS, sum(map(bool, hits)), self._peer(req.peer))
+        self.metrics.count(LOOKUP_HITS, sum(map(bool, hits)), req.peer)
 
     def _release(self, kvid: str) -> None:
         parked = self._parked.pop(kvid, None)
@@ -556,112 +321,19 @@ class P2PTierManager(SecondaryTierManager):
         if not keep:
             del self._parked[kvid]
 
-    def _take_counters(self, msg: dict) -> None:
-        """The endpoint's running totals (every second) as metric deltas, per peer."""
-        self.endpoint_counters = {"server": msg["server"], "clients": msg["clients"],
-                                  "served": msg.get("served", {})}
-        now = {(REFUSED, INBOUND): sum(msg["server"]["refused_handshakes"].values()),
-               (REFUSED_REQUESTS, INBOUND): msg["server"].get("refused_requests", 0)}
-        for name, n in msg.get("served", {}).items():
-            now[(SERVED_BYTES, name)] = n
-        for peer, c in msg["clients"].items():
-            now[(FETCHED_BYTES, peer)] = c["bytes_received"]
-            now[(REFUSED, peer)] = sum(c["refused_handshakes"].values())
-        for (name, peer), value in now.items():
-            seen = self._counters_seen.get((name, peer), 0)
-            if value > seen:
-                self._stats.increase_counter(name, value - seen, self._peer(peer))
-            self._counters_seen[(name, peer)] = value
-
-    def _peer(self, peer: str) -> tuple[str, str]:
-        """The labels of a per-peer series: the tier and the peer's "host:port" (the
-        first MAX_PEER_LABELS peers by name, later ones together as "other")."""
-        if peer not in self._peer_labels:
-            if len(self._peer_labels) >= MAX_PEER_LABELS:
-                return (self._label, "other")
-            self._peer_labels.add(peer)
-        return (self._label, peer)
-
-    def _count_failure(self, peer: str) -> None:
-        self._stats.increase_counter(FAILURES, 1, self._peer(peer))
-
     # ------------------------------------------------------------------ the contract
 
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
-        params = req_context.kv_transfer_params or {}
-        for role in ROLES:
-            info = params.get(role) if isinstance(params, dict) else None
-            if info is None:
-                continue
-            req = self._parse_role(role, info, req_context.req_id)
-            if req is None:
-                break
+        req = self._roles.read(req_context.kv_transfer_params or {}, req_context.req_id)
+        if req is not None:
             req_context.set_state(req)
-            if role == "remote_decoder":
+            if not req.consumer:
                 return RequestOffloadingContext(OffloadPolicy.REQUEST_LEVEL)
-            break
         return RequestOffloadingContext()
 
-    def _parse_role(self, role: str, info: Any, req_id: str) -> _Request | None:
-        kvid = info.get("kv_request_id") if isinstance(info, dict) else None
-        if not isinstance(kvid, str) or not kvid:
-            logger.warning("p2p tier %s: request %s: kv_transfer_params.%s has no "
-                           "kv_request_id; ignored", self._label, req_id, role)
-            return None
-        host, port = info.get("remote_host"), info.get("remote_port")
-        if role == "remote_decoder" and host is None and port is None:
-            return _Request(role, kvid)  # any admitted peer may fetch it (vLLM's rule)
-        if not isinstance(host, str) or not isinstance(port, int) or isinstance(port, bool):
-            logger.warning("p2p tier %s: request %s: kv_transfer_params.%s needs remote_host "
-                           "and remote_port; ignored", self._label, req_id, role)
-            return None
-        peer = f"{host}:{port}"
-        req = _Request(role, kvid, peer)
-        if role == "remote_decoder":  # bound to that consumer
-            if self.config.plaintext:
-                req.to = [peer, ""]  # by the name its hello gives: nothing better exists
-                return req
-            key = self._server_key(peer, info.get("remote_public_key"))
-            if key is None:
-                # a hello's name is the client's claim: with CurveZMQ a request is bound
-                # to a key the handshake proves, or it is not parked (docs/architecture.md)
-                req.failed = True
-                self._stats.increase_counter(REFUSED, 1, self._peer(peer))
-                if peer not in self._unbindable_logged:
-                    self._unbindable_logged.add(peer)
-                    logger.warning(
-                        "p2p tier %s: request %s: remote_decoder names consumer %s, whose "
-                        "public key is not known (no peers entry for it, no allow-listed "
-                        "remote_public_key in the request, and the allow-list holds %d "
-                        "keys): its chunks are not parked (a peer's hello name proves "
-                        "nothing); further such requests for %s are only counted",
-                        self._label, req_id, peer, len(self._allow), peer)
-                return req
-            req.to = [peer, key]
-            return req
-        if not self.config.plaintext:
-            req.server_key = self._server_key(peer, info.get("remote_public_key"))
-            if req.server_key is None:
-                req.failed = True
-                self._stats.increase_counter(REFUSED, 1, self._peer(peer))
-                logger.warning("p2p tier %s: request %s: no public key known for peer %s "
-                               "(set peers, or allow-list its key); its chunks are not "
-                               "fetched", self._label, req_id, peer)
-        return req
-
-    def _server_key(self, peer: str, offered: Any) -> str | None:
-        known = self._peer_keys.get(peer)
-        if known is not None:
-            return known
-        if isinstance(offered, str) and offered in self._allow:
-            return offered
-        if len(self._allow) == 1:
-            return next(iter(self._allow)).decode()
-        return None
-
     def lookup(self, key, req_context: ReqContext) -> LookupResult:
-        req = req_context.get_state(_Request)
-        if req is None or not req.consumer or req.failed or self._proc is None:
+        req = req_context.get_state(Request)
+        if req is None or not req.consumer or req.failed or self.endpoint.proc is None:
             return MISS
         if req.role == "remote_prefiller":
             return HIT
@@ -673,7 +345,7 @@ class P2PTierManager(SecondaryTierManager):
             req.probing[key] = time.monotonic() + self.config.lookup_timeout_s + 2.0
             req.to_probe.append(key)
             self._probe_queue[req_context.req_id] = req
-            self._stats.increase_counter(LOOKUPS, 1, self._peer(req.peer))
+            self.metrics.count(LOOKUPS, 1, req.peer)
             return RETRY
         if time.monotonic() > deadline:
             req.answers[key] = False
@@ -681,12 +353,12 @@ class P2PTierManager(SecondaryTierManager):
         return RETRY
 
     def submit_store(self, job: TransferJob) -> None:
-        req = job.req_context.get_state(_Request)
+        req = job.req_context.get_state(Request)
         if req is None or req.consumer:  # nothing to keep for a peer
             self._finished.append(JobResult(job.job_id, True, transfer_time=0.0,
                                             transfer_bytes=0))
             return
-        if req.failed or req.kvid in self._released or self._proc is None:
+        if req.failed or req.kvid in self._released or self.endpoint.proc is None:
             self._finished.append(JobResult(job.job_id, False))
             return
         self._park(req.kvid, job, req.to)
@@ -696,29 +368,29 @@ class P2PTierManager(SecondaryTierManager):
         msg = {"t": "park", "req": kvid, "keys": list(job.keys), "rows": job.rows}
         if to is not None:
             msg["to"] = to
-        self._send(msg)
+        self.endpoint.send(msg)
 
     def _keep(self, kvid: str, job: TransferJob) -> None:
         """Track the pinned cascade ``job`` as parked for ``kvid`` (until released,
         timed out or the endpoint is gone); the endpoint is told by the caller."""
         parked = self._parked.get(kvid)
         if parked is None:
-            parked = self._parked[kvid] = _Parked()
+            parked = self._parked[kvid] = Parked()
         parked.jobs.append(job)
         parked.left[job.job_id] = set(job.keys)
         parked.rows += len(job.keys)
         parked.deadline = time.monotonic() + self.config.unbound_store_timeout_s
 
     def submit_load(self, job: TransferJob) -> None:
-        req = job.req_context.get_state(_Request)
-        if (req is None or not req.consumer or req.failed or self._proc is None
+        req = job.req_context.get_state(Request)
+        if (req is None or not req.consumer or req.failed or self.endpoint.proc is None
                 or (not self.config.plaintext and req.server_key is None)):
             self._finished.append(JobResult(job.job_id, False, []))
             return
         deadline = time.monotonic() + self.config.fetch_timeout_s + WATCHDOG_EXTRA_S
         self._loads[job.job_id] = (job, deadline, req)
         req.unsettled = True
-        self._send({"t": "load", "job": job.job_id, "req": req.kvid, "peer": req.peer,
+        self.endpoint.send({"t": "load", "job": job.job_id, "req": req.kvid, "peer": req.peer,
                     "skey": req.server_key, "keys": list(job.keys), "rows": job.rows})
 
     def get_finished_jobs(self) -> Iterable[JobResult]:
@@ -727,37 +399,34 @@ class P2PTierManager(SecondaryTierManager):
         return finished
 
     def on_request_finished(self, req_context: ReqContext) -> None:
-        req = req_context.get_state(_Request)
+        req = req_context.get_state(Request)
         self._probe_queue.pop(req_context.req_id, None)
         if req is not None and not req.consumer:  # every store of it is parked by now
-            self._send({"t": "complete", "req": req.kvid})
+            self.endpoint.send({"t": "complete", "req": req.kvid})
             return
         # a request whose last round the endpoint closed with "done" needs no release
         if (req is not None and req.consumer and req.unsettled
                 and (self.config.plaintext or req.server_key)):
-            self._send({"t": "release", "req": req.kvid, "peer": req.peer,
+            self.endpoint.send({"t": "release", "req": req.kvid, "peer": req.peer,
                         "skey": req.server_key})
 
     def on_schedule_end(self, context: ScheduleEndContext) -> None:
-        self._step_thread = threading.get_ident()
+        self.endpoint.step_thread = threading.get_ident()
         self._poll()
         if self._probe_queue:
             queued, self._probe_queue = self._probe_queue, {}
             for req in queued.values():
                 keys, req.to_probe = req.to_probe, []
-                if not keys or self._proc is None:
+                if not keys or self.endpoint.proc is None:
                     continue
                 lid = next(self._lids)
                 self._lookups[lid] = (req, keys)
                 req.unsettled = True
-                self._send({"t": "lookup", "lid": lid, "req": req.kvid, "peer": req.peer,
+                self.endpoint.send({"t": "lookup", "lid": lid, "req": req.kvid, "peer": req.peer,
                             "skey": req.server_key, "keys": keys})
         # what this step queued (loads, parks, lookups, releases): one send, by the
         # tier-poll thread if it polls this tier (then not on the scheduler thread)
-        if time.monotonic() - self._off_thread_at < OFF_THREAD_SEEN_S:
-            self._flush_due = bool(self._pending)
-        else:
-            self._flush()
+        self.endpoint.end_step()
 
     def serve_external_requests(self, parent: ParentManager) -> None:
         self._poll()
@@ -792,21 +461,17 @@ class P2PTierManager(SecondaryTierManager):
                 answers = [ext.results[k] for k in ext.keys]
                 # the hits go with the answer: the endpoint parks them bound to the
                 # session that asked (a separate "park" would serve any admitted peer)
-                self._send({"t": "answer", "tid": tid, "hits": answers, "req": ext.req,
+                self.endpoint.send({"t": "answer", "tid": tid, "hits": answers, "req": ext.req,
                             "keys": ext.parked_keys, "rows": ext.parked_rows})
                 parent.on_request_finished(ext.ctx)
                 del self._external[tid]
-        if self._pending and threading.get_ident() != self._step_thread:
-            self._flush()  # answered on the tier-poll thread: sent now, not FLUSH_AFTER_S later
+        self.endpoint.flush_off_thread()  # answered on the tier-poll thread: sent now
 
     def poll_fds(self) -> tuple[int, ...]:
         """What the tier-poll thread waits on between rounds (``SecondaryTierManager.poll_fds``;
         called by it under the lock): the endpoint socket's FD, none while there is no
         socket. Its next poll looks at the socket (READ_GAP_S does not apply)."""
-        if self._closed or self._sock_fd < 0:
-            return ()
-        self._look_next = True
-        return (self._sock_fd,)
+        return self.endpoint.poll_fds()
 
     def idle_jobs(self) -> int:
         """The parked stores' jobs: they need no engine step (``SecondaryTierManager``).
@@ -822,59 +487,38 @@ class P2PTierManager(SecondaryTierManager):
         (``idle_jobs``)."""
         self._poll()
         return bool(self._loads or self._lookups or self._probe_queue
-                    or self._external or self._finished or self._reaping)
+                    or self._external or self._finished or self.endpoint.reaping)
 
     def drain_jobs(self) -> None:
         """Wait for the loads (killing the endpoint past their deadline), fail the parked
         stores; returns only once every killed endpoint is reaped and the releases of its
         failed loads are set (RuntimeError past REAP_WAIT_S)."""
         deadline = time.monotonic() + self.config.fetch_timeout_s + WATCHDOG_EXTRA_S
-        self._flush()
-        while self._loads and self._proc is not None:
+        endpoint = self.endpoint
+        endpoint.flush()
+        while self._loads and endpoint.proc is not None:
             self._poll()
             if time.monotonic() > deadline:
-                self._kill_endpoint("drain_jobs: loads unanswered")
+                endpoint.kill("drain_jobs: loads unanswered")
                 break
             time.sleep(0.001)
-        self._wait_reaped("drain_jobs")
+        endpoint.wait_reaped("drain_jobs")
         for kvid in list(self._parked):
             parked = self._parked.pop(kvid)
-            self._send({"t": "unpark", "req": kvid})
+            self.endpoint.send({"t": "unpark", "req": kvid})
             for job in parked.jobs:
                 self._finished.append(JobResult(job.job_id, False))
-        self._flush()
+        endpoint.flush()
 
     # ------------------------------------------------------------------ metrics, shutdown
 
     def get_stats(self) -> metrics.OffloadingStats:
         self._poll()
-        stats, self._stats = self._stats, metrics.OffloadingStats()
-        stats.set_gauge(PARKED_ROWS, sum(p.rows for p in self._parked.values()),
-                        (self._label,))
-        return stats
+        return self.metrics.take(sum(p.rows for p in self._parked.values()))
 
     @classmethod
     def build_metric_definitions(cls, tier_config: dict[str, Any]) -> dict[str, Any]:
-        t, tp = (metrics.TIER,), (metrics.TIER, PEER)
-        c = metrics.CounterMetadata
-        return {
-            LOOKUPS: c("Keys this engine asked a peer about (symmetric lookups).", tp),
-            LOOKUP_HITS: c("Keys a peer answered it holds.", tp),
-            FETCHED_BYTES: c("Chunk bytes fetched from a peer (verified).", tp),
-            SERVED_BYTES: c("Chunk bytes served to a peer (by the name its hello gave).", tp),
-            FETCH_SECONDS: c("Seconds of fetch rounds (promotions from a peer).", tp),
-            REFUSED: c("Handshakes refused (unknown key, other layout or hash seed): by a "
-                       "peer, or at this engine's server (peer=\"inbound\"); and requests "
-                       "naming a peer without a known key.", tp),
-            REFUSED_REQUESTS: c("Fetches, lookups and dones of an admitted peer naming a "
-                                "request bound to another peer (nothing served; "
-                                "peer=\"inbound\").", tp),
-            FAILURES: c("Fetch rounds and lookups that failed, per peer.", tp),
-            UNBOUND_TIMEOUTS: c("Parked requests released by unbound_store_timeout_s.", t),
-            PARKED_ROWS: metrics.GaugeMetadata("Primary rows pinned for peers.", t),
-            RESTARTS: c("Endpoint process restarts.", t),
-            **metrics.deferred_release_metric_definitions(),
-        }
+        return metric_definitions()
 
     @classmethod
     def config_info_keys(cls, tier_config: dict[str, Any]) -> tuple[str, ...]:
@@ -884,30 +528,9 @@ class P2PTierManager(SecondaryTierManager):
         return {"p2p_endpoint": f"{self.config.host}:{self.port or 0}"}
 
     def shutdown(self) -> None:
-        if self._closed:
+        """Stop the endpoint (``EndpointSupervisor.shutdown``: bounded waits), then fail
+        whatever it still held."""
+        if self.endpoint.closed:
             return
-        if self._proc is not None and self._sock is not None:
-            try:
-                self._send({"t": "stop"})
-                self._flush()
-            except Exception:
-                pass
-            try:
-                self._proc.wait(STOP_WAIT_S)
-            except subprocess.TimeoutExpired:
-                self._proc.kill()
-                self._proc.wait()
-        elif self._proc is not None:
-            self._proc.kill()
-            self._proc.wait()
-        try:
-            self._wait_reaped("shutdown")
-        except RuntimeError as e:  # shutting down: nothing reuses the rows any more
-            logger.error("%s", e)
-            self._reaping = []
-        self._closed = True
-        self._proc = None
+        self.endpoint.shutdown()
         self._fail_all("shutdown")
-        self._close_socket()
-        self._zctx.term()
-        shutil.rmtree(self._tmpdir, ignore_errors=True)

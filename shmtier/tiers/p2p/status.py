@@ -1,4 +1,5 @@
-"""The p2p tier's sessions as the ``shmtier`` CLI can show them: :func:`p2p_sessions`.
+"""The p2p tier's sessions as the ``shmtier`` CLI can show them: :func:`p2p_sessions`, and
+:class:`P2PStatus`, the tier's part of ``shmtier top`` (named in the tier registry).
 
 Runs in: the endpoint process (``write_status``, once a second) and any process on the
 same host that wants to see its p2p sessions (``p2p_sessions``: the CLI, tests). No
@@ -26,7 +27,9 @@ import os
 import tempfile
 import time
 
-__all__ = ["STATUS_FILE", "p2p_sessions", "write_status"]
+from shmtier.tiers.commands import TierStatus
+
+__all__ = ["STATUS_FILE", "P2PStatus", "p2p_sessions", "write_status"]
 
 STATUS_FILE = "status.json"
 DIR_PREFIX = "shmtier-p2p-"
@@ -82,3 +85,33 @@ def _alive(pid) -> bool:
         except PermissionError:
             return True
         return True
+
+
+class P2PStatus(TierStatus):
+    """``shmtier top``'s p2p part: the engine's endpoint sessions (``p2p_sessions``),
+    under ``"p2p"`` in ``--json``, and in words."""
+
+    def sessions(self, engine_id: str) -> list[dict]:
+        return p2p_sessions(engine_id)
+
+    def lines(self, session: dict) -> list[str]:
+        """One endpoint's status in words."""
+        from shmtier.shared.segment import human_bytes
+
+        p = session
+        state = "alive" if p.get("alive") else "GONE"
+        parked = p.get("parked") or {}
+        lines = [f"p2p    endpoint {p.get('endpoint')} pid {p.get('pid')} {state} "
+                 f"(status {p.get('age_s', 0):.1f}s old)"
+                 f"{'  PLAINTEXT' if p.get('plaintext') else ''}"
+                 f"  parked {parked.get('rows', 0)} rows of {parked.get('requests', 0)} requests"]
+        for i in p.get("inbound") or []:
+            refused = f"  REFUSED {i['refused']}" if i.get("refused") else ""
+            lines.append(f"  in  {i.get('name')}  sent {human_bytes(i.get('bytes_sent', 0))}"
+                         f"{refused}")
+        for o in p.get("outbound") or []:
+            lines.append(f"  out {o.get('peer')}  circuit {o.get('circuit')}  failures "
+                         f"{o.get('failures', 0)}  chunks {o.get('chunks', 0)}  received "
+                         f"{human_bytes(o.get('bytes_received', 0))}"
+                         + (f"  last error {o['last_error']}" if o.get("last_error") else ""))
+        return lines

@@ -1,8 +1,8 @@
 """Counters of one p2p transport endpoint (a ChunkServer or a ChunkClient).
 
-Runs in: the tier worker process that owns the endpoint; plain integers updated by that
-endpoint's one thread, read by whoever reports them (``as_dict`` for results, metrics and
-tests). No locking, no I/O.
+Runs in: the p2p endpoint process that owns the server or client; plain integers updated
+by that one thread, read by whoever reports them (``as_dict``: the process's ``counters``
+message to the scheduler half and its status file; tests). No locking, no I/O.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """The p2p tier's endpoint process: serves this engine's parked rows to peers, fetches theirs.
 
-Runs in: one process per engine, started (``python -m shmtier.tiers.p2p.endpoint``, its
-settings as msgpack on stdin) and supervised by the tier's scheduler half
-(``scheduler.py``). It maps the engine's segment (``join_existing``) and reads and writes
+Runs in: the p2p endpoint process, one per engine, started (``python -m
+shmtier.tiers.p2p.endpoint``, its settings as msgpack on stdin) and supervised by the
+tier's scheduler half (``shmtier/tiers/p2p/supervisor.py``). It maps the engine's segment (``join_existing``) and reads and writes
 arena rows directly; the scheduler thread never touches the network.
 
 Threads: the main thread runs the ``ChunkServer`` and the PAIR socket to the scheduler
@@ -82,10 +82,10 @@ from shmtier.shared.jobs import Outcome
 from shmtier.shared.log_setup import configure_logging
 from shmtier.shared.redact import register_secrets_in
 from shmtier.shared.segment import join_existing
-from shmtier.tiers.p2p.circuit import PeerCircuit
-from shmtier.tiers.p2p.client import ChunkClient
+from shmtier.tiers.p2p.endpoint.circuit import PeerCircuit
+from shmtier.tiers.p2p.endpoint.client import ChunkClient
 from shmtier.tiers.p2p.keys import AllowList, keypair_from_config
-from shmtier.tiers.p2p.server import ChunkServer, LookupToken
+from shmtier.tiers.p2p.endpoint.server import ChunkServer, LookupToken
 from shmtier.tiers.p2p.status import write_status
 
 log = logging.getLogger(__name__)
@@ -254,7 +254,7 @@ def _failed(task: dict, detail: str) -> dict | None:
 
 class Endpoint:
     """The endpoint of one engine (see the module docstring). ``settings``: what the
-    scheduler half wrote on stdin (``P2PTierManager._endpoint_settings``)."""
+    scheduler half wrote on stdin (``P2PTierManager._settings``)."""
 
     def __init__(self, settings: dict):
         self.settings = settings

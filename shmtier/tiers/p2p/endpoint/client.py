@@ -1,6 +1,7 @@
 """The fetching end of the p2p transport: ``ChunkClient`` (DEALER, CurveZMQ client) and ``FetchResult``.
 
-Runs in: tier worker processes that load chunks from a peer, one thread per client. Never
+Runs in: the p2p endpoint process (``process.py``), one thread per peer that this engine
+loads chunks from (and in the test and bench processes that stand in for a peer). Never
 runs in the scheduler process. The message flow, the row-memory rule and the failure
 handling of both ends: ``transport.py``.
 """
@@ -19,9 +20,9 @@ from zmq.utils.monitor import parse_monitor_message
 
 from shmtier.shared.codec import copy_crc32c
 from shmtier.shared.jobs import Outcome
-from shmtier.tiers.p2p import wire
-from shmtier.tiers.p2p.circuit import PeerCircuit
-from shmtier.tiers.p2p.counters import TransportCounters
+from shmtier.tiers.p2p.endpoint import wire
+from shmtier.tiers.p2p.endpoint.circuit import PeerCircuit
+from shmtier.tiers.p2p.endpoint.counters import TransportCounters
 from shmtier.tiers.p2p.keys import CurveKeyPair, parse_key
 
 __all__ = ["ChunkClient", "FetchResult"]
@@ -85,7 +86,7 @@ class _Timeout(Exception):
 class ChunkClient:
     """Fetches chunks from one peer's :class:`ChunkServer` into local rows.
 
-    Who calls: a tier worker process (the worker half of the p2p tier), from one thread;
+    Who calls: the p2p endpoint process (``process.py``: a peer's thread), from one thread;
     not thread-safe. Every call blocks at most its ``timeout_s`` (connecting, the hello
     and the answers included), and not at all while the peer's circuit is open.
 

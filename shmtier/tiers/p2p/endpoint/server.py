@@ -1,8 +1,11 @@
 """The serving end of the p2p transport: ``ChunkServer`` (ROUTER, CurveZMQ server, ZAP handler).
 
-Runs in: the tier worker process that serves an engine's chunks to its peers, on one
-thread (its :meth:`ChunkServer.poll` loop). Never runs in the scheduler process. The message
+Runs in: the p2p endpoint process (``process.py``) that serves an engine's chunks to its
+peers, on its main thread (the :meth:`ChunkServer.poll` loop), and in the test and bench
+processes that stand in for a peer. Never runs in the scheduler process. The message
 flow, the row-memory rule and the failure handling of both ends: ``transport.py``.
+
+Over 600 lines: one class whose state (sessions, bindings, ZAP answers) one thread owns.
 """
 
 from __future__ import annotations
@@ -20,8 +23,8 @@ from zmq.utils import z85
 from zmq.utils.monitor import parse_monitor_message
 
 from shmtier.shared.codec import crc32c
-from shmtier.tiers.p2p import wire
-from shmtier.tiers.p2p.counters import TransportCounters
+from shmtier.tiers.p2p.endpoint import wire
+from shmtier.tiers.p2p.endpoint.counters import TransportCounters
 from shmtier.tiers.p2p.keys import AllowList, CurveKeyPair
 
 __all__ = ["ChunkServer", "LookupToken", "Provider", "RequestOwner", "RequestProvider"]
@@ -90,8 +93,8 @@ class _Outbox:
 class ChunkServer:
     """Serves the chunks of one engine to its admitted peers.
 
-    Who calls: the tier worker that serves peers (one per engine and data-parallel rank),
-    on one thread: construct it, then call :meth:`poll` in its loop (or :meth:`serve`),
+    Who calls: the p2p endpoint process that serves peers (one per engine and
+    data-parallel rank), on its main thread: construct it, then call :meth:`poll` in its loop (or :meth:`serve`),
     :meth:`close` at the end. Not thread-safe.
 
     ``host``, ``port``: where the ROUTER socket binds (``port=0``: a free port, read back

@@ -1,7 +1,7 @@
 """The p2p transport's messages: msgpack control dicts and their checks.
 
-Runs in: the tier worker processes that run a ChunkServer or a ChunkClient. Pure
-functions on bytes; no I/O, never blocks. Also what both ends share: the handshake
+Runs in: the p2p endpoint process (its ChunkServer and ChunkClients; and the test and
+bench processes that stand in for a peer). Pure functions on bytes; no I/O, never blocks. Also what both ends share: the handshake
 monitor events, the plaintext WARNING, the byte-view check of rows.
 
 Every control message is one msgpack map with a ``"t"`` (type) field, as vLLM's p2p

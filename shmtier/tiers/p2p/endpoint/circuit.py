@@ -1,8 +1,9 @@
 """Per-peer circuit breaker of the ``p2p`` tier: after a failure, fail fast until a backoff expires.
 
-Runs in: whichever process talks to a peer (a :class:`~shmtier.tiers.p2p.transport.ChunkClient`
-in a tier worker holds one per peer). Pure bookkeeping on a monotonic clock: never blocks,
-no I/O, not thread-safe (one per client, used from the client's thread).
+Runs in: the p2p endpoint process, which gives each peer's
+:class:`~shmtier.tiers.p2p.endpoint.client.ChunkClient` one (its main thread reads the
+state for the status file). Pure bookkeeping on a monotonic clock: never blocks, no I/O,
+not thread-safe (one per client, used from the client's thread).
 
 States: *closed* (calls go through), *open* (calls fail at once until ``retry_at``), and
 after the backoff one trial call goes through (*half-open*): its success closes the circuit

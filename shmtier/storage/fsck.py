@@ -23,7 +23,7 @@ from shmtier.shared.codec import (
     mac_key_id,
     parse_frame_header,
 )
-from shmtier.tiers.chunk_names import MAC_MARK
+from shmtier.storage.chunk_names import MAC_MARK
 
 #: Every kind of problem fsck reports, and what it means.
 KINDS = {

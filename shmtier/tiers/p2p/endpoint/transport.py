@@ -1,7 +1,8 @@
 """The p2p tier's transport: a ChunkServer that serves arena rows, a ChunkClient that fetches them.
 
-Runs in: tier worker processes only. Both classes do network I/O; the scheduler process
-never calls them (it must never block on the network). Built on pyzmq (ROUTER/DEALER over
+Runs in: the p2p endpoint process only (``process.py``; and the test and bench processes
+that stand in for a peer). Both classes do network I/O; the scheduler process never
+imports them (it must never block on the network). Built on pyzmq (ROUTER/DEALER over
 TCP, CurveZMQ, a ZAP handler), control messages in msgpack (``wire.py``), chunk bytes as
 raw ZeroMQ frames with shmtier's CRC-32C (``shmtier.shared.codec.crc32c``). Imports neither
 torch nor vLLM.
@@ -62,10 +63,10 @@ classes from here.
 
 from __future__ import annotations
 
-from shmtier.tiers.p2p.circuit import PeerCircuit
-from shmtier.tiers.p2p.client import ChunkClient, FetchResult
-from shmtier.tiers.p2p.counters import TransportCounters
-from shmtier.tiers.p2p.server import ChunkServer, LookupToken, Provider, RequestProvider
+from shmtier.tiers.p2p.endpoint.circuit import PeerCircuit
+from shmtier.tiers.p2p.endpoint.client import ChunkClient, FetchResult
+from shmtier.tiers.p2p.endpoint.counters import TransportCounters
+from shmtier.tiers.p2p.endpoint.server import ChunkServer, LookupToken, Provider, RequestProvider
 
 __all__ = ["ChunkClient", "ChunkServer", "FetchResult", "LookupToken", "PeerCircuit", "Provider", "RequestProvider",
            "TransportCounters"]

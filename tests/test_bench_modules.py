@@ -1,0 +1,47 @@
+"""The bench/ scripts run as modules of the ``bench`` package from a checkout's root
+(``python -m bench.<name>``, as bench/README.md says), each importing what it shares from
+``shmtier.bench`` or its sibling modules, never by editing ``sys.path``."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+SCRIPTS = sorted(p.stem for p in (REPO / "bench").glob("*.py") if p.stem != "__init__")
+
+
+def run_module(*argv: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    return subprocess.run([sys.executable, "-m", *argv], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_each_bench_script_runs_as_a_module(name):
+    got = run_module(f"bench.{name}", "--help")
+    assert got.returncode == 0, got.stderr
+    assert got.stdout.startswith("usage:"), got.stdout
+    assert "sys.path" not in (REPO / "bench" / f"{name}.py").read_text()
+
+
+def test_a_bench_script_runs_its_work_as_a_module():
+    """The cheapest real run: the admission model over the chat trace."""
+    got = run_module("bench.admission_model", "--workloads", "chat")
+    assert got.returncode == 0, got.stderr
+    rows = [line.split() for line in got.stdout.splitlines() if line.startswith("chat ")]
+    assert [r[1] for r in rows] == ["all", "second_touch"], got.stdout
+    for row in rows:
+        assert 0.0 <= float(row[-8]) <= 1.0  # the CPU tier's hit rate
+
+
+def test_the_bench_readme_runs_them_as_modules():
+    text = (REPO / "bench" / "README.md").read_text()
+    assert "python bench/" not in text
+    for name in SCRIPTS:
+        if f"{name}.py" in text:
+            assert f"-m bench.{name}" in text, f"bench/README.md names {name}.py but no command"
