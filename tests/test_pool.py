@@ -34,12 +34,11 @@ from shmtier.shared import jobs, procinfo
 from shmtier.shared.jobs import Outcome
 from shmtier.shared.layout import ArenaGeometry
 from shmtier.shared.pool_config import PoolConfig, PoolTier, WorkerPoolOptions, rings_len_for
-from shmtier.shared.ring import (
-    RingSet,
+from shmtier.shared.ring import RingSet, semaphore_name
+from shmtier.shared.ring_tools import (
     clean_stale_ring_semaphores,
     list_ring_semaphores,
     ring_semaphore_segment,
-    semaphore_name,
 )
 from shmtier.shared.segment import (
     clean_stale_segments,

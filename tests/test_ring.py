@@ -25,11 +25,10 @@ from shmtier.shared.ring import (
     RingBusyError,
     RingCorruptError,
     RingSet,
-    clean_stale_ring_semaphores,
-    list_ring_semaphores,
     ring_area_nbytes,
     semaphore_name,
 )
+from shmtier.shared.ring_tools import clean_stale_ring_semaphores, list_ring_semaphores
 from shmtier.shared.segment import open_segment
 
 GEOMETRY = ArenaGeometry(num_chunks=4, row_stride=4096, page_size_per_worker=4096, world_size=1)
