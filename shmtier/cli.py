@@ -206,7 +206,7 @@ def _fsck(args, tools: list) -> int:
 
 def _clean(args, tools: list) -> int:
     """``shmtier clean``: stale segments and semaphores, then each tier's part."""
-    from shmtier.shared.ring import clean_stale_ring_semaphores
+    from shmtier.shared.ring_tools import clean_stale_ring_semaphores
     from shmtier.shared.segment import clean_stale_segments
     from shmtier.shared.snapshot import resolve
 

@@ -34,12 +34,11 @@ from shmtier.shared import jobs, procinfo
 from shmtier.shared.jobs import Outcome
 from shmtier.shared.layout import ArenaGeometry
 from shmtier.shared.pool_config import PoolConfig, PoolTier, WorkerPoolOptions, rings_len_for
-from shmtier.shared.ring import (
-    RingSet,
+from shmtier.shared.ring import RingSet, semaphore_name
+from shmtier.shared.ring_tools import (
     clean_stale_ring_semaphores,
     list_ring_semaphores,
     ring_semaphore_segment,
-    semaphore_name,
 )
 from shmtier.shared.segment import (
     clean_stale_segments,
@@ -273,9 +272,9 @@ def test_round_trip_many_chunks_split_over_slots_and_workers(pools):
 
     scan = run(pool, "scan", 0, [])
     assert scan.error == ""
-    assert len(scan.scan_keys) == n  # listed once each, across several result slots
-    assert set(scan.scan_keys) == set(keys)
-    assert dict(zip(scan.scan_keys, scan.scan_stored_bytes)) == dict(zip(keys,
+    assert len(scan.listed) == n  # listed once each, across several result slots
+    assert set(scan.listed) == set(keys)
+    assert dict(zip(scan.listed, scan.listed_bytes)) == dict(zip(keys,
                                                                          stored.stored_bytes))
     assert run(pool, "probe", 0, keys).outcomes == [Outcome.OK] * n
 
@@ -284,7 +283,7 @@ def test_round_trip_many_chunks_split_over_slots_and_workers(pools):
     assert _kv_files(env.root) == []
     again = run(pool, "load", 0, keys, list(range(n, 2 * n)))
     assert again.outcomes == [Outcome.MISS] * n
-    assert run(pool, "scan", 0, []).scan_keys == []
+    assert run(pool, "scan", 0, []).listed == []
     assert run(pool, "delete", 0, keys).outcomes == [Outcome.MISS] * n
     assert pool.restarts_total == 0 and pool.failed_parts_total == 0
 

@@ -432,7 +432,7 @@ class JobRunner:
         for entry in scan():
             keys.append(entry.key)
             stored.append(entry.stored_bytes)
-        return jobs.Result(job.job_id, stored_bytes=stored, keys=keys)
+        return jobs.Result(job.job_id, stored_bytes=stored, listed=keys)
 
 
 def _note_free_bytes(part: BatchResult, backend) -> None:

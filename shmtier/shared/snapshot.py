@@ -32,7 +32,8 @@ from shmtier.shared.chunk_table import GENERATION, ChunkTable
 from shmtier.shared.layout import HEADER_SIZE, STATS_OFFSET
 from shmtier.shared.lanes import worker_lane
 from shmtier.shared.pool_config import CONFIG_BYTES, PoolConfig
-from shmtier.shared.ring import TIER_COUNTERS, AreaState, inspect_area
+from shmtier.shared.ring import TIER_COUNTERS
+from shmtier.shared.ring_tools import AreaState, inspect_area
 from shmtier.shared.segment import (
     LAYOUT_VERSION,
     MAGIC,
@@ -83,7 +84,7 @@ class TierInfo:
 
 @dataclass
 class WorkerInfo:
-    """One tier worker slot (``ring.inspect_area``)."""
+    """One tier worker slot (``ring_tools.inspect_area``)."""
 
     index: int
     pid: int

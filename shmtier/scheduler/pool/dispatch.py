@@ -14,9 +14,11 @@ ring, no process, nothing here blocks.
                  that each fit a ring slot
       ── the supervisor puts every payload in its worker's job ring, or none ──
       commit()   parts registered with a deadline (now + job_timeout_s); keys bound
-    WorkerPool.poll: each result from a result ring → complete(): the part's per-key
-                 outcomes, logical and stored bytes and seconds go into its pool job,
-                 key by key; the job's last part → done[tier] (``take``)
+    WorkerPool.poll: each result from a result ring → complete(): a pool job's whole
+                 answer in one result → its PoolResult (the result's lists, uncopied);
+                 else the part's per-key outcomes, logical and stored bytes and seconds
+                 go into its pool job's merge, key by key, and its last part's result
+                 → the PoolResult; → done[tier] (``take``)
     health check: overdue(now) → workers holding a part past its deadline;
                  fail_loads(w) → the load parts of worker w (just SIGKILLed, maybe still
                  writing their rows) complete as failed now, their pool jobs holding a
@@ -42,8 +44,8 @@ from __future__ import annotations
 import itertools
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import NewType
+from dataclasses import dataclass
+from typing import NamedTuple, NewType
 
 from shmtier.scheduler.pool.row_release import RowRelease
 from shmtier.shared import jobs
@@ -63,38 +65,69 @@ _ERROR_TEXT_MAX = 1000
 PoolJobId = NewType("PoolJobId", int)
 
 
-@dataclass(slots=True)
-class PoolResult:
-    """One finished pool job: per key, in submit order, its outcome and what the backend
-    reported for it (logical and stored bytes, seconds); a key whose part failed is
-    ERROR with zeros. A ``scan`` lists ``scan_keys`` with their ``scan_stored_bytes``.
-    ``flags``: the ``jobs.ResultFlag`` bits of all its parts' results, ORed.
-    ``release`` (loads only): set when a part failed because its worker was killed, whose
-    process may still write the rows of that part's keys: its ``event`` is set once every
-    such process is gone (hold those rows until then); None when nothing may write them."""
+class PoolResult(NamedTuple):
+    """One finished pool job: the ``jobs.Result`` of each of its parts merged into one, in
+    submit order (the same fields, meaning and order, ``more`` aside), then what only the
+    pool knows. Why not the wire record itself: a pool job goes out as several parts (one
+    per worker, each split to fit ring slots) and each may be answered in pieces; this is
+    their merge, per key where the key was submitted (a pool job answered by one result
+    passes that result's lists on, uncopied).
+
+    Per key, in submit order: its outcome, logical and stored bytes and seconds; a key
+    whose part failed is ERROR with zeros. A ``scan`` lists the keys it found in
+    ``listed``, their stored sizes after the answered keys' in ``stored_bytes`` (as on the
+    wire: ``listed_bytes``). ``flags``: the ``jobs.ResultFlag`` bits of all its parts'
+    results, ORed. ``keys``: the keys submitted. ``release`` (loads only): set when a
+    part failed because its worker was killed, whose process may still write the rows of
+    that part's keys: its ``event`` is set once every such process is gone (hold those rows
+    until then); None when nothing may write them. Immutable, like the wire record."""
 
     job_id: PoolJobId
-    op: str
-    tier: int
-    keys: list[bytes]
     outcomes: list[Outcome]
     logical_bytes: list[int]
     stored_bytes: list[int]
     seconds: list[float]
-    codec_s: float = 0.0
-    error: str = ""
-    scan_keys: list[bytes] = field(default_factory=list)
-    scan_stored_bytes: list[int] = field(default_factory=list)
-    submit_time: float = 0.0
-    flags: int = 0
-    release: RowRelease | None = None
+    codec_s: float
+    error: str
+    listed: list[bytes]
+    flags: int
+    op: str
+    tier: int
+    keys: list[bytes]
+    release: RowRelease | None
+
+    @property
+    def listed_bytes(self) -> list[int]:
+        """The stored size of each ``listed`` key."""
+        return self.stored_bytes[len(self.outcomes):]
 
 
-@dataclass(slots=True)
 class _Parent:
-    result: PoolResult
-    remaining: int
-    release: RowRelease | None = None  # held by killed workers that may write its rows
+    """A pool job in flight: what ``commit`` registered and, once a result is not its whole
+    answer, its parts' results merged so far (``merge``: per-key lists, every key ERROR
+    with zeros until answered, and the sums)."""
+
+    __slots__ = ("op", "tier", "keys", "remaining", "pieces", "release", "outcomes",
+                 "logical_bytes", "stored_bytes", "seconds", "codec_s", "error", "listed",
+                 "listed_bytes", "flags")
+
+    def __init__(self, op: str, tier: int, keys: list[bytes], remaining: int):
+        self.op, self.tier, self.keys, self.remaining = op, tier, keys, remaining
+        self.pieces = 0  # results merged so far (the merge's fields are set from the first)
+        self.release: RowRelease | None = None  # held by killed workers that may write its rows
+
+    def merge(self) -> None:
+        """Start merging: every key ERROR with zeros, nothing listed, no sums yet."""
+        n = len(self.keys)
+        self.outcomes = [_ERROR] * n
+        self.logical_bytes = [0] * n
+        self.stored_bytes = [0] * n
+        self.seconds = [0.0] * n
+        self.codec_s = 0.0
+        self.error = ""
+        self.listed = []
+        self.listed_bytes = []
+        self.flags = 0
 
 
 @dataclass(slots=True)
@@ -115,19 +148,6 @@ class Part:
 # (worker, part job id, payload, part keys, positions in the pool job: a range when
 # consecutive, as they are unless some keys were bound to a worker)
 Planned = tuple[int, WireJobId, bytes, list[bytes], Sequence[int]]
-
-
-def _first(items: list, n: int) -> list:
-    return items if len(items) == n else items[:n]
-
-
-def _fill_failed(out: PoolResult) -> None:
-    """Give ``out`` its per-key lists, every key ERROR with zeros until answered."""
-    n = len(out.keys)
-    out.outcomes = [_ERROR] * n
-    out.logical_bytes = [0] * n
-    out.stored_bytes = [0] * n
-    out.seconds = [0.0] * n
 
 
 class Dispatch:
@@ -244,11 +264,7 @@ class Dispatch:
                     bound[key] = [w, 1]
                 else:
                     binding[1] += 1
-        # the per-key lists are made by the first result (see _merge_keys)
-        self.parents[parent_id] = _Parent(
-            PoolResult(parent_id, op, tier, list(keys), None, None, None, None,  # type: ignore
-                       submit_time=now),
-            len(planned))
+        self.parents[parent_id] = _Parent(op, tier, list(keys), len(planned))
 
     def complete(self, result: jobs.Result) -> None:
         """Merge one worker result (or a failed one made here) into its pool job."""
@@ -260,46 +276,69 @@ class Dispatch:
                 logger.error("result for unknown job %d ignored", result.job_id)
             return
         parent = self.parents[part.parent]
-        out = parent.result
         n = len(result.outcomes)
-        if result.keys:
-            out.scan_keys.extend(result.keys)
-            out.scan_stored_bytes.extend(result.stored_bytes[n:])
-        out.codec_s += result.codec_s
-        out.flags |= result.flags
-        if result.error and len(out.error) < _ERROR_TEXT_MAX and result.error not in out.error:
-            out.error = f"{out.error}; {result.error}" if out.error else result.error
+        if (not parent.pieces and parent.remaining == 1 and not result.more
+                and part.first == 0 and n == len(parent.keys)):
+            # the whole answer of a pool job sent as one part, in one result: passed on
+            self._part_done(result.job_id, part, parent)
+            self._done(part.parent, parent, result.outcomes, result.logical_bytes,
+                       result.stored_bytes, result.seconds, result.codec_s, result.error,
+                       result.listed, result.flags)
+            return
+        if not parent.pieces:
+            parent.merge()
+        parent.pieces += 1
+        if result.listed:
+            parent.listed.extend(result.listed)
+            parent.listed_bytes.extend(result.stored_bytes[n:])
+        parent.codec_s += result.codec_s
+        parent.flags |= result.flags
+        error = result.error
+        if error and len(parent.error) < _ERROR_TEXT_MAX and error not in parent.error:
+            parent.error = f"{parent.error}; {error}" if parent.error else error
         if n:
-            self._merge_keys(part, out, result, n)
+            self._merge_keys(part, parent, result, n)
         if result.more:
             return  # more results for this part follow
         if part.answered != len(part.positions):
             why = (f"tier worker {part.worker} answered {part.answered} of the "
                    f"{len(part.positions)} keys of job {result.job_id}")
             logger.error("%s; the rest fail", why)
-            out.error = f"{out.error}; {why}" if out.error else why
-        del self.parts[result.job_id]
+            parent.error = f"{parent.error}; {why}" if parent.error else why
+        self._part_done(result.job_id, part, parent)
+        if parent.remaining == 0:
+            stored = parent.stored_bytes
+            self._done(part.parent, parent, parent.outcomes, parent.logical_bytes,
+                       stored + parent.listed_bytes if parent.listed_bytes else stored,
+                       parent.seconds, parent.codec_s, parent.error, parent.listed,
+                       parent.flags)
+
+    def _part_done(self, part_id: WireJobId, part: Part, parent: _Parent) -> None:
+        """``part`` has its last result: its keys are no longer bound to its worker."""
+        del self.parts[part_id]
         self.load[part.worker] -= 1
+        keys, bound = parent.keys, self._bound
         for pos in part.positions:
-            key = out.keys[pos]
-            binding = self._bound.get(key)
+            key = keys[pos]
+            binding = bound.get(key)
             if binding is not None:
                 binding[1] -= 1
                 if binding[1] <= 0:
-                    del self._bound[key]
+                    del bound[key]
         parent.remaining -= 1
-        if parent.remaining == 0:
-            if out.outcomes is None:  # no key answered for (a scan, or every part failed empty)
-                _fill_failed(out)
-            if parent.release is not None:
-                out.release = parent.release.seal()
-            del self.parents[out.job_id]
-            self.done.setdefault(out.tier, []).append(out)
+
+    def _done(self, job_id: PoolJobId, parent: _Parent, *merged) -> None:
+        """Pool job ``job_id``'s last part is answered: its result (``merged``: the wire
+        record's fields, from ``job_id`` to ``flags``) goes to ``done``."""
+        del self.parents[job_id]
+        release = parent.release.seal() if parent.release is not None else None
+        self.done.setdefault(parent.tier, []).append(tuple.__new__(
+            PoolResult, (job_id, *merged, parent.op, parent.tier, parent.keys, release)))
 
     @staticmethod
-    def _merge_keys(part: Part, out: PoolResult, result: jobs.Result, n: int) -> None:
+    def _merge_keys(part: Part, parent: _Parent, result: jobs.Result, n: int) -> None:
         """Put the per-key figures of the ``n`` keys ``result`` answers for (the part's
-        next ones) at their positions in ``out``."""
+        next ones) at their positions in ``parent``'s merge."""
         start = part.answered
         if start + n > len(part.positions):
             logger.error("tier worker %d answered %d keys of job %d, which has %d; the "
@@ -308,28 +347,22 @@ class Dispatch:
             n = len(part.positions) - start
         part.answered = start + n
         stored = result.stored_bytes
-        if out.outcomes is None:
-            if part.first == 0 and n == len(out.keys):  # one result answers for the
-                out.outcomes = _first(result.outcomes, n)  # whole job, in order: its lists
-                out.logical_bytes = _first(result.logical_bytes, n)
-                out.stored_bytes = _first(stored, n)
-                out.seconds = _first(result.seconds, n)
-                return
-            _fill_failed(out)
         if part.first >= 0:  # consecutive positions: slices
             lo = part.first + start
             hi = lo + n
-            out.outcomes[lo:hi] = result.outcomes[:n]
-            out.logical_bytes[lo:hi] = result.logical_bytes[:n]
-            out.stored_bytes[lo:hi] = stored[:n]
-            out.seconds[lo:hi] = result.seconds[:n]
+            parent.outcomes[lo:hi] = result.outcomes[:n]
+            parent.logical_bytes[lo:hi] = result.logical_bytes[:n]
+            parent.stored_bytes[lo:hi] = stored[:n]
+            parent.seconds[lo:hi] = result.seconds[:n]
             return
         outcomes, logical, seconds = result.outcomes, result.logical_bytes, result.seconds
+        out_o, out_l, out_st, out_s = (parent.outcomes, parent.logical_bytes,
+                                       parent.stored_bytes, parent.seconds)
         for i, pos in enumerate(part.positions[start:start + n]):
-            out.outcomes[pos] = outcomes[i]
-            out.logical_bytes[pos] = logical[i]
-            out.stored_bytes[pos] = stored[i]
-            out.seconds[pos] = seconds[i]
+            out_o[pos] = outcomes[i]
+            out_l[pos] = logical[i]
+            out_st[pos] = stored[i]
+            out_s[pos] = seconds[i]
 
     def fail_worker(self, w: int, why: str) -> int:
         """Complete every part worker ``w`` holds as failed (``why``); returns how many.
@@ -346,7 +379,7 @@ class Dispatch:
         go when the process is gone. A result the process still sends for one is dropped."""
         parents, released = self.parents, []
         mine = [(part_id, part) for part_id, part in self.parts.items()
-                if part.worker == w and parents[part.parent].result.op == "load"]
+                if part.worker == w and parents[part.parent].op == "load"]
         for part_id, part in mine:
             parent = parents[part.parent]
             if parent.release is None:

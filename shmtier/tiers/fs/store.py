@@ -247,7 +247,7 @@ class ChunkWriter:
             share = (time.perf_counter() - t) / len(idx)
             for i in idx:
                 seconds[i] += share
-        res.codec_seconds = codec_s
+        res.codec_s = codec_s
         return res
 
     def _count_stored(self, res: BatchResult, i: int, raw_bytes: int, size: int,

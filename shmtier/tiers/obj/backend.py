@@ -633,7 +633,7 @@ class ObjBackend(TierBackend):
         res.logical_bytes[i] = done.logical
         res.stored_bytes[i] = done.stored
         res.seconds[i] += done.seconds
-        res.codec_seconds += done.codec_s
+        res.codec_s += done.codec_s
 
     def take_flags(self) -> int:
         """``ResultFlag.COMPRESSION_OFF`` while compression by cost chose raw frames."""
