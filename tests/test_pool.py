@@ -40,12 +40,8 @@ from shmtier.shared.ring_tools import (
     list_ring_semaphores,
     ring_semaphore_segment,
 )
-from shmtier.shared.segment import (
-    clean_stale_segments,
-    list_segments,
-    open_segment,
-    segment_name,
-)
+from shmtier.shared.segment import open_segment, segment_name
+from shmtier.shared.segment_tools import clean_stale_segments, list_segments
 from shmtier.scheduler.pool import WorkerPool, WorkerState
 from shmtier.scheduler.pool.dispatch import Dispatch
 from shmtier.scheduler.pool.worker_state import RUNNING

@@ -143,7 +143,7 @@ def clean_stale_ring_semaphores(names: "set[str] | None" = None) -> list[str]:
     For ``shmtier clean``. Returns the names removed. A semaphore of a segment
     whose owner still runs is kept.
     """
-    from shmtier.shared.segment import list_segments  # numpy-free, but keep ring.py lean
+    from shmtier.shared.segment_tools import list_segments  # numpy-free; keeps imports lean
 
     alive = {s.name.lstrip("/") for s in list_segments() if s.alive}
     wanted = None if names is None else {n.lstrip("/") for n in names}

@@ -41,9 +41,9 @@ from shmtier.shared.segment import (
     READY,
     SHM_DIR,
     SegmentHeader,
-    list_segments,
     segment_name,
 )
+from shmtier.shared.segment_tools import list_segments
 from shmtier.shared.stats_area import StatsAreaError, read_stats
 
 _STATES = {0: "initialising", 1: "ready", 2: "failed"}
