@@ -66,6 +66,9 @@ and the scheduler half probes for the files of a failed store). The loop never r
 for a job; it exits on ``stop``, when the owner dies, or on SIGTERM (after finishing
 the job in hand). A worker whose tier backends cannot be built exits with
 ``EXIT_BACKENDS_FAILED`` (4): the pool counts that as a failure to start.
+
+Size (over 600 lines): one process's loop, whose owner-generation, slice and answer rules
+above must be read together.
 """
 
 from __future__ import annotations

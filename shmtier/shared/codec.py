@@ -87,7 +87,7 @@ thread-safe: make one per thread (each holds a zstd context and scratch
 buffers sized to the largest chunk it has seen: about 1x the chunk size plus
 ~2 MiB of zstd state).
 
-Size (~670 lines): the frame format, its encoder and its decoder (with the optional MAC)
+Size (~690 lines): the frame format, its encoder and its decoder (with the optional MAC)
 are one versioned format; keeping them together keeps every field's writer next to its
 checks.
 """

@@ -60,7 +60,7 @@ with a message naming the problem for anything that is not a valid message of
 this schema version; ``err.job_id`` holds the job id when it could be read, so
 the worker can answer ``Result.failed(err.job_id, str(err))`` and carry on.
 
-Size (~680 lines): the wire schema, its fast paths' Python twins and the thorough
+Size (~760 lines): the wire schema, its fast paths' Python twins and the thorough
 diagnosis that must agree with them (tests/test_jobs.py checks it), and splitting by
 slot size, are one schema version; about a third is the diagnosis of malformed messages.
 """

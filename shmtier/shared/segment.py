@@ -54,7 +54,7 @@ May block: ``open_segment`` waits up to ``timeout_s`` for a creator (and for the
 lock of an existing segment); ``remove_if_stale`` up to its ``lock_wait_s``;
 ``remove_when_owner_dies`` while its guardian starts; nothing else blocks.
 
-Size (~760 lines): the join protocol, the stale/warm-restart rules and the space checks
+Size (~740 lines): the join protocol, the stale/warm-restart rules and the space checks
 all act on the one header and must agree on its states; split, each half would need the
 other's invariants restated.
 """

@@ -78,6 +78,9 @@ all parts in external mode: there the next holder may claim the slot before the 
 recovers it and run the parts still queued (``_fail_slot``), so a load part failed
 early could still be written by it after its rows were released. ``drain`` waits for
 both.
+
+Size (over 600 lines): spawn, health check, restart and result collection share the
+workers' table and its states; the pieces that stand alone are its sibling modules.
 """
 
 from __future__ import annotations

@@ -20,6 +20,9 @@ Concurrency: a backend owns a thread pool of ``io_threads``; a batch's keys are 
 and sent (store), fetched and verified (load) or probed ``io_threads`` at a time (zstd,
 CRC-32C and socket I/O release the GIL), over one boto3 client whose connection pool
 has as many connections. Each pool thread has its own encoders and decoder.
+
+Size (over 600 lines): the worker half's store, load, probe, delete and listing share one
+client, one retry rule and one object format.
 """
 
 from __future__ import annotations
