@@ -271,7 +271,7 @@ def run_fs(workdir: str, arena: np.ndarray, chunk: int, mode: str, fsync: bool, 
         if not r.all_ok:
             raise RuntimeError(f"store failed: {set(r.outcomes)}")
         io_s += r.io_seconds
-        codec_s += r.codec_seconds
+        codec_s += r.codec_s
         stored += r.total_stored
     wall = time.perf_counter() - t
     out["store"] = n * chunk / wall / GB

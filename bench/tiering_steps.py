@@ -8,6 +8,7 @@ Run from a checkout::
     .venv/bin/python -m bench.tiering_steps --repeats 5 --json bench/results/tiering_steps.json
     .venv/bin/python -m bench.tiering_steps --managers shmtier,shmtier@nice0,shmtier@raw,vllm
     .venv/bin/python -m bench.tiering_steps --profile shmtier    # cProfile one run instead
+    nice -n 0 .venv/bin/python -m bench.tiering_steps --busy 1   # a busy host (issue 29)
 
 Two managers, built the same size (CPU tier bytes, chunk bytes) with an ``fs``
 secondary tier on a fresh temp directory each run (unbounded), are driven by the
@@ -49,9 +50,13 @@ tier workers run with after they start: scheduling (``nice0``, ``batch0``, ...,
 see --worker-sched), compression (``raw`` = none, ``zstd``), the fs tier's
 lookup probes of unknown keys (``noprobe``: off, the behaviour before shared roots), the
 step-window poll thread (``nowindow``: off, every poll inside the steps),
-cascade admission (``second_touch``; the default is vLLM's write-through) and/or the fs
+cascade admission (``second_touch``; the default is vLLM's write-through), the fs
 tier's page-cache bound (``pcN``: ``page_cache_bytes`` of N MiB per tier worker,
-``pcauto``: "auto", ``pcoff``: null).
+``pcauto``: "auto", ``pcoff``: null) and/or the promotion lane (``laneN``:
+``tier_promotion_workers`` N; ``lane0``: every worker background, as before issue 29).
+
+``--busy N`` runs every manager on a busy host: N processes spinning at niceness 0 from
+before the first run to after the last (shmtier/bench/busy.py); the method lines say so.
 
 The parts live in the package (``shmtier bench`` ships them): shmtier/bench/baseline.py
 (which vLLM, its connector's calls), shmtier/bench/managers.py
@@ -74,6 +79,7 @@ import time
 
 from shmtier.bench import baseline
 from shmtier.bench import trace as bench_trace
+from shmtier.bench.busy import BusyHost
 from shmtier.bench.common import exit_through_finally, rotated, write_json
 from shmtier.bench.goals import evaluate, format_goals
 from shmtier.bench.driver import (Config, make_data_pool, run_once_more_on_stall,
@@ -92,7 +98,7 @@ def main(argv=None) -> int:
                     help="comma-separated: shmtier, vllm, and shmtier@TOKENS variants, TOKENS "
                          "'+'-joined worker scheduling (--worker-sched values) and/or compression "
                          "(raw = none, zstd), pcN / pcauto / pcoff (fs page_cache_bytes N MiB, auto, "
-                         "null), e.g. "
+                         "null), laneN (tier_promotion_workers N), e.g. "
                          "shmtier,shmtier@nice0,shmtier@raw,shmtier@pc64,vllm; all interleaved")
     ap.add_argument("--chunk-kib", type=int, default=256, help="chunk (arena row) KiB, page multiple")
     ap.add_argument("--cpu-mib", type=int, default=128, help="CPU tier MiB (both managers)")
@@ -110,6 +116,9 @@ def main(argv=None) -> int:
     ap.add_argument("--max-running", type=int, default=16)
     ap.add_argument("--batch", type=int, default=4, help="chunks a running request offers per step")
     ap.add_argument("--workers", type=int, default=2, help="shmtier num_tier_workers")
+    ap.add_argument("--busy", type=int, default=0, metavar="N",
+                    help="a busy host: N processes spinning at niceness 0 from before the first "
+                         "run to after the last, the same for every manager (default 0)")
     ap.add_argument("--worker-sched", default="default",
                     choices=tuple(WORKER_SCHED),
                     help="experiment: scheduling policy / niceness set on shmtier's tier workers "
@@ -138,12 +147,15 @@ def main(argv=None) -> int:
     for n in names + ([args.profile] if args.profile else []):
         if not known_manager(n):
             ap.error(f"unknown manager {n!r} (shmtier, vllm, or shmtier@TOKENS with "
-                     f"TOKENS '+'-joined from {', '.join(VARIANT_TOKENS)}, pcN, pcauto, pcoff)")
+                     f"TOKENS '+'-joined from {', '.join(VARIANT_TOKENS)}, pcN, pcauto, pcoff, "
+                     "laneN)")
     if len(set(names)) != len(names):
         ap.error("--managers: a manager is listed twice")
     chunk_bytes = args.chunk_kib * 1024
     if chunk_bytes % 4096:
         ap.error("--chunk-kib must be a multiple of 4")
+    if args.busy < 0:
+        ap.error(f"--busy {args.busy}: expected a number of processes >= 0")
     exit_through_finally()  # unwinds through the finally blocks: managers, dirs, /dev/shm
 
     connector, vllm_note = baseline.load("vllm" in names or args.profile == "vllm")
@@ -168,6 +180,14 @@ def main(argv=None) -> int:
     capacity = cfg.cpu_bytes // chunk_bytes
     data_pool = make_data_pool(chunk_bytes, 16, args.seed)
 
+    with BusyHost(args.busy) as busy:  # spinners stopped after the last run, also on failure
+        return _runs(args, names, cfg, connector, vllm_note, trace, gen_s, capacity, data_pool,
+                     chunk_bytes, busy)
+
+
+def _runs(args, names, cfg, connector, vllm_note, trace, gen_s, capacity, data_pool,
+          chunk_bytes, busy) -> int:
+    """The profile or the interleaved runs and their report (on a busy host with --busy)."""
     if args.profile:
         if args.profile == "vllm" and connector.baseline is None:
             print(f"cannot profile vllm: {vllm_note}")
@@ -197,7 +217,8 @@ def main(argv=None) -> int:
     print("    a removed run would tax the next one's file creations on ext4 without a journal, "
           "bench/README.md)")
     print(f"  shmtier: TieringOffloadingSpec(...).get_manager(), fs tier, num_tier_workers "
-          f"{args.workers} (spawned processes; scheduling {args.worker_sched}: "
+          f"{args.workers} (spawned processes; tier_promotion_workers its default, 1 of 2 or "
+          f"more, unless shmtier@laneN; scheduling {args.worker_sched}: "
           f"{WORKER_SCHED[args.worker_sched]}), compression {args.compression}, direct_io {args.fs_direct_io}, write_depth {args.fs_write_depth or 'default'}, min_free_bytes None;"
           f" variants shmtier@TOKENS override scheduling / compression (raw = none)")
     print(f"  {label('vllm')}: TieringOffloadingManager(CPUPrimaryTierOffloadingManager(SharedOffloadRegion),"
@@ -237,6 +258,7 @@ def main(argv=None) -> int:
     print("  hits: loaded chunks by get_load_source (host = CPU tier, disk = fs tier) over the "
           "chunks after the GPU-cached ones of admitted requests.")
     print("  disk: chunk files' st_size (and st_blocks) / (files x chunk bytes) after the drain.")
+    print(f"  {busy.describe()}")
     print(f"  repeats: {args.repeats} per manager, interleaved (order rotated per run); before "
           "each run gc.collect() + gc.freeze() (as vLLM's engine core")
     print("    does after init), gc on; table: median [min-max] over runs, ratio of medians.")
@@ -301,6 +323,7 @@ def main(argv=None) -> int:
 
     if args.json:
         write_json(args.json, {"bench": "tiering_steps", "args": vars(args), "vllm": vllm_note,
+                               "busy": busy.as_dict(),
                                "baseline": connector.as_dict(),
                                "trace": trace.summary(), "summaries": sums, "runs": raws,
                                "stalls": stalls, "goals": goals},

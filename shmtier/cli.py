@@ -206,8 +206,8 @@ def _fsck(args, tools: list) -> int:
 
 def _clean(args, tools: list) -> int:
     """``shmtier clean``: stale segments and semaphores, then each tier's part."""
-    from shmtier.shared.ring import clean_stale_ring_semaphores
-    from shmtier.shared.segment import clean_stale_segments
+    from shmtier.shared.ring_tools import clean_stale_ring_semaphores
+    from shmtier.shared.segment_tools import clean_stale_segments
     from shmtier.shared.snapshot import resolve
 
     names = {resolve(e) for e in args.engine_ids} if args.engine_ids else None

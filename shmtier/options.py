@@ -9,6 +9,21 @@ plain values; never block (a check that looks at the filesystem, such as
 A :class:`Check` knows what it accepts (``accepted``, the text errors show) and
 converts a value: ``check("secondary_tiers[0].fsync", "no")`` raises
 ``ConfigError("secondary_tiers[0].fsync = 'no' is invalid: expected true or false")``.
+
+Every config is a frozen dataclass subclass of :class:`Options` whose fields are declared
+with :func:`option` -- its default (stated there once), its check and a one-line
+description::
+
+    @dataclass(frozen=True, kw_only=True)
+    class FsTierConfig(StorageTierConfig):
+        root_dir: str = option(REQUIRED, writable_dir(), doc="where the tier keeps its files")
+        fsync: bool = option(False, boolean(), doc="fsync each file before publishing it")
+
+The style gives every config the same three things: ``from_mapping`` (check a mapping:
+unknown keys, required keys, each value), ``to_dict`` / ``from_dict`` (plain, msgpack-able
+data and back, for a config that crosses a process boundary: the tier worker pool's
+config in the segment) and ``reference_rows`` (what ``docs/configuration.md`` lists:
+``python -m shmtier.options_doc`` writes it).
 """
 
 from __future__ import annotations
@@ -16,11 +31,14 @@ from __future__ import annotations
 import difflib
 import errno
 import hmac
+import math
 import os
 import stat
 import tempfile
+import json
 from collections.abc import Callable, Collection, Mapping
-from typing import Any
+from dataclasses import MISSING, Field, dataclass, field, fields
+from typing import Any, TypeVar
 
 from shmtier.shared.redact import redact, register_secret
 
@@ -41,11 +59,24 @@ def invalid(key: str, value: Any, accepted: str) -> ConfigError:
 
 class Check:
     """A value check: ``convert(value)`` returns the value to keep or raises
-    ValueError; a ValueError with text explains more than ``accepted`` does."""
+    ValueError; a ValueError with text explains more than ``accepted`` does.
 
-    def __init__(self, accepted: str, convert: Callable[[Any], Any]):
-        self.accepted = accepted
+    ``accepted``: the text errors and the configuration reference show (a callable
+    gives it when asked: what is accepted may grow, e.g. registered policy names).
+    ``to_plain`` / ``from_plain``: how a kept value travels as msgpack-able data and
+    back (default: as it is, lists read back as tuples); None always travels as None."""
+
+    def __init__(self, accepted: str | Callable[[], str], convert: Callable[[Any], Any], *,
+                 to_plain: Callable[[Any], Any] | None = None,
+                 from_plain: Callable[[Any], Any] | None = None):
+        self._accepted = accepted
         self._convert = convert
+        self._to_plain = to_plain
+        self._from_plain = from_plain
+
+    @property
+    def accepted(self) -> str:
+        return self._accepted() if callable(self._accepted) else self._accepted
 
     def __call__(self, key: str, value: Any) -> Any:
         try:
@@ -55,16 +86,48 @@ class Check:
             accepted = f"{self.accepted} ({detail})" if detail else self.accepted
             raise invalid(key, value, accepted) from None
 
+    def to_plain(self, value: Any) -> Any:
+        """``value`` (one this check returned) as msgpack-able data."""
+        return value if value is None or self._to_plain is None else self._to_plain(value)
+
+    def from_plain(self, plain: Any) -> Any:
+        """The value ``to_plain`` made ``plain`` from (not checked again)."""
+        if plain is None:
+            return None
+        return _tuples(plain) if self._from_plain is None else self._from_plain(plain)
+
+    def _like(self, accepted: str | Callable[[], str], convert: Callable[[Any], Any]) -> "Check":
+        return Check(accepted, convert, to_plain=self._to_plain, from_plain=self._from_plain)
+
     def or_none(self, what: str = "null") -> "Check":
         """The same check, also accepting None."""
-        return Check(f"{self.accepted}, or {what}",
-                     lambda v: None if v is None else self._convert(v))
+        return self._like(lambda: f"{self.accepted}, or {what}",
+                          lambda v: None if v is None else self._convert(v))
 
     def or_text(self, word: str, what: str) -> "Check":
         """The same check, also accepting the string ``word`` (``what`` says what it
         means in the error text)."""
-        return Check(f"{self.accepted}, or {word!r} ({what})",
-                     lambda v: v if isinstance(v, str) and v == word else self._convert(v))
+        return self._like(lambda: f"{self.accepted}, or {word!r} ({what})",
+                          lambda v: v if isinstance(v, str) and v == word else self._convert(v))
+
+    def then(self, convert: Callable[[Any], Any]) -> "Check":
+        """The same check, its value then passed through ``convert`` (e.g. ``float``)."""
+        return self._like(self._accepted, lambda v: convert(self._convert(v)))
+
+
+class KeyedCheck(Check):
+    """A check whose ``convert(key, value)`` raises :class:`ConfigError` itself (its
+    errors say more than one ``accepted`` text can, e.g. per inner key)."""
+
+    def __call__(self, key: str, value: Any) -> Any:
+        return self._convert(key, value)
+
+
+def _tuples(plain: Any) -> Any:
+    """msgpack reads a tuple back as a list: lists become tuples again (nested too)."""
+    if isinstance(plain, list):
+        return tuple(_tuples(v) for v in plain)
+    return plain
 
 
 def _fail(detail: str = "") -> Any:
@@ -92,19 +155,24 @@ def integer(minimum: int | None = None, maximum: int | None = None) -> Check:
 
 
 def number(minimum: float | None = None, maximum: float | None = None, *,
-           min_open: bool = False, accepted: str | None = None) -> Check:
-    """An int or float (not bool) within bounds; ``min_open`` excludes ``minimum``."""
+           min_open: bool = False, max_open: bool = False, finite: bool = False,
+           accepted: str | None = None) -> Check:
+    """An int or float (not bool, not NaN) within bounds; ``min_open`` / ``max_open``
+    exclude ``minimum`` / ``maximum``; ``finite`` refuses infinities."""
     if accepted is None:
         low = "" if minimum is None else f"{'>' if min_open else '>='} {minimum:g}"
-        high = "" if maximum is None else f"<= {maximum:g}"
-        accepted = "a number" + (" " + " and ".join(x for x in (low, high) if x) if low or high else "")
+        high = "" if maximum is None else f"{'<' if max_open else '<='} {maximum:g}"
+        accepted = (f"a {'finite ' if finite else ''}number"
+                    + (" " + " and ".join(x for x in (low, high) if x) if low or high else ""))
 
     def convert(v):
         if isinstance(v, bool) or not isinstance(v, (int, float)) or v != v:
             _fail()
+        if finite and v in (math.inf, -math.inf):
+            _fail()
         if minimum is not None and (v < minimum or (min_open and v == minimum)):
             _fail()
-        if maximum is not None and v > maximum:
+        if maximum is not None and (v > maximum or (max_open and v == maximum)):
             _fail()
         return v
     return Check(accepted, convert)
@@ -205,7 +273,14 @@ class SecretCheck(Check):
 
     def or_none(self, what: str = "null") -> "SecretCheck":
         return SecretCheck(f"{self.accepted}, or {what}",
-                           lambda v: None if v is None else self._convert(v))
+                           lambda v: None if v is None else self._convert(v),
+                           to_plain=self._to_plain, from_plain=self._from_plain)
+
+
+def secret_plain(source: str) -> dict[str, Callable[[Any], Any]]:
+    """How a :class:`Secret` travels to the tier workers: its bytes (in the engine's 0600
+    segment), made a Secret again there (registered: never in that process's logs)."""
+    return {"to_plain": lambda s: s.value, "from_plain": lambda b: Secret(b, source)}
 
 
 def _hex_bytes(text: str) -> bytes | None:
@@ -230,7 +305,8 @@ def secret_hex(min_bytes: int, max_bytes: int, source: str) -> SecretCheck:
             _fail(f"{len(key)} bytes")
         return Secret(key, source)
     return SecretCheck(f"a secret of {min_bytes}..{max_bytes} bytes as "
-                       f"{2 * min_bytes}..{2 * max_bytes} hex digits", convert)
+                       f"{2 * min_bytes}..{2 * max_bytes} hex digits", convert,
+                       **secret_plain(source))
 
 
 def secret_file(min_bytes: int, max_bytes: int) -> Check:
@@ -275,7 +351,7 @@ def secret_file(min_bytes: int, max_bytes: int) -> Check:
         return Secret(key, f"file {path}")
     return Check(f"a private file (mode 600 or 400) holding a secret of "
                  f"{min_bytes}..{max_bytes} bytes, raw or as {2 * min_bytes}..{2 * max_bytes} "
-                 f"hex digits", convert)
+                 f"hex digits", convert, **secret_plain("a key file the scheduler read"))
 
 
 def require_string_keys(given: Collection[Any], where: str,
@@ -316,3 +392,148 @@ def _show(v: Any) -> str:
     if v is True or v is False or v is None:
         return {True: "true", False: "false", None: "null"}[v]
     return repr(v)
+
+
+# --------------------------------------------------------------------------- options
+
+#: The default of an option that must be given.
+REQUIRED: Any = MISSING
+
+_ABSENT = object()
+_O = TypeVar("_O", bound="Options")
+
+
+def option(default: Any, check: Check, *, doc: str = "", default_doc: str | None = None) -> Any:
+    """A config field: its ``default`` (or ``REQUIRED``), the ``check`` a given value
+    passes, ``doc`` (what it does, one line, for the configuration reference) and
+    ``default_doc`` (the default in words, where the value alone would mislead: one read
+    from the environment, one that depends on the tier type)."""
+    return field(default=default,
+                 metadata={"check": check, "doc": doc, "default_doc": default_doc})
+
+
+@dataclass(frozen=True)
+class Options:
+    """Base of a frozen config whose fields are declared with :func:`option`. Fields
+    declared otherwise (plain dataclass fields) are derived values the config's own
+    constructor sets; ``from_mapping`` takes them as keyword arguments, and neither
+    ``to_dict`` nor the reference lists them."""
+
+    @classmethod
+    def declared(cls) -> tuple[Field, ...]:
+        """The option fields, in declaration order."""
+        return tuple(f for f in fields(cls) if "check" in f.metadata)
+
+    @classmethod
+    def keys(cls) -> frozenset[str]:
+        return frozenset(f.name for f in cls.declared())
+
+    @classmethod
+    def _declaration(cls, name: str) -> Field:
+        for f in cls.declared():
+            if f.name == name:
+                return f
+        raise KeyError(f"{cls.__name__} declares no option {name!r}")
+
+    @classmethod
+    def default(cls, name: str) -> Any:
+        """The declared default of option ``name`` (``REQUIRED`` if it has none)."""
+        return cls._declaration(name).default
+
+    @classmethod
+    def check_value(cls, name: str, value: Any, key: str | None = None) -> Any:
+        """``value`` checked by option ``name``'s check; errors call it ``key``."""
+        return cls._declaration(name).metadata["check"](key or name, value)
+
+    @classmethod
+    def accepted_keys(cls) -> str:
+        """What a mapping of these options accepts, in words (for error texts)."""
+        parts = [f"{f.name!r} ({f.metadata['check'].accepted})" for f in cls.declared()]
+        return "a mapping of " + ", ".join(parts)
+
+    @classmethod
+    def as_check(cls) -> "KeyedCheck":
+        """The check of a config field holding one of these (given as a mapping, or as
+        one already made); it travels as its ``to_dict``."""
+        return KeyedCheck(cls.accepted_keys,
+                          lambda key, v: v if isinstance(v, cls) else cls.from_mapping(
+                              require_mapping(v, key), where=key),
+                          to_plain=cls.to_dict, from_plain=cls.from_dict)
+
+    @classmethod
+    def from_mapping(cls: type[_O], given: Mapping[str, Any], *, where: str,
+                     key: Callable[[str], str] | None = None, strict: bool = True,
+                     null_is_absent: bool = False, **derived: Any) -> _O:
+        """The config for ``given``: each option's value checked, the default where it
+        is absent. ``where`` names the mapping in errors; ``key(name)`` names one of its
+        keys (default ``where.name``). ``strict``: a key of ``given`` that is no option
+        is an error (with a did-you-mean hint; off where the mapping holds other
+        sections' keys too and the caller checks them all). ``null_is_absent``: None
+        means "not given" (``kv_connector_extra_config``'s rule). ``derived``: values of
+        the plain fields (and of options the caller parsed itself). Raises ConfigError."""
+        if key is None:
+            def key(name: str) -> str:
+                return f"{where}.{name}"
+        declared = cls.declared()
+        if strict:
+            reject_unknown(given, [f.name for f in declared], where)
+        values = dict(derived)
+        for f in declared:
+            if f.name in derived:
+                continue
+            check = f.metadata["check"]
+            value = given.get(f.name, _ABSENT)
+            if value is _ABSENT or (null_is_absent and value is None):
+                if f.default is MISSING:
+                    raise ConfigError(f"{key(f.name)} is required ({check.accepted})")
+                continue
+            values[f.name] = check(key(f.name), value)
+        return cls(**values)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The options as msgpack-able plain data (each check's ``to_plain``)."""
+        return {f.name: f.metadata["check"].to_plain(getattr(self, f.name))
+                for f in self.declared()}
+
+    @classmethod
+    def from_dict(cls: type[_O], plain: Mapping[str, Any]) -> _O:
+        """The config ``to_dict`` made ``plain`` from. Its values are not checked again:
+        they were when the config was made (checks may read files or ask a server, which
+        a tier worker must not). A key this class does not declare is a ValueError (data
+        written by another version)."""
+        declared = {f.name: f for f in cls.declared()}
+        unknown = sorted(set(plain) - set(declared))
+        if unknown:
+            raise ValueError(f"{cls.__name__}: unknown option(s) {unknown} in its plain form; "
+                             f"declared: {sorted(declared)}")
+        return cls(**{name: declared[name].metadata["check"].from_plain(value)
+                      for name, value in plain.items()})
+
+    @classmethod
+    def reference_rows(cls) -> list[tuple[str, str, str, str]]:
+        """One row per option for the configuration reference: key, default, what is
+        accepted and what it does (Markdown-safe: ``|`` escaped, one line each); a class's
+        own options first, then those it inherits."""
+        own = [c.__dict__.get("__annotations__", {}) for c in cls.__mro__]
+        depth = {f.name: next(i for i, names in enumerate(own) if f.name in names)
+                 for f in cls.declared()}
+        rows = []
+        for f in sorted(cls.declared(), key=lambda f: depth[f.name]):
+            if f.metadata["default_doc"] is not None:
+                default = f.metadata["default_doc"]
+            elif f.default is MISSING:
+                default = "**required**"
+            else:
+                default = f"`{_json(f.default)}`"
+            rows.append((f"`{f.name}`", default, f.metadata["check"].accepted,
+                         f.metadata["doc"]))
+        return [tuple(" ".join(cell.split()).replace("|", "\\|") for cell in row)
+                for row in rows]
+
+
+def _json(v: Any) -> str:
+    """A default as the JSON a user writes (tuples as lists)."""
+    try:
+        return json.dumps(v)
+    except TypeError:
+        return repr(v)

@@ -24,7 +24,7 @@ from shmtier.config import ConfigError, KVLayout, PrimaryTierConfig, TieringConf
 from shmtier.scheduler.primary import CPUPrimaryTierOffloadingManager
 from shmtier.scheduler.tiering.factory import SecondaryTierFactory
 from shmtier.scheduler.tiering.admission import DEFAULT_WINDOW_PER_ROW, CascadeAdmission
-from shmtier.shared.pool_config import PoolConfig
+from shmtier.shared.pool_config import PoolConfig, PoolTier
 from shmtier.scheduler.tiering.manager import TieringOffloadingManager
 from shmtier.tiers.config import TierContext
 from shmtier.shared.layout import PAGE_SIZE, SegmentLayout
@@ -72,17 +72,11 @@ class TieringOffloadingSpec:
         tiering = self.tiering_config
         if not tiering.worker_backed:
             return None
-        tiers = [{"type": t.type, "args": t.options.worker_args()} if t.tier.worker_backed else None
-                 for t in tiering.secondary_tiers]
-        codec = tiering.compression
-        return PoolConfig(num_workers=tiering.num_tier_workers,
-                          chunk_bytes=self.chunk_payload_bytes,
+        tiers = tuple(PoolTier(t.type, t.options) if t.tier.worker_backed else None
+                      for t in tiering.secondary_tiers)
+        return PoolConfig(chunk_bytes=self.chunk_payload_bytes,
                           element_size=_element_size(self.layout.dtype),
-                          codec={"mode": codec.mode, "level": codec.level,
-                                 "min_gain": codec.min_gain},
-                          tiers=tiers, job_timeout_s=tiering.tier_job_timeout_s,
-                          worker_niceness=tiering.tier_worker_niceness,
-                          worker_policy=tiering.tier_worker_policy)
+                          codec=tiering.compression, tiers=tiers, options=tiering.pool)
 
     def _open_segment(self, **kwargs) -> Segment:
         """``open_segment`` for this engine; a /dev/shm too small for the CPU tier is a
@@ -93,7 +87,8 @@ class TieringOffloadingSpec:
         pool = self.pool_config
         rings_len = rings_len_for(pool) if pool else 0
         # the ring semaphores live on /dev/shm too (a page each), made after the segment
-        reserve = pool.num_workers * SEMAPHORES_PER_WORKER * PAGE_SIZE if pool else 0
+        reserve = (pool.options.num_tier_workers * SEMAPHORES_PER_WORKER * PAGE_SIZE
+                   if pool else 0)
         try:
             return open_segment(self.engine_id, self.geometry, self.fingerprint,
                                 rings_len=rings_len, reserve_bytes=reserve, **kwargs)
@@ -179,7 +174,7 @@ class TieringOffloadingSpec:
             stop_pool = []
             if self.pool_config is not None:
                 self.worker_pool = WorkerPool(self.engine_id, segment, self.pool_config,
-                                              mode=self.tiering_config.workers)
+                                              mode=self.tiering_config.pool.workers)
                 cleanup.append(self.worker_pool.shutdown)
                 stop_pool.append(self.worker_pool.shutdown)
             view = primary.get_kv_memoryview()

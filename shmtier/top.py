@@ -15,7 +15,8 @@ segment's stats area, which the scheduler publishes as it steps
 started and over the frame's interval. Each tier's line also shows what its tier workers
 counted that no result shows, when not zero (symbolic links refused, corrupt chunks they
 could not remove, listing errors: the worker slots' counters in the segment, the same
-figures as the tier's ``vllm:kv_offload_shmtier_*`` counters).
+figures as the tier's ``vllm:kv_offload_shmtier_*`` counters). Each tier worker's row
+names its lane (``shmtier.shared.lanes``: promotion or background, from the pool config).
 """
 
 from __future__ import annotations
@@ -189,12 +190,13 @@ def frame_text(cur: Snapshot, prev: Snapshot | None, status_tools: list | None =
         p = cur.pool
         total = ("" if rates["jobs_per_s"] is None else
                  f"  {rates['jobs_per_s']:.1f} jobs/s  {rates['gb_per_s']:.3f} GB/s")
-        lines.append(f"pool   {p['mode']}, {p['num_workers']} workers, rings {p['slots']} x "
-                     f"{p['slot_size']} B{total}")
+        lanes = f" ({p['promotion_workers']} promotion)" if p.get("promotion_workers") else ""
+        lines.append(f"pool   {p['mode']}, {p['num_workers']} workers{lanes}, rings "
+                     f"{p['slots']} x {p['slot_size']} B{total}")
     if cur.workers:
         per = {w["index"]: w for w in rates["workers"]}
-        lines.append(f"  {'W':>2s} {'PID':>8s} {'STATE':6s} {'BEAT':>7s} {'RESTARTS':>8s} "
-                     f"{'JOBS':>9s} {'BYTES':>10s} {'CODEC S':>8s} {'FAILED':>6s} "
+        lines.append(f"  {'W':>2s} {'PID':>8s} {'STATE':6s} {'LANE':10s} {'BEAT':>7s} "
+                     f"{'RESTARTS':>8s} {'JOBS':>9s} {'BYTES':>10s} {'CODEC S':>8s} {'FAILED':>6s} "
                      f"{'JOBQ':>5s} {'RESQ':>5s} {'JOBS/S':>8s} {'GB/S':>7s}")
         for w in cur.workers:
             beat = "-" if w.beat_age_s is None else f"{w.beat_age_s:.2f}s"
@@ -202,8 +204,8 @@ def frame_text(cur: Snapshot, prev: Snapshot | None, status_tools: list | None =
             pr = per.get(w.index)
             js = "-" if pr is None else f"{pr['jobs_per_s']:.1f}"
             gs = "-" if pr is None else f"{pr['gb_per_s']:.3f}"
-            lines.append(f"  {w.index:>2d} {w.pid:>8d} {st:6s} {beat:>7s} {w.restarts:>8d} "
-                         f"{w.jobs:>9d} {human_bytes(w.bytes):>10s} {w.codec_s:>8.2f} "
+            lines.append(f"  {w.index:>2d} {w.pid:>8d} {st:6s} {w.lane or '-':10s} {beat:>7s} "
+                         f"{w.restarts:>8d} {w.jobs:>9d} {human_bytes(w.bytes):>10s} {w.codec_s:>8.2f} "
                          f"{w.failed_keys:>6d} {w.job_depth:>5d} {w.result_depth:>5d} "
                          f"{js:>8s} {gs:>7s}")
     lines.extend(_stats_lines(data["stats"]))

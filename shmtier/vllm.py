@@ -41,6 +41,9 @@ call, with whatever fields that version has); the core evaluates their
 Importing ``shmtier`` never imports vLLM; importing ``shmtier.vllm`` checks the
 installed vLLM (:data:`SUPPORTED_VLLM`) and every interface used here, and
 fails with one ``ImportError`` that names, per supported version, what is missing.
+
+Size (over 600 lines): every vLLM-facing class of the spec (manager, spec, worker
+handlers) and the per-version dialect glue, which must be read against vLLM's interfaces.
 """
 
 from __future__ import annotations

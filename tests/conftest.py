@@ -12,8 +12,9 @@ import pytest
 
 from s3_servers import moto_faults, moto_s3, seaweedfs_s3, seaweedfs_s3_killable  # noqa: F401
 from shmtier.shared import codec_choice
-from shmtier.shared.ring import ring_semaphore_segment
-from shmtier.shared.segment import NAME_PREFIX, list_segments
+from shmtier.shared.ring_tools import ring_semaphore_segment
+from shmtier.shared.segment import NAME_PREFIX
+from shmtier.shared.segment_tools import list_segments
 
 SHM_DIR = "/dev/shm"
 VLLM_TESTS = Path(__file__).parent / "vllm"

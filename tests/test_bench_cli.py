@@ -146,10 +146,14 @@ def test_bench_quick_report(tmp_path):
     p2 = subprocess.run([sys.executable, "-m", "shmtier", "bench", "--trace", str(trace_file),
                          "--no-vllm", "--no-plots", "--no-limits", "--cpu-mib", "32",
                          "--step-ms", "2", "--repeats", "1", "--out", str(tmp_path / "replay"),
-                         "--dir", str(tmp_path)],
+                         "--dir", str(tmp_path), "--busy", "1"],
                         cwd=REPO, capture_output=True, text=True, timeout=120)
     assert p2.returncode == 0, p2.stdout + p2.stderr
+    assert "1 busy process(es) at niceness 0" in p2.stdout  # the method line
+    assert "busy host: 1 process spinning at niceness" in p2.stdout
     rep2 = json.loads((tmp_path / "replay" / "report.json").read_text())
+    assert rep2["config"]["busy"] == 1 and len(rep2["busy"]["niceness"]) == 1
+    assert "busy host: 1 process(es) spinning" in (tmp_path / "replay" / "report.md").read_text()
     assert rep2["managers"] == ["shmtier"] and rep2["verification"]["passed"]
     assert rep2["trace"]["distinct_keys"] == rep["trace"]["distinct_keys"]
     assert rep2["plots_text"] == "plots skipped: --no-plots" and rep2["limits"] is None
@@ -168,6 +172,14 @@ def test_bench_usage_errors(tmp_path):
                         str(tmp_path / "missing.jsonl"), "--no-vllm", "--out", str(tmp_path / "o")],
                        cwd=REPO, capture_output=True, text=True, timeout=60)
     assert p.returncode == 2
+    p = subprocess.run([sys.executable, "-m", "shmtier", "bench", "--busy", "-1", "--no-vllm",
+                        "--out", str(tmp_path / "o")], cwd=REPO, capture_output=True, text=True,
+                       timeout=60)
+    assert p.returncode == 2 and "--busy -1: expected a number of processes >= 0" in p.stderr
+    p = subprocess.run([sys.executable, "-m", "shmtier", "bench", "--stress", "--busy", "1",
+                        "--out", str(tmp_path / "o")], cwd=REPO, capture_output=True, text=True,
+                       timeout=60)
+    assert p.returncode == 2 and "--busy is for the side-by-side runs" in p.stderr
 
 
 def test_bench_stress_quick_verdict(tmp_path):

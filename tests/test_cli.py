@@ -9,6 +9,7 @@ import contextlib
 import io
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -341,15 +342,16 @@ def test_fsck_of_an_obj_bucket(moto_s3, tmp_path):
     from shmtier.shared.codec import CompressionConfig
     from shmtier.tiers.backend import WorkerContext
     from shmtier.tiers.obj.backend import ObjBackend
+    from shmtier.tiers.obj.config import ObjTierConfig
 
     bucket = moto_s3.new_bucket("fsck")
     entry = {"type": "obj", "store_config": moto_s3.store_config(bucket), "prefix": "kv"}
     cfg = tmp_path / "tier.json"
     cfg.write_text(json.dumps(entry))
-    args = {"store_config": {**entry["store_config"], "endpoint_override": moto_s3.endpoint},
-            "prefix": "kv", "io_threads": 2}
+    config = ObjTierConfig.from_options(
+        {"store_config": entry["store_config"], "prefix": "kv", "io_threads": 2}, where="t")
     arena = np.random.default_rng(1).integers(0, 256, (6, 4096), dtype=np.uint8)
-    b = ObjBackend.open(args, WorkerContext("fp-obj", 4096, 2, CompressionConfig()))
+    b = ObjBackend.open(config, WorkerContext("fp-obj", 4096, 2, CompressionConfig()))
     c = moto_s3.client()
     try:
         assert b.store([key(i) for i in range(6)], list(range(6)), arena, 4096).all_ok
@@ -393,15 +395,16 @@ def test_fsck_of_an_obj_bucket_finds_a_frame_of_another_chunk_size(moto_s3, tmp_
     from shmtier.shared.codec import CompressionConfig
     from shmtier.tiers.backend import WorkerContext
     from shmtier.tiers.obj.backend import ObjBackend
+    from shmtier.tiers.obj.config import ObjTierConfig
 
     fingerprint, chunk = _spec_fingerprint()
     bucket = moto_s3.new_bucket("fsck-size")
     cfg = tmp_path / "tier.json"
     cfg.write_text(json.dumps({"type": "obj", "store_config": moto_s3.store_config(bucket)}))
-    args = {"store_config": {**moto_s3.store_config(bucket), "endpoint_override": moto_s3.endpoint},
-            "prefix": "", "io_threads": 2}
+    config = ObjTierConfig.from_options(
+        {"store_config": moto_s3.store_config(bucket), "io_threads": 2}, where="t")
     arena = np.random.default_rng(3).integers(0, 256, (2, chunk), dtype=np.uint8)
-    b = ObjBackend.open(args, WorkerContext(fingerprint, chunk, 2, CompressionConfig()))
+    b = ObjBackend.open(config, WorkerContext(fingerprint, chunk, 2, CompressionConfig()))
     try:
         assert b.store([key(0)], [0], arena, chunk).all_ok
         assert b.store([key(1)], [1], arena, chunk // 2).all_ok  # another layout's size
@@ -448,11 +451,15 @@ def test_top_reads_a_live_engine_without_slowing_its_scheduler(engine_id, tmp_pa
         assert frame["tiers"][0]["where"]["root_dir"] == str(tmp_path.resolve())
         workers = frame["workers"]
         assert [w["alive"] for w in workers] == [True, True]
+        assert [w["lane"] for w in workers] == ["background", "promotion"]  # the default lanes
         assert sum(w["bytes"] for w in workers) == 10 * 8192  # the cascades' chunk bytes
+        assert workers[1]["bytes"] == 0  # stores run in the background lane
         assert sum(w["jobs"] for w in workers) >= 2 and frame["rates"]["interval_s"] > 0
         assert all(w["job_depth"] == 0 and w["beat_age_s"] < 5 for w in workers)
         code, text = run_cli("top", engine_id, "--once", "--interval", "0.05")
-        assert code == 0 and "rows   used 10/16" in text and "pool   spawn, 2 workers" in text
+        assert code == 0 and "rows   used 10/16" in text
+        assert "pool   spawn, 2 workers (1 promotion)" in text
+        assert re.search(r"^\s+1\s+\d+\s+alive\s+promotion\s", text, re.M), text
 
         # a reader at 10 Hz (the live JSON stream) against the scheduler's step times
         _step_times(e, keys, 50)  # warm

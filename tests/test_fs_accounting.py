@@ -159,7 +159,10 @@ def test_with_a_mac_key_a_store_reserves_its_whole_frame(engines, tmp_path, capl
     files, data = assert_settled(e, tmp_path)
     tier = e.manager.tiers[0]
     assert set(files.values()) == {one} and all(tier._ledger.reservation(k) == one for k in files)
-    assert set(files) == set(keys[-3:]) and sampler.max <= 3 * one
+    # three files, the last stored among them (which older ones were evicted depends on the
+    # order the two workers' stores landed in)
+    assert len(files) == 3 and set(files) <= set(keys) and keys[-1] in files
+    assert sampler.max <= 3 * one
     assert "vllm:kv_offload_tiering_cascade_job_failures" not in data
     assert not fs_warnings(caplog)  # nothing refused for space
 

@@ -33,7 +33,9 @@ from shmtier.shared.codec import (
 from shmtier.tiers.backend import WorkerContext
 from shmtier.shared.jobs import Outcome, decode_result, encode_result
 from shmtier.tiers.backend import BatchResult
+from shmtier.options import Secret
 from shmtier.tiers.fs.backend import FsBackend
+from shmtier.tiers.fs.config import FsTierConfig
 from shmtier.tiers.fs.namespace import (
     CHUNK_SUFFIX,
     TEMP_SUFFIX,
@@ -135,8 +137,8 @@ def test_round_trip_is_byte_exact(tmp_path, mode, kind, chunk_bytes, row_stride,
     assert r.outcomes == [OK] * n, r.outcomes
     assert r.details == [""] * n
     assert r.logical_bytes == [chunk_bytes] * n
-    assert r.io_seconds > 0 and r.codec_seconds > 0
-    assert all(t > 0 for t in r.seconds) and sum(r.seconds) >= r.codec_seconds
+    assert r.io_seconds > 0 and r.codec_s > 0
+    assert all(t > 0 for t in r.seconds) and sum(r.seconds) >= r.codec_s
     for key, size in zip(keys, r.stored_bytes):
         assert os.path.getsize(b.path_for(key)) == size
     if mode == "none" or kind == "bytes":
@@ -152,7 +154,7 @@ def test_round_trip_is_byte_exact(tmp_path, mode, kind, chunk_bytes, row_stride,
     lr = b.load(keys, rows, dst, chunk_bytes)
     assert lr.outcomes == [OK] * n, lr.outcomes
     assert lr.stored_bytes == r.stored_bytes and lr.logical_bytes == [chunk_bytes] * n
-    assert all(t > 0 for t in lr.seconds) and sum(lr.seconds) >= lr.codec_seconds > 0
+    assert all(t > 0 for t in lr.seconds) and sum(lr.seconds) >= lr.codec_s > 0
     for i, row in enumerate(rows):
         assert np.array_equal(dst[row, :chunk_bytes], src[i, :chunk_bytes])
     assert (dst[:, chunk_bytes:] == PAD).all(), "bytes past chunk_bytes were written"
@@ -730,8 +732,8 @@ def test_mac_round_trip_and_a_namespace_per_key(tmp_path, mode):
     # engines of other keys, or none, do not see these files; one of the same key does
     assert plain.probe(keys).outcomes == other.probe(keys).outcomes == [MISS] * 3
     assert list(plain.scan()) == list(other.scan()) == []
-    same = FsBackend.open({"root_dir": str(tmp_path), "fsync": False, "max_bytes": None,
-                           "min_free_bytes": 0, "direct_io": False, "mac_key": MAC_KEY},
+    same = FsBackend.open(FsTierConfig(root_dir=str(tmp_path), min_free_bytes=0,
+                                       mac_key=Secret(MAC_KEY, "test")),
                           WorkerContext(FP, cb, 2, codec))
     assert same.namespace_dir == a.namespace_dir
     assert sorted(e.key for e in same.scan()) == sorted(keys)
@@ -952,14 +954,14 @@ def test_operations_match_a_dict_model(tmp_path_factory, ops):
 def test_batch_result_helpers():
     r = BatchResult("store", [OK, EXISTS, REJECTED, ERROR, REJECTED],
                     ["", "", "max_bytes", "EIO x (write)", "max_bytes"], [1, 0, 0, 0, 0],
-                    [2, 3, 0, 0, 0], [0.5, 0.125, 0.25, 0.125, 0.0], codec_seconds=0.25)
+                    [2, 3, 0, 0, 0], [0.5, 0.125, 0.25, 0.125, 0.0], codec_s=0.25)
     assert r.succeeded == [True, True, False, False, False] and not r.all_ok
     assert r.count(REJECTED) == 2 and r.total_stored == 5 and r.io_seconds == 0.75
     assert r.summary() == "1 ERROR (EIO x (write)); 2 REJECTED (max_bytes)"
     wire = decode_result(encode_result(r.to_result(3)))
     assert wire.outcomes == r.outcomes and wire.error == r.summary()
     assert (wire.logical_bytes, wire.stored_bytes, wire.seconds, wire.codec_s) == (
-        r.logical_bytes, r.stored_bytes, r.seconds, r.codec_seconds)
+        r.logical_bytes, r.stored_bytes, r.seconds, r.codec_s)
 
 
 def test_direct_io_where_the_filesystem_takes_it_and_buffered_otherwise(tmp_path, monkeypatch):
@@ -1384,9 +1386,8 @@ def test_a_file_a_little_longer_than_its_frame_is_still_a_damaged_chunk(tmp_path
 def _opened(root, **kw) -> FsBackend:
     """A backend as a tier worker opens it (``FsBackend.open``: the namespace deferred
     while the medium cannot hold it)."""
-    args = {"root_dir": str(root), "fsync": False, "max_bytes": None, "min_free_bytes": 0,
-            "direct_io": False, **kw}
-    return FsBackend.open(args, WorkerContext(FP, 8192, 2))
+    config = FsTierConfig(root_dir=str(root), min_free_bytes=0, **kw)
+    return FsBackend.open(config, WorkerContext(FP, 8192, 2))
 
 
 @pytest.mark.parametrize("in_the_way", ["symlink", "file"])

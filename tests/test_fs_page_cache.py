@@ -126,7 +126,7 @@ def test_page_cache_bytes_is_checked_and_reaches_the_workers(tmp_path):
                                          r"integer >= 1, or null \(no limit\)"):
         build({"type": "fs", "root_dir": str(tmp_path), "page_cache_bytes": 0})
     spec = build({"type": "fs", "root_dir": str(tmp_path), "page_cache_bytes": 1 << 26})
-    assert spec.pool_config.tiers[0]["args"]["page_cache_bytes"] == 1 << 26
+    assert spec.pool_config.tiers[0].options.page_cache_bytes == 1 << 26
 
 
 class _Opened:
@@ -229,7 +229,7 @@ def test_page_cache_bytes_auto_is_accepted_and_reaches_the_workers(tmp_path):
     from tests.test_tier_config import build
 
     spec = build({"type": "fs", "root_dir": str(tmp_path), "page_cache_bytes": "auto"})
-    assert spec.pool_config.tiers[0]["args"]["page_cache_bytes"] == "auto"
+    assert spec.pool_config.tiers[0].options.page_cache_bytes == "auto"
     with pytest.raises(ValueError, match=r"\.page_cache_bytes = 'big' is invalid: expected an "
                                          r"integer >= 1, or null \(no limit\), or 'auto'"):
         build({"type": "fs", "root_dir": str(tmp_path), "page_cache_bytes": "big"})

@@ -56,9 +56,9 @@ def test_result_round_trips():
         Result(7, every, [1 << 20, 0, 5 << 20, 0, 0, 0, 0], [900_000, 0, 3 << 20, 77, 0, 4, 0],
                [2**-6, 0.5, 0.25, 0.0, 2**-20, 3.0, 0.125], 0.5, ""),  # float32-exact
         Result(8, [], error="disk full: /data/x"),
-        Result(9, [], stored_bytes=[1, 2, 3], keys=KEYS, more=True),
+        Result(9, [], stored_bytes=[1, 2, 3], listed=KEYS, more=True),
         Result.failed(10, "boom", 3),
-        Result(11, [Outcome.OK], [4], [2**32 - 1, 0], [0.5], keys=[b"k"]),  # answered + listed
+        Result(11, [Outcome.OK], [4], [2**32 - 1, 0], [0.5], listed=[b"k"]),  # answered + listed
         Result(12, [Outcome.OK], [4], [4], [0.5], flags=ResultFlag.NAMESPACE_RESET),
         Result(13, [], flags=2**32 - 1),
     ]:
@@ -76,7 +76,7 @@ def test_result_round_trips():
     (Result(1, [7], [0], [0], [0.0]), "outcomes must be codes 0..6"),
     (Result(1, [Outcome.OK], [], [0], [0.0]), "1 outcomes need as many logical_bytes"),
     (Result(1, [Outcome.OK], [0], [0], []), "1 outcomes need as many logical_bytes"),
-    (Result(1, [], [], [], [], keys=[b"k"]), "stored_bytes for them and the 1 listed keys"),
+    (Result(1, [], [], [], [], listed=[b"k"]), "stored_bytes for them and the 1 listed keys"),
     (Result(1, [Outcome.OK], [2**32], [0], [0.0]), "logical_bytes must be ints in 0..2"),
     (Result(1, [Outcome.OK], [0], [-1], [0.0]), "stored_bytes must be ints in 0..2"),
     (Result(1, [Outcome.OK], [0], [0], [-0.5]), "seconds and codec_s must be >= 0"),
@@ -173,7 +173,7 @@ def _f32(*v):
 
 def _res(**over):
     fields = dict(v=SCHEMA_VERSION, kind=1, id=7, outcomes=b"\x00\x01", logical=_u32(10, 0),
-                  stored=_u32(5, 0), seconds=_f32(0.5, 0.25), codec=0.25, error="", keys=[],
+                  stored=_u32(5, 0), seconds=_f32(0.5, 0.25), codec=0.25, error="", listed=[],
                   more=False, flags=0)
     fields.update(over)
     return _raw(*fields.values())
@@ -193,7 +193,7 @@ MALFORMED_RESULTS = [
     (_res(logical=_u32(10)), "logical_bytes holds 4 bytes, expected 8 .4 per key, 2 keys."),
     (_res(stored=1.5), "stored_bytes must be bytes"),
     (_res(stored=_u32(5, 0, 1)), "stored_bytes holds 12 bytes, expected 8"),
-    (_res(keys=[b"k"]), "stored_bytes holds 8 bytes, expected 12 .4 per key, 3 keys."),
+    (_res(listed=[b"k"]), "stored_bytes holds 8 bytes, expected 12 .4 per key, 3 keys."),
     (_res(seconds=_f32(0.5)), "seconds holds 4 bytes, expected 8"),
     (_res(seconds=_f32(0.5, -0.25)), "seconds must be >= 0"),
     (_res(seconds=_f32(float("nan"), 0.0)), "seconds must be >= 0"),
@@ -202,7 +202,7 @@ MALFORMED_RESULTS = [
     (_res(codec=-0.1), "codec_s must be a float >= 0"),
     (_res(codec=float("nan")), "codec_s must be a float >= 0"),
     (_res(error=None), "error must be a str, got NoneType"),
-    (_res(keys=[1]), "each of keys must be bytes"),
+    (_res(listed=[1]), "each of listed must be bytes"),
     (_res(more=0), "more must be a bool, got int"),
     (_res(flags=False), "flags must be an int in 0..2..32-1, got bool"),
     (_res(flags=-1), "flags must be an int in 0..2..32-1, got int -1"),
@@ -255,7 +255,7 @@ def test_split_result_of_a_scan_listing():
     result = Result(3, [], [], sizes, [], 0.1, "", keys)
     parts = split_result(result, 512)
     assert all(len(encode_result(p)) <= 512 for p in parts)
-    assert [k for p in parts for k in p.keys] == keys
+    assert [k for p in parts for k in p.listed] == keys
     assert [b for p in parts for b in p.stored_bytes] == sizes  # each key keeps its size
     assert [p.more for p in parts] == [True] * (len(parts) - 1) + [False]
     assert {p.job_id for p in parts} == {3} and parts[0].codec_s == 0.1
@@ -300,9 +300,9 @@ def test_a_figure_the_wire_cannot_carry_fails_only_its_key():
     assert "key 0" in part.error and "stored_bytes 5368709120" in part.error
     assert part.flags == 1 and part.codec_s == 0.5
     assert decode_result(encode_result(part)) == part
-    listing = Result(22, [], [], [100, big, 300, -1], [], keys=[b"a", b"b", b"c", b"d"])
+    listing = Result(22, [], [], [100, big, 300, -1], [], listed=[b"a", b"b", b"c", b"d"])
     parts = split_result(listing, 4096)
-    assert [k for p in parts for k in p.keys] == [b"a", b"c"]
+    assert [k for p in parts for k in p.listed] == [b"a", b"c"]
     assert [v for p in parts for v in p.stored_bytes] == [100, 300]
     assert all(not p.error for p in parts)  # a listing with an error is listed again
     many = Result(23, [Outcome.OK] * 300, [1] * 300, [big] * 300, [0.0] * 300)
@@ -385,7 +385,7 @@ def test_split_result_property(keys, max_bytes, error):
     except ValueError:
         assert any(len(k) + 60 > max_bytes for k in keys)
         return
-    assert [k for p in parts for k in p.keys] == keys
+    assert [k for p in parts for k in p.listed] == keys
     assert [o for p in parts for o in p.outcomes] == result.outcomes
     assert [b for p in parts for b in p.stored_bytes] == result.stored_bytes
     assert all(len(encode_result(p)) <= max_bytes for p in parts)
@@ -559,7 +559,7 @@ def test_c_result_decoding_reads_back_what_encode_result_wrote(result):
 def test_c_result_decoding_of_long_bins_and_equal_neighbours():
     n = 70000  # bin32 headers; equal sizes share one int object
     result = Result(1, [Outcome.OK] * n, [1 << 20] * n, [1 << 20] * (n - 1) + [7, 9],
-                    [0.5] * n, keys=[b"k"])
+                    [0.5] * n, listed=[b"k"])
     raw = encode_result(result)
     c = _C_DECODE(raw, SCHEMA_VERSION, jobs_mod.KIND_RESULT, jobs_mod._OUTCOMES, Result)
     assert c is not None and c == result == _python_decode_result(raw)

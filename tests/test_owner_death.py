@@ -29,7 +29,8 @@ from test_pool import _unlink_ours, wait_up
 from shmtier.config import KVLayout
 from shmtier.shared import procinfo
 from shmtier.shared.layout import ArenaGeometry
-from shmtier.shared.segment import open_segment, remove_if_stale, segment_name
+from shmtier.shared.segment import open_segment, segment_name
+from shmtier.shared.segment_tools import remove_if_stale
 from shmtier.shared.segment_guardian import guardian_pids
 
 CTX = mp.get_context("spawn")

@@ -26,7 +26,7 @@ pytest.importorskip("zmq")
 import p2p_engine  # noqa: E402  (tests/ is on sys.path)
 from fs_engine import key as chunk_key  # noqa: E402
 from shmtier.options import ConfigError  # noqa: E402
-from shmtier.shared.segment import clean_stale_segments  # noqa: E402
+from shmtier.shared.segment_tools import clean_stale_segments  # noqa: E402
 from shmtier.shared.jobs import Outcome  # noqa: E402
 from shmtier.tiers.p2p.endpoint.client import ChunkClient  # noqa: E402
 from shmtier.tiers.p2p.keys import generate_keypair_files, load_keypair, load_public_key  # noqa: E402

@@ -33,21 +33,18 @@ from shmtier.shared.procinfo import tier_worker_pids as worker_processes
 from shmtier.shared import jobs, procinfo
 from shmtier.shared.jobs import Outcome
 from shmtier.shared.layout import ArenaGeometry
-from shmtier.shared.pool_config import PoolConfig, rings_len_for
-from shmtier.shared.ring import (
-    RingSet,
+from shmtier.shared.pool_config import PoolConfig, PoolTier, WorkerPoolOptions, rings_len_for
+from shmtier.shared.ring import RingSet, semaphore_name
+from shmtier.shared.ring_tools import (
     clean_stale_ring_semaphores,
     list_ring_semaphores,
     ring_semaphore_segment,
-    semaphore_name,
 )
-from shmtier.shared.segment import (
-    clean_stale_segments,
-    list_segments,
-    open_segment,
-    segment_name,
-)
+from shmtier.shared.segment import open_segment, segment_name
+from shmtier.shared.segment_tools import clean_stale_segments, list_segments
 from shmtier.scheduler.pool import WorkerPool, WorkerState
+from shmtier.scheduler.pool.dispatch import Dispatch
+from shmtier.scheduler.pool.worker_state import RUNNING
 from shmtier.tiers.fs.config import FsTierConfig
 from starve import starved
 
@@ -71,10 +68,10 @@ def _bf16_rows(rng: np.random.Generator, n: int, nbytes: int) -> np.ndarray:
     return (f.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8).reshape(n, nbytes)
 
 
-def _fs_tier(root: str) -> dict:
-    """The pool config entry of an fs tier at ``root`` (as the spec writes it; not
+def _fs_tier(root: str) -> PoolTier:
+    """The pool config entry of an fs tier at ``root`` (as the spec makes it; not
     checked here, so a test may hand the workers a root that does not exist)."""
-    return {"type": "fs", "args": FsTierConfig(root_dir=root, min_free_bytes=None).worker_args()}
+    return PoolTier("fs", FsTierConfig(root_dir=root, min_free_bytes=None))
 
 
 def _kv_files(root: str | Path) -> list[Path]:
@@ -113,16 +110,18 @@ class PoolEnv:
                  slot_size: int = 4096, chunk_bytes: int = 4096, num_chunks: int = 64,
                  heartbeat_interval_s: float = 0.25, heartbeat_timeout_s: float = 2.0,
                  extra_tiers: tuple = (), mode: str = "spawn", job_timeout_s: float = 60.0,
-                 fs_root: str | None = None):
+                 fs_root: str | None = None, promotion_workers: int = 0):
         assert chunk_bytes % 4096 == 0
         self.engine_id = engine_id
         self.root = root if fs_root is None else fs_root
         self.closed = False
         self.pool = None
-        self.cfg = PoolConfig(num_workers=num_workers, slots=slots, slot_size=slot_size,
-                              chunk_bytes=chunk_bytes, heartbeat_interval_s=heartbeat_interval_s,
-                              tiers=[_fs_tier(self.root), *extra_tiers],
-                              job_timeout_s=job_timeout_s)
+        self.cfg = PoolConfig(slots=slots, slot_size=slot_size, chunk_bytes=chunk_bytes,
+                              heartbeat_interval_s=heartbeat_interval_s,
+                              tiers=(_fs_tier(self.root), *extra_tiers),
+                              options=WorkerPoolOptions(num_tier_workers=num_workers,
+                                                        tier_job_timeout_s=job_timeout_s,
+                                                        tier_promotion_workers=promotion_workers))
         geometry = ArenaGeometry(num_chunks=num_chunks, row_stride=chunk_bytes,
                                  page_size_per_worker=chunk_bytes, world_size=1)
         self.seg = open_segment(engine_id, geometry, f"fp-{engine_id}", owner=True,
@@ -269,9 +268,9 @@ def test_round_trip_many_chunks_split_over_slots_and_workers(pools):
 
     scan = run(pool, "scan", 0, [])
     assert scan.error == ""
-    assert len(scan.scan_keys) == n  # listed once each, across several result slots
-    assert set(scan.scan_keys) == set(keys)
-    assert dict(zip(scan.scan_keys, scan.scan_stored_bytes)) == dict(zip(keys,
+    assert len(scan.listed) == n  # listed once each, across several result slots
+    assert set(scan.listed) == set(keys)
+    assert dict(zip(scan.listed, scan.listed_bytes)) == dict(zip(keys,
                                                                          stored.stored_bytes))
     assert run(pool, "probe", 0, keys).outcomes == [Outcome.OK] * n
 
@@ -280,7 +279,7 @@ def test_round_trip_many_chunks_split_over_slots_and_workers(pools):
     assert _kv_files(env.root) == []
     again = run(pool, "load", 0, keys, list(range(n, 2 * n)))
     assert again.outcomes == [Outcome.MISS] * n
-    assert run(pool, "scan", 0, []).scan_keys == []
+    assert run(pool, "scan", 0, []).listed == []
     assert run(pool, "delete", 0, keys).outcomes == [Outcome.MISS] * n
     assert pool.restarts_total == 0 and pool.failed_parts_total == 0
 
@@ -573,8 +572,8 @@ def test_malformed_descriptors_and_backendless_tiers_get_error_results(pools, ca
 
 def _owner_child(engine_id: str, root: str, conn) -> None:
     """A scheduler stand-in: own the segment, run a pool, report worker pids, then wait."""
-    cfg = PoolConfig(num_workers=2, slots=16, slot_size=1024, chunk_bytes=4096,
-                     heartbeat_interval_s=0.1, tiers=[_fs_tier(root)])
+    cfg = PoolConfig(slots=16, slot_size=1024, chunk_bytes=4096, heartbeat_interval_s=0.1,
+                     tiers=(_fs_tier(root),), options=WorkerPoolOptions(num_tier_workers=2))
     geometry = ArenaGeometry(num_chunks=8, row_stride=4096, page_size_per_worker=4096,
                              world_size=1)
     seg = open_segment(engine_id, geometry, "fp-owner-death", owner=True,
@@ -1096,6 +1095,151 @@ def test_a_killed_workers_load_fails_at_once_and_its_rows_are_released_once_it_i
     assert pool.broken is None
 
 
+# --- 10b. lanes: loads and probes at the engine's priority -----------------------------
+
+
+def _nice_and_policy(pid: int) -> tuple[int, int]:
+    """``pid``'s niceness as /proc/<pid>/stat shows it (field 19) and its scheduling policy."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()  # fields 3.. (the name may hold spaces)
+    return int(fields[16]), os.sched_getscheduler(pid)
+
+
+def _submit_where(pool: WorkerPool, op: str, keys: list[bytes], rows=None):
+    """``pool.submit`` (the rings have room); returns the pool job id and, per worker that
+    got a part of it, the key positions it got."""
+    before = set(pool._dispatch.parts)
+    jid = pool.submit(op, 0, keys, rows)
+    assert jid is not None
+    where: dict[int, list[int]] = {}
+    for part_id in set(pool._dispatch.parts) - before:
+        part = pool._dispatch.parts[part_id]
+        where.setdefault(part.worker, []).extend(part.positions)
+    return jid, where
+
+
+def _jobs_run(pool: WorkerPool) -> list[int]:
+    """Job parts each worker slot has run and answered (its counters in the segment)."""
+    return [pool.rings.worker(w).counters().jobs for w in range(pool.n)]
+
+
+def test_loads_and_probes_run_in_the_promotion_lane_stores_and_deletes_in_the_background(pools):
+    """3 workers, the last one the promotion lane: it runs at the scheduler's niceness
+    under SCHED_OTHER, the others at +10 under SCHED_BATCH. Loads and probes of unbound
+    keys go to it, stores and deletes to the others (spread over both from 16 keys on);
+    a key whose store is outstanding keeps its load on the store's worker (ordering)."""
+    env = pools(num_workers=3, num_chunks=96, promotion_workers=1)
+    pool, arena = env.pool, env.arena
+    pids = wait_up(env)
+    mine, _ = _nice_and_policy(os.getpid())
+    assert [_nice_and_policy(pid) for pid in pids] == [
+        (min(19, mine + 10), os.SCHED_BATCH)] * 2 + [(mine, os.SCHED_OTHER)]
+
+    rng = np.random.default_rng(29)
+    arena[:] = rng.integers(0, 256, arena.shape, dtype=np.uint8)
+    keys = [_key(i, b"lane") for i in range(32)]
+    few, where_few = _submit_where(pool, "store", keys[:8], list(range(8)))
+    many, where_many = _submit_where(pool, "store", keys[8:], list(range(8, 32)))
+    assert len(where_few) == 1 and set(where_few) <= {0, 1}, where_few
+    assert set(where_many) == {0, 1}, where_many
+    got = collect(pool, [few, many])
+    assert all(r.outcomes == [Outcome.OK] * len(r.keys) for r in got.values())
+    ran = _jobs_run(pool)
+    assert ran[2] == 0 and ran[0] > 0 and ran[1] > 0, ran
+
+    probe, where = _submit_where(pool, "probe", keys)
+    assert set(where) == {2}, where
+    load, where = _submit_where(pool, "load", keys, list(range(32, 64)))
+    assert set(where) == {2}, where
+    got = collect(pool, [probe, load])
+    assert got[probe].outcomes == [Outcome.OK] * 32
+    assert got[load].outcomes == [Outcome.OK] * 32, got[load].error
+    assert np.array_equal(arena[32:64], arena[:32])
+    after = _jobs_run(pool)
+    assert after[:2] == ran[:2] and after[2] >= 2, (ran, after)  # run by the promotion worker
+
+    # ordering: the load of keys whose store is outstanding follows the store
+    fresh = [_key(i, b"bound") for i in range(8)]
+    store, where_store = _submit_where(pool, "store", fresh, list(range(64, 72)))
+    [w] = where_store
+    assert w in (0, 1)
+    load, where = _submit_where(pool, "load", fresh + keys[:4], list(range(72, 84)))  # no poll
+    assert where == {w: list(range(8)), 2: [8, 9, 10, 11]}, where
+    got = collect(pool, [store, load])
+    assert got[store].outcomes == [Outcome.OK] * 8
+    assert got[load].outcomes == [Outcome.OK] * 12, got[load].error
+    assert np.array_equal(arena[72:80], arena[64:72]) and np.array_equal(arena[80:84], arena[:4])
+
+    delete, where = _submit_where(pool, "delete", keys + fresh)
+    assert set(where) == {0, 1}, where
+    assert collect(pool, [delete])[delete].outcomes == [Outcome.OK] * 40
+    assert _kv_files(env.root) == []
+    assert pool.restarts_total == 0 and pool.failed_parts_total == 0
+
+
+def test_while_the_promotion_worker_is_down_loads_go_to_the_background_lane(pools):
+    """The promotion worker SIGKILLed: once the pool has seen it gone, loads and probes
+    run on the background workers (nothing fails for want of a lane); the pool restarts
+    it, at the scheduler's priority again, and loads go back to it."""
+    env = pools(num_workers=3, num_chunks=64, promotion_workers=1)
+    pool, arena = env.pool, env.arena
+    pids = wait_up(env)
+    mine, _ = _nice_and_policy(os.getpid())
+    arena[:] = np.random.default_rng(30).integers(0, 256, arena.shape, dtype=np.uint8)
+    keys = [_key(i, b"down") for i in range(8)]
+    assert run(pool, "store", 0, keys, list(range(8))).outcomes == [Outcome.OK] * 8
+
+    victim = pool._procs[2]
+    victim.kill()
+    deadline = time.monotonic() + 10
+    while pool.worker_states()[2] in RUNNING:  # until a health check has seen it gone
+        pool.poll()
+        assert time.monotonic() < deadline, "the killed promotion worker was not noticed"
+        time.sleep(0.005)
+    load, where_load = _submit_where(pool, "load", keys, list(range(16, 24)))  # no poll between
+    probe, where_probe = _submit_where(pool, "probe", keys)
+    assert set(where_load) <= {0, 1} and set(where_probe) <= {0, 1}, (where_load, where_probe)
+    got = collect(pool, [load, probe])
+    assert got[load].outcomes == [Outcome.OK] * 8, got[load].error
+    assert got[probe].outcomes == [Outcome.OK] * 8
+    assert np.array_equal(arena[16:24], arena[:8])
+
+    again = wait_up(env)
+    assert again[:2] == pids[:2] and again[2] != pids[2] and pool.restarts_total == 1
+    assert _nice_and_policy(again[2]) == (mine, os.SCHED_OTHER)
+    arena[16:24] = 0
+    load, where = _submit_where(pool, "load", keys, list(range(16, 24)))
+    assert set(where) == {2}, where
+    assert collect(pool, [load])[load].outcomes == [Outcome.OK] * 8
+    assert np.array_equal(arena[16:24], arena[:8])
+    assert pool.failed_parts_total == 0
+
+
+def test_a_lane_without_a_running_worker_lends_the_other_lanes_workers():
+    """Dispatch alone (bookkeeping, no process): unbound keys choose a lane by op; a
+    lane with no running worker falls back to the other's; with none running, each op
+    waits in its own lane's rings; without a promotion lane every op goes everywhere."""
+    keys = [_key(i, b"fallback") for i in range(4)]
+
+    def workers(d: Dispatch, op: str) -> set[int]:
+        rows = list(range(4)) if op in ("store", "load") else None
+        _, planned = d.plan(op, 0, keys, rows, None)
+        return {w for w, *_ in planned}
+
+    d = Dispatch(3, 8 << 10, 60.0, promotion_workers=1)
+    assert workers(d, "load") == workers(d, "probe") == {2}
+    assert workers(d, "store") | workers(d, "delete") | workers(d, "scan") <= {0, 1}
+    d.set_running([0, 1])  # the promotion worker is down
+    assert workers(d, "load") <= {0, 1} and workers(d, "probe") <= {0, 1}
+    d.set_running([2])  # both background workers are down
+    assert workers(d, "store") == workers(d, "delete") == {2}
+    assert workers(d, "load") == {2}
+    d.set_running([])  # none runs: each op waits for its own lane
+    assert workers(d, "load") == {2} and workers(d, "store") <= {0, 1}
+    d0 = Dispatch(2, 8 << 10, 60.0)
+    assert d0.takers("load") == d0.takers("store") == [0, 1]
+
+
 # --- 11. a pool whose workers cannot start ------------------------------------------------
 
 
@@ -1397,7 +1541,7 @@ def test_stores_and_deletes_are_answered_slice_by_slice_and_a_failure_fails_only
     answered = []
     runner = job_loop.JobRunner([backend], arena, chunk, 8 << 10, answer=answered.append)
     dispatch = Dispatch(1, (8 << 10) - 8, 60.0)
-    pool_id, planned = dispatch.plan("store", 0, keys, list(range(24)), None, [0])
+    pool_id, planned = dispatch.plan("store", 0, keys, list(range(24)), None)
     dispatch.commit(pool_id, "store", 0, keys, planned, 0.0)
     runner.run_and_answer(jobs.decode_job(planned[0][2]))
     assert [(len(r.outcomes), r.more) for r in answered] == [(8, True), (8, True), (8, False)]
@@ -1479,7 +1623,7 @@ def test_a_result_larger_than_a_ring_slot_is_split_and_merged_key_by_key(tmp_pat
     size = dict(zip(keys[::3], stored.stored_bytes))
     runner = job_loop.JobRunner([backend], arena, 4096, slot)
     dispatch = Dispatch(1, slot - 8, 60.0)
-    pool_id, planned = dispatch.plan("probe", 0, keys, None, None, [0])
+    pool_id, planned = dispatch.plan("probe", 0, keys, None, None)
     assert len(planned) == 1  # one job part
     dispatch.commit(pool_id, "probe", 0, keys, planned, 0.0)
     parts = runner.run(jobs.decode_job(planned[0][2]))
@@ -1514,7 +1658,7 @@ def test_result_flags_travel_from_the_backend_to_the_pool_job(tmp_path):
     runner = job_loop.JobRunner([backend], np.zeros((1, 4096), dtype=np.uint8), 4096, slot)
     dispatch = Dispatch(2, slot - 8, 60.0)
     keys = [i.to_bytes(2, "big") for i in range(2000)]  # 1000 a worker: answers split
-    pool_id, planned = dispatch.plan("probe", 0, keys, None, None, [0, 1])
+    pool_id, planned = dispatch.plan("probe", 0, keys, None, None)
     assert len(planned) == 2
     dispatch.commit(pool_id, "probe", 0, keys, planned, 0.0)
     for n, (_, _, payload, _, _) in enumerate(planned):
@@ -1541,11 +1685,11 @@ def test_the_pool_merges_per_key_figures_at_each_keys_position():
 
     d = Dispatch(2, 8 << 10, 60.0)
     first = [_key(i, b"a") for i in range(20)]
-    pid, planned = d.plan("store", 0, first, list(range(20)), None, [0, 1])
+    pid, planned = d.plan("store", 0, first, list(range(20)), None)
     d.commit(pid, "store", 0, first, planned, 0.0)
     bound = {k: w for w, _, _, part_keys, _ in planned for k in part_keys}
     keys = [_key(100, b"b"), first[15], _key(101, b"b"), first[3], first[16], _key(102, b"b")]
-    pid2, planned2 = d.plan("load", 0, keys, list(range(6)), None, [0, 1])
+    pid2, planned2 = d.plan("load", 0, keys, list(range(6)), None)
     d.commit(pid2, "load", 0, keys, planned2, 1.0)
     assert any(list(positions) != list(range(positions[0], positions[0] + len(positions)))
                for *_, positions in planned2)  # scattered positions

@@ -25,11 +25,10 @@ from shmtier.shared.ring import (
     RingBusyError,
     RingCorruptError,
     RingSet,
-    clean_stale_ring_semaphores,
-    list_ring_semaphores,
     ring_area_nbytes,
     semaphore_name,
 )
+from shmtier.shared.ring_tools import clean_stale_ring_semaphores, list_ring_semaphores
 from shmtier.shared.segment import open_segment
 
 GEOMETRY = ArenaGeometry(num_chunks=4, row_stride=4096, page_size_per_worker=4096, world_size=1)
@@ -93,7 +92,7 @@ def _echo_worker(engine_id, index, batch):
                 if job.op == "stop":
                     return
                 out = encode_result(Result(job.job_id, stored_bytes=[0] * len(job.keys),
-                                           keys=job.keys))
+                                           listed=job.keys))
                 while not w.results.try_put(out):
                     time.sleep(0.0002)
             w.beat()
@@ -408,7 +407,7 @@ def test_exactly_once_through_two_worker_processes(rings, engine_id):
                 for raw in w.results.get_many(256, timeout if got == 0 else 0):
                     r = decode_result(raw)
                     seen[r.job_id] += 1
-                    if r.keys != [key[r.job_id]] or r.job_id % WORKERS != w.index:
+                    if r.listed != [key[r.job_id]] or r.job_id % WORKERS != w.index:
                         wrong.append(r.job_id)
                     got += 1
             received += got

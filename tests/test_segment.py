@@ -17,11 +17,10 @@ from shmtier.shared.segment import (
     SegmentMismatchError,
     SegmentOwnedError,
     SegmentTimeoutError,
-    clean_stale_segments,
-    list_segments,
     open_segment,
     segment_name,
 )
+from shmtier.shared.segment_tools import clean_stale_segments, list_segments
 
 GEOMETRY = ArenaGeometry(num_chunks=8, row_stride=8192, page_size_per_worker=4096, world_size=2)
 FP = "model=m dtype=bf16 block=16x4"

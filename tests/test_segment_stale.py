@@ -26,12 +26,8 @@ import pytest
 from shmtier.cli import main as cli_main
 from shmtier.config import KVLayout
 from shmtier.shared.layout import ArenaGeometry
-from shmtier.shared.segment import (
-    SegmentTimeoutError,
-    list_segments,
-    open_segment,
-    segment_name,
-)
+from shmtier.shared.segment import SegmentTimeoutError, open_segment, segment_name
+from shmtier.shared.segment_tools import list_segments
 
 GEOMETRY = ArenaGeometry(num_chunks=8, row_stride=8192, page_size_per_worker=4096, world_size=2)
 FP = "model=m dtype=bf16 block=16x4"

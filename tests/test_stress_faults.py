@@ -86,7 +86,8 @@ def test_files_too_big_for_a_chunk_are_never_served_and_all_removed(capsys):
     rc, result = _run(Chaos(big_file_at=(0.3, 0.6), big_files=2), seed=6)
     _passed(rc, result)
     f = result.faults["big_files"]
-    assert f["events"] == 2 and f["planted"] >= 3
+    assert f["events"] == 2 and f["planted"] >= 2  # one file at least per event (how many
+    # chunk files exist to replace at each event depends on the host's speed)
     check = _check(result, "files too big for a chunk removed")
     assert check.ok and check.counts["planted"] == f["planted"] and check.counts["left"] == 0
     assert check.counts["gone_in_run"] >= 1  # later turns promote what was replaced early

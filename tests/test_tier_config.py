@@ -158,23 +158,15 @@ def test_every_built_in_tier_type_has_a_config_table_here():
         "a new tier type needs its invalid-option cases (obj's: test_obj_backend.py)"
 
 
-def test_readme_documents_every_built_in_tier_option():
+def test_every_built_in_tier_option_is_declared_with_its_description():
+    """What docs/configuration.md lists for a tier type (tests/test_configuration_doc.py
+    keeps it generated): every field of its config is an option with a description."""
     import dataclasses
-    import pathlib
-    import re
 
-    text = (pathlib.Path(__file__).resolve().parents[1] / "README.md").read_text()
-    start = text.index("Per-tier keys")
-    table = text[start:text.index("\n\n", text.index("| key |", start))]
-    rows = {}  # tier type -> option names its rows document
-    for line in table.splitlines()[2:]:
-        cells = [c.strip() for c in line.strip("|").split("|")]
-        for name in re.findall(r"`([a-z_]+)`", cells[0]):
-            rows.setdefault(name, set()).update(t.strip() for t in cells[1].split(","))
     for tier in registry.BUILT_IN:
         for f in dataclasses.fields(tier.config_class()):
-            assert f.name in rows and (tier.name in rows[f.name] or "all" in rows[f.name]), \
-                f"README's per-tier keys table lacks {tier.name} option {f.name!r}"
+            assert "check" in f.metadata and f.metadata["doc"].strip(), \
+                f"{tier.name} option {f.name!r} is not declared with option(..., doc=...)"
 
 
 def test_valid_fs_options_are_normalised_and_reach_the_workers(tmp_path):
@@ -182,11 +174,69 @@ def test_valid_fs_options_are_normalised_and_reach_the_workers(tmp_path):
                   "max_bytes": 1 << 20, "fsync": True})
     (tier,) = spec.tiering_config.secondary_tiers
     assert tier.options.locality == "REMOTE"
-    assert spec.pool_config.tiers == [{"type": "fs", "args": {
+    (worker_tier,) = spec.pool_config.tiers
+    assert worker_tier.type == "fs" and worker_tier.options is tier.options
+    assert tier.options.to_dict() == {
         "root_dir": str(tmp_path), "max_bytes": 1 << 20, "min_free_bytes": 1 << 30,
-        "fsync": True, "direct_io": False, "write_depth": 8, "page_cache_bytes": "auto"}}]
+        "fsync": True, "direct_io": False, "write_depth": 8, "page_cache_bytes": "auto",
+        "locality": "REMOTE", "enable_kv_events": False, "max_pinned_fraction": 0.5,
+        "probe_unknown": True, "probe_ttl_s": 0.25, "probe_timeout_s": 2.0,
+        "mac_key_file": None, "mac_key": None, "n_read_threads": None, "n_write_threads": None}
     with pytest.raises(AttributeError):
         tier.options.fsync = False  # frozen
+
+
+def test_every_built_in_tier_config_crosses_a_process_boundary_as_plain_data(tmp_path):
+    """``to_dict`` is msgpack-able and ``from_dict`` gives the same frozen config back, for
+    every built-in tier type, with every secret and tuple option set (values not checked
+    again on the way back: a worker must not re-read key files or ask the bucket)."""
+    import dataclasses
+
+    import msgpack
+
+    from shmtier.options import Secret
+    from shmtier.tiers.obj.config import S3StoreConfig
+
+    secret = Secret(bytes(range(32)), "test")
+    samples = {
+        "fs": dict(root_dir=str(tmp_path), mac_key_file=secret, page_cache_bytes=1 << 20),
+        "obj": dict(store_config=S3StoreConfig("bucket", "http://h:1", "AK",
+                                               Secret(b"s" * 40, "secret_key"),
+                                               Secret(b"t" * 40, "session_token")),
+                    mac_key=secret),
+        "p2p": dict(secret_key=secret, allow_keys=("a" * 40,), peers=(("h:1", "b" * 40),),
+                    backends=("zmq",)),
+        "example": dict(custom_param=3),
+    }
+    assert set(samples) == {t.name for t in registry.BUILT_IN}
+    for tier in registry.BUILT_IN:
+        cls = tier.config_class()
+        config = cls(**samples[tier.name])
+        plain = msgpack.unpackb(msgpack.packb(config.to_dict(), use_bin_type=True), raw=False)
+        back = cls.from_dict(plain)
+        assert back == config, tier.name
+        for f in dataclasses.fields(cls):  # the same types, not lists for tuples
+            assert type(getattr(back, f.name)) is type(getattr(config, f.name)), (tier.name, f)
+
+
+def _through_the_segment(spec):
+    """The pool config as a tier worker reads it: written as msgpack into a buffer the
+    size of the segment's config area, read back (``PoolConfig.write`` / ``read``)."""
+    from shmtier.shared.pool_config import CONFIG_BYTES, PoolConfig
+
+    area = memoryview(bytearray(CONFIG_BYTES))
+    spec.pool_config.write(area)
+    return PoolConfig.read(area)
+
+
+def test_the_tier_workers_read_back_the_frozen_configs(tmp_path):
+    spec = build({"type": "fs", "root_dir": str(tmp_path), "max_bytes": 1 << 20},
+                 compression={"mode": "zstd", "level": 3}, num_tier_workers=1,
+                 tier_worker_policy="other")
+    read = _through_the_segment(spec)
+    assert read == spec.pool_config
+    assert read.tiers[0].options == spec.tiering_config.secondary_tiers[0].options
+    assert read.codec.level == 3 and read.options.tier_worker_policy == "other"
 
 
 MAC_HEX = "00112233445566778899aabbccddeeff" * 2  # 32 bytes
@@ -212,7 +262,7 @@ def test_mac_key_file_is_read_when_the_spec_is_built_and_reaches_the_workers(
     spec = build({"type": "fs", "root_dir": str(tmp_path), "mac_key_file": path})
     (tier,) = spec.tiering_config.secondary_tiers
     assert tier.options.mac_secret == expected
-    assert spec.pool_config.tiers[0]["args"]["mac_key"] == expected
+    assert _through_the_segment(spec).tiers[0].options.mac_secret == expected
     for shown in (repr(tier.options), str(tier.options), repr(spec.tiering_config)):
         assert expected.hex() not in shown and MAC_HEX not in shown
     assert f"<secret: {len(expected)} bytes from file {path}>" in repr(tier.options)
@@ -221,11 +271,12 @@ def test_mac_key_file_is_read_when_the_spec_is_built_and_reaches_the_workers(
 def test_mac_key_inline_hex_reaches_the_workers_and_is_never_shown(tmp_path):
     spec = build({"type": "fs", "root_dir": str(tmp_path), "mac_key": MAC_HEX})
     (tier,) = spec.tiering_config.secondary_tiers
-    assert spec.pool_config.tiers[0]["args"]["mac_key"] == bytes.fromhex(MAC_HEX)
-    assert MAC_HEX not in repr(tier.options)
-    # without a key the workers' options are those of before
+    read = _through_the_segment(spec).tiers[0].options
+    assert read.mac_secret == bytes.fromhex(MAC_HEX)
+    assert MAC_HEX not in repr(tier.options) and MAC_HEX not in repr(read)
+    # without a key the workers get none
     spec = build({"type": "fs", "root_dir": str(tmp_path)})
-    assert "mac_key" not in spec.pool_config.tiers[0]["args"]
+    assert _through_the_segment(spec).tiers[0].options.mac_secret is None
 
 
 def test_mac_key_errors_name_the_key_and_never_show_the_secret(tmp_path):

@@ -615,8 +615,9 @@ def test_a_listing_that_reports_the_reset_itself_loses_no_chunk_stored_meanwhile
             e.manager.on_schedule_end(END)
         assert time.monotonic() < deadline, "the later store was never indexed"
         time.sleep(0.005)
-    assert not set(later) & set(listing.scan_keys)
-    listing.flags |= ResultFlag.NAMESPACE_RESET  # what a worker that had not synced sends
+    assert not set(later) & set(listing.listed)
+    # what a worker that had not synced sends
+    listings.held[0] = listing._replace(flags=listing.flags | ResultFlag.NAMESPACE_RESET)
     listings.release()
     e.settle()
     files = _assert_index_is_the_disk(tier, root)
@@ -644,7 +645,7 @@ def test_a_chunk_found_corrupt_while_the_listing_was_out_is_not_listed_back(engi
     tier = e.manager.tiers[0]
     listings = _HeldListings(e)  # before any call takes a result: the start-up listing too
     # the listing has walked the root (all three files there)
-    assert set(keys) <= set(listings.wait().scan_keys)
+    assert set(keys) <= set(listings.wait().listed)
     assert e.answers_settled([keys[0]], ReqContext("r")) == [MISS]  # probed, loaded: corrupt
     assert not path.exists()
     listings.release()

@@ -27,7 +27,7 @@ from shmtier.scheduler.pool import WorkerPool
 from shmtier.shared import procinfo
 from shmtier.shared.jobs import Outcome
 from shmtier.shared.layout import ArenaGeometry
-from shmtier.shared.pool_config import PoolConfig, rings_len_for
+from shmtier.shared.pool_config import PoolConfig, WorkerPoolOptions, rings_len_for
 from shmtier.shared.segment import open_segment
 
 CTX = mp.get_context("spawn")
@@ -39,8 +39,8 @@ FP = "fp-warm-owner"
 
 
 def _config(root: str) -> PoolConfig:
-    return PoolConfig(num_workers=2, slots=64, slot_size=4096, chunk_bytes=CHUNK,
-                      heartbeat_interval_s=0.25, tiers=[_fs_tier(root)])
+    return PoolConfig(slots=64, slot_size=4096, chunk_bytes=CHUNK, heartbeat_interval_s=0.25,
+                      tiers=(_fs_tier(root),), options=WorkerPoolOptions(num_tier_workers=2))
 
 
 def _open(engine_id: str, root: str, *, warm_restart: bool = False):

@@ -9,6 +9,11 @@ engine before a replacement takes new ones. Exits when the engine's segment
 owner is gone or on SIGINT/SIGTERM (stopping its workers). With ``metrics_port`` it also
 serves the workers' Prometheus metrics (``metrics.py``).
 
+Lanes (``shared/lanes.py``): each worker sets its own priority from its index and the
+pool config; the promotion lane's workers keep the niceness they inherit from this
+process, so run ``shmtier workers`` at the engine's niceness. The start-up line names
+the lanes.
+
 One pool per engine (every ring has one consumer): it refuses, with exit code
 2 and touching nothing, an engine whose pool runs in spawn mode (the scheduler
 starts its own workers) or whose worker slots are held by live processes
@@ -22,9 +27,21 @@ import subprocess
 import sys
 import time
 
+from shmtier.shared.lanes import PROMOTION, worker_lane
 from shmtier.shared.pool_config import PoolConfig
 from shmtier.shared.ring import RingSet
 from shmtier.shared.segment import join_existing
+
+
+def lanes_text(config: PoolConfig) -> str:
+    """The pool's lanes in words: which slots run at this process's niceness."""
+    n, k = config.options.num_tier_workers, config.options.promotion_workers
+    promotion = [i for i in range(n) if worker_lane(i, n, k) == PROMOTION]
+    if not promotion:
+        return "all in the background lane"
+    return (f"promotion lane: worker{'s' if len(promotion) > 1 else ''} "
+            f"{', '.join(map(str, promotion))} at this process's "
+            f"niceness; background lane: the others at +{config.options.tier_worker_niceness}")
 
 
 def run_external_pool(engine_id: str, num_workers: int | None = None, *,
@@ -36,18 +53,18 @@ def run_external_pool(engine_id: str, num_workers: int | None = None, *,
     signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
     try:
         config = PoolConfig.read(segment.rings)
-        if num_workers is not None and num_workers != config.num_workers:
+        if num_workers is not None and num_workers != config.options.num_tier_workers:
             print(f"shmtier workers: --num-workers {num_workers} does not match the engine's "
-                  f"num_tier_workers {config.num_workers}", file=sys.stderr)
+                  f"num_tier_workers {config.options.num_tier_workers}", file=sys.stderr)
             return 2
-        if config.mode != "external":
+        if config.options.workers != "external":
             print(f"shmtier workers: engine {engine_id!r} runs its own tier workers (its pool "
-                  f"is in {config.mode} mode); set \"workers\": \"external\" in its config to "
+                  f"is in {config.options.workers} mode); set \"workers\": \"external\" in its config to "
                   f"run them with `shmtier workers`", file=sys.stderr)
             return 2
         rings = RingSet.attach(segment.name, segment.rings)
         held = [f"slot {i}: pid {rings.worker(i).last_beat().pid}"
-                for i in range(config.num_workers) if rings.worker(i).holder_alive()]
+                for i in range(config.options.num_tier_workers) if rings.worker(i).holder_alive()]
         if held:
             print(f"shmtier workers: the tier worker slots of engine {engine_id!r} are held by "
                   f"live processes ({', '.join(held)}): another worker pool serves it; not "
@@ -69,9 +86,9 @@ def run_external_pool(engine_id: str, num_workers: int | None = None, *,
                 return 2
             print(f"shmtier workers: metrics on http://{metrics_addr}:{port}/metrics",
                   flush=True)
-        procs = [start(i) for i in range(config.num_workers)]
-        print(f"shmtier workers: {config.num_workers} tier workers serving {segment.name}",
-              flush=True)
+        procs = [start(i) for i in range(config.options.num_tier_workers)]
+        print(f"shmtier workers: {config.options.num_tier_workers} tier workers serving "
+              f"{segment.name} ({lanes_text(config)})", flush=True)
         while not stopping and segment.header().owner_alive():
             for i, proc in enumerate(procs):
                 if proc is not None and proc.poll() is not None:

@@ -5,7 +5,8 @@ Runs in: one tier worker process (spawned by the pool, or started by
 
 ::
 
-    join segment (geometry from its header) ─▶ attach rings of worker i ─▶ claim slot i
+    join segment (geometry from its header) ─▶ set its priority by its lane (below)
+      ─▶ attach rings of worker i ─▶ claim slot i
     loop: owner generation still mine? else exit (see below)
           jobs.get_many(≤ 128): a non-blocking take every 0.5 ms while jobs came
           in the last 0.25 s, else a sleep in the semaphore (heartbeat timeout)
@@ -25,6 +26,13 @@ Runs in: one tier worker process (spawned by the pool, or started by
     meanwhile, while the job thread is inside a backend call (it may wait on the medium
     for as long as the backend's timeouts allow): the busy-beat thread beats every
     heartbeat interval (``workers/busy_beat.py``), so a slow medium is busy, not hung
+
+Lane (``shared/lanes.py``), from the worker's index and the pool config in the segment,
+so spawned and external workers alike: a background worker adds ``tier_worker_niceness``
+to the niceness it inherited and runs under ``tier_worker_policy`` (SCHED_BATCH by
+default); a promotion worker (the last ``promotion_workers`` slots) keeps the niceness it
+inherited and runs under SCHED_OTHER. The pool sends the promotion lane loads and probes; a worker
+runs whatever jobs it is sent all the same (a store bound to it by a key's ordering).
 
 Owner generation (``Segment.owner_generation``: a header word the owner bumps when it
 claims the segment, at creation and at each warm re-attach): a worker serves the owner
@@ -58,6 +66,9 @@ and the scheduler half probes for the files of a failed store). The loop never r
 for a job; it exits on ``stop``, when the owner dies, or on SIGTERM (after finishing
 the job in hand). A worker whose tier backends cannot be built exits with
 ``EXIT_BACKENDS_FAILED`` (4): the pool counts that as a failure to start.
+
+Size (over 600 lines): one process's loop, whose owner-generation, slice and answer rules
+above must be read together.
 """
 
 from __future__ import annotations
@@ -74,9 +85,9 @@ from collections.abc import Iterator
 import numpy as np
 
 from shmtier.shared import jobs
+from shmtier.shared.lanes import BACKGROUND, worker_lane
 from shmtier.shared.log_setup import configure_logging
 from shmtier.shared.pool_config import EXIT_BACKENDS_FAILED, PoolConfig
-from shmtier.shared.redact import register_secrets_in
 from shmtier.shared.ring import RingSet
 from shmtier.shared.segment import join_existing
 from shmtier.tiers import registry
@@ -119,21 +130,17 @@ _HURRY_BYTES = 16 << 20
 
 def make_backends(config: PoolConfig, namespace: str, *, replacement: bool = False) -> list:
     """One backend per tier of ``config`` (None where a tier has no worker half), each
-    built by its tier type's backend class from the registry. ``replacement``: this
-    worker's slot had a worker before (``WorkerContext.replacement``)."""
-    from shmtier.shared.codec import CompressionConfig
-
-    context = WorkerContext(namespace, config.chunk_bytes, config.element_size,
-                            CompressionConfig.from_config(config.codec or "auto"),
+    built from its tier's frozen config by its tier type's backend class from the
+    registry. ``replacement``: this worker's slot had a worker before
+    (``WorkerContext.replacement``)."""
+    context = WorkerContext(namespace, config.chunk_bytes, config.element_size, config.codec,
                             replacement=replacement)
     backends = []
     for entry in config.tiers:
-        if entry is not None:  # keys and tokens in its options: never in a log line
-            register_secrets_in(entry.get("args"))
-        tier = registry.registered(entry["type"]) if entry is not None else None
+        tier = registry.registered(entry.type) if entry is not None else None
         if entry is not None and (tier is None or not tier.worker_backed):
-            raise ValueError(f"tier type {entry['type']!r} has no worker backend here")
-        backends.append(tier.backend_class().open(entry["args"], context) if tier else None)
+            raise ValueError(f"tier type {entry.type!r} has no worker backend here")
+        backends.append(tier.backend_class().open(entry.options, context) if tier else None)
     return backends
 
 
@@ -428,7 +435,7 @@ class JobRunner:
         for entry in scan():
             keys.append(entry.key)
             stored.append(entry.stored_bytes)
-        return jobs.Result(job.job_id, stored_bytes=stored, keys=keys)
+        return jobs.Result(job.job_id, stored_bytes=stored, listed=keys)
 
 
 def _note_free_bytes(part: BatchResult, backend) -> None:
@@ -456,14 +463,33 @@ def _note_free_bytes(part: BatchResult, backend) -> None:
 
 def _set_policy(policy: str) -> None:
     """Run the calling thread (and the threads it starts later) under ``policy``
-    (``PoolConfig.worker_policy``), keeping its niceness. A kernel that refuses is logged
-    once; the worker runs on under SCHED_OTHER."""
-    if policy != "batch":
-        return
+    (``WorkerPoolOptions.tier_worker_policy``: "batch" or "other"), keeping its niceness.
+    Set even when it is "other": a worker the pool restarts from the step-window poll
+    thread inherits that thread's SCHED_BATCH. A kernel that refuses is logged once; the worker
+    runs on under the policy it inherited."""
+    want = os.SCHED_BATCH if policy == "batch" else os.SCHED_OTHER
     try:
-        os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
+        if os.sched_getscheduler(0) != want:
+            os.sched_setscheduler(0, want, os.sched_param(0))
     except (OSError, AttributeError) as e:
-        logger.warning("tier worker: SCHED_BATCH refused (%s); running under SCHED_OTHER", e)
+        logger.warning("tier worker: scheduling policy %r refused (%s); keeping the inherited "
+                       "one", policy, e)
+
+
+def _set_priority(config: PoolConfig, index: int) -> str:
+    """Set this worker's priority by its lane (``shared/lanes.py``); returns the lane.
+    Background: niceness + ``tier_worker_niceness`` and ``tier_worker_policy``; promotion:
+    the niceness it inherited (the engine's, or ``shmtier workers``' in external mode) and
+    SCHED_OTHER. Both change only the calling thread on Linux: call it before the worker
+    starts any thread (its threads inherit them)."""
+    pool = config.options
+    lane = worker_lane(index, pool.num_tier_workers, pool.promotion_workers)
+    if lane == BACKGROUND:
+        os.nice(pool.tier_worker_niceness)
+        _set_policy(pool.tier_worker_policy)
+    else:
+        _set_policy("other")
+    return lane
 
 
 def run_worker(engine_id: str, index: int, generation: int | None = None) -> int:
@@ -490,10 +516,10 @@ def run_worker(engine_id: str, index: int, generation: int | None = None) -> int
         # Background work: a smaller CPU share than the scheduler thread that posts the jobs
         # (``tier_worker_niceness``, default 10), and with SCHED_BATCH (``tier_worker_policy``,
         # default "batch") a woken worker does not preempt it at all: it runs at the next
-        # tick or on an idle core. Both change only the calling thread on Linux: this runs
-        # before the worker starts any thread (its threads inherit them).
-        os.nice(config.worker_niceness)
-        _set_policy(config.worker_policy)
+        # tick or on an idle core. The promotion lane keeps the engine's priority: a waiting
+        # request needs its loads and probes, and other work on a busy host must not starve
+        # them (docs/architecture.md, "Tier worker lanes").
+        _set_priority(config, index)
         rings = RingSet.attach(segment.name, segment.rings, worker=index)
         if generation is None:
             mine[0] = segment.owner_generation()

@@ -1,7 +1,7 @@
 """``shmtier workers --metrics-port N``: a Prometheus endpoint for an external worker pool.
 
 Runs in: the ``shmtier workers`` process (``external.py``), on prometheus_client's HTTP
-server thread. Each scrape reads the engine's ring area (``ring.inspect_area``: the
+server thread. Each scrape reads the engine's ring area (``ring_tools.inspect_area``: the
 worker slots' heartbeat words, their counters and ring depths) and nothing else; the
 workers themselves do no extra work for it: they add to their slot's counters as they
 answer results (``WorkerRings.tally``, four 8-byte stores per result) whether or not
@@ -30,7 +30,7 @@ import time
 from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from shmtier.shared.ring import inspect_area
+from shmtier.shared.ring_tools import inspect_area
 
 _LABELS = ["engine", "worker"]
 

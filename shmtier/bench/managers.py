@@ -99,14 +99,22 @@ def page_cache_bound(token: str) -> int | str | None:
     return ...
 
 
+def promotion_lane(token: str) -> int | None:
+    """The ``tier_promotion_workers`` a variant token sets (``laneN``: N), else None."""
+    if token.startswith("lane") and token[4:].isdigit():
+        return int(token[4:])
+    return None
+
+
 def known_manager(name: str) -> bool:
     """Whether ``name`` is ``vllm``, ``shmtier`` or ``shmtier@TOKENS`` ('+'-joined
-    ``VARIANT_TOKENS``, ``pcN``, ``pcauto`` or ``pcoff``): what the benches' ``--managers``
-    accept."""
+    ``VARIANT_TOKENS``, ``pcN``, ``pcauto``, ``pcoff`` or ``laneN``): what the benches'
+    ``--managers`` accept."""
     base, at, variant = name.partition("@")
     if not at:
         return base in MAKERS
     return base == "shmtier" and all(t in VARIANT_TOKENS or page_cache_bound(t) is not ...
+                                     or promotion_lane(t) is not None
                                      for t in variant.split("+"))
 
 
@@ -140,8 +148,10 @@ def make_shmtier(cfg, root: str, engine_id: str, variant: str = "") -> Mut:
     (``raw`` = "none", ``zstd``), ``noprobe`` (the fs tier's ``probe_unknown`` off: a key
     its index does not know is a MISS at once, as before shared roots), ``nowindow`` (no
     step-window poll thread: ``tier_poll_window`` 0, every poll inside the steps), a
-    cascade admission rule (``second_touch``; default: write-through) or ``pcN`` / ``pcauto`` /
-    ``pcoff`` (the fs tier's ``page_cache_bytes`` = N MiB, "auto", null), e.g. ``raw+nice0``."""
+    cascade admission rule (``second_touch``; default: write-through), ``pcN`` / ``pcauto`` /
+    ``pcoff`` (the fs tier's ``page_cache_bytes`` = N MiB, "auto", null) or ``laneN``
+    (``tier_promotion_workers`` N: 0 is every worker background, as before issue 29),
+    e.g. ``raw+nice0``."""
     tokens = [t for t in variant.split("+") if t]
     sched = next((t for t in tokens if t in WORKER_SCHED), cfg.worker_sched)
     compression = {"raw": "none", "zstd": "zstd"}.get(
@@ -163,6 +173,9 @@ def make_shmtier(cfg, root: str, engine_id: str, variant: str = "") -> Mut:
     bound = next((b for b in map(page_cache_bound, tokens) if b is not ...), ...)
     if bound is not ...:
         extra["secondary_tiers"][0]["page_cache_bytes"] = bound
+    lane = next((k for k in map(promotion_lane, tokens) if k is not None), None)
+    if lane is not None:
+        extra["tier_promotion_workers"] = lane
     admission = next((t for t in tokens if t in ADMISSION_TOKENS), None)
     if admission is not None:
         extra["admission"] = admission

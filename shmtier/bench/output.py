@@ -169,7 +169,10 @@ def _markdown(rep: dict, names: list) -> str:
              f"({cfg['capacity_chunks']} chunks) for every manager, fs tier unbounded in a fresh "
              f"temp dir under {cfg['dir']}, step {cfg['step_ms']:g} ms, up to {cfg['max_running']} "
              f"running requests offering {cfg['batch']} chunks per step, shmtier: "
-             f"{cfg['workers']} tier workers, compression {cfg['compression']}",
+             f"{cfg['workers']} tier workers, compression {cfg['compression']}"
+             + (f"; busy host: {cfg['busy']} process(es) spinning at niceness "
+                f"{rep.get('busy', {}).get('niceness')} through every run" if cfg.get("busy")
+                else ""),
              f"- {rep['repeats']} run(s) per manager, alternated (order rotated per repeat); "
              "cells: median [min-max] over runs; ratios: per run pair, median [min-max]",
              f"- **verification: {rep['verification']['text']}**"]

@@ -9,7 +9,9 @@ The parts: ``trace.py`` (generators, JSON lines), ``baseline.py`` (the vLLM base
 version and its connector's calls), ``managers.py`` (both managers, built the same size),
 ``driver.py`` (one run: the connector's scheduler-side call sequence, timed),
 ``report.py`` (per-run summary, the tables), ``limits.py``, ``output.py`` (JSON, Markdown,
-plots). bench/tiering_steps.py is the same driver with the longer text tables.
+plots), ``busy.py`` (``--busy N``: processes spinning at niceness 0 through every run, a
+busy host; the machine's limits are measured before they start). bench/tiering_steps.py
+is the same driver with the longer text tables.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ def add_arguments(p) -> None:
                    help="seeded generator: chat (multi-turn chat), docqa (long documents, many "
                    "readers), agent (agentic loops with branching); default chat")
     p.add_argument("--trace", metavar="FILE", help="replay a JSON-lines trace instead (schema: "
-                   "README, 'shmtier bench'; python -m shmtier.bench.trace --write makes one)")
+                   "bench/README.md, 'shmtier bench'; python -m shmtier.bench.trace --write makes one)")
     p.add_argument("--write-trace", metavar="FILE", help="also write the trace as JSON lines")
     p.add_argument("--requests", type=int, default=None, help="override the generator's size")
     p.add_argument("--seed", type=int, default=1234)
@@ -53,6 +55,9 @@ def add_arguments(p) -> None:
     p.add_argument("--max-running", type=int, default=16)
     p.add_argument("--batch", type=int, default=4, help="chunks a running request offers per step")
     p.add_argument("--workers", type=int, default=2, help="shmtier num_tier_workers")
+    p.add_argument("--busy", type=int, default=0, metavar="N",
+                   help="a busy host: N processes spinning at niceness 0 from before the "
+                   "first run to after the last, the same for every manager (default 0)")
     p.add_argument("--compression", default="auto", choices=("auto", "zstd", "none"))
     p.add_argument("--dir", default=None, help="parent of the fs tiers' temp dirs and of the "
                    "disk limit's file (default: the system temp dir)")
@@ -106,12 +111,21 @@ def run_bench(args) -> int:
     from shmtier.bench import baseline
     from shmtier.bench import limits as bench_limits
     from shmtier.bench import trace as bench_trace
+    from shmtier.bench.busy import BusyHost
     from shmtier.bench.common import exit_through_finally, rotated
     from shmtier.bench.driver import Config, make_data_pool, run_once_more_on_stall
     from shmtier.bench.output import extend_summary, write_reports
     from shmtier.bench.report import label, summarise
 
+    if args.busy < 0:
+        print(f"shmtier bench: --busy {args.busy}: expected a number of processes >= 0",
+              file=sys.stderr)
+        return 2
     if args.stress:
+        if args.busy:
+            print("shmtier bench: --busy is for the side-by-side runs, not --stress",
+                  file=sys.stderr)
+            return 2
         from shmtier.bench.stress import run_stress_bench
 
         return run_stress_bench(args)
@@ -160,8 +174,8 @@ def run_bench(args) -> int:
     print(f"  trace: {trace.describe(capacity)} ({'read' if args.trace else 'generated'} in "
           f"{gen_s:.2f} s)")
     print(f"  chunk {args.chunk_kib} KiB, CPU tier {cpu_mib} MiB ({capacity} chunks), fs tier "
-          f"under {work_dir}, step {step_ms:g} ms, {repeats} run(s) per manager alternated; "
-          f"report in {out_dir}", flush=True)
+          f"under {work_dir}, step {step_ms:g} ms, {repeats} run(s) per manager alternated, "
+          f"{args.busy or 'no'} busy process(es) at niceness 0; report in {out_dir}", flush=True)
 
     limits = None
     if not args.no_limits:
@@ -187,25 +201,30 @@ def run_bench(args) -> int:
             "config": {"chunk_bytes": chunk_bytes, "cpu_mib": cpu_mib, "capacity_chunks": capacity,
                        "step_ms": step_ms, "max_running": args.max_running, "batch": args.batch,
                        "workers": args.workers, "compression": args.compression,
-                       "dir": work_dir, "seed": args.seed}}
+                       "dir": work_dir, "seed": args.seed, "busy": args.busy}}
     sums = {n: [] for n in names}
     raws = {n: [] for n in names}
     run_no = 0
     stalls: list[dict] = []  # runs that made no progress (each run again once)
-    for r in range(repeats):
-        for n in rotated(names, r):
-            progress.start(run_no + 1, n)
-            res, run_no = run_once_more_on_stall(n, trace, cfg, data_pool, run_no + 1, stalls)
-            progress.done()
-            s = extend_summary(summarise(res, chunk_bytes), res, chunk_bytes, limits)
-            sums[n].append(s)
-            raws[n].append(res)
-            print(f"  run {r + 1}/{repeats} {label(n):>10}: {s['steps']} steps, step p50 "
-                  f"{s['step_us_p50']:.0f} µs p99 {s['step_us_p99']:.0f} µs, hits CPU "
-                  f"{s['hit_cpu']:.2f} fs {s['hit_fs']:.2f}, {s['verified']} loaded chunks "
-                  f"checked, {s['wrong_kv']} wrong, wall {s['wall_s']:.1f} s"
-                  + (f", {s['abandoned']} request(s) given up (self-eviction)"
-                     if s["abandoned"] else ""), flush=True)
+    with BusyHost(args.busy) as busy:
+        if args.busy:
+            print(f"  {busy.describe()}", flush=True)
+        meta["busy"] = busy.as_dict()
+        for r in range(repeats):
+            for n in rotated(names, r):
+                progress.start(run_no + 1, n)
+                res, run_no = run_once_more_on_stall(n, trace, cfg, data_pool, run_no + 1,
+                                                     stalls)
+                progress.done()
+                s = extend_summary(summarise(res, chunk_bytes), res, chunk_bytes, limits)
+                sums[n].append(s)
+                raws[n].append(res)
+                print(f"  run {r + 1}/{repeats} {label(n):>10}: {s['steps']} steps, step p50 "
+                      f"{s['step_us_p50']:.0f} µs p99 {s['step_us_p99']:.0f} µs, hits CPU "
+                      f"{s['hit_cpu']:.2f} fs {s['hit_fs']:.2f}, {s['verified']} loaded chunks "
+                      f"checked, {s['wrong_kv']} wrong, wall {s['wall_s']:.1f} s"
+                      + (f", {s['abandoned']} request(s) given up (self-eviction)"
+                         if s["abandoned"] else ""), flush=True)
     meta["load_avg_end"] = os.getloadavg()[0]
     meta["stalls"] = stalls  # in report.json: runs that made no progress and were run again
     report = write_reports(out_dir, meta, limits, sums, raws, plots=not args.no_plots)

@@ -7,13 +7,26 @@
  * classifies, claims, pins, unpins and releases a few dozen keys, after the forward pass
  * has left the caches cold; in Python each key was a handful of dict, memoryview and list
  * operations, and the slowest steps (a new request's long prefix) spent a sixth of their
- * time in those loops.
+ * time in those loops. Re-measured against the pure-Python reference (issue 30;
+ * bench/c_vs_reference.py, 2026-12-05, the shared 2-CPU x86_64 VM, Python 3.11, 10k
+ * chunks, LRU, 5 repeats, 2 runs): the CPU tier's manager time per step with this file's
+ * RowIndex and first_accesses, median [runs], mean 188-277 us, p50 137 us; with
+ * rows_reference.py's, mean 410-599 us (2.2x), p50 301-308 us (2.2x). It pays; kept.
  *
  * RowIndex keeps nothing of its own: it works on the primary's ``key -> row`` dict (shared,
  * not copied) and on the chunk table's arrays in the segment (keys, key_len, refcnt,
- * tiers), whose meaning is chunk_table.py's module docstring. Every method that can refuse
- * its input checks all of it first, so a refused call changes nothing. close() releases
- * the table's buffers (the primary's shutdown, before the segment is unmapped).
+ * tiers), whose meaning is chunk_table.py's module docstring. claim, pin and unpin check
+ * all of their input first, so a refused call changes nothing; release and mark_stored
+ * stop at the bad item. close() releases the table's buffers (the primary's shutdown,
+ * before the segment is unmapped). The rows dict's lookups can run Python code (a key's
+ * __hash__ or __eq__): each method works on a snapshot of its argument lists and refuses a
+ * call into the index from inside one of its calls (``busy``).
+ *
+ * shmtier/scheduler/rows_reference.py is this file in Python, the reference it is tested
+ * against (tests/test_c_reference.py: the same operations on both, results, errors, table
+ * bytes and object reference counts compared); scripts/test-sanitizers runs those tests
+ * on a build with AddressSanitizer and UndefinedBehaviorSanitizer. A change here changes
+ * the reference alike.
  *
  * first_accesses() is the record of a request's first accesses (primary.py's
  * _RequestCacheAccess): the keys not seen before, each added to the seen set and to the
@@ -34,6 +47,7 @@ typedef struct {
     uint64_t *tiers;
     Py_ssize_t n, key_width;
     int32_t *times;  /* scratch: occurrences per row within one call (all zero between calls) */
+    int busy;        /* inside a method (see index_enter) */
 } RowIndex;
 
 static int index_ready(RowIndex *self) {
@@ -56,6 +70,43 @@ static Py_ssize_t row_value(RowIndex *self, PyObject *value) {
     return row;
 }
 
+/* A method holds ``busy`` while it runs: the rows dict's lookups can run Python code (a
+ * key's __hash__ or __eq__), and a call into the index from there is refused, since the
+ * outer call keeps rows, counts and buffer pointers across that code. */
+static int index_enter(RowIndex *self) {
+    if (self->busy) {
+        PyErr_SetString(PyExc_RuntimeError,
+                        "row index called from inside one of its own calls (a key's __hash__ "
+                        "or __eq__)");
+        return 0;
+    }
+    self->busy = 1;
+    return 1;
+}
+
+#define GUARDED_O(name)                                                                   \
+    static PyObject *name(RowIndex *self, PyObject *arg) {                                \
+        if (!index_enter(self)) return NULL;                                              \
+        PyObject *result = name##_body(self, arg);                                        \
+        self->busy = 0;                                                                   \
+        return result;                                                                    \
+    }
+#define GUARDED_FAST(name)                                                                \
+    static PyObject *name(RowIndex *self, PyObject *const *args, Py_ssize_t nargs) {      \
+        if (!index_enter(self)) return NULL;                                              \
+        PyObject *result = name##_body(self, args, nargs);                                \
+        self->busy = 0;                                                                   \
+        return result;                                                                    \
+    }
+
+/* The keys a method iterates: an exact list's items as a new tuple (Python code run by a
+ * lookup could change the caller's list and free the key in hand), else what
+ * PySequence_Fast gives (a tuple as it is, another iterable as a list only this call holds). */
+static PyObject *keys_snapshot(PyObject *keys) {
+    return PyList_CheckExact(keys) ? PyList_AsTuple(keys)
+                                   : PySequence_Fast(keys, "keys must be iterable");
+}
+
 /* The row of ``key``: -1 if absent, -2 with an exception set. */
 static Py_ssize_t row_of(RowIndex *self, PyObject *key) {
     PyObject *value = PyDict_GetItemWithError(self->rows, key);
@@ -67,7 +118,7 @@ static Py_ssize_t row_of(RowIndex *self, PyObject *key) {
 static void key_error(const char *before, PyObject *key, const char *after) {
     PyObject *hex = PyObject_CallMethod(key, "hex", NULL);
     if (hex == NULL) return;
-    PyObject *message = PyUnicode_FromFormat("%s%U%s", before, hex, after);
+    PyObject *message = PyUnicode_FromFormat("%s%S%s", before, hex, after);
     Py_DECREF(hex);
     if (message == NULL) return;
     PyErr_SetObject(PyExc_KeyError, message);
@@ -169,9 +220,9 @@ PyDoc_STRVAR(classify_doc,
 "The keys that are not resident, and those resident and readable (ref count >= 0), in order;\n"
 "keys whose store is pending are in neither.");
 
-static PyObject *index_classify(RowIndex *self, PyObject *keys) {
+static PyObject *index_classify_body(RowIndex *self, PyObject *keys) {
     if (!index_ready(self)) return NULL;
-    PyObject *seq = PySequence_Fast(keys, "keys must be iterable");
+    PyObject *seq = keys_snapshot(keys);
     if (seq == NULL) return NULL;
     PyObject *absent = PyList_New(0), *ready = PyList_New(0), *result = NULL;
     if (absent == NULL || ready == NULL) goto done;
@@ -190,12 +241,14 @@ done:
     return result;
 }
 
+GUARDED_O(index_classify)
+
 PyDoc_STRVAR(ready_keys_doc,
 "ready_keys(keys) -> list\n\nThe resident, readable keys (ref count >= 0), in order.");
 
-static PyObject *index_ready_keys(RowIndex *self, PyObject *keys) {
+static PyObject *index_ready_keys_body(RowIndex *self, PyObject *keys) {
     if (!index_ready(self)) return NULL;
-    PyObject *seq = PySequence_Fast(keys, "keys must be iterable");
+    PyObject *seq = keys_snapshot(keys);
     if (seq == NULL) return NULL;
     PyObject *ready = PyList_New(0);
     for (Py_ssize_t i = 0; ready != NULL && i < PySequence_Fast_GET_SIZE(seq); i++) {
@@ -208,82 +261,99 @@ static PyObject *index_ready_keys(RowIndex *self, PyObject *keys) {
     return ready;
 }
 
+GUARDED_O(index_ready_keys)
+
 PyDoc_STRVAR(claim_doc,
 "claim(keys, rows)\n\n"
 "Give each key of the list its row of the list (neither resident nor held): write the key\n"
 "into the table, its ref count -1 (store pending), and map it in the rows dict. A key longer\n"
 "than the key width is a ValueError, before anything is written.");
 
-static PyObject *index_claim(RowIndex *self, PyObject *const *args, Py_ssize_t nargs) {
+static PyObject *index_claim_body(RowIndex *self, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 2 || !PyList_Check(args[0]) || !PyList_Check(args[1])
         || PyList_GET_SIZE(args[0]) != PyList_GET_SIZE(args[1])) {
         PyErr_SetString(PyExc_TypeError, "claim(keys, rows) takes two lists of equal length");
         return NULL;
     }
     if (!index_ready(self)) return NULL;
-    PyObject *keys = args[0], *rows = args[1];
-    Py_ssize_t count = PyList_GET_SIZE(keys);
+    /* the lists as they are now: PyDict_SetItem can run a dict key's __eq__ */
+    PyObject *keys = PyList_AsTuple(args[0]), *rows = PyList_AsTuple(args[1]), *result = NULL;
+    Py_ssize_t count = keys == NULL ? 0 : PyTuple_GET_SIZE(keys);
+    if (keys == NULL || rows == NULL) goto done;
     for (Py_ssize_t i = 0; i < count; i++) {
-        PyObject *key = PyList_GET_ITEM(keys, i);
+        PyObject *key = PyTuple_GET_ITEM(keys, i);
         if (!PyBytes_Check(key)) {
             PyErr_Format(PyExc_TypeError, "offload keys are bytes, not %.100s", Py_TYPE(key)->tp_name);
-            return NULL;
+            goto done;
         }
         if (PyBytes_GET_SIZE(key) > self->key_width) {
             PyErr_Format(PyExc_ValueError, "offload key of %zd bytes does not fit the key width of %zd",
                          PyBytes_GET_SIZE(key), self->key_width);
-            return NULL;
+            goto done;
         }
-        Py_ssize_t row = PyLong_AsSsize_t(PyList_GET_ITEM(rows, i));
-        if (row == -1 && PyErr_Occurred()) return NULL;
+        Py_ssize_t row = PyLong_AsSsize_t(PyTuple_GET_ITEM(rows, i));
+        if (row == -1 && PyErr_Occurred()) goto done;
         if (row < 0 || row >= self->n) {
             PyErr_Format(PyExc_IndexError, "row %zd is outside the table's %zd rows", row, self->n);
-            return NULL;
+            goto done;
         }
     }
     for (Py_ssize_t i = 0; i < count; i++) {
-        PyObject *key = PyList_GET_ITEM(keys, i), *row_obj = PyList_GET_ITEM(rows, i);
+        PyObject *key = PyTuple_GET_ITEM(keys, i), *row_obj = PyTuple_GET_ITEM(rows, i);
         Py_ssize_t row = PyLong_AsSsize_t(row_obj), len = PyBytes_GET_SIZE(key);
         memcpy(self->keys + row * self->key_width, PyBytes_AS_STRING(key), (size_t)len);
         self->key_len[row] = (uint8_t)len;
         self->refcnt[row] = -1;
-        if (PyDict_SetItem(self->rows, key, row_obj) < 0) return NULL;
+        if (PyDict_SetItem(self->rows, key, row_obj) < 0) goto done;
     }
-    Py_RETURN_NONE;
+    result = Py_NewRef(Py_None);
+done:
+    Py_XDECREF(keys);
+    Py_XDECREF(rows);
+    return result;
 }
+
+GUARDED_FAST(index_claim)
 
 PyDoc_STRVAR(release_doc,
 "release(victims, free_list)\n\n"
 "Forget each (key, row) of the list: unmap the key, clear the row's key and tier bits, and\n"
 "append the row to the list ``free_list``.");
 
-static PyObject *index_release_rows(RowIndex *self, PyObject *const *args, Py_ssize_t nargs) {
+static PyObject *index_release_rows_body(RowIndex *self, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 2 || !PyList_Check(args[0]) || !PyList_Check(args[1])) {
         PyErr_SetString(PyExc_TypeError, "release(victims: list, free_list: list)");
         return NULL;
     }
     if (!index_ready(self)) return NULL;
-    PyObject *victims = args[0], *free_list = args[1];
-    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(victims); i++) {
-        PyObject *pair = PyList_GET_ITEM(victims, i);
+    PyObject *free_list = args[1], *result = NULL;
+    PyObject *victims = PyList_AsTuple(args[0]);  /* PyDict_DelItem can run Python code */
+    if (victims == NULL) return NULL;
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(victims); i++) {
+        PyObject *pair = PyTuple_GET_ITEM(victims, i);
         if (!PyTuple_Check(pair) || PyTuple_GET_SIZE(pair) != 2) {
             PyErr_SetString(PyExc_TypeError, "victims are (key, row) pairs");
-            return NULL;
+            goto done;
         }
         PyObject *key = PyTuple_GET_ITEM(pair, 0), *row_obj = PyTuple_GET_ITEM(pair, 1);
         Py_ssize_t row = PyLong_AsSsize_t(row_obj);
-        if (row == -1 && PyErr_Occurred()) return NULL;
+        if (row == -1 && PyErr_Occurred()) goto done;
         if (row < 0 || row >= self->n) {
             PyErr_Format(PyExc_IndexError, "row %zd is outside the table's %zd rows", row, self->n);
-            return NULL;
+            goto done;
         }
-        if (PyDict_DelItem(self->rows, key) < 0) return NULL;
+        if (PyDict_DelItem(self->rows, key) < 0) goto done;
         self->key_len[row] = 0;
         self->tiers[row] = 0;
-        if (PyList_Append(free_list, row_obj) < 0) return NULL;
+        if (PyList_Append(free_list, row_obj) < 0) goto done;
     }
-    Py_RETURN_NONE;
+    result = Py_NewRef(Py_None);
+done:
+    Py_DECREF(victims);
+    return result;
 }
+
+GUARDED_FAST(index_release_rows)
 
 PyDoc_STRVAR(pin_doc,
 "pin(keys) -> (rows, newly_pinned)\n\n"
@@ -291,9 +361,9 @@ PyDoc_STRVAR(pin_doc,
 "first that is not, and nothing changes). Returns the rows in key order and the keys whose\n"
 "ref count left 0 (no longer evictable).");
 
-static PyObject *index_pin(RowIndex *self, PyObject *keys) {
+static PyObject *index_pin_body(RowIndex *self, PyObject *keys) {
     if (!index_ready(self)) return NULL;
-    PyObject *seq = PySequence_Fast(keys, "keys must be iterable");
+    PyObject *seq = keys_snapshot(keys);
     if (seq == NULL) return NULL;
     Py_ssize_t count = PySequence_Fast_GET_SIZE(seq);
     PyObject *ids = PyList_New(count), *pinned = NULL, *result = NULL;
@@ -330,15 +400,17 @@ done:
     return result;
 }
 
+GUARDED_O(index_pin)
+
 PyDoc_STRVAR(unpin_doc,
 "unpin(keys) -> newly_unpinned\n\n"
 "Drop a reader from every key (each must hold a pin per time it is listed; else KeyError\n"
 "naming the first that does not, and nothing changes). Returns the keys whose ref count\n"
 "went to 0 (evictable again).");
 
-static PyObject *index_unpin(RowIndex *self, PyObject *keys) {
+static PyObject *index_unpin_body(RowIndex *self, PyObject *keys) {
     if (!index_ready(self)) return NULL;
-    PyObject *seq = PySequence_Fast(keys, "keys must be iterable");
+    PyObject *seq = keys_snapshot(keys);
     if (seq == NULL) return NULL;
     Py_ssize_t count = PySequence_Fast_GET_SIZE(seq), counted = 0;
     PyObject *unpinned = NULL;
@@ -365,7 +437,7 @@ static PyObject *index_unpin(RowIndex *self, PyObject *keys) {
             PyObject *hex = PyObject_CallMethod(key, "hex", NULL);
             if (hex != NULL) {
                 PyObject *message = PyUnicode_FromFormat(
-                    "complete_load lists key %U %d times; it holds %d pins", hex,
+                    "complete_load lists key %S %d times; it holds %d pins", hex,
                     (int)self->times[row], (int)self->refcnt[row]);
                 if (message != NULL) {
                     PyErr_SetObject(PyExc_KeyError, message);
@@ -390,14 +462,16 @@ done:
     return unpinned;
 }
 
+GUARDED_O(index_unpin)
+
 PyDoc_STRVAR(mark_stored_doc,
 "mark_stored(keys) -> done\n\n"
 "The keys whose store was pending (ref count -1) become ready and evictable (0); returns\n"
 "them in order. Other keys (absent, ready) are ignored.");
 
-static PyObject *index_mark_stored(RowIndex *self, PyObject *keys) {
+static PyObject *index_mark_stored_body(RowIndex *self, PyObject *keys) {
     if (!index_ready(self)) return NULL;
-    PyObject *seq = PySequence_Fast(keys, "keys must be iterable");
+    PyObject *seq = keys_snapshot(keys);
     if (seq == NULL) return NULL;
     PyObject *done = PyList_New(0);
     for (Py_ssize_t i = 0; done != NULL && i < PySequence_Fast_GET_SIZE(seq); i++) {
@@ -414,9 +488,17 @@ static PyObject *index_mark_stored(RowIndex *self, PyObject *keys) {
     return done;
 }
 
+GUARDED_O(index_mark_stored)
+
 PyDoc_STRVAR(close_doc, "close()\n\nRelease the table's buffers (idempotent); later calls raise ValueError.");
 
 static PyObject *index_close(RowIndex *self, PyObject *unused) {
+    if (self->busy) {  /* the running call still uses the buffers */
+        PyErr_SetString(PyExc_RuntimeError,
+                        "row index closed from inside one of its own calls (a key's __hash__ "
+                        "or __eq__)");
+        return NULL;
+    }
     index_release(self);
     Py_RETURN_NONE;
 }
@@ -486,16 +568,18 @@ static PyObject *first_accesses(PyObject *module, PyObject *const *args, Py_ssiz
             unsigned long long index = 0;
             for (Py_ssize_t b = 0; b < suffix_len; b++) index = (index << 8) | tail[b];
             PyObject *group_idx = PyLong_FromUnsignedLongLong(index);
-            PyObject *group = group_idx == NULL ? NULL : PyDict_GetItemWithError(groups, group_idx);
+            /* held, not borrowed: PySet_Add can run Python code that changes ``groups`` */
+            PyObject *group = group_idx == NULL ? NULL
+                              : Py_XNewRef(PyDict_GetItemWithError(groups, group_idx));
             if (group_idx != NULL && group == NULL && !PyErr_Occurred()) {
                 group = PyList_New(0);
                 if (group != NULL && PyDict_SetItem(groups, group_idx, group) < 0) Py_CLEAR(group);
-                Py_XDECREF(group);  /* the dict holds it */
             }
             Py_XDECREF(group_idx);
             if (group == NULL || PySet_Add(seen, key) < 0 || PyList_Append(group, key) < 0
                 || PyList_Append(new_keys, key) < 0)
                 known = -1;
+            Py_XDECREF(group);
         }
         Py_DECREF(key);
         if (known < 0) Py_CLEAR(new_keys);

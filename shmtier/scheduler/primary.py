@@ -17,6 +17,9 @@ memory live only accelerators, rebuilt from the table by ``attach=True``: the
 ``key -> row`` dict, the free list, counters, and the policy's heaps/lists. The
 per-key work on the dict and the table (classify an offer, claim rows, pin,
 unpin, release) is ``_rows.RowIndex``, in C: it runs every step, cold.
+
+Size (over 600 lines): the chunk table, the ref counts and the eviction policy change
+together in every call and must agree on each row's state.
 """
 
 from __future__ import annotations

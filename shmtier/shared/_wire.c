@@ -511,7 +511,7 @@ PyDoc_STRVAR(decode_result_doc,
 "decode_result(raw, schema_version, kind, outcomes, result_type) -> result | None\n\n"
 "A result_type (a tuple subclass without fields of its own, e.g. a namedtuple) of the\n"
 "fields (job_id, outcomes: list, logical: list[int], stored: list[int],\n"
-"seconds: list[float], codec_s, error, keys, more, flags: int) of a result message that is exactly\n"
+"seconds: list[float], codec_s, error, listed, more, flags: int) of a result message that is exactly\n"
 "what jobs.encode_result writes and passes every check of jobs.decode_result's fast\n"
 "path; None for anything else (the caller then decodes it in Python, which names the\n"
 "problem). ``outcomes`` is the tuple of outcome objects indexed by code: its length is\n"

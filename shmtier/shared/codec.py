@@ -87,7 +87,7 @@ thread-safe: make one per thread (each holds a zstd context and scratch
 buffers sized to the largest chunk it has seen: about 1x the chunk size plus
 ~2 MiB of zstd state).
 
-Size (~670 lines): the frame format, its encoder and its decoder (with the optional MAC)
+Size (~690 lines): the frame format, its encoder and its decoder (with the optional MAC)
 are one versioned format; keeping them together keeps every field's writer next to its
 checks.
 """
@@ -105,6 +105,7 @@ from typing import Any
 import numpy as np
 import zstandard
 
+from shmtier.options import KeyedCheck, Options, integer, invalid, number, one_of, option
 from shmtier.shared._planes import copy_crc32c, crc32c, merge, split  # noqa: F401 (copy_crc32c: for the p2p client)
 
 __all__ = [
@@ -181,43 +182,38 @@ class CorruptChunkError(Exception):
         return (type(self), (self.reason, self.detail))
 
 
-def _config_error(value: Any, problem: str) -> ValueError:
-    return ValueError(
-        f"kv_connector_extra_config['compression'] = {value!r} is invalid: {problem}; "
-        f"accepted: one of {list(MODES)}, or a mapping with keys 'mode' (one of {list(MODES)}), "
-        f"'level' (an integer 1..{zstandard.MAX_COMPRESSION_LEVEL}) and 'min_gain' "
-        f"(a number in [0, 1))"
-    )
+#: What ``compression`` is called in errors.
+COMPRESSION_KEY = "kv_connector_extra_config['compression']"
 
 
 @dataclass(frozen=True)
-class CompressionConfig:
-    """How tier workers compress chunks (the config key ``compression``).
+class CompressionConfig(Options):
+    """How tier workers compress chunks (the config key ``compression``: a mode, or a
+    mapping of the options below). Constructing one checks it too, so an invalid one
+    raises ConfigError (a ValueError) naming the key, the value and what is accepted
+    wherever it is made."""
 
-    * ``mode="auto"`` (default): byte-split + zstd with fast parameters tuned for KV
-      (see the module docstring) for 2-byte elements, plain zstd with the same
-      parameters otherwise; raw when the gain is below ``min_gain``. A tier worker
-      that is behind on stores also stores raw in this mode (the job loop decides).
-    * ``mode="zstd"``: zstd at ``level`` with its standard parameters (still
-      byte-split for 2-byte elements, which beats whole-chunk zstd at every level
-      on bf16/fp16); raw when the gain is below ``min_gain``.
-    * ``mode="none"``: every chunk stored raw (still framed and checksummed).
-
-    ``min_gain``: a chunk is stored compressed only if that saves at least this
-    fraction of its raw size (and at least one byte).
-    Constructing an invalid config raises ``ValueError`` naming the key
-    ``compression``, the value and what is accepted.
-    """
-
-    mode: str = "auto"
-    level: int = 1
-    min_gain: float = 0.05
+    mode: str = option(
+        "auto", one_of(*MODES),
+        doc='"auto": byte-split + zstd with fast parameters tuned for KV for 2-byte '
+            "elements, plain zstd otherwise, and a tier worker behind on stores (or on a busy "
+            "host) stores raw where that costs it less time per byte; \"zstd\": zstd at "
+            "level (byte-split for 2-byte elements); \"none\": every chunk raw (still framed "
+            "and checksummed)")
+    level: int = option(
+        1, integer(1, zstandard.MAX_COMPRESSION_LEVEL), doc='the zstd level of mode "zstd"')
+    min_gain: float = option(
+        0.05, number(0, 1, max_open=True).then(float),
+        doc="a chunk is stored compressed only if that saves at least this fraction of its "
+            "raw size (and at least one byte)")
 
     def __post_init__(self) -> None:
-        problem = _config_problem(self.mode, self.level, self.min_gain)
-        if problem:
-            raise _config_error(
-                {"mode": self.mode, "level": self.level, "min_gain": self.min_gain}, problem)
+        for f in self.declared():
+            f.metadata["check"](f"{COMPRESSION_KEY}.{f.name}", getattr(self, f.name))
+
+    @classmethod
+    def accepted(cls) -> str:
+        return f"{cls.declared()[0].metadata['check'].accepted} (a mode), or {cls.accepted_keys()}"
 
     @classmethod
     def from_config(cls, value: Any) -> "CompressionConfig":
@@ -225,45 +221,26 @@ class CompressionConfig:
 
         Accepts ``None`` (key absent: defaults), a mode string (``"auto"``, ``"zstd"``,
         ``"none"``), a mapping with any of ``mode``, ``level``, ``min_gain``, or a
-        ``CompressionConfig``. Anything else raises ``ValueError`` naming the key
-        ``compression``, the value and what is accepted. Called at construction time,
-        in any process, before anything is created; pure, never blocks.
+        ``CompressionConfig``. Anything else raises ConfigError (a ``ValueError``) naming
+        the key (``compression``, or the mapping's key), the value and what is accepted.
+        Called at construction time, in any process, before anything is created; pure,
+        never blocks.
         """
         if value is None:
             return cls()
         if isinstance(value, CompressionConfig):
             return value
-        if isinstance(value, str):
-            if value not in MODES:
-                raise _config_error(value, f"unknown mode {value!r}")
+        if isinstance(value, str) and value in MODES:
             return cls(mode=value)
         if isinstance(value, Mapping):
-            unknown = sorted(repr(k) for k in value if k not in ("mode", "level", "min_gain"))
-            if unknown:
-                raise _config_error(value, f"unknown field(s) {', '.join(unknown)}")
-            default = cls()
-            mode = value.get("mode", default.mode)
-            level = value.get("level", default.level)
-            min_gain = value.get("min_gain", default.min_gain)
-            if isinstance(level, float) and level.is_integer():
-                level = int(level)
-            problem = _config_problem(mode, level, min_gain)
-            if problem:
-                raise _config_error(value, problem)
-            return cls(mode=mode, level=level, min_gain=float(min_gain))
-        raise _config_error(value, f"expected a string or a mapping, got {type(value).__name__}")
+            return cls.from_mapping(value, where=COMPRESSION_KEY)
+        raise invalid(COMPRESSION_KEY, value, cls.accepted())
 
-
-def _config_problem(mode: Any, level: Any, min_gain: Any) -> str | None:
-    if not isinstance(mode, str) or mode not in MODES:
-        return f"mode {mode!r} is not one of {list(MODES)}"
-    if (isinstance(level, bool) or not isinstance(level, int)
-            or not 1 <= level <= zstandard.MAX_COMPRESSION_LEVEL):
-        return f"level {level!r} is not an integer in 1..{zstandard.MAX_COMPRESSION_LEVEL}"
-    if (isinstance(min_gain, bool) or not isinstance(min_gain, (int, float))
-            or not 0.0 <= min_gain < 1.0):
-        return f"min_gain {min_gain!r} is not a number in [0, 1)"
-    return None
+    @classmethod
+    def check(cls) -> KeyedCheck:
+        """The check of a config field holding a CompressionConfig (``compression``)."""
+        return KeyedCheck(cls.accepted, lambda key, value: cls.from_config(value),
+                          to_plain=cls.to_dict, from_plain=cls.from_dict)
 
 
 @dataclass(frozen=True)

@@ -22,13 +22,19 @@ the scheduler halves):
   id of one part of a pool job as it travels in a ring (a pool job is sent as
   one part per worker, each maybe split further by ``split_job``).
 
+A job's answer travels in three records of this one vocabulary (per key ``outcomes``,
+``logical_bytes``, ``stored_bytes``, ``seconds``; then ``codec_s``, ``error``, ``listed``,
+``flags``): a backend's ``BatchResult`` -> :class:`Result` (the wire) -> the pool's
+``PoolResult``, then vLLM's ``JobResult`` per tier job; each conversion has one reason,
+in its record's docstring (docs/architecture.md, "Completion", lists them).
+
 Wire format (msgpack, schema version ``SCHEMA_VERSION``): positional arrays,
 not maps — measured here a 4-key job packs in ~0.46 µs as an array vs ~0.74 µs
 as a map and unpacks in ~0.34 vs ~0.78 µs, and is 15% smaller::
 
     job    [version, 0, job_id, op, tier, keys, rows, args]
     result [version, 1, job_id, outcomes, logical, stored, seconds, codec_s,
-            error, keys, more, flags]
+            error, listed, more, flags]
 
 * ``op`` is a small integer (``OPS`` maps names to codes); ``keys`` a list of
   bin (the chunk keys), ``rows`` a list of arena row numbers aligned with
@@ -43,7 +49,7 @@ as a map and unpacks in ~0.34 vs ~0.78 µs, and is 15% smaller::
   ``stored`` (uint32 LE) has one entry per such key (the bytes the chunk
   occupies on the medium), then one per listed key. ``codec_s`` is the
   result's codec seconds (float64), ``error`` a human-readable summary of what
-  went wrong (empty when nothing did), ``keys`` what a ``scan`` found, and
+  went wrong (empty when nothing did), ``listed`` the keys a ``scan`` found, and
   ``more`` says further results for the same job id follow (a result too large
   for one ring slot, split by ``split_result``: the keys a result answers for
   are the next run of the part's keys, in order). ``flags`` is an unsigned int of
@@ -54,7 +60,7 @@ with a message naming the problem for anything that is not a valid message of
 this schema version; ``err.job_id`` holds the job id when it could be read, so
 the worker can answer ``Result.failed(err.job_id, str(err))`` and carry on.
 
-Size (~680 lines): the wire schema, its fast paths' Python twins and the thorough
+Size (~760 lines): the wire schema, its fast paths' Python twins and the thorough
 diagnosis that must agree with them (tests/test_jobs.py checks it), and splitting by
 slot size, are one schema version; about a third is the diagnosis of malformed messages.
 """
@@ -229,8 +235,8 @@ class Job:
 
 
 _ResultFields = collections.namedtuple("_ResultFields", (
-    "job_id", "outcomes", "logical_bytes", "stored_bytes", "seconds", "codec_s", "error", "keys",
-    "more", "flags"))
+    "job_id", "outcomes", "logical_bytes", "stored_bytes", "seconds", "codec_s", "error",
+    "listed", "more", "flags"))
 
 
 class Result(_ResultFields):
@@ -239,7 +245,7 @@ class Result(_ResultFields):
     ``outcomes``, ``logical_bytes`` and ``seconds`` have one entry per key this result
     answers for (the part's keys, in order; a result split by ``split_result``
     answers for the next run of them); ``stored_bytes`` one per such key, then one per
-    key of the ``keys`` listing (a ``scan``: the size of each chunk found). ``flags``:
+    key of the ``listed`` keys (a ``scan``: the size of each chunk found). ``flags``:
     :class:`ResultFlag` bits, as an int.
 
     A message: immutable (derive a changed copy with ``_replace``) and a tuple, which
@@ -255,20 +261,20 @@ class Result(_ResultFields):
     seconds: list[float]
     codec_s: float
     error: str
-    keys: list[bytes]  # scan: keys found
+    listed: list[bytes]  # scan: the keys found
     more: bool
     flags: int
 
     def __new__(cls, job_id: WireJobId, outcomes: list[Outcome] | None = None,
                 logical_bytes: list[int] | None = None, stored_bytes: list[int] | None = None,
                 seconds: list[float] | None = None, codec_s: float = 0.0, error: str = "",
-                keys: list[bytes] | None = None, more: bool = False,
+                listed: list[bytes] | None = None, more: bool = False,
                 flags: int = 0) -> "Result":
         return tuple.__new__(cls, (
             job_id, [] if outcomes is None else outcomes,
             [] if logical_bytes is None else logical_bytes,
             [] if stored_bytes is None else stored_bytes, [] if seconds is None else seconds,
-            codec_s, error, [] if keys is None else keys, more, flags))
+            codec_s, error, [] if listed is None else listed, more, flags))
 
     @classmethod
     def failed(cls, job_id: WireJobId | None, error: str, num_keys: int = 0) -> "Result":
@@ -480,10 +486,10 @@ def encode_result(result: Result) -> bytes:
         raise ValueError(f"result {job_id}: outcomes must be codes 0..{_NUM_OUTCOMES - 1}, "
                          f"got {result.outcomes!r:.80}")
     if not (len(result.logical_bytes) == len(result.seconds) == n
-            and len(result.stored_bytes) == n + len(result.keys)):
+            and len(result.stored_bytes) == n + len(result.listed)):
         raise ValueError(
             f"result {job_id}: {n} outcomes need as many logical_bytes and seconds, and "
-            f"stored_bytes for them and the {len(result.keys)} listed keys; got "
+            f"stored_bytes for them and the {len(result.listed)} listed keys; got "
             f"{len(result.logical_bytes)}, {len(result.seconds)} and "
             f"{len(result.stored_bytes)}")
     if not all(t >= 0.0 for t in result.seconds) or not result.codec_s >= 0.0:
@@ -500,7 +506,7 @@ def encode_result(result: Result) -> bytes:
         _packed("I", result.logical_bytes, "logical_bytes", job_id),
         _packed("I", result.stored_bytes, "stored_bytes", job_id),
         _packed("f", result.seconds, "seconds", job_id),
-        float(result.codec_s), result.error, result.keys, bool(result.more), int(flags),
+        float(result.codec_s), result.error, result.listed, bool(result.more), int(flags),
     ])
 
 
@@ -549,7 +555,7 @@ def _diagnose_result(msg) -> None:
         raise err(f"malformed result {job_id}: unknown outcome code {max(outcomes)} "
                   f"(known: 0..{_NUM_OUTCOMES - 1})", job_id)
     n = len(outcomes)
-    _check_bytes_list(keys, "keys", "result", job_id, err)
+    _check_bytes_list(keys, "listed", "result", job_id, err)
     for name, value, want in (("logical_bytes", logical, n), ("stored_bytes", stored,
                                                               n + len(keys)),
                               ("seconds", seconds, n)):
@@ -678,18 +684,18 @@ def wire_figures(result: Result) -> Result:
     if notes:
         error = "; ".join(([error] if error else []) + notes[:3]
                           + ([f"{len(notes) - 3} more"] if len(notes) > 3 else []))
-    keys = result.keys
+    keys = result.listed
     if drop:
         gone = set(drop)
         keys = [k for j, k in enumerate(keys) if j not in gone]
         listed = [v for j, v in enumerate(listed) if j not in gone]
     return result._replace(outcomes=outcomes, logical_bytes=logical,
                            stored_bytes=answered + listed, seconds=times, error=error,
-                           keys=keys)
+                           listed=keys)
 
 
 def split_result(result: Result, max_bytes: int) -> list[Result]:
-    """Split a result that does not fit ``max_bytes`` (worker): a scan's long ``keys``
+    """Split a result that does not fit ``max_bytes`` (worker): a scan's long ``listed``
     listing, or per-key data of many (short) keys.
 
     Per-key figures the wire cannot carry are first made ones it can (``wire_figures``:
@@ -697,7 +703,7 @@ def split_result(result: Result, max_bytes: int) -> list[Result]:
     fails its neighbours. A result that fits comes back as ``[result]``. Otherwise every part has the same
     job id and all but the last ``more=True``; the first carries ``codec_s``, the
     error text and the flags; each part answers for the next run of keys (outcomes, logical and
-    stored bytes, seconds) and then lists the next run of ``keys`` with their stored
+    stored bytes, seconds) and then lists the next run of ``listed`` keys with their stored
     sizes. An error text too long for one part is shortened (marked "[truncated]");
     keys and per-key data never are: ValueError when a single key cannot fit, or for
     what is wrong with the result besides its figures (``encode_result``).
@@ -710,7 +716,7 @@ def split_result(result: Result, max_bytes: int) -> list[Result]:
     if len(encoded) <= max_bytes:
         return [result]
     n = len(result.outcomes)
-    keys, listed = result.keys, result.stored_bytes[n:]
+    keys, listed = result.listed, result.stored_bytes[n:]
     error = result.error
     first_cost = (_result_growth(1, 0, 0) if n else
                   _result_growth(0, 1, _bin_size(len(keys[0]))) if keys else 0)
@@ -747,7 +753,7 @@ def split_result(result: Result, max_bytes: int) -> list[Result]:
         part = head._replace(
             outcomes=result.outcomes[i:i + c], logical_bytes=result.logical_bytes[i:i + c],
             stored_bytes=result.stored_bytes[i:i + c] + listed[j:j + k],
-            seconds=result.seconds[i:i + c], keys=list(keys[j:j + k]))
+            seconds=result.seconds[i:i + c], listed=list(keys[j:j + k]))
         i += c
         j += k
         if i >= n and j >= len(keys):

@@ -16,8 +16,8 @@ never blocks.
   output, as before).
 
 Every record of the process goes through ``shmtier.shared.redact`` (installed here):
-URL credentials, the secrets the process registered (its tiers' options,
-``redact.register_secrets_in``) and credential headers are replaced by ``***``, also in
+URL credentials, the secrets the process registered (the ``Secret`` values of its tiers'
+configs, ``redact.register_secret``) and credential headers are replaced by ``***``, also in
 third-party output asked for. A malformed variable is reported in one WARNING line and
 otherwise ignored: logging never stops a process from starting.
 """

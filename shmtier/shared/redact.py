@@ -3,10 +3,10 @@
 Who calls: :class:`shmtier.options.ConfigError` (every config error's text goes through
 :func:`redact`); config checks that show a URL (:func:`redact_url`); every process that
 holds a secret: :class:`shmtier.options.Secret` registers its value
-(:func:`register_secret`), which also :func:`install`\\ s the log hook; the tier
-workers' log set-up (``shmtier/shared/log_setup.py``) registers the secrets of their
-tiers' options (:func:`register_secrets_in`). Pure text work, no I/O, never blocks
-(registration takes a lock for a moment); thread-safe.
+(:func:`register_secret`), which also :func:`install`\\ s the log hook (so a tier
+worker registers its secrets as it reads its tiers' frozen configs); the p2p endpoint
+registers those of its settings (:func:`register_secrets_in`). Pure text work, no I/O,
+never blocks (registration takes a lock for a moment); thread-safe.
 
 What :func:`redact` removes from a text:
 
@@ -43,7 +43,7 @@ MASK = "***"
 #: out ordinary words); every secret shmtier takes is longer (S3 secret keys 40
 #: characters, Curve keys 40, MAC keys 32 hex digits at least).
 MIN_SECRET_CHARS = 8
-#: Option names whose values are secrets wherever they appear in a tier's worker args
+#: Option names whose values are secrets wherever they appear in a mapping of options
 #: (``store_config.secret_key``, ``store_config.session_token``, ``mac_key``, p2p's
 #: ``secret_key``; the p2p endpoint's settings call its key ``secret``).
 SECRET_OPTIONS = frozenset({"secret_key", "session_token", "mac_key", "secret"})
@@ -122,7 +122,7 @@ def register_secret(value: str | bytes | None) -> None:
 
 def register_secrets_in(options: Any) -> None:
     """Register the value of every ``SECRET_OPTIONS`` key found in ``options`` (nested
-    mappings and lists walked): a tier's worker args, the p2p endpoint's settings."""
+    mappings and lists walked): the p2p endpoint's settings."""
     if isinstance(options, Mapping):
         for key, value in options.items():
             if key in SECRET_OPTIONS and isinstance(value, (str, bytes)):

@@ -24,7 +24,8 @@ segment and closes before any owner claimed it unlinks too. Mappings stay valid
 in processes that still hold them. An owner that dies without closing leaves a stale
 segment: unless it keeps it for a warm restart, its guardian process removes it and
 its ring semaphores (``remove_when_owner_dies``, ``segment_guardian.py``);
-``clean_stale_segments()`` (``shmtier clean``) removes what is left otherwise.
+``clean_stale_segments()`` (``shmtier clean``) removes what is left otherwise (that and
+the listing: ``segment_tools.py``).
 
 Staleness has one rule (``_alive``), the same for an opener (``_join``), ``shmtier ls``
 (``list_segments``), ``shmtier clean`` and the guardian (``remove_if_stale``):
@@ -38,7 +39,7 @@ Staleness has one rule (``_alive``), the same for an opener (``_join``), ``shmti
   write), and checks once it has the lock that the name is still its object: a judge
   that takes the lock and finds no header may remove it at once, with no grace period.
 
-Every removal of a segment that exists goes through :func:`remove_if_stale` or
+Every removal of a segment that exists goes through ``segment_tools.remove_if_stale`` or
 ``_join``, under the object's ``flock``: ``open_segment`` holds it on an existing
 segment from its staleness check to its claim, so nothing removes a segment that a new
 owner is re-attaching to. A replaced segment goes at once: an engine never waits out
@@ -53,7 +54,7 @@ May block: ``open_segment`` waits up to ``timeout_s`` for a creator (and for the
 lock of an existing segment); ``remove_if_stale`` up to its ``lock_wait_s``;
 ``remove_when_owner_dies`` while its guardian starts; nothing else blocks.
 
-Size (~760 lines): the join protocol, the stale/warm-restart rules and the space checks
+Size (~740 lines): the join protocol, the stale/warm-restart rules and the space checks
 all act on the one header and must agree on its states; split, each half would need the
 other's invariants restated.
 """
@@ -668,16 +669,6 @@ def _lock(fd: int, deadline: float) -> bool:
             time.sleep(0.005)
 
 
-@dataclass(frozen=True)
-class SegmentStatus:
-    name: str
-    size: int
-    owner_pid: int
-    creator_pid: int
-    alive: bool
-    fingerprint: str
-
-
 def _alive(header: SegmentHeader | None, fd: int, *, locked: bool) -> bool:
     """The staleness rule (module docstring) for the segment open as ``fd`` whose header
     reads ``header`` (None: shorter than one): whether it is live. ``locked``: the
@@ -712,86 +703,6 @@ def _lock_held(fd: int) -> bool:
         return True
     fcntl.flock(fd, fcntl.LOCK_UN)
     return False
-
-
-def _status(name: str, fd: int, *, locked: bool) -> SegmentStatus:
-    """The status of the segment open as ``fd``, by the staleness rule (``_alive``);
-    ``locked``: the caller holds its lock."""
-    st = os.fstat(fd)
-    header = _read_header(fd)
-    alive = _alive(header, fd, locked=locked)
-    if header is None or header.magic != MAGIC:
-        return SegmentStatus(name, st.st_size, 0, 0, alive, "")
-    return SegmentStatus(name, st.st_size, header.owner_pid, header.creator_pid, alive,
-                         header.fingerprint)
-
-
-def _open_entry(name: str) -> int | None:
-    try:
-        return os.open(os.path.join(SHM_DIR, name.lstrip("/")),
-                       os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
-    except OSError:
-        return None
-
-
-def list_segments() -> list[SegmentStatus]:
-    """Every shmtier segment on this host, with whether its owner still runs."""
-    found = []
-    try:
-        entries = sorted(os.listdir(SHM_DIR))
-    except FileNotFoundError:
-        return found
-    for entry in entries:
-        if not entry.startswith(NAME_PREFIX):
-            continue
-        fd = _open_entry(entry)
-        if fd is None:
-            continue
-        try:
-            found.append(_status("/" + entry, fd, locked=False))
-        except OSError:
-            pass
-        finally:
-            os.close(fd)
-    return found
-
-
-def remove_if_stale(name: str, *, inode: int | None = None,
-                    lock_wait_s: float = 0.0) -> SegmentStatus | None:
-    """Unlink segment ``name`` (with its slash) if it is stale (the module docstring's one
-    rule) and, with ``inode``, still that object; returns its status as removed, or None
-    when nothing was removed (gone, alive, another object, or its lock still held after
-    ``lock_wait_s``). Any process; blocks up to ``lock_wait_s``.
-
-    Checks and unlinks under the segment's ``flock``, which ``open_segment`` holds on an
-    existing segment from its staleness check to its claim: a segment that a new owner
-    re-attached to (warm restart) is alive by then and kept."""
-    fd = _open_entry(name)
-    if fd is None:
-        return None
-    try:
-        if not _lock(fd, time.monotonic() + lock_wait_s):
-            return None
-        st = os.fstat(fd)
-        if st.st_nlink == 0 or (inode is not None and st.st_ino != inode):
-            return None
-        status = _status(name, fd, locked=True)
-        if status.alive:
-            return None
-        _unlink_if_same(name, st.st_ino)  # the fd pins the inode: same number, same object
-        return status
-    except OSError:
-        return None
-    finally:
-        os.close(fd)
-
-
-def clean_stale_segments(names: "set[str] | None" = None) -> list[str]:
-    """Unlink every shmtier segment whose owner (or creator) is dead (only those named in
-    ``names``, segment names with their slash, when given); returns their names."""
-    return [status.name for status in list_segments()
-            if not status.alive and (names is None or status.name in names)
-            and remove_if_stale(status.name) is not None]
 
 
 def join_existing(engine_id: str, *, timeout_s: float = 30.0) -> Segment:

@@ -228,8 +228,9 @@ def _wait(owner: _Owner) -> bool:
 
 
 def _clean(name: str, inode: int, owner: _Owner, died_at: float) -> None:
-    from shmtier.shared.ring import clean_stale_ring_semaphores
-    from shmtier.shared.segment import human_bytes, list_segments, remove_if_stale
+    from shmtier.shared.ring_tools import clean_stale_ring_semaphores
+    from shmtier.shared.segment import human_bytes
+    from shmtier.shared.segment_tools import list_segments, remove_if_stale
 
     removed = remove_if_stale(name, inode=inode, lock_wait_s=_LOCK_WAIT_S)
     sems = clean_stale_ring_semaphores({name})

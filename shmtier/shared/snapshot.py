@@ -30,8 +30,10 @@ import numpy as np
 
 from shmtier.shared.chunk_table import GENERATION, ChunkTable
 from shmtier.shared.layout import HEADER_SIZE, STATS_OFFSET
+from shmtier.shared.lanes import worker_lane
 from shmtier.shared.pool_config import CONFIG_BYTES, PoolConfig
-from shmtier.shared.ring import TIER_COUNTERS, AreaState, inspect_area
+from shmtier.shared.ring import TIER_COUNTERS
+from shmtier.shared.ring_tools import AreaState, inspect_area
 from shmtier.shared.segment import (
     LAYOUT_VERSION,
     MAGIC,
@@ -39,9 +41,9 @@ from shmtier.shared.segment import (
     READY,
     SHM_DIR,
     SegmentHeader,
-    list_segments,
     segment_name,
 )
+from shmtier.shared.segment_tools import list_segments
 from shmtier.shared.stats_area import StatsAreaError, read_stats
 
 _STATES = {0: "initialising", 1: "ready", 2: "failed"}
@@ -82,7 +84,7 @@ class TierInfo:
 
 @dataclass
 class WorkerInfo:
-    """One tier worker slot (``ring.inspect_area``)."""
+    """One tier worker slot (``ring_tools.inspect_area``)."""
 
     index: int
     pid: int
@@ -96,6 +98,7 @@ class WorkerInfo:
     failed_keys: int
     job_depth: int
     result_depth: int
+    lane: str = ""  # shared/lanes.py: "promotion" or "background" ("" without a pool config)
 
 
 @dataclass
@@ -275,13 +278,15 @@ def _pool(snap: Snapshot, rings: memoryview) -> None:
         except Exception:  # no config written (no worker-backed tier), or being written
             config = None
     if config is not None:
-        snap.pool = {"mode": config.mode, "num_workers": config.num_workers,
+        snap.pool = {"mode": config.options.workers,
+                     "num_workers": config.options.num_tier_workers,
                      "slots": config.slots, "slot_size": config.slot_size,
-                     "chunk_bytes": config.chunk_bytes, "codec": config.codec,
-                     "job_timeout_s": config.job_timeout_s}
+                     "chunk_bytes": config.chunk_bytes, "codec": config.codec.to_dict(),
+                     "job_timeout_s": config.options.tier_job_timeout_s,
+                     "promotion_workers": config.options.promotion_workers}
         for i, entry in enumerate(config.tiers):
-            snap.tiers.append(TierInfo(i, entry["type"] if entry else None,
-                                       _where(entry["args"]) if entry else {}))
+            snap.tiers.append(TierInfo(i, entry.type if entry else None,
+                                       _where(entry.options.to_dict()) if entry else {}))
     if area is None:
         return
     for tier in snap.tiers:
@@ -295,7 +300,9 @@ def _pool(snap: Snapshot, rings: memoryview) -> None:
         snap.workers.append(WorkerInfo(
             w.index, hb.pid, w.holder_alive, None if not hb.beat_ns else hb.age_s(now),
             hb.claims, max(0, hb.claims - 1), c.jobs, c.bytes, c.codec_ns / 1e9,
-            c.failed_keys, w.job_depth, w.result_depth))
+            c.failed_keys, w.job_depth, w.result_depth,
+            "" if config is None else worker_lane(w.index, config.options.num_tier_workers,
+                                                  config.options.promotion_workers)))
 
 
 def _where(args: dict) -> dict:

@@ -306,9 +306,10 @@ class StorageResults:
         flight, or known gone since the listing was sent, to what it knows. With more
         than ``max_bytes`` on disk (a lower bound than last time) the least recently
         used chunks are evicted at once."""
-        evicted = self._ledger.adopt_listing(res.scan_keys, res.scan_stored_bytes)
+        sizes = res.listed_bytes
+        evicted = self._ledger.adopt_listing(res.listed, sizes)
         logger.info("%s tier %s: %d chunks found on %s (%d bytes)", self.kind, self._label,
-                    len(res.scan_keys), self.medium_words(), sum(res.scan_stored_bytes))
+                    len(res.listed), self.medium_words(), sum(sizes))
         self._evicted(evicted)
 
     def _list_medium(self) -> None:

@@ -5,7 +5,8 @@ A tier job (one ``TransferJob`` of the tiering manager) may reach the workers in
 pool jobs: a cascade's keys as room appears under ``max_bytes`` and again after a refusal
 for space, a promotion's keys split over the workers. :class:`Cascade` and
 :class:`Promotion` sum their keys' figures and report the tier job once, when its last
-key is final.
+key is final, as a ``JobResult``: vLLM's contract type, one per tier job, so not the pool's
+``PoolResult`` (one per pool job) it is summed from.
 
 Who calls: :class:`~shmtier.storage.scheduler.StorageTierManager`, under the tiering
 manager's lock. Pure bookkeeping; never blocks.

@@ -250,8 +250,9 @@ def _check_link(result: StressResult, counts: dict, engine: Engine, at_end: bool
 
 def _clean(base: str, mounted: bool, engine_id: str, result: StressResult) -> None:
     """Remove the root (and unmount its tmpfs) and what a killed scheduler left."""
-    from shmtier.shared.ring import clean_stale_ring_semaphores
-    from shmtier.shared.segment import clean_stale_segments, segment_name
+    from shmtier.shared.ring_tools import clean_stale_ring_semaphores
+    from shmtier.shared.segment import segment_name
+    from shmtier.shared.segment_tools import clean_stale_segments
 
     if mounted:
         why = unmount(base)

@@ -44,7 +44,10 @@ _ANSWERS = frozenset((Outcome.OK, Outcome.EXISTS, Outcome.MISS))
 @dataclass
 class BatchResult:
     """Result of one backend call over a batch of keys; every list is index-aligned
-    with the keys.
+    with the keys. The per-key fields and ``codec_s`` are those of the wire record
+    (``jobs.Result``), the lists handed on uncopied; :meth:`to_result` is the one
+    conversion, because the wire carries no text per key: ``details`` (worker-side only)
+    become the result's one ``error`` text.
 
     ``outcomes[i]`` and ``details[i]``: what happened to key i and, in words, why
     (empty when nothing to add). ``logical_bytes[i]``: raw chunk bytes moved for key i
@@ -53,7 +56,7 @@ class BatchResult:
     EXISTS; load/probe: the stored size; delete: the bytes freed; 0 when unknown).
     ``seconds[i]``: wall time spent on key i, in medium calls and in the codec (a cost
     the batch shares, e.g. one free-space query or a directory fsync, is charged to
-    the keys that share it). ``codec_seconds``: of all that, the time in the codec.
+    the keys that share it). ``codec_s``: of all that, the time in the codec.
     """
 
     op: str
@@ -62,7 +65,7 @@ class BatchResult:
     logical_bytes: list[int]
     stored_bytes: list[int]
     seconds: list[float]
-    codec_seconds: float = 0.0
+    codec_s: float = 0.0
 
     @classmethod
     def empty(cls, op: str, n: int) -> "BatchResult":
@@ -101,7 +104,7 @@ class BatchResult:
     @property
     def io_seconds(self) -> float:
         """Wall time in medium calls: the keys' seconds less the codec's."""
-        return max(0.0, sum(self.seconds) - self.codec_seconds)
+        return max(0.0, sum(self.seconds) - self.codec_s)
 
     def extend(self, other: "BatchResult") -> None:
         """Append the keys of ``other`` (a later slice of the same job)."""
@@ -110,7 +113,7 @@ class BatchResult:
         self.logical_bytes += other.logical_bytes
         self.stored_bytes += other.stored_bytes
         self.seconds += other.seconds
-        self.codec_seconds += other.codec_seconds
+        self.codec_s += other.codec_s
 
     def summary(self, limit: int = 500) -> str:
         """What went wrong, in words, for a result's error text: one entry per distinct
@@ -129,7 +132,7 @@ class BatchResult:
         :meth:`summary` as its error text; times clamped to >= 0)."""
         return jobs.Result(job_id, self.outcomes, self.logical_bytes, self.stored_bytes,
                            [t if t > 0.0 else 0.0 for t in self.seconds],
-                           max(0.0, self.codec_seconds), error or self.summary())
+                           max(0.0, self.codec_s), error or self.summary())
 
 
 @dataclass(frozen=True)
@@ -234,9 +237,10 @@ class TierBackend(abc.ABC):
 
     @classmethod
     @abc.abstractmethod
-    def open(cls, args: dict, context: WorkerContext) -> "TierBackend":
-        """Build the backend in a tier worker from its tier's ``worker_args`` (checked in
-        the scheduler when the spec was built) and the engine's ``context``; may block
+    def open(cls, config: Any, context: WorkerContext) -> "TierBackend":
+        """Build the backend in a tier worker from its tier's frozen ``config`` (the tier
+        type's ``TierConfig``, checked in the scheduler when the spec was built and read
+        back from the segment's pool config) and the engine's ``context``; may block
         briefly on the medium; raises when the medium cannot be used."""
 
     def take_flags(self) -> int:

@@ -5,37 +5,32 @@ role of an engine builds one: scheduler, GPU workers), and the tier factory when
 tier is built from a dict directly (vLLM's ``create_secondary_tier`` style). Never
 blocks beyond the few system calls of a filesystem check.
 
-A built-in tier declares its options as fields of a frozen dataclass subclass::
+A built-in tier declares its options as fields of a frozen dataclass subclass, in the
+option style of ``shmtier.options``::
 
     @dataclass(frozen=True)
     class FsTierConfig(TierConfig):
-        root_dir: str = option(REQUIRED, writable_dir(), worker=True)
-        fsync: bool = option(False, boolean(), worker=True)
+        root_dir: str = option(REQUIRED, writable_dir(), doc="...")
+        fsync: bool = option(False, boolean(), doc="...")
 
 ``from_options`` checks every key (unknown keys, missing required ones, each value,
 then ``check_together`` for rules across keys), so every invalid value fails with
 the key, the value and what is accepted before any process or file is made. The
 scheduler half receives the config object (``constructor_kwargs``); the tier
-workers receive ``worker_args()`` (the fields marked ``worker=True``, plain data
-published in the segment), so no option is parsed twice or lost on the way.
+workers receive the same frozen config (``to_dict`` into the segment's pool config,
+``from_dict`` there: ``shmtier/shared/pool_config.py``), and their backends are built
+from it, so no option is parsed twice, defaulted twice or lost on the way.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import MISSING, dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any
 
-from shmtier.options import Check, ConfigError, reject_unknown, require_string_keys
+from shmtier.options import REQUIRED, Options, option, require_string_keys
 
-#: The default of an option that must be given.
-REQUIRED: Any = MISSING
-
-
-def option(default: Any, check: Check, *, worker: bool = False) -> Any:
-    """A tier option: its default (or ``REQUIRED``), its check, and whether the tier
-    workers need it (then it is part of ``worker_args``)."""
-    return field(default=default, metadata={"check": check, "worker": worker})
+__all__ = ["REQUIRED", "PassThroughTierConfig", "TierConfig", "TierContext", "option"]
 
 
 @dataclass(frozen=True)
@@ -49,7 +44,7 @@ class TierContext:
 
 
 @dataclass(frozen=True)
-class TierConfig:
+class TierConfig(Options):
     """Base of a tier type's validated options. Subclasses add ``option`` fields."""
 
     @classmethod
@@ -57,17 +52,7 @@ class TierConfig:
                      context: TierContext = TierContext()) -> "TierConfig":
         """Check ``options`` (the tier dict without ``type``, ``module_path`` and
         ``backpressure``); ``where`` names the tier in errors (``secondary_tiers[0]``)."""
-        declared = fields(cls)
-        reject_unknown(options, [f.name for f in declared], where)
-        values = {}
-        for f in declared:
-            check = f.metadata["check"]
-            key = f"{where}.{f.name}"
-            if f.name in options:
-                values[f.name] = check(key, options[f.name])
-            elif f.default is MISSING:
-                raise ConfigError(f"{key} is required ({check.accepted})")
-        config = cls(**values)
+        config = cls.from_mapping(options, where=where)
         config.check_together(where, context)
         return config
 
@@ -77,10 +62,6 @@ class TierConfig:
     def constructor_kwargs(self) -> dict[str, Any]:
         """Keyword arguments the tier's scheduler half is built with."""
         return {"config": self}
-
-    def worker_args(self) -> dict[str, Any]:
-        """What the tier workers need (msgpack-able): the ``worker=True`` options."""
-        return {f.name: getattr(self, f.name) for f in fields(self) if f.metadata["worker"]}
 
 
 @dataclass(frozen=True)
@@ -99,6 +80,3 @@ class PassThroughTierConfig(TierConfig):
 
     def constructor_kwargs(self) -> dict[str, Any]:
         return dict(self.options)
-
-    def worker_args(self) -> dict[str, Any]:
-        return {}

@@ -6,7 +6,7 @@ The test plays the proxy: it sends each prompt to the prefill server with
 "remote_port"}}`` and ``max_tokens=1``, then to the decode server with
 ``{"remote_prefiller": {"kv_request_id", "remote_host", "remote_port"}}``; the decode
 server's p2p tier fetches the prompt's chunks from the prefiller's endpoint. Keys are
-made with the operator's command (README, "Sharing KV between engines: the p2p tier").
+made with the operator's command (docs/operating.md, "Sharing KV between engines: the p2p tier").
 The two servers serve both tests of the module.
 
 A prefill request's parked chunks need no engine steps (the p2p tier's ``idle_jobs``):

@@ -19,31 +19,11 @@ as sorted tuples of ``(key, value)`` pairs.
 Configuration keys (one ``backpressure`` mapping at the top level of
 ``kv_connector_extra_config`` applies to every tier; a tier's own ``backpressure``
 mapping overrides it field by field; a tier-level ``false`` opts the tier out, ``{}``
-gives the defaults):
-
-=====================  ==================================================================
-``backpressure_cls``   detector class; default ``"EMABackpressureDetector"``. A name
-                       without a dot is a built-in class; ``"pkg.mod.Class"`` imports
-                       ``pkg.mod`` and takes ``Class``; a class object is taken as is.
-``policy_cls``         policy class, same lookup (``"DropStorePolicy"``,
-                       ``"ThrottledDropPolicy"``); default: the detector's own
-                       default (``ThrottledDropPolicy()``).
-``policy_kwargs``      mapping of keyword arguments for the policy's constructor, e.g.
-                       ``{"ramp_factor": 3.0}``; default ``{}``. Like every other key it
-                       is replaced whole by a tier-level value, not merged key by key.
-                       Without ``policy_cls`` it configures ``ThrottledDropPolicy``.
-``high_water_s``       s/MiB; EMA above it puts the tier under pressure (> 0).
-``low_water_s``        s/MiB; EMA below it clears pressure (> 0, <= high_water_s).
-``alpha``              EMA smoothing factor in (0, 1]; default 0.15.
-``warmup_completions`` completions averaged to seed the EMA (int >= 0); default 10.
-``decay_half_life_s``  idle decay half-life while under pressure (>= 0; 0 = never
-                       decay, so pressure that stops all stores may never clear);
-                       default 2.0.
-``cooldown_s``         after pressure clears, every second store is dropped for this
-                       long (>= 0); default 1.0.
-``failure_threshold``  consecutive failed stores that trip pressure (int >= 1, or
-                       ``None`` to ignore failures).
-=====================  ==================================================================
+gives the defaults): declared, with their defaults and checks, by
+:class:`~.validation.BackpressureOptions` (and ``ThrottledDropOptions`` for
+``policy_kwargs``); docs/configuration.md lists them. A short name (no dot) for
+``backpressure_cls`` / ``policy_cls`` is a built-in class; ``"pkg.mod.Class"`` imports
+``pkg.mod`` and takes ``Class``; a class object is taken as is.
 
 Per-tier defaults (set only where the key is absent, so user keys win): ``obj`` tiers
 and any tier with ``locality: "REMOTE"`` get ``high_water_s=0.050`` and
@@ -65,12 +45,11 @@ from shmtier.scheduler.backpressure.validation import (
     EMA_FIELDS,
     POLICY_CLASSES,
     BackpressureConfigError,
+    BackpressureOptions,
     ClassRef,
     builder_arguments,
     check_field,
     check_water_marks,
-    resolve_detector,
-    resolve_policy,
     unknown_key,
 )
 
@@ -117,17 +96,13 @@ def _check_layers(layers: tuple[tuple[str, Any], ...]) -> None:
 
 def _policy_settings(policy_cls: Any, policy_kwargs: Any, name_of: Callable[..., str],
                      ) -> tuple[ClassRef | None, dict[str, Any]]:
-    if policy_kwargs is not None and not isinstance(policy_kwargs, Mapping):
-        raise BackpressureConfigError(
-            f"{name_of('policy_kwargs')} = {policy_kwargs!r} is invalid: expected a mapping "
-            f"of keyword arguments for the policy, e.g. {{'ramp_factor': 3.0}}"
-        )
-    policy_kwargs = dict(policy_kwargs or {})
+    policy_kwargs = BackpressureOptions.check_value("policy_kwargs", policy_kwargs,
+                                                    name_of("policy_kwargs"))
     if policy_cls is None:
         if not policy_kwargs:
             return None, {}  # the detector's own default policy
         policy_cls = "ThrottledDropPolicy"
-    policy = resolve_policy(policy_cls, name_of("policy_cls"))
+    policy = BackpressureOptions.check_value("policy_cls", policy_cls, name_of("policy_cls"))
     signature = policy.signature()
     if signature.names is not None and not signature.takes_any:
         for key, value in policy_kwargs.items():
@@ -215,8 +190,9 @@ class BackpressureSettings:
                 return f"{where}.{full} (default for tier type {tier_type!r})"
             return f"{where}.{full}"
 
-        detector = resolve_detector(config.pop("backpressure_cls", DEFAULT_DETECTOR_CLS),
-                                    name_of("backpressure_cls"))
+        detector = BackpressureOptions.check_value(
+            "backpressure_cls", config.pop("backpressure_cls", DEFAULT_DETECTOR_CLS),
+            name_of("backpressure_cls"))
         policy_key = "policy_cls" if "policy_cls" in config else "policy_kwargs"
         policy, policy_kwargs = _policy_settings(config.pop("policy_cls", None),
                                                  config.pop("policy_kwargs", None), name_of)

@@ -5,10 +5,11 @@ Who calls: :mod:`.settings` at configuration time (any process that parses
 and :func:`shmtier.scheduler.backpressure.build_detector` in the scheduler process, so a
 value is judged by one piece of code wherever it arrives. May it block: no; resolving a
 dotted class path imports that module, nothing else does I/O. Imports nothing of shmtier
-beyond the standard library (and, when asked for a tier type's defaults, the tier
-registry, which says how a type's stores behave): the built-in classes are described
-here by import path, constructor signature and base classes (tests check these against
-the real classes).
+beyond the standard library and ``shmtier.options`` (the keys are declared in its option
+style: ``BackpressureOptions``, ``ThrottledDropOptions``; and, when asked for a tier type's
+defaults, the tier registry, which says how a type's stores behave): the built-in classes
+are described here by import path, constructor signature and base classes (tests check
+these against the real classes).
 """
 
 from __future__ import annotations
@@ -16,15 +17,17 @@ from __future__ import annotations
 import difflib
 import importlib
 import inspect
-import math
 import sys
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
+from shmtier.options import ConfigError, KeyedCheck, Options, integer, number, option
 
-class BackpressureConfigError(ValueError):
+
+class BackpressureConfigError(ConfigError):
     """An invalid backpressure setting; the message names the key, the value and what is
-    accepted. ``shmtier.config`` re-raises it as its ``ConfigError``."""
+    accepted."""
 
 
 _PACKAGE = "shmtier.scheduler.backpressure"
@@ -59,23 +62,81 @@ NETWORK_LOW_WATER_S = 0.010
 #: The EMA detector's numeric constructor parameters, in order.
 EMA_FIELDS = ("high_water_s", "low_water_s", "alpha", "warmup_completions",
               "decay_half_life_s", "cooldown_s", "failure_threshold")
-EMA_DEFAULTS: dict[str, Any] = {
-    "alpha": DEFAULT_ALPHA, "warmup_completions": DEFAULT_WARMUP_COMPLETIONS,
-    "decay_half_life_s": DEFAULT_DECAY_HALF_LIFE_S, "cooldown_s": DEFAULT_COOLDOWN_S,
-    "failure_threshold": None,
-}
 
-# (kind, minimum, minimum inclusive); alpha's upper bound 1 is checked separately
-_FIELD_SPECS: dict[str, tuple[str, float, bool]] = {
-    "high_water_s": ("number", 0.0, False),
-    "low_water_s": ("number", 0.0, False),
-    "alpha": ("number", 0.0, False),
-    "warmup_completions": ("int", 0, True),
-    "decay_half_life_s": ("number", 0.0, True),
-    "cooldown_s": ("number", 0.0, True),
-    "failure_threshold": ("int_or_none", 1, True),
-    "ramp_factor": ("number", 0.0, False),  # ThrottledDropPolicy's
-}
+
+def _water(local: float, network: float) -> str:
+    """A water mark's default in words (it depends on the tier: ``ema_default_config``)."""
+    return f"{local:.3f} s/MiB ({network:.3f} for an obj or REMOTE tier)"
+
+
+def _policy_kwargs(key: str, value: Any) -> dict[str, Any]:
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise BackpressureConfigError(
+            f"{key} = {value!r} is invalid: expected a mapping of keyword arguments for the "
+            f"policy, e.g. {{'ramp_factor': 3.0}}")
+    return dict(value)
+
+
+@dataclass(frozen=True, kw_only=True)
+class BackpressureOptions(Options):
+    """The keys of a ``backpressure`` mapping: the classes, and the EMA detector's
+    settings (its constructor's arguments: a custom detector class takes its own keys,
+    checked against its constructor's signature by :mod:`.settings`)."""
+
+    backpressure_cls: Any = option(
+        DEFAULT_DETECTOR_CLS,
+        KeyedCheck(lambda: _CLASS_ACCEPTED.format(sorted(DETECTOR_CLASSES), "detector"),
+                   lambda key, v: resolve_detector(v, key)),
+        doc="the detector class: a built-in name, \"pkg.mod.Class\" (pkg.mod imported), or "
+            "the class itself")
+    policy_cls: Any = option(
+        None, KeyedCheck(lambda: _CLASS_ACCEPTED.format(sorted(POLICY_CLASSES), "policy"),
+                         lambda key, v: resolve_policy(v, key)),
+        doc="the policy class, looked up the same way", default_doc="the detector's own "
+                                                                    "(ThrottledDropPolicy)")
+    policy_kwargs: Any = option(
+        None, KeyedCheck("a mapping of keyword arguments for the policy, e.g. "
+                         "{'ramp_factor': 3.0}", _policy_kwargs),
+        doc="the policy's constructor arguments, replaced whole by a tier's (not merged key "
+            "by key); without policy_cls they configure ThrottledDropPolicy",
+        default_doc="`{}`")
+    high_water_s: float | None = option(
+        None, number(0, min_open=True, finite=True),
+        doc="an EMA of store latency per MiB above it puts the tier under pressure",
+        default_doc=_water(LOCAL_HIGH_WATER_S, NETWORK_HIGH_WATER_S))
+    low_water_s: float | None = option(
+        None, number(0, min_open=True, finite=True),
+        doc="an EMA below it clears pressure (<= high_water_s)", default_doc=_water(LOCAL_LOW_WATER_S, NETWORK_LOW_WATER_S))
+    alpha: float = option(
+        DEFAULT_ALPHA, number(0, 1, min_open=True, accepted="a number in (0, 1]"),
+        doc="the EMA's smoothing factor")
+    warmup_completions: int = option(
+        DEFAULT_WARMUP_COMPLETIONS, integer(0), doc="completions averaged to seed the EMA")
+    decay_half_life_s: float = option(
+        DEFAULT_DECAY_HALF_LIFE_S, number(0, finite=True),
+        doc="while under pressure, the EMA decays with this half-life when no stores "
+            "complete (0: never, so pressure that stops all stores may never clear)")
+    cooldown_s: float = option(
+        DEFAULT_COOLDOWN_S, number(0, finite=True),
+        doc="after pressure clears, every second store is dropped for this long")
+    failure_threshold: int | None = option(
+        None, integer(1).or_none("null to ignore failures"),
+        doc="consecutive failed stores that put the tier under pressure",
+        default_doc=f"{DEFAULT_FAILURE_THRESHOLD} for a storage tier (fs, obj), else null")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ThrottledDropOptions(Options):
+    """``policy_kwargs`` of ``ThrottledDropPolicy``."""
+
+    ramp_factor: float = option(
+        DEFAULT_RAMP_FACTOR, number(0, min_open=True, finite=True),
+        doc="how steeply the share of dropped stores rises with the EMA above high water")
+
+
+EMA_DEFAULTS: dict[str, Any] = {key: BackpressureOptions.default(key) for key in EMA_FIELDS[2:]}
 
 
 def ema_default_config(tier_type: str, locality: str | None = None) -> dict[str, Any]:
@@ -98,33 +159,16 @@ def ema_default_config(tier_type: str, locality: str | None = None) -> dict[str,
 
 
 def check_field(key: str, value: Any, name: str | None = None) -> Any:
-    """``value`` for the numeric setting ``key`` (an integral float becomes an int for the
-    integer settings), or :class:`BackpressureConfigError` naming ``name`` (default ``key``)."""
-    kind, minimum, inclusive = _FIELD_SPECS[key]
-    op = ">=" if inclusive else ">"
-    maximum = 1.0 if key == "alpha" else math.inf
-    if kind == "int_or_none":
-        if value is None:
-            return None
-        kind, expected = "int", f"an integer {op} {minimum}, or null to ignore failures"
-    elif kind == "int":
-        expected = f"an integer {op} {minimum}"
-    elif key == "alpha":
-        expected = "a number in (0, 1]"
-    else:
-        expected = f"a finite number {op} {minimum}"
-    if kind == "int":
-        if isinstance(value, float) and value.is_integer():
-            value = int(value)
-        ok = isinstance(value, int) and not isinstance(value, bool)
-    else:
-        ok = (isinstance(value, (int, float)) and not isinstance(value, bool)
-              and math.isfinite(value))
-    if ok:
-        ok = (value >= minimum if inclusive else value > minimum) and value <= maximum
-    if not ok:
-        raise BackpressureConfigError(f"{name or key} = {value!r} is invalid: expected {expected}")
-    return value
+    """``value`` for the numeric setting ``key`` (an EMA field or ``ramp_factor``; an
+    integral float becomes an int for the integer settings), checked by its declaration,
+    or :class:`BackpressureConfigError` naming ``name`` (default ``key``)."""
+    options = ThrottledDropOptions if key == "ramp_factor" else BackpressureOptions
+    try:
+        return options.check_value(key, value, name or key)
+    except BackpressureConfigError:
+        raise
+    except ConfigError as e:
+        raise BackpressureConfigError(*e.args) from None
 
 
 def check_water_marks(high: Any, low: Any, high_name: str = "high_water_s",
@@ -242,10 +286,12 @@ def resolve_policy(value: Any, name: str) -> ClassRef:
     return _resolve_class(value, POLICY_CLASSES, _POLICY_BASE, _POLICY_METHODS, name, "policy")
 
 
+_CLASS_ACCEPTED = "one of {}, a dotted 'module.Class' path to a {} class, or the class itself"
+
+
 def _resolve_class(value: Any, short_names: dict[str, str], base: str,
                    methods: tuple[str, ...], name: str, what: str) -> ClassRef:
-    accepted = (f"one of {sorted(short_names)}, a dotted 'module.Class' path to a "
-                f"{what} class, or the class itself")
+    accepted = _CLASS_ACCEPTED.format(sorted(short_names), what)
     if isinstance(value, str) and value and "." not in value:
         if value in short_names:
             return ClassRef(short_names[value], None, value)

@@ -8,7 +8,12 @@
  * pins, unpins and evicts a few dozen keys, after the forward pass has left the caches
  * cold. In Python each key cost a tuple, a dict entry, set updates and heap pushes, and
  * a heap rebuild (one step in a hundred) cost 85-150 us; those were a fifth of the
- * slowest 1% of steps.
+ * slowest 1% of steps. Re-measured against the pure-Python reference (issue 30;
+ * bench/c_vs_reference.py, 2026-12-05, the shared 2-CPU x86_64 VM, Python 3.11, 10k
+ * chunks, 5 repeats, 2 runs): the CPU tier's manager time per step with this core, median
+ * [runs], mean 188-277 us, p50 137 us; with lru_reference.py's LRUCore, mean 1435-1810 us
+ * (6.5-7.6x), p50 611-746 us (4.5-5.4x); both helpers in Python, their heap on heapq,
+ * mean 5.5-5.8x. It pays; kept.
  *
  * Semantics are lru.py's module docstring, unchanged. A rank is (major, minor), compared
  * as a pair; minors below MIN_MINOR (positions of 2**48 tokens and more) compare as
@@ -23,7 +28,16 @@
  * twice at the same rank) is selected once.
  *
  * The core holds buffers of the table's arrays: close() releases them (the policy's
- * close, before the segment is unmapped).
+ * close, before the segment is unmapped). Callbacks and the lookups in the rows dict and
+ * ``protected`` can run Python code (a key's __hash__ or __eq__): each method works on a
+ * snapshot of its argument lists and refuses a call into the core from inside one of its
+ * calls (``busy``).
+ *
+ * shmtier/scheduler/policies/lru_reference.py is this file in Python (the same heap sifts),
+ * the reference it is tested against (tests/test_c_reference.py: the same operations on
+ * both, results, errors, ranks, heap size and object reference counts compared);
+ * scripts/test-sanitizers runs those tests on a build with AddressSanitizer and
+ * UndefinedBehaviorSanitizer. A change here changes the reference alike.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -56,6 +70,7 @@ typedef struct {
     Py_ssize_t heap_len, heap_cap;
     Py_ssize_t *scratch;         /* rows updated by one call */
     Py_ssize_t scratch_cap;
+    int busy;                    /* inside a method (see core_enter) */
 } LRUCore;
 
 static inline int64_t clamp_minor(int64_t minor) { return minor > MIN_MINOR ? minor : MIN_MINOR; }
@@ -195,6 +210,36 @@ static int core_ready(LRUCore *self) {
     return 1;
 }
 
+/* A method holds ``busy`` while it runs: callbacks (positions, request_rank) and the rows
+ * dict's and ``protected``'s lookups (a key's __hash__ or __eq__) run Python code, and a call
+ * into the core from there is refused, since the outer call keeps rows, heap entries and
+ * buffer pointers across that code. */
+static int core_enter(LRUCore *self) {
+    if (self->busy) {
+        PyErr_SetString(PyExc_RuntimeError,
+                        "LRU core called from inside one of its own calls (a callback, or a "
+                        "key's __hash__ or __eq__)");
+        return 0;
+    }
+    self->busy = 1;
+    return 1;
+}
+
+#define GUARDED_O(name)                                                                   \
+    static PyObject *name(LRUCore *self, PyObject *arg) {                                 \
+        if (!core_enter(self)) return NULL;                                               \
+        PyObject *result = name##_body(self, arg);                                        \
+        self->busy = 0;                                                                   \
+        return result;                                                                    \
+    }
+#define GUARDED_FAST(name)                                                                \
+    static PyObject *name(LRUCore *self, PyObject *const *args, Py_ssize_t nargs) {       \
+        if (!core_enter(self)) return NULL;                                               \
+        PyObject *result = name##_body(self, args, nargs);                                \
+        self->busy = 0;                                                                   \
+        return result;                                                                    \
+    }
+
 /* The row of ``key`` in the rows dict: -1 if absent, -2 with an exception set. */
 static Py_ssize_t row_of(LRUCore *self, PyObject *key) {
     PyObject *value = PyDict_GetItemWithError(self->rows, key);
@@ -249,7 +294,14 @@ static int position_of(PyObject *positions, PyObject *key, int64_t *out) {
     int found = value != Py_None;
     if (found) {
         *out = PyLong_AsLongLong(value);
-        if (*out == -1 && PyErr_Occurred()) found = -1;
+        if (*out == -1 && PyErr_Occurred()) {
+            found = -1;
+        } else if (*out == INT64_MIN) {  /* -position, the rank minor, would overflow */
+            PyErr_Format(PyExc_OverflowError,
+                         "position %lld of a key has no int64 rank minor (-position)",
+                         (long long)*out);
+            found = -1;
+        }
     }
     Py_DECREF(value);
     return found;
@@ -364,28 +416,33 @@ PyDoc_STRVAR(insert_pending_doc,
 "``request_rank()`` once, on the first such key; a key without one gets the next rank.\n"
 "``positions``: a dict key -> position or a callable(key) -> position or None.");
 
-static PyObject *core_insert_pending(LRUCore *self, PyObject *const *args, Py_ssize_t nargs) {
+static PyObject *core_insert_pending_body(LRUCore *self, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 4) {
         PyErr_SetString(PyExc_TypeError, "insert_pending(keys, rows, positions, request_rank)");
         return NULL;
     }
-    PyObject *keys = args[0], *rows = args[1], *positions = args[2], *request_rank_fn = args[3];
+    PyObject *positions = args[2], *request_rank_fn = args[3];
     if (!core_ready(self)) return NULL;
-    if (!PyList_Check(keys) || !PyList_Check(rows) || PyList_GET_SIZE(keys) != PyList_GET_SIZE(rows)) {
+    if (!PyList_Check(args[0]) || !PyList_Check(args[1])
+        || PyList_GET_SIZE(args[0]) != PyList_GET_SIZE(args[1])) {
         PyErr_SetString(PyExc_TypeError, "insert_pending takes two lists of equal length");
         return NULL;
     }
+    /* the lists as they are now: the callbacks could change them and free a key in hand */
+    PyObject *keys = PyList_AsTuple(args[0]), *rows = PyList_AsTuple(args[1]), *result = NULL;
+    Py_ssize_t count = keys == NULL ? 0 : PyTuple_GET_SIZE(keys);
+    if (keys == NULL || rows == NULL) goto done;
     int have_request_rank = 0;
     int64_t request_rank = 0;
     int64_t *next_rank = counter(self);
-    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(keys); i++) {
-        PyObject *key = PyList_GET_ITEM(keys, i);
-        Py_ssize_t row = PyLong_AsSsize_t(PyList_GET_ITEM(rows, i));
-        if (row == -1 && PyErr_Occurred()) return NULL;
-        if (check_key(key) < 0 || check_row(self, row) < 0) return NULL;
+    for (Py_ssize_t i = 0; i < count; i++) {
+        PyObject *key = PyTuple_GET_ITEM(keys, i);
+        Py_ssize_t row = PyLong_AsSsize_t(PyTuple_GET_ITEM(rows, i));
+        if (row == -1 && PyErr_Occurred()) goto done;
+        if (check_key(key) < 0 || check_row(self, row) < 0) goto done;
         int64_t position;
         int found = position_of(positions, key, &position);
-        if (found < 0) return NULL;
+        if (found < 0) goto done;
         if (self->evictable[row]) {
             self->evictable[row] = 0;
             self->num_evictable--;
@@ -397,72 +454,85 @@ static PyObject *core_insert_pending(LRUCore *self, PyObject *const *args, Py_ss
         }
         if (!have_request_rank) {
             PyObject *value = PyObject_CallNoArgs(request_rank_fn);
-            if (value == NULL) return NULL;
+            if (value == NULL) goto done;
             request_rank = PyLong_AsLongLong(value);
             Py_DECREF(value);
-            if (request_rank == -1 && PyErr_Occurred()) return NULL;
+            if (request_rank == -1 && PyErr_Occurred()) goto done;
             have_request_rank = 1;
         }
         set_rank(self, row, key, request_rank, -position);
     }
-    Py_RETURN_NONE;
+    result = Py_NewRef(Py_None);
+done:
+    Py_XDECREF(keys);
+    Py_XDECREF(rows);
+    return result;
 }
+
+GUARDED_FAST(core_insert_pending)
 
 PyDoc_STRVAR(update_recency_doc,
 "update_recency(keys, reverse)\n\n"
 "Fresh ranks, in the order of the list ``keys`` (from its end if ``reverse``): the last\n"
 "key ranked becomes the most recent. Keys that are not resident are skipped.");
 
-static PyObject *core_update_recency(LRUCore *self, PyObject *const *args, Py_ssize_t nargs) {
+static PyObject *core_update_recency_body(LRUCore *self, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 2 || !PyList_Check(args[0])) {
         PyErr_SetString(PyExc_TypeError, "update_recency(keys: list, reverse: bool)");
         return NULL;
     }
     if (!core_ready(self)) return NULL;
-    PyObject *keys = args[0];
     int reverse = PyObject_IsTrue(args[1]);
     if (reverse < 0) return NULL;
-    Py_ssize_t count = PyList_GET_SIZE(keys), updated = 0;
-    if (scratch_reserve(self, count) < 0) return NULL;
+    PyObject *keys = PyList_AsTuple(args[0]);  /* a lookup could change the list */
+    if (keys == NULL) return NULL;
+    Py_ssize_t count = PyTuple_GET_SIZE(keys), updated = 0;
     int64_t *next_rank = counter(self);
-    for (Py_ssize_t j = 0; j < count; j++) {
-        PyObject *key = PyList_GET_ITEM(keys, reverse ? count - 1 - j : j);
+    int failed = scratch_reserve(self, count) < 0;
+    for (Py_ssize_t j = 0; !failed && j < count; j++) {
+        PyObject *key = PyTuple_GET_ITEM(keys, reverse ? count - 1 - j : j);
         Py_ssize_t row = row_of(self, key);
-        if (row == -2) return NULL;
+        if (row == -2) failed = 1;
         if (row < 0 || self->key[row] == NULL) continue;
         *next_rank += 1;
         set_rank(self, row, self->key[row], *next_rank, 0);
         if (self->evictable[row]) self->scratch[updated++] = row;
     }
-    if (update_heap(self, updated) < 0) return NULL;
+    Py_DECREF(keys);
+    /* the rows re-ranked before a bad key too: their old heap entries are stale now */
+    if (update_heap(self, updated) < 0 || failed) return NULL;
     Py_RETURN_NONE;
 }
+
+GUARDED_FAST(core_update_recency)
 
 PyDoc_STRVAR(raise_to_request_doc,
 "raise_to_request(keys, positions, request_rank)\n\n"
 "Raise each resident key of the list with a known position to (request_rank, -position)\n"
 "if that is newer than its rank (``positions`` as for insert_pending).");
 
-static PyObject *core_raise_to_request(LRUCore *self, PyObject *const *args, Py_ssize_t nargs) {
+static PyObject *core_raise_to_request_body(LRUCore *self, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 3 || !PyList_Check(args[0])) {
         PyErr_SetString(PyExc_TypeError, "raise_to_request(keys: list, positions, request_rank: int)");
         return NULL;
     }
     if (!core_ready(self)) return NULL;
-    PyObject *keys = args[0], *positions = args[1];
+    PyObject *positions = args[1];
     int64_t request_rank = PyLong_AsLongLong(args[2]);
     if (request_rank == -1 && PyErr_Occurred()) return NULL;
-    Py_ssize_t count = PyList_GET_SIZE(keys), updated = 0;
-    if (scratch_reserve(self, count) < 0) return NULL;
-    for (Py_ssize_t j = 0; j < count; j++) {
-        PyObject *key = PyList_GET_ITEM(keys, j);
+    PyObject *keys = PyList_AsTuple(args[0]);  /* a callback or a lookup could change the list */
+    if (keys == NULL) return NULL;
+    Py_ssize_t count = PyTuple_GET_SIZE(keys), updated = 0;
+    int failed = scratch_reserve(self, count) < 0;
+    for (Py_ssize_t j = 0; !failed && j < count; j++) {
+        PyObject *key = PyTuple_GET_ITEM(keys, j);
         Py_ssize_t row = row_of(self, key);
-        if (row == -2) return NULL;
+        if (row == -2) failed = 1;
         if (row < 0 || self->key[row] == NULL) continue;  /* about to be stored: insert ranks it */
         int64_t position;
         int found = position_of(positions, key, &position);
-        if (found < 0) return NULL;
-        if (!found) continue;
+        if (found < 0) failed = 1;
+        if (found <= 0) continue;
         int64_t minor = clamp_minor(-position);
         if (self->major[row] > request_rank
             || (self->major[row] == request_rank && self->minor[row] >= minor))
@@ -470,16 +540,20 @@ static PyObject *core_raise_to_request(LRUCore *self, PyObject *const *args, Py_
         set_rank(self, row, self->key[row], request_rank, -position);
         if (self->evictable[row]) self->scratch[updated++] = row;
     }
-    if (update_heap(self, updated) < 0) return NULL;
+    Py_DECREF(keys);
+    /* the rows re-ranked before a bad key too: their old heap entries are stale now */
+    if (update_heap(self, updated) < 0 || failed) return NULL;
     Py_RETURN_NONE;
 }
+
+GUARDED_FAST(core_raise_to_request)
 
 PyDoc_STRVAR(evict_doc,
 "evict(n, protected) -> list[(key, row)] | None\n\n"
 "Take exactly ``n`` evictable keys not in the set ``protected``, oldest rank first, and\n"
 "forget them; or take none and return None.");
 
-static PyObject *core_evict(LRUCore *self, PyObject *const *args, Py_ssize_t nargs) {
+static PyObject *core_evict_body(LRUCore *self, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 2) {
         PyErr_SetString(PyExc_TypeError, "evict(n, protected)");
         return NULL;
@@ -574,25 +648,33 @@ done:
     return result;
 }
 
+GUARDED_FAST(core_evict)
+
 static int rows_of_keys(LRUCore *self, PyObject *keys, int missing_is_error) {
     /* fills scratch with the rows of the list ``keys``; returns their count, -1 on error */
     if (!PyList_Check(keys)) {
         PyErr_SetString(PyExc_TypeError, "keys must be a list");
         return -1;
     }
-    Py_ssize_t count = PyList_GET_SIZE(keys), found = 0;
-    if (scratch_reserve(self, count) < 0) return -1;
-    for (Py_ssize_t i = 0; i < count; i++) {
-        PyObject *key = PyList_GET_ITEM(keys, i);
+    PyObject *items = PyList_AsTuple(keys);  /* a lookup could change the list */
+    if (items == NULL) return -1;
+    Py_ssize_t count = PyTuple_GET_SIZE(items), found = 0;
+    if (scratch_reserve(self, count) < 0) found = -1;
+    for (Py_ssize_t i = 0; found >= 0 && i < count; i++) {
+        PyObject *key = PyTuple_GET_ITEM(items, i);
         Py_ssize_t row = row_of(self, key);
-        if (row == -2) return -1;
-        if (row < 0 || self->key[row] == NULL) {
-            if (!missing_is_error) continue;
-            PyErr_SetObject(PyExc_KeyError, key);
-            return -1;
+        if (row == -2) {
+            found = -1;
+        } else if (row < 0 || self->key[row] == NULL) {
+            if (missing_is_error) {
+                PyErr_SetObject(PyExc_KeyError, key);
+                found = -1;
+            }
+        } else {
+            self->scratch[found++] = row;
         }
-        self->scratch[found++] = row;
     }
+    Py_DECREF(items);
     return (int)found;
 }
 
@@ -600,7 +682,7 @@ PyDoc_STRVAR(mark_evictable_doc,
 "mark_evictable(keys)\n\nThe resident keys of the list became evictable (KeyError for one\n"
 "that is not resident; then none is marked).");
 
-static PyObject *core_mark_evictable(LRUCore *self, PyObject *keys) {
+static PyObject *core_mark_evictable_body(LRUCore *self, PyObject *keys) {
     if (!core_ready(self)) return NULL;
     int count = rows_of_keys(self, keys, 1);
     if (count < 0) return NULL;
@@ -616,10 +698,12 @@ static PyObject *core_mark_evictable(LRUCore *self, PyObject *keys) {
     Py_RETURN_NONE;
 }
 
+GUARDED_O(core_mark_evictable)
+
 PyDoc_STRVAR(mark_non_evictable_doc,
 "mark_non_evictable(keys)\n\nThe keys of the list are no longer evictable (pinned).");
 
-static PyObject *core_mark_non_evictable(LRUCore *self, PyObject *keys) {
+static PyObject *core_mark_non_evictable_body(LRUCore *self, PyObject *keys) {
     if (!core_ready(self)) return NULL;
     int count = rows_of_keys(self, keys, 0);
     if (count < 0) return NULL;
@@ -633,9 +717,11 @@ static PyObject *core_mark_non_evictable(LRUCore *self, PyObject *keys) {
     Py_RETURN_NONE;
 }
 
+GUARDED_O(core_mark_non_evictable)
+
 PyDoc_STRVAR(remove_doc, "remove(key)\n\nForget ``key`` (its store failed); no-op if unknown.");
 
-static PyObject *core_remove(LRUCore *self, PyObject *key) {
+static PyObject *core_remove_body(LRUCore *self, PyObject *key) {
     if (!core_ready(self)) return NULL;
     Py_ssize_t row = row_of(self, key);
     if (row == -2) return NULL;
@@ -649,11 +735,13 @@ static PyObject *core_remove(LRUCore *self, PyObject *key) {
     Py_RETURN_NONE;
 }
 
+GUARDED_O(core_remove)
+
 PyDoc_STRVAR(rebuild_doc,
 "rebuild(refcnt)\n\nForget everything, then adopt every key of the rows dict at the\n"
 "table's rank; evictable where the int32 buffer ``refcnt`` holds 0 (warm restart).");
 
-static PyObject *core_rebuild(LRUCore *self, PyObject *refcnt) {
+static PyObject *core_rebuild_body(LRUCore *self, PyObject *refcnt) {
     if (!core_ready(self)) return NULL;
     Py_buffer view;
     if (PyObject_GetBuffer(refcnt, &view, PyBUF_FORMAT | PyBUF_C_CONTIGUOUS) < 0) return NULL;
@@ -666,40 +754,48 @@ static PyObject *core_rebuild(LRUCore *self, PyObject *refcnt) {
     core_forget(self);
     Py_ssize_t pos = 0;
     PyObject *key, *value;
-    while (PyDict_Next(self->rows, &pos, &key, &value)) {
+    int failed = 0;
+    while (!failed && PyDict_Next(self->rows, &pos, &key, &value)) {
         Py_ssize_t row = PyLong_AsSsize_t(value);
         if ((row == -1 && PyErr_Occurred()) || check_row(self, row) < 0 || check_key(key) < 0) {
-            PyBuffer_Release(&view);
-            return NULL;
+            failed = 1;
+            break;
         }
         set_rank(self, row, key, self->tmajor[row], self->tminor[row]);
-        if (counts[row] == 0) {
+        if (counts[row] == 0 && !self->evictable[row]) {  /* a row two keys claim counts once */
             self->evictable[row] = 1;
             self->num_evictable++;
         }
     }
     PyBuffer_Release(&view);
-    if (heap_rebuild(self) < 0) return NULL;
+    /* also after a bad entry: the rows adopted before it must be findable */
+    if (heap_rebuild(self) < 0 || failed) return NULL;
     Py_RETURN_NONE;
 }
 
+GUARDED_O(core_rebuild)
+
 PyDoc_STRVAR(clear_doc, "clear()\n\nForget every key (reset); the caller resets the rank counter.");
 
-static PyObject *core_clear(LRUCore *self, PyObject *unused) {
+static PyObject *core_clear_body(LRUCore *self, PyObject *unused) {
     if (!core_ready(self)) return NULL;
     core_forget(self);
     Py_RETURN_NONE;
 }
 
+GUARDED_O(core_clear)
+
 PyDoc_STRVAR(close_doc,
 "close()\n\nForget every key and release the table's buffers (idempotent); later calls\n"
 "raise ValueError.");
 
-static PyObject *core_close(LRUCore *self, PyObject *unused) {
+static PyObject *core_close_body(LRUCore *self, PyObject *unused) {
     if (self->key) core_forget(self);
     core_release(self);
     Py_RETURN_NONE;
 }
+
+GUARDED_O(core_close)
 
 PyDoc_STRVAR(rank_doc, "rank(row) -> (major, minor) | None\n\nThe row's rank (minor clamped), or None.");
 

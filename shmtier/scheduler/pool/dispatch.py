@@ -8,15 +8,17 @@ ring, no process, nothing here blocks.
 
     WorkerPool.submit(op, tier, keys, rows)
       plan()     keys bound to a worker (a job for them is outstanding) → that worker;
-                 the rest → the least-loaded running workers (spread over all of them
-                 from 16 unbound keys on, else one);
+                 the rest → the least-loaded running workers of the op's lane (spread
+                 over all of them from 16 unbound keys on, else one);
                  each worker's part → one msgpack payload, or jobs.split_job parts
                  that each fit a ring slot
       ── the supervisor puts every payload in its worker's job ring, or none ──
       commit()   parts registered with a deadline (now + job_timeout_s); keys bound
-    WorkerPool.poll: each result from a result ring → complete(): the part's per-key
-                 outcomes, logical and stored bytes and seconds go into its pool job,
-                 key by key; the job's last part → done[tier] (``take``)
+    WorkerPool.poll: each result from a result ring → complete(): a pool job's whole
+                 answer in one result → its PoolResult (the result's lists, uncopied);
+                 else the part's per-key outcomes, logical and stored bytes and seconds
+                 go into its pool job's merge, key by key, and its last part's result
+                 → the PoolResult; → done[tier] (``take``)
     health check: overdue(now) → workers holding a part past its deadline;
                  fail_loads(w) → the load parts of worker w (just SIGKILLed, maybe still
                  writing their rows) complete as failed now, their pool jobs holding a
@@ -27,6 +29,14 @@ ring, no process, nothing here blocks.
 
 Ordering: all jobs for one key go to one worker while any job for that key is
 outstanding, so a worker sees a key's store, load and delete in submit order.
+
+Lanes (``shared/lanes.py``): only unbound keys choose a lane, by the job's op: loads and
+probes go to the promotion lane (the last ``promotion_workers`` workers, at the
+engine's priority), every other op to the background lane. A lane with no running
+worker lends the other lane's running workers (a job never fails for want of a lane);
+with no worker running at all, a job waits in the rings of its own lane (of all
+workers when that lane is empty). The supervisor refreshes the running workers with
+``set_running`` at each health check, so ``plan`` only looks its op's list up.
 """
 
 from __future__ import annotations
@@ -34,12 +44,13 @@ from __future__ import annotations
 import itertools
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import NewType
+from dataclasses import dataclass
+from typing import NamedTuple, NewType
 
 from shmtier.scheduler.pool.row_release import RowRelease
 from shmtier.shared import jobs
 from shmtier.shared.jobs import Outcome, WireJobId
+from shmtier.shared.lanes import PROMOTION_OPS, first_promotion_worker
 
 logger = logging.getLogger(__name__)
 
@@ -54,38 +65,69 @@ _ERROR_TEXT_MAX = 1000
 PoolJobId = NewType("PoolJobId", int)
 
 
-@dataclass(slots=True)
-class PoolResult:
-    """One finished pool job: per key, in submit order, its outcome and what the backend
-    reported for it (logical and stored bytes, seconds); a key whose part failed is
-    ERROR with zeros. A ``scan`` lists ``scan_keys`` with their ``scan_stored_bytes``.
-    ``flags``: the ``jobs.ResultFlag`` bits of all its parts' results, ORed.
-    ``release`` (loads only): set when a part failed because its worker was killed, whose
-    process may still write the rows of that part's keys: its ``event`` is set once every
-    such process is gone (hold those rows until then); None when nothing may write them."""
+class PoolResult(NamedTuple):
+    """One finished pool job: the ``jobs.Result`` of each of its parts merged into one, in
+    submit order (the same fields, meaning and order, ``more`` aside), then what only the
+    pool knows. Why not the wire record itself: a pool job goes out as several parts (one
+    per worker, each split to fit ring slots) and each may be answered in pieces; this is
+    their merge, per key where the key was submitted (a pool job answered by one result
+    passes that result's lists on, uncopied).
+
+    Per key, in submit order: its outcome, logical and stored bytes and seconds; a key
+    whose part failed is ERROR with zeros. A ``scan`` lists the keys it found in
+    ``listed``, their stored sizes after the answered keys' in ``stored_bytes`` (as on the
+    wire: ``listed_bytes``). ``flags``: the ``jobs.ResultFlag`` bits of all its parts'
+    results, ORed. ``keys``: the keys submitted. ``release`` (loads only): set when a
+    part failed because its worker was killed, whose process may still write the rows of
+    that part's keys: its ``event`` is set once every such process is gone (hold those rows
+    until then); None when nothing may write them. Immutable, like the wire record."""
 
     job_id: PoolJobId
-    op: str
-    tier: int
-    keys: list[bytes]
     outcomes: list[Outcome]
     logical_bytes: list[int]
     stored_bytes: list[int]
     seconds: list[float]
-    codec_s: float = 0.0
-    error: str = ""
-    scan_keys: list[bytes] = field(default_factory=list)
-    scan_stored_bytes: list[int] = field(default_factory=list)
-    submit_time: float = 0.0
-    flags: int = 0
-    release: RowRelease | None = None
+    codec_s: float
+    error: str
+    listed: list[bytes]
+    flags: int
+    op: str
+    tier: int
+    keys: list[bytes]
+    release: RowRelease | None
+
+    @property
+    def listed_bytes(self) -> list[int]:
+        """The stored size of each ``listed`` key."""
+        return self.stored_bytes[len(self.outcomes):]
 
 
-@dataclass(slots=True)
 class _Parent:
-    result: PoolResult
-    remaining: int
-    release: RowRelease | None = None  # held by killed workers that may write its rows
+    """A pool job in flight: what ``commit`` registered and, once a result is not its whole
+    answer, its parts' results merged so far (``merge``: per-key lists, every key ERROR
+    with zeros until answered, and the sums)."""
+
+    __slots__ = ("op", "tier", "keys", "remaining", "pieces", "release", "outcomes",
+                 "logical_bytes", "stored_bytes", "seconds", "codec_s", "error", "listed",
+                 "listed_bytes", "flags")
+
+    def __init__(self, op: str, tier: int, keys: list[bytes], remaining: int):
+        self.op, self.tier, self.keys, self.remaining = op, tier, keys, remaining
+        self.pieces = 0  # results merged so far (the merge's fields are set from the first)
+        self.release: RowRelease | None = None  # held by killed workers that may write its rows
+
+    def merge(self) -> None:
+        """Start merging: every key ERROR with zeros, nothing listed, no sums yet."""
+        n = len(self.keys)
+        self.outcomes = [_ERROR] * n
+        self.logical_bytes = [0] * n
+        self.stored_bytes = [0] * n
+        self.seconds = [0.0] * n
+        self.codec_s = 0.0
+        self.error = ""
+        self.listed = []
+        self.listed_bytes = []
+        self.flags = 0
 
 
 @dataclass(slots=True)
@@ -108,24 +150,18 @@ class Part:
 Planned = tuple[int, WireJobId, bytes, list[bytes], Sequence[int]]
 
 
-def _first(items: list, n: int) -> list:
-    return items if len(items) == n else items[:n]
-
-
-def _fill_failed(out: PoolResult) -> None:
-    """Give ``out`` its per-key lists, every key ERROR with zeros until answered."""
-    n = len(out.keys)
-    out.outcomes = [_ERROR] * n
-    out.logical_bytes = [0] * n
-    out.stored_bytes = [0] * n
-    out.seconds = [0.0] * n
-
-
 class Dispatch:
-    """Outstanding pool jobs, their parts and the key -> worker bindings."""
+    """Outstanding pool jobs, their parts and the key -> worker bindings.
+    ``promotion_workers``: the last that many workers form the promotion lane."""
 
-    def __init__(self, num_workers: int, max_payload: int, job_timeout_s: float):
+    def __init__(self, num_workers: int, max_payload: int, job_timeout_s: float,
+                 promotion_workers: int = 0):
         self.n = num_workers
+        first = first_promotion_worker(num_workers, promotion_workers)
+        self._lanes = (list(range(first)), list(range(first, num_workers)))  # background, promotion
+        # op -> the workers that take its unbound keys (``set_running``)
+        self._takers: dict[str, list[int]] = {}
+        self._all = list(range(num_workers))
         self.max_payload = max_payload
         self.job_timeout_s = job_timeout_s
         self._ids = itertools.count(1)  # pool job ids and part ids: never the same number
@@ -138,11 +174,26 @@ class Dispatch:
         # parts failed while their worker's process may still run (``fail_loads``) -> that
         # worker: a result it still sends for one is dropped (until it is gone)
         self._failed_early: dict[WireJobId, int] = {}
+        self.set_running(self._all)
+
+    def set_running(self, running: list[int]) -> None:
+        """The workers running now (ascending): they take unbound keys, each op's lane's
+        own, else the other lane's (see the module docstring)."""
+        background, promotion = ([w for w in running if w in lane] for lane in self._lanes)
+        to_background = background or promotion or self._lanes[0] or self._all
+        to_promotion = promotion or background or self._lanes[1] or self._all
+        self._takers = {op: to_promotion if op in PROMOTION_OPS else to_background
+                        for op in jobs.OPS}
+
+    def takers(self, op: str) -> list[int]:
+        """The workers that take ``op``'s unbound keys now."""
+        return self._takers.get(op) or self._all
 
     def plan(self, op: str, tier: int, keys: list[bytes], rows: list[int] | None,
-             args: dict | None, live: list[int]) -> tuple[PoolJobId, list[Planned]]:
+             args: dict | None) -> tuple[PoolJobId, list[Planned]]:
         """Assign ``keys`` to workers and encode the parts; returns (pool job id, parts).
         Registers nothing: :meth:`commit` does, once every part is in a ring."""
+        live = self.takers(op)
         groups: dict[int, Sequence[int]] = {}
         unbound: Sequence[int] = []
         bound = self._bound
@@ -213,11 +264,7 @@ class Dispatch:
                     bound[key] = [w, 1]
                 else:
                     binding[1] += 1
-        # the per-key lists are made by the first result (see _merge_keys)
-        self.parents[parent_id] = _Parent(
-            PoolResult(parent_id, op, tier, list(keys), None, None, None, None,  # type: ignore
-                       submit_time=now),
-            len(planned))
+        self.parents[parent_id] = _Parent(op, tier, list(keys), len(planned))
 
     def complete(self, result: jobs.Result) -> None:
         """Merge one worker result (or a failed one made here) into its pool job."""
@@ -229,46 +276,69 @@ class Dispatch:
                 logger.error("result for unknown job %d ignored", result.job_id)
             return
         parent = self.parents[part.parent]
-        out = parent.result
         n = len(result.outcomes)
-        if result.keys:
-            out.scan_keys.extend(result.keys)
-            out.scan_stored_bytes.extend(result.stored_bytes[n:])
-        out.codec_s += result.codec_s
-        out.flags |= result.flags
-        if result.error and len(out.error) < _ERROR_TEXT_MAX and result.error not in out.error:
-            out.error = f"{out.error}; {result.error}" if out.error else result.error
+        if (not parent.pieces and parent.remaining == 1 and not result.more
+                and part.first == 0 and n == len(parent.keys)):
+            # the whole answer of a pool job sent as one part, in one result: passed on
+            self._part_done(result.job_id, part, parent)
+            self._done(part.parent, parent, result.outcomes, result.logical_bytes,
+                       result.stored_bytes, result.seconds, result.codec_s, result.error,
+                       result.listed, result.flags)
+            return
+        if not parent.pieces:
+            parent.merge()
+        parent.pieces += 1
+        if result.listed:
+            parent.listed.extend(result.listed)
+            parent.listed_bytes.extend(result.stored_bytes[n:])
+        parent.codec_s += result.codec_s
+        parent.flags |= result.flags
+        error = result.error
+        if error and len(parent.error) < _ERROR_TEXT_MAX and error not in parent.error:
+            parent.error = f"{parent.error}; {error}" if parent.error else error
         if n:
-            self._merge_keys(part, out, result, n)
+            self._merge_keys(part, parent, result, n)
         if result.more:
             return  # more results for this part follow
         if part.answered != len(part.positions):
             why = (f"tier worker {part.worker} answered {part.answered} of the "
                    f"{len(part.positions)} keys of job {result.job_id}")
             logger.error("%s; the rest fail", why)
-            out.error = f"{out.error}; {why}" if out.error else why
-        del self.parts[result.job_id]
+            parent.error = f"{parent.error}; {why}" if parent.error else why
+        self._part_done(result.job_id, part, parent)
+        if parent.remaining == 0:
+            stored = parent.stored_bytes
+            self._done(part.parent, parent, parent.outcomes, parent.logical_bytes,
+                       stored + parent.listed_bytes if parent.listed_bytes else stored,
+                       parent.seconds, parent.codec_s, parent.error, parent.listed,
+                       parent.flags)
+
+    def _part_done(self, part_id: WireJobId, part: Part, parent: _Parent) -> None:
+        """``part`` has its last result: its keys are no longer bound to its worker."""
+        del self.parts[part_id]
         self.load[part.worker] -= 1
+        keys, bound = parent.keys, self._bound
         for pos in part.positions:
-            key = out.keys[pos]
-            binding = self._bound.get(key)
+            key = keys[pos]
+            binding = bound.get(key)
             if binding is not None:
                 binding[1] -= 1
                 if binding[1] <= 0:
-                    del self._bound[key]
+                    del bound[key]
         parent.remaining -= 1
-        if parent.remaining == 0:
-            if out.outcomes is None:  # no key answered for (a scan, or every part failed empty)
-                _fill_failed(out)
-            if parent.release is not None:
-                out.release = parent.release.seal()
-            del self.parents[out.job_id]
-            self.done.setdefault(out.tier, []).append(out)
+
+    def _done(self, job_id: PoolJobId, parent: _Parent, *merged) -> None:
+        """Pool job ``job_id``'s last part is answered: its result (``merged``: the wire
+        record's fields, from ``job_id`` to ``flags``) goes to ``done``."""
+        del self.parents[job_id]
+        release = parent.release.seal() if parent.release is not None else None
+        self.done.setdefault(parent.tier, []).append(tuple.__new__(
+            PoolResult, (job_id, *merged, parent.op, parent.tier, parent.keys, release)))
 
     @staticmethod
-    def _merge_keys(part: Part, out: PoolResult, result: jobs.Result, n: int) -> None:
+    def _merge_keys(part: Part, parent: _Parent, result: jobs.Result, n: int) -> None:
         """Put the per-key figures of the ``n`` keys ``result`` answers for (the part's
-        next ones) at their positions in ``out``."""
+        next ones) at their positions in ``parent``'s merge."""
         start = part.answered
         if start + n > len(part.positions):
             logger.error("tier worker %d answered %d keys of job %d, which has %d; the "
@@ -277,28 +347,22 @@ class Dispatch:
             n = len(part.positions) - start
         part.answered = start + n
         stored = result.stored_bytes
-        if out.outcomes is None:
-            if part.first == 0 and n == len(out.keys):  # one result answers for the
-                out.outcomes = _first(result.outcomes, n)  # whole job, in order: its lists
-                out.logical_bytes = _first(result.logical_bytes, n)
-                out.stored_bytes = _first(stored, n)
-                out.seconds = _first(result.seconds, n)
-                return
-            _fill_failed(out)
         if part.first >= 0:  # consecutive positions: slices
             lo = part.first + start
             hi = lo + n
-            out.outcomes[lo:hi] = result.outcomes[:n]
-            out.logical_bytes[lo:hi] = result.logical_bytes[:n]
-            out.stored_bytes[lo:hi] = stored[:n]
-            out.seconds[lo:hi] = result.seconds[:n]
+            parent.outcomes[lo:hi] = result.outcomes[:n]
+            parent.logical_bytes[lo:hi] = result.logical_bytes[:n]
+            parent.stored_bytes[lo:hi] = stored[:n]
+            parent.seconds[lo:hi] = result.seconds[:n]
             return
         outcomes, logical, seconds = result.outcomes, result.logical_bytes, result.seconds
+        out_o, out_l, out_st, out_s = (parent.outcomes, parent.logical_bytes,
+                                       parent.stored_bytes, parent.seconds)
         for i, pos in enumerate(part.positions[start:start + n]):
-            out.outcomes[pos] = outcomes[i]
-            out.logical_bytes[pos] = logical[i]
-            out.stored_bytes[pos] = stored[i]
-            out.seconds[pos] = seconds[i]
+            out_o[pos] = outcomes[i]
+            out_l[pos] = logical[i]
+            out_st[pos] = stored[i]
+            out_s[pos] = seconds[i]
 
     def fail_worker(self, w: int, why: str) -> int:
         """Complete every part worker ``w`` holds as failed (``why``); returns how many.
@@ -315,7 +379,7 @@ class Dispatch:
         go when the process is gone. A result the process still sends for one is dropped."""
         parents, released = self.parents, []
         mine = [(part_id, part) for part_id, part in self.parts.items()
-                if part.worker == w and parents[part.parent].result.op == "load"]
+                if part.worker == w and parents[part.parent].op == "load"]
         for part_id, part in mine:
             parent = parents[part.parent]
             if parent.release is None:

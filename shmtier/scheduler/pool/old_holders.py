@@ -32,7 +32,7 @@ import time
 from dataclasses import dataclass
 
 from shmtier.shared import procinfo
-from shmtier.shared.ring import inspect_area
+from shmtier.shared.ring_tools import inspect_area
 
 #: How long the previous scheduler's workers get to see the new owner generation and leave
 #: by themselves (each looks at least every heartbeat interval, 0.25 s by default).

@@ -43,6 +43,13 @@ Ordering: all jobs for one key go to one worker while any job for that key is
 outstanding (``dispatch.py``). A full job ring makes ``submit`` return None
 without side effects: that is the backpressure signal.
 
+Lanes: the last ``config.options.promotion_workers`` workers run at the priority they
+inherit (the engine's) and take the unbound keys of loads and probes; the others run in the
+background (``tier_worker_niceness``, ``tier_worker_policy``) and take stores and
+deletes (``shared/lanes.py``; each worker sets its own priority from its index and the
+config, spawned or external). The health check tells ``dispatch`` which workers run, so
+a lane whose workers are all down or restarting lends the other lane's.
+
 Modes: ``spawn`` starts the workers as fresh interpreters (``python -m
 shmtier.workers.job_loop``: never a fork of the scheduler, which may hold CUDA
 state, and no re-import of the caller's main module); ``external`` expects
@@ -71,6 +78,9 @@ all parts in external mode: there the next holder may claim the slot before the 
 recovers it and run the parts still queued (``_fail_slot``), so a load part failed
 early could still be written by it after its rows were released. ``drain`` waits for
 both.
+
+Size (over 600 lines): spawn, health check, restart and result collection share the
+workers' table and its states; the pieces that stand alone are its sibling modules.
 """
 
 from __future__ import annotations
@@ -91,14 +101,14 @@ from shmtier.scheduler.pool.old_holders import OldHolder, retire_old_holders
 from shmtier.scheduler.pool.row_release import RowRelease
 from shmtier.scheduler.pool.worker_state import RUNNING, WorkerRecord, WorkerState
 from shmtier.shared import jobs
-from shmtier.shared.pool_config import EXIT_BACKENDS_FAILED, PoolConfig
+from shmtier.shared.pool_config import EXIT_BACKENDS_FAILED, WORKER_MODES, PoolConfig
 from shmtier.shared.ring import RingBusyError, RingSet
 
 logger = logging.getLogger(__name__)
 
 _HEALTH_EVERY_S = 0.05
 _DRAIN_BATCH = 256  # results taken per ring call
-MODES = ("spawn", "external")
+MODES = WORKER_MODES
 
 __all__ = ["MODES", "PoolJobId", "PoolResult", "WorkerPool", "WorkerState"]
 
@@ -153,7 +163,7 @@ class WorkerPool:
     backend call (``workers/busy_beat.py``); the part deadline bounds that.
     ``max_start_failures`` start failures of one slot within ``start_failure_window_s``
     break the pool. The part deadline is
-    ``config.job_timeout_s``. Construction blocks while a previous scheduler's workers
+    ``config.options.tier_job_timeout_s``. Construction blocks while a previous scheduler's workers
     still hold slots (a warm restart; at most a few seconds, see the module docstring).
     """
 
@@ -164,14 +174,15 @@ class WorkerPool:
             raise ValueError(f"tier worker pool mode {mode!r}: must be one of {MODES}")
         if max_start_failures < 1:
             raise ValueError(f"max_start_failures={max_start_failures}: must be at least 1")
-        config = dataclasses.replace(config, mode=mode)
+        config = dataclasses.replace(
+            config, options=dataclasses.replace(config.options, workers=mode))
         self.engine_id = engine_id
         self.config = config
         self.mode = mode
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.max_start_failures = max_start_failures
         self.start_failure_window_s = start_failure_window_s
-        self.n = config.num_workers
+        self.n = config.options.num_tier_workers
         #: the owner incarnation this pool serves; its workers exit once it changes
         self.generation = segment.owner_generation()
         #: the previous scheduler's workers found holding slots (warm restart)
@@ -181,16 +192,16 @@ class WorkerPool:
                            "previous scheduler of this segment: %s after %.2f s", old.slot,
                            old.pid, "killed" if old.killed else "it left", old.gone_after_s)
         config.write(segment.rings)
-        self.rings = RingSet.create(segment.name, segment.rings, config.num_workers,
+        self.rings = RingSet.create(segment.name, segment.rings, self.n,
                                     config.slots, config.slot_size)
         self._job_rings = [self.rings.worker(w).jobs for w in range(self.n)]
         self._result_rings = [self.rings.worker(w).results for w in range(self.n)]
-        self._dispatch = Dispatch(self.n, config.slot_size - 8, config.job_timeout_s)
+        self._dispatch = Dispatch(self.n, config.slot_size - 8, config.options.tier_job_timeout_s,
+                                  config.options.promotion_workers)
         self._workers = [WorkerRecord(w) for w in range(self.n)]
         self._procs: list[subprocess.Popen | None] = [None] * self.n  # spawn mode
         self._tails: list[_StderrTail | None] = [None] * self.n  # spawn mode
         self._claims_seen = [0] * self.n  # external mode: slot claims accounted for
-        self._live = list(range(self.n))  # refreshed by the health check
         # per slot: releases of the rows its killed process's failed loads may still
         # write, let go once that process is gone (``_bury``)
         self._reaping: dict[int, list[RowRelease]] = {}
@@ -252,8 +263,7 @@ class WorkerPool:
         if self.broken is not None:
             return None
         dispatch = self._dispatch
-        parent_id, planned = dispatch.plan(op, tier, keys, rows, args,
-                                           self._live or list(range(self.n)))
+        parent_id, planned = dispatch.plan(op, tier, keys, rows, args)
         if len(planned) == 1:  # the common case: one slot, so try_put alone decides
             w, _, payload, _, _ = planned[0]
             if not self._job_rings[w].try_put(payload):
@@ -313,7 +323,7 @@ class WorkerPool:
         overdue = self._dispatch.overdue(now) if self._dispatch.parts else {}
         for rec in self._workers:
             self._check_worker(rec, now, overdue.get(rec.index))
-        self._live = [rec.index for rec in self._workers if rec.state in RUNNING]
+        self._dispatch.set_running([rec.index for rec in self._workers if rec.state in RUNNING])
 
     def _check_worker(self, rec: WorkerRecord, now: float, late_s: float | None) -> None:
         state, w = rec.state, rec.index
@@ -349,10 +359,10 @@ class WorkerPool:
         # a part past its deadline: the worker is hung, unless the part was queued
         # before this process started and it has not had job_timeout_s of its own yet
         # (parts queued while the slot was restarting)
-        if late_s is not None and now - rec.started >= self.config.job_timeout_s:
+        if late_s is not None and now - rec.started >= self.config.options.tier_job_timeout_s:
             self.timed_out_total += 1
             self._kill(rec, f"hung (a job outstanding for {late_s:.1f} s, past its "
-                            f"{self.config.job_timeout_s:g} s deadline)")
+                            f"{self.config.options.tier_job_timeout_s:g} s deadline)")
         elif own and self._dispatch.load[w] > 0:
             age = beat.age_s()
             if self.late_beats.hung(w, rec.pid, beat.beat_ns, age, now, self.heartbeat_timeout_s):
@@ -504,7 +514,7 @@ class WorkerPool:
             elif rec.state is WorkerState.RESTARTING:
                 self._fail_slot(rec.index, f"tier worker {rec.index}: the pool is broken")
                 rec.broke()
-        self._live = []
+        self._dispatch.set_running([])
 
     def _fail_slot(self, w: int, why: str) -> int:
         """Recover worker ``w``'s rings (its process is gone) and fail every part it

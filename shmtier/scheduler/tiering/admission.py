@@ -1,7 +1,7 @@
 """Cascade admission: which chunks stored in the CPU tier are cascaded to a secondary tier.
 
 vLLM 0.33 cascades every chunk the CPU tier stores (write-through, docs/vllm-contract.md §6)
-and has no admission policy; shmtier's rules (README, "Cascade admission"; measured in
+and has no admission policy; shmtier's rules (docs/operating.md, "Cascade admission"; measured in
 bench/README.md, "Admission"):
 
 ``all``

@@ -10,6 +10,7 @@ from shmtier.tiers.config import TierConfig, option
 
 @dataclass(frozen=True)
 class ExampleTierConfig(TierConfig):
-    """``custom_param``: the tier's info label ``example_info`` (as vLLM's example tier)."""
+    """The in-memory reference tier (as vLLM's example tier, but it keeps the bytes)."""
 
-    custom_param: int = option(0, integer())
+    custom_param: int = option(0, integer(),
+                               doc="the tier's info label example_info (as vLLM's example tier)")

@@ -40,14 +40,13 @@ from shmtier.shared.codec import CompressionConfig, mac_key_id
 from shmtier.shared.jobs import ResultFlag
 from shmtier.storage.chunk_names import chunk_key, key_problem, with_mac_id
 from shmtier.tiers.backend import BatchResult, Outcome, ScanEntry, TierBackend, WorkerContext
-from shmtier.tiers.fs.config import DEFAULT_WRITE_DEPTH
+from shmtier.tiers.fs.config import FsTierConfig
 from shmtier.tiers.fs.fileio import probe_direct_io, unlink_quietly
 from shmtier.tiers.fs.load import ChunkReader, chunk_file_cap, remove_foreign
 from shmtier.tiers.fs.namespace import TEMP_SUFFIX, LinkRefused, Namespace
 from shmtier.tiers.fs.outcomes import FsCounters, errno_outcome
 from shmtier.tiers.fs.store import ChunkWriter
 
-DEFAULT_MIN_FREE_BYTES = 1 << 30
 DEFAULT_CHUNK_BYTES_HINT = 1 << 20
 DEFAULT_STALE_TEMP_AGE_S = 900.0
 
@@ -121,11 +120,11 @@ class FsBackend(TierBackend):
         codec_config: CompressionConfig | None = None,
         element_size: int = 2,
         max_bytes: int | None = None,
-        min_free_bytes: int | None = DEFAULT_MIN_FREE_BYTES,
+        min_free_bytes: int | None = FsTierConfig.default("min_free_bytes"),
         chunk_bytes_hint: int = DEFAULT_CHUNK_BYTES_HINT,
         stale_temp_age_s: float = DEFAULT_STALE_TEMP_AGE_S,
         direct_io: bool | str = False,
-        write_depth: int = DEFAULT_WRITE_DEPTH,
+        write_depth: int = FsTierConfig.default("write_depth"),
         page_cache_bytes: int | str | None = None,
         mac_key: bytes | None = None,
         flag_created: bool = True,
@@ -199,17 +198,15 @@ class FsBackend(TierBackend):
                        else 0)
 
     @classmethod
-    def open(cls, args: dict, context: WorkerContext) -> "FsBackend":
-        """A tier worker's backend for the ``fs`` options ``args`` (``FsTierConfig``'s
-        worker options); its namespace deferred while the medium cannot hold it
-        (``defer_namespace``)."""
-        return cls(args["root_dir"], context.namespace, fsync=args["fsync"],
+    def open(cls, config: FsTierConfig, context: WorkerContext) -> "FsBackend":
+        """A tier worker's backend for its tier's ``config``; its namespace deferred while
+        the medium cannot hold it (``defer_namespace``)."""
+        return cls(config.root_dir, context.namespace, fsync=config.fsync,
                    codec_config=context.codec, element_size=context.element_size,
-                   max_bytes=args["max_bytes"], min_free_bytes=args["min_free_bytes"],
-                   chunk_bytes_hint=context.chunk_bytes, direct_io=args["direct_io"],
-                   write_depth=args.get("write_depth", DEFAULT_WRITE_DEPTH),
-                   page_cache_bytes=args.get("page_cache_bytes"),
-                   mac_key=args.get("mac_key"), flag_created=context.replacement,
+                   max_bytes=config.max_bytes, min_free_bytes=config.min_free_bytes,
+                   chunk_bytes_hint=context.chunk_bytes, direct_io=config.direct_io,
+                   write_depth=config.write_depth, page_cache_bytes=config.page_cache_bytes,
+                   mac_key=config.mac_secret, flag_created=context.replacement,
                    defer_namespace=True, chunk_bytes=context.chunk_bytes)
 
     @property

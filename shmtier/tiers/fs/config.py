@@ -18,49 +18,59 @@ from shmtier.options import ConfigError, boolean, integer, one_of, writable_dir
 from shmtier.storage.config import StorageTierConfig
 from shmtier.tiers.config import REQUIRED, option
 
-#: O_DIRECT writes a tier worker keeps in flight by default (``write_depth``), and the most.
-DEFAULT_WRITE_DEPTH = 8
+#: O_DIRECT writes a tier worker keeps in flight at most (``write_depth``).
 MAX_WRITE_DEPTH = 64
-
-DEFAULT_MIN_FREE_BYTES = 1 << 30
 
 
 @dataclass(frozen=True, kw_only=True)
 class FsTierConfig(StorageTierConfig):
-    """``root_dir``: an existing, writable directory (the tier keeps its files in a
-    namespace subdirectory per layout; engines of one layout may share it: DP replicas,
-    restarts, NFS). ``max_bytes`` and the options of every storage tier (locality,
-    events, pinning, ``probe_unknown``/``probe_ttl_s``/``probe_timeout_s`` for a shared
-    root): ``StorageTierConfig``. ``min_free_bytes``: free space the workers
-    leave on the filesystem (None: none). ``fsync``: fsync each file before publishing
-    it. ``direct_io``: False (the default: buffered both ways), "writes" (stores with
-    O_DIRECT where the filesystem takes it, loads buffered), "auto" (O_DIRECT both ways
-    where the filesystem takes it) or True (both ways, required); bench/README.md,
-    "Writes that miss the page cache", has the measurements. ``write_depth``: O_DIRECT
-    writes a tier worker keeps in flight, each with a chunk-sized buffer.
-    ``page_cache_bytes``: with buffered stores, the bytes of a tier worker's most recent
-    files left in the page cache; older ones are written back and dropped from it
-    (``writeback.py``; None: no limit, the kernel's choice; "auto", the default: no
-    limit until the worker's buffered writes show new page cache to be expensive, then
-    what it holds).
-    ``n_read_threads``/``n_write_threads``: vLLM's fs options, accepted and unused (the
-    tier workers do the I/O).
-
-    ``mac_key_file`` / ``mac_key``: ``StorageTierConfig``."""
+    """An ``fs`` tier: chunks as framed, checksummed files under ``root_dir``, in a
+    namespace subdirectory per layout (engines of one layout may share it: DP replicas,
+    restarts, NFS), with the options every storage tier takes (``StorageTierConfig``).
+    Measurements behind ``direct_io`` and ``page_cache_bytes``: bench/README.md."""
 
     frame_word = "file"
 
-    root_dir: str = option(REQUIRED, writable_dir(), worker=True)
-    min_free_bytes: int | None = option(DEFAULT_MIN_FREE_BYTES,
-                                        integer(0).or_none("null (no floor)"), worker=True)
-    fsync: bool = option(False, boolean(), worker=True)
-    direct_io: bool | str = option(False, one_of(False, True, "auto", "writes"), worker=True)
-    write_depth: int = option(DEFAULT_WRITE_DEPTH, integer(1, MAX_WRITE_DEPTH), worker=True)
+    root_dir: str = option(
+        REQUIRED, writable_dir(),
+        doc="the directory the tier keeps its files in, checked when the spec is built; a "
+            "subdirectory per layout (model, dtype, geometry), so engines of different "
+            "models never mix")
+    min_free_bytes: int | None = option(
+        1 << 30, integer(0).or_none("null (no floor)"),
+        doc="free space the tier workers keep on the filesystem; below it the tier evicts its "
+            "least recently used chunks, or fails cascades (one warning) when that cannot "
+            "help", default_doc="`1073741824` (1 GiB)")
+    fsync: bool = option(
+        False, boolean(),
+        doc="fsync each file before publishing it (durable before it is indexed: NFS)")
+    direct_io: bool | str = option(
+        False, one_of(False, True, "auto", "writes"),
+        doc="false: buffered both ways; \"writes\": stores with O_DIRECT where the "
+            "filesystem takes it, loads buffered; \"auto\": O_DIRECT both ways where the "
+            "filesystem takes it (probed at start); true: both ways, required. O_DIRECT "
+            "stores keep write_depth writes in flight per tier worker: no page-cache copy, "
+            "but every store waits for the device")
+    write_depth: int = option(
+        8, integer(1, MAX_WRITE_DEPTH),
+        doc="O_DIRECT writes a tier worker keeps in flight, each on an I/O thread with a "
+            "chunk-sized buffer; a store slice holds at least this many chunks (unused with "
+            "buffered I/O)")
     page_cache_bytes: int | str | None = option(
         "auto", integer(1).or_none("null (no limit)").or_text(
-            "auto", "bounded once new page cache proves expensive"), worker=True)
-    n_read_threads: int | None = option(None, integer(1).or_none())
-    n_write_threads: int | None = option(None, integer(1).or_none())
+            "auto", "bounded once new page cache proves expensive"),
+        doc="with buffered stores, the bytes of a tier worker's most recent files left in "
+            "the page cache, older ones written back and dropped from it (null: the "
+            "kernel's choice; \"auto\": no limit while new page cache is cheap; once 32 MiB "
+            "of a worker's buffered writes cost more than 2.5 s of CPU per GiB, the footprint "
+            "stops growing at what it then holds, at least 64 MiB: logged, and the gauge "
+            "page_cache_bounded). Linux only")
+    n_read_threads: int | None = option(
+        None, integer(1).or_none(),
+        doc="vLLM's fs option: accepted and unused (the tier workers do the I/O)")
+    n_write_threads: int | None = option(
+        None, integer(1).or_none(),
+        doc="vLLM's fs option: accepted and unused (the tier workers do the I/O)")
 
     @classmethod
     def check_engine_tiers(cls, tiers: Iterable[Any]) -> None:

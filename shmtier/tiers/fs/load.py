@@ -131,7 +131,7 @@ class ChunkReader:
             finally:
                 for fd, _st, _path in opened.values():
                     close_quietly(fd)
-        res.codec_seconds = self._codec_s
+        res.codec_s = self._codec_s
         return res
 
     def _open(self, key, row, num_rows: int, chunk_bytes: int, res: BatchResult, i: int,

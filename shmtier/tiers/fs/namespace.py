@@ -71,6 +71,9 @@ refused (loads and probes MISS, stores fail with ``ELOOP`` or ``ENOTDIR``, logge
 a worker starts anyway, and the namespace is used again once the path is free (made at
 the next store) or a directory. A namespace directory whose config.json names another
 fingerprint or format is not an outage: it is someone else's, and opening it fails.
+
+Size (over 600 lines): the namespace's creation, adoption, reset and link checks act on
+one directory's states and must agree on them.
 """
 
 from __future__ import annotations

@@ -45,7 +45,7 @@ from shmtier.shared.codec_choice import CodecChooser
 from shmtier.storage.chunk_names import key_problem
 from shmtier.tiers.backend import BatchResult, Outcome, as_arena, check_batch, row_problem
 from shmtier.tiers.fs import writeback
-from shmtier.tiers.fs.config import DEFAULT_WRITE_DEPTH
+from shmtier.tiers.fs.config import FsTierConfig
 from shmtier.tiers.fs.direct_writes import DirectWrite, DirectWrites
 from shmtier.tiers.fs.fileio import (
     O_DIRECT,
@@ -89,7 +89,7 @@ class ChunkWriter:
     fsync: bool
     direct_io: bool
     mac_key: bytes | None = field(default=None, repr=False)  # frames carry a MAC tag
-    write_depth: int = DEFAULT_WRITE_DEPTH
+    write_depth: int = FsTierConfig.default("write_depth")
     page_cache_bytes: int | str | None = None  # buffered: recent files left in the page cache
 
     def __post_init__(self) -> None:
@@ -247,7 +247,7 @@ class ChunkWriter:
             share = (time.perf_counter() - t) / len(idx)
             for i in idx:
                 seconds[i] += share
-        res.codec_seconds = codec_s
+        res.codec_s = codec_s
         return res
 
     def _count_stored(self, res: BatchResult, i: int, raw_bytes: int, size: int,

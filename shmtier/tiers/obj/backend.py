@@ -20,6 +20,9 @@ Concurrency: a backend owns a thread pool of ``io_threads``; a batch's keys are 
 and sent (store), fetched and verified (load) or probed ``io_threads`` at a time (zstd,
 CRC-32C and socket I/O release the GIL), over one boto3 client whose connection pool
 has as many connections. Each pool thread has its own encoders and decoder.
+
+Size (over 600 lines): the worker half's store, load, probe, delete and listing share one
+client, one retry rule and one object format.
 """
 
 from __future__ import annotations
@@ -59,7 +62,8 @@ from shmtier.tiers.backend import (
     check_batch,
     row_problem,
 )
-from shmtier.tiers.obj.client import endpoint_label, error_detail, import_boto3, make_client
+from shmtier.tiers.obj.client import error_detail, import_boto3, make_client
+from shmtier.tiers.obj.config import ObjTierConfig
 
 logger = logging.getLogger(__name__)
 
@@ -158,7 +162,7 @@ class ObjBackend(TierBackend):
     kind = "obj"
 
     def __init__(self, client: Any, bucket: str, namespace: str, *, prefix: str = "",
-                 io_threads: int = 4, codec_config: CompressionConfig | None = None,
+                 io_threads: int = ObjTierConfig.default("io_threads"), codec_config: CompressionConfig | None = None,
                  element_size: int = 2, max_bytes: int | None = None,
                  mac_key: bytes | None = None, endpoint: str = ""):
         if not isinstance(namespace, str) or not namespace:
@@ -206,18 +210,18 @@ class ObjBackend(TierBackend):
             raise
 
     @classmethod
-    def open(cls, args: dict, context: WorkerContext) -> "ObjBackend":
-        """A tier worker's backend for the ``obj`` worker args (``ObjTierConfig.worker_args``;
-        shape in ``client.py``): builds the process's boto3 client (no request) and the
-        backend (reads or writes config.json: one or two requests)."""
-        store = args["store_config"]
-        client = make_client(args)
+    def open(cls, config: ObjTierConfig, context: WorkerContext) -> "ObjBackend":
+        """A tier worker's backend for its tier's ``config``: builds the process's boto3
+        client (no request) and the backend (reads or writes config.json: one or two
+        requests)."""
+        store = config.store_config
+        client = make_client(config)
         try:
-            return cls(client, store["bucket"], context.namespace,
-                       prefix=args.get("prefix", ""), io_threads=int(args.get("io_threads", 4)),
+            return cls(client, store.bucket, context.namespace,
+                       prefix=config.prefix, io_threads=config.io_threads,
                        codec_config=context.codec, element_size=context.element_size,
-                       max_bytes=args.get("max_bytes"), mac_key=args.get("mac_key"),
-                       endpoint=endpoint_label(store))
+                       max_bytes=config.max_bytes, mac_key=config.mac_secret,
+                       endpoint=store.endpoint_label())
         except BaseException:
             client.close()
             raise
@@ -632,7 +636,7 @@ class ObjBackend(TierBackend):
         res.logical_bytes[i] = done.logical
         res.stored_bytes[i] = done.stored
         res.seconds[i] += done.seconds
-        res.codec_seconds += done.codec_s
+        res.codec_s += done.codec_s
 
     def take_flags(self) -> int:
         """``ResultFlag.COMPRESSION_OFF`` while compression by cost chose raw frames."""

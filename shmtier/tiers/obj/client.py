@@ -1,5 +1,6 @@
-"""The ``obj`` tier's S3 client: built in one place from the tier's worker args, for the
-start-up check (``check_bucket``) and for every tier worker's backend.
+"""The ``obj`` tier's S3 client: built in one place from the tier's frozen config
+(``ObjTierConfig``), for the start-up check (``check_bucket``) and for every tier
+worker's backend.
 
 Who calls: ``ObjTierConfig.check_together`` (any process that builds the spec) calls
 :func:`check_bucket`; ``ObjBackend.open`` (tier worker processes) calls
@@ -7,15 +8,6 @@ Who calls: ``ObjTierConfig.check_together`` (any process that builds the spec) c
 HeadBucket request (bounded by short timeouts). boto3 is imported here, lazily, and
 nowhere else in shmtier: without it, a config naming an ``obj`` tier fails with a
 ConfigError saying what to install.
-
-The args (``ObjTierConfig.worker_args()``)::
-
-    {"store_config": {"bucket": str, "endpoint_override": str ("" = AWS default; else a
-                      URL with scheme, normalised), "access_key": str, "secret_key": str,
-                      "session_token": str, "region": str, "scheme": str,
-                      "ca_bundle": str},        # "" = not given
-     "io_threads": int, "connect_timeout_s": float, "read_timeout_s": float,
-     "max_attempts": int, ...}
 
 Client settings: region ``us-east-1`` when none is given; path-style addressing for a
 custom endpoint (SeaweedFS, MinIO, Ceph: no bucket DNS names); a connection pool of
@@ -30,7 +22,6 @@ instance role) applies.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
 from shmtier.options import ConfigError
@@ -54,49 +45,41 @@ def import_boto3():
     return boto3, botocore.config.Config, botocore.exceptions
 
 
-def endpoint_label(store: Mapping[str, Any]) -> str:
-    """How errors and logs name the endpoint: its URL, or AWS's default endpoint."""
-    endpoint = store.get("endpoint_override") or ""
-    if endpoint:
-        return endpoint
-    return f"the AWS default endpoint (region {store.get('region') or 'us-east-1'})"
-
-
-def make_client(args: Mapping[str, Any], *, connect_timeout_s: float | None = None,
+def make_client(config, *, connect_timeout_s: float | None = None,
                 read_timeout_s: float | None = None, max_attempts: int | None = None):
-    """A boto3 S3 client for the tier's worker ``args`` (the module docstring's shape);
-    the keyword arguments override the args' timeouts and attempts (the start-up check
-    uses shorter ones). No I/O. Thread-safe to use from many threads (boto3 clients are);
-    one per process. Raises ConfigError when boto3 is missing."""
+    """A boto3 S3 client for the tier's ``config`` (an ``ObjTierConfig``); the keyword
+    arguments override its timeouts and attempts (the start-up check uses shorter ones).
+    No I/O. Thread-safe to use from many threads (boto3 clients are); one per process.
+    Raises ConfigError when boto3 is missing."""
     boto3, Config, _ = import_boto3()
-    store = args["store_config"]
-    endpoint = store.get("endpoint_override") or ""
-    region = store.get("region") or "us-east-1"
-    attempts = int(max_attempts if max_attempts is not None else args.get("max_attempts", 4))
-    config = Config(
+    store = config.store_config
+    endpoint = store.endpoint_override
+    region = store.region or "us-east-1"
+    client_config = Config(
         region_name=region,
-        max_pool_connections=int(args.get("io_threads", 4)),
+        max_pool_connections=config.io_threads,
         connect_timeout=float(connect_timeout_s if connect_timeout_s is not None
-                              else args.get("connect_timeout_s", 2.0)),
+                              else config.connect_timeout_s),
         read_timeout=float(read_timeout_s if read_timeout_s is not None
-                           else args.get("read_timeout_s", 10.0)),
-        retries={"total_max_attempts": attempts, "mode": "standard"},
+                           else config.read_timeout_s),
+        retries={"total_max_attempts": max_attempts if max_attempts is not None
+                 else config.max_attempts, "mode": "standard"},
         s3={"addressing_style": "path"} if endpoint else {},
         request_checksum_calculation="when_required",
         response_checksum_validation="when_required",
     )
-    kwargs: dict[str, Any] = {"config": config, "region_name": region}
+    kwargs: dict[str, Any] = {"config": client_config, "region_name": region}
     if endpoint:
         kwargs["endpoint_url"] = endpoint
-    elif store.get("scheme") == "http":
+    elif store.scheme == "http":
         kwargs["use_ssl"] = False  # asked for explicitly: plain HTTP to AWS's endpoint
-    if store.get("ca_bundle"):
-        kwargs["verify"] = store["ca_bundle"]
-    for arg, name in (("aws_access_key_id", "access_key"),
-                      ("aws_secret_access_key", "secret_key"),
-                      ("aws_session_token", "session_token")):
-        if store.get(name):
-            kwargs[arg] = store[name]
+    if store.ca_bundle:
+        kwargs["verify"] = store.ca_bundle
+    for arg, value in (("aws_access_key_id", store.access_key),
+                       ("aws_secret_access_key", store.secret_text("secret_key")),
+                       ("aws_session_token", store.secret_text("session_token"))):
+        if value:
+            kwargs[arg] = value
     # A session of its own: boto3's default session is not thread-safe to create from.
     return boto3.session.Session().client("s3", **kwargs)
 
@@ -179,22 +162,21 @@ def check_bucket(config, where: str) -> None:
     why when it fails (wrong credentials, no such bucket, endpoint unreachable, boto3
     missing). Called by ``ObjTierConfig.check_together`` when the spec is built; blocks
     for at most a few seconds."""
-    args = config.worker_args()
-    store = args["store_config"]
+    store = config.store_config
     try:
         _, _, bx = import_boto3()
     except ConfigError as e:
         raise ConfigError(f"{where}: {e}") from None
     client = make_client(
-        args,
-        connect_timeout_s=min(CHECK_CONNECT_TIMEOUT_S, float(args["connect_timeout_s"])),
-        read_timeout_s=min(CHECK_READ_TIMEOUT_S, float(args["read_timeout_s"])),
-        max_attempts=min(CHECK_MAX_ATTEMPTS, int(args["max_attempts"])))
+        config,
+        connect_timeout_s=min(CHECK_CONNECT_TIMEOUT_S, config.connect_timeout_s),
+        read_timeout_s=min(CHECK_READ_TIMEOUT_S, config.read_timeout_s),
+        max_attempts=min(CHECK_MAX_ATTEMPTS, config.max_attempts))
     try:
-        client.head_bucket(Bucket=store["bucket"])
+        client.head_bucket(Bucket=store.bucket)
     except Exception as e:  # any failure: the tier cannot be used
         raise ConfigError(
-            f"{where}: cannot use bucket {store['bucket']!r} at {endpoint_label(store)} : "
+            f"{where}: cannot use bucket {store.bucket!r} at {store.endpoint_label()} : "
             f"{_check_reason(e, bx)}") from None
     finally:
         client.close()

@@ -32,8 +32,8 @@ class ObjFsck(TierFsck):
         return bool(args.bucket or args.tier_config)
 
     def run(self, args, mac_key: bytes | None):
-        from shmtier.tiers.obj.client import endpoint_label, make_client
-        from shmtier.tiers.obj.config import StoreConfigCheck, _prefix
+        from shmtier.tiers.obj.client import make_client
+        from shmtier.tiers.obj.config import ObjTierConfig, StoreConfigCheck, _prefix
         from shmtier.tiers.obj.fsck import fsck_bucket
 
         store: dict = {}
@@ -51,13 +51,11 @@ class ObjFsck(TierFsck):
                             ("region", args.region)):
             if value:
                 store[name] = value
-        checked = StoreConfigCheck()("store_config", store).as_plain()
-        args_ = {"store_config": checked, "io_threads": 4, "connect_timeout_s": 2.0,
-                 "read_timeout_s": 10.0, "max_attempts": 3}
-        client = make_client(args_)
+        checked = StoreConfigCheck()("store_config", store)
+        client = make_client(ObjTierConfig(store_config=checked, max_attempts=3))
         try:
-            return fsck_bucket(client, checked["bucket"], _prefix(prefix), verify=args.verify,
+            return fsck_bucket(client, checked.bucket, _prefix(prefix), verify=args.verify,
                                repair=args.repair, mac_key=mac_key,
-                               endpoint=endpoint_label(checked))
+                               endpoint=checked.endpoint_label())
         finally:
             client.close()

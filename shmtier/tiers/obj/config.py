@@ -53,7 +53,7 @@ class S3StoreConfig:
 
     def as_plain(self) -> dict[str, str]:
         """The store config as msgpack-able plain data (secrets as their strings; "" for
-        what was not given): ``worker_args()["store_config"]``."""
+        what was not given): how it reaches the tier workers (``ObjTierConfig.to_dict``)."""
         out = {}
         for f in fields(self):
             v = getattr(self, f.name)
@@ -61,6 +61,29 @@ class S3StoreConfig:
                 v = v.value.decode("utf-8")
             out[f.name] = "" if v is None else v
         return out
+
+    @classmethod
+    def from_plain(cls, plain: Mapping[str, str]) -> "S3StoreConfig":
+        """The store config :meth:`as_plain` made ``plain`` from (not checked again)."""
+        def secret(name: str) -> Secret | None:
+            value = plain.get(name) or ""
+            return Secret(value.encode("utf-8"), name) if value else None
+
+        return cls(bucket=plain["bucket"], endpoint_override=plain.get("endpoint_override", ""),
+                   access_key=plain.get("access_key", ""), secret_key=secret("secret_key"),
+                   session_token=secret("session_token"), region=plain.get("region", ""),
+                   scheme=plain.get("scheme") or None, ca_bundle=plain.get("ca_bundle", ""))
+
+    def secret_text(self, name: str) -> str:
+        """A credential (``secret_key``, ``session_token``) as its string; "" if not given."""
+        secret = getattr(self, name)
+        return secret.value.decode("utf-8") if secret is not None else ""
+
+    def endpoint_label(self) -> str:
+        """How errors and logs name the endpoint: its URL, or AWS's default endpoint."""
+        if self.endpoint_override:
+            return self.endpoint_override
+        return f"the AWS default endpoint (region {self.region or 'us-east-1'})"
 
 
 def _bucket(key: str, v: Any) -> str:
@@ -174,7 +197,8 @@ class StoreConfigCheck(Check):
 
     def __init__(self) -> None:
         super().__init__(f"a mapping with keys {list(self.KEYS)} (bucket required)",
-                         lambda v: v)
+                         lambda v: v, to_plain=S3StoreConfig.as_plain,
+                         from_plain=S3StoreConfig.from_plain)
 
     def __call__(self, key: str, value: Any) -> S3StoreConfig:
         if not isinstance(value, Mapping):
@@ -231,42 +255,42 @@ def _prefix(v: Any) -> str:
 
 @dataclass(frozen=True, kw_only=True)
 class ObjTierConfig(StorageTierConfig):
-    """``store_config`` (required): where the objects go (:class:`S3StoreConfig`:
-    ``bucket``, ``endpoint_override``, ``access_key``, ``secret_key``,
-    ``session_token``, ``region``, ``scheme``, ``ca_bundle``). ``prefix``: key prefix
-    of every object (slashes at its ends dropped, repeated ones folded: no object key
-    ever holds "//"). ``io_threads``: requests a tier worker keeps in flight at once,
-    and its connection pool's size.
-
-    ``max_bytes`` (bytes of objects at most), ``probe_unknown`` / ``probe_ttl_s`` /
-    ``probe_timeout_s`` (a bucket shared by engines: a key the index does not know is
-    looked for by a HEAD in a worker), ``enable_kv_events``, ``max_pinned_fraction``:
-    ``StorageTierConfig``; ``locality`` defaults to "REMOTE" here (vLLM's obj default).
-    ``connect_timeout_s`` / ``read_timeout_s``: per request (a read timeout bounds each
-    wait for bytes, not a whole transfer). ``max_attempts``: attempts per request, the
-    first included (botocore's "standard" retry mode: throttling, 5xx, timeouts and
-    dropped connections are retried with exponential backoff).
-
-    ``mac_key_file`` / ``mac_key``: as for the fs tier (``FsTierConfig``). The tier workers receive
-    ``worker_args()``: ``store_config`` as plain data (:meth:`S3StoreConfig.as_plain`),
-    the ``worker=True`` options and the MAC key's bytes as ``mac_key``."""
+    """An ``obj`` tier: each chunk one object in shmtier's frame, at
+    ``<prefix>/shmtier-<layout digest>/<fan-out>/<key hex>.kv`` in an S3 bucket (AWS S3,
+    MinIO, Ceph RGW, SeaweedFS), with boto3 in the tier workers, with the options every
+    storage tier takes (``StorageTierConfig``; ``locality`` defaults to "REMOTE" here,
+    vLLM's obj default). Requests use botocore's "standard" retry mode: throttling, 5xx,
+    timeouts and dropped connections are retried with exponential backoff."""
 
     frame_word = "object"
 
-    store_config: S3StoreConfig = option(REQUIRED, StoreConfigCheck(), worker=True)
-    prefix: str = option("", Check(f"a key prefix of at most {MAX_PREFIX_CHARS} characters "
-                                   f"(a string)", _prefix), worker=True)
-    io_threads: int = option(4, integer(1, 256), worker=True)
-    locality: str = option("REMOTE", choice_upper("LOCAL", "REMOTE"))
-    connect_timeout_s: float = option(2.0, number(0, min_open=True), worker=True)
-    read_timeout_s: float = option(10.0, number(0, min_open=True), worker=True)
-    max_attempts: int = option(4, integer(1, 20), worker=True)
-    def worker_args(self) -> dict[str, Any]:
-        """The ``worker=True`` options with ``store_config`` as plain data, plus
-        ``mac_key`` (the key's bytes) when a MAC key is configured."""
-        args = super().worker_args()
-        args["store_config"] = self.store_config.as_plain()
-        return args
+    store_config: S3StoreConfig = option(
+        REQUIRED, StoreConfigCheck(),
+        doc="vLLM's obj store_config: bucket (must exist), endpoint_override (host:port or "
+            "http(s)://host:port; empty: AWS S3), access_key and secret_key (+ session_token; "
+            "empty: boto3's credential chain), region (empty: us-east-1), scheme (for an "
+            "endpoint without one), ca_bundle (a PEM file); checked with one HeadBucket when "
+            "the spec is built")
+    prefix: str = option(
+        "", Check(f"a key prefix of at most {MAX_PREFIX_CHARS} characters (a string)", _prefix),
+        doc="key prefix of every object (slashes at its ends dropped, repeated ones folded: "
+            "no object key holds //)")
+    io_threads: int = option(
+        4, integer(1, 256),
+        doc="requests (PUT, GET, HEAD) a tier worker keeps in flight, and its connection "
+            "pool's size")
+    locality: str = option(
+        "REMOTE", choice_upper("LOCAL", "REMOTE"),
+        doc="for vLLM's kv_load_tiers request filters and the backpressure defaults")
+    connect_timeout_s: float = option(
+        2.0, number(0, min_open=True), doc="connect timeout of each request")
+    read_timeout_s: float = option(
+        10.0, number(0, min_open=True),
+        doc="read timeout of each request: bounds each wait for bytes, not a whole transfer")
+    max_attempts: int = option(
+        4, integer(1, 20),
+        doc="attempts per request, the first included; then the key fails (a store: its "
+            "cascade fails; a load: MISS)")
 
     def where_words(self) -> str:
         """The bucket and endpoint in log lines and errors."""

@@ -12,10 +12,12 @@ By the process that runs it:
   process: spawn, channel, backoff, watchdog, reaping).
 - the endpoint process (one per engine): ``endpoint/`` (its main loop, a ChunkServer and
   one ChunkClient per peer, on the engine's arena rows; the transport between engines).
+- both of them: ``channel.py`` (the control channel between the scheduler half and its
+  endpoint: every message, typed, its encoding and the channel version).
 - the ``shmtier`` CLI and the endpoint: ``status.py`` (each endpoint's sessions in a
   status file, ``p2p_sessions`` that reads them on the engine's host, and ``P2PStatus``,
   the tier's part of ``shmtier top``; no zmq needed).
 
-Importing this package imports nothing; each module but ``status.py`` and
+Importing this package imports nothing; each module but ``status.py``, ``channel.py`` and
 ``peer_metrics.py``/``requests.py`` needs pyzmq (extra ``p2p``).
 """

@@ -16,7 +16,17 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from shmtier.options import Check, ConfigError, Secret, SecretCheck, boolean, integer, number, text
+from shmtier.options import (
+    Check,
+    ConfigError,
+    Secret,
+    SecretCheck,
+    boolean,
+    integer,
+    number,
+    secret_plain,
+    text,
+)
 from shmtier.tiers.config import TierConfig, TierContext, option
 
 DEFAULT_HOST = os.environ.get("VLLM_P2P_SIDE_CHANNEL_HOST", "localhost")
@@ -49,7 +59,8 @@ def _z85_secret() -> SecretCheck:
     def convert(v):
         from shmtier.tiers.p2p.keys import parse_key
         return Secret(parse_key(v, "secret_key"), "config secret_key")
-    return SecretCheck("a Curve secret key as 40 Z85 characters", convert)
+    return SecretCheck("a Curve secret key as 40 Z85 characters", convert,
+                       **secret_plain("config secret_key"))
 
 
 def _key_list() -> Check:
@@ -91,48 +102,80 @@ def _bad():
 
 @dataclass(frozen=True, kw_only=True)
 class P2PTierConfig(TierConfig):
-    """``host``/``port``: where this engine's endpoint serves its peers; it binds
-    ``port`` + the engine's data-parallel index (``listen_port``; ``port`` 0: a free
-    port, read back from the tier's ``port`` once its endpoint runs). ``backends``:
-    ``["zmq"]`` (the default data path); ``"UCX"`` is accepted only when the ``nixl``
-    package imports (the data still moves over ZeroMQ). ``num_threads``: vLLM's UCX agent
-    threads, accepted and unused. ``unbound_store_timeout_s``: how long a producer keeps
-    a request's parked chunks pinned without the consumer fetching them.
+    """A ``p2p`` tier: this engine's KV fetched by peers (and theirs by it) over ZeroMQ,
+    authenticated and encrypted with CurveZMQ, through one endpoint process per engine.
 
-    Security: ``secret_key_file`` (a ZeroMQ secret certificate, ``NAME.key_secret``) or
-    ``secret_key`` (Z85; prefer the file: configs get logged), with an optional
-    ``public_key_file``/``public_key`` checked against it; the peers admitted:
-    ``allow_keys_dir`` (a directory of ``*.key`` public certificates) and/or
-    ``allow_keys`` (Z85 list). ``peers``: ``{"host:port": public key or .key path}``, the
-    server key this engine expects at each peer (without it: ``remote_public_key`` of
-    the request if allow-listed, else the allow-list's only key; with none of them a
-    request naming that peer is neither parked for nor fetched from it:
-    ``keys_without_peers_entry``). ``plaintext``: no
-    CurveZMQ at all (no keys accepted; logged as a WARNING). ``lookup_timeout_s``: a
-    symmetric lookup not answered by then is a MISS; ``fetch_timeout_s``: a promotion's
-    fetch round (it waits for chunks the producer has not parked yet) fails by then.
-    ``hash_seed``: must equal the peers' (default: ``PYTHONHASHSEED``, as vLLM's).
-    ``endpoint_niceness``: added to the scheduler's niceness for the endpoint process
-    (0..19; default 10, as the tier workers): its transfers are background work and must
-    not preempt the scheduler thread on a busy host; 0 runs it at the scheduler's."""
+    Security: the engine's key pair as ``secret_key_file`` (preferred: configs get
+    logged) or ``secret_key``, with an optional ``public_key_file``/``public_key``
+    checked against it; the peers admitted: ``allow_keys_dir`` and/or ``allow_keys``.
+    Without a ``peers`` entry for a peer, a request naming it by address uses its
+    ``remote_public_key`` if allow-listed, else the allow-list's only key; with none of
+    them nothing is parked for or fetched from it (``keys_without_peers_entry``)."""
 
-    host: str = option(DEFAULT_HOST, text())
-    port: int = option(DEFAULT_PORT, integer(0, 65535))
-    backends: tuple = option(("zmq",), _backends())
-    num_threads: int = option(4, integer(1))
-    unbound_store_timeout_s: float = option(60.0, number(0, min_open=True))
-    secret_key_file: str | None = option(None, _path().or_none())
-    public_key_file: str | None = option(None, _path().or_none())
-    secret_key: Secret | None = option(None, _z85_secret().or_none())
-    public_key: str | None = option(None, text().or_none())
-    allow_keys_dir: str | None = option(None, _path().or_none())
-    allow_keys: tuple | None = option(None, _key_list().or_none())
-    peers: tuple = option((), _peers())
-    plaintext: bool = option(False, boolean())
-    lookup_timeout_s: float = option(10.0, number(0, min_open=True))
-    fetch_timeout_s: float = option(10.0, number(0, min_open=True))
-    hash_seed: str | None = option(None, text().or_none())
-    endpoint_niceness: int = option(10, integer(0, 19))
+    host: str = option(
+        DEFAULT_HOST, text(),
+        doc="where this engine's endpoint listens for its peers (routable from them)",
+        default_doc='`$VLLM_P2P_SIDE_CHANNEL_HOST` or `"localhost"`')
+    port: int = option(
+        DEFAULT_PORT, integer(0, 65535),
+        doc="base TCP port: the endpoint binds port + the engine's data-parallel index "
+            "(vLLM's rule), so DP ranks on one host never collide; 0: a free port",
+        default_doc="`$VLLM_P2P_SIDE_CHANNEL_PORT` or `5710`")
+    backends: tuple = option(
+        ("zmq",), _backends(),
+        doc="the data path: zmq; UCX is accepted only when the nixl package imports (the "
+            "bytes still move over ZeroMQ)")
+    num_threads: int = option(4, integer(1), doc="vLLM's UCX agent threads: accepted, unused")
+    unbound_store_timeout_s: float = option(
+        60.0, number(0, min_open=True),
+        doc="how long a producer keeps a request's parked chunks pinned without the "
+            "consumer fetching them")
+    secret_key_file: str | None = option(
+        None, _path().or_none(),
+        doc="this engine's CurveZMQ secret certificate (NAME.key_secret, made by python -m "
+            "shmtier.tiers.p2p.keys generate DIR NAME); it or secret_key is required unless "
+            "plaintext")
+    public_key_file: str | None = option(
+        None, _path().or_none(), doc="this engine's public certificate, checked against the "
+                                     "secret key")
+    secret_key: Secret | None = option(
+        None, _z85_secret().or_none(),
+        doc="the secret key as 40 Z85 characters instead of a file (configs get logged: "
+            "prefer secret_key_file)")
+    public_key: str | None = option(
+        None, text().or_none(), doc="this engine's public key (Z85), checked against the "
+                                    "secret key")
+    allow_keys_dir: str | None = option(
+        None, _path().or_none(),
+        doc="the peers admitted: a directory of their *.key public certificates (this "
+            "and/or allow_keys required unless plaintext); others are refused at the handshake")
+    allow_keys: tuple | None = option(
+        None, _key_list().or_none(), doc="the peers admitted: a list of Z85 public keys")
+    peers: tuple = option(
+        (), _peers(),
+        doc='{"host:port": public key or .key path}: the server key this engine expects at '
+            "each peer",
+        default_doc="`{}`")
+    plaintext: bool = option(
+        False, boolean(),
+        doc="no CurveZMQ: peers not authenticated, bytes not encrypted (logged as a "
+            "WARNING; trusted test networks only); takes no keys")
+    lookup_timeout_s: float = option(
+        10.0, number(0, min_open=True),
+        doc="a symmetric lookup (remote_kv_source) not answered by then is a MISS")
+    fetch_timeout_s: float = option(
+        10.0, number(0, min_open=True),
+        doc="a promotion's fetch round (it waits for chunks the producer has not parked yet) "
+            "fails by then")
+    hash_seed: str | None = option(
+        None, text().or_none(),
+        doc="must equal the peers' (a peer with another is refused)",
+        default_doc="`$PYTHONHASHSEED`")
+    endpoint_niceness: int = option(
+        10, integer(0, 19),
+        doc="added to the scheduler's niceness for the endpoint process: its transfers are "
+            "background work and must not preempt the scheduler thread on a busy host; 0 "
+            "runs it at the scheduler's")
 
     def check_together(self, where: str, context: TierContext) -> None:
         from shmtier.tiers.p2p.keys import KeyFileError

@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from shmtier import metrics
+from shmtier.tiers.p2p.channel import Counters
 
 LOOKUPS = "vllm:kv_offload_shmtier_p2p_lookups"
 LOOKUP_HITS = "vllm:kv_offload_shmtier_p2p_lookup_hits"
@@ -88,16 +89,16 @@ class P2PMetrics:
         """A new endpoint counts from 0."""
         self._counters_seen = {}
 
-    def take_counters(self, msg: dict) -> None:
-        """The endpoint's running totals (its ``counters`` message, every second) as
-        counter increases, per peer."""
-        self.endpoint_counters = {"server": msg["server"], "clients": msg["clients"],
-                                  "served": msg.get("served", {})}
-        now = {(REFUSED, INBOUND): sum(msg["server"]["refused_handshakes"].values()),
-               (REFUSED_REQUESTS, INBOUND): msg["server"].get("refused_requests", 0)}
-        for name, n in msg.get("served", {}).items():
+    def take_counters(self, msg: Counters) -> None:
+        """The endpoint's running totals (its ``channel.Counters`` message, every second)
+        as counter increases, per peer."""
+        self.endpoint_counters = {"server": msg.server, "clients": msg.clients,
+                                  "served": msg.served}
+        now = {(REFUSED, INBOUND): sum(msg.server["refused_handshakes"].values()),
+               (REFUSED_REQUESTS, INBOUND): msg.server.get("refused_requests", 0)}
+        for name, n in msg.served.items():
             now[(SERVED_BYTES, name)] = n
-        for peer, c in msg["clients"].items():
+        for peer, c in msg.clients.items():
             now[(FETCHED_BYTES, peer)] = c["bytes_received"]
             now[(REFUSED, peer)] = sum(c["refused_handshakes"].values())
         for (name, peer), value in now.items():

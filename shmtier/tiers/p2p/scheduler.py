@@ -36,12 +36,12 @@ Request roles, from ``kv_transfer_params`` (parsed once, in ``on_new_request``):
   answers (one ``lookup`` per request and step), then HIT or MISS; MISS at
   ``lookup_timeout_s``. The peer pins its hits for this request until ``done``.
 
-The producer side of a symmetric lookup: the endpoint forwards it (``ext_lookup``);
+The producer side of a symmetric lookup: the endpoint forwards it (``ExtLookup``);
 ``serve_external_requests`` answers it through the ParentManager with a synthetic
 request (``parent.on_new_request``, ``parent.lookup`` per key until no key is
 RETRY/HIT_PENDING or half ``lookup_timeout_s`` passed, ``parent.create_store_job`` for
 the hits (pinned, parked like PD stores), ``parent.on_request_finished``). The hits'
-rows go to the endpoint with the answer (``answer {keys, rows}``, not a ``park``): it
+rows go to the endpoint with the answer (``Answer``'s keys and rows, not a ``Park``): it
 parks them bound to the session that asked, so another peer naming the request is
 refused and counted (as for ``remote_decoder`` with ``remote_host``).
 
@@ -63,8 +63,9 @@ owns no medium; what it parks are the CPU tier's rows, as in vLLM's p2p tier. Se
 for the CLI: ``status.py`` (``p2p_sessions``), written by the endpoint.
 
 What this module holds: the requests' roles, the loads, parks, lookups and the peers'
-symmetric lookups in flight, what each message from the endpoint means for them, and the
-tier's metrics; what to do with the endpoint process is ``supervisor.py``'s.
+symmetric lookups in flight, what each message from the endpoint means for them (the
+messages: ``channel.py``), and the tier's metrics; what to do with the endpoint process is
+``supervisor.py``'s.
 """
 
 from __future__ import annotations
@@ -80,6 +81,7 @@ from shmtier import metrics
 from shmtier.contract import (CacheHitSource, LookupResult, OffloadPolicy, ReqContext,
                               RequestOffloadingContext, ScheduleEndContext)
 from shmtier.scheduler.tiering.base import JobResult, ParentManager, SecondaryTierManager, TransferJob
+from shmtier.tiers.p2p import channel
 from shmtier.tiers.p2p.config import P2PTierConfig
 from shmtier.tiers.p2p.peer_metrics import (FETCH_SECONDS, LOOKUP_HITS, LOOKUPS, RESTARTS,
                                             UNBOUND_TIMEOUTS, P2PMetrics, metric_definitions)
@@ -131,6 +133,12 @@ class P2PTierManager(SecondaryTierManager):
                                            settings=self._settings, handle=self._handle,
                                            check=self._check, gone=self._endpoint_gone)
         self._poll = self.endpoint.poll  # the tier's polls are its endpoint's (hot path)
+        # what each message of the endpoint does (every channel.ToScheduler type)
+        self._handlers = {channel.Ready: self._ready, channel.LoadDone: self._load_done,
+                          channel.LookupDone: self._lookup_done,
+                          channel.Released: self._on_released,
+                          channel.ExtLookup: self._ext_lookup,
+                          channel.Counters: self.metrics.take_counters}
         try:
             self.endpoint.start()
         except BaseException:
@@ -214,7 +222,7 @@ class P2PTierManager(SecondaryTierManager):
     def _expire(self, now: float) -> None:
         for kvid in [k for k, p in self._parked.items() if now > p.deadline]:
             parked = self._parked.pop(kvid)
-            self.endpoint.send({"t": "unpark", "req": kvid})
+            self.endpoint.send(channel.Unpark(kvid))
             for job in parked.jobs:
                 self._finished.append(JobResult(job.job_id, False))
             self._released[kvid] = now + self.config.unbound_store_timeout_s
@@ -226,48 +234,44 @@ class P2PTierManager(SecondaryTierManager):
             for kvid in [k for k, t in self._released.items() if now > t]:
                 del self._released[kvid]
 
-    def _handle(self, msg: dict) -> None:
-        t = msg["t"]
-        if t == "ready":
-            self.endpoint.mark_ready()
-            self.port = msg["port"]
-        elif t == "load_done":
-            self._load_done(msg)
-        elif t == "lookup_done":
-            self._lookup_done(msg)
-        elif t == "released":
-            if msg.get("keys") is None:
-                self._release(msg["req"])
-            else:
-                self._release_keys(msg["req"], msg["keys"])
-        elif t == "ext_lookup":
-            self._external[msg["tid"]] = External(
-                msg["tid"], msg["req"], msg["peer"], msg["keys"],
-                time.monotonic() + self.config.lookup_timeout_s / 2)
-        elif t == "counters":
-            self.metrics.take_counters(msg)
+    def _handle(self, msg: channel.ToScheduler) -> None:
+        """Each message of the endpoint (its supervisor's ``handle``), by its type."""
+        self._handlers[type(msg)](msg)
 
-    def _load_done(self, msg: dict) -> None:
-        entry = self._loads.pop(msg["job"], None)
+    def _ready(self, msg: channel.Ready) -> None:
+        self.port = msg.port
+
+    def _on_released(self, msg: channel.Released) -> None:
+        if msg.keys is None:
+            self._release(msg.req)
+        else:
+            self._release_keys(msg.req, msg.keys)
+
+    def _ext_lookup(self, msg: channel.ExtLookup) -> None:
+        self._external[msg.tid] = External(msg.tid, msg.req, msg.peer, msg.keys,
+                                           time.monotonic() + self.config.lookup_timeout_s / 2)
+
+    def _load_done(self, msg: channel.LoadDone) -> None:
+        entry = self._loads.pop(msg.job, None)
         if entry is None:
             return
         job, _, req = entry
         keys = list(job.keys)
-        ok = [keys[i] for i in msg["ok"]]
+        ok = [keys[i] for i in msg.ok]
         success = len(ok) == len(keys)
         if success:  # the endpoint told the peer "done" after this round
             req.unsettled = False
-        self.metrics.count(FETCH_SECONDS, msg["seconds"], req.peer)
+        self.metrics.count(FETCH_SECONDS, msg.seconds, req.peer)
         if not success:
             failed = [k for k in keys if k not in set(ok)]
             self._fail_request_keys(req, failed)
             self.metrics.count_failure(req.peer)
             logger.warning("p2p tier %s: request %s: %d of %d chunks not fetched from %s: %s",
                            self._label, req.kvid, len(failed), len(keys), req.peer,
-                           msg["detail"])
+                           msg.detail)
         self._finished.append(JobResult(job.job_id, success, None if success else ok,
-                                        transfer_time=msg["seconds"],
-                                        transfer_bytes=msg["nbytes"]))
+                                        transfer_time=msg.seconds,
+                                        transfer_bytes=msg.nbytes))
 
     def _fail_request_keys(self, req: Request, keys: Iterable) -> None:
         if req.role == "remote_prefiller":
@@ -275,16 +279,16 @@ class P2PTierManager(SecondaryTierManager):
         for key in keys:
             req.answers[key] = False
 
-    def _lookup_done(self, msg: dict) -> None:
-        entry = self._lookups.pop(msg["lid"], None)
+    def _lookup_done(self, msg: channel.LookupDone) -> None:
+        entry = self._lookups.pop(msg.lid, None)
         if entry is None:
             return
         req, keys = entry
-        hits = msg["hits"]
+        hits = msg.hits
         if hits is None:
             self.metrics.count_failure(req.peer)
             logger.warning("p2p tier %s: lookup for request %s at %s failed: %s",
-                           self._label, req.kvid, req.peer, msg["detail"])
+                           self._label, req.kvid, req.peer, msg.detail)
             hits = [False] * len(keys)
         for key, hit in zip(keys, hits):
             req.answers[key] = bool(hit)
@@ -365,10 +369,7 @@ class P2PTierManager(SecondaryTierManager):
 
     def _park(self, kvid: str, job: TransferJob, to: list | None = None) -> None:
         self._keep(kvid, job)
-        msg = {"t": "park", "req": kvid, "keys": list(job.keys), "rows": job.rows}
-        if to is not None:
-            msg["to"] = to
-        self.endpoint.send(msg)
+        self.endpoint.send(channel.Park(kvid, list(job.keys), job.rows, to))
 
     def _keep(self, kvid: str, job: TransferJob) -> None:
         """Track the pinned cascade ``job`` as parked for ``kvid`` (until released,
@@ -390,8 +391,8 @@ class P2PTierManager(SecondaryTierManager):
         deadline = time.monotonic() + self.config.fetch_timeout_s + WATCHDOG_EXTRA_S
         self._loads[job.job_id] = (job, deadline, req)
         req.unsettled = True
-        self.endpoint.send({"t": "load", "job": job.job_id, "req": req.kvid, "peer": req.peer,
-                    "skey": req.server_key, "keys": list(job.keys), "rows": job.rows})
+        self.endpoint.send(channel.Load(job.job_id, req.kvid, req.peer, req.server_key,
+                                        list(job.keys), job.rows))
 
     def get_finished_jobs(self) -> Iterable[JobResult]:
         self._poll()
@@ -402,13 +403,12 @@ class P2PTierManager(SecondaryTierManager):
         req = req_context.get_state(Request)
         self._probe_queue.pop(req_context.req_id, None)
         if req is not None and not req.consumer:  # every store of it is parked by now
-            self.endpoint.send({"t": "complete", "req": req.kvid})
+            self.endpoint.send(channel.Complete(req.kvid))
             return
         # a request whose last round the endpoint closed with "done" needs no release
         if (req is not None and req.consumer and req.unsettled
                 and (self.config.plaintext or req.server_key)):
-            self.endpoint.send({"t": "release", "req": req.kvid, "peer": req.peer,
-                        "skey": req.server_key})
+            self.endpoint.send(channel.Release(req.kvid, req.peer, req.server_key))
 
     def on_schedule_end(self, context: ScheduleEndContext) -> None:
         self.endpoint.step_thread = threading.get_ident()
@@ -422,8 +422,8 @@ class P2PTierManager(SecondaryTierManager):
                 lid = next(self._lids)
                 self._lookups[lid] = (req, keys)
                 req.unsettled = True
-                self.endpoint.send({"t": "lookup", "lid": lid, "req": req.kvid, "peer": req.peer,
-                            "skey": req.server_key, "keys": keys})
+                self.endpoint.send(channel.Lookup(lid, req.kvid, req.peer, req.server_key,
+                                                  keys))
         # what this step queued (loads, parks, lookups, releases): one send, by the
         # tier-poll thread if it polls this tier (then not on the scheduler thread)
         self.endpoint.end_step()
@@ -461,8 +461,8 @@ class P2PTierManager(SecondaryTierManager):
                 answers = [ext.results[k] for k in ext.keys]
                 # the hits go with the answer: the endpoint parks them bound to the
                 # session that asked (a separate "park" would serve any admitted peer)
-                self.endpoint.send({"t": "answer", "tid": tid, "hits": answers, "req": ext.req,
-                            "keys": ext.parked_keys, "rows": ext.parked_rows})
+                self.endpoint.send(channel.Answer(tid, answers, ext.req, ext.parked_keys,
+                                                  ext.parked_rows))
                 parent.on_request_finished(ext.ctx)
                 del self._external[tid]
         self.endpoint.flush_off_thread()  # answered on the tier-poll thread: sent now
@@ -505,7 +505,7 @@ class P2PTierManager(SecondaryTierManager):
         endpoint.wait_reaped("drain_jobs")
         for kvid in list(self._parked):
             parked = self._parked.pop(kvid)
-            self.endpoint.send({"t": "unpark", "req": kvid})
+            self.endpoint.send(channel.Unpark(kvid))
             for job in parked.jobs:
                 self._finished.append(JobResult(job.job_id, False))
         endpoint.flush()

@@ -20,7 +20,9 @@ fails what the endpoint held and the next endpoint starts after a backoff (0.5 s
 doubling to 30 s, back to 0.5 s once one ran ``STABLE_S``), and only once every killed
 one is reaped.
 
-Channel: what a step queues goes as one message at its end (an ipc send costs the
+Channel: the messages of ``channel.py`` (typed, versioned: an endpoint whose ``Ready``
+names another channel version is killed and not restarted, with an ERROR naming both).
+What a step queues goes as one frame at its end (an ipc send costs the
 scheduler thread tens of µs) or, while the tier-poll thread polls the tier, at that
 thread's next poll; else at a poll ``FLUSH_AFTER_S`` later. A poll looks at the socket at
 most every ``READ_GAP_S`` (each look costs ~3 µs of the lock holder's time), except the
@@ -43,6 +45,8 @@ from typing import Callable
 
 import msgpack
 
+from shmtier.tiers.p2p import channel
+
 logger = logging.getLogger(__name__)
 
 CHECK_EVERY_S = 0.05
@@ -64,18 +68,21 @@ class EndpointSupervisor:
     The tier gives: ``label`` (for logs), ``engine_id`` (names the socket directory, so
     ``status.py`` finds the endpoint's status file), ``settings(ipc, status_path)`` (the
     endpoint's settings, asked at each spawn), ``handle(msg)`` (each message the
-    endpoint sends; the tier calls :meth:`mark_ready` on ``ready``), ``check(now)`` (every
+    endpoint sends, a ``channel`` message, ``Ready`` included), ``check(now)`` (every
     ``CHECK_EVERY_S`` while an endpoint runs: a reason to kill it, or None) and
     ``gone(why, release)`` (the endpoint died or was killed: fail what it held, with
     ``release`` on the loads whose rows it may still write; returns what was failed, in
     words, for the log line).
 
-    ``proc`` is None while no endpoint runs (restarting, or closed); ``step_thread`` is
-    the thread that runs the scheduler's steps (set by the tier at ``on_schedule_end``).
+    ``proc`` is None while no endpoint runs (restarting, or closed, or ``broken``: the
+    reason no endpoint is started any more, an endpoint of another channel version);
+    ``step_thread`` is the thread that runs the scheduler's steps (set by the tier at
+    ``on_schedule_end``).
     """
 
     def __init__(self, label: str, engine_id: str, *, settings: Callable[[str, str], dict],
-                 handle: Callable[[dict], None], check: Callable[[float], str | None],
+                 handle: Callable[[channel.ToScheduler], None],
+                 check: Callable[[float], str | None],
                  gone: Callable[[str, threading.Event | None], str]) -> None:
         import zmq
 
@@ -91,8 +98,8 @@ class EndpointSupervisor:
         self.reaping: list[tuple[subprocess.Popen, threading.Event | None]] = []
         self.restarts = 0
         self._gen = 0
-        self._outbox: collections.deque = collections.deque()  # packed, to send
-        self._pending: list[dict] = []  # queued this step: one send at its end (flush)
+        self._outbox: collections.deque = collections.deque()  # frames, to send
+        self._pending: list[channel.ToEndpoint] = []  # queued this step: one frame at its end
         self._queued_at = 0.0
         self.step_thread = None  # the thread that calls on_schedule_end
         self._off_thread_at = -1.0  # when another thread (the tier-poll thread) last polled
@@ -108,6 +115,7 @@ class EndpointSupervisor:
         self._sock_fd = -1  # the socket's zmq.FD (taken under the lock, when it is made)
         self._look_next = False  # the next off-thread poll looks at the socket (poll_fds)
         self.closed = False
+        self.broken: str | None = None
 
     # ------------------------------------------------------------------ the process
 
@@ -137,8 +145,8 @@ class EndpointSupervisor:
         self.ready = False
         self._next_check = time.monotonic() + CHECK_EVERY_S
 
-    def mark_ready(self) -> None:
-        """The endpoint said ``ready`` (it runs: its backoff resets once it ran STABLE_S)."""
+    def _mark_ready(self) -> None:
+        """The endpoint said ``Ready`` (it runs: its backoff resets once it ran STABLE_S)."""
         self.ready, self._ready_at = True, time.monotonic()
 
     def _close_socket(self) -> None:
@@ -157,9 +165,11 @@ class EndpointSupervisor:
         self._close_socket()
         self.ready = False
         failed = self._gone(why, release)
-        logger.error("p2p tier %s: endpoint process %s (%s); failing %s, restarting in "
-                     "%.1f s", self._label, f"exited with {code}" if code is not None
-                     else "killed", why, failed, self._backoff)
+        logger.error("p2p tier %s: endpoint process %s (%s); failing %s, %s", self._label,
+                     f"exited with {code}" if code is not None else "killed", why, failed,
+                     f"restarting in {self._backoff:.1f} s" if self.broken is None else
+                     "not restarting it: the tier fetches and serves nothing until the "
+                     "engine restarts with one shmtier version")
         self._restart_at = time.monotonic() + self._backoff
         self._backoff = min(RESTART_CAP_S, self._backoff * 2)
         self.restarts += 1
@@ -203,7 +213,7 @@ class EndpointSupervisor:
 
     # ------------------------------------------------------------------ the channel
 
-    def send(self, msg: dict) -> None:
+    def send(self, msg: channel.ToEndpoint) -> None:
         """Queue ``msg`` for the endpoint (sent as the module docstring says)."""
         if not self._pending:
             self._queued_at = time.monotonic()
@@ -214,8 +224,7 @@ class EndpointSupervisor:
         self._flush_due = False
         sock, zmq = self._sock, self._zmq
         if self._pending and sock is not None:
-            batch = self._pending[0] if len(self._pending) == 1 else self._pending
-            self._outbox.append(msgpack.packb(batch, use_bin_type=True))
+            self._outbox.append(channel.encode(self._pending))
             self._pending = []
         while self._outbox and sock is not None:
             try:
@@ -250,7 +259,7 @@ class EndpointSupervisor:
         if self.reaping:
             self._reap()
         if self.proc is None:
-            if now >= self._restart_at and not self.reaping:
+            if now >= self._restart_at and not self.reaping and self.broken is None:
                 self.start()
             return
         if now >= self._next_check:
@@ -273,10 +282,19 @@ class EndpointSupervisor:
                 self._look_next = False
             while sock.getsockopt(self._zmq_events) & self._zmq_pollin:
                 try:
-                    buf = sock.recv(zmq.NOBLOCK)
+                    frame = sock.recv(zmq.NOBLOCK)
                 except zmq.Again:
                     break
-                self._handle(msgpack.unpackb(buf, raw=False))
+                try:
+                    messages = channel.from_endpoint(frame)
+                except channel.VersionMismatch as e:
+                    self.broken = str(e)
+                    self.kill(self.broken)
+                    return
+                for msg in messages:
+                    if type(msg) is channel.Ready:
+                        self._mark_ready()
+                    self._handle(msg)
         if (self._outbox or (self._flush_due and off_thread)
                 or (self._pending and now - self._queued_at >= FLUSH_AFTER_S)):
             self.flush()
@@ -299,7 +317,7 @@ class EndpointSupervisor:
             return
         if self.proc is not None and self._sock is not None:
             try:
-                self.send({"t": "stop"})
+                self.send(channel.Stop())
                 self.flush()
             except Exception:
                 pass

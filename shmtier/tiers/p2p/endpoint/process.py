@@ -18,26 +18,9 @@ Priority: the process lowers its own priority by the tier's ``endpoint_niceness`
 to the scheduler's niceness; default 10, as the tier workers) before it starts any thread,
 so its transfers never preempt the latency-critical scheduler thread on a busy host.
 
-Messages on the PAIR (every one a msgpack map with ``"t"``; the scheduler half sends what
-one step queued as one msgpack array of them)::
-
-    scheduler -> endpoint                         endpoint -> scheduler
-    park {req, keys, rows[, to]}  serve these     ready {port}
-          rows for request req (until released); load_done {job, ok: [indices], nbytes,
-          to = [name, key]: only to that peer                seconds, detail}
-    complete {req}  no more rows will be parked
-          for req: its misses are final
-    unpark {req}  serve them no more
-    load {job, req, peer, skey, keys, rows}       lookup_done {lid, hits | None, detail}
-          fetch keys from peer into rows          released {req[, keys]}  a peer is done
-    lookup {lid, req, peer, skey, keys}                 with req (or with those keys of it)
-                                                  ext_lookup {tid, req, peer, keys}
-    release {req, peer, skey}  tell the peer            a peer asks; the scheduler answers
-          this engine is done with req
-    answer {tid, hits, req, keys, rows}           counters {server, served: {peer name:
-          park the hits, then answer ext_lookup tid          bytes}, clients: {peer: ...}}
-    stop                                                every second (also written, with the
-                                                        sessions, to status.json: status.py)
+Messages on the PAIR: ``shmtier/tiers/p2p/channel.py`` declares each one (a typed
+message per kind; its docstring's table says what each means) and its encoding, and the
+channel version this process announces in its first message, ``Ready``.
 
 A promotion's fetch round asks again, every 20 ms, for keys the peer answered MISS (its
 chunks may still be on their way into its CPU tier) until ``fetch_timeout_s``, or until
@@ -71,7 +54,6 @@ import signal
 import sys
 import threading
 import time
-from typing import Any
 
 import msgpack
 import numpy as np
@@ -82,6 +64,8 @@ from shmtier.shared.jobs import Outcome
 from shmtier.shared.log_setup import configure_logging
 from shmtier.shared.redact import register_secrets_in
 from shmtier.shared.segment import join_existing
+from shmtier.tiers.p2p import channel
+from shmtier.tiers.p2p.channel import LoadDone, LookupDone
 from shmtier.tiers.p2p.endpoint.circuit import PeerCircuit
 from shmtier.tiers.p2p.endpoint.client import ChunkClient
 from shmtier.tiers.p2p.keys import AllowList, keypair_from_config
@@ -103,14 +87,6 @@ RESULTS = "inproc://p2p-endpoint-results"  # peer threads -> main thread (PUSH -
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
 MMAP_THRESHOLD_BYTES = 32 << 20
 TRIM_THRESHOLD_BYTES = 64 << 20
-
-
-def pack(msg: dict) -> bytes:
-    return msgpack.packb(msg, use_bin_type=True)
-
-
-def unpack(buf: Any) -> dict:
-    return msgpack.unpackb(buf, raw=False)
 
 
 class _Peer(threading.Thread):
@@ -142,15 +118,16 @@ class _Peer(threading.Thread):
                         tasks.append(self.tasks.get_nowait())
                     except queue.Empty:
                         break
-                loads = [t for t in tasks if t is not None and t["t"] == "load"]
+                loads = [t for t in tasks if type(t) is channel.Load]
                 if loads:
                     self._guarded(lambda: self._loads(loads), loads)
                 for task in tasks:
                     if task is None:
                         return
-                    if task["t"] != "load":
-                        handler = getattr(self, "_" + task["t"])
-                        self._guarded(lambda: handler(task), [task])
+                    if type(task) is channel.Lookup:
+                        self._guarded(lambda: self._lookup(task), [task])
+                    elif type(task) is channel.Release:
+                        self._guarded(lambda: self._release(task), [task])
         finally:
             self.client.close()
             self.out.close(0)
@@ -161,17 +138,18 @@ class _Peer(threading.Thread):
         try:
             out = fn()
             if out is not None:
-                self.out.send(pack(out))  # no HWM: never blocks
+                self.out.send(channel.encode((out,)))  # no HWM: never blocks
         except Exception as e:  # never lose a job: answer it failed
-            log.exception("p2p endpoint: %s for peer %s raised", tasks[0]["t"], self.peer)
+            log.exception("p2p endpoint: %s for peer %s raised", type(tasks[0]).__name__,
+                          self.peer)
             for task in tasks:
-                if task.get("job") not in self._answered:
+                if type(task) is not channel.Load or task.job not in self._answered:
                     out = _failed(task, f"{type(e).__name__}: {e}")
                     if out is not None:
-                        self.out.send(pack(out))
+                        self.out.send(channel.encode((out,)))
         self._answered.clear()
 
-    def _loads(self, tasks: list) -> None:
+    def _loads(self, tasks: list[channel.Load]) -> None:
         """Fetch rounds for several loads at once: each round pipelines one fetch per
         load still fetching (``ChunkClient.fetch_many``); keys answered MISS (not final)
         are asked again every ``MISS_RETRY_S`` until ``fetch_timeout_s``. Each load is
@@ -179,8 +157,8 @@ class _Peer(threading.Thread):
         as it is finished, not when the others are."""
         t0 = time.monotonic()
         deadline = t0 + self.ep.fetch_timeout_s
-        state = [{"task": t, "ok": [False] * len(t["keys"]), "nbytes": 0, "detail": "",
-                  "todo": list(range(len(t["keys"])))} for t in tasks]
+        state = [{"task": t, "ok": [False] * len(t.keys), "nbytes": 0, "detail": "",
+                  "todo": list(range(len(t.keys)))} for t in tasks]
         while state:
             left = deadline - time.monotonic()
             if left <= 0:
@@ -190,8 +168,8 @@ class _Peer(threading.Thread):
                     self._load_done(st, t0)
                 return
             results = self.client.fetch_many(
-                [([st["task"]["keys"][i] for i in st["todo"]],
-                  [self.ep.row(st["task"]["rows"][i]) for i in st["todo"]], st["task"]["req"])
+                [([st["task"].keys[i] for i in st["todo"]],
+                  [self.ep.row(st["task"].rows[i]) for i in st["todo"]], st["task"].req)
                  for st in state], left)
             waiting = []
             for st, res in zip(state, results):
@@ -209,7 +187,7 @@ class _Peer(threading.Thread):
                         st["detail"] = f"{outcome.name.lower()}: {res.details[j]}"
                 if final and not st["detail"]:
                     st["detail"] = (f"miss: {final} chunks never stored by {self.peer} (its "
-                                    f"request {st['task']['req']} is complete)")
+                                    f"request {st['task'].req} is complete)")
                 st["todo"] = missing
                 if st["detail"] or not missing:
                     self._load_done(st, t0)
@@ -225,30 +203,28 @@ class _Peer(threading.Thread):
         # other keys may come in a later load (the manager promotes a request's keys in
         # as many jobs as it has rows for). A failed load releases the whole request (it
         # fails at the scheduler: its later lookups MISS).
-        fetched = None if st["detail"] else list(task["keys"])
-        self.client.done(task["req"], DONE_TIMEOUT_S, fetched)
-        self.out.send(pack({"t": "load_done", "job": task["job"],
-                            "ok": [i for i, o in enumerate(st["ok"]) if o],
-                            "nbytes": st["nbytes"], "seconds": time.monotonic() - t0,
-                            "detail": st["detail"]}))
-        self._answered.add(task["job"])
+        fetched = None if st["detail"] else list(task.keys)
+        self.client.done(task.req, DONE_TIMEOUT_S, fetched)
+        self.out.send(channel.encode((LoadDone(
+            task.job, [i for i, o in enumerate(st["ok"]) if o], st["nbytes"],
+            time.monotonic() - t0, st["detail"]),)))
+        self._answered.add(task.job)
 
-    def _lookup(self, task: dict) -> dict:
-        hits = self.client.lookup(task["keys"], self.ep.lookup_timeout_s, task["req"])
-        return {"t": "lookup_done", "lid": task["lid"], "hits": hits,
-                "detail": self.client.last_error}
+    def _lookup(self, task: channel.Lookup) -> LookupDone:
+        hits = self.client.lookup(task.keys, self.ep.lookup_timeout_s, task.req)
+        return LookupDone(task.lid, hits, self.client.last_error)
 
-    def _release(self, task: dict) -> None:
-        self.client.done(task["req"], DONE_TIMEOUT_S)
+    def _release(self, task: channel.Release) -> None:
+        self.client.done(task.req, DONE_TIMEOUT_S)
         return None
 
 
-def _failed(task: dict, detail: str) -> dict | None:
-    if task["t"] == "load":
-        return {"t": "load_done", "job": task["job"], "ok": [], "nbytes": 0, "seconds": 0.0,
-                "detail": detail}
-    if task["t"] == "lookup":
-        return {"t": "lookup_done", "lid": task["lid"], "hits": None, "detail": detail}
+def _failed(task, detail: str) -> LoadDone | LookupDone | None:
+    """The answer of ``task`` (a load or lookup) that failed with ``detail``."""
+    if type(task) is channel.Load:
+        return LoadDone(task.job, [], 0, 0.0, detail)
+    if type(task) is channel.Lookup:
+        return LookupDone(task.lid, None, detail)
     return None
 
 
@@ -339,8 +315,7 @@ class Endpoint:
     def _ext_lookup(self, token: LookupToken, req: str, keys: list) -> None:
         tid = next(self._tids)
         self.tokens[tid] = token
-        self._send({"t": "ext_lookup", "tid": tid, "req": req, "peer": token.name,
-                    "keys": keys})
+        self._send(channel.ExtLookup(tid, req, token.name, keys))
 
     def _unpark(self, req: str) -> None:
         for entry in self.parked.pop(req, {}).values():
@@ -352,7 +327,7 @@ class Endpoint:
         those are served no more, the rest of the request stays parked."""
         if keys is None:
             self._unpark(req)
-            self._send({"t": "released", "req": req})
+            self._send(channel.Released(req))
             return
         parked = self.parked.get(req, {})
         for key in keys:
@@ -361,7 +336,7 @@ class Endpoint:
                 entry[1] = -1
         if not parked:
             self.parked.pop(req, None)
-        self._send({"t": "released", "req": req, "keys": keys})
+        self._send(channel.Released(req, keys))
 
     def _owner(self, req: str) -> tuple[str, str] | None:
         owner = self.owners.get(req)
@@ -386,33 +361,31 @@ class Endpoint:
 
     # ---- the scheduler's messages
 
-    def _send(self, msg: dict) -> None:
-        self.pair.send(pack(msg))  # no HWM: never blocks
+    def _send(self, msg: channel.ToScheduler) -> None:
+        self.pair.send(channel.encode((msg,)))  # no HWM: never blocks
 
-    def _handle(self, msg: dict) -> None:
-        t = msg["t"]
-        if t == "park":
-            self._park(msg["req"], msg["keys"], msg["rows"])
-            if msg.get("to"):
-                self._bind(msg["req"], *msg["to"])
-        elif t == "complete":
-            self.complete[msg["req"]] = time.monotonic() + self.complete_ttl_s
-        elif t == "unpark":
-            self._unpark(msg["req"])
-        elif t in ("load", "lookup", "release"):
-            self._peer(msg["peer"], msg.get("skey")).tasks.put(msg)
-        elif t == "answer":
-            if msg["keys"]:
-                self._park(msg["req"], msg["keys"], msg["rows"])
-            token = self.tokens.pop(msg["tid"], None)
+    def _handle(self, msg: channel.ToEndpoint) -> None:
+        kind = type(msg)
+        if kind is channel.Park:
+            self._park(msg.req, msg.keys, msg.rows)
+            if msg.to:
+                self._bind(msg.req, *msg.to)
+        elif kind is channel.Complete:
+            self.complete[msg.req] = time.monotonic() + self.complete_ttl_s
+        elif kind is channel.Unpark:
+            self._unpark(msg.req)
+        elif kind is channel.Load or kind is channel.Lookup or kind is channel.Release:
+            self._peer(msg.peer, msg.skey).tasks.put(msg)
+        elif kind is channel.Answer:
+            if msg.keys:
+                self._park(msg.req, msg.keys, msg.rows)
+            token = self.tokens.pop(msg.tid, None)
             if token is not None:
-                if msg["keys"] and msg["req"] not in self.owners:
-                    self._bind(msg["req"], token.name, token.key)  # the peer that asked
-                self.server.answer_lookup(token, msg["hits"])
-        elif t == "stop":
+                if msg.keys and msg.req not in self.owners:
+                    self._bind(msg.req, token.name, token.key)  # the peer that asked
+                self.server.answer_lookup(token, msg.hits)
+        elif kind is channel.Stop:
             self.stopping = True
-        else:
-            log.error("p2p endpoint: unknown message %r from the scheduler", t)
 
     def _peer(self, peer: str, server_key: str | None) -> _Peer:
         worker = self.peers.get(peer)
@@ -421,16 +394,16 @@ class Endpoint:
             worker.start()
         return worker
 
-    def counters(self) -> dict:
-        return {"t": "counters", "server": self.server.counters.as_dict(),
-                "served": dict(self.server.peer_bytes),
-                "clients": {p: w.client.counters.as_dict() for p, w in self.peers.items()}}
+    def counters(self) -> channel.Counters:
+        return channel.Counters(
+            self.server.counters.as_dict(), dict(self.server.peer_bytes),
+            {p: w.client.counters.as_dict() for p, w in self.peers.items()})
 
-    def status(self, counters: dict) -> dict:
+    def status(self, counters: channel.Counters) -> dict:
         """What ``status.p2p_sessions`` shows for this engine (read by the CLI)."""
         outbound = []
         for peer, w in list(self.peers.items()):
-            c, circuit = counters["clients"].get(peer, {}), w.client.circuit
+            c, circuit = counters.clients.get(peer, {}), w.client.circuit
             outbound.append({
                 "peer": peer, "circuit": circuit.state, "failures": circuit.failures,
                 "retry_in_s": round(circuit.retry_in(), 3), "last_error": w.client.last_error,
@@ -442,7 +415,7 @@ class Endpoint:
                 "parked": {"requests": len(self.parked),
                            "rows": sum(len(rows) for rows in self.parked.values())},
                 "inbound": self.server.sessions(), "outbound": outbound,
-                "server": counters["server"]}
+                "server": counters.server}
 
     def _report(self) -> None:
         try:
@@ -462,7 +435,7 @@ class Endpoint:
     # ---- loop
 
     def run(self) -> int:
-        self._send({"t": "ready", "port": self.server.port})
+        self._send(channel.Ready(channel.VERSION, self.server.port))
         next_counters = next_owner = time.monotonic()
         busy = False  # parked rows still without a checksum: do not wait in poll
         while not self.stopping:
@@ -472,9 +445,8 @@ class Endpoint:
                     buf = self.pair.recv(zmq.NOBLOCK)
                 except zmq.Again:
                     break
-                msg = unpack(buf)
-                for one in msg if isinstance(msg, list) else (msg,):  # a step's batch
-                    self._handle(one)
+                for msg in channel.from_scheduler(buf):  # a step's batch
+                    self._handle(msg)
             while True:
                 try:
                     self.pair.send(self.results.recv(zmq.NOBLOCK))  # packed by the peer
@@ -537,7 +509,7 @@ def keep_receive_buffers() -> bool:
 def main() -> int:
     configure_logging("p2p-endpoint")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    settings = unpack(sys.stdin.buffer.read())
+    settings = msgpack.unpackb(sys.stdin.buffer.read(), raw=False)
     register_secrets_in(settings)  # its CurveZMQ secret key never reaches a log line
     # background work: below the scheduler, before any thread (they inherit it)
     os.nice(int(settings.get("niceness", 0)))
