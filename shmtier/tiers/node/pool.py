@@ -67,6 +67,7 @@ from shmtier.shared.segment import (
     _allocate,
     _check_space,
     _lock,
+    _prefault,
     _unlink_if_same,
     fingerprint_digest,
 )
@@ -238,6 +239,9 @@ def _create(pool: str, fd: int, layout: NodeLayout, fingerprint: str,
         _allocate(name, fd, layout.total_len, 0)  # ENOSPC now, not SIGBUS on a later fault
         mm = mmap.mmap(fd, layout.total_len)
         _init_tables(mm, layout)
+        # Fault the arena in once, here: tmpfs zeroes a fallocated page at its first fault,
+        # which would otherwise fall on the first store into each row (~10x its copy).
+        _prefault(mm, layout.arena_off, layout.total_len - layout.arena_off)
         struct.pack_into("<I", mm, STATE_OFFSET, READY)  # last: joiners wait for it
         logger.info("node pool %s created: %d rows of %d bytes", pool, layout.rows,
                     layout.row_bytes)
@@ -421,14 +425,15 @@ class NodePool:
         finally:
             self.close()
 
-    def _sweep_and_leave(self, keep: bool) -> dict:
+    def _sweep_and_leave(self, keep: bool, include_kept: bool = False) -> dict:
         """Sweep (under the lock); with no engine left, unlink the pool unless ``keep``, a
-        dead engine dropped now asked to keep it, or the last one out did (``H_KEEP``)."""
+        dead engine dropped now asked to keep it, or the last one out did (``H_KEEP``;
+        ignored with ``include_kept``)."""
         pins, writes, keeps = _repair.sweep(self, _repair.Liveness(self.boot))
         removed = False
         if not self.engines.used():
             q = self.v.q
-            if keep or any(keeps) or q[H_KEEP]:
+            if keep or not include_kept and (any(keeps) or q[H_KEEP]):
                 q[H_KEEP] = 1
             else:
                 _unlink_if_same(shm_name(self.name), self._inode)
@@ -804,15 +809,15 @@ class NodePool:
         with self._locked():
             return _repair.check(self)
 
-    def sweep(self, *, remove_unused: bool = False) -> dict:
+    def sweep(self, *, remove_unused: bool = False, include_kept: bool = False) -> dict:
         """Drop what dead processes left (pins, half-written rows, engine entries) now;
         ``remove_unused``: then unlink the pool if no engine is left in it and none asked
-        to keep it (``shmtier clean``, an engine's guardian). Returns how many of each it
-        dropped (``pins``, ``writes``, ``engines``) and whether it ``removed`` the pool.
-        Takes the lock."""
+        to keep it (unless ``include_kept``) (``shmtier clean``, an engine's guardian).
+        Returns how many of each it dropped (``pins``, ``writes``, ``engines``) and whether
+        it ``removed`` the pool. Takes the lock."""
         with self._locked():
             if remove_unused:
-                return self._sweep_and_leave(False)
+                return self._sweep_and_leave(False, include_kept)
             pins, writes, keeps = _repair.sweep(self, _repair.Liveness(self.boot))
         return {"pins": pins, "writes": writes, "engines": len(keeps), "removed": False}
 
