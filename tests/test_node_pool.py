@@ -328,7 +328,7 @@ def test_lookups_never_answer_wrong_for_stable_keys_while_another_process_mutate
         report = _result(churn)
         assert "error" not in report and report["stores"] > 50  # it evicted all along
         assert false_hits == 0
-        assert false_misses <= present // 100, (false_misses, present)
+        assert false_misses <= present // 1000, (false_misses, present)
         assert pool.stats()["evictions"] >= report["stores"] - 8
 
 
