@@ -31,8 +31,8 @@ from node_pool_proc import key, payload
 from shmtier.shared import procinfo
 from shmtier.shared.jobs import Outcome
 from shmtier.shared.segment import SegmentSpaceError, fingerprint_digest
-from shmtier.tiers.node import pool as pool_mod
-from shmtier.tiers.node import tools
+from shmtier.tiers.node import mutations, tools
+from shmtier.tiers.node.index import key_hash
 from shmtier.tiers.node.layout import NodeLayout, encode_identity, shm_name
 from shmtier.tiers.node.pool import NodePool, NodePoolError, NodePoolMismatchError
 
@@ -193,11 +193,11 @@ def test_pinned_rows_are_never_evicted_and_all_pinned_rejects(pool_name):
                 # every row pinned by this load: nothing may be evicted
                 seen["stats"] = other.stats()
                 seen["out"] = _store(other, [10, 11])
-        pool_mod.crash_hook = hook
+        mutations.crash_hook = hook
         try:
             out, dsts = _load(pool, range(4))
         finally:
-            pool_mod.crash_hook = None
+            mutations.crash_hook = None
         assert out == [OK] * 4
         assert seen["out"] == [REJECTED, REJECTED]
         assert (seen["stats"]["pinned"], seen["stats"]["pins"]) == (4, 4)
@@ -208,11 +208,11 @@ def test_pinned_rows_are_never_evicted_and_all_pinned_rejects(pool_name):
         def hook2(point, _pool, rows):
             if point == "load.copy" and "out" not in seen:
                 seen["out"] = _store(other, [20, 21, 22, 23])
-        pool_mod.crash_hook = hook2
+        mutations.crash_hook = hook2
         try:
             assert _load(pool, [0, 1])[0] == [OK, OK]
         finally:
-            pool_mod.crash_hook = None
+            mutations.crash_hook = None
         # one batch: 20 and 21 evict 2 and 3; 22 and 23 find only pinned rows or rows the
         # batch itself is writing
         assert seen["out"] == [OK, OK, REJECTED, REJECTED]
@@ -224,7 +224,7 @@ def test_pinned_rows_are_never_evicted_and_all_pinned_rejects(pool_name):
 def test_corrupted_arena_bytes_are_never_served_and_the_key_is_dropped(pool_name):
     with _attach(pool_name, rows=4) as pool:
         assert _store(pool, [1, 2]) == [OK, OK]
-        row = pool.index.find(key(1), pool_mod.key_hash(key(1)))
+        row = pool.index.find(key(1), key_hash(key(1)))
         off = row * pool.layout.row_stride + 100
         pool.v.arena[off] ^= 0x40
         details = {}
