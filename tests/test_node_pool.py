@@ -408,21 +408,26 @@ def test_a_pinner_killed_mid_load_has_its_pin_swept_and_the_row_is_evictable(poo
         assert pool.check() == []
 
 
-# (point, what the killed child does, keys the parent stores first)
+# (point, what the killed child does, its keys, keys the parent stores first, of which
+# corrupted)
 _HOLDER_STOPS = [
-    ("evict", "store", [40], list(range(4))),      # the pool full: its store evicts
-    ("publish", "store", [40], [0, 1]),            # READY, not yet in the index
-    ("load.pin", "load", [1], [0, 1, 2]),          # pin entry written, count not yet
-    ("unpin", "load", [1], [0, 1, 2]),             # count down, entry not yet freed
+    ("reserve", "store", [40], [0, 1], []),        # WRITING, not yet counted
+    ("evict", "store", [40], list(range(4)), []),  # the pool full: FREE, still indexed
+    ("publish", "store", [40], [0, 1], []),        # READY, not yet in the index
+    ("load.pin", "load", [1], [0, 1, 2], []),      # pin entry written, count not yet
+    ("unpin", "load", [1], [0, 1, 2], []),         # count down, entry not yet freed
+    ("drop", "load", [1], [0, 1, 2], [1]),         # failed its CRC: DROPPED, still indexed
 ]
 
 
-@pytest.mark.parametrize("point,op,stop_keys,first", _HOLDER_STOPS,
+@pytest.mark.parametrize("point,op,stop_keys,first,corrupted", _HOLDER_STOPS,
                          ids=[s[0] for s in _HOLDER_STOPS])
 def test_the_lock_holder_killed_mid_mutation_is_repaired_by_the_next_locker(
-        pool_name, procs, point, op, stop_keys, first):
+        pool_name, procs, point, op, stop_keys, first, corrupted):
     with _attach(pool_name, rows=4) as pool:
         assert _store(pool, first) == [OK] * len(first)
+        for i in corrupted:
+            pool.v.arena[pool.index.find(key(i), key_hash(key(i))) * pool.layout.row_stride] ^= 1
         holder = procs(role="stop", **_args(pool_name, rows=4), engine="h", register=False,
                        op=op, point=point, stop_keys=stop_keys)
         _wait_line(holder, "STOPPED")
@@ -433,6 +438,7 @@ def test_the_lock_holder_killed_mid_mutation_is_repaired_by_the_next_locker(
         stats = pool.stats()
         assert (stats["repairs"], stats["pins"], stats["writing"]) == (1, 0, 0)
         present = [i for i in sorted(set(first + stop_keys)) if pool.lookup(key(i))]
+        assert not set(corrupted) & set(present)
         _assert_exact(pool, present)
         assert stats["used"] == len(present) and stats["used"] + stats["free"] == 4
         assert _store(pool, [50, 51]) == [OK, OK]

@@ -5,8 +5,9 @@ inherits them; its batches call them.
 Who calls: tier workers' ``store_many``/``load_many`` and the sweeps (``repair.py``), in any
 process mapping the pool, always holding the pool's lock. Never blocks. Each change that a
 lookup could see (an index entry, a READY row's state) is made with ``seq`` odd, for just
-those stores: what to write is worked out first (docs/node-pool.md, "Lookups"). The order
-of the other writes is the one repair relies on (docs/node-pool.md, "Repair").
+those stores: what to write is worked out first (docs/node-pool.md, "Lookups"). A row's
+state, which repair trusts, is written before what repair derives from it (index, lists,
+counts), and a reservation's writer before its state (docs/node-pool.md, "Repair").
 """
 
 from __future__ import annotations
@@ -75,6 +76,8 @@ class Mutations:
         v.r32[base + R_KHASH] = h
         v.r32[base + R_PINS] = 0
         v.r32[base + R_STATE] = WRITING  # last: from here on a dead writer's row is swept
+        if crash_hook:
+            crash_hook("reserve", self, [row])
         v.q[H_WRITING] += 1
         return row
 
@@ -82,10 +85,10 @@ class Mutations:
         q, r32 = self.v.q, self.v.r32
         writes = self.index.plan_remove(row, r32[row * RW32 + R_KHASH])
         q[H_SEQ] += 1
-        self.index.apply(writes)
+        r32[row * RW32 + R_STATE] = FREE
         if crash_hook:
             crash_hook("evict", self, [row])
-        r32[row * RW32 + R_STATE] = FREE
+        self.index.apply(writes)
         q[H_SEQ] += 1
         self.lists.unlink(row)
         q[H_READY] -= 1
@@ -125,8 +128,10 @@ class Mutations:
             return  # dropped or replaced meanwhile
         writes = self.index.plan_remove(row, v.r32[row * RW32 + R_KHASH])
         q[H_SEQ] += 1
-        self.index.apply(writes)
         v.r32[row * RW32 + R_STATE] = DROPPED
+        if crash_hook:
+            crash_hook("drop", self, [row])
+        self.index.apply(writes)
         q[H_SEQ] += 1
         self.lists.unlink(row)
         q[H_READY] -= 1
