@@ -332,7 +332,8 @@ class NodePool(Mutations):
     def stats(self) -> dict:
         """The pool's figures now (lock-free; each figure exact, not one instant):
         rows, row_bytes, size_bytes, used/free/writing/dropped/pinned rows, pins, repairs,
-        evictions, corrupt, swept, and per engine its entry and counters."""
+        evictions, corrupt, swept, and per engine its entry and counters. Never waits; one
+        pass over the row records and one ``/proc`` read per engine (whether it runs)."""
         v, q, L = self.v, self.v.q, self.layout
         alive = _repair.Liveness(self.boot)
         engines = []
