@@ -64,7 +64,9 @@ import numpy as np
 from shmtier.shared import procinfo
 from shmtier.shared.codec import copy_crc32c, crc32c
 from shmtier.shared.jobs import Outcome
+from shmtier.shared.segment import _unlink_if_same
 from shmtier.storage.chunk_names import key_problem
+from shmtier.tiers.node import mutations as _mutations
 from shmtier.tiers.node import repair as _repair
 from shmtier.tiers.node.index import HashIndex, key_hash
 from shmtier.tiers.node.layout import (
@@ -92,12 +94,13 @@ from shmtier.tiers.node.layout import (
     check_pool_name,
     shm_name,
 )
-from shmtier.tiers.node import mutations as _mutations
 from shmtier.tiers.node.lru import RowLists
 from shmtier.tiers.node.mutations import Mutations
-from shmtier.shared.segment import _unlink_if_same
-from shmtier.tiers.node.opening import NodePoolError, open_pool
-from shmtier.tiers.node.opening import NodePoolMismatchError  # noqa: F401 (callers catch it from here)
+from shmtier.tiers.node.opening import (  # noqa: F401 (NodePoolMismatchError: callers catch it here)
+    NodePoolError,
+    NodePoolMismatchError,
+    open_pool,
+)
 from shmtier.tiers.node.tables import EngineTable, PinTable
 
 logger = logging.getLogger(__name__)
@@ -171,8 +174,8 @@ class NodePool(Mutations):
         ``SegmentSpaceError`` when ``/dev/shm`` cannot hold it (nothing left behind)."""
         check_pool_name(name)
         layout = NodeLayout.for_pool(row_bytes, size_bytes)
-        fd, mm, ident = open_pool(name, layout, fingerprint, create=register, timeout_s=timeout_s,
-                              lock_timeout_s=lock_timeout_s)
+        fd, mm, ident = open_pool(name, layout, fingerprint, create=register,
+                                  timeout_s=timeout_s, lock_timeout_s=lock_timeout_s)
         pool = cls(name, fd, mm, ident, engine_id=engine_id, keep=keep,
                    lock_timeout_s=lock_timeout_s)
         try:
@@ -190,7 +193,7 @@ class NodePool(Mutations):
         """Map the existing pool ``name`` whatever its geometry (tools, tests)."""
         check_pool_name(name)
         fd, mm, ident = open_pool(name, None, None, create=False, timeout_s=timeout_s,
-                              lock_timeout_s=lock_timeout_s)
+                                  lock_timeout_s=lock_timeout_s)
         return cls(name, fd, mm, ident, engine_id="", keep=True, lock_timeout_s=lock_timeout_s)
 
     def _register(self) -> None:
