@@ -15,6 +15,7 @@ import contextlib
 import fcntl
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -27,10 +28,12 @@ import pytest
 from conftest import SESSION_PREFIX
 from node_pool_proc import key, payload
 
+from shmtier.shared import procinfo
 from shmtier.shared.jobs import Outcome
+from shmtier.shared.segment import SegmentSpaceError, fingerprint_digest
 from shmtier.tiers.node import pool as pool_mod
 from shmtier.tiers.node import tools
-from shmtier.tiers.node.layout import shm_name
+from shmtier.tiers.node.layout import NodeLayout, encode_identity, shm_name
 from shmtier.tiers.node.pool import NodePool, NodePoolError, NodePoolMismatchError
 
 OK, MISS, EXISTS, REJECTED, CORRUPT, INVALID = (Outcome.OK, Outcome.MISS, Outcome.EXISTS,
@@ -291,7 +294,42 @@ def test_a_stale_file_under_the_pools_name_is_replaced(pool_name):
         assert _store(pool, [1]) == [OK] and pool.check() == []
 
 
+def test_a_pool_larger_than_dev_shm_is_refused_and_nothing_is_left(pool_name):
+    free = shutil.disk_usage("/dev/shm").free
+    with pytest.raises(SegmentSpaceError, match=rf"segment /shmtier-node_{pool_name} needs "):
+        NodePool.attach(pool_name, row_bytes=ROW, size_bytes=free + (1 << 30),
+                        fingerprint=FP, engine_id="e")
+    assert not os.path.exists(_path(pool_name))
+
+
+def test_a_pool_whose_creator_died_initialising_it_is_replaced(pool_name):
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)
+    layout = NodeLayout.for_pool(ROW, 4 * ROW)
+    with open(_path(pool_name), "wb") as f:  # INITIALISING, by a creator that is gone
+        f.write(encode_identity(layout, (int(dead.stdout), 1), procinfo.boot_id(),
+                                fingerprint_digest(FP), FP))
+    with _attach(pool_name, rows=4) as pool:
+        assert _store(pool, [1]) == [OK] and pool.check() == []
+
+
 # -- many processes ----------------------------------------------------------------------
+
+
+def test_engines_attaching_at_once_share_one_pool(pool_name, procs):
+    engines = [procs(role="hold", **_args(pool_name), engine=f"e{k}") for k in range(4)]
+    for p in engines:
+        _wait_line(p, "ATTACHED")
+    pool = NodePool.open(pool_name)
+    try:
+        assert sorted(e["engine_id"] for e in pool.stats()["engines"]) == ["e0", "e1", "e2", "e3"]
+        assert pool.check() == []
+    finally:
+        pool.close()
+    for p in engines:
+        p.stdin.close()
+        assert _result(p) == {"detached": True}
+    assert not os.path.exists(_path(pool_name))  # the last of them removed it
 
 
 @pytest.mark.parametrize("n", [2, 4])
@@ -328,7 +366,7 @@ def test_lookups_never_answer_wrong_for_stable_keys_while_another_process_mutate
         report = _result(churn)
         assert "error" not in report and report["stores"] > 50  # it evicted all along
         assert false_hits == 0
-        assert false_misses <= present // 100, (false_misses, present)
+        assert false_misses <= present // 1000, (false_misses, present)
         assert pool.stats()["evictions"] >= report["stores"] - 8
 
 

@@ -10,8 +10,9 @@ Who calls: ``pool.py`` in every process that maps the pool. ``find`` runs lock-f
 the scheduler process (the caller brackets it with the seqlock and must treat what it
 returns as a guess until the sequence word is found unchanged: a concurrent shift can
 show it torn state, which ``find`` survives: rows out of range are skipped and probes are
-bounded). ``insert``/``remove``/``rebuild`` run only under the pool's lock, inside a
-seqlock write (odd ``seq``). Nothing here blocks.
+bounded). Every write runs under the pool's lock; ``free_slot`` and ``plan_remove`` only
+read, so the caller's seqlock write (odd ``seq``) covers just the stores they plan.
+Nothing here blocks.
 """
 
 from __future__ import annotations
@@ -54,15 +55,21 @@ class HashIndex:
     def insert(self, row: int, h: int) -> None:
         """Enter ``row`` (hash ``h``; not in the index yet) at the first empty slot from
         its home."""
+        self.slots[self.free_slot(h)] = row
+
+    def free_slot(self, h: int) -> int:
+        """The slot an entry of hash ``h`` goes to: the first empty one from its home."""
         slots, mask = self.slots, self.mask
         slot = h & mask
         while slots[slot] >= 0:
             slot = (slot + 1) & mask
-        slots[slot] = row
+        return slot
 
-    def remove(self, row: int, h: int) -> bool:
-        """Take ``row`` (hash ``h``) out, shifting back the entries after it that probed
-        past its slot; whether it was there."""
+    def plan_remove(self, row: int, h: int) -> list[tuple[int, int]]:
+        """The slot writes that take ``row`` (hash ``h``) out, shifting back the entries
+        after it that probed past its slot; empty when it is not there. Only reads: the
+        caller applies them (``apply``) inside its seqlock write, which stays as short as
+        a few stores. (The probe only reads slots after every slot it plans to write.)"""
         slots, mask, r32 = self.slots, self.mask, self.v.r32
         hole = h & mask
         for _ in range(mask + 1):
@@ -70,11 +77,11 @@ class HashIndex:
             if here == row:
                 break
             if here < 0:
-                return False
+                return []
             hole = (hole + 1) & mask
         else:
-            return False
-        probe = hole
+            return []
+        writes, probe = [], hole
         while True:
             probe = (probe + 1) & mask
             moved = slots[probe]
@@ -84,10 +91,15 @@ class HashIndex:
             # ``moved`` may fill the hole unless its home lies cyclically in (hole, probe]
             if (probe > hole and (home <= hole or home > probe)) or \
                     (probe < hole and home <= hole and home > probe):
-                slots[hole] = moved
+                writes.append((hole, moved))
                 hole = probe
-        slots[hole] = -1
-        return True
+        writes.append((hole, -1))
+        return writes
+
+    def apply(self, writes: list[tuple[int, int]]) -> None:
+        slots = self.slots
+        for slot, value in writes:
+            slots[slot] = value
 
     def rebuild(self, ready_rows) -> None:
         """Empty the index and enter ``ready_rows`` (their hashes as recorded): repair."""

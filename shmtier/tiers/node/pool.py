@@ -125,8 +125,11 @@ from shmtier.tiers.node.tables import EngineTable, PinTable
 
 logger = logging.getLogger(__name__)
 
-#: seqlock reads a lookup tries before it answers MISS
+#: seqlock reads a lookup tries before it answers MISS; after half of them found a
+#: mutation in progress it yields its CPU once (a writer preempted inside its few stores
+#: on this CPU gets to finish them: docs/node-pool.md, "Lookups")
 LOOKUP_TRIES = 64
+_YIELD_AT = LOOKUP_TRIES // 2
 #: Test hook: called as ``crash_hook(point, pool, rows)`` at named points inside the
 #: mutations (``tests/test_node_pool.py`` stops a process there and SIGKILLs it). None in
 #: production: each point costs one global read.
@@ -509,14 +512,17 @@ class NodePool:
     # -- lock-free reads ---------------------------------------------------------------
 
     def lookup(self, key: bytes) -> bool:
-        """Whether ``key`` is READY in the pool now (scheduler thread: no lock, no wait).
-        A True may be evicted before its load (the load answers MISS); a False is at worst
-        a false MISS while others mutate (bounded retries)."""
+        """Whether ``key`` is READY in the pool now (scheduler thread: no lock, no wait;
+        at most one ``sched_yield``). A True may be evicted before its load (the load
+        answers MISS); a False is at worst a false MISS while others mutate (bounded
+        retries)."""
         h = key_hash(key)
         q, find = self.v.q, self.index.find
-        for _ in range(LOOKUP_TRIES):
+        for n in range(LOOKUP_TRIES):
             seq = q[H_SEQ]
             if seq & 1:
+                if n == _YIELD_AT:
+                    os.sched_yield()
                 continue
             found = find(key, h) >= 0
             if q[H_SEQ] == seq:
@@ -728,8 +734,9 @@ class NodePool:
 
     def _evict(self, row: int) -> None:
         q, r32 = self.v.q, self.v.r32
+        writes = self.index.plan_remove(row, r32[row * RW32 + R_KHASH])
         q[H_SEQ] += 1
-        self.index.remove(row, r32[row * RW32 + R_KHASH])
+        self.index.apply(writes)
         if crash_hook:
             crash_hook("evict", self, [row])
         r32[row * RW32 + R_STATE] = FREE
@@ -739,13 +746,14 @@ class NodePool:
         q[H_EVICTIONS] += 1
 
     def _publish(self, row: int, h: int, crc: int) -> None:
-        q, r32 = self.v.q, self.v.r32
-        q[H_SEQ] += 1
+        q, r32, index = self.v.q, self.v.r32, self.index
+        slot = index.free_slot(h)
         r32[row * RW32 + R_CRC] = crc
+        q[H_SEQ] += 1
         r32[row * RW32 + R_STATE] = ROW_READY
         if crash_hook:
             crash_hook("publish", self, [row])
-        self.index.insert(row, h)
+        index.slots[slot] = row
         q[H_SEQ] += 1
         self.lists.append(row)
         q[H_WRITING] -= 1
@@ -769,8 +777,9 @@ class NodePool:
         if v.r32[row * RW32 + R_STATE] != ROW_READY or v.r32[row * RW32 + R_CRC] != crc \
                 or v.key(row) != key:
             return  # dropped or replaced meanwhile
+        writes = self.index.plan_remove(row, v.r32[row * RW32 + R_KHASH])
         q[H_SEQ] += 1
-        self.index.remove(row, v.r32[row * RW32 + R_KHASH])
+        self.index.apply(writes)
         v.r32[row * RW32 + R_STATE] = DROPPED
         q[H_SEQ] += 1
         self.lists.unlink(row)
