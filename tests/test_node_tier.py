@@ -15,7 +15,7 @@ import time
 import pytest
 
 import node_engine  # noqa: E402  (tests/ is on sys.path)
-from fs_engine import Engine, key  # noqa: E402
+from fs_engine import END, MISS, Engine, key  # noqa: E402
 from shmtier.options import ConfigError  # noqa: E402
 from shmtier.shared.jobs import Outcome  # noqa: E402
 from shmtier.shared.segment import SHM_DIR  # noqa: E402
@@ -28,6 +28,7 @@ from shmtier.tiers.node.pool import NodePool  # noqa: E402
 
 CTX = mp.get_context("spawn")
 LAYOUT = {"page": 8192, "chunks": 32, "workers": 1}
+SMALL = {"size_bytes": 1 << 20}  # 128 rows of 8 KiB (the default, 1 GiB, is faulted in)
 PENDING, HIT = "HIT_PENDING", "HIT"
 
 
@@ -92,7 +93,8 @@ def replicas(engine_id):
     made: list[Replica] = []
 
     def start(n: int, tier: dict | None = None, layout: dict | None = None) -> list[Replica]:
-        new = [Replica(f"{engine_id}_dp{len(made) + i}", tier or {}, {**LAYOUT, **(layout or {})})
+        new = [Replica(f"{engine_id}_dp{len(made) + i}", tier or SMALL,
+                       {**LAYOUT, **(layout or {})})
                for i in range(n)]
         made.extend(new)
         return [r.wait_ready() for r in new]
@@ -182,17 +184,17 @@ def _no_segment_of(engine_id):
 
 
 def test_a_replica_of_another_layout_or_size_is_refused_naming_the_difference(engine_id):
-    first = Engine(f"{engine_id}_dp0", None, tier_type="node", workers=1)
+    first = Engine(f"{engine_id}_dp0", None, tier_type="node", workers=1, **SMALL)
     try:
         with pytest.raises(ConfigError) as e:
-            _spec(f"{engine_id}_dp1", page=16384).get_manager()
+            _spec(f"{engine_id}_dp1", page=16384, **SMALL).get_manager()
         text = str(e.value)
         assert repr(engine_id) in text  # the pool
         assert "8192" in text and "16384" in text  # row bytes, both values
         assert _no_segment_of(f"{engine_id}_dp1")  # nothing of it left
         with pytest.raises(ConfigError) as e:
-            _spec(f"{engine_id}_dp1", size_bytes=1 << 20).get_manager()
-        assert "size_bytes is 1073741824 in the pool, 1048576 for this engine" in str(e.value)
+            _spec(f"{engine_id}_dp1", size_bytes=2 << 20).get_manager()
+        assert "size_bytes is 1048576 in the pool, 2097152 for this engine" in str(e.value)
         stats = pool_stats(engine_id)
         assert [x["engine_id"] for x in stats["engines"]] == [f"{engine_id}_dp0"]
     finally:
@@ -228,15 +230,15 @@ def test_two_node_tiers_of_one_engine_on_one_pool_are_refused(engine_id):
 
 def test_the_last_engine_out_removes_the_pool_unless_keep(engine_id):
     path = pool_path(engine_id)
-    a = Engine(f"{engine_id}_dp0", None, tier_type="node", workers=1)
+    a = Engine(f"{engine_id}_dp0", None, tier_type="node", workers=1, **SMALL)
     try:
-        b = Engine(f"{engine_id}_dp1", None, tier_type="node", workers=1)
+        b = Engine(f"{engine_id}_dp1", None, tier_type="node", workers=1, **SMALL)
         b.close()
         assert os.path.exists(path)  # a still uses it
     finally:
         a.close()
     assert not os.path.exists(path)
-    a = Engine(f"{engine_id}_dp0", None, tier_type="node", workers=1, keep=True)
+    a = Engine(f"{engine_id}_dp0", None, tier_type="node", workers=1, keep=True, **SMALL)
     try:
         keys = [key(i) for i in range(4)]
         from shmtier.contract import ReqContext
@@ -247,7 +249,7 @@ def test_the_last_engine_out_removes_the_pool_unless_keep(engine_id):
     try:
         assert os.path.exists(path)  # kept, with its chunks, for a restart
         assert pool_stats(engine_id)["used"] == 4
-        b = Engine(f"{engine_id}_dp1", None, tier_type="node", workers=1)
+        b = Engine(f"{engine_id}_dp1", None, tier_type="node", workers=1, **SMALL)
         b.close()  # the last out, without keep: removed
         assert not os.path.exists(path)
     finally:
@@ -309,3 +311,66 @@ def test_a_replica_killed_mid_promotion_leaves_the_others_serving(replicas):
     with NodePool.open(replicas.pool) as p:
         assert p.check() == []
         assert p.stats()["used"] == 16
+
+
+def test_top_and_ls_show_the_pool_the_engines_using_it_and_their_hit_rates(engine_id):
+    from shmtier.contract import ReqContext
+    from shmtier.shared.snapshot import snapshot
+    from shmtier.top import frame_data, frame_text
+    from test_cli import run_cli
+
+    a = Engine(f"{engine_id}_dp0", None, tier_type="node", workers=1, **SMALL)
+    try:
+        b = Engine(f"{engine_id}_dp1", None, tier_type="node", workers=1, **SMALL)
+        try:
+            keys = [key(i) for i in range(4)]
+            a.offload(keys, 0, ReqContext("a"))
+            a.settle()
+            ctx = ReqContext("b")
+            b.until_hit(keys, ctx)  # the 4 from the pool
+            b.load(keys, ctx, list(range(40, 44)))
+            with b.manager.lock:  # and one the pool has not
+                assert b.manager.lookup(key(99), ReqContext("c")) is MISS
+                b.manager.on_schedule_end(END)
+            data = frame_data(snapshot(b.spec.engine_id), None)
+            (pool,) = data["node"]
+            assert pool["pool"] == engine_id and pool["used"] == 4
+            engines = {e["engine_id"]: e for e in pool["engines"]}
+            assert set(engines) == {a.spec.engine_id, b.spec.engine_id}
+            mine = engines[b.spec.engine_id]
+            assert mine["hits"] == 4 and mine["lookups"] == 5 and mine["hit_rate"] == 0.8
+            assert mine["loads"] == 4 and engines[a.spec.engine_id]["stores"] == 4
+            text = frame_text(snapshot(b.spec.engine_id), None)
+            assert f"node   pool {engine_id}  rows 4/128" in text
+            assert f"{b.spec.engine_id}  pid {os.getpid()} alive  lookups 5 hits 4 (80.0%)" in text
+            code, text = run_cli("ls")
+            assert code == 0 and f"node({engine_id})" in text  # each engine's tiers
+            assert f"node   pool {engine_id}  rows 4/128" in text  # the pool, its engines
+            assert text.count(f"  {engine_id}_dp") == 2
+        finally:
+            b.close()
+    finally:
+        a.close()
+
+
+def test_fsck_and_clean_sweep_and_remove_a_pool_whose_engines_died(replicas):
+    """A pool whose only engine was SIGKILLed stays (its entry names a dead engine):
+    ``shmtier fsck --node-pool`` reports the dead engine (exit 1), ``--repair`` sweeps it
+    (exit 0), ``shmtier clean`` with the engine's id removes the pool."""
+    from test_cli import run_cli
+
+    (a,) = replicas(1)
+    a.call("offload", "a", [1, 2], 0)
+    for pid in [a.proc.pid, *a.call("workers")]:
+        os.kill(pid, signal.SIGKILL)
+    a.proc.join(10)
+    pool = replicas.pool
+    assert os.path.exists(pool_path(pool))
+    code, text = run_cli("fsck", "--node-pool", pool)
+    assert code == 1 and f"dead engine {a.engine_id}" in text and "consistent" in text
+    code, text = run_cli("fsck", "--node-pool", pool, "--repair", "--json")
+    assert code == 0 and '"engines": 1' in text
+    code, text = run_cli("clean", a.engine_id)
+    assert code == 0 and f"removed node pool {pool}" in text
+    assert not os.path.exists(pool_path(pool))
+    assert run_cli("fsck", "--node-pool", pool)[0] == 2  # no such pool

@@ -1,5 +1,5 @@
 """What a tier type adds to the ``shmtier`` command: its part of ``fsck`` and ``clean``
-(:class:`TierFsck`) and of ``top`` (:class:`TierStatus`).
+(:class:`TierFsck`) and of ``top`` and ``ls`` (:class:`TierStatus`).
 
 Runs in: the ``shmtier`` CLI's process (and tests). A tier type names its subclasses in
 its registry entry (``fsck=``, ``status=`` in ``shmtier/tiers/registry.py``), which makes
@@ -72,7 +72,13 @@ class TierStatus:
         return []
 
     def lines(self, session: dict) -> list[str]:
-        """One of ``sessions``' entries in words, for the text view."""
+        """One of ``sessions``' (or ``host``'s) entries in words, for the text view."""
+        return []
+
+    def host(self) -> list[dict]:
+        """What the tier keeps on this host beside the engines' segments (e.g. the node
+        tier's pools), for ``shmtier ls``: JSON-able dicts, each shown by ``lines``; empty
+        when it keeps nothing. Must not disturb any engine."""
         return []
 
 

@@ -117,6 +117,9 @@ class NodeTierManager(TierJobs, TierSeries, SecondaryTierManager):
     spec (``worker_pool``, ``tier_index_being_built``)."""
 
     medium = Medium.CPU
+    # the pool's bytes gauge: what ``shmtier top`` shows as the tier's bytes (and, with
+    # ``chunks_on_disk``, its chunks): the whole pool's, every engine's
+    BYTES_METRIC = NODE_BYTES
     tolerates_off_thread_polling = False
     polls_between_steps = True
     # a worker killed while it loads may still write the rows: its failed promotions
@@ -158,7 +161,7 @@ class NodeTierManager(TierJobs, TierSeries, SecondaryTierManager):
         self._broken = False  # the worker pool is broken: MISS, and fail jobs at once
         self._lookups = self._hits = 0  # since the last step's count into the pool
         self._gauges_at = 0.0
-        self._pool_bytes = 0
+        self._pool_chunks = self._pool_bytes = 0
         self._detached = False
 
     # --- lookups ---
@@ -319,12 +322,19 @@ class NodeTierManager(TierJobs, TierSeries, SecondaryTierManager):
 
     # --- metrics ---
 
+    @property
+    def chunks_on_disk(self) -> int:
+        """Chunks the pool holds (every engine's), as of the last read of its gauges
+        (``shmtier top``'s CHUNKS of the tier)."""
+        return self._pool_chunks
+
     def _gauges_into(self, stats: metrics.OffloadingStats) -> None:
         label = (self._label,)
         now = time.monotonic()
         if now >= self._gauges_at and not self._detached:
             self._gauges_at = now + _GAUGES_EVERY_S
-            self._pool_bytes = self.node.stats()["used"] * self.node.layout.row_bytes
+            self._pool_chunks = self.node.stats()["used"]
+            self._pool_bytes = self._pool_chunks * self.node.layout.row_bytes
         stats.set_gauge(NODE_BYTES, self._pool_bytes, label)
         stats.set_gauge(RING_DEPTH, self._pool.queued_jobs(), label)
         stats.set_gauge(POOL_BROKEN, int(self._broken), label)
