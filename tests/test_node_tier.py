@@ -353,17 +353,61 @@ def test_top_and_ls_show_the_pool_the_engines_using_it_and_their_hit_rates(engin
         a.close()
 
 
-def test_fsck_and_clean_sweep_and_remove_a_pool_whose_engines_died(replicas):
-    """A pool whose only engine was SIGKILLed stays (its entry names a dead engine):
-    ``shmtier fsck --node-pool`` reports the dead engine (exit 1), ``--repair`` sweeps it
-    (exit 0), ``shmtier clean`` with the engine's id removes the pool."""
+def _kill(replica: Replica, guardian: bool = False) -> None:
+    """SIGKILL the replica's scheduler and tier workers (and with ``guardian`` its segment
+    guardian first: nothing cleans up after it then but ``shmtier clean``)."""
+    pids = [replica.proc.pid, *replica.call("workers")]
+    if guardian:
+        pids.insert(0, replica.call("guardian"))
+    for pid in pids:
+        os.kill(pid, signal.SIGKILL)
+    replica.proc.join(10)
+
+
+def _gone(path: str, timeout_s: float = 30) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while os.path.exists(path) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return not os.path.exists(path)
+
+
+def test_a_killed_last_engine_leaves_no_pool_unless_keep(replicas):
+    """The only engine of a pool is SIGKILLed: its segment guardian removes its segment
+    and the pool with it; with ``keep`` the pool stays, its dead entry swept, for the
+    next engine (``shmtier clean --node-pools-kept`` removes it)."""
     from test_cli import run_cli
 
     (a,) = replicas(1)
     a.call("offload", "a", [1, 2], 0)
-    for pid in [a.proc.pid, *a.call("workers")]:
-        os.kill(pid, signal.SIGKILL)
-    a.proc.join(10)
+    _kill(a)
+    assert _gone(pool_path(replicas.pool))
+    (b,) = replicas(1, {**SMALL, "keep": True})
+    b.call("offload", "b", [1, 2], 0)
+    _kill(b)
+    deadline = time.monotonic() + 30
+    while pool_stats(replicas.pool)["engines"] and time.monotonic() < deadline:
+        time.sleep(0.05)  # its guardian sweeps the dead entry
+    stats = pool_stats(replicas.pool)
+    assert stats["engines"] == [] and stats["used"] == 2
+    # (engine ids named: other suites' stale segments on the host are theirs)
+    code, text = run_cli("clean", b.engine_id, "--node-pool", replicas.pool)
+    assert code == 0 and "node pool" not in text and os.path.exists(pool_path(replicas.pool))
+    code, text = run_cli("clean", b.engine_id, "--node-pool", replicas.pool,
+                         "--node-pools-kept")
+    assert code == 0 and f"removed node pool {replicas.pool}" in text
+    assert not os.path.exists(pool_path(replicas.pool))
+
+
+def test_fsck_and_clean_sweep_and_remove_a_pool_whose_engines_died(replicas):
+    """A pool whose only engine was SIGKILLed with its guardian stays (its entry names a
+    dead engine): ``shmtier fsck --node-pool`` reports the dead engine (exit 1),
+    ``--repair`` sweeps it (exit 0), ``shmtier clean`` with the engine's id removes the
+    pool."""
+    from test_cli import run_cli
+
+    (a,) = replicas(1)
+    a.call("offload", "a", [1, 2], 0)
+    _kill(a, guardian=True)
     pool = replicas.pool
     assert os.path.exists(pool_path(pool))
     code, text = run_cli("fsck", "--node-pool", pool)
@@ -372,5 +416,6 @@ def test_fsck_and_clean_sweep_and_remove_a_pool_whose_engines_died(replicas):
     assert code == 0 and '"engines": 1' in text
     code, text = run_cli("clean", a.engine_id)
     assert code == 0 and f"removed node pool {pool}" in text
+    assert f"removed /shmtier_{a.engine_id}" in text  # its segment, left by no guardian
     assert not os.path.exists(pool_path(pool))
     assert run_cli("fsck", "--node-pool", pool)[0] == 2  # no such pool

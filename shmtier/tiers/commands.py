@@ -47,6 +47,16 @@ class TierFsck:
         ``FsckError``, ``ValueError`` or ``OSError`` for a target that cannot be checked."""
         raise NotImplementedError
 
+    def engine_died(self, tiers: list) -> list[str]:
+        """An engine died without closing its segment: what this tier keeps on the host
+        for it goes (the node tier detaches it from its pools; the last engine out removes
+        a pool unless kept). ``tiers``: the engine's tiers as its segment named them
+        (``shmtier.shared.snapshot.TierInfo``: ``type``, ``where``), read before the
+        segment was removed. Called by the segment's guardian process
+        (``shmtier/shared/segment_guardian.py``); may block briefly (a lock). Returns
+        lines for its log; never raises for a tier that is gone."""
+        return []
+
     def add_clean_arguments(self, parser: argparse.ArgumentParser) -> None:
         """Add this tier's arguments to the ``clean`` parser (none by default)."""
 

@@ -1,8 +1,9 @@
 """The node tier's part of the ``shmtier`` command: ``shmtier fsck --node-pool NAME`` and
 ``shmtier clean`` (:class:`NodeFsck`), and its part of ``shmtier top`` and ``shmtier ls``
-(:class:`NodeStatus`), both named in the tier registry.
+(:class:`NodeStatus`), both named in the tier registry; and what an engine's segment
+guardian does for the pools of an engine that died (``NodeFsck.engine_died``).
 
-Runs in: the ``shmtier`` CLI's process. Importing it is cheap; the pool's modules are
+Runs in: the ``shmtier`` CLI's process (and the guardian's, for ``engine_died``). Importing it is cheap; the pool's modules are
 imported inside the methods. ``fsck`` and ``clean`` take the pool's lock (``NodePool.check``,
 ``sweep``, ``tools.clean_pools``: bounded waits); the status reads the pool without its lock
 (``tools.list_pools``: ``pread`` of the header and engine table; ``NodePool.stats``: a
@@ -99,6 +100,21 @@ class NodeFsck(TierFsck):
             raise ValueError(str(e)) from e
         finally:
             pool.close()
+
+    def engine_died(self, tiers: list) -> list[str]:
+        """Sweep the pools the dead engine's node tiers used (its entry, its workers'
+        pins and half-written rows go) and remove those no live engine uses, unless kept."""
+        from shmtier.tiers.node.tools import clean_pools
+
+        pools = {t.where["pool"] for t in tiers
+                 if t.type == self.tier_type and t.where.get("pool")}
+        if not pools:
+            return []
+        try:
+            removed = clean_pools(pools)
+        except OSError as e:
+            return [f"node pools {sorted(pools)}: not swept ({e}); `shmtier clean` does it"]
+        return [f"node pool {pool}: its last engine died; removed" for pool in removed]
 
     def add_clean_arguments(self, parser) -> None:
         parser.add_argument("--node-pool", action="append", default=[], metavar="NAME",
