@@ -219,6 +219,16 @@ def test_invalid_options_name_key_value_and_what_is_accepted(engine_id, options,
     assert words in str(e.value)
 
 
+def test_the_pool_name_is_resolved_when_the_spec_is_built_and_reaches_the_workers(engine_id):
+    spec = _spec(f"{engine_id}_dp3", **SMALL)
+    (tier,) = spec.tiering_config.secondary_tiers
+    assert tier.options.pool == engine_id and tier.options.size_bytes == 1 << 20
+    (worker_tier,) = spec.pool_config.tiers
+    assert worker_tier.type == "node" and worker_tier.options is tier.options
+    named = _spec(f"{engine_id}_dp3", pool="shared-llama")
+    assert named.tiering_config.secondary_tiers[0].options.pool == "shared-llama"
+
+
 def test_two_node_tiers_of_one_engine_on_one_pool_are_refused(engine_id):
     layout = KVLayout("m", "bfloat16", 16, 8192, 1)
     extra = {"cpu_bytes_to_use": 16 * 8192,
