@@ -182,7 +182,7 @@ class NodeTierManager(TierJobs, TierSeries, SecondaryTierManager):
         if self._broken:
             self._finished.append(JobResult(job.job_id, False))
             return
-        lookup = self.node.lookup
+        lookup = self._lookup
         keys, rows = [], []
         for key, row in zip(job.keys, job.rows):
             if not lookup(key):  # READY in the pool: nothing to copy
