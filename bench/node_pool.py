@@ -405,12 +405,12 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true",
                     help="smoke test: N = 2, 1 repeat, a small trace and small tiers")
     ap.add_argument("--cpu-mib", type=int, default=32, help="C: each replica's CPU tier MiB")
-    ap.add_argument("--shared-mib", type=int, default=256,
+    ap.add_argument("--shared-mib", type=int, default=512,
                     help="S: the shared memory MiB (node pool, fs max_bytes in all; (a) adds "
                          "S/N to each CPU tier)")
     ap.add_argument("--chunk-kib", type=int, default=256, help="chunk (arena row) KiB")
     ap.add_argument("--conversations", type=int, default=None, help="default 300 (40 quick)")
-    ap.add_argument("--requests", type=int, default=None, help="default 900 (120 quick)")
+    ap.add_argument("--requests", type=int, default=None, help="default 1800 (120 quick)")
     ap.add_argument("--arrival-rate", type=float, default=2.0,
                     help="requests per step over all replicas")
     ap.add_argument("--step-ms", type=float, default=5.0)
@@ -423,7 +423,7 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--json", metavar="PATH")
     args = ap.parse_args(argv)
-    trace_kw = {"conversations": 300, "requests": 900}
+    trace_kw = {"conversations": 300, "requests": 1800}
     if args.quick:
         args.replicas, args.repeats = "2", 1
         args.cpu_mib, args.shared_mib = min(args.cpu_mib, 4), min(args.shared_mib, 16)
