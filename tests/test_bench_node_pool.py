@@ -107,6 +107,11 @@ def test_a_tiny_run_reports_every_figure_checks_every_chunk_and_leaves_nothing(t
     # a replica found chunks the other stored in the shared root, after RETRY steps
     assert fs["hit_secondary"] > 0 and fs["promo_ms_p50"] > 0 and fs["retry_per_promoted"] > 0
     assert 0 < by_variant["fs"]["fs_disk"]["bytes"] <= report["args"]["shared_mib"] << 20
+    if "node" in by_variant:  # the node tier type is in this checkout
+        node = by_variant["node"]["figures"]
+        # a replica found chunks the other stored in the pool, answered at once: no RETRY
+        assert node["hit_secondary"] > 0 and node["promo_n"] > 0
+        assert node["retry"] == 0 and node["retry_per_promoted"] == 0
     assert "=== N = 2 replicas" in text and "wrong bytes served: 0" in text
 
 
