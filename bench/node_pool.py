@@ -359,7 +359,7 @@ ROWS = [  # (label, key, digits)
 
 
 def print_table(sets: dict, variants: list) -> None:
-    w = 24
+    w = 27
     print(f"{'':<56}" + "".join(f"{'(' + VARIANTS[v][0] + ') ' + v:>{w}}" for v in variants))
     for row_label, key, digits in ROWS:
         if key is None:
@@ -371,11 +371,17 @@ def print_table(sets: dict, variants: list) -> None:
 
 
 def verdict(sets: dict) -> list[str]:
-    """The issue's three comparisons, on the medians over the repeats: (c) against (b) on
-    promotion latency and hit rate, and (c)'s step p99 against (a)'s."""
+    """The issue's three comparisons, on the medians over the repeats, with the ratio in
+    each repeat (the variants of one repeat ran side by side) as [min-max]: (c) against (b)
+    on promotion latency and hit rate, and (c)'s step p99 against (a)'s."""
     def med(v, key):
         mr = med_range([f[key] for f in sets.get(v, [])])
         return mr[0] if mr else None
+
+    def paired(x, y, key):
+        ratios = [fx[key] / fy[key] for fx, fy in zip(sets[x], sets[y]) if fx[key] is not None
+                  and fy[key]]
+        return f" (per repeat [{min(ratios):.2f}-{max(ratios):.2f}]x)" if ratios else ""
 
     lines = []
     if "node" in sets and "fs" in sets:
@@ -383,7 +389,8 @@ def verdict(sets: dict) -> list[str]:
             c, b = med("node", key), med("fs", key)
             if c is not None and b:
                 lines.append(f"promotion latency {what}: (c) {c:.2f} ms vs (b) {b:.2f} ms = "
-                             f"{c / b:.2f}x: (c) {'beats' if c < b else 'does not beat'} (b)")
+                             f"{c / b:.2f}x{paired('node', 'fs', key)}: (c) "
+                             f"{'beats' if c < b else 'does not beat'} (b)")
         c, b = med("node", "hit"), med("fs", "hit")
         lines.append(f"hit rate: (c) {c:.3f} vs (b) {b:.3f} ({c - b:+.3f}): (c) "
                      f"{'matches or beats' if c >= b - 0.005 else 'is below'} (b) "
@@ -392,7 +399,8 @@ def verdict(sets: dict) -> list[str]:
         for key, what in (("step_us_p99", "step p99"), ("step_cpu_us_p99", "step on-CPU p99")):
             c, a = med("node", key), med("cpu", key)
             if c is not None and a:
-                lines.append(f"{what}: (c) {c:.1f} µs vs (a) {a:.1f} µs = {c / a:.2f}x "
+                lines.append(f"{what}: (c) {c:.1f} µs vs (a) {a:.1f} µs = {c / a:.2f}x"
+                             f"{paired('node', 'cpu', key)} "
                              f"({'within' if c <= 1.1 * a else 'not within'} 10%)")
     return lines
 
