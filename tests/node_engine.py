@@ -13,7 +13,8 @@ each with ``("ok", value)`` or ``("error", text)``:
   per step until no answer is deferred, loads its leading hits into GPU blocks
   ``first_block...`` (zeroed first) and finishes; value: ``{"answers": [names per step],
   "data": the GPU bytes of the loaded blocks}``.
-- ``("workers",)``: the pids of its tier worker processes.
+- ``("workers",)``: the pids of its tier worker processes; ``("guardian",)``: its segment
+  guardian's.
 - ``("metrics",)``: the tier's counters so far, ``{name: value}`` summed over labels.
 - ``("stop",)``: shut down (the manager's shutdown: the tier detaches from the pool).
 """
@@ -69,7 +70,8 @@ def serve(conn, engine_id: str, tier: dict, layout: dict) -> None:
         return dict(seen)
 
     commands = {"offload": offload, "consume": consume, "metrics": metrics,
-                "workers": lambda: [p.pid for p in engine.spec.worker_pool._procs if p]}
+                "workers": lambda: [p.pid for p in engine.spec.worker_pool._procs if p],
+                "guardian": lambda: engine.manager.primary.segment.guardian.pid}
     try:
         conn.send(("ready", None))
         while True:

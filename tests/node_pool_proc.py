@@ -9,7 +9,7 @@ Roles (``role`` in the JSON; every role attaches ``pool`` with ``row_bytes``,
   ``seed``); every OK load is compared with the key's bytes (``payload``): the report
   counts ``wrong`` bytes' loads. Prints ``RUNNING`` once attached.
 - ``stop``: stores (``op`` "store") or loads (``op`` "load") ``stop_keys`` and, at the
-  pool's crash hook point ``point`` (``pool.crash_hook``), prints ``STOPPED <point>`` and
+  pool's crash hook point ``point`` (``mutations.crash_hook``), prints ``STOPPED <point>`` and
   sleeps until killed. At ``store.copy`` it first copies the first half of each row
   (killed mid-copy).
 - ``churn``: for ``seconds``, stores fresh keys (from ``first``) and after each store
@@ -28,7 +28,7 @@ import time
 import numpy as np
 
 from shmtier.shared.jobs import Outcome
-from shmtier.tiers.node import pool as pool_mod
+from shmtier.tiers.node import mutations
 from shmtier.tiers.node.pool import NodePool
 
 
@@ -91,7 +91,7 @@ def stop(a: dict) -> None:
             time.sleep(3600)
 
     pool = _attach(a)
-    pool_mod.crash_hook = hook
+    mutations.crash_hook = hook
     if a["op"] == "store":
         pool.store_many([key(i) for i in ids], [payload(i, rb) for i in ids])
     else:

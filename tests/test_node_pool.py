@@ -31,8 +31,8 @@ from node_pool_proc import key, payload
 from shmtier.shared import procinfo
 from shmtier.shared.jobs import Outcome
 from shmtier.shared.segment import SegmentSpaceError, fingerprint_digest
-from shmtier.tiers.node import pool as pool_mod
-from shmtier.tiers.node import tools
+from shmtier.tiers.node import mutations, tools
+from shmtier.tiers.node.index import key_hash
 from shmtier.tiers.node.layout import NodeLayout, encode_identity, shm_name
 from shmtier.tiers.node.pool import NodePool, NodePoolError, NodePoolMismatchError
 
@@ -193,11 +193,11 @@ def test_pinned_rows_are_never_evicted_and_all_pinned_rejects(pool_name):
                 # every row pinned by this load: nothing may be evicted
                 seen["stats"] = other.stats()
                 seen["out"] = _store(other, [10, 11])
-        pool_mod.crash_hook = hook
+        mutations.crash_hook = hook
         try:
             out, dsts = _load(pool, range(4))
         finally:
-            pool_mod.crash_hook = None
+            mutations.crash_hook = None
         assert out == [OK] * 4
         assert seen["out"] == [REJECTED, REJECTED]
         assert (seen["stats"]["pinned"], seen["stats"]["pins"]) == (4, 4)
@@ -208,11 +208,11 @@ def test_pinned_rows_are_never_evicted_and_all_pinned_rejects(pool_name):
         def hook2(point, _pool, rows):
             if point == "load.copy" and "out" not in seen:
                 seen["out"] = _store(other, [20, 21, 22, 23])
-        pool_mod.crash_hook = hook2
+        mutations.crash_hook = hook2
         try:
             assert _load(pool, [0, 1])[0] == [OK, OK]
         finally:
-            pool_mod.crash_hook = None
+            mutations.crash_hook = None
         # one batch: 20 and 21 evict 2 and 3; 22 and 23 find only pinned rows or rows the
         # batch itself is writing
         assert seen["out"] == [OK, OK, REJECTED, REJECTED]
@@ -224,7 +224,7 @@ def test_pinned_rows_are_never_evicted_and_all_pinned_rejects(pool_name):
 def test_corrupted_arena_bytes_are_never_served_and_the_key_is_dropped(pool_name):
     with _attach(pool_name, rows=4) as pool:
         assert _store(pool, [1, 2]) == [OK, OK]
-        row = pool.index.find(key(1), pool_mod.key_hash(key(1)))
+        row = pool.index.find(key(1), key_hash(key(1)))
         off = row * pool.layout.row_stride + 100
         pool.v.arena[off] ^= 0x40
         details = {}
@@ -408,21 +408,26 @@ def test_a_pinner_killed_mid_load_has_its_pin_swept_and_the_row_is_evictable(poo
         assert pool.check() == []
 
 
-# (point, what the killed child does, keys the parent stores first)
+# (point, what the killed child does, its keys, keys the parent stores first, of which
+# corrupted)
 _HOLDER_STOPS = [
-    ("evict", "store", [40], list(range(4))),      # the pool full: its store evicts
-    ("publish", "store", [40], [0, 1]),            # READY, not yet in the index
-    ("load.pin", "load", [1], [0, 1, 2]),          # pin entry written, count not yet
-    ("unpin", "load", [1], [0, 1, 2]),             # count down, entry not yet freed
+    ("reserve", "store", [40], [0, 1], []),        # WRITING, not yet counted
+    ("evict", "store", [40], list(range(4)), []),  # the pool full: FREE, still indexed
+    ("publish", "store", [40], [0, 1], []),        # READY, not yet in the index
+    ("load.pin", "load", [1], [0, 1, 2], []),      # pin entry written, count not yet
+    ("unpin", "load", [1], [0, 1, 2], []),         # count down, entry not yet freed
+    ("drop", "load", [1], [0, 1, 2], [1]),         # failed its CRC: DROPPED, still indexed
 ]
 
 
-@pytest.mark.parametrize("point,op,stop_keys,first", _HOLDER_STOPS,
+@pytest.mark.parametrize("point,op,stop_keys,first,corrupted", _HOLDER_STOPS,
                          ids=[s[0] for s in _HOLDER_STOPS])
 def test_the_lock_holder_killed_mid_mutation_is_repaired_by_the_next_locker(
-        pool_name, procs, point, op, stop_keys, first):
+        pool_name, procs, point, op, stop_keys, first, corrupted):
     with _attach(pool_name, rows=4) as pool:
         assert _store(pool, first) == [OK] * len(first)
+        for i in corrupted:
+            pool.v.arena[pool.index.find(key(i), key_hash(key(i))) * pool.layout.row_stride] ^= 1
         holder = procs(role="stop", **_args(pool_name, rows=4), engine="h", register=False,
                        op=op, point=point, stop_keys=stop_keys)
         _wait_line(holder, "STOPPED")
@@ -433,6 +438,7 @@ def test_the_lock_holder_killed_mid_mutation_is_repaired_by_the_next_locker(
         stats = pool.stats()
         assert (stats["repairs"], stats["pins"], stats["writing"]) == (1, 0, 0)
         present = [i for i in sorted(set(first + stop_keys)) if pool.lookup(key(i))]
+        assert not set(corrupted) & set(present)
         _assert_exact(pool, present)
         assert stats["used"] == len(present) and stats["used"] + stats["free"] == 4
         assert _store(pool, [50, 51]) == [OK, OK]

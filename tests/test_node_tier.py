@@ -15,7 +15,7 @@ import time
 import pytest
 
 import node_engine  # noqa: E402  (tests/ is on sys.path)
-from fs_engine import Engine, key  # noqa: E402
+from fs_engine import END, MISS, Engine, key  # noqa: E402
 from shmtier.options import ConfigError  # noqa: E402
 from shmtier.shared.jobs import Outcome  # noqa: E402
 from shmtier.shared.segment import SHM_DIR  # noqa: E402
@@ -28,6 +28,7 @@ from shmtier.tiers.node.pool import NodePool  # noqa: E402
 
 CTX = mp.get_context("spawn")
 LAYOUT = {"page": 8192, "chunks": 32, "workers": 1}
+SMALL = {"size_bytes": 1 << 20}  # 128 rows of 8 KiB (the default, 1 GiB, is faulted in)
 PENDING, HIT = "HIT_PENDING", "HIT"
 
 
@@ -92,7 +93,8 @@ def replicas(engine_id):
     made: list[Replica] = []
 
     def start(n: int, tier: dict | None = None, layout: dict | None = None) -> list[Replica]:
-        new = [Replica(f"{engine_id}_dp{len(made) + i}", tier or {}, {**LAYOUT, **(layout or {})})
+        new = [Replica(f"{engine_id}_dp{len(made) + i}", tier or SMALL,
+                       {**LAYOUT, **(layout or {})})
                for i in range(n)]
         made.extend(new)
         return [r.wait_ready() for r in new]
@@ -182,17 +184,17 @@ def _no_segment_of(engine_id):
 
 
 def test_a_replica_of_another_layout_or_size_is_refused_naming_the_difference(engine_id):
-    first = Engine(f"{engine_id}_dp0", None, tier_type="node", workers=1)
+    first = Engine(f"{engine_id}_dp0", None, tier_type="node", workers=1, **SMALL)
     try:
         with pytest.raises(ConfigError) as e:
-            _spec(f"{engine_id}_dp1", page=16384).get_manager()
+            _spec(f"{engine_id}_dp1", page=16384, **SMALL).get_manager()
         text = str(e.value)
         assert repr(engine_id) in text  # the pool
         assert "8192" in text and "16384" in text  # row bytes, both values
         assert _no_segment_of(f"{engine_id}_dp1")  # nothing of it left
         with pytest.raises(ConfigError) as e:
-            _spec(f"{engine_id}_dp1", size_bytes=1 << 20).get_manager()
-        assert "size_bytes is 1073741824 in the pool, 1048576 for this engine" in str(e.value)
+            _spec(f"{engine_id}_dp1", size_bytes=2 << 20).get_manager()
+        assert "size_bytes is 1048576 in the pool, 2097152 for this engine" in str(e.value)
         stats = pool_stats(engine_id)
         assert [x["engine_id"] for x in stats["engines"]] == [f"{engine_id}_dp0"]
     finally:
@@ -217,6 +219,16 @@ def test_invalid_options_name_key_value_and_what_is_accepted(engine_id, options,
     assert words in str(e.value)
 
 
+def test_the_pool_name_is_resolved_when_the_spec_is_built_and_reaches_the_workers(engine_id):
+    spec = _spec(f"{engine_id}_dp3", **SMALL)
+    (tier,) = spec.tiering_config.secondary_tiers
+    assert tier.options.pool == engine_id and tier.options.size_bytes == 1 << 20
+    (worker_tier,) = spec.pool_config.tiers
+    assert worker_tier.type == "node" and worker_tier.options is tier.options
+    named = _spec(f"{engine_id}_dp3", pool="shared-llama")
+    assert named.tiering_config.secondary_tiers[0].options.pool == "shared-llama"
+
+
 def test_two_node_tiers_of_one_engine_on_one_pool_are_refused(engine_id):
     layout = KVLayout("m", "bfloat16", 16, 8192, 1)
     extra = {"cpu_bytes_to_use": 16 * 8192,
@@ -228,15 +240,15 @@ def test_two_node_tiers_of_one_engine_on_one_pool_are_refused(engine_id):
 
 def test_the_last_engine_out_removes_the_pool_unless_keep(engine_id):
     path = pool_path(engine_id)
-    a = Engine(f"{engine_id}_dp0", None, tier_type="node", workers=1)
+    a = Engine(f"{engine_id}_dp0", None, tier_type="node", workers=1, **SMALL)
     try:
-        b = Engine(f"{engine_id}_dp1", None, tier_type="node", workers=1)
+        b = Engine(f"{engine_id}_dp1", None, tier_type="node", workers=1, **SMALL)
         b.close()
         assert os.path.exists(path)  # a still uses it
     finally:
         a.close()
     assert not os.path.exists(path)
-    a = Engine(f"{engine_id}_dp0", None, tier_type="node", workers=1, keep=True)
+    a = Engine(f"{engine_id}_dp0", None, tier_type="node", workers=1, keep=True, **SMALL)
     try:
         keys = [key(i) for i in range(4)]
         from shmtier.contract import ReqContext
@@ -247,7 +259,7 @@ def test_the_last_engine_out_removes_the_pool_unless_keep(engine_id):
     try:
         assert os.path.exists(path)  # kept, with its chunks, for a restart
         assert pool_stats(engine_id)["used"] == 4
-        b = Engine(f"{engine_id}_dp1", None, tier_type="node", workers=1)
+        b = Engine(f"{engine_id}_dp1", None, tier_type="node", workers=1, **SMALL)
         b.close()  # the last out, without keep: removed
         assert not os.path.exists(path)
     finally:
@@ -309,3 +321,111 @@ def test_a_replica_killed_mid_promotion_leaves_the_others_serving(replicas):
     with NodePool.open(replicas.pool) as p:
         assert p.check() == []
         assert p.stats()["used"] == 16
+
+
+def test_top_and_ls_show_the_pool_the_engines_using_it_and_their_hit_rates(engine_id):
+    from shmtier.contract import ReqContext
+    from shmtier.shared.snapshot import snapshot
+    from shmtier.top import frame_data, frame_text
+    from test_cli import run_cli
+
+    a = Engine(f"{engine_id}_dp0", None, tier_type="node", workers=1, **SMALL)
+    try:
+        b = Engine(f"{engine_id}_dp1", None, tier_type="node", workers=1, **SMALL)
+        try:
+            keys = [key(i) for i in range(4)]
+            a.offload(keys, 0, ReqContext("a"))
+            a.settle()
+            ctx = ReqContext("b")
+            b.until_hit(keys, ctx)  # the 4 from the pool
+            b.load(keys, ctx, list(range(40, 44)))
+            with b.manager.lock:  # and one the pool has not
+                assert b.manager.lookup(key(99), ReqContext("c")) is MISS
+                b.manager.on_schedule_end(END)
+            data = frame_data(snapshot(b.spec.engine_id), None)
+            (pool,) = data["node"]
+            assert pool["pool"] == engine_id and pool["used"] == 4
+            engines = {e["engine_id"]: e for e in pool["engines"]}
+            assert set(engines) == {a.spec.engine_id, b.spec.engine_id}
+            mine = engines[b.spec.engine_id]
+            assert mine["hits"] == 4 and mine["lookups"] == 5 and mine["hit_rate"] == 0.8
+            assert mine["loads"] == 4 and engines[a.spec.engine_id]["stores"] == 4
+            text = frame_text(snapshot(b.spec.engine_id), None)
+            assert f"node   pool {engine_id}  rows 4/128" in text
+            assert f"{b.spec.engine_id}  pid {os.getpid()} alive  lookups 5 hits 4 (80.0%)" in text
+            code, text = run_cli("ls")
+            assert code == 0 and f"node({engine_id})" in text  # each engine's tiers
+            assert f"node   pool {engine_id}  rows 4/128" in text  # the pool, its engines
+            assert text.count(f"  {engine_id}_dp") == 2
+        finally:
+            b.close()
+    finally:
+        a.close()
+
+
+def _kill(replica: Replica, guardian: bool = False) -> None:
+    """SIGKILL the replica's scheduler and tier workers (and with ``guardian`` its segment
+    guardian first: nothing cleans up after it then but ``shmtier clean``)."""
+    pids = [replica.proc.pid, *replica.call("workers")]
+    if guardian:
+        pids.insert(0, replica.call("guardian"))
+    for pid in pids:
+        os.kill(pid, signal.SIGKILL)
+    replica.proc.join(10)
+
+
+def _gone(path: str, timeout_s: float = 30) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while os.path.exists(path) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return not os.path.exists(path)
+
+
+def test_a_killed_last_engine_leaves_no_pool_unless_keep(replicas):
+    """The only engine of a pool is SIGKILLed: its segment guardian removes its segment
+    and the pool with it; with ``keep`` the pool stays, its dead entry swept, for the
+    next engine (``shmtier clean --node-pools-kept`` removes it)."""
+    from test_cli import run_cli
+
+    (a,) = replicas(1)
+    a.call("offload", "a", [1, 2], 0)
+    _kill(a)
+    assert _gone(pool_path(replicas.pool))
+    (b,) = replicas(1, {**SMALL, "keep": True})
+    b.call("offload", "b", [1, 2], 0)
+    _kill(b)
+    deadline = time.monotonic() + 30
+    while pool_stats(replicas.pool)["engines"] and time.monotonic() < deadline:
+        time.sleep(0.05)  # its guardian sweeps the dead entry
+    stats = pool_stats(replicas.pool)
+    assert stats["engines"] == [] and stats["used"] == 2
+    # (engine ids named: other suites' stale segments on the host are theirs)
+    code, text = run_cli("clean", b.engine_id, "--node-pool", replicas.pool)
+    assert code == 0 and "node pool" not in text and os.path.exists(pool_path(replicas.pool))
+    code, text = run_cli("clean", b.engine_id, "--node-pool", replicas.pool,
+                         "--node-pools-kept")
+    assert code == 0 and f"removed node pool {replicas.pool}" in text
+    assert not os.path.exists(pool_path(replicas.pool))
+
+
+def test_fsck_and_clean_sweep_and_remove_a_pool_whose_engines_died(replicas):
+    """A pool whose only engine was SIGKILLed with its guardian stays (its entry names a
+    dead engine): ``shmtier fsck --node-pool`` reports the dead engine (exit 1),
+    ``--repair`` sweeps it (exit 0), ``shmtier clean`` with the engine's id removes the
+    pool."""
+    from test_cli import run_cli
+
+    (a,) = replicas(1)
+    a.call("offload", "a", [1, 2], 0)
+    _kill(a, guardian=True)
+    pool = replicas.pool
+    assert os.path.exists(pool_path(pool))
+    code, text = run_cli("fsck", "--node-pool", pool)
+    assert code == 1 and f"dead engine {a.engine_id}" in text and "consistent" in text
+    code, text = run_cli("fsck", "--node-pool", pool, "--repair", "--json")
+    assert code == 0 and '"engines": 1' in text
+    code, text = run_cli("clean", a.engine_id)
+    assert code == 0 and f"removed node pool {pool}" in text
+    assert f"removed /shmtier_{a.engine_id}" in text  # its segment, left by no guardian
+    assert not os.path.exists(pool_path(pool))
+    assert run_cli("fsck", "--node-pool", pool)[0] == 2  # no such pool

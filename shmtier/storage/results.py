@@ -22,12 +22,11 @@ class's ``__init__`` sets up. It logs under the scheduler half's logger name
 from __future__ import annotations
 
 import logging
-import re
 from typing import Any
 
 from shmtier.contract import Medium, OffloadingEvent, OffloadKey
 from shmtier.scheduler.pool import PoolResult
-from shmtier.shared.jobs import Outcome, ResultFlag, free_bytes_in
+from shmtier.shared.jobs import Outcome, ResultFlag, failure_reason, free_bytes_in
 from shmtier.storage.tier_metrics import CODEC_SECONDS, CORRUPT_CHUNKS, PROBE_HITS, STORED_RATIO
 from shmtier.storage.transfers import Cascade, Promotion, load_outcomes
 
@@ -35,8 +34,6 @@ logger = logging.getLogger("shmtier.storage.scheduler")
 
 # A cascade refused for space is sent again (after evicting) at most this many times.
 _SPACE_TRIES = 3
-# "<n> " before each "; "-separated part of a result's error text (BatchResult.summary)
-_LEADING_COUNTS = re.compile(r"(^|; )\d+ ")
 
 
 class StorageResults:
@@ -129,7 +126,7 @@ class StorageResults:
         """``failed`` keys of store result ``res`` failed: one WARNING per change of
         state (the first failure after stores worked, or another reason than the one
         logged: ``res.error`` without its key counts), not one per result."""
-        reason = _LEADING_COUNTS.sub(r"\1", res.error or "")
+        reason = failure_reason(res.error)
         if reason == self._store_failure:
             return
         self._store_failure = reason

@@ -118,7 +118,8 @@ class BatchResult:
     def summary(self, limit: int = 500) -> str:
         """What went wrong, in words, for a result's error text: one entry per distinct
         (outcome, detail) of ERROR, CORRUPT, REJECTED and INVALID keys, with its number
-        of keys; "" when there were none (OK, EXISTS and MISS are answers, not faults)."""
+        of keys; "" when there were none (OK, EXISTS and MISS are answers, not faults).
+        ``jobs.failure_reason`` reads it back without the numbers."""
         counts: dict[tuple[Outcome, str], int] = {}
         for outcome, detail in zip(self.outcomes, self.details):
             if outcome not in _ANSWERS:

@@ -27,8 +27,8 @@ from shmtier.tiers.config import TierConfig, TierContext, option
 from shmtier.tiers.node.layout import NAME_PREFIX, POOL_NAME_ACCEPTED, POOL_NAME_RE
 
 POOL_NAME_MAX = 64
-# vLLM 0.34 makes each data-parallel replica's engine id "<engine_id>_dp<rank>" (global
-# rank), on both the multiprocessing and the Ray paths (docs/node-pool.md).
+# vLLM names each data-parallel replica's engine "<engine_id>_dp<rank>", the global rank
+# (docs/vllm-contract.md, OffloadingConfig's engine_id).
 _DP_SUFFIX = re.compile(r"_dp\d+$")
 #: ``size_bytes`` when not given.
 DEFAULT_SIZE_BYTES = 1 << 30

@@ -11,6 +11,10 @@ Who calls, from which process:
 - tools and tests: ``NodePool.open`` (an existing pool, any geometry), ``check``,
   ``sweep``; module ``tools.py`` lists and cleans pools without attaching.
 
+Its parts: ``opening.py`` creates or joins the segment, ``mutations.py`` holds the
+elementary changes under the lock (a mixin of ``NodePool``), ``repair.py`` the repair,
+sweeps and ``check``, over ``layout.py``'s views, ``index.py``, ``lru.py`` and ``tables.py``.
+
 Data flow and locking (``L`` = the pool's lock: ``flock`` on the process's own descriptor
 of the segment file, released by the kernel when its holder dies; ``seq`` = the seqlock
 word, odd while an index entry or a READY row changes)::
@@ -52,32 +56,20 @@ import fcntl
 import logging
 import mmap
 import os
-import struct
 import threading
 import time
 
 import numpy as np
 
-from shmtier.options import ConfigError
 from shmtier.shared import procinfo
 from shmtier.shared.codec import copy_crc32c, crc32c
 from shmtier.shared.jobs import Outcome
-from shmtier.shared.segment import (
-    SHM_DIR,
-    _allocate,
-    _check_space,
-    _lock,
-    _prefault,
-    _unlink_if_same,
-    fingerprint_digest,
-)
+from shmtier.shared.segment import _unlink_if_same
 from shmtier.storage.chunk_names import key_problem
+from shmtier.tiers.node import mutations as _mutations
 from shmtier.tiers.node import repair as _repair
 from shmtier.tiers.node.index import HashIndex, key_hash
 from shmtier.tiers.node.layout import (
-    DROPPED,
-    FAILED,
-    FREE,
     H_CORRUPT,
     H_DROPPED,
     H_EVICTIONS,
@@ -85,9 +77,6 @@ from shmtier.tiers.node.layout import (
     H_HOLDER_PID,
     H_HOLDER_START,
     H_KEEP,
-    H_LRU_HEAD,
-    H_LRU_TAIL,
-    H_PIN_FREE,
     H_PINS,
     H_READY,
     H_REPAIRS,
@@ -96,31 +85,22 @@ from shmtier.tiers.node.layout import (
     H_SWEPT_PINS,
     H_SWEPT_WRITES,
     H_WRITING,
-    HEADER_BYTES,
-    MAGIC,
-    NAME_PREFIX,
     R_CRC,
-    R_KHASH,
     R_PINS,
-    R_STATE,
-    R_WPID,
-    R_WSTART,
-    READY,
-    ROW_READY,
     RW32,
-    RW64,
-    STATE_OFFSET,
-    VERSION,
-    WRITING,
     Identity,
     NodeLayout,
     Views,
     check_pool_name,
-    encode_identity,
-    read_identity,
     shm_name,
 )
 from shmtier.tiers.node.lru import RowLists
+from shmtier.tiers.node.mutations import Mutations
+from shmtier.tiers.node.opening import (  # noqa: F401 (NodePoolMismatchError: callers catch it here)
+    NodePoolError,
+    NodePoolMismatchError,
+    open_pool,
+)
 from shmtier.tiers.node.tables import EngineTable, PinTable
 
 logger = logging.getLogger(__name__)
@@ -130,20 +110,6 @@ logger = logging.getLogger(__name__)
 #: on this CPU gets to finish them: docs/node-pool.md, "Lookups")
 LOOKUP_TRIES = 64
 _YIELD_AT = LOOKUP_TRIES // 2
-#: Test hook: called as ``crash_hook(point, pool, rows)`` at named points inside the
-#: mutations (``tests/test_node_pool.py`` stops a process there and SIGKILLs it). None in
-#: production: each point costs one global read.
-crash_hook = None
-
-
-class NodePoolError(RuntimeError):
-    """A pool cannot be used: it does not exist, its lock stays held, its engine table is
-    full, or this object was carried into a forked child. The text names the pool."""
-
-
-class NodePoolMismatchError(ConfigError):
-    """The pool exists with another layout, row size or size than this engine gives: the
-    text names the pool, each differing field and both values."""
 
 
 def _flock(fd: int, timeout_s: float) -> bool:
@@ -166,176 +132,7 @@ def _flock(fd: int, timeout_s: float) -> bool:
             delay = min(delay * 2, 1e-3)
 
 
-def _fingerprint_diffs(theirs: str, mine: str) -> list[str]:
-    """What differs between two layout fingerprints, field by field when both are
-    ``key=value`` words (``PrimaryTierConfig.fingerprint``), else as wholes."""
-    def fields(text):
-        words = text.split()
-        return dict(w.split("=", 1) for w in words) if all("=" in w for w in words) else None
-    a, b = fields(theirs), fields(mine)
-    if a is None or b is None:
-        return [f"layout fingerprint is {theirs!r} in the pool, {mine!r} for this engine"]
-    return [f"layout field {k} is {a.get(k)!r} in the pool, {b.get(k)!r} for this engine"
-            for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)] or [
-        f"layout fingerprint is {theirs!r} in the pool, {mine!r} for this engine"]
-
-
-def _check_compatible(pool: str, ident: Identity, layout: NodeLayout | None,
-                      fingerprint: str | None) -> None:
-    """NodePoolMismatchError naming ``pool``, each differing field and both values."""
-    where = f"node pool {pool!r} ({SHM_DIR}/{NAME_PREFIX}{pool})"
-    if ident.version != VERSION or ident.layout is None:
-        raise NodePoolMismatchError(
-            f"{where}: layout version is {ident.version} in the pool, {VERSION} expected by "
-            f"this process (or its header is damaged); remove it with `shmtier clean`")
-    diffs = []
-    if layout is not None:
-        for field in ("row_bytes", "size_bytes"):
-            have, want = getattr(ident.layout, field), getattr(layout, field)
-            if have != want:
-                diffs.append(f"{field} is {have} in the pool, {want} for this engine")
-    if fingerprint is not None and ident.fingerprint_digest != fingerprint_digest(fingerprint):
-        diffs.extend(_fingerprint_diffs(ident.fingerprint, fingerprint))
-    if diffs:
-        raise NodePoolMismatchError(
-            f"{where} was made by engines of another configuration: " + "; ".join(diffs)
-            + " (every engine of a pool must give the same layout and size_bytes; name "
-            "another pool for another layout)")
-
-
-def _init_tables(mm: mmap.mmap, layout: NodeLayout) -> None:
-    """Lay out an empty pool: every row FREE on the free list, every pin entry free."""
-    v = Views(mm, layout)
-    try:
-        q = v.q
-        v.index_np[:] = -1
-        v.rows["prev"] = -1
-        v.rows["next"] = np.append(np.arange(1, layout.rows, dtype=np.int32), -1)
-        v.pins["row"] = np.append(np.arange(1, layout.pins_max, dtype=np.int32), -1)
-        q[H_LRU_HEAD] = q[H_LRU_TAIL] = -1
-        q[H_FREE_COUNT] = layout.rows
-        q[H_PIN_FREE] = 0
-    finally:
-        v.release()
-
-
-def _create(pool: str, fd: int, layout: NodeLayout, fingerprint: str,
-            lock_timeout_s: float) -> mmap.mmap | None:
-    """Initialise the file ``fd`` this process just created (``O_EXCL``), following
-    ``segment.py``'s creation protocol: the header is written under the lock, in one
-    write, before the file grows; state READY last. None when a judge removed the name
-    before this process took the lock (the caller starts over)."""
-    name, inode, mm = shm_name(pool), os.fstat(fd).st_ino, None
-    try:
-        if not _lock(fd, time.monotonic() + lock_timeout_s):
-            raise NodePoolError(f"node pool {pool!r}: another process held the lock of the "
-                                f"pool this process just created")
-        try:
-            if os.fstat(fd).st_nlink == 0:
-                return None
-            _check_space(name, layout.total_len, 0)
-            os.pwrite(fd, encode_identity(layout, procinfo.me(), procinfo.boot_id(),
-                                          fingerprint_digest(fingerprint), fingerprint), 0)
-        finally:
-            fcntl.flock(fd, fcntl.LOCK_UN)
-        os.ftruncate(fd, layout.total_len)
-        _allocate(name, fd, layout.total_len, 0)  # ENOSPC now, not SIGBUS on a later fault
-        mm = mmap.mmap(fd, layout.total_len)
-        _init_tables(mm, layout)
-        # Fault the arena in once, here: tmpfs zeroes a fallocated page at its first fault,
-        # which would otherwise fall on the first store into each row (~10x its copy).
-        _prefault(mm, layout.arena_off, layout.total_len - layout.arena_off)
-        struct.pack_into("<I", mm, STATE_OFFSET, READY)  # last: joiners wait for it
-        logger.info("node pool %s created: %d rows of %d bytes", pool, layout.rows,
-                    layout.row_bytes)
-        return mm
-    except BaseException:
-        if mm is not None:
-            struct.pack_into("<I", mm, STATE_OFFSET, FAILED)
-            mm.close()
-        _unlink_if_same(name, inode)
-        raise
-
-
-def _join(pool: str, fd: int, layout: NodeLayout | None, fingerprint: str | None,
-          deadline: float, timeout_s: float) -> tuple[mmap.mmap, Identity] | None:
-    """Map the existing pool behind ``fd`` (the caller holds its lock) once its creator
-    marked it READY; None when it was stale (its creator died or gave up, or it has no
-    pool header) and its name was removed."""
-    while True:
-        st = os.fstat(fd)
-        if st.st_nlink == 0:
-            return None
-        ident = read_identity(os.pread(fd, HEADER_BYTES, 0)) if st.st_size >= HEADER_BYTES else None
-        if ident is not None and ident.magic == MAGIC and ident.state == READY:
-            break
-        if ident is None or ident.magic != MAGIC or ident.state == FAILED or not \
-                procinfo.is_alive(ident.creator_pid, ident.creator_start, ident.boot_id):
-            logger.warning("node pool %s is stale (%s); replacing it", pool,
-                           "no pool header" if ident is None or ident.magic != MAGIC
-                           else f"its creator pid {ident.creator_pid} did not finish it")
-            _unlink_if_same(shm_name(pool), st.st_ino)
-            return None
-        if time.monotonic() > deadline:
-            raise NodePoolError(f"node pool {pool!r}: creator pid {ident.creator_pid} did "
-                                f"not finish initialising it within {timeout_s:g} s")
-        time.sleep(0.005)
-    _check_compatible(pool, ident, layout, fingerprint)
-    if st.st_size < ident.layout.total_len:
-        raise NodePoolMismatchError(f"node pool {pool!r}: its file has {st.st_size} bytes, "
-                                    f"{ident.layout.total_len} expected")
-    return mmap.mmap(fd, ident.layout.total_len), ident
-
-
-def _open(pool: str, layout: NodeLayout | None, fingerprint: str | None, *, create: bool,
-          timeout_s: float, lock_timeout_s: float) -> tuple[int, mmap.mmap, Identity]:
-    """Create or join pool ``pool``: (descriptor, mapping, identity)."""
-    path = os.path.join(SHM_DIR, shm_name(pool).lstrip("/"))
-    deadline = time.monotonic() + timeout_s
-    flags = os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW
-    while True:
-        if create:
-            try:
-                fd = os.open(path, flags | os.O_CREAT | os.O_EXCL, 0o600)
-            except FileExistsError:
-                pass
-            else:
-                try:
-                    mm = _create(pool, fd, layout, fingerprint, lock_timeout_s)
-                except BaseException:
-                    os.close(fd)
-                    raise
-                if mm is None:
-                    os.close(fd)
-                    continue
-                return fd, mm, read_identity(mm)
-        try:
-            fd = os.open(path, flags)
-        except FileNotFoundError:
-            if create:
-                continue
-            raise NodePoolError(
-                f"node pool {pool!r} does not exist ({path}): its engines create it when "
-                f"they start (is an engine using it running? `shmtier ls` lists pools)"
-            ) from None
-        try:
-            if not _lock(fd, deadline):
-                raise NodePoolError(f"node pool {pool!r}: its lock stayed held for "
-                                    f"{timeout_s:g} s")
-            try:
-                joined = _join(pool, fd, layout, fingerprint, deadline, timeout_s)
-            finally:
-                fcntl.flock(fd, fcntl.LOCK_UN)
-        except BaseException:
-            os.close(fd)
-            raise
-        if joined is None:
-            os.close(fd)
-            continue
-        return fd, *joined
-
-
-class NodePool:
+class NodePool(Mutations):
     """A process's mapping of one node pool (the module docstring says who calls what)."""
 
     def __init__(self, pool: str, fd: int, mm: mmap.mmap, ident: Identity, *,
@@ -377,8 +174,8 @@ class NodePool:
         ``SegmentSpaceError`` when ``/dev/shm`` cannot hold it (nothing left behind)."""
         check_pool_name(name)
         layout = NodeLayout.for_pool(row_bytes, size_bytes)
-        fd, mm, ident = _open(name, layout, fingerprint, create=register, timeout_s=timeout_s,
-                              lock_timeout_s=lock_timeout_s)
+        fd, mm, ident = open_pool(name, layout, fingerprint, create=register,
+                                  timeout_s=timeout_s, lock_timeout_s=lock_timeout_s)
         pool = cls(name, fd, mm, ident, engine_id=engine_id, keep=keep,
                    lock_timeout_s=lock_timeout_s)
         try:
@@ -395,8 +192,8 @@ class NodePool:
     def open(cls, name: str, *, timeout_s: float = 5.0, lock_timeout_s: float = 10.0) -> "NodePool":
         """Map the existing pool ``name`` whatever its geometry (tools, tests)."""
         check_pool_name(name)
-        fd, mm, ident = _open(name, None, None, create=False, timeout_s=timeout_s,
-                              lock_timeout_s=lock_timeout_s)
+        fd, mm, ident = open_pool(name, None, None, create=False, timeout_s=timeout_s,
+                                  lock_timeout_s=lock_timeout_s)
         return cls(name, fd, mm, ident, engine_id="", keep=True, lock_timeout_s=lock_timeout_s)
 
     def _register(self) -> None:
@@ -538,7 +335,8 @@ class NodePool:
     def stats(self) -> dict:
         """The pool's figures now (lock-free; each figure exact, not one instant):
         rows, row_bytes, size_bytes, used/free/writing/dropped/pinned rows, pins, repairs,
-        evictions, corrupt, swept, and per engine its entry and counters."""
+        evictions, corrupt, swept, and per engine its entry and counters. Never waits; one
+        pass over the row records and one ``/proc`` read per engine (whether it runs)."""
         v, q, L = self.v, self.v.q, self.layout
         alive = _repair.Liveness(self.boot)
         engines = []
@@ -619,8 +417,8 @@ class NodePool:
             arena, stride, size = self.v.arena, self.layout.row_stride, self.layout.row_bytes
             for item in reserved:
                 off = item[4] * stride
-                if crash_hook:
-                    crash_hook("store.copy", self, [it[4] for it in reserved])
+                if _mutations.crash_hook:
+                    _mutations.crash_hook("store.copy", self, [it[4] for it in reserved])
                 item.append(crc32c(item[1], copy_crc32c(arena[off:off + size], item[3])))
             with self._locked():
                 for i, key, h, _, row, crc in reserved:
@@ -668,8 +466,8 @@ class NodePool:
                         out[i] = Outcome.MISS
                         _note(details, i, "the pool's pin table is full")
                         continue
-                    if crash_hook:
-                        crash_hook("load.pin", self, [row])
+                    if _mutations.crash_hook:
+                        _mutations.crash_hook("load.pin", self, [row])
                     self.v.r32[row * RW32 + R_PINS] += 1
                     self.lists.bump(row)
                     item += [row, entry, self.v.r32[row * RW32 + R_CRC]]
@@ -678,8 +476,8 @@ class NodePool:
             for item in pinned:
                 i, key, _, dst, row, _, crc = item
                 off = row * stride
-                if crash_hook:
-                    crash_hook("load.copy", self, [row])
+                if _mutations.crash_hook:
+                    _mutations.crash_hook("load.copy", self, [row])
                 good = crc32c(key, copy_crc32c(dst, arena[off:off + size])) == crc
                 out[i] = Outcome.OK if good else Outcome.CORRUPT
                 if not good:
@@ -698,108 +496,6 @@ class NodePool:
         finally:
             self._abandoned_pins.extend((item[4], item[5]) for item in pinned)
         return out
-
-    # -- mutations (under the lock) ----------------------------------------------------
-
-    def _writing_by_me(self, row: int, pid: int, start: int) -> bool:
-        r32 = self.v.r32
-        return (r32[row * RW32 + R_STATE] == WRITING and r32[row * RW32 + R_WPID] == pid
-                and self.v.r64[row * RW64 + R_WSTART] == start)
-
-    def _reserve(self, key: bytes, h: int) -> int:
-        """A row for ``key``, WRITING by this process: a free one, else the least recently
-        used unpinned READY row evicted; -1 when there is none even after a sweep."""
-        lists, v = self.lists, self.v
-        row = lists.pop_free()
-        if row < 0:
-            row = lists.victim()
-        if row < 0:
-            _repair.sweep(self, _repair.Liveness(self.boot))
-            row = lists.pop_free()
-            if row < 0:
-                row = lists.victim()
-        if row < 0:
-            return -1
-        if v.r32[row * RW32 + R_STATE] == ROW_READY:
-            self._evict(row)
-        base = row * RW32
-        v.r64[row * RW64 + R_WSTART] = self._me[1]
-        v.r32[base + R_WPID] = self._me[0]
-        v.set_key(row, key)
-        v.r32[base + R_KHASH] = h
-        v.r32[base + R_PINS] = 0
-        v.r32[base + R_STATE] = WRITING  # last: from here on a dead writer's row is swept
-        v.q[H_WRITING] += 1
-        return row
-
-    def _evict(self, row: int) -> None:
-        q, r32 = self.v.q, self.v.r32
-        writes = self.index.plan_remove(row, r32[row * RW32 + R_KHASH])
-        q[H_SEQ] += 1
-        self.index.apply(writes)
-        if crash_hook:
-            crash_hook("evict", self, [row])
-        r32[row * RW32 + R_STATE] = FREE
-        q[H_SEQ] += 1
-        self.lists.unlink(row)
-        q[H_READY] -= 1
-        q[H_EVICTIONS] += 1
-
-    def _publish(self, row: int, h: int, crc: int) -> None:
-        q, r32, index = self.v.q, self.v.r32, self.index
-        slot = index.free_slot(h)
-        r32[row * RW32 + R_CRC] = crc
-        q[H_SEQ] += 1
-        r32[row * RW32 + R_STATE] = ROW_READY
-        if crash_hook:
-            crash_hook("publish", self, [row])
-        index.slots[slot] = row
-        q[H_SEQ] += 1
-        self.lists.append(row)
-        q[H_WRITING] -= 1
-        q[H_READY] += 1
-
-    def _unpin(self, row: int, entry: int, pid: int, start: int) -> None:
-        if not self.pins.holds(entry, pid, start, row):
-            return  # a repair dropped it
-        r32 = self.v.r32
-        r32[row * RW32 + R_PINS] -= 1
-        if crash_hook:
-            crash_hook("unpin", self, [row])
-        self.pins.remove(entry)
-        if r32[row * RW32 + R_STATE] == DROPPED and r32[row * RW32 + R_PINS] == 0:
-            self.free_row(row)
-
-    def _drop(self, row: int, key: bytes, crc: int) -> None:
-        """Take the READY row ``row`` of ``key`` out (it failed its CRC); freed by its
-        last unpin."""
-        v, q = self.v, self.v.q
-        if v.r32[row * RW32 + R_STATE] != ROW_READY or v.r32[row * RW32 + R_CRC] != crc \
-                or v.key(row) != key:
-            return  # dropped or replaced meanwhile
-        writes = self.index.plan_remove(row, v.r32[row * RW32 + R_KHASH])
-        q[H_SEQ] += 1
-        self.index.apply(writes)
-        v.r32[row * RW32 + R_STATE] = DROPPED
-        q[H_SEQ] += 1
-        self.lists.unlink(row)
-        q[H_READY] -= 1
-        q[H_CORRUPT] += 1
-        q[H_DROPPED] += 1
-        logger.warning("node pool %s: key %s failed its checksum; dropped", self.name, key.hex())
-        if v.r32[row * RW32 + R_PINS] == 0:
-            self.free_row(row)
-
-    def free_row(self, row: int) -> None:
-        """Put the WRITING or DROPPED row ``row`` (in no list) on the free list."""
-        q, r32 = self.v.q, self.v.r32
-        state = r32[row * RW32 + R_STATE]
-        if state == WRITING:
-            q[H_WRITING] -= 1
-        elif state == DROPPED:
-            q[H_DROPPED] -= 1
-        r32[row * RW32 + R_STATE] = FREE
-        self.lists.push_free(row)
 
     def _count(self, **counts: int) -> None:
         """Add to this engine's counters (under the lock: several workers write them)."""

@@ -48,7 +48,7 @@ from shmtier.contract import (
 from shmtier.scheduler.pool import PoolJobId, PoolResult
 from shmtier.scheduler.tiering.base import JobResult, SecondaryTierManager, TransferJob
 from shmtier.options import ConfigError
-from shmtier.shared.jobs import Outcome
+from shmtier.shared.jobs import Outcome, failure_reason
 from shmtier.shared.segment import SegmentSpaceError, human_bytes
 from shmtier.storage.tier_metrics import (
     CORRUPT_CHUNKS,
@@ -117,6 +117,9 @@ class NodeTierManager(TierJobs, TierSeries, SecondaryTierManager):
     spec (``worker_pool``, ``tier_index_being_built``)."""
 
     medium = Medium.CPU
+    # the pool's bytes gauge: what ``shmtier top`` shows as the tier's bytes (and, with
+    # ``chunks_on_disk``, its chunks): the whole pool's, every engine's
+    BYTES_METRIC = NODE_BYTES
     tolerates_off_thread_polling = False
     polls_between_steps = True
     # a worker killed while it loads may still write the rows: its failed promotions
@@ -158,8 +161,9 @@ class NodeTierManager(TierJobs, TierSeries, SecondaryTierManager):
         self._broken = False  # the worker pool is broken: MISS, and fail jobs at once
         self._lookups = self._hits = 0  # since the last step's count into the pool
         self._gauges_at = 0.0
-        self._pool_bytes = 0
+        self._pool_chunks = self._pool_bytes = 0
         self._detached = False
+        self._store_failure: str | None = None  # the store failure last logged
 
     # --- lookups ---
 
@@ -178,7 +182,7 @@ class NodeTierManager(TierJobs, TierSeries, SecondaryTierManager):
         if self._broken:
             self._finished.append(JobResult(job.job_id, False))
             return
-        lookup = self.node.lookup
+        lookup = self._lookup
         keys, rows = [], []
         for key, row in zip(job.keys, job.rows):
             if not lookup(key):  # READY in the pool: nothing to copy
@@ -256,24 +260,36 @@ class NodeTierManager(TierJobs, TierSeries, SecondaryTierManager):
         self._pool_counts.note_totals(self._stats)
 
     def _finish_stores(self, res: PoolResult, carried: list) -> None:
+        """Each cascade's keys final: stored (OK, or EXISTS: another engine stored it) or
+        failed (REJECTED: every pool row pinned; ERROR; INVALID). Failures are logged once
+        per reason until stores succeed again, never once per result."""
         label = (self._label,)
-        start = 0
+        start = failed = 0
         for cascade, keys, _ in carried:
             end = start + len(keys)
             outcomes = res.outcomes[start:end]
-            stored = sum(code == Outcome.OK or code == Outcome.EXISTS for code in outcomes)
             found = outcomes.count(Outcome.EXISTS)
+            stored = outcomes.count(Outcome.OK) + found
             rejected = outcomes.count(Outcome.REJECTED)
             if found:
                 self._stats.increase_counter(NODE_FOUND, found, label)
             if rejected:
                 self._stats.increase_counter(NODE_REJECTED, rejected, label)
+            failed += len(keys) - stored
             cascade.seconds += sum(res.seconds[start:end])
             cascade.nbytes += sum(res.logical_bytes[start:end])
             self._settle(cascade, len(keys), stored == len(keys))
             start = end
-        if res.error and not all(code in (Outcome.OK, Outcome.EXISTS) for code in res.outcomes):
-            logger.debug("node tier %s: stores failed: %s", self._label, res.error)
+        reason = failure_reason(res.error)
+        if failed and reason != self._store_failure:
+            self._store_failure = reason
+            logger.warning("node tier %s: %d of %d chunks not stored in pool %s: %s (logged "
+                           "once until stores succeed again or the reason changes)",
+                           self._label, failed, len(res.keys), self.pool_name, res.error)
+        elif not failed and self._store_failure is not None:
+            self._store_failure = None
+            logger.info("node tier %s: stores to pool %s succeed again", self._label,
+                        self.pool_name)
 
     def _finish_load(self, promo: Promotion, keys: list[OffloadKey], outcomes: list[Outcome],
                      seconds: float, nbytes: int) -> None:
@@ -319,12 +335,19 @@ class NodeTierManager(TierJobs, TierSeries, SecondaryTierManager):
 
     # --- metrics ---
 
+    @property
+    def chunks_on_disk(self) -> int:
+        """Chunks the pool holds (every engine's), as of the last read of its gauges
+        (``shmtier top``'s CHUNKS of the tier)."""
+        return self._pool_chunks
+
     def _gauges_into(self, stats: metrics.OffloadingStats) -> None:
         label = (self._label,)
         now = time.monotonic()
         if now >= self._gauges_at and not self._detached:
             self._gauges_at = now + _GAUGES_EVERY_S
-            self._pool_bytes = self.node.stats()["used"] * self.node.layout.row_bytes
+            self._pool_chunks = self.node.stats()["used"]
+            self._pool_bytes = self._pool_chunks * self.node.layout.row_bytes
         stats.set_gauge(NODE_BYTES, self._pool_bytes, label)
         stats.set_gauge(RING_DEPTH, self._pool.queued_jobs(), label)
         stats.set_gauge(POOL_BROKEN, int(self._broken), label)
