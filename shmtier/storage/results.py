@@ -29,7 +29,7 @@ from shmtier.contract import Medium, OffloadingEvent, OffloadKey
 from shmtier.scheduler.pool import PoolResult
 from shmtier.shared.jobs import Outcome, ResultFlag, free_bytes_in
 from shmtier.storage.tier_metrics import CODEC_SECONDS, CORRUPT_CHUNKS, PROBE_HITS, STORED_RATIO
-from shmtier.storage.transfers import Cascade, Promotion
+from shmtier.storage.transfers import Cascade, Promotion, load_outcomes
 
 logger = logging.getLogger("shmtier.storage.scheduler")
 
@@ -74,16 +74,8 @@ class StorageResults:
                 self._page_cache_bounded = bool(res.flags & ResultFlag.PAGE_CACHE_BOUNDED)
                 self._finish_stores(res, what)
             elif op == "load":
-                start = 0
-                for promo, keys in what:  # each tier job: its own keys' outcomes and figures
-                    end = start + len(keys)
-                    if res.release is not None and any(
-                            code != Outcome.OK for code in res.outcomes[start:end]):
-                        promo.hold_until(res.release)  # a killed worker may write them
-                    self._finish_load(promo, keys, res.outcomes[start:end],
-                                      sum(res.seconds[start:end]),
-                                      sum(res.logical_bytes[start:end]))
-                    start = end
+                for share in load_outcomes(res, what):  # each tier job: its own keys' part
+                    self._finish_load(*share)
             elif op == "delete":
                 self._finish_deletes(res, what)
             elif op == "lookup":

@@ -150,6 +150,9 @@ class WorkerContext:
     # scheduler's index. A first worker at engine start finds the medium as the
     # scheduler's first listing will.
     replacement: bool = False
+    # The engine these workers serve (its id as the pool started them with): a tier that
+    # counts per engine on a medium engines share (node) counts under it.
+    engine_id: str = ""
 
 
 class UnsupportedOp(LookupError):
