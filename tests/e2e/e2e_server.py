@@ -83,15 +83,18 @@ def engine_args(model_dir: str) -> list[str]:
             *(["--gpu-memory-utilization", "0.2"] if DEVICE == "cuda" else [])]
 
 
+#: bytes of one chunk (one device block: K and V of every layer, bf16)
+ROW_BYTES = (e2e_model.LAYERS * 2 * e2e_model.KV_HEADS
+             * (e2e_model.HIDDEN // e2e_model.HEADS) * BLOCK_SIZE * 2)
+
+
 def kv_config(engine_id: str, *, cpu_rows: int, tiers: list[dict] | None = None,
               **extra: Any) -> dict:
     """A ``--kv-transfer-config`` naming shmtier: a CPU tier of ``cpu_rows`` chunks of one
     device block each, ``tiers`` as ``secondary_tiers``, ``extra`` further keys of
     ``kv_connector_extra_config``."""
-    m = e2e_model
-    row = m.LAYERS * 2 * m.KV_HEADS * (m.HIDDEN // m.HEADS) * BLOCK_SIZE * 2  # K and V, bf16
     cfg = {"spec_name": "ShmTierOffloadingSpec", "spec_module_path": "shmtier.vllm",
-           "cpu_bytes_to_use": cpu_rows * row, "block_size": BLOCK_SIZE,
+           "cpu_bytes_to_use": cpu_rows * ROW_BYTES, "block_size": BLOCK_SIZE,
            "secondary_tiers": list(tiers or [])}
     cfg.update(extra)
     return {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
@@ -108,6 +111,28 @@ def shm_entries(engine_id: str) -> list[str]:
         return []
     return sorted(n for n in names
                   if n == stem or n.startswith(stem + "_dp") or n.startswith(f"sem.{stem}."))
+
+
+def node_pools(kv: dict) -> list[str]:
+    """The node pools a :func:`kv_config`'s engine joins: each ``node`` secondary tier's
+    ``pool``, or (null) the engine id without vLLM's data-parallel suffix."""
+    from shmtier.tiers.node.config import default_pool_name
+    tiers = kv["kv_connector_extra_config"].get("secondary_tiers") or []
+    return [t.get("pool") or default_pool_name(kv["engine_id"])
+            for t in tiers if t.get("type") == "node"]
+
+
+def abandoned_pools(pools: list[str]) -> list[str]:
+    """The /dev/shm entries of those of ``pools`` that exist with no live engine in them
+    (a pool another server still uses is its, not a leftover)."""
+    from shmtier.tiers.node.layout import shm_name
+    from shmtier.tiers.node.tools import read_status
+    out = []
+    for pool in pools:
+        status = read_status(pool)
+        if status is not None and status.live_engines == 0:
+            out.append(shm_name(pool).lstrip("/"))
+    return out
 
 
 def remove_shm(entries: list[str]) -> None:
@@ -251,9 +276,12 @@ class Server:
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
-    def wait_ready(self, timeout_s: float = 180.0) -> "Server":
+    def wait_ready(self, timeout_s: float | None = None) -> "Server":
         """Wait until ``GET /health`` answers 200; :class:`ServerError` with the log's
-        tail when the server exits or is not ready within ``timeout_s``."""
+        tail when the server exits or is not ready within ``timeout_s`` (default 180 s
+        per data-parallel replica: each loads its own engine on the same cores)."""
+        if timeout_s is None:
+            timeout_s = 180.0 * self.data_parallel_size
         try:
             return self._wait_ready(timeout_s)
         finally:
@@ -308,7 +336,8 @@ class Server:
         its engine; vLLM's ``--shutdown-timeout`` decides how long the engine drains),
         then SIGKILL whatever of its process group is left after ``grace_s``; wait until
         none of it is left and return this engine's shmtier entries still in /dev/shm
-        (then removed; ``keep_shm``: neither, for a warm restart). vLLM's own entries
+        (then removed; ``keep_shm``: neither, for a warm restart), with the node pools it
+        joined that are left with no live engine. vLLM's own entries
         that its processes left (``vllm_shm``) are removed too, and listed in
         ``vllm_shm_left``. Never raises; a second call returns [].
 
@@ -345,7 +374,7 @@ class Server:
         remove_shm(self.vllm_shm_left)
         if not self.engine_id or keep_shm:
             return []
-        leftovers = shm_entries(self.engine_id)
+        leftovers = shm_entries(self.engine_id) + abandoned_pools(node_pools(self.kv))
         remove_shm(leftovers)
         return leftovers
 
