@@ -316,7 +316,8 @@ class Server:
         prompt is a hit, e.g. on a p2p decoder); once any request ran, the same request
         works. Every server therefore answers one request before its scenario starts, on
         each of its data-parallel replicas."""
-        for rank in range(self.data_parallel_size):
+        ranks = range(self.data_parallel_size) if self.data_parallel_size > 1 else [None]
+        for rank in ranks:
             self.client.chat.completions.create(
                 model=SERVED_NAME, messages=[{"role": "user", "content": "warm up"}],
                 temperature=0, max_tokens=2, extra_headers=self.dp_headers(rank))
