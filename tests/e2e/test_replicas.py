@@ -23,7 +23,7 @@ from shmtier.tiers.node.layout import shm_name
 from shmtier.tiers.node.tools import read_status
 
 from .e2e_metrics import EXTERNAL_HIT_TOKENS, Metrics, assert_tier_served, tier_figures
-from .e2e_server import BLOCK_SIZE, ROW_BYTES, SHM_DIR, kv_config, node_pools
+from .e2e_server import BLOCK_SIZE, DEVICE, ROW_BYTES, SHM_DIR, kv_config, node_pools
 from .e2e_tiers import CPU_ROWS, wait_stable
 
 #: servers start in tens of seconds on 2 cores (more on a busy host)
@@ -37,6 +37,14 @@ POOL_ROWS = 64
 NODE = "1:node"
 
 
+def _gpus() -> int:
+    import torch
+    return torch.cuda.device_count()
+
+
+@pytest.mark.skipif(DEVICE == "cuda" and _gpus() < 2,
+                    reason="two data-parallel replicas take a GPU each (vLLM places replica "
+                           "r on device r); this host has fewer than 2")
 def test_dp_replicas_share_a_prefix_through_the_node_pool(serve, cmp, prompts, report):
     kv = kv_config(serve.engine_id("dp"), cpu_rows=CPU_ROWS,
                    tiers=[{"type": "node", "size_bytes": POOL_ROWS * ROW_BYTES}])
