@@ -145,6 +145,7 @@ class StorageTierManager(StorageDispatch, StorageResults, SecondaryTierManager):
         self._pool = offloading_spec.worker_pool
         self._tier = offloading_spec.tier_index_being_built
         self._label = f"{self._tier + 1}:{tier_type}"
+        self._labels = (self._label,)  # its series' label values
         # A store reserves its key's largest frame: the raw chunk (a frame is never
         # larger) and the frame header, with the MAC tag where frames carry one.
         mac = config.mac_secret is not None
@@ -266,10 +267,12 @@ class StorageTierManager(StorageDispatch, StorageResults, SecondaryTierManager):
         self._load_queue.append((Promotion(job, len(keys)), keys, list(job.rows)))
 
     def submit_between_steps(self) -> None:
-        """Hand all queued work to the pool. The manager's step-window thread calls it
-        first in each of its rounds (``polls_between_steps``), under the lock."""
+        """Hand all queued work to the pool and forget the misses past their time. The
+        manager's step-window thread calls it first in each of its rounds
+        (``polls_between_steps``), under the lock."""
         self._rounds_since_step += 1
         self._submit_queued()
+        self._lookups.purge()
 
     # --- results ---
 
@@ -312,10 +315,12 @@ class StorageTierManager(StorageDispatch, StorageResults, SecondaryTierManager):
 
     def on_schedule_end(self, context: ScheduleEndContext) -> None:
         # a forward pass without a round (the engine's rhythm changed, the thread is off
-        # or behind) and this step sends everything itself
+        # or behind) and this step sends everything itself, and purges (a lookup checks
+        # a remembered miss's time itself: purging only bounds the memory)
         self._rounds_come, self._rounds_since_step = self._rounds_since_step > 0, 0
         self._submit_queued(loads_only=self._rounds_come)
-        self._lookups.purge()
+        if not self._rounds_come:
+            self._lookups.purge()
 
     def take_events(self) -> Iterable[OffloadingEvent]:
         events, self._events = self._events, []
@@ -336,15 +341,16 @@ class StorageTierManager(StorageDispatch, StorageResults, SecondaryTierManager):
         self._gauges_into(stats)
 
     def _gauges_into(self, stats: metrics.OffloadingStats) -> None:
-        stats.set_gauge(self.BYTES_METRIC, self._ledger.on_medium, (self._label,))
+        labels, set_gauge = self._labels, stats.set_gauge
+        set_gauge(self.BYTES_METRIC, self._ledger.on_medium, labels)
         expired = self._lookups.expired
         if expired != self._expired_seen:
-            stats.increase_counter(PROBES_EXPIRED, expired - self._expired_seen, (self._label,))
+            stats.increase_counter(PROBES_EXPIRED, expired - self._expired_seen, labels)
             self._expired_seen = expired
-        stats.set_gauge(RING_DEPTH, self._pool.queued_jobs(), (self._label,))
-        stats.set_gauge(POOL_BROKEN, int(self._broken), (self._label,))
-        stats.set_gauge(COMPRESSION_ON, int(self._compression_on), (self._label,))
-        stats.set_gauge(PAGE_CACHE_BOUNDED, int(self._page_cache_bounded), (self._label,))
+        set_gauge(RING_DEPTH, self._pool.queued_jobs(), labels)
+        set_gauge(POOL_BROKEN, int(self._broken), labels)
+        set_gauge(COMPRESSION_ON, int(self._compression_on), labels)
+        set_gauge(PAGE_CACHE_BOUNDED, int(self._page_cache_bounded), labels)
 
     @classmethod
     def build_metric_definitions(cls, tier_config: dict[str, Any]) -> dict[str, Any]:
