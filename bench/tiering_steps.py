@@ -61,8 +61,9 @@ before the first run to after the last (shmtier/bench/busy.py); the method lines
 The parts live in the package (``shmtier bench`` ships them): shmtier/bench/baseline.py
 (which vLLM, its connector's calls), shmtier/bench/managers.py
 (building both managers), shmtier/bench/driver.py (one run: the driver and its timing),
-shmtier/bench/report.py (summaries and tables), shmtier/bench/goals.py (issue 14's goals,
-judged after a set with vLLM), shmtier/bench/trace.py (the trace),
+shmtier/bench/report.py (summaries and tables), shmtier/bench/goals.py (issue 14's goals
+and issue 29's per-step fixed costs, judged after a set with vLLM), shmtier/bench/trace.py
+(the trace),
 shmtier/bench/common.py (what every bench shares); this file is the command line.
 """
 
