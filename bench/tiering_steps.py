@@ -61,8 +61,9 @@ before the first run to after the last (shmtier/bench/busy.py); the method lines
 The parts live in the package (``shmtier bench`` ships them): shmtier/bench/baseline.py
 (which vLLM, its connector's calls), shmtier/bench/managers.py
 (building both managers), shmtier/bench/driver.py (one run: the driver and its timing),
-shmtier/bench/report.py (summaries and tables), shmtier/bench/goals.py (issue 14's goals,
-judged after a set with vLLM), shmtier/bench/trace.py (the trace),
+shmtier/bench/report.py (summaries and tables), shmtier/bench/goals.py (issue 14's goals
+and issue 29's per-step fixed costs, judged after a set with vLLM), shmtier/bench/trace.py
+(the trace),
 shmtier/bench/common.py (what every bench shares); this file is the command line.
 """
 
@@ -81,7 +82,7 @@ from shmtier.bench import baseline
 from shmtier.bench import trace as bench_trace
 from shmtier.bench.busy import BusyHost
 from shmtier.bench.common import exit_through_finally, rotated, write_json
-from shmtier.bench.goals import evaluate, format_goals
+from shmtier.bench.goals import FIXED_COSTS, evaluate, format_goals
 from shmtier.bench.driver import (Config, make_data_pool, run_once_more_on_stall,
                                   run_one)
 from shmtier.bench.managers import VARIANT_TOKENS, WORKER_SCHED, known_manager
@@ -306,7 +307,7 @@ def _runs(args, names, cfg, connector, vllm_note, trace, gen_s, capacity, data_p
     print("wrong KV served (loaded row differs from what its key stored, byte for byte): " + ", ".join(
         f"{label(n)} {wrong[n]} of {sum(s['verified'] for s in sums[n])}" for n in names))
 
-    goals = {}
+    goals, fixed_costs = {}, {}
     if "vllm" in names:
         for n in names:
             if n == "vllm":
@@ -315,6 +316,10 @@ def _runs(args, names, cfg, connector, vllm_note, trace, gen_s, capacity, data_p
             print(f"\nissue 14's goals, {label(n)} vs {label('vllm')} (ratio of the medians over runs; "
                   f"the spread: per run pair; bench/goals.py judges saved sets):")
             for line in format_goals(goals[n], label(n), label("vllm")):
+                print("  " + line)
+            fixed_costs[n] = evaluate(sums[n], sums["vllm"], FIXED_COSTS)
+            print(f"issue 29's per-step fixed costs, {label(n)} vs {label('vllm')} (the same rules):")
+            for line in format_goals(fixed_costs[n], label(n), label("vllm")):
                 print("  " + line)
     for stall in stalls:
         print(f"run {stall['run_no']} of {label(stall['manager'])} made no progress and was run "
@@ -326,7 +331,7 @@ def _runs(args, names, cfg, connector, vllm_note, trace, gen_s, capacity, data_p
                                "busy": busy.as_dict(),
                                "baseline": connector.as_dict(),
                                "trace": trace.summary(), "summaries": sums, "runs": raws,
-                               "stalls": stalls, "goals": goals},
+                               "stalls": stalls, "goals": goals, "fixed_costs": fixed_costs},
                    default=str)
         print(f"wrote {args.json}")
     return 0

@@ -146,6 +146,7 @@ class StorageTierManager(StorageDispatch, StorageResults, TierSeries, SecondaryT
         self._pool = offloading_spec.worker_pool
         self._tier = offloading_spec.tier_index_being_built
         self._label = f"{self._tier + 1}:{tier_type}"
+        self._labels = (self._label,)  # its series' label values
         # A store reserves its key's largest frame: the raw chunk (a frame is never
         # larger) and the frame header, with the MAC tag where frames carry one.
         mac = config.mac_secret is not None
@@ -261,6 +262,12 @@ class StorageTierManager(StorageDispatch, StorageResults, TierSeries, SecondaryT
         self._ledger.loads_sent(keys)
         self._load_queue.append((Promotion(job, len(keys)), keys, list(job.rows)))
 
+    def submit_between_steps(self) -> None:
+        """The shared round (``TierJobs``: hand all queued work to the pool), then the
+        misses past their time forgotten: while rounds come they purge, not the step."""
+        super().submit_between_steps()
+        self._lookups.purge()
+
     # --- results ---
 
     def drain_jobs(self) -> None:
@@ -291,23 +298,27 @@ class StorageTierManager(StorageDispatch, StorageResults, TierSeries, SecondaryT
                 or not (self._ledger.listed or self._broken))
 
     def on_schedule_end(self, context: ScheduleEndContext) -> None:
+        # a step without a round before it sends everything itself, and purges (a lookup
+        # checks a remembered miss's time itself: purging only bounds the memory)
         self._submit_at_step_end()
-        self._lookups.purge()
+        if not self._rounds_come:
+            self._lookups.purge()
 
     def take_events(self) -> Iterable[OffloadingEvent]:
         events, self._events = self._events, []
         return events
 
     def _gauges_into(self, stats: metrics.OffloadingStats) -> None:
-        stats.set_gauge(self.BYTES_METRIC, self._ledger.on_medium, (self._label,))
+        labels, set_gauge = self._labels, stats.set_gauge
+        set_gauge(self.BYTES_METRIC, self._ledger.on_medium, labels)
         expired = self._lookups.expired
         if expired != self._expired_seen:
-            stats.increase_counter(PROBES_EXPIRED, expired - self._expired_seen, (self._label,))
+            stats.increase_counter(PROBES_EXPIRED, expired - self._expired_seen, labels)
             self._expired_seen = expired
-        stats.set_gauge(RING_DEPTH, self._pool.queued_jobs(), (self._label,))
-        stats.set_gauge(POOL_BROKEN, int(self._broken), (self._label,))
-        stats.set_gauge(COMPRESSION_ON, int(self._compression_on), (self._label,))
-        stats.set_gauge(PAGE_CACHE_BOUNDED, int(self._page_cache_bounded), (self._label,))
+        set_gauge(RING_DEPTH, self._pool.queued_jobs(), labels)
+        set_gauge(POOL_BROKEN, int(self._broken), labels)
+        set_gauge(COMPRESSION_ON, int(self._compression_on), labels)
+        set_gauge(PAGE_CACHE_BOUNDED, int(self._page_cache_bounded), labels)
 
     @classmethod
     def build_metric_definitions(cls, tier_config: dict[str, Any]) -> dict[str, Any]:
