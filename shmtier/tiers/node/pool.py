@@ -315,7 +315,12 @@ class NodePool(Mutations):
         retries)."""
         h = key_hash(key)
         q, find = self.v.q, self.index.find
-        for n in range(LOOKUP_TRIES):
+        seq = q[H_SEQ]  # the first try, inline: the common case, no mutation under way
+        if not seq & 1:
+            found = find(key, h) >= 0
+            if q[H_SEQ] == seq:
+                return found
+        for n in range(1, LOOKUP_TRIES):
             seq = q[H_SEQ]
             if seq & 1:
                 if n == _YIELD_AT:

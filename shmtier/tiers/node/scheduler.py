@@ -277,7 +277,7 @@ class NodeTierManager(TierJobs, TierSeries, SecondaryTierManager):
             cascade.nbytes += sum(res.logical_bytes[start:end])
             self._settle(cascade, len(keys), stored == len(keys))
             start = end
-        reason = failure_reason(res.error)
+        reason = failure_reason(res.error) if failed else None
         if failed and reason != self._store_failure:
             self._store_failure = reason
             logger.warning("node tier %s: %d of %d chunks not stored in pool %s: %s (logged "
