@@ -159,7 +159,7 @@ def replica_main(conn, rank: int, n: int, engine_id: str, cfg: Config, tiers: li
                        "alloc_bytes": 0}  # the shared root is measured by the bench
         summary = summarise(res, cfg.chunk_bytes)
         keep = ("step_ns", "step_cpu_ns", "promo_ms", "promo_steps", "eligible", "loaded", "loaded_promoted",
-                "lookup_results", "calls", "num_chunks", "row_stride", "wrong_kv",
+                "lookup_results", "calls", "cpu_ns", "num_chunks", "row_stride", "wrong_kv",
                 "wrong_bytes", "verified", "deferrals")
         raw = {k: res[k] for k in keep}
         raw["promo_job_s"] = res["mstats"]["promo_job_s"]
@@ -321,7 +321,24 @@ def figures(run: dict) -> dict:
         "wrong_bytes": sum(r["wrong_bytes"] for r in raw),
         "abandoned": sum(r["summary"]["abandoned"] for r in reps),
         "wall_s": run["wall_s"], "build_s": run["build_s"],
+        **_per_kind_cpu(raw, len(steps_us)),
     }
+
+
+#: the manager calls whose on-CPU time the tables break down (per step and per call)
+CPU_KINDS = ("lookup", "prepare_store", "complete_store", "on_schedule_end", "get_stats")
+
+
+def _per_kind_cpu(raw: list, steps: int) -> dict:
+    """On-CPU µs of each of ``CPU_KINDS``: per step (mean over all replicas' steps) and
+    per call, pooled over the replicas."""
+    out = {}
+    for kind in CPU_KINDS:
+        ns = sum(r["cpu_ns"].get(kind, 0) for r in raw)
+        calls = sum(r["calls"].get(kind, 0) for r in raw)
+        out[f"cpu_step_{kind}"] = ns / 1e3 / steps if steps else None
+        out[f"cpu_call_{kind}"] = ns / 1e3 / calls if calls else None
+    return out
 
 
 ROWS = [  # (label, key, digits)
@@ -346,6 +363,10 @@ ROWS = [  # (label, key, digits)
     ("  slowest replica's p99 µs", "step_us_p99_worst", 1),
     ("  on-CPU part (thread_time around the same calls) p50 µs", "step_cpu_us_p50", 1),
     ("  on-CPU part p99 µs", "step_cpu_us_p99", 1),
+    ("on-CPU µs per step (mean) of the manager's calls", None, 0),
+    *((f"  {kind}", f"cpu_step_{kind}", 1) for kind in CPU_KINDS),
+    ("on-CPU µs per call", None, 0),
+    *((f"  {kind}", f"cpu_call_{kind}", 2) for kind in CPU_KINDS),
     ("memory", None, 0),
     ("  total MiB (CPU tiers + shared)", "memory_mib", 0),
     ("  KiB per hit", "memory_kib_per_hit", 1),

@@ -315,7 +315,12 @@ class NodePool(Mutations):
         retries)."""
         h = key_hash(key)
         q, find = self.v.q, self.index.find
-        for n in range(LOOKUP_TRIES):
+        seq = q[H_SEQ]  # the first try, inline: the common case, no mutation under way
+        if not seq & 1:
+            found = find(key, h) >= 0
+            if q[H_SEQ] == seq:
+                return found
+        for n in range(1, LOOKUP_TRIES):
             seq = q[H_SEQ]
             if seq & 1:
                 if n == _YIELD_AT:
@@ -325,6 +330,23 @@ class NodePool(Mutations):
             if q[H_SEQ] == seq:
                 return found
         return False
+
+    def lookup_many(self, keys) -> list[bool]:
+        """``lookup`` of each of ``keys`` under one seqlock bracket (the scheduler thread:
+        no lock, no wait): the answers of one read of the index when no mutation ran
+        meanwhile, else each key's own ``lookup`` (each answer as ``lookup``'s)."""
+        q, find = self.v.q, self.index.find
+        seq = q[H_SEQ]
+        if not seq & 1:
+            found = [find(key, key_hash(key)) >= 0 for key in keys]
+            if q[H_SEQ] == seq:
+                return found
+        lookup = self.lookup
+        return [lookup(key) for key in keys]
+
+    def used_rows(self) -> int:
+        """READY rows in the pool now, every engine's (lock-free: one header read)."""
+        return int(self.v.q[H_READY])
 
     def count_lookup(self, hits: int, lookups: int) -> None:
         """Add to this engine's lookup counters (its scheduler process only; lock-free)."""
@@ -350,7 +372,7 @@ class NodePool(Mutations):
             engines.append(entry)
         return {
             "pool": self.name, "rows": L.rows, "row_bytes": L.row_bytes,
-            "size_bytes": L.size_bytes, "used": int(q[H_READY]), "free": int(q[H_FREE_COUNT]),
+            "size_bytes": L.size_bytes, "used": self.used_rows(), "free": int(q[H_FREE_COUNT]),
             "writing": int(q[H_WRITING]), "dropped": int(q[H_DROPPED]),
             "pinned": int(np.count_nonzero(v.rows["pins"])), "pins": int(q[H_PINS]),
             "repairs": int(q[H_REPAIRS]), "evictions": int(q[H_EVICTIONS]),

@@ -71,8 +71,6 @@ NODE_FOUND = "vllm:kv_offload_shmtier_node_stores_found"
 NODE_REJECTED = "vllm:kv_offload_shmtier_node_stores_rejected"
 NODE_LOAD_MISSES = "vllm:kv_offload_shmtier_node_load_misses"
 
-# the pool's gauges (a read of its header and engine table) at most this often
-_GAUGES_EVERY_S = 1.0
 _DRAIN_S = 120.0
 # at most this share of the CPU tier's rows wait pinned for the tier's cascades
 _MAX_PINNED_FRACTION = 0.5
@@ -160,7 +158,6 @@ class NodeTierManager(TierJobs, TierSeries, SecondaryTierManager):
         self._pool_counts = PoolCounts(self._pool, self._tier, self._label)
         self._broken = False  # the worker pool is broken: MISS, and fail jobs at once
         self._lookups = self._hits = 0  # since the last step's count into the pool
-        self._gauges_at = 0.0
         self._pool_chunks = self._pool_bytes = 0
         self._detached = False
         self._store_failure: str | None = None  # the store failure last logged
@@ -182,10 +179,10 @@ class NodeTierManager(TierJobs, TierSeries, SecondaryTierManager):
         if self._broken:
             self._finished.append(JobResult(job.job_id, False))
             return
-        lookup = self._lookup
+        # one read of the pool's index for the job's keys; READY ones: nothing to copy
         keys, rows = [], []
-        for key, row in zip(job.keys, job.rows):
-            if not lookup(key):  # READY in the pool: nothing to copy
+        for key, row, ready in zip(job.keys, job.rows, self.node.lookup_many(job.keys)):
+            if not ready:
                 keys.append(key)
                 rows.append(row)
         found = len(job.keys) - len(keys)
@@ -280,7 +277,7 @@ class NodeTierManager(TierJobs, TierSeries, SecondaryTierManager):
             cascade.nbytes += sum(res.logical_bytes[start:end])
             self._settle(cascade, len(keys), stored == len(keys))
             start = end
-        reason = failure_reason(res.error)
+        reason = failure_reason(res.error) if failed else None
         if failed and reason != self._store_failure:
             self._store_failure = reason
             logger.warning("node tier %s: %d of %d chunks not stored in pool %s: %s (logged "
@@ -337,16 +334,14 @@ class NodeTierManager(TierJobs, TierSeries, SecondaryTierManager):
 
     @property
     def chunks_on_disk(self) -> int:
-        """Chunks the pool holds (every engine's), as of the last read of its gauges
-        (``shmtier top``'s CHUNKS of the tier)."""
+        """Chunks the pool holds (every engine's), as of the last stats read (``shmtier
+        top``'s CHUNKS of the tier)."""
         return self._pool_chunks
 
     def _gauges_into(self, stats: metrics.OffloadingStats) -> None:
         label = (self._label,)
-        now = time.monotonic()
-        if now >= self._gauges_at and not self._detached:
-            self._gauges_at = now + _GAUGES_EVERY_S
-            self._pool_chunks = self.node.stats()["used"]
+        if not self._detached:  # one header read (``NodePool.stats`` would walk the rows)
+            self._pool_chunks = self.node.used_rows()
             self._pool_bytes = self._pool_chunks * self.node.layout.row_bytes
         stats.set_gauge(NODE_BYTES, self._pool_bytes, label)
         stats.set_gauge(RING_DEPTH, self._pool.queued_jobs(), label)
