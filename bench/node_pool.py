@@ -490,6 +490,9 @@ def main(argv=None) -> int:
     if args.repeats < 1:
         ap.error("--repeats must be >= 1")
     exit_through_finally()  # SIGTERM/SIGHUP unwind through run_set's clean-up
+    # Ctrl-C raises KeyboardInterrupt even when started with SIGINT ignored (a background
+    # job of a non-interactive shell inherits SIG_IGN, and Python then installs no handler)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
     trace = bench_trace.make_trace(bench_trace.TraceParams(**trace_kw))
     cfg = Config(chunk_bytes=chunk_bytes, cpu_bytes=args.cpu_mib * MIB, step_ms=args.step_ms,

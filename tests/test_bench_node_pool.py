@@ -95,7 +95,8 @@ def test_a_tiny_run_reports_every_figure_checks_every_chunk_and_leaves_nothing(t
         assert f["verified"] > 0 and f["verified"] == f["hits"], (v, f)
         assert f["wrong_bytes"] == 0 and f["wrong_chunks"] == 0, (v, f)
         assert 0 < f["hit"] <= 1 and 0 <= f["hit_secondary"] <= f["hit"], (v, f)
-        assert f["step_us_p50"] <= f["step_us_p99"] <= f["step_us_p99_worst"], (v, f)
+        # the pooled p99 may pass the slowest replica's own p99 (interpolated percentiles)
+        assert 0 < f["step_us_p50"] <= f["step_us_p99"] and f["step_us_p99_worst"] > 0, (v, f)
         assert f["memory_kib_per_hit"] == pytest.approx(f["memory_mib"] * 1024 / f["hits"])
         memory.add(f["memory_mib"])
         # each replica stepped through its own half of the trace
