@@ -626,6 +626,65 @@ def test_a_listing_that_reports_the_reset_itself_loses_no_chunk_stored_meanwhile
     assert data[fs_tier.BYTES_ON_DISK][("1:fs",)] == sum(files.values())
 
 
+def test_a_store_answered_after_the_namespace_was_reset_is_probed_not_indexed(
+        engines, tmp_path):
+    """A cascade published into the namespace, which the operator then removed; another
+    worker's op reports the reset (the index dropped, the root listed again) before the
+    cascade's own answer comes. That answer describes files gone with the old
+    namespace: indexing them would leave indexed chunks without a file, which a listing
+    never removes (seen in the chaos run: "indexed chunks without a file: 2"). Its keys
+    are probed instead: MISS, and the index is what is on disk. Made deterministic here:
+    the real store answer of the real worker is held back until the reset was taken."""
+    import shutil
+
+    root = tmp_path / "root"
+    root.mkdir()
+    e = engines(root, chunks=16)
+    tier = e.manager.tiers[0]
+    e.settle()  # the start-up listing
+    pool = e.spec.worker_pool
+    real_take, held = pool.take, []
+
+    def holding(t):
+        got = real_take(t)
+        held.extend(r for r in got if tier._jobs.get(r.job_id, ("",))[0] == "store")
+        return [r for r in got if r not in held]
+
+    pool.take = holding
+    old = [key(i) for i in range(4)]
+    e.offload(old, 0, ReqContext("a"))
+    deadline = time.monotonic() + 20
+    while not held:
+        with e.manager.lock:
+            e.manager.on_schedule_end(END)
+        assert time.monotonic() < deadline, "the store was never answered"
+        time.sleep(0.005)
+    assert len(list(root.rglob("*.kv"))) == 4  # published, answer held back
+    shutil.rmtree(root)
+    root.mkdir()
+    pool.take = real_take  # from now on answers pass, the held one still waits
+    new = [key(10 + i) for i in range(4)]
+    e.offload(new, 4, ReqContext("b"))  # makes the namespace again: reset
+    while not all(k in tier._index for k in new):
+        with e.manager.lock:
+            e.manager.on_schedule_end(END)
+        assert time.monotonic() < deadline + 20, "the new store was never indexed"
+        time.sleep(0.005)
+    assert tier.namespace_resets >= 1
+
+    def late(t):
+        pool.take = real_take
+        return held + real_take(t)
+
+    pool.take = late  # the old answer arrives now, as a slow one would
+    e.settle()
+    files = _assert_index_is_the_disk(tier, root)
+    assert set(files) == set(new)
+    assert _tier_answers_settled(e, tier, old) == [MISS] * 4
+    data = e.manager.get_stats().data["data"]
+    assert data[fs_tier.BYTES_ON_DISK][("1:fs",)] == sum(files.values())
+
+
 def test_a_chunk_found_corrupt_while_the_listing_was_out_is_not_listed_back(engines, tmp_path):
     """A start-up listing walks past a chunk file; before its answer is taken, a lookup
     probes that chunk, a load finds it corrupt and the worker removes it. The listing

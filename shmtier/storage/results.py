@@ -26,7 +26,7 @@ from typing import Any
 
 from shmtier.contract import Medium, OffloadingEvent, OffloadKey
 from shmtier.scheduler.pool import PoolResult
-from shmtier.shared.jobs import Outcome, ResultFlag, failure_reason, free_bytes_in
+from shmtier.shared.jobs import SUCCESS, Outcome, ResultFlag, failure_reason, free_bytes_in
 from shmtier.storage.tier_metrics import CODEC_SECONDS, CORRUPT_CHUNKS, PROBE_HITS, STORED_RATIO
 from shmtier.storage.transfers import Cascade, Promotion, load_outcomes
 
@@ -52,6 +52,8 @@ class StorageResults:
                 # for this listing alone would lose those chunks from it (files on disk
                 # nobody indexed). The next listing sees them.
                 self._namespace_reset()
+                # this job's own outcomes describe the namespace it found: the new one
+                self._stores_across_reset.discard(res.job_id)
             if res.job_id == self._scan_id:
                 if res.error:  # the worker died or failed mid-listing: list again
                     self._scan_id = None
@@ -69,7 +71,10 @@ class StorageResults:
                 # the workers' compression-by-cost choice, as of this answer
                 self._compression_on = not res.flags & ResultFlag.COMPRESSION_OFF
                 self._page_cache_bounded = bool(res.flags & ResultFlag.PAGE_CACHE_BOUNDED)
-                self._finish_stores(res, what)
+                across = res.job_id in self._stores_across_reset
+                if across:
+                    self._stores_across_reset.discard(res.job_id)
+                self._finish_stores(res, what, across_reset=across)
             elif op == "load":
                 for share in load_outcomes(res, what):  # each tier job: its own keys' part
                     self._finish_load(*share)
@@ -81,13 +86,22 @@ class StorageResults:
                 self._finish_probes(res, what)
         self._note_pool_health()
 
-    def _finish_stores(self, res: PoolResult, carried: list) -> None:
+    def _finish_stores(self, res: PoolResult, carried: list, across_reset: bool = False) -> None:
         """Index the keys stored (written, or found there already) with their sizes;
         probe for the files of keys whose outcome is unknown (ERROR: the worker may have
-        died after publishing); send again, after evicting, what was refused for space."""
+        died after publishing); send again, after evicting, what was refused for space.
+        ``across_reset``: the job was in flight when a namespace reset was seen (another
+        worker's flag): a file it published before the old namespace was removed is gone
+        with it, and indexing it would leave an indexed chunk without a file (a listing
+        adds keys, never removes them); so its stored keys are probed like ERROR ones
+        (a file that is there is indexed by its probe). The cascade itself was written:
+        it succeeds, and its keys do not count as failures."""
         label = (self._label,)
         outcomes, sizes = res.outcomes, res.stored_bytes
         written = sum(size for code, size in zip(outcomes, sizes) if code == Outcome.OK)
+        was_stored = SUCCESS["store"]
+        if across_reset:
+            outcomes = [Outcome.ERROR if code in was_stored else code for code in outcomes]
         self._stats.increase_counter(STORED_RATIO, written, label)
         self._stats.increase_counter(CODEC_SECONDS, res.codec_s, label)
         answered = self._ledger.stores_answered
@@ -99,7 +113,9 @@ class StorageResults:
             end = start + len(keys)
             stored, again, unsure = answered(keys, outcomes, sizes, start)
             final = len(keys) - len(again)
-            failed += final - len(stored)
+            done = (sum(1 for code in res.outcomes[start:end] if code in was_stored)
+                    if across_reset else len(stored))
+            failed += final - done
             if unsure:
                 unknown.extend(unsure)
             cascade.seconds += sum(res.seconds[start:end])
@@ -110,7 +126,7 @@ class StorageResults:
                                                     ownership=self._label))
             if again:
                 refused.append((cascade, [keys[i] for i in again], [rows[i] for i in again]))
-            self._settle(cascade, final, final == len(stored))
+            self._settle(cascade, final, final == done)
             start = end
         if failed:
             self._note_store_failure(res, failed, bool(unknown))
@@ -276,9 +292,12 @@ class StorageResults:
         not on disk any more. Drop them (lookups MISS, not HIT then a failed load) and
         list the medium again (a listing in flight may predate the reset, and one that
         reports the reset itself may miss what other workers stored while it walked).
-        Jobs in flight keep their bookkeeping: their results describe the namespace as
-        it is now."""
+        Jobs in flight keep their bookkeeping; their results describe the namespace as
+        it is now, except what a store published before the removal: the store jobs in
+        flight now have their stored keys probed (``_finish_stores``, ``across_reset``)."""
         self.namespace_resets += 1
+        self._stores_across_reset.update(
+            job_id for job_id, (op, _what) in self._jobs.items() if op == "store")
         dropped = self._ledger.clear_index()
         if dropped and self._events_on:
             self._events.append(OffloadingEvent(dropped, Medium.STORAGE, removed=True,
