@@ -79,17 +79,39 @@ def test_foreign_trace_replays(tmp_path):
             bench_trace.read_jsonl(path)
 
 
+def _run(cmd, timeout, **kwargs) -> subprocess.CompletedProcess:
+    """``subprocess.run(cmd, capture_output=True, text=True)`` whose result also has the
+    process's ``pid``: the bench tags what it makes with it (``bench-ts-<pid>-``), so a
+    test checks its own leftovers, not those of another suite running beside it."""
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          **kwargs) as proc:
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except BaseException:
+            proc.kill()
+            proc.communicate()
+            raise
+    done = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+    done.pid = proc.pid
+    return done
+
+
+def _shm_of(*runs) -> list[str]:
+    """The /dev/shm entries (segments, semaphores) the bench processes ``runs`` made."""
+    tags = [f"bench-ts-{r.pid}-" for r in runs]
+    return [e for e in os.listdir("/dev/shm") if any(t in e for t in tags)]
+
+
 def _bench(tmp_path, *extra):
     env = dict(os.environ)
     env.pop("DISPLAY", None)
-    return subprocess.run([sys.executable, "-m", "shmtier", "bench", "--quick",
-                           "--out", str(tmp_path / "out"), "--dir", str(tmp_path), *extra],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
+    return _run([sys.executable, "-m", "shmtier", "bench", "--quick",
+                 "--out", str(tmp_path / "out"), "--dir", str(tmp_path), *extra],
+                240, cwd=REPO, env=env)
 
 
 def test_bench_quick_report(tmp_path):
     trace_file = tmp_path / "trace.jsonl"
-    shm_before = {e for e in os.listdir("/dev/shm") if "bench-ts-" in e}
     p = _bench(tmp_path, "--write-trace", str(trace_file))
     assert p.returncode == 0, p.stdout + p.stderr
     rep = json.loads((tmp_path / "out" / "report.json").read_text())
@@ -143,11 +165,10 @@ def test_bench_quick_report(tmp_path):
     # the trace it wrote replays the same run (shmtier alone, no plots: seconds)
     back = bench_trace.read_jsonl(trace_file)
     assert len(back.requests) == rep["trace"]["requests"]
-    p2 = subprocess.run([sys.executable, "-m", "shmtier", "bench", "--trace", str(trace_file),
-                         "--no-vllm", "--no-plots", "--no-limits", "--cpu-mib", "32",
-                         "--step-ms", "2", "--repeats", "1", "--out", str(tmp_path / "replay"),
-                         "--dir", str(tmp_path), "--busy", "1"],
-                        cwd=REPO, capture_output=True, text=True, timeout=120)
+    p2 = _run([sys.executable, "-m", "shmtier", "bench", "--trace", str(trace_file),
+               "--no-vllm", "--no-plots", "--no-limits", "--cpu-mib", "32",
+               "--step-ms", "2", "--repeats", "1", "--out", str(tmp_path / "replay"),
+               "--dir", str(tmp_path), "--busy", "1"], 120, cwd=REPO)
     assert p2.returncode == 0, p2.stdout + p2.stderr
     assert "1 busy process(es) at niceness 0" in p2.stdout  # the method line
     assert "busy host: 1 process spinning at niceness" in p2.stdout
@@ -159,7 +180,7 @@ def test_bench_quick_report(tmp_path):
     assert rep2["plots_text"] == "plots skipped: --no-plots" and rep2["limits"] is None
     assert "plots skipped" in (tmp_path / "replay" / "report.md").read_text()
     # every fs root and /dev/shm entry the runs made is gone
-    assert {e for e in os.listdir("/dev/shm") if "bench-ts-" in e} <= shm_before
+    assert _shm_of(p, p2) == []
     assert sorted(os.listdir(tmp_path)) == ["out", "replay", "trace.jsonl"]
 
 
