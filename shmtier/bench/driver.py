@@ -59,8 +59,8 @@ class Config:
     workers: int
     dir: str
     worker_sched: str = "default"
-    compression: str = "auto"
-    direct_io: bool | str = False
+    compression: str | None = None  # None: shmtier's default (``compression``)
+    direct_io: bool | str | None = None  # None: the fs tier's default (``direct_io``)
     write_depth: int | None = None  # None: the fs tier's default
     drain_timeout_s: float = 60.0
     max_extra_steps: int = 20_000
@@ -109,13 +109,37 @@ class _Req(DrivenRequest):
     self_evictions: int = 0  # such scans in a row that lost a hit of the scan before
 
 
-def _proc_cpu_s(pid: int) -> float | None:
+def _proc_cpu(pid: int) -> tuple[float, float] | None:
+    """(user, kernel) CPU seconds of process ``pid`` so far, all its threads (``utime``,
+    ``stime`` of /proc/<pid>/stat: the kernel splits the total by tick samples); None
+    once it is gone."""
     try:
         with open(f"/proc/{pid}/stat") as f:
             fields = f.read().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / CLK_TCK  # utime + stime
+        return int(fields[11]) / CLK_TCK, int(fields[12]) / CLK_TCK
     except (OSError, IndexError, ValueError):
         return None
+
+
+def _workers_cpu(mut: Mut, before: list, after: list) -> dict:
+    """The tier workers' CPU over the run per process kind: ``{lane: {"user", "sys",
+    "workers"}}`` (lanes of shmtier/shared/lanes.py: ``background``, ``promotion``)
+    from ``_proc_cpu`` samples of ``mut.worker_pids`` (in slot order) before and after.
+    A worker restarted in the run counts until it died (its successor is not sampled)."""
+    from shmtier.shared.lanes import worker_lane
+
+    n = len(mut.worker_pids)
+    options = getattr(getattr(mut.pool, "config", None), "options", None)
+    promotion = getattr(options, "promotion_workers", 0) or 0
+    out: dict[str, dict] = {}
+    for w, (a, b) in enumerate(zip(before, after)):
+        lane = out.setdefault(worker_lane(w, n, promotion),
+                              {"user": 0.0, "sys": 0.0, "workers": 0})
+        lane["workers"] += 1
+        if a is not None and b is not None:
+            lane["user"] += b[0] - a[0]
+            lane["sys"] += b[1] - a[1]
+    return out
 
 
 def _proc_status_mib(pid: int, field_: str = "RssAnon") -> float | None:
@@ -250,7 +274,7 @@ def drive(mut: Mut, trace, cfg, data_pool: np.ndarray, probe: StepProbe | None =
     except OSError:
         pass
     pids = list(mut.worker_pids)
-    w_cpu0 = [_proc_cpu_s(p) for p in pids]
+    w_cpu0 = [_proc_cpu(p) for p in pids]
     ru0 = resource.getrusage(resource.RUSAGE_SELF)
     cpu0, th0, wall0 = time.process_time(), time.thread_time(), time.perf_counter()
 
@@ -451,11 +475,12 @@ def drive(mut: Mut, trace, cfg, data_pool: np.ndarray, probe: StepProbe | None =
     cpu = time.process_time() - cpu0
     main_cpu = time.thread_time() - th0
     ru1 = resource.getrusage(resource.RUSAGE_SELF)
-    w_cpu1 = [_proc_cpu_s(p) for p in pids]
+    w_cpu1 = [_proc_cpu(p) for p in pids]
     alive = [p for p in getattr(mut.pool, "_procs", []) if p is not None]
-    workers_cpu = None
+    workers_cpu = workers_by_lane = None
     if pids:
-        workers_cpu = sum((b or 0) - (a or 0) for a, b in zip(w_cpu0, w_cpu1))
+        workers_by_lane = _workers_cpu(mut, w_cpu0, w_cpu1)
+        workers_cpu = sum(v["user"] + v["sys"] for v in workers_by_lane.values())
     rss = [_proc_rss_anon_mib(p.pid) for p in alive]
     worker_hwm = [_proc_status_mib(p.pid, "VmHWM") for p in alive]
     if sample_every:
@@ -482,7 +507,8 @@ def drive(mut: Mut, trace, cfg, data_pool: np.ndarray, probe: StepProbe | None =
         "manager_main_cpu_s": (sum(cpu_ns.values()) + drain_cpu_ns) / 1e9,
         "ru_user_s": ru1.ru_utime - ru0.ru_utime, "ru_sys_s": ru1.ru_stime - ru0.ru_stime,
         "ru_nvcsw": ru1.ru_nvcsw - ru0.ru_nvcsw, "ru_nivcsw": ru1.ru_nivcsw - ru0.ru_nivcsw,
-        "workers_cpu_s": workers_cpu, "worker_rss_anon_mib": rss,
+        "workers_cpu_s": workers_cpu, "workers_cpu_by_lane": workers_by_lane,
+        "worker_rss_anon_mib": rss,
         "worker_restarts": getattr(mut.pool, "restarts_total", None),
         "mstats": {"counters": dict(mstats["counters"]), "gauge_max": mstats["gauge_max"],
                    "promo_job_s": mstats["promo_job_s"]},
