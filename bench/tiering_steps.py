@@ -49,7 +49,8 @@ scheduler-process CPU goal) and for the whole process, the driver's own work inc
 Variants ``shmtier@TOKENS`` (interleaved with the others) change what shmtier's
 tier workers run with after they start: scheduling (``nice0``, ``batch0``, ...,
 see --worker-sched), compression (``raw`` = none, ``zstd``, ``zauto`` = auto), the fs tier's
-``direct_io`` (``dio``: "writes", O_DIRECT stores; ``buffered``: false), the fs tier's
+``direct_io`` (``dio``: "writes", O_DIRECT stores; ``dioauto``: "auto", both ways;
+``buffered``: false), the fs tier's
 lookup probes of unknown keys (``noprobe``: off, the behaviour before shared roots), the
 step-window poll thread (``nowindow``: off, every poll inside the steps),
 cascade admission (``second_touch``; the default is vLLM's write-through), the fs
@@ -91,7 +92,8 @@ from shmtier.bench.goals import GOALS, LONG_RUN_GOALS, evaluate, format_goals
 from shmtier.bench.driver import (Config, make_data_pool, run_once_more_on_stall,
                                   run_one)
 from shmtier.bench.managers import VARIANT_TOKENS, WORKER_SCHED, known_manager
-from shmtier.bench.report import label, print_kinds, print_slowest, print_table, summarise
+from shmtier.bench.report import (label, print_kinds, print_slowest, print_table, print_threads,
+                                  summarise)
 
 
 def main(argv=None) -> int:
@@ -103,8 +105,8 @@ def main(argv=None) -> int:
     ap.add_argument("--managers", default="shmtier,vllm",
                     help="comma-separated: shmtier, vllm, and shmtier@TOKENS variants, TOKENS "
                          "'+'-joined worker scheduling (--worker-sched values) and/or compression "
-                         "(raw = none, zstd, zauto = auto), dio / buffered (fs direct_io "
-                         "writes / false), pcN / pcauto / pcoff (fs page_cache_bytes N MiB, auto, "
+                         "(raw = none, zstd, zauto = auto), dio / dioauto / buffered (fs "
+                         "direct_io writes / auto / false), pcN / pcauto / pcoff (fs page_cache_bytes N MiB, auto, "
                          "null), laneN (tier_promotion_workers N), e.g. "
                          "shmtier,shmtier@nice0,shmtier@raw,shmtier@pc64,vllm; all interleaved")
     ap.add_argument("--long", action="store_true",
@@ -313,6 +315,7 @@ def _runs(args, names, cfg, connector, vllm_note, trace, gen_s, capacity, data_p
     print("\n=== results: median [min-max] over runs ===")
     print_table(sums, names)
     print_kinds(sums, names)
+    print_threads(sums, names)
     print_slowest(step_runs, names)
     for n in names:
         rss = [x for s in sums[n] for x in (s["worker_rss_anon_mib"] or []) if x is not None]

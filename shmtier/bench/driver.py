@@ -25,10 +25,12 @@ from __future__ import annotations
 import atexit
 import gc
 import os
+import re
 import resource
 import shutil
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from collections import Counter, deque
@@ -119,6 +121,36 @@ def _proc_cpu(pid: int) -> tuple[float, float] | None:
         return int(fields[11]) / CLK_TCK, int(fields[12]) / CLK_TCK
     except (OSError, IndexError, ValueError):
         return None
+
+
+def _threads_cpu() -> dict:
+    """Per live thread of this process: ``native_id -> (name, user s, kernel s)``
+    (/proc/self/task/<tid>/stat; Python names, as the OS names every thread "python")."""
+    out = {}
+    for t in threading.enumerate():
+        tid = t.native_id
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except (OSError, IndexError, TypeError):
+            continue
+        out[tid] = (t.name, int(fields[11]) / CLK_TCK, int(fields[12]) / CLK_TCK)
+    return out
+
+
+def _threads_delta(before: dict, after: dict) -> dict:
+    """CPU of this process's threads over the run by kind (the thread name without its
+    numbers, e.g. "ThreadPoolExecutor-_"): ``{kind: {"user", "sys", "threads"}}``; a
+    thread that ended within the run is missing (its CPU is in the process's total)."""
+    out: dict[str, dict] = {}
+    for tid, (name, user, sys_) in after.items():
+        _, user0, sys0 = before.get(tid, (name, 0.0, 0.0))
+        kind = re.sub(r"\d+", "", name)
+        v = out.setdefault(kind, {"user": 0.0, "sys": 0.0, "threads": 0})
+        v["user"] += user - user0
+        v["sys"] += sys_ - sys0
+        v["threads"] += 1
+    return out
 
 
 def _workers_cpu(mut: Mut, before: list, after: list) -> dict:
@@ -275,6 +307,7 @@ def drive(mut: Mut, trace, cfg, data_pool: np.ndarray, probe: StepProbe | None =
         pass
     pids = list(mut.worker_pids)
     w_cpu0 = [_proc_cpu(p) for p in pids]
+    threads0 = _threads_cpu()
     ru0 = resource.getrusage(resource.RUSAGE_SELF)
     cpu0, th0, wall0 = time.process_time(), time.thread_time(), time.perf_counter()
 
@@ -476,6 +509,7 @@ def drive(mut: Mut, trace, cfg, data_pool: np.ndarray, probe: StepProbe | None =
     main_cpu = time.thread_time() - th0
     ru1 = resource.getrusage(resource.RUSAGE_SELF)
     w_cpu1 = [_proc_cpu(p) for p in pids]
+    threads_cpu = _threads_delta(threads0, _threads_cpu())
     alive = [p for p in getattr(mut.pool, "_procs", []) if p is not None]
     workers_cpu = workers_by_lane = None
     if pids:
@@ -508,6 +542,7 @@ def drive(mut: Mut, trace, cfg, data_pool: np.ndarray, probe: StepProbe | None =
         "ru_user_s": ru1.ru_utime - ru0.ru_utime, "ru_sys_s": ru1.ru_stime - ru0.ru_stime,
         "ru_nvcsw": ru1.ru_nvcsw - ru0.ru_nvcsw, "ru_nivcsw": ru1.ru_nivcsw - ru0.ru_nivcsw,
         "workers_cpu_s": workers_cpu, "workers_cpu_by_lane": workers_by_lane,
+        "threads_cpu": threads_cpu,
         "worker_rss_anon_mib": rss,
         "worker_restarts": getattr(mut.pool, "restarts_total", None),
         "mstats": {"counters": dict(mstats["counters"]), "gauge_max": mstats["gauge_max"],

@@ -85,8 +85,8 @@ WORKER_SCHED = {
 ADMISSION_TOKENS = ("second_touch",)
 #: compression modes a variant may name (``compression``)
 COMPRESSION_TOKENS = {"raw": "none", "zstd": "zstd", "zauto": "auto"}
-#: the fs tier's ``direct_io`` a variant may name: O_DIRECT stores, or buffered both ways
-DIRECT_IO_TOKENS = {"dio": "writes", "buffered": False}
+#: the fs tier's ``direct_io`` a variant may name: O_DIRECT stores, both ways, or buffered
+DIRECT_IO_TOKENS = {"dio": "writes", "dioauto": "auto", "buffered": False}
 #: every token of ``shmtier@TOKENS``
 VARIANT_TOKENS = (*WORKER_SCHED, *COMPRESSION_TOKENS, *DIRECT_IO_TOKENS, "noprobe", "nowindow",
                   *ADMISSION_TOKENS)
@@ -151,7 +151,7 @@ def sched_of(pid: int) -> str:
 def make_shmtier(cfg, root: str, engine_id: str, variant: str = "") -> Mut:
     """``variant``: '+'-joined tokens, each a WORKER_SCHED key, a compression mode
     (``raw`` = "none", ``zstd``, ``zauto`` = "auto"), the fs tier's ``direct_io`` (``dio``:
-    "writes", O_DIRECT stores; ``buffered``: false), ``noprobe`` (the fs tier's ``probe_unknown`` off: a key
+    "writes", O_DIRECT stores; ``dioauto``: "auto", both ways; ``buffered``: false), ``noprobe`` (the fs tier's ``probe_unknown`` off: a key
     its index does not know is a MISS at once, as before shared roots), ``nowindow`` (no
     step-window poll thread: ``tier_poll_window`` 0, every poll inside the steps), a
     cascade admission rule (``second_touch``; default: write-through), ``pcN`` / ``pcauto`` /

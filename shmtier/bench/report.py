@@ -90,6 +90,7 @@ def summarise(res: dict, chunk_bytes: int) -> dict:
     s["page_cache_bounded"] = ms["gauge_max"].get(PAGE_CACHE_BOUNDED)
     s.update(cascade_yield(ms["counters"], disk, s["hit_fs"], res.get("row_stride") or chunk_bytes))
     s.update(cpu_per_kind(s, res.get("workers_cpu_by_lane")))
+    s["threads_cpu"] = res.get("threads_cpu")  # the scheduler process's threads by kind
     # fs unbounded: one file per distinct chunk ever cascaded
     s["cascaded_read_back"] = (res["read_back_keys"] / d["chunk_files"]
                                if d["chunk_files"] and "read_back_keys" in res else None)
@@ -370,3 +371,23 @@ def print_slowest(step_runs: dict, names: list) -> None:
               "the group's wall; faults, switches: per step, inside the timed calls)")
         for line in format_table(attribute(runs)):
             print("  " + line)
+
+
+def print_threads(sums: dict, names: list) -> None:
+    """The scheduler process's CPU by thread kind (the driver's ``threads_cpu``), user /
+    kernel seconds, median over runs; the main thread is the driver and the manager's
+    calls together."""
+    print("\nscheduler process CPU by thread (median over runs: user s / kernel s, threads)")
+    for n in names:
+        runs = [s["threads_cpu"] for s in sums[n] if s.get("threads_cpu")]
+        if not runs:
+            continue
+        kinds = sorted({k for r in runs for k in r})
+        cells = []
+        for k in kinds:
+            user = statistics.median(r[k]["user"] if k in r else 0.0 for r in runs)
+            sys_ = statistics.median(r[k]["sys"] if k in r else 0.0 for r in runs)
+            threads = max(r[k]["threads"] if k in r else 0 for r in runs)
+            cells.append(f"{k} {user:.2f}/{sys_:.2f} ({threads})")
+        print(f"  {label(n)}: " + "; ".join(cells))
+
