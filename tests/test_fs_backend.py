@@ -1010,15 +1010,20 @@ def _needs_o_direct(path) -> None:
 
 
 @pytest.mark.parametrize("fsync", [False, True])
-def test_direct_writes_keep_several_files_in_flight_and_round_trip(tmp_path, fsync):
+@pytest.mark.parametrize("mode, mac_key", [("auto", None), ("none", None), ("none", MAC_KEY)])
+def test_direct_writes_keep_several_files_in_flight_and_round_trip(tmp_path, fsync, mode,
+                                                                   mac_key):
     """``direct_io="writes"``: stores go O_DIRECT with ``write_depth`` files in flight on
     I/O threads, loads stay buffered. A batch of 13 chunks of mixed sizes (compressible
-    and not) returns only once every file is published: each file is its frame exactly,
-    no temp file is left, the counters and per-key sizes are the files', and the bytes
-    load back exactly. The job loop is told to hand over ``write_depth`` keys at once."""
+    and not; with compression "none" every frame raw, encoded straight into the write's
+    buffer, with a MAC tag or not) returns only once every file is published: each file
+    is its frame exactly, no temp file is left, the counters and per-key sizes are the
+    files', and the bytes load back exactly. The job loop is told to hand over
+    ``write_depth`` keys at once."""
     _needs_o_direct(tmp_path)
     b = FsBackend(str(tmp_path), "direct-writes", min_free_bytes=0, direct_io="writes",
-                  write_depth=4, fsync=fsync)
+                  write_depth=4, fsync=fsync, codec_config=CompressionConfig(mode=mode),
+                  mac_key=mac_key)
     assert (b.direct_writes, b.direct_io, b.writes_in_flight) == (True, False, 4)
     rng = np.random.default_rng(9)
     src = np.concatenate([bf16_normal(rng, 7 * 12288).reshape(7, 12288),
@@ -1027,10 +1032,14 @@ def test_direct_writes_keep_several_files_in_flight_and_round_trip(tmp_path, fsy
     res = b.store(keys, list(range(13)), src, 12288)
     assert res.outcomes == [OK] * 13, res.details
     sizes = {k: os.path.getsize(b.path_for(k)) for k in keys}
-    assert res.stored_bytes == [sizes[k] for k in keys] and len(set(sizes.values())) > 1
-    for key in keys:
+    assert res.stored_bytes == [sizes[k] for k in keys]
+    assert (len(set(sizes.values())) == 1) == (mode == "none")
+    raw_encoder = ChunkEncoder(CompressionConfig(mode="none"), mac_key=mac_key)
+    for i, key in enumerate(keys):
         data = open(b.path_for(key), "rb").read()
         assert len(data) == parse_frame_header(memoryview(data)).frame_size
+        if mode == "none":  # the frame encode makes, byte for byte
+            assert data == b"".join(bytes(p) for p in raw_encoder.encode(src[i].data, key, 2)[0])
     assert not list(tmp_path.rglob("*.tmp"))
     assert b.counters.files_written == 13 and b.counters.bytes_on_disk == sum(sizes.values())
     out = np.zeros_like(src)
