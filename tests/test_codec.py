@@ -599,6 +599,39 @@ def test_encode_raw_into_writes_the_raw_frame_encode_makes(size, mode, mac_key):
     assert short == b"\xee" * (len(want) - 1)
 
 
+@pytest.mark.parametrize("mac_key", [None, MAC_KEY])
+@pytest.mark.parametrize("mode", MODES)
+def test_decode_copying_decodes_as_decode_into_and_refuses_the_same(mode, mac_key):
+    """``decode_copying`` (the fs tier's O_DIRECT loads: a raw frame copied into the row
+    while checksummed) gives the bytes ``decode_into`` gives, for every codec; the header
+    checks come first (a wrong key writes nothing); a flipped payload bit of a raw frame
+    is "checksum" (the row then holds unverified bytes, not to be published), and a
+    forged tag "mac"."""
+    raw = bf16_normal(300 * KIB + 6, seed=8)
+    enc = ChunkEncoder(CompressionConfig(mode=mode), mac_key=mac_key)
+    frame, _ = encode(raw, encoder=enc)
+    dec = ChunkDecoder(mac_key=mac_key)
+    out = bytearray(len(raw))
+    stats = dec.decode_copying(memoryview(frame), KEY, memoryview(out))
+    assert out == raw and stats.raw_bytes == len(raw) and stats.stored_bytes == len(frame)
+    out = bytearray(b"\xaa" * len(raw))
+    with pytest.raises(CorruptChunkError) as ei:
+        dec.decode_copying(memoryview(frame), bytes(36), memoryview(out))
+    assert ei.value.reason == "key" and out == b"\xaa" * len(raw)
+    hs = frame_header_size(len(KEY), mac=bool(mac_key))
+    for pos in (hs, len(frame) - 1):
+        with pytest.raises(CorruptChunkError) as ei:
+            dec.decode_copying(memoryview(flip(frame, pos)), KEY, memoryview(out))
+        assert ei.value.reason == "checksum"
+    if mac_key is not None and mode == "none":
+        forged, _ = encode(bf16_normal(len(raw), seed=9),
+                           encoder=ChunkEncoder(CompressionConfig(mode="none"),
+                                                mac_key=OTHER_MAC_KEY))
+        with pytest.raises(CorruptChunkError) as ei:
+            dec.decode_copying(memoryview(forged), KEY, memoryview(out))
+        assert ei.value.reason == "mac"
+
+
 def test_a_forged_frame_is_served_without_a_key_and_refused_with_one(frames):
     """The issue: CRCs authenticate nothing. Anyone who can write the medium builds, with
     the encoder, a valid frame for a key with other bytes; a reader without a key serves

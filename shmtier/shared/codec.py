@@ -640,6 +640,27 @@ class ChunkDecoder:
             merge(hi, lo, omv)
         return DecodeStats(h.raw_len, fmv.nbytes, time.perf_counter() - t0, h.codec)
 
+    def decode_copying(self, frame: memoryview, key: bytes, out: memoryview) -> DecodeStats:
+        """:meth:`decode_into`, but a raw frame's payload is copied into ``out`` while it is
+        checksummed (one pass, ``copy_crc32c``) and judged after: for a reader whose frame
+        sits in a buffer of its own (the fs tier's O_DIRECT loads), one pass over the chunk
+        where a check and then a copy make two. The same checks in the same order; on a
+        :class:`CorruptChunkError` of a raw frame ``out`` holds the frame's unverified bytes
+        and must not be published (as with :meth:`decode_raw_in_place`). Other codecs are
+        :meth:`decode_into`'s."""
+        t0 = time.perf_counter()
+        fmv = _byte_view(frame, what="frame")
+        omv = _byte_view(out, writable=True, what="out")
+        h = parse_frame_header(fmv)
+        if h.codec != "raw":
+            return self.decode_into(fmv, key, omv)
+        self._check_header(h, key, fmv.nbytes, omv.nbytes)
+        payload = fmv[h.header_size:]
+        if (copy_crc32c(omv, payload) if payload.nbytes else crc32c(payload)) != h.checksum:
+            raise CorruptChunkError("checksum", "raw bytes CRC mismatch")
+        self._authenticate(fmv, payload, h)
+        return DecodeStats(h.raw_len, fmv.nbytes, time.perf_counter() - t0, h.codec)
+
     def decode_raw_in_place(self, head: memoryview, key: bytes, out: memoryview,
                             frame_size: int) -> DecodeStats | None:
         """Verify a raw frame whose payload was read straight into ``out`` (the
