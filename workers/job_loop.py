@@ -8,8 +8,9 @@ Runs in: one tier worker process (spawned by the pool, or started by
     join segment (geometry from its header) ─▶ set its priority by its lane (below)
       ─▶ attach rings of worker i ─▶ claim slot i
     loop: owner generation still mine? else exit (see below)
-          jobs.get_many(≤ 128): a non-blocking take every 0.5 ms while jobs came
-          in the last 0.25 s, else a sleep in the semaphore (heartbeat timeout)
+          jobs.get_many(≤ 128): a non-blocking take every 0.5 ms (2 ms in a background
+          worker of a pool with a promotion lane) while jobs came in the last 0.25 s,
+          else a sleep in the semaphore (heartbeat timeout)
           beat(); owner generation still mine? else exit
           decode all (malformed → error result, keep running) into the queue, loads first
           for each queued job:
@@ -121,6 +122,11 @@ _BATCH = 128  # jobs taken per wake-up: the whole ring, so a load can overtake t
 # wake-ups"). Idle longer, it sleeps in the semaphore.
 _POLL_S = 0.0005
 _POLL_WINDOW_S = 0.25
+# ...but a background worker whose pool has a promotion lane polls every _BACKGROUND_POLL_S:
+# it takes only stores and deletes, which nobody waits on, and each poll's wake-up costs
+# CPU (~1,500 a second at _POLL_S: ~2.5% of a core in the sleeps alone; bench/README.md,
+# "Cost per byte over a long run").
+_BACKGROUND_POLL_S = 0.002
 # A worker this far behind on stores (chunk bytes of the store jobs it holds, the one in
 # hand included) is behind: in codec mode "auto" it then stores whichever of raw and
 # compressed frames costs it less time per byte (shared/codec_choice.py): a waiting cascade
@@ -519,7 +525,9 @@ def run_worker(engine_id: str, index: int, generation: int | None = None) -> int
         # tick or on an idle core. The promotion lane keeps the engine's priority: a waiting
         # request needs its loads and probes, and other work on a busy host must not starve
         # them (docs/architecture.md, "Tier worker lanes").
-        _set_priority(config, index)
+        lane = _set_priority(config, index)
+        poll_s = (_BACKGROUND_POLL_S if lane == BACKGROUND and config.options.promotion_workers
+                  else _POLL_S)
         rings = RingSet.attach(segment.name, segment.rings, worker=index)
         if generation is None:
             mine[0] = segment.owner_generation()
@@ -551,7 +559,7 @@ def run_worker(engine_id: str, index: int, generation: int | None = None) -> int
             batch = me.jobs.get_many(_BATCH, timeout_s=0)
             if not batch:
                 if time.monotonic() - last_job < _POLL_WINDOW_S:
-                    time.sleep(_POLL_S)
+                    time.sleep(poll_s)
                 else:
                     batch = me.jobs.get_many(_BATCH, timeout_s=config.heartbeat_interval_s)
             check_owner()  # jobs taken for a stale owner are left unrun
