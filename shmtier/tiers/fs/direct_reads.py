@@ -33,10 +33,8 @@ from __future__ import annotations
 import queue
 from concurrent.futures import Future, ThreadPoolExecutor
 
+from shmtier.tiers.fs.config import READ_DEPTH
 from shmtier.tiers.fs.fileio import PageBuffer, close_quietly, read_direct
-
-#: O_DIRECT reads a tier worker keeps in flight (the job loop's load slices hold 8 keys)
-READ_DEPTH = 8
 
 
 class DirectRead:
