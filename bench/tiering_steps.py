@@ -288,6 +288,16 @@ def _runs(args, names, cfg, connector, vllm_note, trace, gen_s, capacity, data_p
     sums = {n: [] for n in names}
     raws = {n: [] for n in names}
     step_runs = {n: [] for n in names}  # per-step lists, for print_slowest
+
+    def save(extra: dict) -> None:
+        """The JSON (``--json``) of the runs so far: written after every run (``partial``:
+        true, with each run's load average), so a bench stopped midway (minutes a run
+        with ``--long``) keeps what it measured; then once more with the goals."""
+        write_json(args.json, {"bench": "tiering_steps", "args": vars(args), "vllm": vllm_note,
+                               "busy": busy.as_dict(), "baseline": connector.as_dict(),
+                               "trace": trace.summary(), "summaries": sums, "runs": raws,
+                               "stalls": stalls, "partial": True, **extra}, default=str)
+
     run_no = 0
     stalls: list[dict] = []  # runs that made no progress (each run again once)
     for r in range(args.repeats):
@@ -299,6 +309,9 @@ def _runs(args, names, cfg, connector, vllm_note, trace, gen_s, capacity, data_p
                             if k not in ("step_ns", "step_cpu_ns", "step_kinds", "step_lookups", "slow",
                                          "wake_late_ns")})
             step_runs[n].append({k: res[k] for k in ("step_ns", "step_cpu_ns", "step_kinds", "slow")})
+            s["load_avg_after"] = os.getloadavg()[0]
+            if args.json:
+                save({})
             print(f"  run {r + 1}/{args.repeats} {label(n):>14}: {s['steps']} steps, step p50 "
                   f"{s['step_us_p50']:.0f} µs p99 {s['step_us_p99']:.0f} µs, promotion p50 "
                   f"{s['promo_ms_p50'] or 0:.0f} ms, deferral p99 {s['defer_p99']} steps, process CPU "
@@ -346,12 +359,7 @@ def _runs(args, names, cfg, connector, vllm_note, trace, gen_s, capacity, data_p
     print(f"load avg at end {os.getloadavg()[0]:.2f}")
 
     if args.json:
-        write_json(args.json, {"bench": "tiering_steps", "args": vars(args), "vllm": vllm_note,
-                               "busy": busy.as_dict(),
-                               "baseline": connector.as_dict(),
-                               "trace": trace.summary(), "summaries": sums, "runs": raws,
-                               "stalls": stalls, "goals": goals},
-                   default=str)
+        save({"goals": goals, "partial": False})
         print(f"wrote {args.json}")
     return 0
 
