@@ -1,5 +1,6 @@
 #!/usr/bin/env python
-"""Issue 14's goals (issue 29's long-run goals for ``--long`` sets) judged over saved tiering_steps.py sets.
+"""Issue 14's goals (issue 29's long-run goals for ``--long`` sets), and issue 29's per-step
+fixed costs, judged over saved tiering_steps.py sets.
 
 Run from a checkout::
 
@@ -21,7 +22,7 @@ import json
 import sys
 
 from shmtier.bench.baseline import saved_baseline
-from shmtier.bench.goals import GOALS, LONG_RUN_GOALS, evaluate, format_goals
+from shmtier.bench.goals import FIXED_COSTS, GOALS, LONG_RUN_GOALS, evaluate, format_goals
 
 #: the arguments that make two sets the same experiment (trace and sizes)
 SAME_SET_ARGS = ("long", "chunk_kib", "cpu_mib", "workload", "conversations", "requests", "zipf",
@@ -75,6 +76,9 @@ def main(argv=None) -> int:
     column = exp["baseline"].removesuffix(" TieringOffloadingSpec")
     goals = LONG_RUN_GOALS if long else GOALS
     for line in format_goals(evaluate(shm, vllm, goals), args.manager, column):
+        print("  " + line)
+    print("issue 29's per-step fixed costs (the same rules):")
+    for line in format_goals(evaluate(shm, vllm, FIXED_COSTS), args.manager, column):
         print("  " + line)
     return 0
 

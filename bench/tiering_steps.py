@@ -68,8 +68,9 @@ tier, 5 ms steps), ~2 minutes a run; its verdict is issue 29's long-run goals
 The parts live in the package (``shmtier bench`` ships them): shmtier/bench/baseline.py
 (which vLLM, its connector's calls), shmtier/bench/managers.py
 (building both managers), shmtier/bench/driver.py (one run: the driver and its timing),
-shmtier/bench/report.py (summaries and tables), shmtier/bench/goals.py (issue 14's goals,
-judged after a set with vLLM), shmtier/bench/trace.py (the trace),
+shmtier/bench/report.py (summaries and tables), shmtier/bench/goals.py (issue 14's goals
+and issue 29's per-step fixed costs, judged after a set with vLLM), shmtier/bench/trace.py
+(the trace),
 shmtier/bench/common.py (what every bench shares); this file is the command line.
 """
 
@@ -88,7 +89,7 @@ from shmtier.bench import baseline
 from shmtier.bench import trace as bench_trace
 from shmtier.bench.busy import BusyHost
 from shmtier.bench.common import exit_through_finally, rotated, write_json
-from shmtier.bench.goals import GOALS, LONG_RUN_GOALS, evaluate, format_goals
+from shmtier.bench.goals import FIXED_COSTS, GOALS, LONG_RUN_GOALS, evaluate, format_goals
 from shmtier.bench.driver import (Config, make_data_pool, run_once_more_on_stall,
                                   run_one)
 from shmtier.bench.managers import VARIANT_TOKENS, WORKER_SCHED, known_manager
@@ -342,7 +343,7 @@ def _runs(args, names, cfg, connector, vllm_note, trace, gen_s, capacity, data_p
     print("wrong KV served (loaded row differs from what its key stored, byte for byte): " + ", ".join(
         f"{label(n)} {wrong[n]} of {sum(s['verified'] for s in sums[n])}" for n in names))
 
-    goals = {}
+    goals, fixed_costs = {}, {}
     if "vllm" in names:
         for n in names:
             if n == "vllm":
@@ -353,13 +354,17 @@ def _runs(args, names, cfg, connector, vllm_note, trace, gen_s, capacity, data_p
                   f"the spread: per run pair; bench/goals.py judges saved sets):")
             for line in format_goals(goals[n], label(n), label("vllm")):
                 print("  " + line)
+            fixed_costs[n] = evaluate(sums[n], sums["vllm"], FIXED_COSTS)
+            print(f"issue 29's per-step fixed costs, {label(n)} vs {label('vllm')} (the same rules):")
+            for line in format_goals(fixed_costs[n], label(n), label("vllm")):
+                print("  " + line)
     for stall in stalls:
         print(f"run {stall['run_no']} of {label(stall['manager'])} made no progress and was run "
               f"again (not in the figures): {stall['error']}")
     print(f"load avg at end {os.getloadavg()[0]:.2f}")
 
     if args.json:
-        save({"goals": goals, "partial": False})
+        save({"goals": goals, "fixed_costs": fixed_costs, "partial": False})
         print(f"wrote {args.json}")
     return 0
 

@@ -73,7 +73,9 @@ def main(argv: list[str] | None = None) -> int:
         ls = sub.add_parser(name, aliases=aliases,
                             help="list shmtier segments on this host (alias: segments)",
                             description="List shmtier segments on this host: owner alive "
-                            "or stale, geometry, rows used, tier workers, tiers. Exit code 0.")
+                            "or stale, geometry, rows used, tier workers, tiers; then what "
+                            "tiers keep beside them (node pools: the engines using each, "
+                            "their hit rates). Exit code 0.")
         ls.add_argument("--json", action="store_true", help="print JSON")
     top = sub.add_parser("top", help="live view of one engine's segment (read-only)",
                          description="A live view of one engine's segment: rows by state, "

@@ -236,7 +236,7 @@ class TierEntryKeys(Options):
 
     type: str = option(
         REQUIRED, text(),
-        doc='"fs", "obj", "p2p", "example" (their keys below), a registered type, or the '
+        doc='"fs", "obj", "p2p", "node", "example" (their keys below), a registered type, or the '
             "class name of an out-of-tree tier with module_path (every other key goes to its "
             "constructor)")
     module_path: str | None = option(

@@ -59,7 +59,7 @@ class TieringOffloadingSpec:
         self.chunk_payload_bytes = self.geometry.page_size_per_worker * self.geometry.world_size
         self.tiering_config = TieringConfig.from_extra_config(
             extra_config, TierContext(self.chunk_payload_bytes, self.primary_config.key_width,
-                                      data_parallel_index))
+                                      data_parallel_index, engine_id))
         self.pool_config = self._pool_config()
         # Set while get_manager builds tiers; a worker-backed tier's scheduler half reads
         # them in its constructor: the pool that runs its jobs and its own index.

@@ -8,7 +8,10 @@ ANSI escapes (no curses, no extra dependency); ``--once`` prints one frame (two 
 object per frame, one per line when live). A tier type that reports more than the
 segment holds (a ``status`` tool in its registry entry, ``shmtier/tiers/registry.py``:
 the p2p tier's endpoint sessions, from a status file the endpoint rewrites each second)
-adds its entries under its type's name, and their lines to the text. The scheduler's statistics (per tier: chunks, bytes,
+adds its entries under its type's name, and their lines to the text; the text of ``ls`` ends
+with what a tier type keeps on the host beside the segments (``TierStatus.host``: the node
+tier's pools, each with the engines that use it and their hit rates; ``ls --json`` stays
+the segments' list). The scheduler's statistics (per tier: chunks, bytes,
 lookups, hits, promotions, cascades, backpressure drops, evictions) come from the
 segment's stats area, which the scheduler publishes as it steps
 (``shmtier/scheduler/stats_publisher.py``); hit rates are shown since the scheduler
@@ -41,7 +44,7 @@ def _tiers_words(s: Snapshot) -> str:
         if t.type is None:
             words.append(f"tier{t.index}")
             continue
-        where = t.where.get("root_dir") or t.where.get("bucket") or ""
+        where = t.where.get("root_dir") or t.where.get("bucket") or t.where.get("pool") or ""
         words.append(f"{t.type}" + (f"({where})" if where else ""))
     return ",".join(words)
 
@@ -215,9 +218,24 @@ def frame_text(cur: Snapshot, prev: Snapshot | None, status_tools: list | None =
     return "\n".join(lines)
 
 
+def host_text(status_tools: list | None = None) -> str:
+    """``shmtier ls``'s lines after the segments: what each tier type keeps on the host
+    beside them (``TierStatus.host``: the node tier's pools, with the engines that use
+    each and their hit rates); "" when nothing."""
+    lines = []
+    for tool in registry.status_tools() if status_tools is None else status_tools:
+        for entry in tool.host():
+            lines.extend(tool.lines(entry))
+    return "\n".join(lines)
+
+
 def run_ls(as_json: bool) -> int:
     snaps = snapshots()
-    print(json.dumps(ls_rows(snaps), indent=2) if as_json else ls_text(snaps))
+    if as_json:
+        print(json.dumps(ls_rows(snaps), indent=2))
+        return 0
+    more = host_text()
+    print(ls_text(snaps) + (f"\n\n{more}" if more else ""))
     return 0
 
 

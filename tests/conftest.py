@@ -15,6 +15,8 @@ from shmtier.shared import codec_choice
 from shmtier.shared.ring_tools import ring_semaphore_segment
 from shmtier.shared.segment import NAME_PREFIX
 from shmtier.shared.segment_tools import list_segments
+from shmtier.tiers.node.layout import pool_of
+from shmtier.tiers.node.tools import list_pools
 
 SHM_DIR = "/dev/shm"
 VLLM_TESTS = Path(__file__).parent / "vllm"
@@ -41,17 +43,26 @@ def _shmtier_entries() -> set[str]:
 
 
 def _leaks(entries: set[str]) -> set[str]:
-    """The entries (segments and their ring semaphores) among ``entries`` that this
-    session leaked: those whose segment this process holds (whatever its name), and those
-    named with ``SESSION_PREFIX`` unless another live process holds their segment (a
+    """The entries (segments and their ring semaphores, node pools) among ``entries`` that
+    this session leaked: those whose segment this process holds (whatever its name), and
+    those named with ``SESSION_PREFIX`` unless another live process holds their segment (a
     child of this session still winding down) - a dead holder there is a killed child or
-    a crashed worker of this session. Another suite's entries on the same host (another
-    prefix) are never judged, even when their holder is dead."""
+    a crashed worker of this session. A node pool counts when this process is an engine in
+    it, or when its pool name has ``SESSION_PREFIX`` and no live engine is in it. Another
+    suite's entries on the same host (another prefix) are never judged, even when their
+    holder is dead."""
     me = os.getpid()
     status = {s.name.lstrip("/"): s for s in list_segments()}
+    pools = {p.pool: p for p in list_pools()}
     ours = NAME_PREFIX + SESSION_PREFIX
     leaked = set()
     for entry in entries:
+        pool = pool_of(entry)
+        if pool is not None:  # a node pool: judged by the live engines in it
+            live = [pid for _, pid, alive in pools[pool].engines if alive] if pool in pools else []
+            if me in live or (pool.startswith(SESSION_PREFIX) and not live):
+                leaked.add(entry)
+            continue
         segment = entry if entry.startswith(NAME_PREFIX) else ring_semaphore_segment(entry)
         held = status.get(segment) if segment else None
         if held is not None and held.alive:

@@ -1,5 +1,5 @@
-"""Issue 14's goal table (shmtier/bench/goals.py) and bench/goals.py over saved sets: fixed
-summaries in, verdicts out."""
+"""Issue 14's goal table and issue 29's per-step fixed costs (shmtier/bench/goals.py), and
+bench/goals.py over saved sets: fixed summaries in, verdicts out."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from shmtier.bench.goals import GOALS, evaluate, format_goals, whole_run_cpu_s
+from shmtier.bench.goals import FIXED_COSTS, GOALS, evaluate, format_goals, whole_run_cpu_s
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -77,6 +77,34 @@ def test_a_figure_a_run_lacks_is_na_not_a_verdict():
     assert "n/a" in lines and "NOT MET" not in lines
 
 
+def per_step(get_stats: float, on_schedule_end: float, cpu_share: float = 0.8) -> dict:
+    """The per-kind µs per step a summary carries (wall; on-CPU ``cpu_share`` of it)."""
+    wall = {"get_stats": get_stats, "on_schedule_end": on_schedule_end}
+    return {"per_kind_us_per_step": wall,
+            "per_kind_cpu_us_per_step": {k: v * cpu_share for k, v in wall.items()}}
+
+
+def test_fixed_costs_judge_each_call_s_time_per_step_against_vllm_s_per_pair():
+    """get_stats and on_schedule_end, wall and on-CPU µs per step: the ratio of the
+    medians against 1.0, the spread per run pair; a summary without them is n/a."""
+    shm = [summary(**per_step(40.0, 50.0)), summary(**per_step(44.0, 70.0, 0.5)),
+           summary(**per_step(38.0, 40.0))]
+    vllm = [summary(**per_step(50.0, 45.0)), summary(**per_step(52.0, 60.0)),
+            summary(**per_step(48.0, 50.0))]
+    rows = by_figure(evaluate(shm, vllm, FIXED_COSTS))
+    assert list(rows) == [g.figure for g in FIXED_COSTS]
+    gs = rows["get_stats µs per step, wall"]
+    assert gs["ratio"] == pytest.approx(40.0 / 50.0) and gs["met"] and gs["pairs_within"] == 3
+    ose = rows["on_schedule_end µs per step, wall"]
+    assert ose["ratio"] == pytest.approx(1.0) and ose["met"]  # medians 50 and 50
+    assert ose["pairs"] == pytest.approx([50 / 45, 70 / 60, 40 / 50]) and ose["pairs_within"] == 1
+    cpu = rows["on_schedule_end µs per step, on-CPU"]
+    assert cpu["shm"] == pytest.approx((35.0, 32.0, 40.0)) and cpu["ratio"] == pytest.approx(35 / 40)
+    assert all(r["met"] is None for r in evaluate([shm_summary()], [summary()], FIXED_COSTS))
+    assert format_goals(evaluate(shm, vllm, FIXED_COSTS))[-1] == "4 of 4 goals met (0 n/a)"
+    assert format_goals(evaluate(vllm, shm, FIXED_COSTS))[-1] == "1 of 4 goals met (0 n/a)"
+
+
 def test_evaluate_needs_both_managers():
     with pytest.raises(ValueError, match="both managers"):
         evaluate([], [summary()])
@@ -104,6 +132,7 @@ def test_cli_pools_sets_of_one_experiment(tmp_path):
     line = next(x for x in out.stdout.splitlines() if "step time p99.9" in x)
     assert line.split()[-4:] == ["2", "of", "3", "met"]  # median 500 / 2000 = 0.25
     assert "9 of 9 goals met" in out.stdout
+    assert "issue 29's per-step fixed costs" in out.stdout and "0 of 0 goals met (4 n/a)" in out.stdout
 
 
 def test_cli_refuses_sets_of_different_experiments_and_missing_managers(tmp_path):

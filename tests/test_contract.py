@@ -126,6 +126,31 @@ def test_tier_filters_match_by_value_across_enum_classes():
     assert not tier_filter_allows(OtherFilter(()), Medium.CPU, None)
 
 
+def test_a_stats_payload_keeps_each_series_with_its_type():
+    """Counters add per label set, gauges keep the last value, histograms gather samples
+    (a list handed to ``observe_many`` is adopted); each name's type is recorded once."""
+    s = metrics.OffloadingStats()
+    s.set_gauge("g", 1.0, ("a",))
+    s.set_gauge("g", 2.0, ("b",))
+    s.set_gauge("g", 3.0, ("a",))
+    s.increase_counter("c", 2, ("a",))
+    s.increase_counter("c", 3, ("a",))
+    s.increase_counter("c", 1.5)
+    samples = [0.1]
+    s.observe_many("h", samples, ("a",))
+    s.observe_many("h", [0.2], ("a",))
+    s.observe_histogram("h", 0.3, ("b",))
+    s.observe_histogram("h1", 0.4)
+    assert s.data == {
+        "types": {"g": metrics.GAUGE, "c": metrics.COUNTER, "h": metrics.HISTOGRAM,
+                  "h1": metrics.HISTOGRAM},
+        "data": {"g": {("a",): 3.0, ("b",): 2.0}, "c": {("a",): 5, (): 1.5},
+                 "h": {("a",): [0.1, 0.2], ("b",): [0.3]}, "h1": {(): [0.4]}},
+        "info": None}
+    assert s.data["data"]["h"][("a",)] is samples
+    assert not s.is_empty() and metrics.OffloadingStats().is_empty()
+
+
 def test_merge_stats_adds_counters_replaces_gauges_and_extends_histograms():
     into, other = metrics.OffloadingStats(), metrics.OffloadingStats()
     into.increase_counter("c", 2, ("t",))

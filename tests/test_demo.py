@@ -13,9 +13,13 @@ def test_demo_round_trips_bytes_and_reports(capsys):
     assert "prefix hits" in out and "evicted" in out
 
 
-def test_segments_and_clean_commands(capsys):
+def test_segments_and_clean_commands(capsys, engine_id):
     assert main(["segments"]) == 0
-    assert main(["clean"]) == 0
+    capsys.readouterr()
+    # only this test's engine: a bare `shmtier clean` would take every stale segment on
+    # the host, among them those other suites keep for a warm restart
+    assert main(["clean", engine_id]) == 0
+    assert capsys.readouterr().out.strip() == "nothing stale"
 
 
 def test_stress_run_promotes_from_fs_byte_exactly(capsys):

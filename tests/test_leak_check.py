@@ -93,3 +93,31 @@ def test_entries_this_process_holds_are_leaks_whatever_their_name():
         with contextlib.suppress(Exception):
             _unlink_ours(name)
     assert _entries(name) == set()
+
+
+def test_a_node_pool_is_a_leak_while_this_process_is_in_it_or_no_live_engine_is():
+    from shmtier.tiers.node.layout import shm_name
+    from shmtier.tiers.node.pool import NodePool
+
+    ours, other = f"{SESSION_PREFIX}{uuid.uuid4().hex[:8]}", f"x-{uuid.uuid4().hex[:8]}"
+    entries = {shm_name(name).lstrip("/") for name in (ours, other)}
+    attach = ("from shmtier.tiers.node.pool import NodePool\n"
+              "import os, sys\n"
+              "for name in sys.argv[1:]:\n"
+              "    NodePool.attach(name, row_bytes=4096, size_bytes=8192, fingerprint='fp',"
+              " engine_id='e')\n"
+              "os._exit(0)\n")
+    try:
+        pools = [NodePool.attach(name, row_bytes=4096, size_bytes=8192, fingerprint="fp",
+                                 engine_id="e") for name in (ours, other)]
+        assert _leaks(entries) == entries  # this process is an engine in both
+        for pool in pools:
+            pool.detach()
+        assert not any(os.path.exists("/dev/shm/" + e) for e in entries)
+        # an engine that died in them: only this session's pool is its leak
+        subprocess.run([sys.executable, "-c", attach, ours, other], check=True, timeout=60)
+        assert _leaks(entries) == {shm_name(ours).lstrip("/")}
+    finally:
+        for entry in entries:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink("/dev/shm/" + entry)

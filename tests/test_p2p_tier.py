@@ -26,6 +26,7 @@ pytest.importorskip("zmq")
 import p2p_engine  # noqa: E402  (tests/ is on sys.path)
 from fs_engine import key as chunk_key  # noqa: E402
 from shmtier.options import ConfigError  # noqa: E402
+from shmtier.shared.segment import segment_name  # noqa: E402
 from shmtier.shared.segment_tools import clean_stale_segments  # noqa: E402
 from shmtier.shared.jobs import Outcome  # noqa: E402
 from shmtier.tiers.p2p.endpoint.client import ChunkClient  # noqa: E402
@@ -118,8 +119,9 @@ def engines(engine_id):
         e.stop()
     for e in made:
         e.close()
-    # an engine that did not stop in time was killed: its segment is stale now
-    clean_stale_segments()
+    # an engine that did not stop in time was killed: its segment is stale now (only
+    # these engines' segments: /dev/shm is host-wide, other suites keep stale ones on purpose)
+    clean_stale_segments({segment_name(e.engine_id) for e in made})
 
 
 def tier(k: dict, **over) -> dict:
@@ -574,7 +576,7 @@ def test_producer_killed_mid_transfer(engines, keys):
         deadline = time.monotonic() + 5
         while _alive(endpoint) and time.monotonic() < deadline:  # may still be exiting
             time.sleep(0.05)
-        clean_stale_segments()
+        clean_stale_segments({segment_name(prod.engine_id)})
         shutil.rmtree(st["tmpdir"], ignore_errors=True)  # its scheduler was killed too
 
 
@@ -731,7 +733,7 @@ def test_consumer_killed_mid_request_releases_the_producers_pins(engines, keys):
             time.sleep(0.05)
         if _alive(cst["pid"]):
             os.kill(cst["pid"], signal.SIGKILL)
-        clean_stale_segments()
+        clean_stale_segments({segment_name(cons.engine_id)})
         shutil.rmtree(cst["tmpdir"], ignore_errors=True)
 
 

@@ -624,7 +624,8 @@ def test_workers_exit_when_the_scheduler_dies_and_clean_removes_the_rest(engine_
         assert left <= {seg_entry} | {"sem." + n[1:] for n in ours}, left
         statuses = [s for s in list_segments() if s.name == segment_name(eid)]
         assert not any(s.alive for s in statuses), "the dead scheduler's segment counts as alive"
-        removed = set(clean_stale_segments()) | set(clean_stale_ring_semaphores())
+        removed = (set(clean_stale_segments({segment_name(eid)}))
+                   | set(clean_stale_ring_semaphores({segment_name(eid)})))
         if len(left) == 9:  # the usual case: nobody else removed them first
             assert {segment_name(eid)} | ours <= removed, removed
         assert _our_shm_entries(eid) == []

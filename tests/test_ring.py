@@ -377,9 +377,9 @@ def test_stale_semaphores_are_replaced_and_cleaned(engine_id):
         assert rs.worker(0).jobs.try_get() is None  # fresh semaphore, value 0
         rs.close(unlink=False)  # as if the scheduler crashed
         assert len(_sems_of(seg.name)) == 4 * WORKERS
-        assert not set(clean_stale_ring_semaphores()) & {"/" + e[4:] for e in _sems_of(seg.name)}
+        assert not set(clean_stale_ring_semaphores({seg.name})) & {"/" + e[4:] for e in _sems_of(seg.name)}
         assert len(_sems_of(seg.name)) == 4 * WORKERS
-    removed = clean_stale_ring_semaphores()
+    removed = clean_stale_ring_semaphores({seg.name})
     assert set(semaphore_name(seg.name, w, k, s) for w in range(WORKERS)
                for k in ("job", "res") for s in ("items", "spaces")) <= set(removed)
     assert _sems_of(seg.name) == []

@@ -131,7 +131,7 @@ def test_second_live_owner_is_refused(engine_id):
     finally:
         p.kill()
         p.join()
-        clean_stale_segments()
+        clean_stale_segments({segment_name(engine_id)})
 
 
 def test_sigkilled_owner_leaves_a_stale_segment_that_clean_removes(engine_id):
@@ -144,7 +144,7 @@ def test_sigkilled_owner_leaves_a_stale_segment_that_clean_removes(engine_id):
         p.join()
         mine = [s for s in list_segments() if s.name == segment_name(engine_id)]
         assert len(mine) == 1 and not mine[0].alive
-        assert segment_name(engine_id) in clean_stale_segments()
+        assert clean_stale_segments({segment_name(engine_id)}) == [segment_name(engine_id)]
         assert not [s for s in list_segments() if s.name == segment_name(engine_id)]
     finally:
         if p.is_alive():
@@ -176,7 +176,7 @@ def test_warm_restart_refuses_a_changed_layout(engine_id):
         with pytest.raises(SegmentMismatchError, match="fingerprint"):
             open_segment(engine_id, GEOMETRY, "model=changed", owner=True, warm_restart=True)
     finally:
-        clean_stale_segments()
+        clean_stale_segments({segment_name(engine_id)})
 
 
 def test_stale_segment_is_replaced_without_warm_restart(engine_id):

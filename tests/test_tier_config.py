@@ -154,8 +154,9 @@ def test_p2p_port_is_the_base_plus_the_data_parallel_index():
 
 
 def test_every_built_in_tier_type_has_a_config_table_here():
-    assert {t.name for t in registry.BUILT_IN} == {"fs", "example", "obj", "p2p"}, \
-        "a new tier type needs its invalid-option cases (obj's: test_obj_backend.py)"
+    assert {t.name for t in registry.BUILT_IN} == {"fs", "example", "obj", "p2p", "node"}, \
+        "a new tier type needs its invalid-option cases (obj's: test_obj_backend.py; node's: " \
+        "test_node_tier.py)"
 
 
 def test_every_built_in_tier_option_is_declared_with_its_description():
@@ -207,6 +208,7 @@ def test_every_built_in_tier_config_crosses_a_process_boundary_as_plain_data(tmp
         "p2p": dict(secret_key=secret, allow_keys=("a" * 40,), peers=(("h:1", "b" * 40),),
                     backends=("zmq",)),
         "example": dict(custom_param=3),
+        "node": dict(size_bytes=1 << 20, pool="p", keep=True),
     }
     assert set(samples) == {t.name for t in registry.BUILT_IN}
     for tier in registry.BUILT_IN:

@@ -224,10 +224,10 @@ def test_no_module_outside_the_tiers_decides_by_a_tier_type_name():
             path = os.path.join(dirpath, name)
             with open(path) as f:
                 for n, line in enumerate(f, 1):
-                    if re.search(r"""(==|!=|\bin)\s*[\(\[{]?\s*["'](fs|obj|p2p)["']|"""
-                                 r"""[\[{]\s*["'](fs|obj|p2p)["']\s*[\]},]|"""
-                                 r"""import\s.*shmtier\.tiers\.(fs|obj|p2p)\b|"""
-                                 r"""from shmtier\.tiers\.(fs|obj|p2p)\b""", line):
+                    if re.search(r"""(==|!=|\bin)\s*[\(\[{]?\s*["'](fs|obj|p2p|node)["']|"""
+                                 r"""[\[{]\s*["'](fs|obj|p2p|node)["']\s*[\]},]|"""
+                                 r"""import\s.*shmtier\.tiers\.(fs|obj|p2p|node)\b|"""
+                                 r"""from shmtier\.tiers\.(fs|obj|p2p|node)\b""", line):
                         offenders.append(f"{os.path.relpath(path, root)}:{n}: {line.strip()}")
     # the stress run and the bench are fs-tier harnesses by design: they run that tier
     allowed = ("stress" + os.sep, "bench" + os.sep)

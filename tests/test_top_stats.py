@@ -286,3 +286,34 @@ def test_a_reader_never_sees_a_torn_publish(engine_id):
             writer.kill()
             writer.wait(10)
         seg.close()
+
+
+def test_two_tiers_of_one_type_have_their_own_evictions_and_bytes_counted_once(engine_id):
+    """Two fs tiers emit one evictions counter and one bytes gauge, each series labelled
+    by its tier: the publisher folds each series once into its tier's record."""
+    from shmtier.scheduler.stats_publisher import StatsPublisher
+    from shmtier.tiers.fs.scheduler import FsTierManager
+
+    class FsTier:  # what the publisher reads of an fs tier: its series' names
+        EVICTED_METRIC, BYTES_METRIC = FsTierManager.EVICTED_METRIC, FsTierManager.BYTES_METRIC
+        bp_detector = None
+
+    seg = open_segment(engine_id, ArenaGeometry(4, 4096, 4096, 1), "fp", owner=True)
+    try:
+        publisher = StatsPublisher(seg, ["0:primary", "1:fs", "2:fs"], [FsTier(), FsTier()],
+                                   4096, 0.1)
+        for step in range(2):
+            stats = metrics.OffloadingStats()
+            stats.increase_counter(FsTier.EVICTED_METRIC, 3, ("1:fs",))
+            stats.increase_counter(FsTier.EVICTED_METRIC, 5, ("2:fs",))
+            stats.set_gauge(FsTier.BYTES_METRIC, 100 + step, ("1:fs",))
+            stats.set_gauge(FsTier.BYTES_METRIC, 200 + step, ("2:fs",))
+            stats.increase_counter(metrics.CHUNK_QUERIES, 4, ("1:fs",))
+            publisher.observe(stats, publish=False)
+        publisher.publish()
+        tiers = {t["label"]: t for t in read_stats(seg.stats).tiers}
+        assert (tiers["1:fs"]["evictions"], tiers["2:fs"]["evictions"]) == (6, 10)
+        assert (tiers["1:fs"]["bytes"], tiers["2:fs"]["bytes"]) == (101, 201)
+        assert (tiers["1:fs"]["lookups"], tiers["2:fs"]["lookups"]) == (8, 0)
+    finally:
+        seg.close()

@@ -317,3 +317,29 @@ def test_while_rounds_come_a_step_still_sends_its_promotions(engines, tmp_path):
         m.on_schedule_end(END)
         assert ("load", threading.current_thread().name) in sent, "the promotion waits for a round"
     assert e.until_hit([first[0]], reader)
+
+
+def test_while_rounds_come_the_rounds_forget_the_misses_past_their_ttl(engines, tmp_path):
+    """A key the medium lacks is remembered as a miss for ``probe_ttl_s``; while rounds
+    come, a step leaves forgetting it to them (a lookup checks the time itself), so the
+    remembered misses stay bounded with no step at all."""
+    e = engines(tmp_path, chunks=8, probe_ttl_s=0.05)
+    e.settle()
+    m = e.manager
+    _rhythm(m)
+    probes = m.tiers[0]._lookups
+    reader = ReqContext("r")
+    deadline = time.monotonic() + 20
+    while True:  # RETRY until a probe answers: absent
+        with m.lock:
+            answer = m.lookup(key(7), reader)
+            m.on_schedule_end(END)
+        if answer.name == "MISS":
+            break
+        assert time.monotonic() < deadline, "the probe of an absent key never answered"
+        time.sleep(0.01)
+    assert key(7) in probes._missed
+    deadline = time.monotonic() + 5
+    while key(7) in probes._missed:  # no step from here on: only rounds run
+        assert time.monotonic() < deadline, f"no round forgot the miss: {m.window_poll_rounds}"
+        time.sleep(0.01)

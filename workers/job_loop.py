@@ -139,13 +139,14 @@ _BACKGROUND_POLL_MAX_S = 0.008
 _HURRY_BYTES = 16 << 20
 
 
-def make_backends(config: PoolConfig, namespace: str, *, replacement: bool = False) -> list:
+def make_backends(config: PoolConfig, namespace: str, *, replacement: bool = False,
+                  engine_id: str = "") -> list:
     """One backend per tier of ``config`` (None where a tier has no worker half), each
     built from its tier's frozen config by its tier type's backend class from the
     registry. ``replacement``: this worker's slot had a worker before
-    (``WorkerContext.replacement``)."""
+    (``WorkerContext.replacement``); ``engine_id``: the engine it serves."""
     context = WorkerContext(namespace, config.chunk_bytes, config.element_size, config.codec,
-                            replacement=replacement)
+                            replacement=replacement, engine_id=engine_id)
     backends = []
     for entry in config.tiers:
         tier = registry.registered(entry.type) if entry is not None else None
@@ -547,7 +548,8 @@ def run_worker(engine_id: str, index: int, generation: int | None = None) -> int
         arena = np.frombuffer(segment.arena, dtype=np.uint8).reshape(g.num_chunks, g.row_stride)
         try:
             backends = make_backends(config, segment.header().fingerprint,
-                                     replacement=me.last_beat().claims > 1)
+                                     replacement=me.last_beat().claims > 1,
+                                     engine_id=engine_id)
         except Exception as e:  # a start failure: the pool counts it (and may mark itself broken)
             logger.error("tier worker %d cannot build its tier backends: %s: %s",
                          index, type(e).__name__, e)

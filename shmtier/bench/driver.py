@@ -1,6 +1,7 @@
 """The driver of tiering_steps.py: one run of the trace through one manager.
 
-``run_one`` builds the manager (shmtier/bench/managers.py) on a fresh temp directory, freezes
+``run_one`` builds the manager (shmtier/bench/managers.py) on a fresh temp directory,
+``measure`` (also for a manager its caller built, e.g. bench/node_pool.py's replicas) freezes
 the GC heap as vLLM's engine core does, and ``drive`` plays the OffloadingConnector's
 scheduler half over the whole trace through the connector driver
 (shmtier/connector_driver.py), one engine step at a time: admit waiting requests
@@ -90,6 +91,14 @@ def verify_row(row: np.ndarray, key: bytes, data_pool: np.ndarray, payload: int)
     return bool(np.array_equal(row[16:payload], data_pool[pool_index(key, len(data_pool))][16:payload]))
 
 
+def wrong_bytes(row: np.ndarray, key: bytes, data_pool: np.ndarray, payload: int) -> int:
+    """How many of a row's first ``payload`` bytes differ from what the driver wrote for
+    ``key`` (0 where ``verify_row`` holds)."""
+    want = data_pool[pool_index(key, len(data_pool))][:payload].copy()
+    want[:16] = np.frombuffer(key[:16], dtype=np.uint8)
+    return int(np.count_nonzero(row[:payload] != want))
+
+
 def make_data_pool(chunk_bytes: int, n: int, seed: int) -> np.ndarray:
     """``n`` chunks of bf16-like data: the high 16 bits of random-normal float32."""
     rng = np.random.default_rng(seed)
@@ -109,6 +118,9 @@ class _Req(DrivenRequest):
     # waiting requests left (``idle`` in drive); else None
     idle_hits: frozenset | None = None
     self_evictions: int = 0  # such scans in a row that lost a hit of the scan before
+    # keys answered HIT after a RETRY/HIT_PENDING not for a store of the driver's own in
+    # flight: promoted for this request from a tier below the CPU tier
+    promoted: set = field(default_factory=set)
 
 
 def _proc_cpu(pid: int) -> tuple[float, float] | None:
@@ -276,7 +288,8 @@ def drive(mut: Mut, trace, cfg, data_pool: np.ndarray, probe: StepProbe | None =
     read_back = set()  # distinct keys loaded from a tier other than the CPU tier
     eligible = 0
     alloc_failures = 0
-    wrong_kv = verified = 0
+    wrong_kv = verified = bad_bytes = 0
+    loaded_promoted = 0  # loaded chunks a tier below the CPU tier promoted for their request
     wrong_by_source = Counter()
     step_hits = []  # per step: (eligible chunks, CPU-tier hits, other-tier hits) of admitted requests
     samples = []  # (step, fs bytes on disk, CPU tier rows holding a stored chunk)
@@ -362,6 +375,7 @@ def drive(mut: Mut, trace, cfg, data_pool: np.ndarray, probe: StepProbe | None =
                         if r is HIT:
                             hits += 1
                             if since is not None:
+                                req.promoted.add(key)
                                 promo_steps.append(step - since[0])
                                 promo_ms.append((now - since[1]) * 1e3)
                         elif since is not None:
@@ -410,10 +424,13 @@ def drive(mut: Mut, trace, cfg, data_pool: np.ndarray, probe: StepProbe | None =
                         else:
                             st_other += 1
                             read_back.add(key)
+                        if key in req.promoted:
+                            loaded_promoted += 1
                         verified += 1
                         if not verify_row(rows[cid], key, data_pool, payload):
                             wrong_kv += 1
                             wrong_by_source[src] += 1
+                            bad_bytes += wrong_bytes(rows[cid], key, data_pool, payload)
                     new_jobs.append((False, req, job_keys(load_keys)))
                 req.admitted = step
                 deferrals.append(req.deferrals)
@@ -530,7 +547,8 @@ def drive(mut: Mut, trace, cfg, data_pool: np.ndarray, probe: StepProbe | None =
         "deferrals": deferrals, "queue_steps": queue_steps, "abandoned": abandoned,
         "self_eviction_scans_max": longest_self_eviction,
         "loaded": dict(loaded), "read_back_keys": len(read_back), "eligible": eligible, "alloc_failures": alloc_failures,
-        "wrong_kv": wrong_kv, "verified": verified, "stored_chunks": stored_chunks,
+        "wrong_kv": wrong_kv, "wrong_bytes": bad_bytes, "verified": verified,
+        "loaded_promoted": loaded_promoted, "stored_chunks": stored_chunks,
         "wrong_by_source": dict(wrong_by_source), "verified_bytes": verified * payload,
         "step_hits": step_hits, "samples": samples,
         "peak_rss_mib": _proc_status_mib(os.getpid(), "VmHWM"), "worker_peak_rss_mib": worker_hwm,
@@ -660,44 +678,8 @@ def run_one(name: str, trace, cfg, data_pool, run_no: int, profiler=None) -> dic
         mut = (make_shmtier(cfg, root, engine_id, sched) if base == "shmtier"
                else MAKERS[base](cfg, root, engine_id))
         build_s = time.perf_counter() - t0
-        num_chunks = mut.rows.shape[0]
-        # like vLLM's engine core after init (freeze_gc_heap): static objects out of the GC's way
-        gc.collect()
-        gc.freeze()
-        gc_log = []
-
-        def gc_cb(phase, info, _t=[0.0]):
-            if phase == "start":
-                _t[0] = time.perf_counter()
-            else:
-                gc_log.append((info["generation"], time.perf_counter() - _t[0]))
-
-        gc.callbacks.append(gc_cb)
-        probe = StepProbe(KINDS)  # what each step is made of (shmtier/bench/slow_steps.py)
-        gc.callbacks.append(probe.on_gc)
-        if profiler is not None:
-            profiler.enable()
-        try:
-            res = drive(mut, trace, cfg, data_pool, probe)
-        except BaseException as e:
-            # the traceback's frames hold numpy views of the arena: drop them so the
-            # managers can unmap it (also on Ctrl-C / SIGTERM)
-            traceback.clear_frames(e.__traceback__)
-            raise
-        finally:
-            if profiler is not None:
-                profiler.disable()
-            gc.callbacks.remove(gc_cb)
-            gc.callbacks.remove(probe.on_gc)
-            gc.unfreeze()
-        res["gc"] = {"collections": len(gc_log), "gen2": sum(1 for g, _ in gc_log if g == 2),
-                     "total_ms": sum(d for _, d in gc_log) * 1e3,
-                     "max_ms": max((d for _, d in gc_log), default=0.0) * 1e3}
+        res = measure(mut, trace, cfg, data_pool, profiler)
         res["build_s"] = build_s
-        res["num_chunks"] = num_chunks
-        res["row_stride"] = mut.rows.shape[1]
-        res["worker_sched"] = sorted({sched_of(pid) for pid in mut.worker_pids})  # at the end
-        res["window_poll"] = getattr(mut.manager, "window_poll_rounds", None)
         t0 = time.perf_counter()
         mut.close()
         res["shutdown_s"] = time.perf_counter() - t0
@@ -713,3 +695,48 @@ def run_one(name: str, trace, cfg, data_pool, run_no: int, profiler=None) -> dic
         left = sweep_shm(engine_id)
         if left:
             print(f"  ! {name}: removed leftover /dev/shm entries: {left}", file=sys.stderr)
+
+
+def measure(mut: Mut, trace, cfg, data_pool, profiler=None) -> dict:
+    """One run of ``trace`` through a built manager (``mut``, left open: the caller closes
+    it): the GC heap frozen first as vLLM's engine core does, each step probed
+    (shmtier/bench/slow_steps.py), ``drive``; its raw figures with the run's GC, the CPU
+    tier's size and the workers' scheduling added. ``profiler``: enabled around ``drive``."""
+    num_chunks = mut.rows.shape[0]
+    # like vLLM's engine core after init (freeze_gc_heap): static objects out of the GC's way
+    gc.collect()
+    gc.freeze()
+    gc_log = []
+
+    def gc_cb(phase, info, _t=[0.0]):
+        if phase == "start":
+            _t[0] = time.perf_counter()
+        else:
+            gc_log.append((info["generation"], time.perf_counter() - _t[0]))
+
+    gc.callbacks.append(gc_cb)
+    probe = StepProbe(KINDS)  # what each step is made of (shmtier/bench/slow_steps.py)
+    gc.callbacks.append(probe.on_gc)
+    if profiler is not None:
+        profiler.enable()
+    try:
+        res = drive(mut, trace, cfg, data_pool, probe)
+    except BaseException as e:
+        # the traceback's frames hold numpy views of the arena: drop them so the
+        # managers can unmap it (also on Ctrl-C / SIGTERM)
+        traceback.clear_frames(e.__traceback__)
+        raise
+    finally:
+        if profiler is not None:
+            profiler.disable()
+        gc.callbacks.remove(gc_cb)
+        gc.callbacks.remove(probe.on_gc)
+        gc.unfreeze()
+    res["gc"] = {"collections": len(gc_log), "gen2": sum(1 for g, _ in gc_log if g == 2),
+                 "total_ms": sum(d for _, d in gc_log) * 1e3,
+                 "max_ms": max((d for _, d in gc_log), default=0.0) * 1e3}
+    res["num_chunks"] = num_chunks
+    res["row_stride"] = mut.rows.shape[1]
+    res["worker_sched"] = sorted({sched_of(pid) for pid in mut.worker_pids})  # at the end
+    res["window_poll"] = getattr(mut.manager, "window_poll_rounds", None)
+    return res

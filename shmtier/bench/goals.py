@@ -1,6 +1,7 @@
 """Issue 14's goals (``GOALS``) and issue 29's long-run goals (``LONG_RUN_GOALS``, for
 ``--long``) for shmtier against vLLM's own tiering (0.33 or 0.34) on the same trace: each
-figure, its bound and whether a set of runs meets it.
+figure, its bound and whether a set of runs meets it; and issue 29's per-step fixed costs
+(``FIXED_COSTS``), judged the same way.
 
 Who calls: ``bench/tiering_steps.py`` after a set that ran vLLM (printed, and stored in its
 JSON as ``goals``) and ``bench/goals.py`` over saved JSON files (the runs of several sets
@@ -22,7 +23,8 @@ from dataclasses import dataclass
 
 from shmtier.bench.common import fmt_mr, med_range
 
-__all__ = ["Goal", "GOALS", "LONG_RUN_GOALS", "whole_run_cpu_s", "evaluate", "format_goals"]
+__all__ = ["Goal", "GOALS", "LONG_RUN_GOALS", "FIXED_COSTS", "whole_run_cpu_s", "evaluate",
+           "format_goals"]
 
 
 def whole_run_cpu_s(s: dict) -> float | None:
@@ -50,6 +52,12 @@ def _key(name: str) -> Callable[[dict], float | None]:
     return lambda s: s.get(name)
 
 
+def _per_step(field: str, kind: str) -> Callable[[dict], float | None]:
+    """A call kind's µs per step: ``field`` ``per_kind_us_per_step`` (wall) or
+    ``per_kind_cpu_us_per_step`` (on-CPU) of the summary."""
+    return lambda s: (s.get(field) or {}).get(kind)
+
+
 #: the table of issue 14, in its order
 GOALS = (
     Goal("step time p99", _key("step_us_p99"), 0.5),
@@ -70,6 +78,18 @@ LONG_RUN_GOALS = (
     Goal("step time p50", _key("step_us_p50"), 1.0),
     Goal("promotion p50", _key("promo_ms_p50"), 0.5),
     Goal("wrong KV served", _key("wrong_kv"), 0, absolute=True),
+)
+
+
+#: issue 29's deliverable 4: the scheduler thread's per-step fixed costs, each call's µs
+#: per step (its time over the run / steps) at or below vLLM's
+FIXED_COSTS = (
+    Goal("get_stats µs per step, wall", _per_step("per_kind_us_per_step", "get_stats"), 1.0),
+    Goal("get_stats µs per step, on-CPU", _per_step("per_kind_cpu_us_per_step", "get_stats"), 1.0),
+    Goal("on_schedule_end µs per step, wall",
+         _per_step("per_kind_us_per_step", "on_schedule_end"), 1.0),
+    Goal("on_schedule_end µs per step, on-CPU",
+         _per_step("per_kind_cpu_us_per_step", "on_schedule_end"), 1.0),
 )
 
 

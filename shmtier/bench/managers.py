@@ -148,8 +148,11 @@ def sched_of(pid: int) -> str:
         return "?"
 
 
-def make_shmtier(cfg, root: str, engine_id: str, variant: str = "") -> Mut:
-    """``variant``: '+'-joined tokens, each a WORKER_SCHED key, a compression mode
+def make_shmtier(cfg, root: str, engine_id: str, variant: str = "",
+                 secondary_tiers: list | None = None) -> Mut:
+    """``secondary_tiers``: the engine's ``secondary_tiers`` as given (``[]``: the CPU tier
+    alone, no tier workers); None: one fs tier on ``root`` as the options below make it.
+    ``variant``: '+'-joined tokens, each a WORKER_SCHED key, a compression mode
     (``raw`` = "none", ``zstd``, ``zauto`` = "auto"), the fs tier's ``direct_io`` (``dio``:
     "writes", O_DIRECT stores; ``dioauto``: "auto", both ways; ``buffered``: false), ``noprobe`` (the fs tier's ``probe_unknown`` off: a key
     its index does not know is a MISS at once, as before shared roots), ``nowindow`` (no
@@ -175,14 +178,17 @@ def make_shmtier(cfg, root: str, engine_id: str, variant: str = "") -> Mut:
              "num_tier_workers": cfg.workers}
     if compression is not None:  # else shmtier's default
         extra["compression"] = compression
-    if direct_io is not None:
-        extra["secondary_tiers"][0]["direct_io"] = direct_io
-    if cfg.write_depth is not None:
-        extra["secondary_tiers"][0]["write_depth"] = cfg.write_depth
+    if secondary_tiers is not None:
+        extra["secondary_tiers"] = list(secondary_tiers)
+    else:
+        if direct_io is not None:
+            extra["secondary_tiers"][0]["direct_io"] = direct_io
+        if cfg.write_depth is not None:
+            extra["secondary_tiers"][0]["write_depth"] = cfg.write_depth
     if "nowindow" in tokens:
         extra["tier_poll_window"] = 0
     bound = next((b for b in map(page_cache_bound, tokens) if b is not ...), ...)
-    if bound is not ...:
+    if bound is not ... and secondary_tiers is None:
         extra["secondary_tiers"][0]["page_cache_bytes"] = bound
     lane = next((k for k in map(promotion_lane, tokens) if k is not None), None)
     if lane is not None:
@@ -194,8 +200,8 @@ def make_shmtier(cfg, root: str, engine_id: str, variant: str = "") -> Mut:
     manager = spec.get_manager()
     try:
         rows = np.asarray(manager.primary.get_kv_memoryview()).view(np.uint8)
-        pool = spec.worker_pool
-        pids = [p.pid for p in pool._procs if p is not None]
+        pool = spec.worker_pool  # None: no tier needs workers
+        pids = [p.pid for p in pool._procs if p is not None] if pool is not None else []
         # Wait until every worker is up (claimed its ring slot: past its own start-up
         # settings, e.g. its niceness), so the run starts warm and a --worker-sched
         # experiment is not undone by the worker itself.

@@ -78,6 +78,10 @@ def summarise(res: dict, chunk_bytes: int) -> dict:
         "disk_mib": d["bytes"] / 2 ** 20, "chunk_files": d["chunk_files"], "dirs": d["dirs"],
         "stored_chunks": res["stored_chunks"],
         "wrong_kv": res["wrong_kv"], "verified": res["verified"],
+        "wrong_bytes": res.get("wrong_bytes", 0),  # absent from an older result
+        # loaded chunks a tier below the CPU tier promoted for their request, whatever
+        # get_load_source called them (a CPU-medium tier's are "host")
+        "hit_promoted": res.get("loaded_promoted", 0) / elig,
         "gc_collections": res["gc"]["collections"], "gc_total_ms": res["gc"]["total_ms"],
         "gc_max_ms": res["gc"]["max_ms"],
         "wall_s": res["wall_s"], "build_s": res["build_s"], "shutdown_s": res["shutdown_s"],

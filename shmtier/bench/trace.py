@@ -116,6 +116,15 @@ class Trace:
                      f"({capacity_chunks} chunks)")
         return text
 
+    def round_robin(self, n: int, rank: int) -> Trace:
+        """Replica ``rank``'s share when a router sends each request of this trace to the
+        next of ``n`` replicas in turn: requests ``rank``, ``rank + n``, ... (their arrival
+        steps and ids kept). ValueError if the share would be empty."""
+        if not 0 <= rank < n or rank >= len(self.requests):
+            raise ValueError(f"rank {rank} of {n} replicas: expected 0 <= rank < n and at "
+                             f"least n requests (the trace has {len(self.requests)})")
+        return _trace_of(self.params, self.requests[rank::n], self.kind)
+
     def summary(self) -> dict:
         lens = [len(r.keys) for r in self.requests]
         return {

@@ -84,8 +84,10 @@ class StatsPublisher:
         self._index = {(label,): i for i, label in enumerate(labels[:n])}
         self._row_bytes = row_bytes
         self._totals = [[0] * len(FIELDS) for _ in range(n)]
-        self._counters = list(_COUNTERS.items())
-        self._gauges: list[tuple[str, int]] = []
+        # series name -> (field, is a gauge): what ``observe`` folds (a name two tiers
+        # share, e.g. two fs tiers' evictions, once: its series carry both labels)
+        self._fields: dict[str, tuple[int, bool]] = {
+            name: (f, False) for name, f in _COUNTERS.items()}
         self._chunks: list[tuple[int, Any]] = []  # (record, tier with chunks_on_disk)
         counted = [set(_COUNTERS.values()) | {_F["misses"]} for _ in range(n)]
         counted[0] -= {_F[f] for f in _SECONDARY_ONLY}
@@ -93,11 +95,11 @@ class StatsPublisher:
         for i, tier in enumerate(tiers[:n - 1], start=1):
             evicted = getattr(tier, "EVICTED_METRIC", None)
             if isinstance(evicted, str):
-                self._counters.append((evicted, _F["evictions"]))
+                self._fields[evicted] = (_F["evictions"], False)
                 counted[i].add(_F["evictions"])
             stored = getattr(tier, "BYTES_METRIC", None)
             if isinstance(stored, str):
-                self._gauges.append((stored, _F["bytes"]))
+                self._fields[stored] = (_F["bytes"], True)
                 counted[i].add(_F["bytes"])
             if hasattr(tier, "chunks_on_disk"):
                 self._chunks.append((i, tier))
@@ -127,22 +129,20 @@ class StatsPublisher:
         """Add one ``get_stats`` payload (counters are deltas) to the totals; publish when
         ``interval_s`` has passed since the last publish, unless ``publish`` is False
         (the manager's step-window thread then does, between steps: ``publish_if_due``)."""
-        data = stats.data["data"]
-        index, totals = self._index, self._totals
-        for name, f in self._counters:
-            series = data.get(name)
-            if series:
-                for labels, value in series.items():
-                    i = index.get(labels)
-                    if i is not None:
-                        totals[i][f] += value
-        for name, f in self._gauges:
-            series = data.get(name)
-            if series:
-                for labels, value in series.items():
-                    i = index.get(labels)
-                    if i is not None:
-                        totals[i][f] = value
+        index, totals, fields = self._index, self._totals, self._fields
+        for name, series in stats.data["data"].items():
+            field = fields.get(name)
+            if field is None:
+                continue
+            f, gauge = field
+            for labels, value in series.items():
+                i = index.get(labels)
+                if i is None:
+                    continue
+                if gauge:
+                    totals[i][f] = value
+                else:
+                    totals[i][f] += value
         if publish:
             self.publish_if_due()
 

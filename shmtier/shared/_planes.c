@@ -383,6 +383,12 @@ PyDoc_STRVAR(crc32c_doc,
 "CRC-32C of the bytes-like ``data``, continuing from ``value`` (a previous result),\n"
 "like zlib.crc32.");
 
+/* Below this many bytes crc32c keeps the GIL: a key's CRC (the node pool's index hash,
+ * once per lookup on the scheduler thread) takes tens of ns, and giving the GIL away
+ * hands it to any other thread of the process, so the caller waits to get it back
+ * (docs/node-pool.md, "Lookups"). Chunks (KiB and more) still release it. */
+#define CRC_GIL_RELEASE_MIN 4096
+
 static PyObject *crc32c_with(uint32_t (*update)(uint32_t, const uint8_t *, size_t),
                              PyObject *const *args, Py_ssize_t nargs) {
     if (nargs < 1 || nargs > 2) {
@@ -398,9 +404,13 @@ static PyObject *crc32c_with(uint32_t (*update)(uint32_t, const uint8_t *, size_
     Py_buffer b;
     if (get_views(args, &b, 1, 1) < 0) return NULL;
     uint32_t c = ~value;
-    Py_BEGIN_ALLOW_THREADS
-    c = update(c, (const uint8_t *)b.buf, (size_t)b.len);
-    Py_END_ALLOW_THREADS
+    if (b.len >= CRC_GIL_RELEASE_MIN) {
+        Py_BEGIN_ALLOW_THREADS
+        c = update(c, (const uint8_t *)b.buf, (size_t)b.len);
+        Py_END_ALLOW_THREADS
+    } else {
+        c = update(c, (const uint8_t *)b.buf, (size_t)b.len);
+    }
     release_views(&b, 1);
     return PyLong_FromUnsignedLong((unsigned long)(~c));
 }

@@ -187,6 +187,17 @@ def free_bytes_in(error: str) -> int | None:
     return min(int(f) for f in found) if found else None
 
 
+# "<n> " before each "; "-separated part of a result's error text (BatchResult.summary)
+_LEADING_COUNTS = re.compile(r"(^|; )\d+ ")
+
+
+def failure_reason(error: str | None) -> str:
+    """A result's error text (``BatchResult.summary``'s) without its numbers of keys: what
+    went wrong, the same for every result that failed the same way (a scheduler half logs
+    a failure once per reason, not once per result)."""
+    return _LEADING_COUNTS.sub(r"\1", error or "")
+
+
 # Known op-specific args and their types (checked on decode when present).
 ARG_TYPES: dict[str, type] = {
     "nbytes": int,        # store/load: logical bytes of each row to move (default: whole row)

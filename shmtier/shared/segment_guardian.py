@@ -21,7 +21,10 @@ and nothing of shmtier but ``procinfo`` until its owner is gone.
     Segment.close(): unlinks, then "bye" ─ stdin ▶ exits 0, touching nothing
     owner dies (SIGKILL, OOM, a crash) ──────────▶ pidfd readable: remove_if_stale(NAME,
                                                    INODE) and clean_stale_ring_semaphores
-                                                   ({NAME}), one WARNING, exits 0
+                                                   ({NAME}); each tier type lets go of
+                                                   what it keeps for the engine (its
+                                                   registry tool's engine_died: the node
+                                                   tier's pools), WARNINGs, exits 0
 
 Why a process of its own, outside the owner's process tree: vLLM stops an EngineCore
 that does not exit at once (its default ``--shutdown-timeout 0``) by SIGKILLing it
@@ -227,13 +230,40 @@ def _wait(owner: _Owner) -> bool:
     return True
 
 
+def _tiers_of(name: str) -> list:
+    """The dead engine's tiers as its segment names them (read before it is removed)."""
+    from shmtier.shared.snapshot import snapshot
+
+    try:
+        return snapshot(name, rows=False).tiers
+    except (OSError, ValueError):
+        return []
+
+
+def _tiers_left(tiers: list) -> list[str]:
+    """What each tier type keeps on the host for the dead engine, let go
+    (``TierFsck.engine_died``: the node tier's pools); its log lines."""
+    from shmtier.tiers import registry
+
+    lines = []
+    for tool in registry.fsck_tools():
+        try:
+            lines += tool.engine_died(tiers)
+        except Exception as e:  # one tier's failure leaves the others' cleanup
+            lines.append(f"{tool.tier_type} tier: {type(e).__name__}: {e}")
+    return lines
+
+
 def _clean(name: str, inode: int, owner: _Owner, died_at: float) -> None:
     from shmtier.shared.ring_tools import clean_stale_ring_semaphores
     from shmtier.shared.segment import human_bytes
     from shmtier.shared.segment_tools import list_segments, remove_if_stale
 
+    tiers = _tiers_of(name)
     removed = remove_if_stale(name, inode=inode, lock_wait_s=_LOCK_WAIT_S)
     sems = clean_stale_ring_semaphores({name})
+    for line in _tiers_left(tiers):
+        logger.warning("segment %s: %s", name, line)
     took = time.monotonic() - died_at
     if removed is not None:
         logger.warning("segment %s (%s): its owner, pid %d, died without closing it; removed "

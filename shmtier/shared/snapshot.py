@@ -50,7 +50,7 @@ _STATES = {0: "initialising", 1: "ready", 2: "failed"}
 #: A publish older than this is shown as stale (the scheduler publishes as it steps).
 STALE_AFTER_S = 5.0
 #: Worker args shown per tier type (never a credential or a MAC key: only these).
-_SHOWN_ARGS = ("root_dir", "max_bytes", "prefix")
+_SHOWN_ARGS = ("root_dir", "max_bytes", "prefix", "pool", "size_bytes")
 _SHOWN_STORE = ("bucket", "endpoint_override", "region")
 
 

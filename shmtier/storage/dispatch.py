@@ -23,16 +23,10 @@ from __future__ import annotations
 
 from shmtier.contract import Medium, OffloadingEvent, OffloadKey
 from shmtier.storage.tier_metrics import PROBED_KEYS
-from shmtier.storage.transfers import (
-    LOAD_SPLIT_KEYS,
-    MAX_COMBINED_KEYS,
-    Cascade,
-    Promotion,
-    combined,
-)
+from shmtier.storage.transfers import MAX_COMBINED_KEYS, TierJobs, combined
 
 
-class StorageDispatch:
+class StorageDispatch(TierJobs):
     """Queued work to pool jobs, and the tier jobs' results once their keys are final."""
 
     def _submit_queued(self, loads_only: bool = False) -> None:
@@ -116,35 +110,8 @@ class StorageDispatch:
             self._ledger.release(job_keys)
             self._settle(cascade, len(job_keys), False)
 
-    def _submit_loads(self, batch: list) -> None:
-        """``batch`` [(promotion, keys, rows)] as pool jobs: one, or with many keys one
-        per worker (at least LOAD_SPLIT_KEYS keys each), so that every worker reads (an
-        object store's GETs are latency-bound: one worker's io_threads do not fill it)."""
-        flat = [(promo, key, row) for promo, keys, rows in batch
-                for key, row in zip(keys, rows)]
-        if not flat:  # promotions of no keys: done
-            for promo, _, _ in batch:
-                self._settle_load(promo, 0)
-            return
-        parts = max(1, min(self._pool.n, len(flat) // LOAD_SPLIT_KEYS))
-        size = -(-len(flat) // parts)
-        for start in range(0, len(flat), size):
-            part = flat[start:start + size]
-            keys = [key for _, key, _ in part]
-            rows = [row for _, _, row in part]
-            carried: list[tuple[Promotion, list[OffloadKey]]] = []
-            for promo, key, _ in part:  # runs of one promotion's keys
-                if carried and carried[-1][0] is promo:
-                    carried[-1][1].append(key)
-                else:
-                    carried.append((promo, [key]))
-            pool_id = self._pool.submit("load", self._tier, keys, rows)
-            if pool_id is not None:
-                self._jobs[pool_id] = ("load", carried)
-                continue
-            for promo, promo_keys in carried:  # the rings are full: these keys fail now
-                self._ledger.loads_done(promo_keys)
-                self._settle_load(promo, len(promo_keys))
+    def _loads_unsent(self, keys: list[OffloadKey]) -> None:
+        self._ledger.loads_done(keys)
 
     def _submit_deletes(self) -> None:
         self._to_delete = self._submit_keys("delete", self._to_delete)
@@ -206,13 +173,3 @@ class StorageDispatch:
                                                 locality=self.locality, ownership=self._label))
         self._to_delete.extend(victims)
         self._submit_deletes()
-
-    def _settle(self, cascade: Cascade, final: int, all_ok: bool) -> None:
-        done = cascade.settle(final, all_ok)
-        if done is not None:
-            self._finished.append(done)
-
-    def _settle_load(self, promo: Promotion, final: int) -> None:
-        done = promo.settle(final)
-        if done is not None:
-            self._finished.append(done)

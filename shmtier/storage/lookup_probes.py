@@ -121,9 +121,9 @@ class LookupProbes:
         return bool(self._failed)
 
     def purge(self) -> None:
-        """Forget the misses remembered past their time (once per step): oldest first, up
-        to the first not yet due (a failure's longer miss may keep a few shorter ones
-        after it a little longer)."""
+        """Forget the misses remembered past their time (at each between-steps round, or
+        at a step's end when no round came): oldest first, up to the first not yet due (a
+        failure's longer miss may keep a few shorter ones after it a little longer)."""
         if not (self._missed or self._failed):
             return
         now = time.monotonic()

@@ -22,21 +22,18 @@ class's ``__init__`` sets up. It logs under the scheduler half's logger name
 from __future__ import annotations
 
 import logging
-import re
 from typing import Any
 
 from shmtier.contract import Medium, OffloadingEvent, OffloadKey
 from shmtier.scheduler.pool import PoolResult
-from shmtier.shared.jobs import Outcome, ResultFlag, free_bytes_in
+from shmtier.shared.jobs import Outcome, ResultFlag, failure_reason, free_bytes_in
 from shmtier.storage.tier_metrics import CODEC_SECONDS, CORRUPT_CHUNKS, PROBE_HITS, STORED_RATIO
-from shmtier.storage.transfers import Cascade, Promotion
+from shmtier.storage.transfers import Cascade, Promotion, load_outcomes
 
 logger = logging.getLogger("shmtier.storage.scheduler")
 
 # A cascade refused for space is sent again (after evicting) at most this many times.
 _SPACE_TRIES = 3
-# "<n> " before each "; "-separated part of a result's error text (BatchResult.summary)
-_LEADING_COUNTS = re.compile(r"(^|; )\d+ ")
 
 
 class StorageResults:
@@ -74,16 +71,8 @@ class StorageResults:
                 self._page_cache_bounded = bool(res.flags & ResultFlag.PAGE_CACHE_BOUNDED)
                 self._finish_stores(res, what)
             elif op == "load":
-                start = 0
-                for promo, keys in what:  # each tier job: its own keys' outcomes and figures
-                    end = start + len(keys)
-                    if res.release is not None and any(
-                            code != Outcome.OK for code in res.outcomes[start:end]):
-                        promo.hold_until(res.release)  # a killed worker may write them
-                    self._finish_load(promo, keys, res.outcomes[start:end],
-                                      sum(res.seconds[start:end]),
-                                      sum(res.logical_bytes[start:end]))
-                    start = end
+                for share in load_outcomes(res, what):  # each tier job: its own keys' part
+                    self._finish_load(*share)
             elif op == "delete":
                 self._finish_deletes(res, what)
             elif op == "lookup":
@@ -137,7 +126,7 @@ class StorageResults:
         """``failed`` keys of store result ``res`` failed: one WARNING per change of
         state (the first failure after stores worked, or another reason than the one
         logged: ``res.error`` without its key counts), not one per result."""
-        reason = _LEADING_COUNTS.sub(r"\1", res.error or "")
+        reason = failure_reason(res.error)
         if reason == self._store_failure:
             return
         self._store_failure = reason

@@ -99,6 +99,7 @@ from shmtier.storage.tier_metrics import (
     PROBES_EXPIRED,
     RING_DEPTH,
     PoolCounts,
+    TierSeries,
     metric_definitions,
 )
 from shmtier.storage.transfers import Cascade, Promotion
@@ -106,7 +107,7 @@ from shmtier.storage.transfers import Cascade, Promotion
 _DRAIN_S = 120.0
 
 
-class StorageTierManager(StorageDispatch, StorageResults, SecondaryTierManager):
+class StorageTierManager(StorageDispatch, StorageResults, TierSeries, SecondaryTierManager):
     """The scheduler half of a storage tier; its options are the tier's validated
     config (``max_bytes``, ``probe_unknown``, ``probe_ttl_s``, ``probe_timeout_s``,
     ``locality``, ``enable_kv_events``, ``max_pinned_fraction``, and optionally
@@ -145,6 +146,7 @@ class StorageTierManager(StorageDispatch, StorageResults, SecondaryTierManager):
         self._pool = offloading_spec.worker_pool
         self._tier = offloading_spec.tier_index_being_built
         self._label = f"{self._tier + 1}:{tier_type}"
+        self._labels = (self._label,)  # its series' label values
         # A store reserves its key's largest frame: the raw chunk (a frame is never
         # larger) and the frame header, with the MAC tag where frames carry one.
         mac = config.mac_secret is not None
@@ -179,11 +181,6 @@ class StorageTierManager(StorageDispatch, StorageResults, SecondaryTierManager):
         self.namespace_resets = 0  # results flagged NAMESPACE_RESET (each worker's, each change)
         self._compression_on = True  # last store result without COMPRESSION_OFF
         self._page_cache_bounded = False  # last store result with PAGE_CACHE_BOUNDED
-        # Between-steps rounds (``submit_between_steps``) since the last on_schedule_end,
-        # and whether they came in the last forward pass: while they do, a step sends only
-        # its loads and leaves stores, deletes and probes to the next round.
-        self._rounds_since_step = 0
-        self._rounds_come = False
 
     # --- byte counts ---
 
@@ -266,22 +263,12 @@ class StorageTierManager(StorageDispatch, StorageResults, SecondaryTierManager):
         self._load_queue.append((Promotion(job, len(keys)), keys, list(job.rows)))
 
     def submit_between_steps(self) -> None:
-        """Hand all queued work to the pool. The manager's step-window thread calls it
-        first in each of its rounds (``polls_between_steps``), under the lock."""
-        self._rounds_since_step += 1
-        self._submit_queued()
+        """The shared round (``TierJobs``: hand all queued work to the pool), then the
+        misses past their time forgotten: while rounds come they purge, not the step."""
+        super().submit_between_steps()
+        self._lookups.purge()
 
     # --- results ---
-
-    def get_finished_jobs(self) -> Iterable[JobResult]:
-        # In a step, while between-steps rounds come, only loads go now: a request waits
-        # for them; stores, deletes and probes go at the round ~1 ms after the step, so
-        # their encoding and ring writes stay out of the step (bench/README.md, "Polling
-        # the storage tiers between steps").
-        self._submit_queued(loads_only=self._rounds_come)
-        self._process_results()
-        finished, self._finished = self._finished, []
-        return finished
 
     def drain_jobs(self) -> None:
         """Block until every tier job is reported: stores that wait for room go once the
@@ -311,40 +298,27 @@ class StorageTierManager(StorageDispatch, StorageResults, SecondaryTierManager):
                 or not (self._ledger.listed or self._broken))
 
     def on_schedule_end(self, context: ScheduleEndContext) -> None:
-        # a forward pass without a round (the engine's rhythm changed, the thread is off
-        # or behind) and this step sends everything itself
-        self._rounds_come, self._rounds_since_step = self._rounds_since_step > 0, 0
-        self._submit_queued(loads_only=self._rounds_come)
-        self._lookups.purge()
+        # a step without a round before it sends everything itself, and purges (a lookup
+        # checks a remembered miss's time itself: purging only bounds the memory)
+        self._submit_at_step_end()
+        if not self._rounds_come:
+            self._lookups.purge()
 
     def take_events(self) -> Iterable[OffloadingEvent]:
         events, self._events = self._events, []
         return events
 
-    def get_stats(self) -> metrics.OffloadingStats:
-        stats, self._stats = self._stats, metrics.OffloadingStats()
-        self._gauges_into(stats)
-        return stats
-
-    def stats_into(self, stats: metrics.OffloadingStats) -> None:
-        """Add the series ``get_stats`` reports (and resets) to ``stats``: the tiering
-        manager's step payload, without a payload of the tier's own to merge (most steps
-        count nothing but the gauges). Scheduler thread, under the manager's lock."""
-        if self._stats.data["data"]:
-            own, self._stats = self._stats, metrics.OffloadingStats()
-            metrics.merge_stats(stats, own)
-        self._gauges_into(stats)
-
     def _gauges_into(self, stats: metrics.OffloadingStats) -> None:
-        stats.set_gauge(self.BYTES_METRIC, self._ledger.on_medium, (self._label,))
+        labels, set_gauge = self._labels, stats.set_gauge
+        set_gauge(self.BYTES_METRIC, self._ledger.on_medium, labels)
         expired = self._lookups.expired
         if expired != self._expired_seen:
-            stats.increase_counter(PROBES_EXPIRED, expired - self._expired_seen, (self._label,))
+            stats.increase_counter(PROBES_EXPIRED, expired - self._expired_seen, labels)
             self._expired_seen = expired
-        stats.set_gauge(RING_DEPTH, self._pool.queued_jobs(), (self._label,))
-        stats.set_gauge(POOL_BROKEN, int(self._broken), (self._label,))
-        stats.set_gauge(COMPRESSION_ON, int(self._compression_on), (self._label,))
-        stats.set_gauge(PAGE_CACHE_BOUNDED, int(self._page_cache_bounded), (self._label,))
+        set_gauge(RING_DEPTH, self._pool.queued_jobs(), labels)
+        set_gauge(POOL_BROKEN, int(self._broken), labels)
+        set_gauge(COMPRESSION_ON, int(self._compression_on), labels)
+        set_gauge(PAGE_CACHE_BOUNDED, int(self._page_cache_bounded), labels)
 
     @classmethod
     def build_metric_definitions(cls, tier_config: dict[str, Any]) -> dict[str, Any]:

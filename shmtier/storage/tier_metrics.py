@@ -3,8 +3,9 @@ it reads of the worker pool's counters (scheduler process).
 
 Who calls: :class:`~shmtier.storage.scheduler.StorageTierManager` (its
 ``build_metric_definitions``, and :class:`PoolCounts` under the tiering manager's lock
-once per batch of results); the tier types re-export the names their tests and
-dashboards use. No I/O: the counters are words of the shared segment (a few reads per
+once per batch of results), the node tier's scheduler half (the pool's series it shares,
+:class:`PoolCounts` and :class:`TierSeries`); the tier types re-export the names their
+tests and dashboards use. No I/O: the counters are words of the shared segment (a few reads per
 worker slot).
 """
 
@@ -89,6 +90,29 @@ class PoolCounts:
             if now != seen[i]:
                 stats.increase_counter(name, now - seen[i], self._label)
                 seen[i] = now
+
+
+class TierSeries:
+    """``get_stats`` and ``stats_into`` of a worker-backed tier's scheduler half (a mixin,
+    ahead of ``SecondaryTierManager``): the counters it added to ``_stats`` (an
+    ``OffloadingStats`` its ``__init__`` sets) since the last call, and its gauges
+    (``_gauges_into(stats)``, the tier's). Scheduler thread, under the manager's lock."""
+
+    _stats: metrics.OffloadingStats
+
+    def get_stats(self) -> metrics.OffloadingStats:
+        stats, self._stats = self._stats, metrics.OffloadingStats()
+        self._gauges_into(stats)
+        return stats
+
+    def stats_into(self, stats: metrics.OffloadingStats) -> None:
+        """Add the series ``get_stats`` reports (and resets) to ``stats``: the tiering
+        manager's step payload, without a payload of the tier's own to merge (most steps
+        count nothing but the gauges)."""
+        if self._stats.data["data"]:
+            own, self._stats = self._stats, metrics.OffloadingStats()
+            metrics.merge_stats(stats, own)
+        self._gauges_into(stats)
 
 
 def metric_definitions(bytes_metric: str, bytes_help: str,

@@ -118,7 +118,8 @@ class BatchResult:
     def summary(self, limit: int = 500) -> str:
         """What went wrong, in words, for a result's error text: one entry per distinct
         (outcome, detail) of ERROR, CORRUPT, REJECTED and INVALID keys, with its number
-        of keys; "" when there were none (OK, EXISTS and MISS are answers, not faults)."""
+        of keys; "" when there were none (OK, EXISTS and MISS are answers, not faults).
+        ``jobs.failure_reason`` reads it back without the numbers."""
         counts: dict[tuple[Outcome, str], int] = {}
         for outcome, detail in zip(self.outcomes, self.details):
             if outcome not in _ANSWERS:
@@ -150,6 +151,9 @@ class WorkerContext:
     # scheduler's index. A first worker at engine start finds the medium as the
     # scheduler's first listing will.
     replacement: bool = False
+    # The engine these workers serve (its id as the pool started them with): a tier that
+    # counts per engine on a medium engines share (node) counts under it.
+    engine_id: str = ""
 
 
 class UnsupportedOp(LookupError):

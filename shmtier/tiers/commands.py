@@ -1,5 +1,5 @@
 """What a tier type adds to the ``shmtier`` command: its part of ``fsck`` and ``clean``
-(:class:`TierFsck`) and of ``top`` (:class:`TierStatus`).
+(:class:`TierFsck`) and of ``top`` and ``ls`` (:class:`TierStatus`).
 
 Runs in: the ``shmtier`` CLI's process (and tests). A tier type names its subclasses in
 its registry entry (``fsck=``, ``status=`` in ``shmtier/tiers/registry.py``), which makes
@@ -47,6 +47,16 @@ class TierFsck:
         ``FsckError``, ``ValueError`` or ``OSError`` for a target that cannot be checked."""
         raise NotImplementedError
 
+    def engine_died(self, tiers: list) -> list[str]:
+        """An engine died without closing its segment: what this tier keeps on the host
+        for it goes (the node tier detaches it from its pools; the last engine out removes
+        a pool unless kept). ``tiers``: the engine's tiers as its segment named them
+        (``shmtier.shared.snapshot.TierInfo``: ``type``, ``where``), read before the
+        segment was removed. Called by the segment's guardian process
+        (``shmtier/shared/segment_guardian.py``); may block briefly (a lock). Returns
+        lines for its log; never raises for a tier that is gone."""
+        return []
+
     def add_clean_arguments(self, parser: argparse.ArgumentParser) -> None:
         """Add this tier's arguments to the ``clean`` parser (none by default)."""
 
@@ -72,7 +82,13 @@ class TierStatus:
         return []
 
     def lines(self, session: dict) -> list[str]:
-        """One of ``sessions``' entries in words, for the text view."""
+        """One of ``sessions``' (or ``host``'s) entries in words, for the text view."""
+        return []
+
+    def host(self) -> list[dict]:
+        """What the tier keeps on this host beside the engines' segments (e.g. the node
+        tier's pools), for ``shmtier ls``: JSON-able dicts, each shown by ``lines``; empty
+        when it keeps nothing. Must not disturb any engine."""
         return []
 
 

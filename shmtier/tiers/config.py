@@ -41,6 +41,7 @@ class TierContext:
     chunk_bytes: int | None = None  # KV bytes of one chunk (one primary row's payload)
     key_bytes: int | None = None  # bytes of an offload key
     data_parallel_index: int = 0  # the engine's data-parallel rank (p2p: port = port + it)
+    engine_id: str | None = None  # the engine's id (node: its default pool name)
 
 
 @dataclass(frozen=True)

@@ -99,6 +99,12 @@ BUILT_IN = (
              backend="shmtier.tiers.obj.backend:ObjBackend",
              fsck="shmtier.tiers.obj.commands:ObjFsck",
              backpressure=BackpressureProfile(network=True, failures_are_pressure=True)),
+    # one shared-memory pool per host for every engine of a layout (docs/node-pool.md)
+    TierType("node", "shmtier.tiers.node.scheduler:NodeTierManager",
+             config="shmtier.tiers.node.config:NodeTierConfig",
+             backend="shmtier.tiers.node.backend:NodeBackend",
+             fsck="shmtier.tiers.node.commands:NodeFsck",
+             status="shmtier.tiers.node.commands:NodeStatus"),
     # no backend: its own endpoint process (spawned by the scheduler half) does the I/O
     TierType("p2p", "shmtier.tiers.p2p.scheduler:P2PTierManager",
              config="shmtier.tiers.p2p.config:P2PTierConfig",

@@ -37,10 +37,12 @@ class Answer:
 
 
 def ask(server, messages: list[dict], max_tokens: int = MAX_TOKENS,
-        kv_transfer_params: dict | None = None, timeout_s: float | None = None) -> Answer:
+        kv_transfer_params: dict | None = None, timeout_s: float | None = None,
+        dp_rank: int | None = None) -> Answer:
     """One greedy chat completion, streamed: its text, token ids, the seconds until the
     first generated token arrived, and the prompt's length in tokens. ``timeout_s``:
-    the client's read timeout (openai.APITimeoutError past it)."""
+    the client's read timeout (openai.APITimeoutError past it); ``dp_rank``: the
+    data-parallel replica that serves it (``Server.dp_headers``)."""
     extra: dict[str, Any] = {"return_token_ids": True}
     if kv_transfer_params is not None:
         extra["kv_transfer_params"] = kv_transfer_params
@@ -49,7 +51,8 @@ def ask(server, messages: list[dict], max_tokens: int = MAX_TOKENS,
     t0 = time.perf_counter()
     stream = client.chat.completions.create(
         model=SERVED_NAME, messages=messages, temperature=0, max_tokens=max_tokens,
-        stream=True, stream_options={"include_usage": True}, extra_body=extra)
+        stream=True, stream_options={"include_usage": True}, extra_body=extra,
+        extra_headers=server.dp_headers(dp_rank))
     ttft = None
     text, ids, prompt_tokens, params = [], [], 0, None
     for chunk in stream:
@@ -99,12 +102,13 @@ class Compare:
 
     def ask(self, server, messages: list[dict], max_tokens: int = MAX_TOKENS,
             label: str = "", kv_transfer_params: dict | None = None,
-            timeout_s: float | None = None, reference_first: bool = True) -> Answer:
+            timeout_s: float | None = None, reference_first: bool = True,
+            dp_rank: int | None = None) -> Answer:
         """The server's answer (compared with the reference's, asked before it unless
-        ``reference_first`` is False); the conversation should go on with
-        ``.reference_text`` of the returned answer."""
+        ``reference_first`` is False; ``dp_rank``: asked of that data-parallel replica);
+        the conversation should go on with ``.reference_text`` of the returned answer."""
         ref = self.reference.answer(messages, max_tokens) if reference_first else None
-        got = ask(server, messages, max_tokens, kv_transfer_params, timeout_s)
+        got = ask(server, messages, max_tokens, kv_transfer_params, timeout_s, dp_rank)
         if ref is None:
             ref = self.reference.answer(messages, max_tokens)
         with self._lock:

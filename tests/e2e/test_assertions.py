@@ -16,7 +16,7 @@ from .e2e_chats import ask
 from .e2e_metrics import CPU_TIER, DEVICE_HIT_TOKENS, Metrics, assert_tier_served
 
 
-@pytest.mark.parametrize("tier", [CPU_TIER, "1:fs", "1:obj", "1:p2p"])
+@pytest.mark.parametrize("tier", [CPU_TIER, "1:fs", "1:obj", "1:p2p", "1:node"])
 def test_tier_assertion_fails_without_tier_work(reference, prompts, tier):
     server = reference.server
     reference.answer([prompts.user("assertions", 200)], 1)  # started, prefix cached

@@ -76,6 +76,7 @@ from shmtier.scheduler.stats_publisher import StatsPublisher
 from shmtier.scheduler.tiering.admission import CascadeAdmission
 from shmtier.scheduler.tiering.base import (
     JobId,
+    SecondaryTierManager,
     TransferJob,
     optional_attribute,
 )
@@ -155,6 +156,11 @@ class TieringOffloadingManager:
         self._flush_parked_cascades = self._cascades.flush_parked
         self._parked = self._cascades.parked  # request id -> state with parked keys
         self._parents = [TierFacingParent(self, i) for i in range(len(self.tiers))]
+        # the tiers whose serve_external_requests is not the base class's (which does
+        # nothing), as built: on_schedule_end calls only theirs
+        self._serving = [i for i, t in enumerate(self.tiers)
+                         if getattr(getattr(t, "serve_external_requests", None), "__func__", None)
+                         is not SecondaryTierManager.serve_external_requests]
         self._tracker = LookupTracker(self.labels)
         self._stats = metrics.OffloadingStats()
         # rows of failed promotions a tier may still write (vLLM 0.34's deferred release)
@@ -224,11 +230,6 @@ class TieringOffloadingManager:
             self._scan.end()
         return self._new_job(keys, self.primary.pin_rows(keys), False, ctx, tier_idx)
 
-    def _maybe_process_finished_jobs(self) -> None:
-        if not self._polled_this_step:
-            self._polled_this_step = True
-            self._process_finished_jobs()
-
     def _process_finished_jobs(self, tier_indices: Iterable[int] | None = None) -> None:
         for tier_idx in range(len(self.tiers)) if tier_indices is None else tier_indices:
             tier = self.tiers[tier_idx]
@@ -259,7 +260,7 @@ class TieringOffloadingManager:
             if scan is not None:
                 scan.end()
             scan = self._lookup_scan.begin(req_context)
-        if not self._polled_this_step:  # _maybe_process_finished_jobs, inlined
+        if not self._polled_this_step:  # the step's poll, if no call polled yet
             self._polled_this_step = True
             self._process_finished_jobs()
         record = scan.record
@@ -447,16 +448,20 @@ class TieringOffloadingManager:
     def on_schedule_end(self, context: ScheduleEndContext) -> None:
         if self._scan is not None:
             self._scan.end()
-        self._maybe_process_finished_jobs()
-        for tier_idx, tier in enumerate(self.tiers):
-            tier.serve_external_requests(self._parents[tier_idx])
+        if not self._polled_this_step:  # the step's poll, if no call polled yet
+            self._polled_this_step = True
+            self._process_finished_jobs()
+        for tier_idx in self._serving:
+            self.tiers[tier_idx].serve_external_requests(self._parents[tier_idx])
         self._polled_this_step = False
         self._flush_pending_promotions()
-        self._flush_parked_cascades()
+        if self._parked:
+            self._flush_parked_cascades()
         self._flush_deferred_cascades()
         for tier in self.tiers:
             tier.on_schedule_end(context)
-        self._tracker.stop(context.new_req_ids)
+        if context.new_req_ids:
+            self._tracker.stop(context.new_req_ids)
         if self._rhythm is not None:
             self._rhythm.step_ended(time.monotonic())
 
