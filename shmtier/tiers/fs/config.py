@@ -53,7 +53,10 @@ class FsTierConfig(StorageTierConfig):
             "filesystem takes it, loads buffered; \"auto\": O_DIRECT both ways where the "
             "filesystem takes it (probed at start); true: both ways, required. O_DIRECT "
             "stores keep write_depth writes in flight per tier worker, O_DIRECT loads "
-            f"{READ_DEPTH} reads: no page-cache copy, but every store and load waits for the device")
+            f"{READ_DEPTH} reads: no page-cache copy, but every store and load waits for the "
+            "device. Buffered is faster where recent chunks are promoted from the page cache; "
+            "on a run that cascades many GiB \"auto\" cost the tier workers a quarter less CPU "
+            "and promoted sooner (bench/README.md, \"Cost per byte over a long run\")")
     write_depth: int = option(
         8, integer(1, MAX_WRITE_DEPTH),
         doc="O_DIRECT writes a tier worker keeps in flight, each on an I/O thread with a "
