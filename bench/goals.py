@@ -1,6 +1,6 @@
 #!/usr/bin/env python
-"""Issue 14's goals, and issue 29's per-step fixed costs, judged over saved tiering_steps.py
-sets.
+"""Issue 14's goals (issue 29's long-run goals for ``--long`` sets), and issue 29's per-step
+fixed costs, judged over saved tiering_steps.py sets.
 
 Run from a checkout::
 
@@ -22,10 +22,10 @@ import json
 import sys
 
 from shmtier.bench.baseline import saved_baseline
-from shmtier.bench.goals import FIXED_COSTS, evaluate, format_goals
+from shmtier.bench.goals import FIXED_COSTS, GOALS, LONG_RUN_GOALS, evaluate, format_goals
 
 #: the arguments that make two sets the same experiment (trace and sizes)
-SAME_SET_ARGS = ("chunk_kib", "cpu_mib", "workload", "conversations", "requests", "zipf",
+SAME_SET_ARGS = ("long", "chunk_kib", "cpu_mib", "workload", "conversations", "requests", "zipf",
                  "arrival_rate", "step_ms", "max_running", "batch", "seed")
 
 
@@ -69,11 +69,13 @@ def main(argv=None) -> int:
     except (OSError, ValueError, KeyError) as e:
         print(f"goals.py: {e}", file=sys.stderr)
         return 2
-    print(f"issue 14's goals over {len(shm)} run pairs from {len(args.files)} set(s): "
+    long = bool(exp["long"])
+    print(f"issue {29 if long else 14}'s goals over {len(shm)} run pairs from {len(args.files)} set(s): "
           f"{args.manager} vs {exp['baseline']}, chunk {exp['chunk_kib']} KiB, CPU tier "
           f"{exp['cpu_mib']} MiB, workload {exp['workload']}")
     column = exp["baseline"].removesuffix(" TieringOffloadingSpec")
-    for line in format_goals(evaluate(shm, vllm), args.manager, column):
+    goals = LONG_RUN_GOALS if long else GOALS
+    for line in format_goals(evaluate(shm, vllm, goals), args.manager, column):
         print("  " + line)
     print("issue 29's per-step fixed costs (the same rules):")
     for line in format_goals(evaluate(shm, vllm, FIXED_COSTS), args.manager, column):

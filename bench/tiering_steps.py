@@ -9,6 +9,7 @@ Run from a checkout::
     .venv/bin/python -m bench.tiering_steps --managers shmtier,shmtier@nice0,shmtier@raw,vllm
     .venv/bin/python -m bench.tiering_steps --profile shmtier    # cProfile one run instead
     nice -n 0 .venv/bin/python -m bench.tiering_steps --busy 1   # a busy host (issue 29)
+    nice -n 0 .venv/bin/python -m bench.tiering_steps --long     # ~11 GiB cascaded, ~2 min a run
 
 Two managers, built the same size (CPU tier bytes, chunk bytes) with an ``fs``
 secondary tier on a fresh temp directory each run (unbounded), are driven by the
@@ -47,7 +48,9 @@ scheduler-process CPU goal) and for the whole process, the driver's own work inc
 
 Variants ``shmtier@TOKENS`` (interleaved with the others) change what shmtier's
 tier workers run with after they start: scheduling (``nice0``, ``batch0``, ...,
-see --worker-sched), compression (``raw`` = none, ``zstd``), the fs tier's
+see --worker-sched), compression (``raw`` = none, ``zstd``, ``zauto`` = auto), the fs tier's
+``direct_io`` (``dio``: "writes", O_DIRECT stores; ``dioauto``: "auto", both ways;
+``buffered``: false), the fs tier's
 lookup probes of unknown keys (``noprobe``: off, the behaviour before shared roots), the
 step-window poll thread (``nowindow``: off, every poll inside the steps),
 cascade admission (``second_touch``; the default is vLLM's write-through), the fs
@@ -57,6 +60,10 @@ tier's page-cache bound (``pcN``: ``page_cache_bytes`` of N MiB per tier worker,
 
 ``--busy N`` runs every manager on a busy host: N processes spinning at niceness 0 from
 before the first run to after the last (shmtier/bench/busy.py); the method lines say so.
+``--long`` is issue 29's long run: the "long" chat trace (shmtier/bench/trace.py: 600
+requests, 10.9 GiB of distinct KV) at ``LONG_RUN``'s sizes (1408 KiB chunks, 1 GiB CPU
+tier, 5 ms steps), ~2 minutes a run; its verdict is issue 29's long-run goals
+(shmtier/bench/goals.py ``LONG_RUN_GOALS``).
 
 The parts live in the package (``shmtier bench`` ships them): shmtier/bench/baseline.py
 (which vLLM, its connector's calls), shmtier/bench/managers.py
@@ -82,11 +89,12 @@ from shmtier.bench import baseline
 from shmtier.bench import trace as bench_trace
 from shmtier.bench.busy import BusyHost
 from shmtier.bench.common import exit_through_finally, rotated, write_json
-from shmtier.bench.goals import FIXED_COSTS, evaluate, format_goals
+from shmtier.bench.goals import FIXED_COSTS, GOALS, LONG_RUN_GOALS, evaluate, format_goals
 from shmtier.bench.driver import (Config, make_data_pool, run_once_more_on_stall,
                                   run_one)
 from shmtier.bench.managers import VARIANT_TOKENS, WORKER_SCHED, known_manager
-from shmtier.bench.report import label, print_kinds, print_slowest, print_table, summarise
+from shmtier.bench.report import (label, print_kinds, print_slowest, print_table, print_threads,
+                                  summarise)
 
 
 def main(argv=None) -> int:
@@ -98,11 +106,17 @@ def main(argv=None) -> int:
     ap.add_argument("--managers", default="shmtier,vllm",
                     help="comma-separated: shmtier, vllm, and shmtier@TOKENS variants, TOKENS "
                          "'+'-joined worker scheduling (--worker-sched values) and/or compression "
-                         "(raw = none, zstd), pcN / pcauto / pcoff (fs page_cache_bytes N MiB, auto, "
+                         "(raw = none, zstd, zauto = auto), dio / dioauto / buffered (fs "
+                         "direct_io writes / auto / false), pcN / pcauto / pcoff (fs page_cache_bytes N MiB, auto, "
                          "null), laneN (tier_promotion_workers N), e.g. "
                          "shmtier,shmtier@nice0,shmtier@raw,shmtier@pc64,vllm; all interleaved")
-    ap.add_argument("--chunk-kib", type=int, default=256, help="chunk (arena row) KiB, page multiple")
-    ap.add_argument("--cpu-mib", type=int, default=128, help="CPU tier MiB (both managers)")
+    ap.add_argument("--long", action="store_true",
+                    help="issue 29's long run: the 'long' chat trace (600 requests, 10.9 GiB of "
+                         "distinct KV), 1408 KiB chunks, 1 GiB CPU tier: ~2 min a run")
+    ap.add_argument("--chunk-kib", type=int, default=None,
+                    help="chunk (arena row) KiB, page multiple (default 256; 1408 with --long)")
+    ap.add_argument("--cpu-mib", type=int, default=None,
+                    help="CPU tier MiB, both managers (default 128; 1024 with --long)")
     ap.add_argument("--workload", default="chat", choices=tuple(bench_trace.GENERATORS),
                     help="trace generator (shmtier/bench/trace.py): chat (multi-turn chat, "
                          "the flags below), docqa or agent (their default size; --requests "
@@ -124,12 +138,13 @@ def main(argv=None) -> int:
                     choices=tuple(WORKER_SCHED),
                     help="experiment: scheduling policy / niceness set on shmtier's tier workers "
                          "after they start (default: leave them as spawned)")
-    ap.add_argument("--compression", default="auto", choices=("auto", "zstd", "none"),
-                    help="shmtier's compression mode (default: its default, auto)")
-    ap.add_argument("--fs-direct-io", default="off", choices=("off", "writes", "auto", "on"),
-                    help="shmtier's fs tier direct_io (off: buffered, the default; writes: "
-                         "O_DIRECT stores where the filesystem takes it, buffered loads; "
-                         "auto: O_DIRECT both ways where taken; on: both ways, required)")
+    ap.add_argument("--compression", default=None, choices=("auto", "zstd", "none"),
+                    help="shmtier's compression mode (default: shmtier's default)")
+    ap.add_argument("--fs-direct-io", default=None, choices=("off", "writes", "auto", "on"),
+                    help="shmtier's fs tier direct_io (default: the fs tier's default; off: "
+                         "buffered; writes: O_DIRECT stores where the filesystem takes it, "
+                         "buffered loads; auto: O_DIRECT both ways where taken; on: both "
+                         "ways, required)")
     ap.add_argument("--fs-write-depth", type=int, default=None,
                     help="shmtier's fs tier write_depth (default: its default)")
     ap.add_argument("--dir", default=None, help="parent of the fs tiers' temp dirs (default: system tmp)")
@@ -138,6 +153,11 @@ def main(argv=None) -> int:
     ap.add_argument("--profile", default=None, metavar="MANAGER",
                     help="cProfile one run of this manager (driver thread) instead of the bench")
     args = ap.parse_args(argv)
+    if args.long and (args.quick or args.workload != "chat"):
+        ap.error("--long is a chat trace of its own size: not with --quick or --workload")
+    preset = bench_trace.LONG_RUN if args.long else {"chunk_kib": 256, "cpu_mib": 128}
+    args.chunk_kib = args.chunk_kib or preset["chunk_kib"]
+    args.cpu_mib = args.cpu_mib or preset["cpu_mib"]
     if args.quick:
         args.repeats = 1
         args.conversations = min(args.conversations, 80)
@@ -166,12 +186,14 @@ def main(argv=None) -> int:
                  max_running=args.max_running, batch=args.batch, workers=args.workers,
                  dir=args.dir or tempfile.gettempdir(), worker_sched=args.worker_sched,
                  compression=args.compression,
-                 direct_io={"writes": "writes", "auto": "auto", "on": True,
-                            "off": False}[args.fs_direct_io],
+                 direct_io={"writes": "writes", "auto": "auto", "on": True, "off": False,
+                            None: None}[args.fs_direct_io],
                  write_depth=args.fs_write_depth, connector=connector)
 
     t0 = time.perf_counter()
-    if args.workload == "chat":
+    if args.long:
+        trace = bench_trace.generate("chat", "long", args.seed, requests=args.requests)
+    elif args.workload == "chat":
         trace = bench_trace.make_trace(bench_trace.TraceParams(
             conversations=args.conversations, requests=args.requests or 900, zipf=args.zipf,
             arrival_rate=args.arrival_rate, seed=args.seed))
@@ -220,8 +242,8 @@ def _runs(args, names, cfg, connector, vllm_note, trace, gen_s, capacity, data_p
     print(f"  shmtier: TieringOffloadingSpec(...).get_manager(), fs tier, num_tier_workers "
           f"{args.workers} (spawned processes; tier_promotion_workers its default, 1 of 2 or "
           f"more, unless shmtier@laneN; scheduling {args.worker_sched}: "
-          f"{WORKER_SCHED[args.worker_sched]}), compression {args.compression}, direct_io {args.fs_direct_io}, write_depth {args.fs_write_depth or 'default'}, min_free_bytes None;"
-          f" variants shmtier@TOKENS override scheduling / compression (raw = none)")
+          f"{WORKER_SCHED[args.worker_sched]}), compression {args.compression or 'default'}, direct_io {args.fs_direct_io or 'default'}, write_depth {args.fs_write_depth or 'default'}, min_free_bytes None;"
+          f" variants shmtier@TOKENS override scheduling / compression (raw = none) / direct_io (dio = writes)")
     print(f"  {label('vllm')}: TieringOffloadingManager(CPUPrimaryTierOffloadingManager(SharedOffloadRegion),"
           " [FileSystemTierManager]) built from its classes, fs tier defaults (16+16 I/O threads,"
           " O_DIRECT if the dir allows it, async lookup thread), no backpressure on either side")
@@ -267,6 +289,16 @@ def _runs(args, names, cfg, connector, vllm_note, trace, gen_s, capacity, data_p
     sums = {n: [] for n in names}
     raws = {n: [] for n in names}
     step_runs = {n: [] for n in names}  # per-step lists, for print_slowest
+
+    def save(extra: dict) -> None:
+        """The JSON (``--json``) of the runs so far: written after every run (``partial``:
+        true, with each run's load average), so a bench stopped midway (minutes a run
+        with ``--long``) keeps what it measured; then once more with the goals."""
+        write_json(args.json, {"bench": "tiering_steps", "args": vars(args), "vllm": vllm_note,
+                               "busy": busy.as_dict(), "baseline": connector.as_dict(),
+                               "trace": trace.summary(), "summaries": sums, "runs": raws,
+                               "stalls": stalls, "partial": True, **extra}, default=str)
+
     run_no = 0
     stalls: list[dict] = []  # runs that made no progress (each run again once)
     for r in range(args.repeats):
@@ -278,6 +310,9 @@ def _runs(args, names, cfg, connector, vllm_note, trace, gen_s, capacity, data_p
                             if k not in ("step_ns", "step_cpu_ns", "step_kinds", "step_lookups", "slow",
                                          "wake_late_ns")})
             step_runs[n].append({k: res[k] for k in ("step_ns", "step_cpu_ns", "step_kinds", "slow")})
+            s["load_avg_after"] = os.getloadavg()[0]
+            if args.json:
+                save({})
             print(f"  run {r + 1}/{args.repeats} {label(n):>14}: {s['steps']} steps, step p50 "
                   f"{s['step_us_p50']:.0f} µs p99 {s['step_us_p99']:.0f} µs, promotion p50 "
                   f"{s['promo_ms_p50'] or 0:.0f} ms, deferral p99 {s['defer_p99']} steps, process CPU "
@@ -294,6 +329,7 @@ def _runs(args, names, cfg, connector, vllm_note, trace, gen_s, capacity, data_p
     print("\n=== results: median [min-max] over runs ===")
     print_table(sums, names)
     print_kinds(sums, names)
+    print_threads(sums, names)
     print_slowest(step_runs, names)
     for n in names:
         rss = [x for s in sums[n] for x in (s["worker_rss_anon_mib"] or []) if x is not None]
@@ -312,8 +348,9 @@ def _runs(args, names, cfg, connector, vllm_note, trace, gen_s, capacity, data_p
         for n in names:
             if n == "vllm":
                 continue
-            goals[n] = evaluate(sums[n], sums["vllm"])
-            print(f"\nissue 14's goals, {label(n)} vs {label('vllm')} (ratio of the medians over runs; "
+            goals[n] = evaluate(sums[n], sums["vllm"], LONG_RUN_GOALS if args.long else GOALS)
+            print(f"\nissue {29 if args.long else 14}'s goals, {label(n)} vs {label('vllm')} "
+                  "(ratio of the medians over runs; "
                   f"the spread: per run pair; bench/goals.py judges saved sets):")
             for line in format_goals(goals[n], label(n), label("vllm")):
                 print("  " + line)
@@ -327,12 +364,7 @@ def _runs(args, names, cfg, connector, vllm_note, trace, gen_s, capacity, data_p
     print(f"load avg at end {os.getloadavg()[0]:.2f}")
 
     if args.json:
-        write_json(args.json, {"bench": "tiering_steps", "args": vars(args), "vllm": vllm_note,
-                               "busy": busy.as_dict(),
-                               "baseline": connector.as_dict(),
-                               "trace": trace.summary(), "summaries": sums, "runs": raws,
-                               "stalls": stalls, "goals": goals, "fixed_costs": fixed_costs},
-                   default=str)
+        save({"goals": goals, "fixed_costs": fixed_costs, "partial": False})
         print(f"wrote {args.json}")
     return 0
 

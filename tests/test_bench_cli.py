@@ -203,6 +203,30 @@ def test_bench_usage_errors(tmp_path):
     assert p.returncode == 2 and "--busy is for the side-by-side runs" in p.stderr
 
 
+def test_the_long_preset_is_issue_29_s_long_run_and_refuses_other_sizes(tmp_path):
+    """``--long`` (issue 29): the seeded "long" chat trace at 1408 KiB chunks is at least
+    10 GiB of distinct KV (over 10x its 1 GiB CPU tier) over ~2 minutes of 5 ms steps;
+    it is a chat trace of its own size, so both benches refuse it with another size or
+    workload, saying why (exit 2), before anything runs."""
+    t = bench_trace.generate("chat", "long", seed=1234)
+    assert t.distinct_keys == bench_trace.generate("chat", "long", seed=1234).distinct_keys
+    preset = bench_trace.LONG_RUN
+    distinct_gib = t.distinct_keys * preset["chunk_kib"] / 2**20
+    assert distinct_gib >= 10 and distinct_gib * 1024 / preset["cpu_mib"] >= 10
+    steps = max(r.arrival_step for r in t.requests)
+    assert len(t.requests) == 600 and steps * preset["step_ms"] / 1000 >= 100
+    with pytest.raises(ValueError, match="size 'long' is a chat trace, not 'docqa'"):
+        bench_trace.generate("docqa", "long")
+    p = subprocess.run([sys.executable, "-m", "shmtier", "bench", "--long", "--workload", "docqa",
+                        "--no-vllm", "--out", str(tmp_path / "o")], cwd=REPO,
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2 and "--long is a chat trace of its own" in p.stderr
+    p = subprocess.run([sys.executable, "-m", "bench.tiering_steps", "--long", "--quick"],
+                       cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2 and "--long is a chat trace of its own size" in p.stderr
+    assert not (tmp_path / "o").exists()
+
+
 def test_bench_stress_quick_verdict(tmp_path):
     p = subprocess.run([sys.executable, "-m", "shmtier", "bench", "--stress", "--quick",
                         "--out", str(tmp_path / "s")], cwd=REPO, capture_output=True, text=True,

@@ -575,6 +575,63 @@ def test_mac_round_trip_is_byte_exact(dataset, size, mode):
     assert decode(frame, decoder=ChunkDecoder(mac_key=MAC_KEY)) == raw
 
 
+@pytest.mark.parametrize("mac_key", [None, MAC_KEY])
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("size", (0, 1, 4097, 300 * KIB + 6))
+def test_encode_raw_into_writes_the_raw_frame_encode_makes(size, mode, mac_key):
+    """``encode_raw_into`` (the fs tier's O_DIRECT stores: the payload copied and
+    checksummed in one pass into the write's buffer) writes, whatever the encoder's mode,
+    exactly the frame a raw encoder's ``encode`` makes, MAC tag included, at the start of
+    ``out`` (nothing after it touched); it decodes back; an ``out`` one byte short is a
+    ValueError naming both sizes, with nothing written."""
+    raw = bf16_normal(size, seed=size)
+    want, _ = encode(raw, encoder=ChunkEncoder(CompressionConfig(mode="none"), mac_key=mac_key))
+    enc = ChunkEncoder(CompressionConfig(mode=mode), mac_key=mac_key)
+    out = bytearray(b"\xee" * (len(want) + 100))
+    stats = enc.encode_raw_into(memoryview(raw), KEY, 2, memoryview(out))
+    assert out[:len(want)] == want and out[len(want):] == b"\xee" * 100
+    assert (stats.raw_bytes, stats.stored_bytes, stats.codec) == (size, len(want), "raw")
+    assert decode(bytes(out[:len(want)]), decoder=ChunkDecoder(mac_key=mac_key)) == raw
+    short = bytearray(b"\xee" * (len(want) - 1))
+    with pytest.raises(ValueError, match=f"out holds {len(want) - 1} bytes; the frame needs "
+                                         f"{len(want)}"):
+        enc.encode_raw_into(memoryview(raw), KEY, 2, memoryview(short))
+    assert short == b"\xee" * (len(want) - 1)
+
+
+@pytest.mark.parametrize("mac_key", [None, MAC_KEY])
+@pytest.mark.parametrize("mode", MODES)
+def test_decode_copying_decodes_as_decode_into_and_refuses_the_same(mode, mac_key):
+    """``decode_copying`` (the fs tier's O_DIRECT loads: a raw frame copied into the row
+    while checksummed) gives the bytes ``decode_into`` gives, for every codec; the header
+    checks come first (a wrong key writes nothing); a flipped payload bit of a raw frame
+    is "checksum" (the row then holds unverified bytes, not to be published), and a
+    forged tag "mac"."""
+    raw = bf16_normal(300 * KIB + 6, seed=8)
+    enc = ChunkEncoder(CompressionConfig(mode=mode), mac_key=mac_key)
+    frame, _ = encode(raw, encoder=enc)
+    dec = ChunkDecoder(mac_key=mac_key)
+    out = bytearray(len(raw))
+    stats = dec.decode_copying(memoryview(frame), KEY, memoryview(out))
+    assert out == raw and stats.raw_bytes == len(raw) and stats.stored_bytes == len(frame)
+    out = bytearray(b"\xaa" * len(raw))
+    with pytest.raises(CorruptChunkError) as ei:
+        dec.decode_copying(memoryview(frame), bytes(36), memoryview(out))
+    assert ei.value.reason == "key" and out == b"\xaa" * len(raw)
+    hs = frame_header_size(len(KEY), mac=bool(mac_key))
+    for pos in (hs, len(frame) - 1):
+        with pytest.raises(CorruptChunkError) as ei:
+            dec.decode_copying(memoryview(flip(frame, pos)), KEY, memoryview(out))
+        assert ei.value.reason == "checksum"
+    if mac_key is not None and mode == "none":
+        forged, _ = encode(bf16_normal(len(raw), seed=9),
+                           encoder=ChunkEncoder(CompressionConfig(mode="none"),
+                                                mac_key=OTHER_MAC_KEY))
+        with pytest.raises(CorruptChunkError) as ei:
+            dec.decode_copying(memoryview(forged), KEY, memoryview(out))
+        assert ei.value.reason == "mac"
+
+
 def test_a_forged_frame_is_served_without_a_key_and_refused_with_one(frames):
     """The issue: CRCs authenticate nothing. Anyone who can write the medium builds, with
     the encoder, a valid frame for a key with other bytes; a reader without a key serves

@@ -272,8 +272,11 @@ CORRUPTIONS = {
 }
 
 
+@pytest.mark.parametrize("direct_io", [False, "auto"])
 @pytest.mark.parametrize("name", sorted(CORRUPTIONS))
-def test_corrupt_file_is_reported_removed_and_counted(tmp_path, name):
+def test_corrupt_file_is_reported_removed_and_counted(tmp_path, name, direct_io):
+    """Read back buffered and with O_DIRECT (``"auto"``: where the filesystem takes it;
+    reads on I/O threads, raw frames copied into the row while checksummed)."""
     mode, damage, reason = CORRUPTIONS[name]
     cb = 64 << 10
     b = backend(tmp_path, codec_config=CompressionConfig(mode=mode))
@@ -284,7 +287,8 @@ def test_corrupt_file_is_reported_removed_and_counted(tmp_path, name):
     hs = frame_header_size(len(keys[0]))
     damage(path, hs, b.path_for(keys[3]))
 
-    fresh = backend(tmp_path, codec_config=CompressionConfig(mode=mode))  # a new reader process
+    fresh = backend(tmp_path, codec_config=CompressionConfig(mode=mode),
+                    direct_io=direct_io)  # a new reader process
     dst = np.full_like(src, EMPTY)
     lr = fresh.load(keys[:3], [0, 1, 2], dst, cb)
     assert (lr.outcomes[0], lr.details[0]) == (CORRUPT, reason), (lr.outcomes, lr.details)
@@ -300,13 +304,16 @@ def test_corrupt_file_is_reported_removed_and_counted(tmp_path, name):
     assert fresh.probe(keys[:1]).outcomes == [MISS]
 
 
-def test_every_flipped_bit_position_is_caught_or_harmless(tmp_path):
+@pytest.mark.parametrize("direct_io", [False, "auto"])
+def test_every_flipped_bit_position_is_caught_or_harmless(tmp_path, direct_io):
     """Flip each header byte and a spread of payload bytes: a load either reports
-    corrupt (and removes the file) or returns the exact bytes; it never serves others."""
+    corrupt (and removes the file) or returns the exact bytes; it never serves others.
+    Buffered and with O_DIRECT (where the filesystem takes it)."""
     cb = 16 << 10
     for mode in ("none", "auto"):
         (tmp_path / mode).mkdir()
-        b = backend(tmp_path / mode, codec_config=CompressionConfig(mode=mode))
+        b = backend(tmp_path / mode, codec_config=CompressionConfig(mode=mode),
+                    direct_io=direct_io)
         src = make_arena(1, cb, cb, "bf16", seed=3)
         key = keys_for(1)[0]
         assert b.store([key], [0], src, cb).all_ok
@@ -1010,15 +1017,20 @@ def _needs_o_direct(path) -> None:
 
 
 @pytest.mark.parametrize("fsync", [False, True])
-def test_direct_writes_keep_several_files_in_flight_and_round_trip(tmp_path, fsync):
+@pytest.mark.parametrize("mode, mac_key", [("auto", None), ("none", None), ("none", MAC_KEY)])
+def test_direct_writes_keep_several_files_in_flight_and_round_trip(tmp_path, fsync, mode,
+                                                                   mac_key):
     """``direct_io="writes"``: stores go O_DIRECT with ``write_depth`` files in flight on
     I/O threads, loads stay buffered. A batch of 13 chunks of mixed sizes (compressible
-    and not) returns only once every file is published: each file is its frame exactly,
-    no temp file is left, the counters and per-key sizes are the files', and the bytes
-    load back exactly. The job loop is told to hand over ``write_depth`` keys at once."""
+    and not; with compression "none" every frame raw, encoded straight into the write's
+    buffer, with a MAC tag or not) returns only once every file is published: each file
+    is its frame exactly, no temp file is left, the counters and per-key sizes are the
+    files', and the bytes load back exactly. The job loop is told to hand over
+    ``write_depth`` keys at once."""
     _needs_o_direct(tmp_path)
     b = FsBackend(str(tmp_path), "direct-writes", min_free_bytes=0, direct_io="writes",
-                  write_depth=4, fsync=fsync)
+                  write_depth=4, fsync=fsync, codec_config=CompressionConfig(mode=mode),
+                  mac_key=mac_key)
     assert (b.direct_writes, b.direct_io, b.writes_in_flight) == (True, False, 4)
     rng = np.random.default_rng(9)
     src = np.concatenate([bf16_normal(rng, 7 * 12288).reshape(7, 12288),
@@ -1027,10 +1039,14 @@ def test_direct_writes_keep_several_files_in_flight_and_round_trip(tmp_path, fsy
     res = b.store(keys, list(range(13)), src, 12288)
     assert res.outcomes == [OK] * 13, res.details
     sizes = {k: os.path.getsize(b.path_for(k)) for k in keys}
-    assert res.stored_bytes == [sizes[k] for k in keys] and len(set(sizes.values())) > 1
-    for key in keys:
+    assert res.stored_bytes == [sizes[k] for k in keys]
+    assert (len(set(sizes.values())) == 1) == (mode == "none")
+    raw_encoder = ChunkEncoder(CompressionConfig(mode="none"), mac_key=mac_key)
+    for i, key in enumerate(keys):
         data = open(b.path_for(key), "rb").read()
         assert len(data) == parse_frame_header(memoryview(data)).frame_size
+        if mode == "none":  # the frame encode makes, byte for byte
+            assert data == b"".join(bytes(p) for p in raw_encoder.encode(src[i].data, key, 2)[0])
     assert not list(tmp_path.rglob("*.tmp"))
     assert b.counters.files_written == 13 and b.counters.bytes_on_disk == sum(sizes.values())
     out = np.zeros_like(src)
@@ -1038,6 +1054,55 @@ def test_direct_writes_keep_several_files_in_flight_and_round_trip(tmp_path, fsy
     assert np.array_equal(out[::-1], src)
     b.close()
     b.close()  # idempotent
+
+
+@pytest.mark.parametrize("mac_key", [None, MAC_KEY])
+def test_direct_loads_keep_several_reads_in_flight_and_answer_each_key(tmp_path, mac_key):
+    """``direct_io="auto"`` loads read with O_DIRECT on I/O threads, ``READ_DEPTH`` files
+    at once: a batch of 20 keys (more than the depth; raw and compressed frames, rows in
+    another order) among which one file is damaged and one missing answers each key
+    (OK with the exact bytes, CORRUPT "checksum" removed, MISS) and writes no row it does
+    not own; a second load of the same keys and one after the reader's buffers were
+    dropped (``close``: what a worker's shutdown does) answer the same, and no temp or
+    foreign file is left."""
+    from shmtier.tiers.fs.direct_reads import READ_DEPTH
+
+    _needs_o_direct(tmp_path)
+    cb = 64 << 10
+    n = 20
+    assert n > READ_DEPTH
+    writer = backend(tmp_path, mac_key=mac_key, codec_config=CompressionConfig(mode="none"))
+    src = make_arena(n, cb + 4096, cb, "bf16", seed=4)
+    keys = keys_for(n, tag=6)
+    assert writer.store(keys[:10], range(10), src, cb).all_ok
+    z = backend(tmp_path, mac_key=mac_key, codec_config=CompressionConfig(mode="zstd"))
+    assert z.store(keys[10:], range(10, n), src, cb).all_ok
+    _flip(writer.path_for(keys[3]), frame_header_size(len(keys[3]), mac=bool(mac_key)) + 99)
+    os.unlink(writer.path_for(keys[12]))
+    reader = backend(tmp_path, mac_key=mac_key, direct_io="auto")
+    assert reader.direct_io is True
+    rows = list(range(n - 1, -1, -1))
+    want = [OK] * n
+    want[3], want[12] = CORRUPT, MISS
+    for attempt in range(3):
+        dst = np.full_like(src, EMPTY)
+        lr = reader.load(keys, rows, dst, cb)
+        assert lr.outcomes == want, (attempt, lr.outcomes, lr.details)
+        if attempt == 0:
+            assert lr.details[3] == "checksum"
+            want[3] = MISS  # removed
+        for i in range(n):
+            if want[i] is OK:
+                assert np.array_equal(dst[rows[i], :cb], src[i, :cb]), (attempt, i)
+            elif lr.outcomes[i] is MISS:
+                assert (dst[rows[i]] == EMPTY).all()
+        assert (dst[:, cb:] == EMPTY).all()
+        if attempt == 1:
+            reader.close()
+            reader = backend(tmp_path, mac_key=mac_key, direct_io="auto")
+    assert reader.counters.corrupt_files_removed == 0 and not temp_files(tmp_path)
+    assert len(chunk_files(reader)) == n - 2
+    reader.close()
 
 
 def test_a_direct_write_that_fails_on_its_io_thread_fails_only_its_key(tmp_path):

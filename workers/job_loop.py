@@ -8,8 +8,9 @@ Runs in: one tier worker process (spawned by the pool, or started by
     join segment (geometry from its header) ─▶ set its priority by its lane (below)
       ─▶ attach rings of worker i ─▶ claim slot i
     loop: owner generation still mine? else exit (see below)
-          jobs.get_many(≤ 128): a non-blocking take every 0.5 ms while jobs came
-          in the last 0.25 s, else a sleep in the semaphore (heartbeat timeout)
+          jobs.get_many(≤ 128): a non-blocking take every 0.5 ms (2 ms in a background
+          worker of a pool with a promotion lane) while jobs came in the last 0.25 s,
+          else a sleep in the semaphore (heartbeat timeout)
           beat(); owner generation still mine? else exit
           decode all (malformed → error result, keep running) into the queue, loads first
           for each queued job:
@@ -116,11 +117,21 @@ _ANSWERED_PER_SLICE = frozenset(("store", "delete"))
 _ANSWER_EVERY_S = 0.05
 _BATCH = 128  # jobs taken per wake-up: the whole ring, so a load can overtake the backlog
 # Waiting for jobs: a worker that had a job in the last _POLL_WINDOW_S polls its ring
-# every _POLL_S instead of sleeping in sem_wait, so the scheduler's post wakes nobody
-# (wake-ups were the largest part of the slowest steps; bench/README.md, "Tier worker
-# wake-ups"). Idle longer, it sleeps in the semaphore.
+# instead of sleeping in sem_wait, so the scheduler's post wakes nobody (wake-ups were the
+# largest part of the slowest steps; bench/README.md, "Tier worker wake-ups"). Idle longer,
+# it sleeps in the semaphore. The polls back off: the first comes _POLL_S after the last
+# job, each later one waits twice as long as the one before, up to _POLL_MAX_S. Every poll's
+# sleep costs ~20 µs of CPU on this VM, so polling every 0.5 ms for as long as jobs keep
+# coming cost a promotion worker 3.4% of a core, ~4.4 s of CPU over issue 29's long run
+# (bench/README.md, "Cost per byte over a long run"); jobs come in bursts (a request's
+# promotions, a step's cascades), so the next one after a burst rarely needs a fast poll.
 _POLL_S = 0.0005
+_POLL_MAX_S = 0.002
 _POLL_WINDOW_S = 0.25
+# ...a background worker whose pool has a promotion lane polls from _BACKGROUND_POLL_S up
+# to _BACKGROUND_POLL_MAX_S: it takes only stores and deletes, which nobody waits on.
+_BACKGROUND_POLL_S = 0.002
+_BACKGROUND_POLL_MAX_S = 0.008
 # A worker this far behind on stores (chunk bytes of the store jobs it holds, the one in
 # hand included) is behind: in codec mode "auto" it then stores whichever of raw and
 # compressed frames costs it less time per byte (shared/codec_choice.py): a waiting cascade
@@ -520,7 +531,12 @@ def run_worker(engine_id: str, index: int, generation: int | None = None) -> int
         # tick or on an idle core. The promotion lane keeps the engine's priority: a waiting
         # request needs its loads and probes, and other work on a busy host must not starve
         # them (docs/architecture.md, "Tier worker lanes").
-        _set_priority(config, index)
+        lane = _set_priority(config, index)
+        first_poll_s, max_poll_s = (
+            (_BACKGROUND_POLL_S, _BACKGROUND_POLL_MAX_S)
+            if lane == BACKGROUND and config.options.promotion_workers
+            else (_POLL_S, _POLL_MAX_S))
+        poll_s = first_poll_s
         rings = RingSet.attach(segment.name, segment.rings, worker=index)
         if generation is None:
             mine[0] = segment.owner_generation()
@@ -553,7 +569,8 @@ def run_worker(engine_id: str, index: int, generation: int | None = None) -> int
             batch = me.jobs.get_many(_BATCH, timeout_s=0)
             if not batch:
                 if time.monotonic() - last_job < _POLL_WINDOW_S:
-                    time.sleep(_POLL_S)
+                    time.sleep(poll_s)
+                    poll_s = min(2 * poll_s, max_poll_s)
                 else:
                     batch = me.jobs.get_many(_BATCH, timeout_s=config.heartbeat_interval_s)
             check_owner()  # jobs taken for a stale owner are left unrun
@@ -563,6 +580,7 @@ def run_worker(engine_id: str, index: int, generation: int | None = None) -> int
                     runner.run_and_answer(load)
                 runner.run_queue()
                 last_job = time.monotonic()  # busy until now: keep polling a while
+                poll_s = first_poll_s
             if time.monotonic() >= next_owner_check:
                 next_owner_check = time.monotonic() + _OWNER_CHECK_S
                 if not segment.header().owner_alive():

@@ -26,10 +26,12 @@ from __future__ import annotations
 import atexit
 import gc
 import os
+import re
 import resource
 import shutil
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from collections import Counter, deque
@@ -60,8 +62,8 @@ class Config:
     workers: int
     dir: str
     worker_sched: str = "default"
-    compression: str = "auto"
-    direct_io: bool | str = False
+    compression: str | None = None  # None: shmtier's default (``compression``)
+    direct_io: bool | str | None = None  # None: the fs tier's default (``direct_io``)
     write_depth: int | None = None  # None: the fs tier's default
     drain_timeout_s: float = 60.0
     max_extra_steps: int = 20_000
@@ -121,13 +123,67 @@ class _Req(DrivenRequest):
     promoted: set = field(default_factory=set)
 
 
-def _proc_cpu_s(pid: int) -> float | None:
+def _proc_cpu(pid: int) -> tuple[float, float] | None:
+    """(user, kernel) CPU seconds of process ``pid`` so far, all its threads (``utime``,
+    ``stime`` of /proc/<pid>/stat: the kernel splits the total by tick samples); None
+    once it is gone."""
     try:
         with open(f"/proc/{pid}/stat") as f:
             fields = f.read().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / CLK_TCK  # utime + stime
+        return int(fields[11]) / CLK_TCK, int(fields[12]) / CLK_TCK
     except (OSError, IndexError, ValueError):
         return None
+
+
+def _threads_cpu() -> dict:
+    """Per live thread of this process: ``native_id -> (name, user s, kernel s)``
+    (/proc/self/task/<tid>/stat; Python names, as the OS names every thread "python")."""
+    out = {}
+    for t in threading.enumerate():
+        tid = t.native_id
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except (OSError, IndexError, TypeError):
+            continue
+        out[tid] = (t.name, int(fields[11]) / CLK_TCK, int(fields[12]) / CLK_TCK)
+    return out
+
+
+def _threads_delta(before: dict, after: dict) -> dict:
+    """CPU of this process's threads over the run by kind (the thread name without its
+    numbers, e.g. "ThreadPoolExecutor-_"): ``{kind: {"user", "sys", "threads"}}``; a
+    thread that ended within the run is missing (its CPU is in the process's total)."""
+    out: dict[str, dict] = {}
+    for tid, (name, user, sys_) in after.items():
+        _, user0, sys0 = before.get(tid, (name, 0.0, 0.0))
+        kind = re.sub(r"\d+", "", name)
+        v = out.setdefault(kind, {"user": 0.0, "sys": 0.0, "threads": 0})
+        v["user"] += user - user0
+        v["sys"] += sys_ - sys0
+        v["threads"] += 1
+    return out
+
+
+def _workers_cpu(mut: Mut, before: list, after: list) -> dict:
+    """The tier workers' CPU over the run per process kind: ``{lane: {"user", "sys",
+    "workers"}}`` (lanes of shmtier/shared/lanes.py: ``background``, ``promotion``)
+    from ``_proc_cpu`` samples of ``mut.worker_pids`` (in slot order) before and after.
+    A worker restarted in the run counts until it died (its successor is not sampled)."""
+    from shmtier.shared.lanes import worker_lane
+
+    n = len(mut.worker_pids)
+    options = getattr(getattr(mut.pool, "config", None), "options", None)
+    promotion = getattr(options, "promotion_workers", 0) or 0
+    out: dict[str, dict] = {}
+    for w, (a, b) in enumerate(zip(before, after)):
+        lane = out.setdefault(worker_lane(w, n, promotion),
+                              {"user": 0.0, "sys": 0.0, "workers": 0})
+        lane["workers"] += 1
+        if a is not None and b is not None:
+            lane["user"] += b[0] - a[0]
+            lane["sys"] += b[1] - a[1]
+    return out
 
 
 def _proc_status_mib(pid: int, field_: str = "RssAnon") -> float | None:
@@ -263,7 +319,8 @@ def drive(mut: Mut, trace, cfg, data_pool: np.ndarray, probe: StepProbe | None =
     except OSError:
         pass
     pids = list(mut.worker_pids)
-    w_cpu0 = [_proc_cpu_s(p) for p in pids]
+    w_cpu0 = [_proc_cpu(p) for p in pids]
+    threads0 = _threads_cpu()
     ru0 = resource.getrusage(resource.RUSAGE_SELF)
     cpu0, th0, wall0 = time.process_time(), time.thread_time(), time.perf_counter()
 
@@ -468,11 +525,13 @@ def drive(mut: Mut, trace, cfg, data_pool: np.ndarray, probe: StepProbe | None =
     cpu = time.process_time() - cpu0
     main_cpu = time.thread_time() - th0
     ru1 = resource.getrusage(resource.RUSAGE_SELF)
-    w_cpu1 = [_proc_cpu_s(p) for p in pids]
+    w_cpu1 = [_proc_cpu(p) for p in pids]
+    threads_cpu = _threads_delta(threads0, _threads_cpu())
     alive = [p for p in getattr(mut.pool, "_procs", []) if p is not None]
-    workers_cpu = None
+    workers_cpu = workers_by_lane = None
     if pids:
-        workers_cpu = sum((b or 0) - (a or 0) for a, b in zip(w_cpu0, w_cpu1))
+        workers_by_lane = _workers_cpu(mut, w_cpu0, w_cpu1)
+        workers_cpu = sum(v["user"] + v["sys"] for v in workers_by_lane.values())
     rss = [_proc_rss_anon_mib(p.pid) for p in alive]
     worker_hwm = [_proc_status_mib(p.pid, "VmHWM") for p in alive]
     if sample_every:
@@ -500,7 +559,9 @@ def drive(mut: Mut, trace, cfg, data_pool: np.ndarray, probe: StepProbe | None =
         "manager_main_cpu_s": (sum(cpu_ns.values()) + drain_cpu_ns) / 1e9,
         "ru_user_s": ru1.ru_utime - ru0.ru_utime, "ru_sys_s": ru1.ru_stime - ru0.ru_stime,
         "ru_nvcsw": ru1.ru_nvcsw - ru0.ru_nvcsw, "ru_nivcsw": ru1.ru_nivcsw - ru0.ru_nivcsw,
-        "workers_cpu_s": workers_cpu, "worker_rss_anon_mib": rss,
+        "workers_cpu_s": workers_cpu, "workers_cpu_by_lane": workers_by_lane,
+        "threads_cpu": threads_cpu,
+        "worker_rss_anon_mib": rss,
         "worker_restarts": getattr(mut.pool, "restarts_total", None),
         "mstats": {"counters": dict(mstats["counters"]), "gauge_max": mstats["gauge_max"],
                    "promo_job_s": mstats["promo_job_s"]},

@@ -1,6 +1,7 @@
-"""Issue 14's goals for shmtier against vLLM's own tiering (0.33 or 0.34) on the same
-trace: each figure, its bound and whether a set of runs meets it; and issue 29's per-step
-fixed costs (``FIXED_COSTS``), judged the same way.
+"""Issue 14's goals (``GOALS``) and issue 29's long-run goals (``LONG_RUN_GOALS``, for
+``--long``) for shmtier against vLLM's own tiering (0.33 or 0.34) on the same trace: each
+figure, its bound and whether a set of runs meets it; and issue 29's per-step fixed costs
+(``FIXED_COSTS``), judged the same way.
 
 Who calls: ``bench/tiering_steps.py`` after a set that ran vLLM (printed, and stored in its
 JSON as ``goals``) and ``bench/goals.py`` over saved JSON files (the runs of several sets
@@ -22,7 +23,8 @@ from dataclasses import dataclass
 
 from shmtier.bench.common import fmt_mr, med_range
 
-__all__ = ["Goal", "GOALS", "FIXED_COSTS", "whole_run_cpu_s", "evaluate", "format_goals"]
+__all__ = ["Goal", "GOALS", "LONG_RUN_GOALS", "FIXED_COSTS", "whole_run_cpu_s", "evaluate",
+           "format_goals"]
 
 
 def whole_run_cpu_s(s: dict) -> float | None:
@@ -67,6 +69,15 @@ GOALS = (
     Goal("promotion p50", _key("promo_ms_p50"), 0.4),
     Goal("hit rate (secondary tier)", _key("hit_fs"), 1.0, at_most=False),
     Goal("bytes on disk ÷ logical", _key("disk_per_logical"), 0.70, absolute=True),
+)
+
+#: issue 29's goals for its long run on a quiet host (bench/README.md, "Cost per byte over
+#: a long run")
+LONG_RUN_GOALS = (
+    Goal("scheduler process + tier workers CPU", whole_run_cpu_s, 1.0),
+    Goal("step time p50", _key("step_us_p50"), 1.0),
+    Goal("promotion p50", _key("promo_ms_p50"), 0.5),
+    Goal("wrong KV served", _key("wrong_kv"), 0, absolute=True),
 )
 
 

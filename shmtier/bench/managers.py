@@ -83,8 +83,13 @@ WORKER_SCHED = {
 
 #: cascade admission rules a variant may name (shmtier/scheduler/tiering/admission.py)
 ADMISSION_TOKENS = ("second_touch",)
+#: compression modes a variant may name (``compression``)
+COMPRESSION_TOKENS = {"raw": "none", "zstd": "zstd", "zauto": "auto"}
+#: the fs tier's ``direct_io`` a variant may name: O_DIRECT stores, both ways, or buffered
+DIRECT_IO_TOKENS = {"dio": "writes", "dioauto": "auto", "buffered": False}
 #: every token of ``shmtier@TOKENS``
-VARIANT_TOKENS = (*WORKER_SCHED, "raw", "zstd", "noprobe", "nowindow", *ADMISSION_TOKENS)
+VARIANT_TOKENS = (*WORKER_SCHED, *COMPRESSION_TOKENS, *DIRECT_IO_TOKENS, "noprobe", "nowindow",
+                  *ADMISSION_TOKENS)
 
 
 def page_cache_bound(token: str) -> int | str | None:
@@ -148,7 +153,8 @@ def make_shmtier(cfg, root: str, engine_id: str, variant: str = "",
     """``secondary_tiers``: the engine's ``secondary_tiers`` as given (``[]``: the CPU tier
     alone, no tier workers); None: one fs tier on ``root`` as the options below make it.
     ``variant``: '+'-joined tokens, each a WORKER_SCHED key, a compression mode
-    (``raw`` = "none", ``zstd``), ``noprobe`` (the fs tier's ``probe_unknown`` off: a key
+    (``raw`` = "none", ``zstd``, ``zauto`` = "auto"), the fs tier's ``direct_io`` (``dio``:
+    "writes", O_DIRECT stores; ``dioauto``: "auto", both ways; ``buffered``: false), ``noprobe`` (the fs tier's ``probe_unknown`` off: a key
     its index does not know is a MISS at once, as before shared roots), ``nowindow`` (no
     step-window poll thread: ``tier_poll_window`` 0, every poll inside the steps), a
     cascade admission rule (``second_touch``; default: write-through), ``pcN`` / ``pcauto`` /
@@ -157,8 +163,10 @@ def make_shmtier(cfg, root: str, engine_id: str, variant: str = "",
     e.g. ``raw+nice0``."""
     tokens = [t for t in variant.split("+") if t]
     sched = next((t for t in tokens if t in WORKER_SCHED), cfg.worker_sched)
-    compression = {"raw": "none", "zstd": "zstd"}.get(
-        next((t for t in tokens if t in ("raw", "zstd")), ""), cfg.compression)
+    compression = COMPRESSION_TOKENS.get(
+        next((t for t in tokens if t in COMPRESSION_TOKENS), ""), cfg.compression)
+    direct_io = DIRECT_IO_TOKENS.get(next((t for t in tokens if t in DIRECT_IO_TOKENS), ""),
+                                     cfg.direct_io)
     from shmtier import contract
     from shmtier.config import KVLayout
     from shmtier.spec import TieringOffloadingSpec
@@ -166,13 +174,17 @@ def make_shmtier(cfg, root: str, engine_id: str, variant: str = "",
     layout = KVLayout(MODEL, "bfloat16", TOKENS_PER_CHUNK, cfg.chunk_bytes, 1)
     extra = {"cpu_bytes_to_use": cfg.cpu_bytes,
              "secondary_tiers": [{"type": "fs", "root_dir": root, "min_free_bytes": None,
-                                  "direct_io": cfg.direct_io,
                                   "probe_unknown": "noprobe" not in tokens}],
-             "num_tier_workers": cfg.workers, "compression": compression}
+             "num_tier_workers": cfg.workers}
+    if compression is not None:  # else shmtier's default
+        extra["compression"] = compression
     if secondary_tiers is not None:
         extra["secondary_tiers"] = list(secondary_tiers)
-    elif cfg.write_depth is not None:
-        extra["secondary_tiers"][0]["write_depth"] = cfg.write_depth
+    else:
+        if direct_io is not None:
+            extra["secondary_tiers"][0]["direct_io"] = direct_io
+        if cfg.write_depth is not None:
+            extra["secondary_tiers"][0]["write_depth"] = cfg.write_depth
     if "nowindow" in tokens:
         extra["tier_poll_window"] = 0
     bound = next((b for b in map(page_cache_bound, tokens) if b is not ...), ...)

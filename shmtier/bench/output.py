@@ -36,7 +36,7 @@ EXTRA_ROWS = [
     ("  GB checked", "verified_gb", 3, False, None),
 ]
 RATIO_KEYS = ("step_us_p50", "step_us_p90", "step_us_p99", "step_us_p999", "step_us_max",
-              "cpu_s", "promo_ms_p50", "promo_steps_p50", "defer_mean", "hit_fs",
+              "cpu_s", "total_cpu_s", "promo_ms_p50", "promo_steps_p50", "defer_mean", "hit_fs",
               "disk_per_logical", "peak_rss_mib")
 
 
@@ -134,7 +134,8 @@ def write_reports(out_dir: str, meta: dict, limits: dict | None, sums: dict, raw
             return f"{v['median']:.2f}x [{v['min']:.2f}-{v['max']:.2f}]" if v else "-"
         ratio_lines.append(f"{label(n)}/{label('vllm')} step time: p50 {r('step_us_p50')}, p99 "
                            f"{r('step_us_p99')}, p99.9 {r('step_us_p999')}; process CPU "
-                           f"{r('cpu_s')}; promotion p50 {r('promo_ms_p50')}")
+                           f"{r('cpu_s')}, with the tier workers {r('total_cpu_s')}; "
+                           f"promotion p50 {r('promo_ms_p50')}")
     if plots:
         written, plots_text = _plots(out_dir, sums, raws)
     else:
@@ -169,7 +170,7 @@ def _markdown(rep: dict, names: list) -> str:
              f"({cfg['capacity_chunks']} chunks) for every manager, fs tier unbounded in a fresh "
              f"temp dir under {cfg['dir']}, step {cfg['step_ms']:g} ms, up to {cfg['max_running']} "
              f"running requests offering {cfg['batch']} chunks per step, shmtier: "
-             f"{cfg['workers']} tier workers, compression {cfg['compression']}"
+             f"{cfg['workers']} tier workers, compression {cfg['compression'] or 'default'}"
              + (f"; busy host: {cfg['busy']} process(es) spinning at niceness "
                 f"{rep.get('busy', {}).get('niceness')} through every run" if cfg.get("busy")
                 else ""),

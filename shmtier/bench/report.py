@@ -49,7 +49,7 @@ def summarise(res: dict, chunk_bytes: int) -> dict:
         "fill_cpu_s": res["fill_cpu_s"],
         "cpu_excl_fill_s": res["cpu_s"] - res["fill_cpu_s"],
         **spec_cpu(res),
-        "sys_cpu_s": res["ru_sys_s"],
+        "sys_cpu_s": res["ru_sys_s"], "user_cpu_s": res["ru_user_s"],
         "vol_ctx_switches": res["ru_nvcsw"], "invol_ctx_switches": res["ru_nivcsw"],
         "workers_cpu_s": res["workers_cpu_s"],
         "promo_n": len(res["promo_steps"]),
@@ -93,6 +93,8 @@ def summarise(res: dict, chunk_bytes: int) -> dict:
     s["ring_depth_max"] = ms["gauge_max"].get(RING_DEPTH)
     s["page_cache_bounded"] = ms["gauge_max"].get(PAGE_CACHE_BOUNDED)
     s.update(cascade_yield(ms["counters"], disk, s["hit_fs"], res.get("row_stride") or chunk_bytes))
+    s.update(cpu_per_kind(s, res.get("workers_cpu_by_lane")))
+    s["threads_cpu"] = res.get("threads_cpu")  # the scheduler process's threads by kind
     # fs unbounded: one file per distinct chunk ever cascaded
     s["cascaded_read_back"] = (res["read_back_keys"] / d["chunk_files"]
                                if d["chunk_files"] and "read_back_keys" in res else None)
@@ -144,6 +146,34 @@ def spec_cpu(res: dict) -> dict:
     other = res["cpu_s"] - res["main_thread_cpu_s"]
     return {"spec_cpu_s": main + other, "spec_main_cpu_s": main,
             "driver_cpu_s": res["main_thread_cpu_s"] - main}
+
+
+def cpu_per_kind(s: dict, by_lane: dict | None) -> dict:
+    """The CPU of the scheduler process and of the tier workers per process kind (lane),
+    user and kernel apart, their sum and the sum per GiB cascaded (issue 29's cost per
+    byte): ``total_cpu_s`` = the scheduler process, the driver's own work included, +
+    every tier worker (vLLM: its whole process, I/O threads included: it has no other);
+    ``spec_total_cpu_s`` = the scheduler process in the manager (``spec_cpu``) + the
+    workers. ``s``: the summary so far (``cpu_s``, ``spec_cpu_s``, ``cascaded_gib``);
+    ``by_lane``: the driver's ``workers_cpu_by_lane`` (None: no tier workers, or an
+    older result)."""
+    out = {}
+    for lane in ("background", "promotion"):
+        v = (by_lane or {}).get(lane)
+        out[f"{lane}_workers_user_s"] = v["user"] if v else None
+        out[f"{lane}_workers_sys_s"] = v["sys"] if v else None
+    out["workers_user_s"] = sum(v["user"] for v in by_lane.values()) if by_lane else None
+    out["workers_sys_s"] = sum(v["sys"] for v in by_lane.values()) if by_lane else None
+    workers = s.get("workers_cpu_s") or 0.0
+    out["total_cpu_s"] = s["cpu_s"] + workers
+    out["spec_total_cpu_s"] = (s["spec_cpu_s"] + workers if s.get("spec_cpu_s") is not None
+                               else None)
+    gib = s.get("cascaded_gib")
+    out["total_cpu_s_per_gib"] = out["total_cpu_s"] / gib if gib else None
+    out["spec_total_cpu_s_per_gib"] = (out["spec_total_cpu_s"] / gib
+                                       if gib and out["spec_total_cpu_s"] is not None else None)
+    out["workers_cpu_s_per_gib"] = workers / gib if gib and s.get("workers_cpu_s") else None
+    return out
 
 
 def cascade_yield(counters: dict, fs_hits: int, hit_fs: float, row_bytes: int) -> dict:
@@ -198,6 +228,16 @@ ROWS = [  # (label, key, digits, ratio?)
     ("    voluntary context switches", "vol_ctx_switches", 0, True),
     ("    involuntary context switches", "invol_ctx_switches", 0, True),
     ("  tier worker processes", "workers_cpu_s", 2, False),
+    ("    background lane user", "background_workers_user_s", 2, False),
+    ("    background lane kernel", "background_workers_sys_s", 2, False),
+    ("    promotion lane user", "promotion_workers_user_s", 2, False),
+    ("    promotion lane kernel", "promotion_workers_sys_s", 2, False),
+    ("  scheduler process user part", "user_cpu_s", 2, True),
+    ("  scheduler process + tier workers (vLLM: its whole process)", "total_cpu_s", 2, True),
+    ("    per GiB cascaded", "total_cpu_s_per_gib", 2, True),
+    ("  in the manager (spec) + tier workers", "spec_total_cpu_s", 2, True),
+    ("    per GiB cascaded", "spec_total_cpu_s_per_gib", 2, True),
+    ("  tier workers per GiB cascaded", "workers_cpu_s_per_gib", 2, False),
     ("promotion (first RETRY/HIT_PENDING -> HIT, per key)", None, 0, False),
     ("  promoted keys", "promo_n", 0, False),
     ("  p50 steps", "promo_steps_p50", 0, True),
@@ -335,3 +375,23 @@ def print_slowest(step_runs: dict, names: list) -> None:
               "the group's wall; faults, switches: per step, inside the timed calls)")
         for line in format_table(attribute(runs)):
             print("  " + line)
+
+
+def print_threads(sums: dict, names: list) -> None:
+    """The scheduler process's CPU by thread kind (the driver's ``threads_cpu``), user /
+    kernel seconds, median over runs; the main thread is the driver and the manager's
+    calls together."""
+    print("\nscheduler process CPU by thread (median over runs: user s / kernel s, threads)")
+    for n in names:
+        runs = [s["threads_cpu"] for s in sums[n] if s.get("threads_cpu")]
+        if not runs:
+            continue
+        kinds = sorted({k for r in runs for k in r})
+        cells = []
+        for k in kinds:
+            user = statistics.median(r[k]["user"] if k in r else 0.0 for r in runs)
+            sys_ = statistics.median(r[k]["sys"] if k in r else 0.0 for r in runs)
+            threads = max(r[k]["threads"] if k in r else 0 for r in runs)
+            cells.append(f"{k} {user:.2f}/{sys_:.2f} ({threads})")
+        print(f"  {label(n)}: " + "; ".join(cells))
+

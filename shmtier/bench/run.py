@@ -33,6 +33,10 @@ def add_arguments(p) -> None:
                       help="seconds: a small trace, 1 run per manager, small CPU tier")
     size.add_argument("--soak", action="store_true",
                       help="tens of minutes: a long trace (60k requests per run)")
+    size.add_argument("--long", action="store_true",
+                      help="issue 29's long run, minutes: a chat trace of 600 requests and "
+                      "10.9 GiB of distinct KV, 1408 KiB chunks, 1 GiB CPU tier (~2 min a run; "
+                      "bench/README.md, 'Cost per byte over a long run')")
     p.add_argument("--workload", default="chat", choices=GENERATORS,
                    help="seeded generator: chat (multi-turn chat), docqa (long documents, many "
                    "readers), agent (agentic loops with branching); default chat")
@@ -47,8 +51,10 @@ def add_arguments(p) -> None:
                    help="comma-separated: shmtier, vllm (dropped with a note when vLLM is not "
                    "importable), shmtier@TOKENS variants as in bench/tiering_steps.py")
     p.add_argument("--no-vllm", action="store_true", help="measure shmtier alone")
-    p.add_argument("--chunk-kib", type=int, default=256, help="chunk (arena row) KiB")
-    p.add_argument("--cpu-mib", type=int, default=None, help="CPU tier MiB (default 128; 32 quick)")
+    p.add_argument("--chunk-kib", type=int, default=None,
+                   help="chunk (arena row) KiB (default 256; 1408 with --long)")
+    p.add_argument("--cpu-mib", type=int, default=None,
+                   help="CPU tier MiB (default 128; 32 quick, 1024 long)")
     p.add_argument("--step-ms", type=float, default=None,
                    help="engine step period; the simulated forward pass sleeps the rest "
                    "(default 5; 2 quick)")
@@ -58,7 +64,8 @@ def add_arguments(p) -> None:
     p.add_argument("--busy", type=int, default=0, metavar="N",
                    help="a busy host: N processes spinning at niceness 0 from before the "
                    "first run to after the last, the same for every manager (default 0)")
-    p.add_argument("--compression", default="auto", choices=("auto", "zstd", "none"))
+    p.add_argument("--compression", default=None, choices=("auto", "zstd", "none"),
+                   help="shmtier's compression (default: its default)")
     p.add_argument("--dir", default=None, help="parent of the fs tiers' temp dirs and of the "
                    "disk limit's file (default: the system temp dir)")
     p.add_argument("--out", default=None, metavar="DIR",
@@ -129,10 +136,19 @@ def run_bench(args) -> int:
         from shmtier.bench.stress import run_stress_bench
 
         return run_stress_bench(args)
-    size = "quick" if args.quick else "soak" if args.soak else "default"
+    size = ("quick" if args.quick else "soak" if args.soak else "long" if args.long
+            else "default")
+    if args.long and (args.trace or args.workload != "chat"):
+        print("shmtier bench: --long is a chat trace of its own: not with --trace or --workload",
+              file=sys.stderr)
+        return 2
+    preset = bench_trace.LONG_RUN if args.long else {"chunk_kib": 256, "cpu_mib": 128,
+                                                       "step_ms": 5.0}
     repeats = args.repeats or (1 if args.quick else 3)
-    cpu_mib = args.cpu_mib or (32 if args.quick else 128)
-    step_ms = args.step_ms if args.step_ms is not None else (2.0 if args.quick else 5.0)
+    cpu_mib = args.cpu_mib or (32 if args.quick else preset["cpu_mib"])
+    step_ms = args.step_ms if args.step_ms is not None else (2.0 if args.quick
+                                                             else preset["step_ms"])
+    args.chunk_kib = args.chunk_kib or preset["chunk_kib"]
     chunk_bytes = args.chunk_kib * 1024
     if chunk_bytes % 4096 or chunk_bytes <= 0:
         print("shmtier bench: --chunk-kib must be a positive multiple of 4", file=sys.stderr)

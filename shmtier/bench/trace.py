@@ -370,12 +370,24 @@ SIZES = {
     "soak": {"chat": dict(conversations=3000, requests=60_000),
              "docqa": dict(documents=600, requests=60_000),
              "agent": dict(sessions=1200, requests=60_000)},
+    # issue 29's long run, chat only: 600 requests over ~23,700 steps (~2 min at LONG_RUN's
+    # 5 ms), long conversations (40-200 chunks, 6-22 a turn) in 50 slots: 8082 distinct
+    # chunks, 10.9 GiB at LONG_RUN's 1408 KiB, 10.9x its 1 GiB CPU tier
+    "long": {"chat": dict(conversations=50, requests=600, conv_chunks=(40, 200),
+                          first_turn_chunks=(8, 24), turn_chunks=(6, 22), arrival_rate=0.025)},
 }
+#: what ``--long`` (``shmtier bench``, bench/tiering_steps.py) runs the "long" trace with:
+#: docs/design.md §10's chunk and CPU tier, the bench's 5 ms step (bench/README.md, "Cost
+#: per byte over a long run")
+LONG_RUN = {"chunk_kib": 1408, "cpu_mib": 1024, "step_ms": 5.0}
 
 
 def generate(kind: str, size: str = "default", seed: int = 1234, **overrides) -> Trace:
-    """A seeded trace of generator ``kind`` at ``size`` (quick, default, soak)."""
+    """A seeded trace of generator ``kind`` at ``size`` (quick, default, soak; long: chat
+    only, ValueError for another ``kind``)."""
     cls, make = GENERATORS[kind]
+    if kind not in SIZES[size]:
+        raise ValueError(f"size {size!r} is a {' or '.join(SIZES[size])} trace, not {kind!r}")
     kw = dict(SIZES[size][kind])
     kw.update({k: v for k, v in overrides.items() if v is not None})
     return make(cls(seed=seed, **kw))

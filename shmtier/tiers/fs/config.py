@@ -20,6 +20,9 @@ from shmtier.tiers.config import REQUIRED, option
 
 #: O_DIRECT writes a tier worker keeps in flight at most (``write_depth``).
 MAX_WRITE_DEPTH = 64
+#: O_DIRECT reads a tier worker keeps in flight (``direct_reads.py``; the job loop's load
+#: slices hold 8 keys)
+READ_DEPTH = 8
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -49,8 +52,11 @@ class FsTierConfig(StorageTierConfig):
         doc="false: buffered both ways; \"writes\": stores with O_DIRECT where the "
             "filesystem takes it, loads buffered; \"auto\": O_DIRECT both ways where the "
             "filesystem takes it (probed at start); true: both ways, required. O_DIRECT "
-            "stores keep write_depth writes in flight per tier worker: no page-cache copy, "
-            "but every store waits for the device")
+            "stores keep write_depth writes in flight per tier worker, O_DIRECT loads "
+            f"{READ_DEPTH} reads: no page-cache copy, but every store and load waits for the "
+            "device. Buffered is faster where recent chunks are promoted from the page cache; "
+            "on a run that cascades many GiB \"auto\" cost the tier workers a quarter less CPU "
+            "and promoted sooner (bench/README.md, \"Cost per byte over a long run\")")
     write_depth: int = option(
         8, integer(1, MAX_WRITE_DEPTH),
         doc="O_DIRECT writes a tier worker keeps in flight, each on an I/O thread with a "

@@ -1,6 +1,6 @@
-"""O_DIRECT chunk writes kept in flight: the worker's thread gathers each frame into a free
-page-aligned buffer and goes on with the next chunk while an I/O thread writes, closes and
-publishes (renames) the file.
+"""O_DIRECT chunk writes kept in flight: the worker's thread puts each frame into a free
+page-aligned buffer (gathers its parts, or has it encoded there: ``submit_fill``) and goes
+on with the next chunk while an I/O thread writes, closes and publishes (renames) the file.
 
 Runs in: tier worker processes. ``ChunkWriter.store`` (``store.py``), on the worker's
 thread, calls ``submit`` (blocks while all ``depth`` buffers are in flight: the
@@ -22,8 +22,9 @@ fewer chunks. With ``depth`` writes in flight per worker they keep up again.
     worker thread                                   I/O thread (one of depth)
     ─────────────                                   ─────────────────────────
     open temp (O_DIRECT), dup leaf fd
-    submit: wait for a free buffer, gather the
-            frame into it (zero-padded to a page) ──▶ pwrite whole pages, ftruncate to
+    submit: wait for a free buffer, gather (or
+            encode) the frame into it (zero-padded
+            to a page)                            ──▶ pwrite whole pages, ftruncate to
     ... next chunk ...                                the frame's size, [fsync], close,
     outcome(): wait ◀──────────────────────────────── rename temp -> final, close leaf dup,
                                                       free the buffer
@@ -36,7 +37,7 @@ from __future__ import annotations
 import queue
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -95,16 +96,21 @@ class DirectWrites:
         ``parts`` (``size`` bytes) and rename ``tmp`` over ``final``. Blocks while every
         buffer is in flight; the parts are copied before it returns. Should it raise
         (a closed ``DirectWrites``), both descriptors are closed and the temp removed."""
+        return self.submit_fill(fd, leaf_fd, tmp, final, size, lambda out: _gather(parts, out))
+
+    def submit_fill(self, fd: int, leaf_fd: int, tmp: str, final: str, size: int,
+                    fill: Callable[[memoryview], object]) -> DirectWrite:
+        """``submit`` of a frame that ``fill(out)`` writes into the write's buffer itself
+        (``out``: a writable view of at least ``size`` bytes, page aligned; its first
+        ``size`` bytes are written, e.g. by ``ChunkEncoder.encode_raw_into``: no copy of
+        parts). Should ``fill`` raise, the buffer is freed, both descriptors are closed, the
+        temp removed and the error raised."""
         started = time.thread_time()
         buf = self._free.get()
         try:
             padded = -(-size // ALIGN) * ALIGN
             out = buf.view(0, padded, padded + ALIGN)
-            at = 0
-            for part in parts:
-                n = part.nbytes if isinstance(part, memoryview) else len(part)
-                out[at:at + n] = np.frombuffer(part, dtype=np.uint8)
-                at += n
+            fill(out[:size].data)
             out[size:] = 0
             gather_s = time.thread_time() - started
             future = self._pool.submit(self._write, fd, leaf_fd, tmp, final, out, size, buf)
@@ -133,3 +139,13 @@ class DirectWrites:
         self._pool.shutdown(wait=True)
         while not self._free.empty():
             self._free.get().release()
+
+
+def _gather(parts: Sequence, out: memoryview) -> None:
+    """The frame's ``parts`` copied one after another into ``out``."""
+    dst = np.frombuffer(out, dtype=np.uint8)
+    at = 0
+    for part in parts:
+        n = part.nbytes if isinstance(part, memoryview) else len(part)
+        dst[at:at + n] = np.frombuffer(part, dtype=np.uint8)
+        at += n

@@ -13,8 +13,10 @@ against the frame's stored length) before and after writing the row. A file larg
 any chunk of the layout could be (``chunk_file_cap``) is not read at all: a foreign
 file, the key's MISS, removed and counted, whatever its size (its neighbours in the
 batch are answered as if it were not there). With
-``direct_io`` the file is read in whole pages with ``O_DIRECT`` instead
-(``fileio.read_direct``). A file that fails is reported CORRUPT (the reason as its
+``direct_io`` the files are read in whole pages with ``O_DIRECT`` instead, up to
+``READ_DEPTH`` at once on I/O threads (``direct_reads.py``), and a raw frame is copied
+into its row while it is checksummed (``ChunkDecoder.decode_copying``: no page-cache
+copy, one pass over the chunk). A file that fails is reported CORRUPT (the reason as its
 detail), unlinked (only if the path still names the inode that was read: a concurrent
 re-store of the key is kept) and counted.
 
@@ -31,6 +33,7 @@ import fcntl
 import os
 import stat
 import time
+from collections import deque
 from typing import Sequence
 
 from shmtier.shared.codec import ChunkDecoder, CorruptChunkError, frame_header_size
@@ -45,8 +48,8 @@ from shmtier.tiers.fs.fileio import (
     close_quietly,
     pread_full,
     pread_full_into,
-    read_direct,
 )
+from shmtier.tiers.fs.direct_reads import DirectReads
 from shmtier.tiers.fs.namespace import LinkRefused, Namespace
 from shmtier.tiers.fs.outcomes import FsCounters, errno_outcome
 
@@ -95,11 +98,17 @@ class ChunkReader:
         self.direct_io = direct_io
         self._decoder = ChunkDecoder(mac_key=mac_key)  # with a key: MAC'd frames only
         self._buf = PageBuffer(doubling=True)  # reusable read buffer
+        # O_DIRECT: reads in flight on I/O threads (started on first use)
+        self._direct = DirectReads() if direct_io else None
         self._codec_s = 0.0  # accumulator of the load in progress
 
     def release(self) -> None:
-        """Drop the read buffer (a later load allocates it again)."""
+        """Drop the read buffers and stop the O_DIRECT I/O threads (a later buffered load
+        allocates its buffer again; a later O_DIRECT load starts new ones)."""
         self._buf.release()
+        if self._direct is not None:
+            self._direct.close()
+            self._direct = DirectReads()
 
     def load(self, keys: Sequence[bytes], rows: Sequence[int], arena, chunk_bytes: int, *,
              blocked: OSError | None = None) -> BatchResult:
@@ -122,6 +131,8 @@ class ChunkReader:
                     if got is not None:
                         opened[i] = got
                     seconds[i] += time.perf_counter() - t
+                if self._direct is not None:
+                    self._read_direct(opened, keys, rows, a, chunk_bytes, res)
                 for i in sorted(opened):
                     t = time.perf_counter()
                     fd, st, entry = opened.pop(i)
@@ -196,22 +207,64 @@ class ChunkReader:
             return None
         return fd, st, entry
 
+    def _read_direct(self, opened: dict, keys, rows, a, chunk_bytes: int,
+                     res: BatchResult) -> None:
+        """O_DIRECT: read the ``opened`` files (``{i: (fd, stat, entry)}``, emptied here)
+        on the I/O threads, up to their depth at once, and verify each into its row in
+        key order as its read finishes."""
+        direct, seconds, c = self._direct, res.seconds, self.counters
+        mac = self._decoder.mac
+        order = deque(sorted(opened))
+        inflight: deque = deque()
+
+        def submit_next() -> bool:
+            if not order:
+                return False
+            i = order.popleft()
+            t = time.perf_counter()
+            fd, st, entry = opened.pop(i)
+            key = bytes(keys[i])
+            read = direct.submit(fd, st.st_size, chunk_file_cap(len(key), chunk_bytes))
+            inflight.append((i, st, entry, key, read))
+            seconds[i] += time.perf_counter() - t
+            return True
+
+        try:
+            while len(inflight) < direct.depth and submit_next():
+                pass
+            while inflight:
+                i, st, entry, key, read = inflight.popleft()
+                t = time.perf_counter()
+                try:
+                    frame = read.result()
+                except OSError as e:
+                    res.set(i, *errno_outcome(e, "read"))
+                    c.load_errors += 1
+                    read.release()
+                else:
+                    short = frame is None or st.st_size < frame_header_size(len(key), mac=mac)
+                    self._verdict(frame, "length" if short else None, st, entry, key,
+                                  a[rows[i], :chunk_bytes].data, res, i, copying=True)
+                    read.release()
+                seconds[i] += time.perf_counter() - t
+                submit_next()
+        finally:
+            for _i, _st, _entry, _key, read in inflight:
+                read.release()
+
     def _read_one(self, fd: int, st: os.stat_result, entry: tuple[str, str], key: bytes,
                   out: memoryview, res: BatchResult, i: int) -> None:
-        """Read one opened file whole, verify and decode it into ``out``; closes ``fd``."""
+        """Read one opened file whole (buffered), verify and decode it into ``out``;
+        closes ``fd``."""
         c = self.counters
         size = st.st_size
         chunk_bytes = out.nbytes
         hs = frame_header_size(len(key), mac=self._decoder.mac)
         cap = chunk_file_cap(len(key), chunk_bytes)  # ``_open`` judged larger files
-        reason = None
+        reason = frame = None
         try:
             if size < hs:
                 reason = "length"
-            elif self.direct_io:
-                frame = read_direct(fd, size, cap, self._buf)
-                if frame is None:
-                    reason = "length"  # shrank under us: torn
             elif size == hs + chunk_bytes:
                 # a raw frame's size: header into the buffer, payload straight into the row
                 # (one preadv, no copy); verified there (ChunkDecoder.decode_raw_in_place)
@@ -247,19 +300,31 @@ class ChunkReader:
                 res.set(i, *errno_outcome(e, "read"))
                 c.load_errors += 1
                 return
+        self._verdict(frame, reason, st, entry, key, out, res, i)
+
+    def _verdict(self, frame, reason: str | None, st: os.stat_result, entry: tuple[str, str],
+                 key: bytes, out: memoryview, res: BatchResult, i: int, *,
+                 copying: bool = False) -> None:
+        """Key ``i``'s outcome from its file read as ``frame`` (``_IN_ROW``: a raw frame
+        already verified in ``out``) or failed for ``reason``: the frame decoded into
+        ``out`` (``copying``: ``ChunkDecoder.decode_copying``) and OK, or the file CORRUPT
+        and removed."""
         if reason is None and frame is not _IN_ROW:
+            decode = self._decoder.decode_copying if copying else self._decoder.decode_into
             try:
-                dst = self._decoder.decode_into(frame, key, out)
+                dst = decode(frame, key, out)
                 self._codec_s += dst.seconds
             except CorruptChunkError as e:
                 reason = getattr(e, "reason", None) or "codec"
+        size = st.st_size
         if reason is not None:
             self._remove_corrupt(entry, st, reason)
             res.set(i, Outcome.CORRUPT, reason)
             res.stored_bytes[i] = size
             return
+        c = self.counters
         res.set(i, Outcome.OK)
-        res.logical_bytes[i] = chunk_bytes
+        res.logical_bytes[i] = out.nbytes
         res.stored_bytes[i] = size
         c.files_read += 1
         c.bytes_read += size

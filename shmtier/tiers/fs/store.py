@@ -21,7 +21,9 @@ the rename and its directory after it (before the key is reported stored).
 
 I/O: with ``direct_io`` (the fs tier's ``direct_io`` true, "auto" or "writes", where the
 filesystem takes O_DIRECT) the temp file is created here and handed to ``DirectWrites``
-(``direct_writes.py``): the frame is gathered into a page-aligned buffer, written in whole
+(``direct_writes.py``): the frame goes into a page-aligned buffer (a raw frame encoded
+straight into it, its payload copied and checksummed in one pass:
+``ChunkEncoder.encode_raw_into``; a compressed frame's parts gathered), written in whole
 pages with ``O_DIRECT`` on an I/O thread and the file cut back to the frame's size, up
 to ``write_depth`` files in flight, while this thread encodes the next chunks; the
 batch returns once every write it started is published or failed. Else buffered, one
@@ -40,7 +42,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from shmtier.shared.codec import ChunkEncoder, CompressionConfig
+from shmtier.shared.codec import ChunkEncoder, CompressionConfig, frame_header_size
 from shmtier.shared.codec_choice import CodecChooser
 from shmtier.storage.chunk_names import key_problem
 from shmtier.tiers.backend import BatchResult, Outcome, as_arena, check_batch, row_problem
@@ -95,6 +97,7 @@ class ChunkWriter:
     def __post_init__(self) -> None:
         self._encoder = ChunkEncoder(self.codec_config, mac_key=self.mac_key)
         self._raw_encoder = ChunkEncoder(CompressionConfig(mode="none"), mac_key=self.mac_key)
+        self._raw_mode = self.codec_config.mode == "none"  # every frame raw
         self._direct = (DirectWrites(self.write_depth, fsync=self.fsync)
                         if self.direct_io else None)
         # buffered stores with page_cache_bytes: a bounded page-cache footprint
@@ -177,19 +180,26 @@ class ChunkWriter:
                         continue
                 compress = chooser is None or chooser.compress_next(hurry)
                 encoder = self._encoder if compress else self._raw_encoder
-                if chooser is not None:
-                    since = chooser.clock()
-                parts, est = encoder.encode(a[row, :chunk_bytes].data, key, self.element_size)
                 if not compress:
                     if hurry:
                         c.stores_raw_hurried += 1
                     else:
                         c.stores_raw_by_cost += 1
-                if chooser is not None:
-                    chooser.note_encode(compress, est.raw_bytes, est.stored_bytes, since)
-                    since = chooser.clock()
-                codec_s += est.seconds
-                size = est.stored_bytes
+                src = a[row, :chunk_bytes].data
+                # an O_DIRECT raw frame is encoded into its write's buffer (_start_direct)
+                direct_raw = self._direct is not None and (not compress or self._raw_mode)
+                if direct_raw:
+                    parts = None
+                    size = frame_header_size(len(key), mac=encoder.mac) + chunk_bytes
+                else:
+                    if chooser is not None:
+                        since = chooser.clock()
+                    parts, est = encoder.encode(src, key, self.element_size)
+                    if chooser is not None:
+                        chooser.note_encode(compress, est.raw_bytes, est.stored_bytes, since)
+                        since = chooser.clock()
+                    codec_s += est.seconds
+                    size = est.stored_bytes
                 if self.max_bytes is not None and used - old_size + size > self.max_bytes:
                     res.set(i, Outcome.REJECTED, "max_bytes")
                     c.store_full += 1
@@ -199,9 +209,22 @@ class ChunkWriter:
                     c.store_full += 1
                     continue
                 if self._direct is not None:
-                    problem = self._start_direct(rel, final, key.hex(), parts, size)
+                    if direct_raw:
+                        if chooser is not None:
+                            since = chooser.clock()
+                        got = []  # the encode's stats, once the write's buffer is filled
+
+                        def fill(out, src=src, key=key, encoder=encoder, got=got):
+                            got.append(encoder.encode_raw_into(src, key, self.element_size, out))
+                    else:
+                        fill = parts
+                    problem = self._start_direct(rel, final, key.hex(), fill, size)
+                    if direct_raw and got:
+                        codec_s += got[0].seconds
+                        if chooser is not None:
+                            chooser.note_encode(compress, chunk_bytes, size, since)
                     if isinstance(problem, DirectWrite):
-                        in_flight.append((i, problem, est.raw_bytes, size, old_size, rel))
+                        in_flight.append((i, problem, chunk_bytes, size, old_size, rel))
                         used += size - old_size  # held for the later keys' checks
                         if free is not None:
                             free -= size - old_size
@@ -295,11 +318,13 @@ class ChunkWriter:
             return e.errno or 0, errno_outcome(e, "create")
         return tmp, fd, leaf
 
-    def _start_direct(self, rel: str, final: str, key_hex: str, parts, size: int):
+    def _start_direct(self, rel: str, final: str, key_hex: str, frame, size: int):
         """O_DIRECT: create the temp file here and hand its write and rename to an I/O
         thread: a ``DirectWrite``, or (errno, (outcome, detail)) with nothing left
-        behind. The write gets its own descriptor of the leaf directory (the namespace's
-        cached one may be closed before the rename)."""
+        behind. ``frame``: the frame's parts, or a function writing its ``size`` bytes
+        into the write's buffer (``DirectWrites.submit_fill``). The write gets its own
+        descriptor of the leaf directory (the namespace's cached one may be closed
+        before the rename)."""
         made = self._create_temp(rel, key_hex, O_DIRECT)
         if len(made) == 2:
             return made
@@ -310,7 +335,9 @@ class ChunkWriter:
             close_quietly(fd)
             unlink_quietly(tmp, dir_fd=leaf)
             return e.errno or 0, errno_outcome(e, "create")
-        return self._direct.submit(fd, leaf, tmp, final, parts, size)
+        if callable(frame):
+            return self._direct.submit_fill(fd, leaf, tmp, final, size, frame)
+        return self._direct.submit(fd, leaf, tmp, final, frame, size)
 
     def _publish(self, rel: str, final: str, key_hex: str, parts,
                  size: int) -> tuple[int, tuple[Outcome, str]] | None:
