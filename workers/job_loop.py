@@ -8,9 +8,10 @@ Runs in: one tier worker process (spawned by the pool, or started by
     join segment (geometry from its header) ─▶ set its priority by its lane (below)
       ─▶ attach rings of worker i ─▶ claim slot i
     loop: owner generation still mine? else exit (see below)
-          jobs.get_many(≤ 128): a non-blocking take every 0.5 ms (2 ms in a background
-          worker of a pool with a promotion lane) while jobs came in the last 0.25 s,
-          else a sleep in the semaphore (heartbeat timeout)
+          jobs.get_many(≤ 128): non-blocking takes while jobs came in the last 0.25 s,
+          0.5 ms after a job and then backing off to 2 ms (2 -> 8 ms in a background
+          worker of a pool with a promotion lane), else a sleep in the semaphore
+          (heartbeat timeout)
           beat(); owner generation still mine? else exit
           decode all (malformed → error result, keep running) into the queue, loads first
           for each queued job:
