@@ -43,6 +43,7 @@ preemption flushes, ``reset_cache`` (no caller needs them).
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Callable, NamedTuple
 
@@ -193,6 +194,17 @@ class ConnectorDriver:
         else:
             self._begin, self._end = meter.begin, meter.end
             self._pc, self._tt = time.perf_counter_ns, time.thread_time_ns
+
+    @contextmanager
+    def unmeasured(self):
+        """``with driver.unmeasured():`` the calls made inside are timed by no meter (an
+        idle settling between a run's measured steps); the meter comes back after."""
+        saved = self._begin, self._end, self._pc, self._tt
+        self.measure(None)
+        try:
+            yield self
+        finally:
+            self._begin, self._end, self._pc, self._tt = saved
 
     # ------------------------------------------------------------------ answers
 

@@ -29,11 +29,13 @@ and each deferred step); nothing here waits on a tier worker. Faults and what ea
   and none may be left once a fresh engine listed the root.
 * ``namespace_link_at``: move the namespace directory beside the root and put a symbolic
   link to it in its place, then SIGKILL a healthy tier worker (at the next tick that finds
-  one), so that its replacement starts with the link there; after ``link_for`` of the
-  trace, and once that replacement beat (or the pool broke, or ``LINK_WAIT_S`` passed;
-  until it beat each step waits ``LINK_PAUSE_S``), remove the link and move the directory
-  back. Bytes cascaded after that count (``written_after_link``); the replacement
-  becoming healthy counts (``link_replacements_healthy``).
+  one), so that its replacement starts with the link there; until it beat each step waits
+  ``LINK_PAUSE_S``. After ``link_for`` of the trace, once that replacement beat (or the
+  pool broke, or ``LINK_WAIT_S`` passed), remove the link and move the directory back; if
+  it has not beaten by then the trace stops there and idles the engine until it has (an
+  operator waits for the restart before undoing the link), so that the rest of the trace
+  is left to store. Bytes cascaded after that count (``written_after_link``); the
+  replacement becoming healthy counts (``link_replacements_healthy``).
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ import shutil
 import signal
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 from shmtier.shared import procinfo
 from shmtier.stress import faults
@@ -119,13 +122,18 @@ class ChaosRunner:
 
     def __init__(self, chaos: Chaos, rng, pool, engine_id: str, root: str, requests: int,
                  counters: dict, timer, first: int = 0, last: int | None = None,
-                 filler: str | None = None, namespace: str | None = None):
+                 filler: str | None = None, namespace: str | None = None,
+                 idle_step: Callable[[], object] | None = None):
         """``namespace``: the name of the engine's namespace directory under ``root``
-        (for ``namespace_link_at``; None: the one found there at the time)."""
+        (for ``namespace_link_at``; None: the one found there at the time). ``idle_step``:
+        one engine step with no request (the pool restarts workers in the manager's calls),
+        taken while the trace waits for the worker killed under the namespace link to be
+        replaced; None: the wait only sleeps."""
         self.chaos, self.rng, self.pool, self.engine_id, self.root = (
             chaos, rng, pool, engine_id, root)
         self.namespace = namespace
         self.counters, self.timer, self.filler = counters, timer, filler
+        self.idle_step = idle_step
         last = requests if last is None else last
         at = lambda fs, what: [(int(f * requests), what) for f in fs  # noqa: E731
                                if first <= int(f * requests) < last]
@@ -348,10 +356,21 @@ class ChaosRunner:
 
     def _unlink(self) -> None:
         """``link_for`` is over: remove the link once the worker killed under it has been
-        replaced (``_replaced_or_late``), at the latest ``LINK_WAIT_S`` from now."""
-        if self.linked is not None:
-            ns, aside, killed, _ = self.linked
-            self.linked = (ns, aside, killed, time.monotonic() + LINK_WAIT_S)
+        replaced (``_replaced_or_late``), at the latest ``LINK_WAIT_S`` from now. The trace
+        waits here meanwhile: were it to play on, a slow restart (a loaded host) could take
+        the rest of the trace (or of the first scheduler's part, before a warm restart) and
+        leave nothing to store once the link is gone."""
+        if self.linked is None:
+            return
+        ns, aside, killed, _ = self.linked
+        self.linked = (ns, aside, killed, time.monotonic() + LINK_WAIT_S)
+        while not self._replaced_or_late(time.monotonic()):
+            if self.linked[2] is None:  # none was healthy at the link: kill one now
+                self._kill_under_link()
+            if self.idle_step is not None:
+                self.idle_step()
+            time.sleep(LINK_PAUSE_S)
+        self._restore_namespace()
 
     def _replaced_or_late(self, now: float) -> bool:
         """Whether the worker killed under the link has a healthy replacement (counted

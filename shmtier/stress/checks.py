@@ -85,7 +85,9 @@ def check_index(result: StressResult, root: str, who: str, indexed: dict[bytes, 
                  f"({sum(on_files[k] for k in orphans)} bytes)", orphans=len(orphans))
     result.check(f"{who}: missing files", not missing and not sized,
                  f"{who}: indexed chunks without a file: {len(missing)}; size differs: "
-                 f"{len(sized)}", missing=len(missing), size_differs=len(sized))
+                 f"{len(sized)}", missing=len(missing), size_differs=len(sized),
+                 missing_keys=sorted(k.hex() for k in missing)[:16],
+                 sized_keys=sorted(k.hex() for k in sized)[:16])
     if max_bytes is not None:
         result.check(f"{who}: max_bytes", on_disk <= max_bytes,
                      f"{who}: files within max_bytes: {on_disk} <= {max_bytes}",

@@ -108,6 +108,12 @@ class Engine:
             if not done.success:
                 raise RuntimeError(f"copy job {done.job_id} failed")
 
+    def idle_step(self) -> None:
+        """One engine step with no request, its calls timed by no meter: the chaos runner's
+        waits (the pool restarts tier workers in the manager's calls)."""
+        with self.driver.unmeasured():
+            self.driver.settle(0.0, sleep_s=0.0)
+
     def count(self, totals: Totals, stats) -> None:
         """Add the counters of one ``get_stats`` payload to ``totals``."""
         data = stats.data["data"]
@@ -177,9 +183,8 @@ def play(engine: Engine, convs: list, queue: list[int], first: int, last: int, *
                 check_rows(engine.engine_id, engine.ledger, result, clock, engine.manager.lock)
             conv.chunks += chunks_per_turn
             if settle_each:
-                driver.measure(None)
-                driver.settle(30.0, sleep_s=0.002)
-                driver.measure(timer)
+                with driver.unmeasured():
+                    driver.settle(30.0, sleep_s=0.002)
     finally:
         driver.measure(None)
 

@@ -93,7 +93,8 @@ def _child(params: dict) -> None:
     runner = ChaosRunner(Chaos.from_dict(p["chaos"]), np.random.default_rng(p["seed"] + 1),
                          engine.pool, p["engine_id"], p["root"], len(queue), totals.counters,
                          timer, 0, p["stop"], p["filler"],
-                         namespace=namespace_dir_name(engine.spec.fingerprint))
+                         namespace=namespace_dir_name(engine.spec.fingerprint),
+                         idle_step=engine.idle_step)
     play(engine, convs, queue, 0, p["stop"], chunks_per_turn=p["chunks_per_turn"],
          runner=runner, totals=totals, timer=timer, clock=clock, result=result,
          check_every=p["check_every"])

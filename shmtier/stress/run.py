@@ -113,7 +113,8 @@ def run_stress(conversations: int = 24, turns: int = 4, chunks_per_turn: int = 4
         engine.driver.settle(30.0, sleep_s=0.002)  # tier workers up and the fs root listed
         runner = ChaosRunner(chaos, np.random.default_rng(seed + 1), engine.pool, engine_id,
                              root, len(queue), totals.counters, timer, start, len(queue),
-                             filler, namespace=namespace_dir_name(engine.spec.fingerprint))
+                             filler, namespace=namespace_dir_name(engine.spec.fingerprint),
+                             idle_step=engine.idle_step)
         if first.get("chaos", {}).get("fills"):
             runner.written_at_free = 0  # freed in the first scheduler: all of ours count
         play(engine, convs, queue, start, len(queue), chunks_per_turn=chunks_per_turn,
