@@ -685,6 +685,66 @@ def test_a_store_answered_after_the_namespace_was_reset_is_probed_not_indexed(
     assert data[fs_tier.BYTES_ON_DISK][("1:fs",)] == sum(files.values())
 
 
+def test_a_probe_answered_after_the_namespace_was_reset_is_not_adopted(engines, tmp_path):
+    """A lookup's probe found a chunk another engine stored (the probe's stat saw the
+    file); the operator then removed the namespace, and another op reported the reset
+    before the probe's answer came. That answer describes a file gone with the old
+    namespace: adopting it would leave an indexed chunk without a file (the chaos run's
+    "indexed chunks without a file: 2" under load, after the store case was fixed). It
+    is not adopted and the next lookup probes again: MISS. The real probe answer of the
+    real worker is held back until the reset was taken."""
+    import shutil
+
+    root = tmp_path / "root"
+    root.mkdir()
+    e = engines(root, chunks=16)
+    tier = e.manager.tiers[0]
+    e.settle()  # the start-up listing: nothing yet
+    other = engines(root, chunks=16)
+    old = [key(i) for i in range(4)]
+    other.offload(old, 0, ReqContext("a"))
+    other.settle()
+    assert len(list(root.rglob("*.kv"))) == 4 and not any(k in tier._index for k in old)
+    pool = e.spec.worker_pool
+    real_take, held = pool.take, []
+
+    def holding(t):
+        got = real_take(t)
+        held.extend(r for r in got if tier._jobs.get(r.job_id, ("",))[0] == "lookup")
+        return [r for r in got if r not in held]
+
+    pool.take = holding
+    deadline = time.monotonic() + 20
+    while not held:  # the lookup probes the unknown keys; its answer (found) held back
+        with e.manager.lock:
+            assert [tier.lookup(k, ReqContext("r")) for k in old] == [RETRY] * 4
+            e.manager.on_schedule_end(END)
+        assert time.monotonic() < deadline, "the probe was never answered"
+        time.sleep(0.005)
+    assert list(held[0].outcomes) == [Outcome.OK] * 4
+    shutil.rmtree(root)
+    root.mkdir()
+    pool.take = real_take  # from now on answers pass, the held one still waits
+    new = [key(10 + i) for i in range(4)]
+    e.offload(new, 4, ReqContext("b"))  # makes the namespace again: reset
+    while not all(k in tier._index for k in new):
+        with e.manager.lock:
+            e.manager.on_schedule_end(END)
+        assert time.monotonic() < deadline + 20, "the new store was never indexed"
+        time.sleep(0.005)
+    assert tier.namespace_resets >= 1
+
+    def late(t):
+        pool.take = real_take
+        return held + real_take(t)
+
+    pool.take = late  # the old answer arrives now, as a slow one would
+    e.settle()
+    files = _assert_index_is_the_disk(tier, root)
+    assert set(files) == set(new)
+    assert _tier_answers_settled(e, tier, old) == [MISS] * 4
+
+
 def test_a_chunk_found_corrupt_while_the_listing_was_out_is_not_listed_back(engines, tmp_path):
     """A start-up listing walks past a chunk file; before its answer is taken, a lookup
     probes that chunk, a load finds it corrupt and the worker removes it. The listing

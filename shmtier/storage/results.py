@@ -53,7 +53,7 @@ class StorageResults:
                 # nobody indexed). The next listing sees them.
                 self._namespace_reset()
                 # this job's own outcomes describe the namespace it found: the new one
-                self._stores_across_reset.discard(res.job_id)
+                self._across_reset.discard(res.job_id)
             if res.job_id == self._scan_id:
                 if res.error:  # the worker died or failed mid-listing: list again
                     self._scan_id = None
@@ -67,13 +67,14 @@ class StorageResults:
             if carried is None:
                 continue
             op, what = carried
+            across = False
+            if self._across_reset:
+                across = res.job_id in self._across_reset
+                self._across_reset.discard(res.job_id)
             if op == "store":
                 # the workers' compression-by-cost choice, as of this answer
                 self._compression_on = not res.flags & ResultFlag.COMPRESSION_OFF
                 self._page_cache_bounded = bool(res.flags & ResultFlag.PAGE_CACHE_BOUNDED)
-                across = res.job_id in self._stores_across_reset
-                if across:
-                    self._stores_across_reset.discard(res.job_id)
                 self._finish_stores(res, what, across_reset=across)
             elif op == "load":
                 for share in load_outcomes(res, what):  # each tier job: its own keys' part
@@ -81,9 +82,9 @@ class StorageResults:
             elif op == "delete":
                 self._finish_deletes(res, what)
             elif op == "lookup":
-                self._finish_lookup_probes(res, what)
+                self._finish_lookup_probes(res, what, across_reset=across)
             else:
-                self._finish_probes(res, what)
+                self._finish_probes(res, what, across_reset=across)
         self._note_pool_health()
 
     def _finish_stores(self, res: PoolResult, carried: list, across_reset: bool = False) -> None:
@@ -219,12 +220,19 @@ class StorageResults:
         if self._to_probe:
             self._submit_probes()
 
-    def _finish_probes(self, res: PoolResult, keys: list[OffloadKey]) -> None:
+    def _finish_probes(self, res: PoolResult, keys: list[OffloadKey],
+                       across_reset: bool = False) -> None:
         """A file found is indexed with its size (a store's at the recent end, an evicted
         one's at the LRU end, to be evicted again); a file absent is forgotten; a probe
-        that failed is sent again, up to ``ledger.PROBE_TRIES`` times."""
+        that failed is sent again, up to ``ledger.PROBE_TRIES`` times. ``across_reset``:
+        the probe was in flight when a namespace reset was seen, so a file it found may
+        have gone with the old namespace: found counts as failed (sent again), never
+        indexed."""
+        outcomes = res.outcomes
+        if across_reset:
+            outcomes = [Outcome.ERROR if code == Outcome.OK else code for code in outcomes]
         adopted, again, unknown, evicted = self._ledger.probes_answered(
-            keys, res.outcomes, res.stored_bytes)
+            keys, outcomes, res.stored_bytes)
         if again:
             self._to_probe.extend(again)
         if unknown:
@@ -236,18 +244,22 @@ class StorageResults:
                                                 locality=self.locality, ownership=self._label))
         self._evicted(evicted)
 
-    def _finish_lookup_probes(self, res: PoolResult, keys: list[OffloadKey]) -> None:
+    def _finish_lookup_probes(self, res: PoolResult, keys: list[OffloadKey],
+                              across_reset: bool = False) -> None:
         """Lookups' probes answered: a chunk found joins the index at its recent end (a
         request is about to load it) unless the key has a job of this tier's meanwhile;
         absent is a MISS remembered (``LookupProbes``), not learnt (ERROR) too, for
-        ``probe_timeout_s``."""
+        ``probe_timeout_s``. ``across_reset``: the probe was in flight when a namespace
+        reset was seen: a chunk it found is not adopted (it may have gone with the old
+        namespace); its key is neither waiting nor a remembered miss, so the next lookup
+        probes it again."""
         lookups = self._lookups
         found, found_sizes = [], []
         failed = 0
         for key, code, size in zip(keys, res.outcomes, res.stored_bytes):
             there = code == Outcome.OK
             lookups.answered(key, there, failed=code == Outcome.ERROR)
-            if there:
+            if there and not across_reset:
                 found.append(key)
                 found_sizes.append(size)
             else:
@@ -293,11 +305,12 @@ class StorageResults:
         list the medium again (a listing in flight may predate the reset, and one that
         reports the reset itself may miss what other workers stored while it walked).
         Jobs in flight keep their bookkeeping; their results describe the namespace as
-        it is now, except what a store published before the removal: the store jobs in
-        flight now have their stored keys probed (``_finish_stores``, ``across_reset``)."""
+        it is now, except what a store published, or a probe found, before the removal:
+        the store and probe jobs in flight now (a lookup's probes too) have what they
+        report found probed again instead of indexed (``across_reset``)."""
         self.namespace_resets += 1
-        self._stores_across_reset.update(
-            job_id for job_id, (op, _what) in self._jobs.items() if op == "store")
+        self._across_reset.update(job_id for job_id, (op, _what) in self._jobs.items()
+                                  if op != "load" and op != "delete")
         dropped = self._ledger.clear_index()
         if dropped and self._events_on:
             self._events.append(OffloadingEvent(dropped, Medium.STORAGE, removed=True,

@@ -179,9 +179,10 @@ class StorageTierManager(StorageDispatch, StorageResults, TierSeries, SecondaryT
         self._broken = False  # the pool is broken: MISS, and fail jobs at once
         self._list_medium()
         self.namespace_resets = 0  # results flagged NAMESPACE_RESET (each worker's, each change)
-        # store jobs in flight when a reset was seen: their files may have gone with the
-        # old namespace, so their outcomes are probed, not indexed (results.py)
-        self._stores_across_reset: set[PoolJobId] = set()
+        # store and probe jobs in flight when a reset was seen: what they found or wrote
+        # may have gone with the old namespace, so it is probed again, not indexed
+        # (results.py, ``_namespace_reset``)
+        self._across_reset: set[PoolJobId] = set()
         self._compression_on = True  # last store result without COMPRESSION_OFF
         self._page_cache_bounded = False  # last store result with PAGE_CACHE_BOUNDED
 
