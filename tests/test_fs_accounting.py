@@ -302,6 +302,36 @@ def test_a_load_failed_by_a_worker_death_keeps_its_chunks(engines, tmp_path):
     assert_settled(e, tmp_path)
 
 
+def test_a_chunk_removed_by_a_load_that_died_is_probed_not_kept(engines, tmp_path):
+    """A worker that finds a chunk corrupt removes its file, and may be killed before it
+    answers: the load fails with ERROR, and the file is gone. Keeping that key indexed
+    would leave an indexed chunk without a file (the chaos run under load: "indexed
+    chunks without a file: 2"); an ERROR is probed instead: the chunks still there are
+    indexed again, the removed one is not, and the index is the disk. Here the file is
+    removed while the load's workers are stopped, then they are killed."""
+    e = engines(tmp_path, chunks=16, probe_timeout_s=0.5)
+    first = [key(i) for i in range(16)]
+    e.offload(first, 0, ReqContext("a"))
+    e.settle()
+    e.offload([key(100 + i) for i in range(16)], 16, ReqContext("b"))  # evicts "a" from CPU
+    e.settle()
+    pids = stop_workers(e, signal.SIGSTOP)
+    with e.manager.lock:
+        assert [e.manager.lookup(k, ReqContext("r1")) for k in first] == [PENDING] * 16
+        e.manager.on_schedule_end(END)  # the load goes to the stopped workers
+    removed = first[5]
+    (path,) = [p for p in tmp_path.rglob("*.kv") if p.name.startswith(removed.hex())]
+    path.unlink()  # what the worker did on finding it corrupt, before it was killed
+    for pid in pids:
+        os.kill(pid, signal.SIGKILL)
+    e.settle(timeout_s=30)
+    data = e.manager.get_stats().data["data"]
+    assert data["vllm:kv_offload_tiering_promotion_job_failures"][LABEL] == 1
+    tier = e.manager.tiers[0]
+    assert removed not in tier._index and set(first) - {removed} <= set(tier._index)
+    assert_settled(e, tmp_path)
+
+
 def test_evicted_files_whose_delete_died_with_its_worker_are_not_orphaned(engines, tmp_path):
     """The tier is full; a cascade evicts two chunks and waits for their delete, which
     dies with its workers: a probe finds the files still there, they are indexed

@@ -129,6 +129,8 @@ ALLOWED = {("unknown", "storing"), ("storing", "indexed"), ("storing", "probing"
            ("storing", "unknown"), ("indexed", "deleting"), ("deleting", "unknown"),
            ("deleting", "probing"), ("probing", "indexed"), ("probing", "unknown"),
            ("unknown", "indexed"), ("indexed", "unknown"),
+           # a load answered ERROR: its worker may have removed the file before dying
+           ("indexed", "probing"),
            # an adoption's eviction may take the chunk just adopted (in one call)
            ("unknown", "deleting"), ("probing", "deleting")}
 some_keys = st.lists(st.sampled_from(KEYS), max_size=6)
@@ -327,6 +329,20 @@ class LedgerMachine(RuleBasedStateMachine):
     def loads_done(self, data):
         self.ledger.loads_done(data.draw(st.lists(st.sampled_from(list(self.ledger.loading)),
                                                   unique=True)))
+
+    @rule(data=st.data())
+    @precondition(lambda self: self.ledger is not None and self.ledger.loading)
+    def loads_unsure(self, data):
+        """Loads answered ERROR: their keys still indexed are probed, their sizes kept."""
+        keys = data.draw(st.lists(st.sampled_from(list(self.ledger.loading)), unique=True))
+        sizes = {k: self.ledger.index[k] for k in keys if k in self.ledger.index}
+        self.ledger.loads_done(keys)
+        self._own()
+        moved = self.ledger.loads_unsure(keys)
+        assert sorted(moved) == sorted(sizes)
+        assert all(self.ledger.probing[k][0] == sizes[k] and k not in self.ledger.index
+                   for k in moved)
+        self._not_raised()
 
     @rule(key=st.sampled_from(KEYS))
     @precondition(lambda self: self.ledger is not None)

@@ -18,6 +18,8 @@ A key the tier knows of is in one of four states; "unknown" is the absence from 
     probing ──answered: found──▶ indexed (the size found) │ absent, given up──▶ unknown
     unknown ──adopt: a listing, or a lookup's probe, found it──▶ indexed (the size found)
     indexed ──lost: a load found it missing or corrupt; the namespace reset──▶ unknown
+            ──a load answered ERROR (its worker may have removed the file, found
+              corrupt, before it died)──▶ probing (its size)
 
 Invariants (``check`` asserts the first two; the stateful test checks all five):
 
@@ -391,6 +393,25 @@ class StorageLedger:
                 loading[key] = count
             else:
                 loading.pop(key, None)
+
+    def loads_unsure(self, keys: Iterable[OffloadKey]) -> list[OffloadKey]:
+        """Loads of indexed ``keys`` ended in ERROR: whether each chunk is still on the
+        medium is unknown (a worker removes a file it finds corrupt or foreign, and may
+        die before it answers). Each key still indexed moves to ``probing`` (its size;
+        adopted at the recent end if found). Returns the keys now probing."""
+        index, probing = self.index, self.probing
+        unsure = []
+        moved = 0
+        for key in keys:
+            size = index.pop(key, None)
+            if size is None or key in probing:
+                continue
+            probing[key] = [size, False, 0]
+            moved += size
+            unsure.append(key)
+        self.indexed_bytes -= moved
+        self.probing_bytes += moved
+        return unsure
 
     # --- checks ---
 

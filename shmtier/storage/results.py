@@ -5,7 +5,7 @@ Each pool result is matched to what its job carried (``_jobs``) and handed to th
 (``ledger.py``), so that every key of a tier job gets exactly one final outcome: stores
 answered are indexed, refused for space are sent again after an eviction (at most
 _SPACE_TRIES times) or fail, unknown (ERROR) are probed; loads that found a chunk missing
-or corrupt drop it; deletes confirmed release their bytes; probes and lookups' probes
+or corrupt drop it, and those that failed (ERROR) have it probed; deletes confirmed release their bytes; probes and lookups' probes
 adopt what they found. A result flagged NAMESPACE_RESET drops the index and lists the
 medium again; the first listing's answer completes the index. Failures are logged once
 per change of state, never once per result.
@@ -284,19 +284,28 @@ class StorageResults:
         promo.nbytes += nbytes
         ledger = self._ledger
         ledger.loads_done(keys)
+        unsure = []
         for key, code in zip(keys, outcomes):
             if code == Outcome.OK:
                 ok.append(key)
                 continue
             if code == Outcome.ERROR:  # no promote-fail loop: a MISS for a while
                 self._lookups.load_failed(key)
+                unsure.append(key)
             if code == Outcome.MISS or code == Outcome.CORRUPT:
-                # gone, or corrupt (removed by the worker): never a HIT again. An ERROR
-                # (the worker died, the read failed) says nothing about the chunk: kept.
+                # gone, or corrupt (removed by the worker): never a HIT again
                 ledger.lost(key)
                 self._lookups.remember_miss(key)  # unknown now: not probed again at once
                 if code == Outcome.CORRUPT:
                     self._stats.increase_counter(CORRUPT_CHUNKS, 1, (self._label,))
+        if unsure:
+            # An ERROR (the worker died, the read failed) says nothing about the chunk,
+            # but a worker that found it corrupt removed its file and may have died
+            # before it answered: probed (a MISS meanwhile), indexed again if there.
+            unsure = ledger.loads_unsure(unsure)
+            if unsure:
+                self._to_probe.extend(unsure)
+                self._submit_probes()
         self._settle_load(promo, len(keys))
 
     def _namespace_reset(self) -> None:
