@@ -745,6 +745,42 @@ def test_a_probe_answered_after_the_namespace_was_reset_is_not_adopted(engines, 
     assert _tier_answers_settled(e, tier, old) == [MISS] * 4
 
 
+def test_an_indexed_chunk_a_listing_removed_as_a_foreign_file_is_probed(engines, tmp_path):
+    """A listing sent while chunks are indexed (after a namespace reset, the reset's own
+    answer indexes what it stored) walks past one of them that was meanwhile replaced by
+    a file too big for any chunk: the worker removes that foreign file and leaves it out.
+    The key must not stay indexed without a file (the chaos run under load: "indexed
+    chunks without a file: 2", the two planted big files): a key indexed when the
+    listing was sent and not in it is probed, MISS, forgotten. The listing is sent here
+    by the tier's own method, under the manager's lock, as the reset sends it."""
+    from shmtier.stress import faults
+
+    root = tmp_path / "root"
+    root.mkdir()
+    e = engines(root, chunks=16)
+    tier = e.manager.tiers[0]
+    e.settle()  # the start-up listing
+    keys = [key(i) for i in range(4)]
+    e.offload(keys, 0, ReqContext("a"))
+    e.settle()
+    assert all(k in tier._index for k in keys)
+    (path,) = [p for p in root.rglob("*.kv") if p.name.startswith(keys[2].hex())]
+    assert faults.plant_big(str(path)) is not None
+    with e.manager.lock:
+        tier._list_medium()
+    deadline = time.monotonic() + 20
+    while tier._ledger.listing:  # its answer taken in the steps
+        with e.manager.lock:
+            e.manager.on_schedule_end(END)
+        assert time.monotonic() < deadline, "the listing was never answered"
+        time.sleep(0.005)
+    e.settle()
+    assert not path.exists()  # the listing took it for a foreign file
+    files = _assert_index_is_the_disk(tier, root)
+    assert set(files) == set(keys) - {keys[2]}
+    assert _tier_answers_settled(e, tier, keys) == [HIT, HIT, MISS, HIT]
+
+
 def test_a_chunk_found_corrupt_while_the_listing_was_out_is_not_listed_back(engines, tmp_path):
     """A start-up listing walks past a chunk file; before its answer is taken, a lookup
     probes that chunk, a load finds it corrupt and the worker removes it. The listing

@@ -18,8 +18,8 @@ A key the tier knows of is in one of four states; "unknown" is the absence from 
     probing ──answered: found──▶ indexed (the size found) │ absent, given up──▶ unknown
     unknown ──adopt: a listing, or a lookup's probe, found it──▶ indexed (the size found)
     indexed ──lost: a load found it missing or corrupt; the namespace reset──▶ unknown
-            ──a load answered ERROR (its worker may have removed the file, found
-              corrupt, before it died)──▶ probing (its size)
+            ──unsure: a load answered ERROR (its worker may have removed the file,
+              found corrupt, before it died); a listing did not list it──▶ probing
 
 Invariants (``check`` asserts the first two; the stateful test checks all five):
 
@@ -69,7 +69,8 @@ class StorageLedger:
 
     __slots__ = ("max_bytes", "frame_bytes", "index", "storing", "deleting", "probing",
                  "loading", "indexed_bytes", "reserved_bytes", "deleting_bytes",
-                 "probing_bytes", "listed", "listing", "gone_since_listing")
+                 "probing_bytes", "listed", "listing", "gone_since_listing",
+                 "indexed_at_listing")
 
     def __init__(self, max_bytes: int | None, frame_bytes: int):
         self.max_bytes = max_bytes
@@ -86,6 +87,9 @@ class StorageLedger:
         # keys known gone (deleted, found missing or corrupt) since the listing in flight
         # was sent: it may have walked past them before
         self.gone_since_listing: set[OffloadKey] = set()
+        # the keys indexed when the listing in flight was sent: one it does not list was
+        # removed since (by hand, or by the listing itself as a foreign file)
+        self.indexed_at_listing: set[OffloadKey] = set()
 
     # --- figures ---
 
@@ -323,22 +327,35 @@ class StorageLedger:
         return adopted, self._evict_over_bound()
 
     def listing_sent(self) -> None:
-        """A listing of the medium is in flight: note the keys gone from now on."""
+        """A listing of the medium is in flight: note the keys gone from now on, and the
+        keys indexed now (none after a start or a namespace reset, but those the reset's
+        own answer stored)."""
         self.gone_since_listing.clear()
+        self.indexed_at_listing = set(self.index)
         self.listing = True
 
     def listing_failed(self) -> None:
         """The listing in flight will not be adopted (failed, or the namespace reset)."""
         self.listing = False
         self.gone_since_listing.clear()
+        self.indexed_at_listing = set()
 
-    def adopt_listing(self, keys: Sequence[OffloadKey], sizes: Sequence[int]) -> list[OffloadKey]:
+    def adopt_listing(self, keys: Sequence[OffloadKey],
+                      sizes: Sequence[int]) -> tuple[list[OffloadKey], list[OffloadKey]]:
         """A listing landed: each chunk it found that the tier does not know, and that is
         not known gone since the listing was sent, joins the index as older than anything
-        stored since. The index is complete from now on. Returns the evicted keys
-        (invariant 5)."""
+        stored since. A key indexed when the listing was sent, still indexed and not
+        listed, had its file removed meanwhile (by hand, or by the listing itself as a
+        foreign file: ``fs`` removes a file too big for a chunk): it is probed
+        (``unsure``), never kept on trust. The index is complete from now on. Returns
+        (the evicted keys (invariant 5), the keys now probing)."""
         index, storing, deleting, probing = self.index, self.storing, self.deleting, self.probing
         gone = self.gone_since_listing
+        before = self.indexed_at_listing
+        unlisted = []
+        if before:
+            listed = set(keys)
+            unlisted = [k for k in before if k in index and k not in listed]
         added = 0
         for key, size in zip(keys, sizes):
             if (key in index or key in storing or key in deleting or key in probing
@@ -350,7 +367,8 @@ class StorageLedger:
         self.indexed_bytes += added
         self.listed = True
         self.listing_failed()  # (no listing in flight any more)
-        return self._evict_over_bound()
+        unsure = self.unsure(unlisted) if unlisted else []
+        return self._evict_over_bound(), unsure
 
     def _evict_over_bound(self) -> list[OffloadKey]:
         if self.max_bytes is None:
@@ -394,10 +412,11 @@ class StorageLedger:
             else:
                 loading.pop(key, None)
 
-    def loads_unsure(self, keys: Iterable[OffloadKey]) -> list[OffloadKey]:
-        """Loads of indexed ``keys`` ended in ERROR: whether each chunk is still on the
-        medium is unknown (a worker removes a file it finds corrupt or foreign, and may
-        die before it answers). Each key still indexed moves to ``probing`` (its size;
+    def unsure(self, keys: Iterable[OffloadKey]) -> list[OffloadKey]:
+        """Whether the chunks of indexed ``keys`` are still on the medium is unknown: a
+        load of theirs ended in ERROR (a worker removes a file it finds corrupt or
+        foreign, and may die before it answers), or a listing did not list them
+        (``adopt_listing``). Each key still indexed moves to ``probing`` (its size;
         adopted at the recent end if found). Returns the keys now probing."""
         index, probing = self.index, self.probing
         unsure = []

@@ -302,10 +302,7 @@ class StorageResults:
             # An ERROR (the worker died, the read failed) says nothing about the chunk,
             # but a worker that found it corrupt removed its file and may have died
             # before it answered: probed (a MISS meanwhile), indexed again if there.
-            unsure = ledger.loads_unsure(unsure)
-            if unsure:
-                self._to_probe.extend(unsure)
-                self._submit_probes()
+            self._probe_unsure(ledger.unsure(unsure))
         self._settle_load(promo, len(keys))
 
     def _namespace_reset(self) -> None:
@@ -337,7 +334,13 @@ class StorageResults:
         than ``max_bytes`` on disk (a lower bound than last time) the least recently
         used chunks are evicted at once."""
         sizes = res.listed_bytes
-        evicted = self._ledger.adopt_listing(res.listed, sizes)
+        evicted, unsure = self._ledger.adopt_listing(res.listed, sizes)
+        if unsure:
+            logger.warning("%s tier %s: %d chunks indexed before the listing were not in it "
+                           "(their files were removed meanwhile, or were foreign files the "
+                           "listing removed): probing for them", self.kind, self._label,
+                           len(unsure))
+            self._probe_unsure(unsure)
         logger.info("%s tier %s: %d chunks found on %s (%d bytes)", self.kind, self._label,
                     len(res.listed), self.medium_words(), sum(sizes))
         self._evicted(evicted)
@@ -348,6 +351,13 @@ class StorageResults:
         self._scan_id = self._pool.submit("scan", self._tier, [])
         if self._scan_id is not None:
             self._ledger.listing_sent()
+
+    def _probe_unsure(self, keys: list[OffloadKey]) -> None:
+        """Probe ``keys``, which the ledger moved from the index to ``probing``
+        (``unsure``): indexed again if found, forgotten if not."""
+        if keys:
+            self._to_probe.extend(keys)
+            self._submit_probes()
 
     def _note_pool_health(self) -> None:
         if self._pool.broken is not None and not self._broken:
