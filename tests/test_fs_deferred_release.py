@@ -91,8 +91,12 @@ def test_a_promotion_whose_worker_is_killed_holds_its_rows_until_the_worker_is_r
             worker.kill()
             worker.wait(5)
 
-    # no wrong bytes: the replacement promotes the same chunks intact
-    time.sleep(0.5)  # probe_timeout_s: the failed loads answer MISS until then
+    # no wrong bytes: the replacement promotes the same chunks intact, once it has probed
+    # them (a failed load's chunks are probed: its worker may have removed a file it
+    # found corrupt before it died) and probe_timeout_s has passed (the failed loads
+    # answer MISS until then)
+    engine.settle()
+    time.sleep(0.5)
     again = ReqContext("again")
     with m.lock:
         m.on_new_request(again)
