@@ -507,6 +507,54 @@ def _scrape(url: str) -> dict[tuple[str, str], float]:
     return out
 
 
+def test_an_external_worker_dead_before_the_pool_saw_it_is_replaced(engine_id, tmp_path):
+    """A `shmtier workers` process claims its slot and is SIGKILLed before any health
+    check of the engine's pool saw it (no manager call in between: the engine idle, or
+    its steps slow on a loaded host). Its slot still names it, and `shmtier workers`
+    starts the next process only into a free slot: the pool must recover the slot (it
+    used to count a start failure and leave it, so the worker was never replaced: CI,
+    test_external_pool_serves_prometheus_metrics, "restarts_total 0" for 30 s)."""
+    layout = KVLayout("m", "bfloat16", 16, 8192, 1)
+    extra = {"cpu_bytes_to_use": 16 * 8192, "workers": "external", "num_tier_workers": 2,
+             "secondary_tiers": [{"type": "fs", "root_dir": str(tmp_path),
+                                  "min_free_bytes": None}]}
+    manager = TieringOffloadingSpec(extra, layout, engine_id).get_manager()
+    manager.lock.acquire()  # no health check of the pool meanwhile (the step-window
+    locked = True           # thread's rounds take this lock too)
+    pool = subprocess.Popen([sys.executable, "-m", "shmtier", "workers", "--engine-id",
+                             engine_id], stdout=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 30
+        while True:  # both slots claimed
+            workers = snapshot(engine_id).workers
+            if all(w.pid and w.alive for w in workers):
+                break
+            assert time.monotonic() < deadline, workers
+            time.sleep(0.02)
+        victim = workers[0].pid
+        os.kill(victim, signal.SIGKILL)
+        while snapshot(engine_id).workers[0].alive:  # reaped by `shmtier workers`
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        manager.lock.release()
+        locked = False
+        while True:  # the engine steps again: the slot recovered, a new process in it
+            with manager.lock:
+                manager.on_schedule_end(END)
+            now = snapshot(engine_id).workers[0]
+            if now.pid and now.pid != victim:
+                break
+            assert time.monotonic() < deadline, f"slot 0 still names pid {now.pid}"
+            time.sleep(0.02)
+        assert manager.tiers[0]._pool.broken is None
+    finally:
+        if locked:
+            manager.lock.release()
+        pool.terminate()
+        pool.wait(15)
+        manager.shutdown()
+
+
 def test_external_pool_serves_prometheus_metrics(engine_id, tmp_path):
     layout = KVLayout("m", "bfloat16", 16, 8192, 1)
     extra = {"cpu_bytes_to_use": 16 * 8192, "workers": "external", "num_tier_workers": 2,

@@ -388,7 +388,10 @@ class WorkerPool:
 
     def _look_for_holder(self, rec: WorkerRecord, now: float) -> None:
         """External mode, no holder known: take note of a new one, and count the
-        holders that claimed the slot and were gone between two checks."""
+        holders that claimed the slot and were gone between two checks. The slot of
+        such a holder still names it: it is recovered (its rings resynced, the parts
+        it held failed), or ``shmtier workers``, which starts the next process only
+        into a free slot, would wait for it for ever."""
         slot = self.rings.worker(rec.index)
         beat = slot.last_beat()
         alive = bool(beat.pid) and slot.holder_alive()
@@ -398,7 +401,10 @@ class WorkerPool:
             rec.unseen_start_failures(unseen, now)
             self.start_failures_total += unseen
             self._break_if_failing(rec, now)
-        if alive and self.broken is None:
+        if beat.pid and not alive:
+            self._fail_slot(rec.index, f"tier worker {rec.index} (pid {beat.pid}) died "
+                                       f"before the pool saw it")
+        elif alive and self.broken is None:
             rec.holder_seen(beat.pid, beat.start_time, now)
 
     def _kill(self, rec: WorkerRecord, why: str) -> None:
