@@ -348,6 +348,13 @@ class TieringConfig(Options):
             "runs its forward pass, from just after on_schedule_end until this share of the "
             "step period has passed (a step then sends only its loads, the round after it "
             "the rest); 0: every poll and send inside the steps")
+    tier_poll_window_cpu: str = option(
+        "any", one_of("any", "engine"),
+        doc='where the step-window thread runs its rounds: "any" (the CPU the kernel picks) '
+            'or "engine" (the CPU the engine thread ended its last step on, where the '
+            "forward pass leaves it idle: the next step then finds what a round touched in "
+            "its own caches, not on another core; see bench/README.md, \"Per-step fixed "
+            'costs\")')
     compression: CompressionConfig = option(
         CompressionConfig(), CompressionConfig.check(),
         doc="how tier workers compress chunks: a mode, or a mapping (Compression below)",

@@ -189,6 +189,7 @@ class TieringOffloadingSpec:
             self._manager = TieringOffloadingManager(
                 primary, tiers, stop_pool, self.tiering_config.tier_poll_interval_s,
                 tier_poll_window=self.tiering_config.tier_poll_window,
+                window_on_engine_cpu=self.tiering_config.tier_poll_window_cpu == "engine",
                 admission=CascadeAdmission.build(
                     self.tiering_config.admission_rules(),
                     self.tiering_config.admission_window

@@ -153,6 +153,45 @@ def test_the_thread_runs_sched_batch(window_thread):
     assert os.sched_getscheduler(0) != os.SCHED_BATCH  # the caller's thread is untouched
 
 
+def test_on_the_engine_cpu_the_rounds_run_where_the_engine_thread_ended_its_step():
+    """``tier_poll_window_cpu: "engine"``: the thread's rounds run on the CPU the engine
+    thread ended its last step on, and move with it (here the engine thread is pinned to
+    each allowed CPU in turn); without it the thread keeps the process's CPUs."""
+    from shmtier.scheduler.tiering.window_poll import cpu_reader
+
+    getcpu = cpu_reader()
+    allowed = sorted(os.sched_getaffinity(0))
+    eng = EngineThread(busy_s=0.001, forward_s=0.01)
+    r = StepRhythm(0.8, 0.001)
+    plain = StepWindowPollThread(eng.lock, eng.poll, StepRhythm(0.8, 0.001))
+    t = StepWindowPollThread(eng.lock, eng.poll, r, on_engine_cpu=True)
+    try:
+        for cpu in allowed[:2]:
+            os.sched_setaffinity(0, {cpu})  # this (engine) thread only
+            deadline = time.monotonic() + 10
+            while os.sched_getaffinity(t.native_id) != {cpu}:
+                assert time.monotonic() < deadline, (cpu, os.sched_getaffinity(t.native_id))
+                with eng.lock:
+                    r.step_ended(time.monotonic(), getcpu())
+                time.sleep(eng.forward_s)
+            assert r.engine_cpu == cpu
+        assert os.sched_getaffinity(plain.native_id) == set(allowed)
+    finally:
+        os.sched_setaffinity(0, set(allowed))
+        assert t.stop() and plain.stop()
+
+
+def test_the_window_cpu_option_names_the_key_and_what_it_accepts():
+    assert TieringConfig.from_extra_config({}).tier_poll_window_cpu == "any"
+    assert TieringConfig.from_extra_config(
+        {"tier_poll_window_cpu": "engine"}).tier_poll_window_cpu == "engine"
+    with pytest.raises(ConfigError) as err:
+        TieringConfig.from_extra_config({"tier_poll_window_cpu": "scheduler"})
+    text = str(err.value)
+    assert "['tier_poll_window_cpu']" in text and "'scheduler' is invalid" in text
+    assert "'any'" in text and "'engine'" in text
+
+
 def test_a_failing_round_is_logged_and_the_thread_goes_on(window_thread, caplog):
     eng = EngineThread(busy_s=0.002, forward_s=0.02)
     calls = []

@@ -89,7 +89,7 @@ COMPRESSION_TOKENS = {"raw": "none", "zstd": "zstd", "zauto": "auto"}
 DIRECT_IO_TOKENS = {"dio": "writes", "dioauto": "auto", "buffered": False}
 #: every token of ``shmtier@TOKENS``
 VARIANT_TOKENS = (*WORKER_SCHED, *COMPRESSION_TOKENS, *DIRECT_IO_TOKENS, "noprobe", "nowindow",
-                  *ADMISSION_TOKENS)
+                  "wincpu", "winany", *ADMISSION_TOKENS)
 
 
 def page_cache_bound(token: str) -> int | str | None:
@@ -156,7 +156,8 @@ def make_shmtier(cfg, root: str, engine_id: str, variant: str = "",
     (``raw`` = "none", ``zstd``, ``zauto`` = "auto"), the fs tier's ``direct_io`` (``dio``:
     "writes", O_DIRECT stores; ``dioauto``: "auto", both ways; ``buffered``: false), ``noprobe`` (the fs tier's ``probe_unknown`` off: a key
     its index does not know is a MISS at once, as before shared roots), ``nowindow`` (no
-    step-window poll thread: ``tier_poll_window`` 0, every poll inside the steps), a
+    step-window poll thread: ``tier_poll_window`` 0, every poll inside the steps), ``wincpu`` /
+    ``winany`` (``tier_poll_window_cpu`` "engine" / "any"), a
     cascade admission rule (``second_touch``; default: write-through), ``pcN`` / ``pcauto`` /
     ``pcoff`` (the fs tier's ``page_cache_bytes`` = N MiB, "auto", null) or ``laneN``
     (``tier_promotion_workers`` N: 0 is every worker background, as before issue 29),
@@ -187,6 +188,8 @@ def make_shmtier(cfg, root: str, engine_id: str, variant: str = "",
             extra["secondary_tiers"][0]["write_depth"] = cfg.write_depth
     if "nowindow" in tokens:
         extra["tier_poll_window"] = 0
+    if "wincpu" in tokens or "winany" in tokens:  # the step-window thread's CPU
+        extra["tier_poll_window_cpu"] = "engine" if "wincpu" in tokens else "any"
     bound = next((b for b in map(page_cache_bound, tokens) if b is not ...), ...)
     if bound is not ... and secondary_tiers is None:
         extra["secondary_tiers"][0]["page_cache_bytes"] = bound

@@ -89,9 +89,13 @@ from shmtier.scheduler.tiering.poll_thread import POLL_JOIN_TIMEOUT_S, TierPollT
 from shmtier.scheduler.tiering.promotions import Promotions
 from shmtier.scheduler.tiering.scan import LookupScan
 from shmtier.scheduler.tiering.step_stats import StepStats
-from shmtier.scheduler.tiering.window_poll import StepRhythm, StepWindowPollThread
+from shmtier.scheduler.tiering.window_poll import StepRhythm, StepWindowPollThread, cpu_reader
 
 logger = logging.getLogger(__name__)
+
+
+def _no_cpu() -> int:
+    return -1
 
 _NO_FILTER = object()  # no lookup has asked the tiers yet
 
@@ -116,11 +120,14 @@ class TieringOffloadingManager:
 
     def __init__(self, primary: CPUPrimaryTierOffloadingManager, tiers: Sequence[Any],
                  before_primary_shutdown: Sequence[Any] = (), tier_poll_interval_s: float = 0.0,
-                 admission: CascadeAdmission | None = None, tier_poll_window: float = 0.0):
+                 admission: CascadeAdmission | None = None, tier_poll_window: float = 0.0,
+                 window_on_engine_cpu: bool = False):
         """``before_primary_shutdown``: callables run after the tiers shut down and
         before the primary releases the segment (the spec passes the worker pool's).
         ``tier_poll_interval_s`` > 0 starts the tier-poll thread if a tier opts in, and
-        with ``tier_poll_window`` > 0 the step-window thread if a tier opts in to that.
+        with ``tier_poll_window`` > 0 the step-window thread if a tier opts in to that
+        (``window_on_engine_cpu``: its rounds on the CPU the engine thread ended its last
+        step on).
         ``admission``: which stored chunks each tier gets (``admission.py``); None is
         vLLM's write-through (every chunk, when it is stored)."""
         self.admission = admission
@@ -186,10 +193,13 @@ class TieringOffloadingManager:
                                             for i in self._window_polled) if s is not None]
         self._rhythm: StepRhythm | None = None
         self._window_thread: StepWindowPollThread | None = None
+        # the engine thread's CPU at each step end, for rounds that follow it (~0.1 µs)
+        self._getcpu = cpu_reader() if window_on_engine_cpu else _no_cpu
         if self._window_polled and tier_poll_interval_s > 0 and tier_poll_window > 0:
             self._rhythm = StepRhythm(tier_poll_window, tier_poll_interval_s)
             self._window_thread = StepWindowPollThread(self._lock, self.poll_between_steps,
-                                                       self._rhythm)
+                                                       self._rhythm,
+                                                       on_engine_cpu=window_on_engine_cpu)
         # the step's statistics, into the segment for `shmtier top` (at most every 0.1 s)
         self._publisher = StatsPublisher.for_manager(primary, self.tiers, self.labels,
                                                      self._row_bytes)
@@ -463,7 +473,7 @@ class TieringOffloadingManager:
         if context.new_req_ids:
             self._tracker.stop(context.new_req_ids)
         if self._rhythm is not None:
-            self._rhythm.step_ended(time.monotonic())
+            self._rhythm.step_ended(time.monotonic(), self._getcpu())
 
     def has_pending_work(self) -> bool:
         if self._scan is not None:

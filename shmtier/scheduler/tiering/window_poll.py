@@ -63,6 +63,20 @@ IDLE_AFTER_PERIODS = 3
 JOIN_TIMEOUT_S = 5.0
 
 
+def cpu_reader() -> Callable[[], int]:
+    """The calling thread's current CPU: libc's ``sched_getcpu`` (a vDSO call, ~0.1 µs
+    through ctypes), or a function answering -1 where it is missing."""
+    try:
+        import ctypes
+
+        getcpu = ctypes.CDLL(None, use_errno=True).sched_getcpu
+        getcpu.restype, getcpu.argtypes = ctypes.c_int, []
+        getcpu()
+        return getcpu
+    except (OSError, AttributeError):
+        return lambda: -1
+
+
 class StepRhythm:
     """When the engine is between steps, learnt from when its steps' scheduling ended.
 
@@ -80,12 +94,15 @@ class StepRhythm:
         self.interval_s = interval_s
         self._ends: deque[float] = deque(maxlen=STEP_ENDS_KEPT)
         self._rounds = 0  # rounds run since the last step end
+        self.engine_cpu = -1  # the CPU the engine thread ended its last step on
         #: whether a round ran between the last two step ends: while rounds come, work a
         #: step leaves to them is done within a forward pass
         self.rounds_came = False
 
-    def step_ended(self, now: float) -> None:
+    def step_ended(self, now: float, cpu: int = -1) -> None:
+        """A step's scheduling ended at ``now`` on CPU ``cpu`` (-1: unknown)."""
         self._ends.append(now)
+        self.engine_cpu = cpu
         self.rounds_came, self._rounds = self._rounds > 0, 0
 
     def round_ran(self) -> None:
@@ -130,8 +147,15 @@ class StepWindowPollThread:
     plans (started now). ``rounds`` and ``missed`` count rounds run and rounds skipped
     because the lock was held (for benches and tests)."""
 
-    def __init__(self, lock: threading.Lock, poll: Callable[[], None], rhythm: StepRhythm):
+    def __init__(self, lock: threading.Lock, poll: Callable[[], None], rhythm: StepRhythm,
+                 on_engine_cpu: bool = False):
+        """``on_engine_cpu``: run each round on the CPU the engine thread ended its last
+        step on (``rhythm.engine_cpu``; the thread's affinity changes only when that
+        CPU does, one syscall), where the forward pass leaves it idle: what the round
+        touches is then in that core's caches when the next step comes, not written from
+        another core (bench/README.md, "Per-step fixed costs")."""
         self._lock = lock
+        self._on_engine_cpu = on_engine_cpu
         self._poll = poll
         self.rhythm = rhythm
         self._stop = threading.Event()
@@ -164,9 +188,19 @@ class StepWindowPollThread:
             logger.info("step-window poll thread keeps its scheduling policy: %s", e)
         failures = FailedRounds("step-window poll")
         plan, stopped, sleep = self.rhythm.plan, self._stop, time.sleep
+        follow = self._on_engine_cpu
+        allowed = os.sched_getaffinity(0) if follow else set()
+        pinned = -1
         while not stopped.is_set():
             poll_now, sleep_s = plan(time.monotonic())
             if poll_now:
+                cpu = self.rhythm.engine_cpu
+                if follow and cpu != pinned and cpu in allowed:
+                    try:
+                        os.sched_setaffinity(0, (cpu,))
+                        pinned = cpu
+                    except OSError:  # the CPU left the process's set meanwhile
+                        follow = False
                 if self._lock.acquire(blocking=False):
                     try:
                         self._poll()
