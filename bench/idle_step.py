@@ -136,11 +136,13 @@ def main() -> int:
             mean = med_range([statistics.fmean(rep[call]) for rep in reps])
             figures[name][call] = {"p50": p50, "mean": mean}
             print(f"  {name:16s} {call:17s} p50 {fmt_mr(p50, 1)}   mean {fmt_mr(mean, 1)}")
-    if "shmtier" in figures and "vllm" in figures:
-        print("shmtier / vLLM, ratio of the medians (p50):")
+    ours = [name for name in figures if name != "vllm"]
+    if ours and "vllm" in figures:
+        print("against vLLM, ratio of the medians (p50): " + ", ".join(ours))
         for call in CALLS + ("step",):
-            a, b = figures["shmtier"][call]["p50"][0], figures["vllm"][call]["p50"][0]
-            print(f"  {call:17s} {a / b:.2f}x")
+            b = figures["vllm"][call]["p50"][0]
+            print(f"  {call:17s} " + "  ".join(f"{figures[n][call]['p50'][0] / b:.2f}x"
+                                                 for n in ours))
     if args.json:
         write_json(args.json, {"args": vars(args), "load": load, "figures": figures})
     return 0
