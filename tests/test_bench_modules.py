@@ -45,3 +45,24 @@ def test_the_bench_readme_runs_them_as_modules():
     for name in SCRIPTS:
         if f"{name}.py" in text:
             assert f"-m bench.{name}" in text, f"bench/README.md names {name}.py but no command"
+
+
+def test_the_idle_step_bench_measures_each_call_and_leaves_nothing(tmp_path):
+    """bench/idle_step.py run tiny: every call's figures for each manager, a ratio to
+    vLLM's for each shmtier variant, and no segment, semaphore or directory left."""
+    import json
+
+    out = tmp_path / "idle.json"
+    got = run_module("bench.idle_step", "--repeats", "1", "--steps", "5",
+                     "--managers", "shmtier,shmtier@wincpu,vllm", "--json", str(out))
+    assert got.returncode == 0, got.stdout + got.stderr
+    figures = json.loads(out.read_text())["figures"]
+    for name in ("shmtier", "shmtier@wincpu", "vllm"):
+        for call in ("on_schedule_end", "has_pending_work", "get_stats", "take_events", "step"):
+            p50, lo, hi = figures[name][call]["p50"]
+            assert 0 < lo <= p50 <= hi
+    assert "against vLLM, ratio of the medians (p50): shmtier, shmtier@wincpu" in got.stdout
+    assert not [e for e in os.listdir("/dev/shm") if "bench-idle-" in e]
+    import tempfile
+
+    assert not list(pathlib.Path(tempfile.gettempdir()).glob("idle-step-*"))
