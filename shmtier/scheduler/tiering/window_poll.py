@@ -31,6 +31,12 @@ rhythm (fewer than 3 step ends, or a step later than its period) it sleeps, up t
 it runs a round at each such wake, so what an engine's last step left to the rounds
 (queued stores, a due stats publish) does not wait for a step that may not come.
 
+Where the rounds run: on any CPU (``tier_poll_window_cpu: "any"``, the default), or on
+the one the engine thread ended its last step on (``"engine"``: ``step_ended`` carries the
+engine thread's CPU, the thread pins itself there when it changes), where the forward pass
+leaves it idle, so the next step finds what the rounds touched in its own core's caches
+(bench/README.md, "A step with nothing to do").
+
 A round is ``poll()`` under the lock; a failing one is logged at most once a second and,
 after 30 s of failures, ends the thread (``poll_thread.FailedRounds``): the per-step polls
 still serve every tier, as they do with the window off.
