@@ -108,6 +108,24 @@ def test_a_namespace_link_with_a_worker_restarted_under_it_is_an_outage(capsys):
         "written_after_link"] > 0
 
 
+def test_undoing_the_namespace_link_swaps_the_directory_back_in_one_step(tmp_path):
+    """The operator's undo of the link: the directory, with its files and its inode,
+    takes the link's place in one rename (no moment without a namespace, in which a
+    tier worker's store would make one anew: "the directory put back 0x" in CI), and
+    the link is gone."""
+    from shmtier.stress import faults
+
+    ns, aside = tmp_path / "root" / "ns", tmp_path / "aside"
+    ns.mkdir(parents=True)
+    (ns / "chunk.kv").write_bytes(b"x")
+    inode = ns.stat().st_ino
+    assert faults.link_namespace(str(ns), str(aside))
+    assert ns.is_symlink() and aside.is_dir()
+    assert faults.unlink_namespace(str(ns), str(aside))
+    assert ns.is_dir() and not ns.is_symlink() and ns.stat().st_ino == inode
+    assert (ns / "chunk.kv").read_bytes() == b"x" and not os.path.lexists(aside)
+
+
 def test_a_wrong_byte_fails_the_verdict_with_its_step(capsys):
     victim = trace.chunk_keys(0, 1)[0]  # conversation 0's first chunk: loaded on later turns
 

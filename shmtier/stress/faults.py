@@ -105,10 +105,30 @@ def link_namespace(namespace: str, aside: str) -> bool:
         return False
 
 
+def _exchange(a: str, b: str) -> bool:
+    """Swap the entries at ``a`` and ``b`` in one step (``renameat2`` RENAME_EXCHANGE,
+    through libc); False where the call or the filesystem does not have it."""
+    try:
+        import ctypes
+
+        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    return renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0
+
+
 def unlink_namespace(namespace: str, aside: str) -> bool:
     """Remove the link at ``namespace`` and move the directory ``aside`` back in its place
     (the operator undoing ``link_namespace``); when something else is there now or the root
-    is gone, ``aside`` is removed instead. True when the directory went back."""
+    is gone, ``aside`` is removed instead. True when the directory went back. The link and
+    the directory are swapped in one step where the kernel can (then ``aside`` is the link,
+    removed): removing the link first would leave a moment with no namespace, in which a
+    tier worker's store makes one anew and the directory cannot go back."""
+    if os.path.islink(namespace) and os.path.isdir(aside) and not os.path.islink(aside):
+        if _exchange(aside, namespace):
+            os.unlink(aside)
+            return True
     if os.path.islink(namespace):
         os.unlink(namespace)
     if not os.path.lexists(namespace) and os.path.isdir(os.path.dirname(namespace)):
