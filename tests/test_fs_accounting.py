@@ -264,22 +264,29 @@ def test_a_worker_killed_mid_cascade_loses_no_chunk_and_leaves_no_orphan(
     assert set(written) <= set(files)  # every complete file is indexed
 
 
-def test_a_load_failed_by_a_worker_death_keeps_its_chunks(engines, tmp_path):
-    """A promotion whose workers die fails with ERROR: that says nothing about the files,
-    so the 16 chunks stay indexed (they used to be dropped: a MISS with the files on
-    disk) and, once the failed load's miss window (``probe_timeout_s``: a failing medium
-    is not asked again every step) has passed, a fresh request loads them."""
-    e = engines(tmp_path, chunks=16, probe_timeout_s=0.5)
+def _promoting_to_stopped_workers(e) -> tuple[list[bytes], list[int]]:
+    """16 chunks cascaded to the fs tier and evicted from the CPU tier, then a request's
+    lookups promote them with every tier worker SIGSTOPped: returns (the keys, the
+    stopped workers' pids); the load is with the stopped workers."""
     first = [key(i) for i in range(16)]
     e.offload(first, 0, ReqContext("a"))
     e.settle()
     e.offload([key(100 + i) for i in range(16)], 16, ReqContext("b"))  # evicts "a" from CPU
     e.settle()
     pids = stop_workers(e, signal.SIGSTOP)
-    r1 = ReqContext("r1")
     with e.manager.lock:
-        assert [e.manager.lookup(k, r1) for k in first] == [PENDING] * 16
+        assert [e.manager.lookup(k, ReqContext("r1")) for k in first] == [PENDING] * 16
         e.manager.on_schedule_end(END)  # the load goes to the stopped workers
+    return first, pids
+
+
+def test_a_load_failed_by_a_worker_death_keeps_its_chunks(engines, tmp_path):
+    """A promotion whose workers die fails with ERROR: that says nothing about the files,
+    so the 16 chunks stay indexed (they used to be dropped: a MISS with the files on
+    disk) and, once the failed load's miss window (``probe_timeout_s``: a failing medium
+    is not asked again every step) has passed, a fresh request loads them."""
+    e = engines(tmp_path, chunks=16, probe_timeout_s=0.5)
+    first, pids = _promoting_to_stopped_workers(e)
     for pid in pids:
         os.kill(pid, signal.SIGKILL)
     e.settle(timeout_s=30)
@@ -310,15 +317,7 @@ def test_a_chunk_removed_by_a_load_that_died_is_probed_not_kept(engines, tmp_pat
     indexed again, the removed one is not, and the index is the disk. Here the file is
     removed while the load's workers are stopped, then they are killed."""
     e = engines(tmp_path, chunks=16, probe_timeout_s=0.5)
-    first = [key(i) for i in range(16)]
-    e.offload(first, 0, ReqContext("a"))
-    e.settle()
-    e.offload([key(100 + i) for i in range(16)], 16, ReqContext("b"))  # evicts "a" from CPU
-    e.settle()
-    pids = stop_workers(e, signal.SIGSTOP)
-    with e.manager.lock:
-        assert [e.manager.lookup(k, ReqContext("r1")) for k in first] == [PENDING] * 16
-        e.manager.on_schedule_end(END)  # the load goes to the stopped workers
+    first, pids = _promoting_to_stopped_workers(e)
     removed = first[5]
     (path,) = [p for p in tmp_path.rglob("*.kv") if p.name.startswith(removed.hex())]
     path.unlink()  # what the worker did on finding it corrupt, before it was killed

@@ -547,35 +547,57 @@ def _root_deleted_and_recreated(engines, tmp_path):
     return e, root, tier, old, new, taken
 
 
-class _HeldListings:
-    """Holds back the fs tier's listing results (those of the listing it waits for) from
-    the moment it is made: ``wait()`` steps the engine until one came and returns it,
-    ``release()`` delivers what was held with the next results, as a slow answer would
-    arrive. Everything else passes through."""
+class _HeldAnswers:
+    """Holds back the fs tier's pool results that ``which(result)`` picks, from the moment
+    it is made: ``wait()`` steps the engine until one came and returns it, ``release()``
+    delivers what was held with the next results, as a slow answer would arrive.
+    Everything else passes through."""
 
-    def __init__(self, e):
+    def __init__(self, e, which):
         self.e, self.tier, self.pool = e, e.manager.tiers[0], e.spec.worker_pool
+        self.which = which
         self.real_take, self.held = self.pool.take, []
         self.pool.take = self._take
 
+    @classmethod
+    def listings(cls, e) -> "_HeldAnswers":
+        """The listing the tier waits for."""
+        tier = e.manager.tiers[0]
+        return cls(e, lambda r: r.job_id == tier._scan_id)
+
+    @classmethod
+    def of(cls, e, op: str) -> "_HeldAnswers":
+        """The tier's ``op`` jobs (``"store"``, ``"lookup"``: a lookup's probes...)."""
+        tier = e.manager.tiers[0]
+        return cls(e, lambda r: tier._jobs.get(r.job_id, ("",))[0] == op)
+
     def _take(self, t):
         got = self.real_take(t)
-        self.held.extend(r for r in got if r.job_id == self.tier._scan_id)
-        return [r for r in got if r.job_id != self.tier._scan_id]
+        picked = [r for r in got if self.which(r)]
+        self.held.extend(picked)
+        return [r for r in got if r not in picked]
 
-    def wait(self, timeout_s: float = 20.0):
+    def wait(self, timeout_s: float = 20.0, each_step=None):
+        """Step the engine (``each_step()`` first, under the lock) until one was held."""
         deadline = time.monotonic() + timeout_s
         while not self.held:
             with self.e.manager.lock:
+                if each_step is not None:
+                    each_step()
                 self.e.manager.on_schedule_end(END)
-            assert time.monotonic() < deadline, "the listing never came"
+            assert time.monotonic() < deadline, "the answer never came"
             time.sleep(0.005)
         return self.held[0]
+
+    def pass_on(self) -> None:
+        """Results pass from now on; those held still wait for ``release``."""
+        self.pool.take = self.real_take
 
     def release(self) -> None:
         def take(t):
             got = self.held + self.real_take(t)
             self.held.clear()
+            self.pool.take = self.real_take
             return got
 
         self.pool.take = take
@@ -601,7 +623,7 @@ def test_a_listing_that_reports_the_reset_itself_loses_no_chunk_stored_meanwhile
     tier = e.manager.tiers[0]
     e.offload([key(i) for i in range(4)], 0, ReqContext("a"))
     e.settle()  # (the start-up listing too)
-    listings = _HeldListings(e)
+    listings = _HeldAnswers.listings(e)
     shutil.rmtree(root)
     root.mkdir()
     first = [key(10 + i) for i in range(4)]
@@ -626,6 +648,32 @@ def test_a_listing_that_reports_the_reset_itself_loses_no_chunk_stored_meanwhile
     assert data[fs_tier.BYTES_ON_DISK][("1:fs",)] == sum(files.values())
 
 
+def _reset_then_answer_late(e, tier, root, held: _HeldAnswers) -> dict:
+    """The operator removes the namespace (the whole root, made again empty); a new
+    store makes it anew and reports the reset, which the tier takes, and the new chunks
+    are indexed; only then do the ``held`` answers arrive. Returns the files once the
+    tier settled (the index is exactly them)."""
+    import shutil
+
+    shutil.rmtree(root)
+    root.mkdir()
+    held.pass_on()
+    new = [key(10 + i) for i in range(4)]
+    e.offload(new, 4, ReqContext("b"))  # makes the namespace again: reset
+    deadline = time.monotonic() + 20
+    while not all(k in tier._index for k in new):
+        with e.manager.lock:
+            e.manager.on_schedule_end(END)
+        assert time.monotonic() < deadline, "the new store was never indexed"
+        time.sleep(0.005)
+    assert tier.namespace_resets >= 1
+    held.release()  # the old answers arrive now, as slow ones would
+    e.settle()
+    files = _assert_index_is_the_disk(tier, root)
+    assert set(files) == set(new)
+    return files
+
+
 def test_a_store_answered_after_the_namespace_was_reset_is_probed_not_indexed(
         engines, tmp_path):
     """A cascade published into the namespace, which the operator then removed; another
@@ -635,51 +683,17 @@ def test_a_store_answered_after_the_namespace_was_reset_is_probed_not_indexed(
     never removes (seen in the chaos run: "indexed chunks without a file: 2"). Its keys
     are probed instead: MISS, and the index is what is on disk. Made deterministic here:
     the real store answer of the real worker is held back until the reset was taken."""
-    import shutil
-
     root = tmp_path / "root"
     root.mkdir()
     e = engines(root, chunks=16)
     tier = e.manager.tiers[0]
     e.settle()  # the start-up listing
-    pool = e.spec.worker_pool
-    real_take, held = pool.take, []
-
-    def holding(t):
-        got = real_take(t)
-        held.extend(r for r in got if tier._jobs.get(r.job_id, ("",))[0] == "store")
-        return [r for r in got if r not in held]
-
-    pool.take = holding
+    held = _HeldAnswers.of(e, "store")
     old = [key(i) for i in range(4)]
     e.offload(old, 0, ReqContext("a"))
-    deadline = time.monotonic() + 20
-    while not held:
-        with e.manager.lock:
-            e.manager.on_schedule_end(END)
-        assert time.monotonic() < deadline, "the store was never answered"
-        time.sleep(0.005)
+    held.wait()
     assert len(list(root.rglob("*.kv"))) == 4  # published, answer held back
-    shutil.rmtree(root)
-    root.mkdir()
-    pool.take = real_take  # from now on answers pass, the held one still waits
-    new = [key(10 + i) for i in range(4)]
-    e.offload(new, 4, ReqContext("b"))  # makes the namespace again: reset
-    while not all(k in tier._index for k in new):
-        with e.manager.lock:
-            e.manager.on_schedule_end(END)
-        assert time.monotonic() < deadline + 20, "the new store was never indexed"
-        time.sleep(0.005)
-    assert tier.namespace_resets >= 1
-
-    def late(t):
-        pool.take = real_take
-        return held + real_take(t)
-
-    pool.take = late  # the old answer arrives now, as a slow one would
-    e.settle()
-    files = _assert_index_is_the_disk(tier, root)
-    assert set(files) == set(new)
+    files = _reset_then_answer_late(e, tier, root, held)
     assert _tier_answers_settled(e, tier, old) == [MISS] * 4
     data = e.manager.get_stats().data["data"]
     assert data[fs_tier.BYTES_ON_DISK][("1:fs",)] == sum(files.values())
@@ -693,8 +707,6 @@ def test_a_probe_answered_after_the_namespace_was_reset_is_not_adopted(engines, 
     "indexed chunks without a file: 2" under load, after the store case was fixed). It
     is not adopted and the next lookup probes again: MISS. The real probe answer of the
     real worker is held back until the reset was taken."""
-    import shutil
-
     root = tmp_path / "root"
     root.mkdir()
     e = engines(root, chunks=16)
@@ -705,43 +717,13 @@ def test_a_probe_answered_after_the_namespace_was_reset_is_not_adopted(engines, 
     other.offload(old, 0, ReqContext("a"))
     other.settle()
     assert len(list(root.rglob("*.kv"))) == 4 and not any(k in tier._index for k in old)
-    pool = e.spec.worker_pool
-    real_take, held = pool.take, []
+    held = _HeldAnswers.of(e, "lookup")
 
-    def holding(t):
-        got = real_take(t)
-        held.extend(r for r in got if tier._jobs.get(r.job_id, ("",))[0] == "lookup")
-        return [r for r in got if r not in held]
+    def looked_up():  # the lookup probes the unknown keys; its answer (found) held back
+        assert [tier.lookup(k, ReqContext("r")) for k in old] == [RETRY] * 4
 
-    pool.take = holding
-    deadline = time.monotonic() + 20
-    while not held:  # the lookup probes the unknown keys; its answer (found) held back
-        with e.manager.lock:
-            assert [tier.lookup(k, ReqContext("r")) for k in old] == [RETRY] * 4
-            e.manager.on_schedule_end(END)
-        assert time.monotonic() < deadline, "the probe was never answered"
-        time.sleep(0.005)
-    assert list(held[0].outcomes) == [Outcome.OK] * 4
-    shutil.rmtree(root)
-    root.mkdir()
-    pool.take = real_take  # from now on answers pass, the held one still waits
-    new = [key(10 + i) for i in range(4)]
-    e.offload(new, 4, ReqContext("b"))  # makes the namespace again: reset
-    while not all(k in tier._index for k in new):
-        with e.manager.lock:
-            e.manager.on_schedule_end(END)
-        assert time.monotonic() < deadline + 20, "the new store was never indexed"
-        time.sleep(0.005)
-    assert tier.namespace_resets >= 1
-
-    def late(t):
-        pool.take = real_take
-        return held + real_take(t)
-
-    pool.take = late  # the old answer arrives now, as a slow one would
-    e.settle()
-    files = _assert_index_is_the_disk(tier, root)
-    assert set(files) == set(new)
+    assert list(held.wait(each_step=looked_up).outcomes) == [Outcome.OK] * 4
+    _reset_then_answer_late(e, tier, root, held)
     assert _tier_answers_settled(e, tier, old) == [MISS] * 4
 
 
@@ -798,7 +780,7 @@ def test_a_chunk_found_corrupt_while_the_listing_was_out_is_not_listed_back(engi
     path.write_bytes(bytes(damaged))
     e = engines(root, chunks=8)
     tier = e.manager.tiers[0]
-    listings = _HeldListings(e)  # before any call takes a result: the start-up listing too
+    listings = _HeldAnswers.listings(e)  # before any call takes a result: the start-up listing too
     # the listing has walked the root (all three files there)
     assert set(keys) <= set(listings.wait().listed)
     assert e.answers_settled([keys[0]], ReqContext("r")) == [MISS]  # probed, loaded: corrupt
