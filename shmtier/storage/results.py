@@ -5,10 +5,11 @@ Each pool result is matched to what its job carried (``_jobs``) and handed to th
 (``ledger.py``), so that every key of a tier job gets exactly one final outcome: stores
 answered are indexed, refused for space are sent again after an eviction (at most
 _SPACE_TRIES times) or fail, unknown (ERROR) are probed; loads that found a chunk missing
-or corrupt drop it, and those that failed (ERROR) have it probed; deletes confirmed release their bytes; probes and lookups' probes
-adopt what they found. A result flagged NAMESPACE_RESET drops the index and lists the
-medium again; the first listing's answer completes the index. Failures are logged once
-per change of state, never once per result.
+or corrupt drop it, and those that failed (ERROR) have it probed; deletes confirmed
+release their bytes; probes and lookups' probes adopt what they found. A result flagged
+NAMESPACE_RESET drops the index and lists the medium again; the first listing's answer
+completes the index (and has what was indexed before it but not listed probed). Failures
+are logged once per change of state, never once per result.
 
 Who calls: ``get_finished_jobs`` and ``drain_jobs``, in the scheduler process, under the
 tiering manager's lock (the scheduler thread, or the step-window thread between steps).

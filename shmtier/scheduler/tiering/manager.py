@@ -89,13 +89,10 @@ from shmtier.scheduler.tiering.poll_thread import POLL_JOIN_TIMEOUT_S, TierPollT
 from shmtier.scheduler.tiering.promotions import Promotions
 from shmtier.scheduler.tiering.scan import LookupScan
 from shmtier.scheduler.tiering.step_stats import StepStats
-from shmtier.scheduler.tiering.window_poll import StepRhythm, StepWindowPollThread, cpu_reader
+from shmtier.scheduler.tiering.window_poll import (StepRhythm, StepWindowPollThread,
+                                                   cpu_reader, no_cpu)
 
 logger = logging.getLogger(__name__)
-
-
-def _no_cpu() -> int:
-    return -1
 
 _NO_FILTER = object()  # no lookup has asked the tiers yet
 
@@ -194,7 +191,7 @@ class TieringOffloadingManager:
         self._rhythm: StepRhythm | None = None
         self._window_thread: StepWindowPollThread | None = None
         # the engine thread's CPU at each step end, for rounds that follow it (~0.1 µs)
-        self._getcpu = cpu_reader() if window_on_engine_cpu else _no_cpu
+        self._getcpu = cpu_reader() if window_on_engine_cpu else no_cpu
         if self._window_polled and tier_poll_interval_s > 0 and tier_poll_window > 0:
             self._rhythm = StepRhythm(tier_poll_window, tier_poll_interval_s)
             self._window_thread = StepWindowPollThread(self._lock, self.poll_between_steps,

@@ -69,9 +69,14 @@ IDLE_AFTER_PERIODS = 3
 JOIN_TIMEOUT_S = 5.0
 
 
+def no_cpu() -> int:
+    """The CPU reader of a manager that does not follow the engine thread: unknown."""
+    return -1
+
+
 def cpu_reader() -> Callable[[], int]:
     """The calling thread's current CPU: libc's ``sched_getcpu`` (a vDSO call, ~0.1 µs
-    through ctypes), or a function answering -1 where it is missing."""
+    through ctypes), or ``no_cpu`` where it is missing."""
     try:
         import ctypes
 
@@ -80,7 +85,7 @@ def cpu_reader() -> Callable[[], int]:
         getcpu()
         return getcpu
     except (OSError, AttributeError):
-        return lambda: -1
+        return no_cpu
 
 
 class StepRhythm:
