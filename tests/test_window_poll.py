@@ -14,7 +14,8 @@ from fs_engine import END, PENDING, engines, key  # noqa: F401
 from shmtier.config import ConfigError, TieringConfig
 from shmtier.contract import ReqContext
 from shmtier.scheduler.tiering.window_poll import (IDLE_AFTER_PERIODS, IDLE_SLEEP_MAX_S,
-                                                   ROUNDS_PER_WINDOW_MAX,
+                                                   MIN_STEP_ENDS,
+                                                   SENDING_ROUND_SHARE,
                                                    STEP_ENDS_KEPT, StepRhythm,
                                                    StepWindowPollThread)
 
@@ -33,20 +34,74 @@ def test_no_round_before_three_step_ends():
     assert rhythm([0.0, 0.005]).plan(0.006) == (False, IDLE_SLEEP_MAX_S)
 
 
-def test_rounds_run_inside_the_window_after_a_step_and_sleep_past_the_next_one():
+def test_two_rounds_per_window_sending_then_collecting_then_sleep_past_the_next_step():
     r = rhythm([0.0, 0.005, 0.010])  # period 5 ms: the window is 11-14 ms
     assert r.period() == pytest.approx(0.005)
     poll, sleep = r.plan(0.0102)  # too early: the engine thread may still be at work
     assert not poll and sleep == pytest.approx(0.0008)
-    poll, sleep = r.plan(0.011)
-    assert poll and sleep == pytest.approx(0.001)  # the next round, one interval on
-    poll, sleep = r.plan(0.0135)  # the next round would pass the window's end (14 ms):
-    assert poll and sleep == pytest.approx(0.0025)  # sleep to 16 ms, past the next step end
-    poll, sleep = r.plan(0.0141)
+    poll, sleep = r.plan(0.011)  # the sending round; then the collecting one, a quarter
+    assert poll and sleep == pytest.approx(0.00275)  # interval before the window's end
+    r.round_ran(0.011, left_work=True)
+    assert r.plan(0.0112) == (False, pytest.approx(0.00255))  # planned again after it
+    assert r.plan(0.012) == (False, pytest.approx(0.00175))  # a wake-up in between: no round
+    poll, sleep = r.plan(0.01375)  # the collecting round: then sleep to 16 ms, one
+    assert poll and sleep == pytest.approx(0.00225)  # interval past the next step end
+    r.round_ran(0.01375, left_work=True)
+    assert r.plan(0.0138) == (False, pytest.approx(0.0022))  # no third round
+    poll, sleep = r.plan(0.0141)  # past the window: no round
     assert not poll and sleep == pytest.approx(0.0019)
     r.step_ended(0.015)  # the next step: its window is 16-19 ms
     poll, _ = r.plan(0.016)
     assert poll
+
+
+def test_a_sending_round_that_left_nothing_in_flight_skips_the_collecting_round():
+    r = rhythm([0.0, 0.005, 0.010])
+    assert r.plan(0.011)[0]
+    r.round_ran(0.011, left_work=False)
+    assert r.plan(0.0111) == (False, pytest.approx(0.0049))  # on to the next step's window
+    assert r.plan(0.01375) == (False, pytest.approx(0.00225))
+    r.step_ended(0.015)  # a new step: its sending round comes again
+    assert r.plan(0.016)[0]
+
+
+def test_a_sending_round_missed_for_a_held_lock_is_tried_again_at_the_collecting_time():
+    r = rhythm([0.0, 0.005, 0.010])
+    poll, sleep = r.plan(0.011)
+    assert poll  # ... and the lock was held: no round_ran
+    poll, sleep = r.plan(0.011 + sleep)
+    assert poll and sleep == pytest.approx(0.00225)  # the only round of this window
+    r.round_ran(0.01375, left_work=True)
+    assert not r.plan(0.0138)[0]
+
+
+def test_a_wake_up_a_little_early_runs_its_round_instead_of_sleeping_again():
+    r = rhythm([0.0, 0.005, 0.010])
+    poll, sleep = r.plan(0.0108)  # a quarter interval early for the sending round
+    assert poll and sleep == pytest.approx(0.00295)
+    r.round_ran(0.0108)
+    poll, sleep = r.plan(0.0135)  # and for the collecting one
+    assert poll and sleep == pytest.approx(0.0025)
+    r.round_ran(0.0135)
+    r.step_ended(0.0152)  # a step that ended late: its window opens at 16.2 ms
+    poll, _ = r.plan(0.016)  # the wake planned for 16 ms
+    assert poll
+
+
+def test_a_window_too_short_for_two_rounds_has_one():
+    r = rhythm([0.0, 0.005, 0.010], window=0.3)  # the window: 11-11.5 ms
+    poll, sleep = r.plan(0.011)
+    assert poll and sleep == pytest.approx(0.005)  # straight to the next step's window
+    r.round_ran(0.011)
+    assert r.plan(0.0113) == (False, pytest.approx(0.0047))
+
+
+def test_the_period_is_worked_out_again_at_each_step_end():
+    r = rhythm([0.0, 0.005, 0.010])
+    assert r.period() == pytest.approx(0.005)
+    r.step_ended(0.030)
+    r.step_ended(0.050)  # gaps 5, 5, 20, 20 ms
+    assert r.period() == pytest.approx(0.020)
 
 
 def test_a_late_step_backs_off_and_an_idle_engine_gets_a_round_at_each_wake():
@@ -62,17 +117,24 @@ def test_a_late_step_backs_off_and_an_idle_engine_gets_a_round_at_each_wake():
 def test_rounds_came_says_whether_a_round_ran_between_the_last_two_step_ends():
     r = rhythm([0.0])
     assert not r.rounds_came
-    r.round_ran()
+    r.round_ran(0.001)
     r.step_ended(0.005)
     assert r.rounds_came
     r.step_ended(0.010)  # no round in between
     assert not r.rounds_came
 
 
-def test_long_steps_poll_at_most_a_bounded_number_of_times_per_window():
+def test_with_long_steps_the_sending_round_waits_a_share_of_the_period():
     r = rhythm([0.0, 1.0, 2.0], window=0.9)
-    poll, sleep = r.plan(2.3)
-    assert poll and sleep == pytest.approx(1.0 / ROUNDS_PER_WINDOW_MAX)
+    assert r.plan(2.0 + SENDING_ROUND_SHARE * 0.7) == (False, pytest.approx(
+        SENDING_ROUND_SHARE * 0.3))
+    poll, sleep = r.plan(2.0 + SENDING_ROUND_SHARE)
+    collect = 2.9 - SENDING_ROUND_SHARE / 4
+    assert poll and sleep == pytest.approx(collect - 2.0 - SENDING_ROUND_SHARE)
+    r.round_ran(2.0 + SENDING_ROUND_SHARE)
+    for now in (2.3, 2.5, 2.8):  # the thread's capped sleeps wake it: no round between
+        assert r.plan(now) == (False, pytest.approx(collect - now))
+    assert r.plan(collect)[0]
 
 
 def test_the_period_is_the_median_gap_so_one_idle_pause_does_not_move_it():
@@ -141,6 +203,29 @@ def test_rounds_run_between_steps_under_the_lock_and_never_without_a_rhythm(wind
         before = [e for e in eng.ends if e <= at]
         assert before, "a round before the first step end"
         assert at - before[-1] < 0.5 * 0.04 + 0.008, "a round outside the window"
+
+
+@pytest.mark.parametrize("left_work", [True, False])
+def test_a_window_has_its_collecting_round_only_when_the_sending_round_left_work(
+        window_thread, left_work):
+    eng = EngineThread(busy_s=0.001, forward_s=0.012)
+    real_poll = eng.poll
+
+    def poll():
+        real_poll()
+        return left_work
+
+    r = StepRhythm(0.8, 0.001)
+    window_thread(eng.lock, poll, r)
+    eng.run(r, 40)
+    ends = eng.ends[MIN_STEP_ENDS - 1:-1]  # windows the thread had a rhythm for
+    per_window = [sum(1 for at, _ in eng.rounds if a < at < b) for a, b in zip(ends, ends[1:])]
+    two = sum(1 for n in per_window if n >= 2) / len(per_window)
+    assert max(per_window) <= 2, per_window
+    if left_work:
+        assert two >= 0.5, per_window
+    else:
+        assert two <= 0.1, per_window
 
 
 def test_the_thread_runs_sched_batch(window_thread):
@@ -221,8 +306,9 @@ def _submitted_cascade(engine) -> None:
 @pytest.mark.parametrize("window", [0.9, 0.0], ids=["window", "off"])
 def test_the_window_collects_a_finished_cascade_before_the_next_step(engines, tmp_path, window):
     """Steps 0.5 s apart: after the step that submits a cascade, no manager call is made
-    for 0.4 s. With the window the thread processes the cascade's result meanwhile, so no
-    work is pending when the next step begins; with it off the result waits for a step."""
+    for 0.47 s (the collecting round comes 0.43 s after the step). With the window the
+    thread processes the cascade's result meanwhile, so no work is pending when the next
+    step begins; with it off the result waits for a step."""
     e = engines(tmp_path, top={"tier_poll_window": window})
     m = e.manager
     period = 0.5
@@ -231,7 +317,7 @@ def test_the_window_collects_a_finished_cascade_before_the_next_step(engines, tm
             m.on_schedule_end(END)
         time.sleep(period)
     _submitted_cascade(e)
-    time.sleep(0.4)
+    time.sleep(0.47)
     with m.lock:
         pending = m.has_pending_work()  # reads the manager's jobs; polls nothing
     if window:

@@ -558,16 +558,17 @@ class TieringOffloadingManager:
         finally:
             self._polled_this_step = gate
 
-    def poll_between_steps(self) -> None:
+    def poll_between_steps(self) -> bool:
         """Process the finished jobs of the tiers that set ``polls_between_steps``.
         Caller holds the lock (the step-window thread, between steps). Each such tier's
         ``submit_between_steps()`` (if it has one) goes first; the stats publisher
         publishes here, if due, instead of in ``get_stats``. Nothing while a lookup
         scan is open (a connector releasing the lock inside one): the scan's state stays
         as the engine left it. Promotions and cascades are not flushed; the once-per-step
-        gate is left as it was."""
+        gate is left as it was. Returns False when none of those tiers has work pending
+        (nothing a later round could collect until the engine calls again)."""
         if self._scan is not None:
-            return
+            return True
         gate = self._polled_this_step
         self._polled_this_step = True
         try:
@@ -576,10 +577,10 @@ class TieringOffloadingManager:
             self._process_finished_jobs(self._window_polled)
         finally:
             self._polled_this_step = gate
-        if self._rhythm is not None:
-            self._rhythm.round_ran()
         if self._publisher is not None:
             self._publisher.publish_if_due()
+        return bool(self._held) or any(self.tiers[i].has_pending_work()
+                                       for i in self._window_polled)
 
     def shutdown(self) -> None:
         """Stop the poll threads, shut every tier down, then the primary (not if a

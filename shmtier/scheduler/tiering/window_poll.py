@@ -8,15 +8,24 @@ a deque append: no syscall, no wake-up) and stops the thread at shutdown. Data f
 
     engine thread (holds the manager lock per call)       step-window thread (SCHED_BATCH)
     ... lookups, prepare_store, ... on_schedule_end ──▶ rhythm.step_ended(t)
-    forward pass (no manager call) ·························· rounds: lock.acquire(blocking=False)
-                                                              -> manager.poll_between_steps()
-                                                              every max(interval, period / 8)
-                                                              until t + window x period
+    forward pass (no manager call) ·························· two rounds, each
+                                                              lock.acquire(blocking=False)
+                                                              -> manager.poll_between_steps():
+                                                              sending, at t + max(interval,
+                                                                period / 8);
+                                                              collecting, at t + window x period
     update_connector_output, next step's lookups ...         asleep until t + period + interval
 
 Each round first calls the tier's ``submit_between_steps`` (the storage tiers: they leave
 a step's stores, deletes and probes to it while rounds come, and send only loads in the
 step), then collects finished jobs.
+
+Why two rounds: the sending round hands the workers what the step left, early in the
+forward pass; the collecting round takes what they finished, just before the next step,
+so that step does not, and is skipped when the sending round left nothing in flight (the
+engine makes no call in between, so nothing can start). A round between them would collect nothing the next step could use
+sooner, and each wake-up costs more than its round (on the 2-vCPU VM ~35 µs of CPU for the
+wake-up against ~18 for the round: bench/README.md, "Cost per byte over a long run").
 
 Why a window and not a periodic thread (``poll_thread.py``): a round in the middle of a
 step costs the engine thread more than the round saves. Its wake-up and the GIL hand-offs
@@ -59,8 +68,9 @@ logger = logging.getLogger(__name__)
 MIN_STEP_ENDS = 3
 #: step ends remembered; the period is the median of their gaps
 STEP_ENDS_KEPT = 9
-#: rounds per window at most: with long steps the interval grows to period / this
-ROUNDS_PER_WINDOW_MAX = 8
+#: the sending round comes at least this share of the period after a step's end (one
+#: round interval after it with short steps)
+SENDING_ROUND_SHARE = 1 / 8
 #: longest sleep without a rhythm (engine idle, or a step later than its period)
 IDLE_SLEEP_MAX_S = 0.05
 #: no step end for this many periods: the engine idles, and a round now and then (the
@@ -91,8 +101,8 @@ def cpu_reader() -> Callable[[], int]:
 class StepRhythm:
     """When the engine is between steps, learnt from when its steps' scheduling ended.
 
-    ``step_ended`` is called by the engine thread and ``round_ran`` by a round (both
-    under the manager lock), ``plan`` by the step-window thread; a deque's append and
+    ``step_ended`` is called by the engine thread and ``round_ran`` by the thread after a
+    round (both under the manager lock), ``plan`` by the step-window thread; a deque's append and
     indexing are atomic under the GIL.
     Pure arithmetic on the times it is given: tests pass their own clock."""
 
@@ -105,10 +115,12 @@ class StepRhythm:
         self.interval_s = interval_s
         self._ends: deque[float] = deque(maxlen=STEP_ENDS_KEPT)
         self._rounds = 0  # rounds run since the last step end
+        self._round_at, self._left_work = 0.0, True  # the last round: begun at, left work
         self.engine_cpu = -1  # the CPU the engine thread ended its last step on
         #: whether a round ran between the last two step ends: while rounds come, work a
         #: step leaves to them is done within a forward pass
         self.rounds_came = False
+        self._period, self._period_at = 0.0, float("nan")  # period() and the end it is of
 
     def step_ended(self, now: float, cpu: int = -1) -> None:
         """A step's scheduling ended at ``now`` on CPU ``cpu`` (-1: unknown)."""
@@ -116,50 +128,73 @@ class StepRhythm:
         self.engine_cpu = cpu
         self.rounds_came, self._rounds = self._rounds > 0, 0
 
-    def round_ran(self) -> None:
-        """A round ran (the thread, under the manager lock)."""
+    def round_ran(self, at: float, left_work: bool = True) -> None:
+        """A round ran, begun at ``at`` (the thread, under the manager lock);
+        ``left_work``: something was still in flight after it, for a later round to
+        collect."""
         self._rounds += 1
+        self._round_at, self._left_work = at, left_work
 
     def period(self) -> float | None:
-        """Median gap between the remembered step ends; None before ``MIN_STEP_ENDS``."""
-        ends = list(self._ends)
-        if len(ends) < MIN_STEP_ENDS:
+        """Median gap between the remembered step ends; None before ``MIN_STEP_ENDS``.
+        Worked out once per step end (``plan`` asks at every wake-up)."""
+        if len(self._ends) < MIN_STEP_ENDS:
             return None
-        gaps = sorted(b - a for a, b in zip(ends, ends[1:]))
-        return gaps[len(gaps) // 2]
+        last = self._ends[-1]
+        if last != self._period_at:
+            ends = list(self._ends)  # the engine thread may append meanwhile
+            gaps = sorted(b - a for a, b in zip(ends, ends[1:]))
+            self._period, self._period_at = gaps[len(gaps) // 2], last
+        return self._period
 
     def plan(self, now: float) -> tuple[bool, float]:
-        """``(poll now, then sleep seconds)``: poll while ``now`` is inside the last
-        step's window (from one round interval after its end to ``window`` x period
-        after it), then sleep to the next round, or past the next step's expected end;
-        with no step end for ``IDLE_AFTER_PERIODS`` periods, poll at each backed-off wake."""
+        """``(poll now, then sleep seconds)``. Two rounds per step: the sending round,
+        ``first`` (one round interval, or ``SENDING_ROUND_SHARE`` of the period if
+        longer) after the last step's end, and the collecting round just before the
+        window closes (``window`` x period after the end), unless the sending round left
+        nothing in flight or the window has no room for it (``first`` between the two);
+        then sleep past the next step's expected end. A wake-up ``first`` / 4 early
+        counts as on time (a timer's slack, a step that ended a little late), so it does
+        not cost a wake-up of its own. With no step end for ``IDLE_AFTER_PERIODS``
+        periods, poll at each backed-off wake. The thread plans again after a round, for
+        its sleep (``round_ran`` has told what the round left)."""
         period = self.period()
         if period is None:
             return False, IDLE_SLEEP_MAX_S
         end = self._ends[-1]
-        every = max(self.interval_s, period / ROUNDS_PER_WINDOW_MAX)
-        opens, closes = end + every, end + self.window * period
-        next_window = end + period + every
-        if now < opens:
+        first = max(self.interval_s, period * SENDING_ROUND_SHARE)
+        early = first / 4
+        opens, closes = end + first, end + self.window * period
+        collect = closes - early  # the collecting round's time
+        next_opens = end + period + first
+        if now < opens - early:
             return False, opens - now
         if now < closes:
-            nxt = now + every
-            return True, (nxt if nxt < closes else next_window) - now
-        if now < next_window:
-            return False, next_window - now
+            rounds = self._rounds
+            if rounds == 0:  # the sending round (or, late, the only one)
+                return True, (collect if collect - now >= first else next_opens) - now
+            if rounds == 1 and self._left_work and collect - self._round_at >= first:
+                if now >= collect - early:
+                    return True, next_opens - now
+                return False, collect - now
+            return False, next_opens - now
+        if now < next_opens - early:
+            return False, next_opens - now
         # the next step is late (a long step, or the engine idles): back off, and poll
         # once it looks idle (a woken thread may have missed the last step's window)
         return (now >= end + IDLE_AFTER_PERIODS * period,
-                min(max(every, (now - end) / 4), IDLE_SLEEP_MAX_S))
+                min(max(first, (now - end) / 4), IDLE_SLEEP_MAX_S))
 
 
 class StepWindowPollThread:
     """A daemon thread running ``poll()`` under ``lock`` inside the windows ``rhythm``
-    plans (started now). ``rounds`` and ``missed`` count rounds run and rounds skipped
+    plans (started now). ``poll`` returns False when nothing is left in flight that a
+    later round could collect (the window's collecting round is then skipped), anything
+    else otherwise. ``rounds`` and ``missed`` count rounds run and rounds skipped
     because the lock was held (for benches and tests)."""
 
-    def __init__(self, lock: threading.Lock, poll: Callable[[], None], rhythm: StepRhythm,
-                 on_engine_cpu: bool = False):
+    def __init__(self, lock: threading.Lock, poll: Callable[[], bool | None],
+                 rhythm: StepRhythm, on_engine_cpu: bool = False):
         """``on_engine_cpu``: run each round on the CPU the engine thread ended its last
         step on (``rhythm.engine_cpu``; the thread's affinity changes only when that
         CPU does, one syscall), where the forward pass leaves it idle: what the round
@@ -203,7 +238,8 @@ class StepWindowPollThread:
         allowed = os.sched_getaffinity(0) if follow else set()
         pinned = -1
         while not stopped.is_set():
-            poll_now, sleep_s = plan(time.monotonic())
+            now = time.monotonic()
+            poll_now, sleep_s = plan(now)
             if poll_now:
                 cpu = self.rhythm.engine_cpu
                 if follow and cpu != pinned and cpu in allowed:
@@ -214,7 +250,8 @@ class StepWindowPollThread:
                         follow = False
                 if self._lock.acquire(blocking=False):
                     try:
-                        self._poll()
+                        left_work = self._poll() is not False
+                        self.rhythm.round_ran(now, left_work)
                         self.rounds += 1
                         failures.succeeded()
                     except Exception:  # never silently: the per-step polls still serve
@@ -223,6 +260,7 @@ class StepWindowPollThread:
                         self._lock.release()
                     if failures.give_up():
                         return
+                    sleep_s = plan(time.monotonic())[1]  # after the round, what it left
                 else:
                     self.missed += 1
             # time.sleep, not stopped.wait: ~20 µs of CPU per wake-up here against ~35
