@@ -77,6 +77,10 @@ def main(argv: list[str] | None = None) -> int:
                             "tiers keep beside them (node pools: the engines using each, "
                             "their hit rates). Exit code 0.")
         ls.add_argument("--json", action="store_true", help="print JSON")
+        ls.add_argument("--host", action="store_true",
+                        help="only what tiers keep on the host beside the segments (node "
+                        "pools, each with the engines using it); with --json an object "
+                        "keyed by tier type (\"node\": a list of pools)")
     top = sub.add_parser("top", help="live view of one engine's segment (read-only)",
                          description="A live view of one engine's segment: rows by state, "
                          "tiers, tier workers (heartbeats, restarts, counters, ring depths, "
@@ -166,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command in ("ls", "segments"):
         from shmtier.top import run_ls
 
-        return run_ls(args.json)
+        return run_ls(args.json, host=args.host)
     if args.command == "top":
         from shmtier.top import run_top
 

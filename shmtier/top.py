@@ -11,7 +11,7 @@ the p2p tier's endpoint sessions, from a status file the endpoint rewrites each 
 adds its entries under its type's name, and their lines to the text; the text of ``ls`` ends
 with what a tier type keeps on the host beside the segments (``TierStatus.host``: the node
 tier's pools, each with the engines that use it and their hit rates; ``ls --json`` stays
-the segments' list). The scheduler's statistics (per tier: chunks, bytes,
+the segments' list, and ``ls --host [--json]`` shows only what the tier types keep). The scheduler's statistics (per tier: chunks, bytes,
 lookups, hits, promotions, cascades, backpressure drops, evictions) come from the
 segment's stats area, which the scheduler publishes as it steps
 (``shmtier/scheduler/stats_publisher.py``); hit rates are shown since the scheduler
@@ -218,23 +218,40 @@ def frame_text(cur: Snapshot, prev: Snapshot | None, status_tools: list | None =
     return "\n".join(lines)
 
 
-def host_text(status_tools: list | None = None) -> str:
-    """``shmtier ls``'s lines after the segments: what each tier type keeps on the host
-    beside them (``TierStatus.host``: the node tier's pools, with the engines that use
-    each and their hit rates); "" when nothing."""
+def host_entries(status_tools: list | None = None) -> dict[str, list[dict]]:
+    """What each tier type keeps on the host beside the segments (``TierStatus.host``:
+    the node tier's pools, with the engines that use each and their hit rates), by tier
+    type; a type that keeps nothing is left out."""
+    out = {}
+    for tool in registry.status_tools() if status_tools is None else status_tools:
+        entries = tool.host()
+        if entries:
+            out[tool.tier_type] = entries
+    return out
+
+
+def host_text(entries: dict[str, list[dict]], status_tools: list | None = None) -> str:
+    """``host_entries`` in words (``shmtier ls``'s lines after the segments); "" when
+    nothing."""
     lines = []
     for tool in registry.status_tools() if status_tools is None else status_tools:
-        for entry in tool.host():
+        for entry in entries.get(tool.tier_type, ()):
             lines.extend(tool.lines(entry))
     return "\n".join(lines)
 
 
-def run_ls(as_json: bool) -> int:
+def run_ls(as_json: bool, host: bool = False) -> int:
+    """``shmtier ls``: the segments, then what tiers keep beside them; with ``host`` only
+    the latter. ``--json``: the segments' list, or with ``host`` ``host_entries``."""
+    if host:
+        entries = host_entries()
+        print(json.dumps(entries, indent=2) if as_json else host_text(entries))
+        return 0
     snaps = snapshots()
     if as_json:
         print(json.dumps(ls_rows(snaps), indent=2))
         return 0
-    more = host_text()
+    more = host_text(host_entries())
     print(ls_text(snaps) + (f"\n\n{more}" if more else ""))
     return 0
 

@@ -7,6 +7,7 @@ Every test removes its engines, their segments and the pool, also when it fails.
 
 from __future__ import annotations
 
+import json
 import multiprocessing as mp
 import os
 import signal
@@ -357,6 +358,14 @@ def test_top_and_ls_show_the_pool_the_engines_using_it_and_their_hit_rates(engin
             assert code == 0 and f"node({engine_id})" in text  # each engine's tiers
             assert f"node   pool {engine_id}  rows 4/128" in text  # the pool, its engines
             assert text.count(f"  {engine_id}_dp") == 2
+            code, text = run_cli("ls", "--host")  # the pools alone
+            assert code == 0 and text.startswith(f"node   pool {engine_id}  rows 4/128")
+            assert "TIERS" not in text
+            code, text = run_cli("ls", "--host", "--json")
+            (listed,) = [p for p in json.loads(text)["node"] if p["pool"] == engine_id]
+            assert listed["used"] == 4 and {e["engine_id"]: e["hit_rate"]
+                                           for e in listed["engines"]} == {
+                a.spec.engine_id: None, b.spec.engine_id: 0.8}
         finally:
             b.close()
     finally:

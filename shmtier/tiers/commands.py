@@ -87,8 +87,9 @@ class TierStatus:
 
     def host(self) -> list[dict]:
         """What the tier keeps on this host beside the engines' segments (e.g. the node
-        tier's pools), for ``shmtier ls``: JSON-able dicts, each shown by ``lines``; empty
-        when it keeps nothing. Must not disturb any engine."""
+        tier's pools), for ``shmtier ls`` (``ls --host --json``: under the type's name):
+        JSON-able dicts, each shown by ``lines``; empty when it keeps nothing. Must not
+        disturb any engine."""
         return []
 
 
