@@ -36,7 +36,8 @@ the next. Machine limits, same run, same sizes: ``memcpy`` (np.copyto between
 page-aligned rows), the codec alone (``ChunkEncoder.encode`` / ``ChunkDecoder.decode_into``,
 mode auto), one big file written and read sequentially in 4 MiB blocks (buffered without
 fsync = page-cache speed; buffered + fsync; O_DIRECT when the filesystem permits it;
-cold buffered read; O_DIRECT read), and the per-file cost of creating and publishing a
+cold buffered read; O_DIRECT read, with one read and with ``IN_FLIGHT`` reads in flight
+from as many threads: the device's bound on a promotion from disk), and the per-file cost of creating and publishing a
 file (``open(O_CREAT|O_EXCL)`` + ``close`` + ``rename``, empty and with 4 KiB, then
 ``unlink``) in the same fan-out layout.
 
@@ -56,6 +57,7 @@ import shutil
 import statistics
 import sys
 import tempfile
+import threading
 import time
 
 import numpy as np
@@ -69,6 +71,8 @@ from shmtier.tiers.fs.fileio import probe_direct_io
 KIB, MIB, GB = 1 << 10, 1 << 20, 1e9
 PAGE = mmap.PAGESIZE
 BLOCK = 4 * MIB
+#: reads in flight of the O_DIRECT limit lines (shmtier's READ_DEPTH; vLLM's 16 I/O threads)
+IN_FLIGHT = (8, 16)
 
 
 # ---------------------------------------------------------------------------- helpers
@@ -171,6 +175,28 @@ def bench_big_file(workdir: str, total: int, reps: int) -> dict[str, list[float]
             os.close(fd)
         return nblk * BLOCK / (time.perf_counter() - t) / GB
 
+    def read_in_flight(n: int) -> float:
+        """O_DIRECT, ``n`` threads each reading every ``n``-th block: ``n`` reads in
+        flight (what a promotion's I/O threads or ``READ_DEPTH`` keep)."""
+        os.sync()
+        bufs = [aligned(BLOCK) for _ in range(n)]
+        fd = os.open(path, os.O_RDONLY | direct)
+
+        def reader(k: int) -> None:
+            for b in range(k, nblk, n):
+                os.preadv(fd, [bufs[k]], b * BLOCK)
+
+        t = time.perf_counter()
+        try:
+            threads = [threading.Thread(target=reader, args=(k,)) for k in range(n)]
+            for th in threads:
+                th.start()
+            for th in threads:
+                th.join()
+        finally:
+            os.close(fd)
+        return nblk * BLOCK / (time.perf_counter() - t) / GB
+
     def read(flags: int) -> float:
         os.sync()
         t = time.perf_counter()
@@ -200,6 +226,8 @@ def bench_big_file(workdir: str, total: int, reps: int) -> dict[str, list[float]
         if direct:
             res.setdefault("write O_DIRECT", []).append(write(direct, True))
             res.setdefault("read O_DIRECT", []).append(read(direct))
+            for n in IN_FLIGHT:
+                res.setdefault(f"read O_DIRECT, {n} in flight", []).append(read_in_flight(n))
     if not direct:
         res["O_DIRECT"] = []  # not permitted on this filesystem
     os.unlink(path)

@@ -66,3 +66,19 @@ def test_the_idle_step_bench_measures_each_call_and_leaves_nothing(tmp_path):
     import tempfile
 
     assert not list(pathlib.Path(tempfile.gettempdir()).glob("idle-step-*"))
+
+
+def test_the_fs_bench_limits_read_the_device_with_reads_in_flight(tmp_path):
+    """bench/fs_tier.py's big-file limits, run tiny: every line has a figure (the O_DIRECT
+    ones with 1 and ``IN_FLIGHT`` reads in flight, where the filesystem takes O_DIRECT),
+    and the file is gone."""
+    from bench import fs_tier
+
+    res = fs_tier.bench_big_file(str(tmp_path), 16 * fs_tier.MIB, 1)
+    assert res["read buffered warm"][0] > 0
+    if "O_DIRECT" in res:  # tmpfs: O_DIRECT not permitted
+        assert res["O_DIRECT"] == []
+    else:
+        for n in fs_tier.IN_FLIGHT:
+            assert res[f"read O_DIRECT, {n} in flight"][0] > 0
+    assert list(tmp_path.iterdir()) == []
