@@ -114,6 +114,17 @@ def test_a_late_step_backs_off_and_an_idle_engine_gets_a_round_at_each_wake():
     assert poll and sleep == IDLE_SLEEP_MAX_S
 
 
+def test_quiet_says_a_round_since_the_last_step_end_left_nothing_in_flight():
+    r = rhythm([0.0])
+    assert not r.quiet  # no round yet
+    r.round_ran(0.001, left_work=True)
+    assert not r.quiet
+    r.round_ran(0.004, left_work=False)
+    assert r.quiet
+    r.step_ended(0.005)  # the step may have sent work
+    assert not r.quiet
+
+
 def test_rounds_came_says_whether_a_round_ran_between_the_last_two_step_ends():
     r = rhythm([0.0])
     assert not r.rounds_came
@@ -468,3 +479,32 @@ def test_while_rounds_come_the_rounds_forget_the_misses_past_their_ttl(engines, 
     while key(7) in probes._missed:  # no step from here on: only rounds run
         assert time.monotonic() < deadline, f"no round forgot the miss: {m.window_poll_rounds}"
         time.sleep(0.01)
+
+
+def test_a_step_after_a_round_that_left_nothing_in_flight_does_not_poll_the_tier(engines,
+                                                                                  tmp_path):
+    """Nothing in flight after the forward pass's round, and no call of the step polled:
+    the step's end does not poll the storage tier (there is nothing to collect); a step
+    with no round before it does."""
+    e = engines(tmp_path, chunks=8)
+    e.settle()
+    m = e.manager
+    tier = m.tiers[0]
+    engine_polls = []
+    real = tier.get_finished_jobs
+
+    def spy():
+        if threading.current_thread() is threading.main_thread():
+            engine_polls.append(1)
+        return real()
+
+    tier.get_finished_jobs = spy
+    _rhythm(m)  # rounds came, and with the tier settled they left nothing in flight
+    assert m._rhythm.quiet
+    engine_polls.clear()  # (the rhythm's first steps polled)
+    with m.lock:
+        m.on_schedule_end(END)
+        assert engine_polls == [], "the step polled a tier with nothing in flight"
+        m.on_schedule_end(END)  # no round since the last step: it polls
+        assert engine_polls == [1]
+    e.settle()

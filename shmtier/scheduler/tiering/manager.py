@@ -186,6 +186,7 @@ class TieringOffloadingManager:
                                                [self.tiers[i] for i in self._polled])
         self._window_polled = [i for i, t in enumerate(self.tiers)
                                if optional_attribute(t, "polls_between_steps")]
+        self._unwindowed = [i for i in range(len(self.tiers)) if i not in self._window_polled]
         self._window_submits = [s for s in (getattr(self.tiers[i], "submit_between_steps", None)
                                             for i in self._window_polled) if s is not None]
         self._rhythm: StepRhythm | None = None
@@ -457,7 +458,13 @@ class TieringOffloadingManager:
             self._scan.end()
         if not self._polled_this_step:  # the step's poll, if no call polled yet
             self._polled_this_step = True
-            self._process_finished_jobs()
+            # No call of this step polled, so none sent a job (jobs go out from a poll, a
+            # round or a step's end): if a round since the last step left the
+            # window-polled tiers nothing in flight, they have nothing to collect.
+            # (Skipping a poll never loses a result: it waits in its ring for a round.)
+            rhythm = self._rhythm
+            self._process_finished_jobs(
+                self._unwindowed if rhythm is not None and rhythm.quiet else None)
         for tier_idx in self._serving:
             self.tiers[tier_idx].serve_external_requests(self._parents[tier_idx])
         self._polled_this_step = False

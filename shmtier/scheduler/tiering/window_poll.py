@@ -135,6 +135,12 @@ class StepRhythm:
         self._rounds += 1
         self._round_at, self._left_work = at, left_work
 
+    @property
+    def quiet(self) -> bool:
+        """A round ran since the last step end and left nothing in flight: until the
+        engine sends something, the polled tiers have nothing to collect."""
+        return self._rounds > 0 and not self._left_work
+
     def period(self) -> float | None:
         """Median gap between the remembered step ends; None before ``MIN_STEP_ENDS``.
         Worked out once per step end (``plan`` asks at every wake-up)."""
