@@ -338,17 +338,16 @@ class TieringConfig(Options):
         0.001, number(accepted="a number of seconds (<= 0 disables polling between "
                                "steps)").then(float),
         doc="longest pause of the tier-poll thread, which polls the tiers that opt in (p2p; "
-            "one with news wakes it sooner), and the shortest time from a step's end to the "
-            "step-window thread's first round; <= 0 turns both threads off")
+            "one with news wakes it sooner), and the shortest interval between the "
+            "step-window thread's rounds; <= 0 turns both threads off")
     tier_poll_window: float = option(
         0.85, number(0, MAX_TIER_POLL_WINDOW,
                      accepted=f"a share of the engine's step period, 0 (off) to "
                               f"{MAX_TIER_POLL_WINDOW:g}").then(float),
-        doc="the storage tiers' work is sent and their finished jobs collected by a thread "
-            "while the engine runs its forward pass, in two rounds: one just after "
-            "on_schedule_end (a step then sends only its loads, this round the rest) and one "
-            "when this share of the step period has passed (skipped when nothing is in "
-            "flight); 0: every poll and send inside the steps")
+        doc="the storage tiers' finished jobs are collected by a thread while the engine "
+            "runs its forward pass, from just after on_schedule_end until this share of the "
+            "step period has passed, while work is in flight (a step then sends only its "
+            "loads, the round after it the rest); 0: every poll and send inside the steps")
     tier_poll_window_cpu: str = option(
         "any", one_of("any", "engine"),
         doc='where the step-window thread runs its rounds: "any" (the CPU the kernel picks) '

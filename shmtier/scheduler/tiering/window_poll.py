@@ -8,24 +8,23 @@ a deque append: no syscall, no wake-up) and stops the thread at shutdown. Data f
 
     engine thread (holds the manager lock per call)       step-window thread (SCHED_BATCH)
     ... lookups, prepare_store, ... on_schedule_end ──▶ rhythm.step_ended(t)
-    forward pass (no manager call) ·························· two rounds, each
-                                                              lock.acquire(blocking=False)
-                                                              -> manager.poll_between_steps():
-                                                              sending, at t + max(interval,
-                                                                period / 8);
-                                                              collecting, at t + window x period
+    forward pass (no manager call) ·························· rounds: lock.acquire(blocking=False)
+                                                              -> manager.poll_between_steps()
+                                                              every max(interval, period / 8)
+                                                              until t + window x period, while
+                                                              the last one left work in flight
     update_connector_output, next step's lookups ...         asleep until t + period + interval
 
 Each round first calls the tier's ``submit_between_steps`` (the storage tiers: they leave
 a step's stores, deletes and probes to it while rounds come, and send only loads in the
 step), then collects finished jobs.
 
-Why two rounds: the sending round hands the workers what the step left, early in the
-forward pass; the collecting round takes what they finished, just before the next step,
-so that step does not, and is skipped when the sending round left nothing in flight (the
-engine makes no call in between, so nothing can start). A round between them would collect nothing the next step could use
-sooner, and each wake-up costs more than its round (on the 2-vCPU VM ~35 µs of CPU for the
-wake-up against ~18 for the round: bench/README.md, "Cost per byte over a long run").
+Why rounds stop once nothing is in flight: the engine makes no call during the forward
+pass, so after a round that left nothing in flight no later round of that step could
+collect anything, and each wake-up costs more than its round (on the 2-vCPU VM ~35 µs of
+CPU for the wake-up against ~18 for the round: bench/README.md, "Fewer step-window
+rounds"). While work is in flight rounds keep their interval: fewer, bigger rounds late in
+the window cost a busy host's steps their tail (the same section).
 
 Why a window and not a periodic thread (``poll_thread.py``): a round in the middle of a
 step costs the engine thread more than the round saves. Its wake-up and the GIL hand-offs
@@ -154,16 +153,16 @@ class StepRhythm:
         return self._period
 
     def plan(self, now: float) -> tuple[bool, float]:
-        """``(poll now, then sleep seconds)``. Two rounds per step: the sending round,
-        ``first`` (one round interval, or ``SENDING_ROUND_SHARE`` of the period if
-        longer) after the last step's end, and the collecting round just before the
-        window closes (``window`` x period after the end), unless the sending round left
-        nothing in flight or the window has no room for it (``first`` between the two);
-        then sleep past the next step's expected end. A wake-up ``first`` / 4 early
-        counts as on time (a timer's slack, a step that ended a little late), so it does
-        not cost a wake-up of its own. With no step end for ``IDLE_AFTER_PERIODS``
-        periods, poll at each backed-off wake. The thread plans again after a round, for
-        its sleep (``round_ran`` has told what the round left)."""
+        """``(poll now, then sleep seconds)``. Rounds from ``first`` (one round interval,
+        or ``SENDING_ROUND_SHARE`` of the period if longer) after the last step's end,
+        ``first`` apart, until ``window`` x period after it, while the last round left
+        work in flight; once a round leaves nothing in flight, none until the next step
+        (the engine makes no call in between, so nothing new can start). Then sleep past
+        the next step's expected end. A wake-up ``first`` / 4 early counts as on time (a
+        timer's slack, a step that ended a little late), so it does not cost a wake-up
+        of its own. With no step end for ``IDLE_AFTER_PERIODS`` periods, poll at each
+        backed-off wake. The thread plans again after a round, for its sleep
+        (``round_ran`` has told what the round left)."""
         period = self.period()
         if period is None:
             return False, IDLE_SLEEP_MAX_S
@@ -171,19 +170,17 @@ class StepRhythm:
         first = max(self.interval_s, period * SENDING_ROUND_SHARE)
         early = first / 4
         opens, closes = end + first, end + self.window * period
-        collect = closes - early  # the collecting round's time
         next_opens = end + period + first
         if now < opens - early:
             return False, opens - now
         if now < closes:
-            rounds = self._rounds
-            if rounds == 0:  # the sending round (or, late, the only one)
-                return True, (collect if collect - now >= first else next_opens) - now
-            if rounds == 1 and self._left_work and collect - self._round_at >= first:
-                if now >= collect - early:
-                    return True, next_opens - now
-                return False, collect - now
-            return False, next_opens - now
+            if self._rounds and not self._left_work:  # nothing in flight: done till the step
+                return False, next_opens - now
+            due = self._round_at + first if self._rounds else now
+            if now < due - early:  # a wake-up between rounds (a capped sleep)
+                return False, due - now
+            nxt = now + first
+            return True, (nxt if nxt < closes else next_opens) - now
         if now < next_opens - early:
             return False, next_opens - now
         # the next step is late (a long step, or the engine idles): back off, and poll
