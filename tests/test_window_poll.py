@@ -15,7 +15,7 @@ from shmtier.config import ConfigError, TieringConfig
 from shmtier.contract import ReqContext
 from shmtier.scheduler.tiering.window_poll import (IDLE_AFTER_PERIODS, IDLE_SLEEP_MAX_S,
                                                    MIN_STEP_ENDS,
-                                                   SENDING_ROUND_SHARE,
+                                                   ROUND_SPACING_SHARE,
                                                    STEP_ENDS_KEPT, StepRhythm,
                                                    StepWindowPollThread)
 
@@ -135,14 +135,14 @@ def test_rounds_came_says_whether_a_round_ran_between_the_last_two_step_ends():
 
 def test_with_long_steps_rounds_come_a_share_of_the_period_apart():
     r = rhythm([0.0, 1.0, 2.0], window=0.9)
-    assert r.plan(2.0 + SENDING_ROUND_SHARE * 0.7) == (False, pytest.approx(
-        SENDING_ROUND_SHARE * 0.3))
-    poll, sleep = r.plan(2.0 + SENDING_ROUND_SHARE)
-    assert poll and sleep == pytest.approx(SENDING_ROUND_SHARE)
-    r.round_ran(2.0 + SENDING_ROUND_SHARE)
+    assert r.plan(2.0 + ROUND_SPACING_SHARE * 0.7) == (False, pytest.approx(
+        ROUND_SPACING_SHARE * 0.3))
+    poll, sleep = r.plan(2.0 + ROUND_SPACING_SHARE)
+    assert poll and sleep == pytest.approx(ROUND_SPACING_SHARE)
+    r.round_ran(2.0 + ROUND_SPACING_SHARE)
     for now in (2.15, 2.2):  # the thread's capped sleeps wake it: no round between
         assert not r.plan(now)[0]
-    assert r.plan(2.0 + 2 * SENDING_ROUND_SHARE)[0]
+    assert r.plan(2.0 + 2 * ROUND_SPACING_SHARE)[0]
 
 
 def test_the_period_is_the_median_gap_so_one_idle_pause_does_not_move_it():

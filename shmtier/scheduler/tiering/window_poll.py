@@ -67,9 +67,9 @@ logger = logging.getLogger(__name__)
 MIN_STEP_ENDS = 3
 #: step ends remembered; the period is the median of their gaps
 STEP_ENDS_KEPT = 9
-#: the sending round comes at least this share of the period after a step's end (one
-#: round interval after it with short steps)
-SENDING_ROUND_SHARE = 1 / 8
+#: rounds come at least this share of the period apart, and the first this long after a
+#: step's end (one round interval with short steps): 8 rounds a window at most
+ROUND_SPACING_SHARE = 1 / 8
 #: longest sleep without a rhythm (engine idle, or a step later than its period)
 IDLE_SLEEP_MAX_S = 0.05
 #: no step end for this many periods: the engine idles, and a round now and then (the
@@ -100,9 +100,9 @@ def cpu_reader() -> Callable[[], int]:
 class StepRhythm:
     """When the engine is between steps, learnt from when its steps' scheduling ended.
 
-    ``step_ended`` is called by the engine thread and ``round_ran`` by the thread after a
-    round (both under the manager lock), ``plan`` by the step-window thread; a deque's append and
-    indexing are atomic under the GIL.
+    ``step_ended`` is called by the engine thread and ``round_ran`` by the thread after
+    a round (both under the manager lock), ``plan`` by the step-window thread; a deque's
+    append and indexing are atomic under the GIL.
     Pure arithmetic on the times it is given: tests pass their own clock."""
 
     def __init__(self, window: float, interval_s: float):
@@ -154,7 +154,7 @@ class StepRhythm:
 
     def plan(self, now: float) -> tuple[bool, float]:
         """``(poll now, then sleep seconds)``. Rounds from ``first`` (one round interval,
-        or ``SENDING_ROUND_SHARE`` of the period if longer) after the last step's end,
+        or ``ROUND_SPACING_SHARE`` of the period if longer) after the last step's end,
         ``first`` apart, until ``window`` x period after it, while the last round left
         work in flight; once a round leaves nothing in flight, none until the next step
         (the engine makes no call in between, so nothing new can start). Then sleep past
@@ -167,7 +167,7 @@ class StepRhythm:
         if period is None:
             return False, IDLE_SLEEP_MAX_S
         end = self._ends[-1]
-        first = max(self.interval_s, period * SENDING_ROUND_SHARE)
+        first = max(self.interval_s, period * ROUND_SPACING_SHARE)
         early = first / 4
         opens, closes = end + first, end + self.window * period
         next_opens = end + period + first
