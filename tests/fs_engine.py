@@ -5,6 +5,8 @@ connector driver (shmtier/connector_driver.py), in the connector's order."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -113,6 +115,16 @@ class Engine:
 
     def settle(self, timeout_s=20.0):
         assert self.driver.settle(timeout_s), "tier jobs did not finish"
+
+    def steps_until(self, done, what, timeout_s=20.0):
+        """End steps (``on_schedule_end`` under the lock, 5 ms apart, no lookups) until
+        ``done()`` holds; fails naming ``what`` never happened within ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        while not done():
+            with self.manager.lock:
+                self.manager.on_schedule_end(END)
+            assert time.monotonic() < deadline, f"{what} within {timeout_s} s"
+            time.sleep(0.005)
 
     def until_hit(self, keys, ctx, timeout_s=20.0):
         """Look up like the connector (one pass per step) until all HIT; returns answers seen."""

@@ -631,12 +631,8 @@ def test_a_listing_that_reports_the_reset_itself_loses_no_chunk_stored_meanwhile
     listing = listings.wait()
     later = [key(20 + i) for i in range(4)]  # stored after the walk, reported before it
     e.offload(later, 8, ReqContext("c"))
-    deadline = time.monotonic() + 20
-    while not all(k in tier._index for k in later):
-        with e.manager.lock:
-            e.manager.on_schedule_end(END)
-        assert time.monotonic() < deadline, "the later store was never indexed"
-        time.sleep(0.005)
+    e.steps_until(lambda: all(k in tier._index for k in later),
+                  "the later store was never indexed")
     assert not set(later) & set(listing.listed)
     # what a worker that had not synced sends
     listings.held[0] = listing._replace(flags=listing.flags | ResultFlag.NAMESPACE_RESET)
@@ -660,12 +656,8 @@ def _reset_then_answer_late(e, tier, root, held: _HeldAnswers) -> dict:
     held.pass_on()
     new = [key(10 + i) for i in range(4)]
     e.offload(new, 4, ReqContext("b"))  # makes the namespace again: reset
-    deadline = time.monotonic() + 20
-    while not all(k in tier._index for k in new):
-        with e.manager.lock:
-            e.manager.on_schedule_end(END)
-        assert time.monotonic() < deadline, "the new store was never indexed"
-        time.sleep(0.005)
+    e.steps_until(lambda: all(k in tier._index for k in new),
+                  "the new store was never indexed")
     assert tier.namespace_resets >= 1
     held.release()  # the old answers arrive now, as slow ones would
     e.settle()
@@ -750,12 +742,8 @@ def test_an_indexed_chunk_a_listing_removed_as_a_foreign_file_is_probed(engines,
     assert faults.plant_big(str(path)) is not None
     with e.manager.lock:
         tier._list_medium()
-    deadline = time.monotonic() + 20
-    while tier._ledger.listing:  # its answer taken in the steps
-        with e.manager.lock:
-            e.manager.on_schedule_end(END)
-        assert time.monotonic() < deadline, "the listing was never answered"
-        time.sleep(0.005)
+    # its answer taken in the steps
+    e.steps_until(lambda: not tier._ledger.listing, "the listing was never answered")
     e.settle()
     assert not path.exists()  # the listing took it for a foreign file
     files = _assert_index_is_the_disk(tier, root)
