@@ -106,9 +106,10 @@ def main(argv=None) -> int:
     ap.add_argument("--managers", default="shmtier,vllm",
                     help="comma-separated: shmtier, vllm, and shmtier@TOKENS variants, TOKENS "
                          "'+'-joined worker scheduling (--worker-sched values) and/or compression "
-                         "(raw = none, zstd, zauto = auto), dio / dioauto / buffered (fs "
-                         "direct_io writes / auto / false), pcN / pcauto / pcoff (fs page_cache_bytes N MiB, auto, "
-                         "null), laneN (tier_promotion_workers N), e.g. "
+                         "(raw = none, zstd, zauto = auto), dio / dioauto / buffered / dioadapt "
+                         "(fs direct_io writes / auto / false / adaptive), pcN / pcauto / pcoff "
+                         "(fs page_cache_bytes N MiB, auto, null), laneN "
+                         "(tier_promotion_workers N), e.g. "
                          "shmtier,shmtier@nice0,shmtier@raw,shmtier@pc64,vllm; all interleaved")
     ap.add_argument("--long", action="store_true",
                     help="issue 29's long run: the 'long' chat trace (600 requests, 10.9 GiB of "
@@ -140,11 +141,13 @@ def main(argv=None) -> int:
                          "after they start (default: leave them as spawned)")
     ap.add_argument("--compression", default=None, choices=("auto", "zstd", "none"),
                     help="shmtier's compression mode (default: shmtier's default)")
-    ap.add_argument("--fs-direct-io", default=None, choices=("off", "writes", "auto", "on"),
+    ap.add_argument("--fs-direct-io", default=None,
+                    choices=("off", "writes", "auto", "on", "adaptive"),
                     help="shmtier's fs tier direct_io (default: the fs tier's default; off: "
                          "buffered; writes: O_DIRECT stores where the filesystem takes it, "
                          "buffered loads; auto: O_DIRECT both ways where taken; on: both "
-                         "ways, required)")
+                         "ways, required; adaptive: page cache first, O_DIRECT once it is "
+                         "expensive)")
     ap.add_argument("--fs-write-depth", type=int, default=None,
                     help="shmtier's fs tier write_depth (default: its default)")
     ap.add_argument("--dir", default=None, help="parent of the fs tiers' temp dirs (default: system tmp)")
@@ -187,7 +190,7 @@ def main(argv=None) -> int:
                  dir=args.dir or tempfile.gettempdir(), worker_sched=args.worker_sched,
                  compression=args.compression,
                  direct_io={"writes": "writes", "auto": "auto", "on": True, "off": False,
-                            None: None}[args.fs_direct_io],
+                            "adaptive": "adaptive", None: None}[args.fs_direct_io],
                  write_depth=args.fs_write_depth, connector=connector)
 
     t0 = time.perf_counter()

@@ -1,5 +1,7 @@
 """The fs tier's ``page_cache_bytes``: buffered stores leave only a worker's most recent
-files in the page cache (``shmtier/tiers/fs/writeback.py``).
+files in the page cache (``shmtier/tiers/fs/writeback.py``); ``direct_io: "adaptive"``:
+loads read from the page cache only what it holds, stores turn O_DIRECT once new page
+cache proves expensive (``load.py``, ``store.py``).
 
 Real files on the test's filesystem; what is cached is read with ``mincore(2)`` on a
 mapping of each file, so the tests see the kernel's page cache itself.
@@ -18,11 +20,12 @@ from fs_engine import engines, key  # noqa: F401 (the engines fixture)
 
 from shmtier.contract import ReqContext
 from shmtier.shared.jobs import Outcome
-from shmtier.storage.tier_metrics import PAGE_CACHE_BOUNDED
-from shmtier.tiers.fs import writeback
+from shmtier.shared.codec import CompressionConfig, frame_header_size
+from shmtier.storage.tier_metrics import DIRECT_STORES, PAGE_CACHE_BOUNDED
+from shmtier.tiers.fs import fileio, writeback
 from shmtier.tiers.fs.backend import FsBackend
 
-OK, MISS = Outcome.OK, Outcome.MISS
+OK, MISS, CORRUPT = Outcome.OK, Outcome.MISS, Outcome.CORRUPT
 CB = 256 * 1024  # chunk bytes: 64 pages
 
 pytestmark = pytest.mark.skipif(not writeback.supported(),
@@ -259,7 +262,8 @@ def test_an_auto_window_that_closes_in_a_worker_drops_and_says_so(engines, tmp_p
         p for p in (hooks, os.environ.get("PYTHONPATH")) if p))
     monkeypatch.setenv("SHMTIER_TEST_FS_ROOT", str(tmp_path))
     monkeypatch.setenv("SHMTIER_TEST_PAGE_CACHE_MEASURE", str(2 * 8192))
-    e = engines(tmp_path, page_cache_bytes="auto", chunks=24)
+    # buffered: with direct_io "adaptive" (the default) the window would not close
+    e = engines(tmp_path, page_cache_bytes="auto", direct_io=False, chunks=24)
     e.settle()
     keys = [key(i) for i in range(16)]
     for i in range(0, 16, 2):  # one job of 2 keys a step: the files come in order
@@ -280,5 +284,136 @@ def test_an_auto_window_that_closes_in_a_worker_drops_and_says_so(engines, tmp_p
         out = np.zeros((16, chunk), dtype=np.uint8)
         res = reader.load(keys, list(range(16)), out, chunk)
         assert res.outcomes == [OK] * 16  # whole and verified (checksums)
+    finally:
+        reader.close()
+
+
+def _drop_from_page_cache(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def _needs_o_direct_and_cachestat(path) -> None:
+    if not fileio.probe_direct_io(str(path)):
+        pytest.skip(f"{path} does not take O_DIRECT")
+    probe = os.path.join(path, "cachestat-probe")
+    fd = os.open(probe, os.O_RDWR | os.O_CREAT)
+    try:
+        if fileio.cached_whole(fd, 1) is None:
+            pytest.skip("no cachestat(2) here (Linux < 6.5)")
+    finally:
+        os.close(fd)
+        os.unlink(probe)
+
+
+def test_adaptive_loads_read_what_the_page_cache_holds_and_the_rest_with_o_direct(tmp_path):
+    """``direct_io: "adaptive"``: files the page cache holds whole are read from it, the
+    others with O_DIRECT, which leaves them out of the page cache (a buffered read, as
+    ``direct_io`` false does, brings them in: the contrast at the end). Raw and
+    compressed frames, in both ways: the exact bytes; a damaged file in each way is
+    CORRUPT, removed; a missing one MISS."""
+    _needs_o_direct_and_cachestat(tmp_path)
+    n = 12
+    rng = np.random.default_rng(7)
+    src = rng.integers(0, 256, (n, CB), dtype=np.uint8)
+    src[6:] //= 64  # compressible: zstd frames
+    keys = [key(i) for i in range(n)]
+    raw = FsBackend(str(tmp_path), "fp-adaptive", min_free_bytes=0,
+                    codec_config=CompressionConfig(mode="none"))
+    z = FsBackend(str(tmp_path), "fp-adaptive", min_free_bytes=0,
+                  codec_config=CompressionConfig(mode="zstd"))
+    assert raw.store(keys[:6], range(6), src, CB).all_ok
+    assert z.store(keys[6:], range(6, n), src, CB).all_ok
+    paths = [raw.path_for(k) for k in keys]
+    assert os.path.getsize(paths[8]) < CB  # compressed
+    cold = [1, 2, 4, 7, 8, 10]  # not in the page cache when loaded
+    for i in cold:
+        _drop_from_page_cache(paths[i])
+    hs = frame_header_size(len(keys[0]))
+    for i in (3, 4):  # one damaged file cached, one not
+        with open(paths[i], "r+b") as f:
+            f.seek(hs + 5)
+            b = f.read(1)
+            f.seek(hs + 5)
+            f.write(bytes([b[0] ^ 0x10]))
+        if i in cold:
+            _drop_from_page_cache(paths[i])
+    os.unlink(paths[11])
+    for i in cold:
+        assert cached_pages(paths[i])[0] == 0, i
+    reader = FsBackend(str(tmp_path), "fp-adaptive", min_free_bytes=0, direct_io="adaptive")
+    try:
+        assert (reader.direct_io, reader.direct_writes) == (False, False)
+        out = np.zeros_like(src)
+        res = reader.load(keys, list(range(n)), out, CB)
+        want = [OK] * n
+        want[3], want[4], want[11] = CORRUPT, CORRUPT, MISS
+        assert res.outcomes == want, res.details
+        assert res.details[3] == res.details[4] == "checksum"
+        for i in range(n):
+            if want[i] is OK:
+                assert np.array_equal(out[i], src[i]), i
+        assert not os.path.exists(paths[3]) and not os.path.exists(paths[4])
+        for i in set(cold) - {4}:
+            assert cached_pages(paths[i])[0] == 0, (i, "an O_DIRECT read adds no page cache")
+        for i in set(range(11)) - set(cold) - {3}:
+            got, pages = cached_pages(paths[i])
+            assert got == pages, (i, got, pages)
+    finally:
+        reader.close()
+    buffered = FsBackend(str(tmp_path), "fp-adaptive", min_free_bytes=0, direct_io=False)
+    try:
+        assert buffered.load([keys[1]], [1], out, CB).outcomes == [OK]
+        assert cached_pages(paths[1])[0] > 0  # a buffered read of a cold file caches it
+    finally:
+        buffered.close()
+        raw.close()
+        z.close()
+
+
+def test_adaptive_stores_turn_o_direct_once_new_page_cache_proves_expensive(
+        engines, tmp_path, monkeypatch):
+    """Real tier workers with the defaults (``direct_io: "adaptive"``,
+    ``page_cache_bytes: "auto"``) whose buffered writes all count as expensive (a test
+    hook, tests/worker_hooks): after its first measure each worker stores with O_DIRECT
+    (the gauge ``direct_stores`` turns 1, its page cache is not bounded instead: that
+    gauge stays 0), the files stored after the switch are not in the page cache, and
+    every chunk loads back exactly."""
+    _needs_o_direct_and_cachestat(tmp_path)
+    hooks = os.path.join(os.path.dirname(os.path.abspath(__file__)), "worker_hooks")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
+        p for p in (hooks, os.environ.get("PYTHONPATH")) if p))
+    monkeypatch.setenv("SHMTIER_TEST_FS_ROOT", str(tmp_path))
+    monkeypatch.setenv("SHMTIER_TEST_PAGE_CACHE_MEASURE", str(2 * 8192))
+    e = engines(tmp_path, chunks=24)
+    e.settle()
+    stats = e.manager.get_stats().data["data"]
+    assert stats[DIRECT_STORES][("1:fs",)] == 0
+    keys = [key(i) for i in range(16)]
+    for i in range(0, 16, 2):  # one job of 2 keys a step: the files come in order
+        e.offload(keys[i:i + 2], i, ReqContext(f"r{i}"))
+        e.settle()
+    stats = e.manager.get_stats().data["data"]
+    assert stats[DIRECT_STORES][("1:fs",)] == 1
+    assert stats[PAGE_CACHE_BOUNDED][("1:fs",)] == 0
+    paths = sorted(tmp_path.rglob("*.kv"), key=lambda p: p.stat().st_mtime_ns)
+    assert len(paths) == 16
+    cached = [cached_pages(str(p))[0] for p in paths]
+    # each of the 2 workers wrote at most its first 2 files buffered (a measure is 2
+    # files here); the newest half were all written with O_DIRECT
+    assert not any(cached[8:]), cached
+    assert sum(1 for c in cached if c) <= 4, cached
+    reader = FsBackend(str(tmp_path), e.spec.fingerprint, min_free_bytes=0)
+    try:
+        chunk = e.spec.chunk_payload_bytes
+        out = np.zeros((16, chunk), dtype=np.uint8)
+        res = reader.load(keys, list(range(16)), out, chunk)
+        assert res.outcomes == [OK] * 16  # whole and verified (checksums)
+        for i in range(16):  # the bytes the engine's GPU blocks held
+            assert np.array_equal(out[i], e.originals[0][i].numpy().view(np.uint8)), i
     finally:
         reader.close()

@@ -44,8 +44,8 @@ FS_INVALID = [
     ({"max_bytes": 8000}, r"\.max_bytes = 8000 is invalid: expected at least one chunk's file "
                           r"\(8272 bytes"),
     ({"min_free_bytes": -1}, r"\.min_free_bytes = -1 is invalid: expected an integer >= 0, or null"),
-    ({"direct_io": "yes"}, r"\.direct_io = 'yes' is invalid: expected one of false, true, 'auto', "
-                           r"'writes'"),
+    ({"direct_io": "yes"}, r"\.direct_io = 'yes' is invalid: expected one of 'adaptive', false, "
+                           r"true, 'auto', 'writes'"),
     ({"write_depth": 0}, r"\.write_depth = 0 is invalid: expected an integer in 1\.\.64"),
     ({"direct_io": 1}, r"\.direct_io = 1 is invalid"),
     ({"locality": "NEAR"}, r"\.locality = 'NEAR' is invalid: expected 'LOCAL' or 'REMOTE'"),
@@ -179,7 +179,7 @@ def test_valid_fs_options_are_normalised_and_reach_the_workers(tmp_path):
     assert worker_tier.type == "fs" and worker_tier.options is tier.options
     assert tier.options.to_dict() == {
         "root_dir": str(tmp_path), "max_bytes": 1 << 20, "min_free_bytes": 1 << 30,
-        "fsync": True, "direct_io": False, "write_depth": 8, "page_cache_bytes": "auto",
+        "fsync": True, "direct_io": "adaptive", "write_depth": 8, "page_cache_bytes": "auto",
         "locality": "REMOTE", "enable_kv_events": False, "max_pinned_fraction": 0.5,
         "probe_unknown": True, "probe_ttl_s": 0.25, "probe_timeout_s": 2.0,
         "mac_key_file": None, "mac_key": None, "n_read_threads": None, "n_write_threads": None}

@@ -579,8 +579,6 @@ MANAGER_COUNTERS = (  # (row label, metric name): the same names in shmtier and 
 #: bytes of chunks cascaded to / promoted from the secondary tiers (successful jobs x row bytes)
 WRITE_BYTES = "vllm:kv_offload_tiering_write_bytes"
 READ_BYTES = "vllm:kv_offload_tiering_read_bytes"
-RING_DEPTH = "vllm:kv_offload_shmtier_ring_depth"
-PAGE_CACHE_BOUNDED = "vllm:kv_offload_shmtier_page_cache_bounded"
 
 
 def fold_stats(acc: dict, stats) -> None:

@@ -86,7 +86,8 @@ ADMISSION_TOKENS = ("second_touch",)
 #: compression modes a variant may name (``compression``)
 COMPRESSION_TOKENS = {"raw": "none", "zstd": "zstd", "zauto": "auto"}
 #: the fs tier's ``direct_io`` a variant may name: O_DIRECT stores, both ways, or buffered
-DIRECT_IO_TOKENS = {"dio": "writes", "dioauto": "auto", "buffered": False}
+DIRECT_IO_TOKENS = {"dio": "writes", "dioauto": "auto", "buffered": False,
+                    "dioadapt": "adaptive"}
 #: every token of ``shmtier@TOKENS``
 VARIANT_TOKENS = (*WORKER_SCHED, *COMPRESSION_TOKENS, *DIRECT_IO_TOKENS, "noprobe", "nowindow",
                   "wincpu", "winany", *ADMISSION_TOKENS)
@@ -154,7 +155,8 @@ def make_shmtier(cfg, root: str, engine_id: str, variant: str = "",
     alone, no tier workers); None: one fs tier on ``root`` as the options below make it.
     ``variant``: '+'-joined tokens, each a WORKER_SCHED key, a compression mode
     (``raw`` = "none", ``zstd``, ``zauto`` = "auto"), the fs tier's ``direct_io`` (``dio``:
-    "writes", O_DIRECT stores; ``dioauto``: "auto", both ways; ``buffered``: false), ``noprobe`` (the fs tier's ``probe_unknown`` off: a key
+    "writes", O_DIRECT stores; ``dioauto``: "auto", both ways; ``buffered``: false;
+    ``dioadapt``: "adaptive", the default), ``noprobe`` (the fs tier's ``probe_unknown`` off: a key
     its index does not know is a MISS at once, as before shared roots), ``nowindow`` (no
     step-window poll thread: ``tier_poll_window`` 0, every poll inside the steps), ``wincpu`` /
     ``winany`` (``tier_poll_window_cpu`` "engine" / "any"), a

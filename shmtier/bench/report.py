@@ -11,9 +11,9 @@ import statistics
 
 from shmtier.bench import baseline
 from shmtier.bench.common import fmt_mr, med_range, pct
-from shmtier.bench.driver import (KINDS, MANAGER_COUNTERS, PAGE_CACHE_BOUNDED, READ_BYTES,
-                                  RING_DEPTH, WRITE_BYTES)
+from shmtier.bench.driver import KINDS, MANAGER_COUNTERS, READ_BYTES, WRITE_BYTES
 from shmtier.bench.slow_steps import attribute, format_table
+from shmtier.storage.tier_metrics import DIRECT_STORES, PAGE_CACHE_BOUNDED, RING_DEPTH
 
 def label(name: str) -> str:
     """Column label of a manager name: ``vllm`` (the loaded vLLM's version, e.g. "vLLM
@@ -92,6 +92,7 @@ def summarise(res: dict, chunk_bytes: int) -> dict:
         s[name] = ms["counters"].get(name, 0)
     s["ring_depth_max"] = ms["gauge_max"].get(RING_DEPTH)
     s["page_cache_bounded"] = ms["gauge_max"].get(PAGE_CACHE_BOUNDED)
+    s["direct_stores"] = ms["gauge_max"].get(DIRECT_STORES)
     s.update(cascade_yield(ms["counters"], disk, s["hit_fs"], res.get("row_stride") or chunk_bytes))
     s.update(cpu_per_kind(s, res.get("workers_cpu_by_lane")))
     s["threads_cpu"] = res.get("threads_cpu")  # the scheduler process's threads by kind
@@ -281,6 +282,7 @@ ROWS = [  # (label, key, digits, ratio?)
     *[(f"  {lbl}", name, 0, False) for lbl, name in MANAGER_COUNTERS],
     ("  shmtier job ring depth, max seen", "ring_depth_max", 0, False),
     ("  shmtier fs page cache bounded (1: yes, at some step)", "page_cache_bounded", 0, False),
+    ("  shmtier fs stores O_DIRECT (1: yes, at some step)", "direct_stores", 0, False),
     ("disk", None, 0, False),
     ("  bytes per logical byte", "disk_per_logical", 3, True),
     ("  allocated bytes per logical byte", "disk_alloc_per_logical", 3, True),

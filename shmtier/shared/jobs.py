@@ -158,6 +158,10 @@ class ResultFlag:
     #: bounded (fs ``page_cache_bytes``: a fixed bound, or an ``"auto"`` bound once found;
     #: the scheduler half's gauge ``vllm:kv_offload_shmtier_page_cache_bounded``).
     PAGE_CACHE_BOUNDED = 4
+    #: On a store's result: the worker's stores to the tier are O_DIRECT now (fs
+    #: ``direct_io`` true, "auto" or "writes", or "adaptive" once new page cache proved
+    #: expensive; the scheduler half's gauge ``vllm:kv_offload_shmtier_direct_stores``).
+    DIRECT_STORES = 8
 
 
 #: Which outcomes count as a success, per op.

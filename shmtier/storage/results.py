@@ -76,6 +76,7 @@ class StorageResults:
                 # the workers' compression-by-cost choice, as of this answer
                 self._compression_on = not res.flags & ResultFlag.COMPRESSION_OFF
                 self._page_cache_bounded = bool(res.flags & ResultFlag.PAGE_CACHE_BOUNDED)
+                self._direct_stores = bool(res.flags & ResultFlag.DIRECT_STORES)
                 self._finish_stores(res, what, across_reset=across)
             elif op == "load":
                 for share in load_outcomes(res, what):  # each tier job: its own keys' part

@@ -94,6 +94,7 @@ from shmtier.storage.lookup_probes import LookupProbes
 from shmtier.storage.results import StorageResults
 from shmtier.storage.tier_metrics import (
     COMPRESSION_ON,
+    DIRECT_STORES,
     PAGE_CACHE_BOUNDED,
     POOL_BROKEN,
     PROBES_EXPIRED,
@@ -185,6 +186,7 @@ class StorageTierManager(StorageDispatch, StorageResults, TierSeries, SecondaryT
         self._across_reset: set[PoolJobId] = set()
         self._compression_on = True  # last store result without COMPRESSION_OFF
         self._page_cache_bounded = False  # last store result with PAGE_CACHE_BOUNDED
+        self._direct_stores = False  # last store result with DIRECT_STORES
 
     # --- byte counts ---
 
@@ -323,6 +325,7 @@ class StorageTierManager(StorageDispatch, StorageResults, TierSeries, SecondaryT
         set_gauge(POOL_BROKEN, int(self._broken), labels)
         set_gauge(COMPRESSION_ON, int(self._compression_on), labels)
         set_gauge(PAGE_CACHE_BOUNDED, int(self._page_cache_bounded), labels)
+        set_gauge(DIRECT_STORES, int(self._direct_stores), labels)
 
     @classmethod
     def build_metric_definitions(cls, tier_config: dict[str, Any]) -> dict[str, Any]:

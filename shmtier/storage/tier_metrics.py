@@ -28,6 +28,7 @@ PROBE_HITS = "vllm:kv_offload_shmtier_lookup_probe_hits"
 PROBES_EXPIRED = "vllm:kv_offload_shmtier_lookup_probes_expired"
 COMPRESSION_ON = "vllm:kv_offload_shmtier_compression_on"
 PAGE_CACHE_BOUNDED = "vllm:kv_offload_shmtier_page_cache_bounded"
+DIRECT_STORES = "vllm:kv_offload_shmtier_direct_stores"
 #: What the tier workers count that no result shows (``ring.TIER_COUNTERS``, kept in the
 #: worker slots' counters in the segment), each exported as a counter of its own name.
 WORKER_COUNTER_METRICS = {name: f"vllm:kv_offload_shmtier_{name}" for name in TIER_COUNTERS}
@@ -155,6 +156,11 @@ def metric_definitions(bytes_metric: str, bytes_help: str,
             "page_cache_bytes: a fixed bound, or \"auto\" once buffered writes showed new "
             "page cache to be expensive; the worker logs the bound at INFO), else 0 (as "
             "of the last store answered).", t),
+        DIRECT_STORES: metrics.GaugeMetadata(
+            "1 while the tier workers store with O_DIRECT (fs direct_io true, \"auto\" or "
+            "\"writes\", or \"adaptive\" once buffered writes showed new page cache to be "
+            "expensive: the worker logs the switch at INFO), else 0 (as of the last store "
+            "answered).", t),
         RING_DEPTH: metrics.GaugeMetadata(
             "Jobs waiting in the tier workers' job rings (all tiers share the pool).", t),
         **{WORKER_COUNTER_METRICS[name]: metrics.CounterMetadata(_WORKER_COUNTER_HELP[name], t)

@@ -20,9 +20,12 @@ and load batches to its write and read paths. The rest of the tier's worker half
 - ``fileio.py``: low-level file helpers (whole writes and reads, O_DIRECT, fsync, space).
 - ``outcomes.py``: the counters and the per-key outcomes of OS errors.
 
-I/O: buffered by default; ``direct_io`` true (or ``"auto"``: wherever a probe write in the
-namespace succeeds, as vLLM's fs tier does) uses ``O_DIRECT`` both ways, ``"writes"`` only
-for stores (loads buffered). O_DIRECT stores keep ``write_depth`` writes in flight per
+I/O: ``direct_io`` false (this class's default): buffered; true (or ``"auto"``: wherever a
+probe write in the namespace succeeds, as vLLM's fs tier does) uses ``O_DIRECT`` both ways,
+``"writes"`` only for stores (loads buffered); ``"adaptive"`` (the tier config's default,
+where the probe succeeds) reads from the page cache what it holds whole and the rest with
+``O_DIRECT`` (``load.py``), and stores buffered until new page cache proves expensive,
+then with ``O_DIRECT`` (``store.py``). O_DIRECT stores keep ``write_depth`` writes in flight per
 worker (``direct_writes.py``); buffered stores may keep only ``page_cache_bytes`` of a
 worker's recent files in the page cache (``writeback.py``). Why buffered is the default,
 with measurements: bench/README.md, fs_tier.py and "Writes that miss the page cache".
@@ -40,7 +43,7 @@ from shmtier.shared.codec import CompressionConfig, mac_key_id
 from shmtier.shared.jobs import ResultFlag
 from shmtier.storage.chunk_names import chunk_key, key_problem, with_mac_id
 from shmtier.tiers.backend import BatchResult, Outcome, ScanEntry, TierBackend, WorkerContext
-from shmtier.tiers.fs.config import FsTierConfig
+from shmtier.tiers.fs.config import DIRECT_IO_VALUES, FsTierConfig
 from shmtier.tiers.fs.fileio import probe_direct_io, unlink_quietly
 from shmtier.tiers.fs.load import ChunkReader, chunk_file_cap, remove_foreign
 from shmtier.tiers.fs.namespace import TEMP_SUFFIX, LinkRefused, Namespace
@@ -71,7 +74,7 @@ class FsBackend(TierBackend):
     a namespace (stores fail as below, loads MISS; logged once) and its first store that
     can makes it, so a worker restarted during such an outage starts (else the pool
     would count start failures and break for good). Such a
-    backend uses buffered I/O when ``direct_io`` is "auto" or "writes" (nothing to
+    backend uses buffered I/O when ``direct_io`` is "adaptive", "auto" or "writes" (nothing to
     probe); with ``direct_io`` true it does not defer.
 
     A namespace removed while the backend runs (its directory or the whole root deleted):
@@ -145,9 +148,9 @@ class FsBackend(TierBackend):
         if chunk_bytes is not None and (not isinstance(chunk_bytes, int) or chunk_bytes <= 0):
             raise ValueError(f"fs tier chunk_bytes={chunk_bytes!r}: must be a positive integer "
                              f"or None")
-        if direct_io not in (True, False, "auto", "writes"):
-            raise ValueError(f"fs tier direct_io={direct_io!r}: must be true, false, \"auto\" "
-                             f"or \"writes\"")
+        if direct_io not in DIRECT_IO_VALUES:
+            raise ValueError(f"fs tier direct_io={direct_io!r}: must be true, false, "
+                             f"\"adaptive\", \"auto\" or \"writes\"")
         self.mac_key_id = mac_key_id(mac_key) if mac_key is not None else None
         namespace = with_mac_id(namespace, self.mac_key_id)
         self.ns = Namespace(root_dir, namespace, capacity_bytes=max_bytes,
@@ -168,9 +171,12 @@ class FsBackend(TierBackend):
         self.counters = FsCounters()
         direct = (direct_io is not False and self.ns.fd >= 0
                   and probe_direct_io(self.namespace_dir, dir_fd=self.ns.fd))
-        #: O_DIRECT for stores / for loads (``direct_io`` and what the filesystem takes)
-        self.direct_writes = direct
-        self.direct_io = direct and direct_io != "writes"
+        adaptive = direct_io == "adaptive"
+        #: O_DIRECT for stores / for loads from the start (``direct_io`` and what the
+        #: filesystem takes); "adaptive": cache-first loads, stores O_DIRECT once new page
+        #: cache proves expensive
+        self.direct_writes = direct and not adaptive
+        self.direct_io = direct and direct_io not in ("writes", "adaptive")
         if direct_io is True and not self.direct_io:
             raise OSError(errno.EINVAL, f"fs tier direct_io=true but {self.namespace_dir} does "
                                         f"not support O_DIRECT; set direct_io to "
@@ -179,12 +185,11 @@ class FsBackend(TierBackend):
                                    element_size=element_size, max_bytes=max_bytes,
                                    min_free_bytes=min_free_bytes, fsync=self.fsync,
                                    direct_io=self.direct_writes, mac_key=mac_key,
-                                   write_depth=write_depth, page_cache_bytes=page_cache_bytes)
-        #: store keys the job loop may hand over at once (``writes_in_flight`` of them
-        #: are written in parallel)
-        self.writes_in_flight = write_depth if self.direct_writes else 1
+                                   write_depth=write_depth, page_cache_bytes=page_cache_bytes,
+                                   direct_when_expensive=direct and adaptive)
+        self._write_depth = write_depth
         self._reader = ChunkReader(self.ns, self.counters, direct_io=self.direct_io,
-                                   mac_key=mac_key)
+                                   cache_first=direct and adaptive, mac_key=mac_key)
         self._generation = self.ns.generation
         # A namespace this worker had to create may have replaced one the scheduler half
         # indexed (deleted while every worker was restarting), and one it could not open
@@ -208,6 +213,12 @@ class FsBackend(TierBackend):
                    write_depth=config.write_depth, page_cache_bytes=config.page_cache_bytes,
                    mac_key=config.mac_secret, flag_created=context.replacement,
                    defer_namespace=True, chunk_bytes=context.chunk_bytes)
+
+    @property
+    def writes_in_flight(self) -> int:
+        """Store keys the job loop may hand over at once (as many are written in
+        parallel: ``write_depth`` while the stores are O_DIRECT)."""
+        return self._write_depth if self._writer.stores_direct else 1
 
     @property
     def fanout_bits(self) -> tuple[int, int] | None:
@@ -485,13 +496,16 @@ class FsBackend(TierBackend):
         namespace directory was removed, replaced or made again, seen by this process;
         the scheduler half should drop its index of the tier and scan again), cleared;
         plus ``COMPRESSION_OFF`` while compression by cost chose raw frames and
-        ``PAGE_CACHE_BOUNDED`` while the stores' page cache is bounded."""
+        ``PAGE_CACHE_BOUNDED`` while the stores' page cache is bounded and
+        ``DIRECT_STORES`` while they are O_DIRECT."""
         flags, self._flags = self._flags, 0
         chooser = self._writer.chooser
         if chooser is not None and chooser.decision is not None and not chooser.decision.compress:
             flags |= ResultFlag.COMPRESSION_OFF  # the compression-by-cost choice: raw
         if self._writer.page_cache_bounded:
             flags |= ResultFlag.PAGE_CACHE_BOUNDED
+        if self._writer.stores_direct:
+            flags |= ResultFlag.DIRECT_STORES
         return int(flags)
 
     # ------------------------------------------------------------------ misc

@@ -23,6 +23,8 @@ MAX_WRITE_DEPTH = 64
 #: O_DIRECT reads a tier worker keeps in flight (``direct_reads.py``; the job loop's load
 #: slices hold 8 keys)
 READ_DEPTH = 8
+#: what ``direct_io`` accepts (the first: the default)
+DIRECT_IO_VALUES = ("adaptive", False, True, "auto", "writes")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -48,15 +50,21 @@ class FsTierConfig(StorageTierConfig):
         False, boolean(),
         doc="fsync each file before publishing it (durable before it is indexed: NFS)")
     direct_io: bool | str = option(
-        False, one_of(False, True, "auto", "writes"),
-        doc="false: buffered both ways; \"writes\": stores with O_DIRECT where the "
-            "filesystem takes it, loads buffered; \"auto\": O_DIRECT both ways where the "
-            "filesystem takes it (probed at start); true: both ways, required. O_DIRECT "
-            "stores keep write_depth writes in flight per tier worker, O_DIRECT loads "
-            f"{READ_DEPTH} reads: no page-cache copy, but every store and load waits for the "
-            "device. Buffered is faster where recent chunks are promoted from the page cache; "
-            "on a run that cascades many GiB \"auto\" cost the tier workers a quarter less CPU "
-            "and promoted sooner (bench/README.md, \"Cost per byte over a long run\")")
+        "adaptive", one_of(*DIRECT_IO_VALUES),
+        doc="\"adaptive\": a load reads a chunk from the page cache when it is all there, "
+            "else with O_DIRECT (a read adds no page cache), and stores are buffered "
+            "(page_cache_bytes) until, with page_cache_bytes \"auto\", a tier worker's "
+            "buffered writes prove new page cache expensive: its stores are O_DIRECT from "
+            "then on (logged, and the gauge direct_stores); where the filesystem does not "
+            "take O_DIRECT (probed at start), as false. false: buffered both ways; "
+            "\"writes\": stores with O_DIRECT where the filesystem takes it, loads "
+            "buffered; \"auto\": O_DIRECT both ways where the filesystem takes it; true: "
+            "both ways, required. O_DIRECT stores keep write_depth writes in flight per tier "
+            f"worker, O_DIRECT loads {READ_DEPTH} reads: no page-cache copy, but every one "
+            "waits for the device. Buffered is faster where recent chunks are promoted from "
+            "the page cache; on a run that cascades many GiB O_DIRECT cost the tier workers "
+            "a quarter less CPU and promoted sooner (bench/README.md, \"Cost per byte over "
+            "a long run\" and \"direct_io adaptive\")")
     write_depth: int = option(
         8, integer(1, MAX_WRITE_DEPTH),
         doc="O_DIRECT writes a tier worker keeps in flight, each on an I/O thread with a "

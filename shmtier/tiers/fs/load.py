@@ -16,9 +16,14 @@ batch are answered as if it were not there). With
 ``direct_io`` the files are read in whole pages with ``O_DIRECT`` instead, up to
 ``READ_DEPTH`` at once on I/O threads (``direct_reads.py``), and a raw frame is copied
 into its row while it is checksummed (``ChunkDecoder.decode_copying``: no page-cache
-copy, one pass over the chunk). A file that fails is reported CORRUPT (the reason as its
-detail), unlinked (only if the path still names the inode that was read: a concurrent
-re-store of the key is kept) and counted.
+copy, one pass over the chunk). With ``cache_first`` (``direct_io`` "adaptive") each file
+the page cache holds whole (``cachestat(2)``, which starts no I/O: a ``RWF_NOWAIT`` read
+would start the readahead it refuses to wait for) is read from it, buffered (memory speed,
+no device wait), and only the others with ``O_DIRECT``: no readahead, and a read adds no
+page cache, which is what costs CPU on a host whose new page cache is expensive. Where the
+kernel has no ``cachestat`` (before Linux 6.5) the reads are buffered. A file that fails is
+reported CORRUPT (the reason as its detail), unlinked (only if the path still names the
+inode that was read: a concurrent re-store of the key is kept) and counted.
 
 Every file is reached through the ``Namespace``: opened and unlinked relative to its leaf
 directory's descriptor with ``O_NOFOLLOW``. A symbolic link at a chunk's name, or in
@@ -45,6 +50,7 @@ from shmtier.tiers.fs.fileio import (
     FADV_WILLNEED,
     O_DIRECT,
     PageBuffer,
+    cached_whole,
     close_quietly,
     pread_full,
     pread_full_into,
@@ -89,17 +95,20 @@ def remove_foreign(ns: Namespace, counters: FsCounters, entry: tuple[str, str],
 class ChunkReader:
     """The read path of one ``FsBackend``: reads and verifies files of ``ns`` into rows,
     counting into ``counters`` (shared with the backend). Not thread-safe: it reuses its
-    decoder and read buffer."""
+    decoder and read buffer. ``direct_io``: every read with O_DIRECT; ``cache_first``
+    (the filesystem takes O_DIRECT): a file from the page cache when it is all there,
+    else with O_DIRECT (the module docstring)."""
 
     def __init__(self, ns: Namespace, counters: FsCounters, *, direct_io: bool,
-                 mac_key: bytes | None = None):
+                 cache_first: bool = False, mac_key: bytes | None = None):
         self.ns = ns
         self.counters = counters
         self.direct_io = direct_io
+        self.cache_first = cache_first and not direct_io
         self._decoder = ChunkDecoder(mac_key=mac_key)  # with a key: MAC'd frames only
         self._buf = PageBuffer(doubling=True)  # reusable read buffer
         # O_DIRECT: reads in flight on I/O threads (started on first use)
-        self._direct = DirectReads() if direct_io else None
+        self._direct = DirectReads() if direct_io or self.cache_first else None
         self._codec_s = 0.0  # accumulator of the load in progress
 
     def release(self) -> None:
@@ -131,6 +140,8 @@ class ChunkReader:
                     if got is not None:
                         opened[i] = got
                     seconds[i] += time.perf_counter() - t
+                if self.cache_first:
+                    self._read_cached(opened, keys, rows, a, chunk_bytes, res)
                 if self._direct is not None:
                     self._read_direct(opened, keys, rows, a, chunk_bytes, res)
                 for i in sorted(opened):
@@ -196,7 +207,7 @@ class ChunkReader:
             if self.direct_io:
                 # set after the checks: O_DIRECT at open would turn EISDIR into EINVAL
                 fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | O_DIRECT)
-            elif FADV_WILLNEED is not None and st.st_size:
+            elif FADV_WILLNEED is not None and st.st_size and not self.cache_first:
                 # Asynchronous readahead: the batch's files are read from the device in
                 # parallel while earlier ones are being verified.
                 os.posix_fadvise(fd, 0, st.st_size, FADV_WILLNEED)
@@ -252,6 +263,38 @@ class ChunkReader:
             for _i, _st, _entry, _key, read in inflight:
                 read.release()
 
+    def _read_cached(self, opened: dict, keys, rows, a, chunk_bytes: int,
+                     res: BatchResult) -> None:
+        """Cache first: each of the ``opened`` files (``{i: (fd, stat, entry)}``) that the
+        page cache holds whole is read from it, verified into its row and taken out of
+        ``opened``; the others stay there, switched to O_DIRECT for ``_read_direct``
+        (or, where the kernel has no ``cachestat``, left as they are: buffered, and
+        ``cache_first`` ends)."""
+        seconds = res.seconds
+        for i in sorted(opened):
+            t = time.perf_counter()
+            fd, st, entry = opened[i]
+            try:
+                whole = cached_whole(fd, st.st_size)
+            except OSError:
+                whole = False  # read it with O_DIRECT, which reports what is wrong
+            if whole is None:
+                self._no_cachestat()
+                return
+            if whole:
+                del opened[i]
+                self._read_one(fd, st, entry, bytes(keys[i]), a[rows[i], :chunk_bytes].data,
+                               res, i)
+            else:
+                try:
+                    fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | O_DIRECT)
+                except OSError as e:
+                    del opened[i]
+                    close_quietly(fd)
+                    self.counters.load_errors += 1
+                    res.set(i, *errno_outcome(e, "open"))
+            seconds[i] += time.perf_counter() - t
+
     def _read_one(self, fd: int, st: os.stat_result, entry: tuple[str, str], key: bytes,
                   out: memoryview, res: BatchResult, i: int) -> None:
         """Read one opened file whole (buffered), verify and decode it into ``out``;
@@ -301,6 +344,14 @@ class ChunkReader:
                 c.load_errors += 1
                 return
         self._verdict(frame, reason, st, entry, key, out, res, i)
+
+    def _no_cachestat(self) -> None:
+        """The kernel has no ``cachestat``: no cache-first reads from now on, all
+        buffered (as ``direct_io`` false)."""
+        self.cache_first = False
+        if self._direct is not None:
+            self._direct.close()
+            self._direct = None
 
     def _verdict(self, frame, reason: str | None, st: os.stat_result, entry: tuple[str, str],
                  key: bytes, out: memoryview, res: BatchResult, i: int, *,

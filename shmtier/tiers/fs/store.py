@@ -30,12 +30,16 @@ batch returns once every write it started is published or failed. Else buffered,
 ``writev`` per file, on this thread; with ``page_cache_bytes`` each file's writeback is
 started after its write and the worker's files past that many bytes are dropped from the
 page cache (``writeback.py``; ``"auto"``: the writes are timed until new page cache
-proves expensive, then the footprint stops growing).
+proves expensive, then the footprint stops growing). With ``direct_when_expensive``
+(``direct_io`` "adaptive", where the filesystem takes O_DIRECT) an ``"auto"`` window that
+finds new page cache expensive does not close: from then on this worker's stores are
+O_DIRECT, as above (logged once; the ``DIRECT_STORES`` result flag).
 """
 
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import stat
 import time
@@ -61,6 +65,8 @@ from shmtier.tiers.fs.load import chunk_file_cap, remove_foreign
 from shmtier.tiers.fs.namespace import LinkRefused, Namespace
 from shmtier.tiers.fs.outcomes import NO_SPACE, FsCounters, errno_outcome
 
+logger = logging.getLogger(__name__)
+
 _FS_WIDE = (errno.EROFS,) + NO_SPACE  # after one of these, the rest of a store batch fails too
 
 
@@ -80,7 +86,8 @@ class ChunkWriter:
     """The write path of one ``FsBackend``: encodes rows and publishes them in ``ns``,
     counting into ``counters`` (shared with the backend). Not thread-safe: it reuses
     its encoders; with ``direct_io`` it keeps up to ``write_depth`` writes in flight on
-    its own I/O threads (``close()`` stops them)."""
+    its own I/O threads (``close()`` stops them). ``direct_when_expensive``: buffered
+    stores turn O_DIRECT once new page cache proves expensive (the module docstring)."""
 
     ns: Namespace
     counters: FsCounters
@@ -93,6 +100,7 @@ class ChunkWriter:
     mac_key: bytes | None = field(default=None, repr=False)  # frames carry a MAC tag
     write_depth: int = FsTierConfig.default("write_depth")
     page_cache_bytes: int | str | None = None  # buffered: recent files left in the page cache
+    direct_when_expensive: bool = False
 
     def __post_init__(self) -> None:
         self._encoder = ChunkEncoder(self.codec_config, mac_key=self.mac_key)
@@ -101,8 +109,9 @@ class ChunkWriter:
         self._direct = (DirectWrites(self.write_depth, fsync=self.fsync)
                         if self.direct_io else None)
         # buffered stores with page_cache_bytes: a bounded page-cache footprint
-        self._window = (writeback.WritebackWindow(self.page_cache_bytes, self._open_published,
-                                                  f"fs {self.ns.root_dir}")
+        self._window = (writeback.WritebackWindow(
+                            self.page_cache_bytes, self._open_published, f"fs {self.ns.root_dir}",
+                            self._go_direct if self.direct_when_expensive else None)
                         if self.page_cache_bytes is not None and not self.direct_io
                         and writeback.supported() else None)
         # mode "auto": compress or not by measured cost (shared/codec_choice.py)
@@ -114,6 +123,24 @@ class ChunkWriter:
         """Whether this writer's buffered stores keep a bounded page cache now (a fixed
         ``page_cache_bytes``, or an ``"auto"`` one that found its bound)."""
         return self._window is not None and self._window.max_bytes is not None
+
+    @property
+    def stores_direct(self) -> bool:
+        """Whether this writer's stores use O_DIRECT now."""
+        return self._direct is not None
+
+    def _go_direct(self, s_per_gib: float, written: int) -> bool:
+        """The window's measure found new page cache expensive: every store from now on
+        is O_DIRECT (the window is dropped; what it holds stays for the kernel to
+        reclaim). Returns True (the window's ``instead_of_closing``)."""
+        self._direct = DirectWrites(self.write_depth, fsync=self.fsync)
+        self.direct_io = True
+        self._window = None
+        logger.info("tier fs %s: buffered writes cost %.1f s of CPU per GiB (new page cache "
+                    "is expensive on this host) after %d MiB written: this worker's stores "
+                    "now use O_DIRECT (direct_io \"adaptive\")", self.ns.root_dir, s_per_gib,
+                    written >> 20)
+        return True
 
     def store(self, keys: Sequence[bytes], rows: Sequence[int], arena, chunk_bytes: int, *,
               skip_existing: bool, bytes_in_use: int | None, hurry: bool,

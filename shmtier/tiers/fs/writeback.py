@@ -89,13 +89,18 @@ class WritebackWindow:
     ``open_file(where)`` (which may raise OSError: a file deleted since is simply gone,
     its pages with it) and dropped. No descriptor is kept between calls, so a deleted
     file's space is freed at once. ``label`` names the tier in the log line an auto
-    window writes when it closes."""
+    window writes when it closes. ``instead_of_closing(s_per_gib, bytes_written)``: asked
+    when an auto window's measure comes out expensive; a true answer (the caller stops
+    writing buffered: O_DIRECT) leaves the window open and measuring no more."""
 
-    def __init__(self, max_bytes: int | str, open_file: Callable[[Any], int], label: str = ""):
+    def __init__(self, max_bytes: int | str, open_file: Callable[[Any], int], label: str = "",
+                 instead_of_closing: Callable[[float, int], bool] | None = None):
         #: the bound; None while an auto window is open
         self.max_bytes: int | None = None if max_bytes == AUTO else int(max_bytes)
         self._open = open_file
         self._label = label
+        self._instead_of_closing = instead_of_closing
+        self._handed_over = False
         # (where, bytes, writeback started), oldest first
         self._files: deque[tuple[Any, int, bool]] = deque()
         self._bytes = 0
@@ -110,7 +115,7 @@ class WritebackWindow:
     @property
     def measuring(self) -> bool:
         """Whether the caller should time its writes for ``note_write``."""
-        return self.max_bytes is None
+        return self.max_bytes is None and not self._handed_over
 
     def start(self, fd: int) -> None:
         """Start the writeback of the file just written through ``fd`` (not waited for;
@@ -122,7 +127,7 @@ class WritebackWindow:
     def note_write(self, size: int, cpu_s: float) -> None:
         """A buffered write of ``size`` bytes took ``cpu_s`` of this thread's CPU. Closes
         an auto window at its footprint once a measure comes out expensive."""
-        if self.max_bytes is not None:
+        if not self.measuring:
             return
         self._written += size
         self._measured_bytes += size
@@ -132,6 +137,10 @@ class WritebackWindow:
         s_per_gib = self._measured_cpu_s / self._measured_bytes * (1 << 30)
         self._measured_bytes, self._measured_cpu_s = 0, 0.0
         if s_per_gib > AUTO_EXPENSIVE_S_PER_GIB:
+            if self._instead_of_closing is not None and self._instead_of_closing(
+                    s_per_gib, self._written):
+                self._handed_over = True
+                return
             self.max_bytes = max(AUTO_MIN_BYTES, self._bytes)
             self.closed_by = s_per_gib
             self.closed_at_bytes = self._written
