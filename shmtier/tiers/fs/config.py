@@ -52,7 +52,8 @@ class FsTierConfig(StorageTierConfig):
     direct_io: bool | str = option(
         "adaptive", one_of(*DIRECT_IO_VALUES),
         doc="\"adaptive\": a load reads a chunk from the page cache when it is all there, "
-            "else with O_DIRECT (a read adds no page cache), and stores are buffered "
+            "else with O_DIRECT (a read adds no page cache; buffered where the kernel lacks "
+            "cachestat, Linux < 6.5), and stores are buffered "
             "(page_cache_bytes) until, with page_cache_bytes \"auto\", a tier worker's "
             "buffered writes prove new page cache expensive: its stores are O_DIRECT from "
             "then on (logged, and the gauge direct_stores); where the filesystem does not "
@@ -78,7 +79,8 @@ class FsTierConfig(StorageTierConfig):
             "kernel's choice; \"auto\": no limit while new page cache is cheap; once 32 MiB "
             "of a worker's buffered writes cost more than 2.5 s of CPU per GiB, the footprint "
             "stops growing at what it then holds, at least 64 MiB: logged, and the gauge "
-            "page_cache_bounded). Linux only")
+            "page_cache_bounded; with direct_io \"adaptive\", where the filesystem takes "
+            "O_DIRECT, the stores turn O_DIRECT instead). Linux only")
     n_read_threads: int | None = option(
         None, integer(1).or_none(),
         doc="vLLM's fs option: accepted and unused (the tier workers do the I/O)")
