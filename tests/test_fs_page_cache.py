@@ -18,9 +18,10 @@ import numpy as np
 import pytest
 from fs_engine import engines, key  # noqa: F401 (the engines fixture)
 
+from bench.fs_tier import drop_cache
 from shmtier.contract import ReqContext
-from shmtier.shared.jobs import Outcome
 from shmtier.shared.codec import CompressionConfig, frame_header_size
+from shmtier.shared.jobs import Outcome
 from shmtier.storage.tier_metrics import DIRECT_STORES, PAGE_CACHE_BOUNDED
 from shmtier.tiers.fs import fileio, writeback
 from shmtier.tiers.fs.backend import FsBackend
@@ -288,15 +289,6 @@ def test_an_auto_window_that_closes_in_a_worker_drops_and_says_so(engines, tmp_p
         reader.close()
 
 
-def _drop_from_page_cache(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-
-
 def _needs_o_direct_and_cachestat(path) -> None:
     if not fileio.probe_direct_io(str(path)):
         pytest.skip(f"{path} does not take O_DIRECT")
@@ -332,7 +324,7 @@ def test_adaptive_loads_read_what_the_page_cache_holds_and_the_rest_with_o_direc
     assert os.path.getsize(paths[8]) < CB  # compressed
     cold = [1, 2, 4, 7, 8, 10]  # not in the page cache when loaded
     for i in cold:
-        _drop_from_page_cache(paths[i])
+        drop_cache(paths[i])
     hs = frame_header_size(len(keys[0]))
     for i in (3, 4):  # one damaged file cached, one not
         with open(paths[i], "r+b") as f:
@@ -341,7 +333,7 @@ def test_adaptive_loads_read_what_the_page_cache_holds_and_the_rest_with_o_direc
             f.seek(hs + 5)
             f.write(bytes([b[0] ^ 0x10]))
         if i in cold:
-            _drop_from_page_cache(paths[i])
+            drop_cache(paths[i])
     os.unlink(paths[11])
     for i in cold:
         assert cached_pages(paths[i])[0] == 0, i
