@@ -280,6 +280,25 @@ def _promoting_to_stopped_workers(e) -> tuple[list[bytes], list[int]]:
     return first, pids
 
 
+def test_the_ring_depth_gauge_counts_the_jobs_waiting_for_stopped_workers(engines, tmp_path):
+    """``vllm:kv_offload_shmtier_ring_depth``: a load queued for SIGSTOPped workers is
+    counted while it waits (the pool reads the rings while a job is outstanding), and
+    the gauge is 0 once the workers went on and answered (nothing outstanding: the pool
+    answers 0 without reading the rings)."""
+    from shmtier.storage.tier_metrics import RING_DEPTH
+
+    e = engines(tmp_path, chunks=16)
+    _first, pids = _promoting_to_stopped_workers(e)
+    try:
+        assert e.manager.get_stats().data["data"][RING_DEPTH][LABEL] >= 1
+    finally:
+        for pid in pids:
+            os.kill(pid, signal.SIGCONT)
+    e.settle()
+    assert e.spec.worker_pool.outstanding() == 0
+    assert e.manager.get_stats().data["data"][RING_DEPTH][LABEL] == 0
+
+
 def test_a_load_failed_by_a_worker_death_keeps_its_chunks(engines, tmp_path):
     """A promotion whose workers die fails with ERROR: that says nothing about the files,
     so the 16 chunks stay indexed (they used to be dropped: a MISS with the files on

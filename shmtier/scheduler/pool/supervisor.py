@@ -248,7 +248,13 @@ class WorkerPool:
         return bool(self._reaping)
 
     def queued_jobs(self) -> int:
-        """Jobs put in the job rings and not yet taken by a worker."""
+        """Jobs put in the job rings and not yet taken by a worker. With no job outstanding
+        that is 0 without reading the rings (a job is put in a ring only by ``submit``,
+        which counts it outstanding until it is answered or failed, and a failed worker's
+        queued jobs are discarded with its slot): the rings' counters are the workers'
+        cache lines, so an idle step does not fetch them."""
+        if not self._dispatch.parents:
+            return 0
         return sum([ring.depth() for ring in self._job_rings])
 
     # --- submit ---
