@@ -13,8 +13,8 @@ from fs_engine import END, PENDING, engines, key  # noqa: F401
 
 from shmtier.config import ConfigError, TieringConfig
 from shmtier.contract import ReqContext
-from shmtier.scheduler.tiering.window_poll import (IDLE_AFTER_PERIODS, IDLE_ROUND_EVERY_S,
-                                                   IDLE_SLEEP_MAX_S, MIN_STEP_ENDS,
+from shmtier.scheduler.tiering.window_poll import (IDLE_AFTER_PERIODS, IDLE_SLEEP_MAX_S,
+                                                   MIN_STEP_ENDS,
                                                    ROUND_SPACING_SHARE,
                                                    STEP_ENDS_KEPT, StepRhythm,
                                                    StepWindowPollThread)
@@ -66,23 +66,6 @@ def test_a_round_that_left_nothing_in_flight_is_the_last_until_the_next_step():
     assert r.plan(0.016)[0]
 
 
-def test_a_step_that_left_nothing_in_flight_gets_a_round_only_every_idle_round_period():
-    r = rhythm([0.0, 0.005, 0.010])
-    assert r.plan(0.011)[0]
-    r.round_ran(0.011, left_work=False)
-    r.step_ended(0.015, idle=True)  # nothing in flight or queued at its end
-    assert r.plan(0.016) == (False, pytest.approx(0.005))  # no round: sleep past 20 ms
-    assert IDLE_ROUND_EVERY_S == pytest.approx(0.05)
-    for end in (0.020, 0.025, 0.030, 0.035, 0.040, 0.045, 0.050, 0.055):
-        r.step_ended(end, idle=True)
-        assert not r.plan(end + 0.001)[0], end
-    r.step_ended(0.060, idle=True)
-    assert r.plan(0.061)[0]  # the last round is 50 ms old (health checks, stats): a round
-    r.round_ran(0.061, left_work=False)
-    r.step_ended(0.065, idle=False)  # a step that sent work: rounds again at once
-    assert r.plan(0.066)[0]
-
-
 def test_a_round_missed_for_a_held_lock_is_tried_again_an_interval_later():
     r = rhythm([0.0, 0.005, 0.010])
     poll, sleep = r.plan(0.011)
@@ -129,7 +112,7 @@ def test_a_late_step_backs_off_and_an_idle_engine_gets_a_round_at_each_wake():
     assert poll and sleep == IDLE_SLEEP_MAX_S
 
 
-def test_quiet_says_a_round_since_the_last_step_end_or_the_end_left_nothing_in_flight():
+def test_quiet_says_a_round_since_the_last_step_end_left_nothing_in_flight():
     r = rhythm([0.0])
     assert not r.quiet  # no round yet
     r.round_ran(0.001, left_work=True)
@@ -138,8 +121,6 @@ def test_quiet_says_a_round_since_the_last_step_end_or_the_end_left_nothing_in_f
     assert r.quiet
     r.step_ended(0.005)  # the step may have sent work
     assert not r.quiet
-    r.step_ended(0.010, idle=True)  # a step end that left nothing in flight
-    assert r.quiet
 
 
 def test_rounds_came_says_whether_a_round_ran_between_the_last_two_step_ends():
@@ -498,9 +479,9 @@ def test_while_rounds_come_the_rounds_forget_the_misses_past_their_ttl(engines, 
 
 def test_a_step_after_a_round_that_left_nothing_in_flight_does_not_poll_the_tier(engines,
                                                                                   tmp_path):
-    """Nothing in flight after the forward pass's round (or after the last step's end),
-    and no call of the step polled: the step's end does not poll the storage tier (there
-    is nothing to collect); a step after one that left work, with no round between, does."""
+    """Nothing in flight after the forward pass's round, and no call of the step polled:
+    the step's end does not poll the storage tier (there is nothing to collect); a step
+    with no round before it does."""
     e = engines(tmp_path, chunks=8)
     e.settle()
     m = e.manager
@@ -520,11 +501,6 @@ def test_a_step_after_a_round_that_left_nothing_in_flight_does_not_poll_the_tier
     with m.lock:
         m.on_schedule_end(END)
         assert engine_polls == [], "the step polled a tier with nothing in flight"
-        m.on_schedule_end(END)  # no round since, but the last step end left nothing
-        assert engine_polls == []
-        _stored_in_step(e, [key(1)], 0, ReqContext("s"))
-        m.on_schedule_end(END)  # the store is queued or in flight: not idle
-        engine_polls.clear()
-        m.on_schedule_end(END)  # no round since a step end that left work: it polls
+        m.on_schedule_end(END)  # no round since the last step: it polls
         assert engine_polls == [1]
     e.settle()

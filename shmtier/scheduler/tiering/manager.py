@@ -477,17 +477,11 @@ class TieringOffloadingManager:
         if context.new_req_ids:
             self._tracker.stop(context.new_req_ids)
         if self._rhythm is not None:
-            self._rhythm.step_ended(time.monotonic(), self._getcpu(),
-                                    idle=not self._work_pending())
+            self._rhythm.step_ended(time.monotonic(), self._getcpu())
 
     def has_pending_work(self) -> bool:
         if self._scan is not None:
             self._scan.end()
-        return self._work_pending()
-
-    def _work_pending(self) -> bool:
-        """``has_pending_work``'s answer: jobs in flight, cascades parked or deferred,
-        rows held, or a tier's own pending work."""
         jobs = len(self._jobs)
         if jobs and self._idle_job_counts:
             jobs -= sum(count() for count in self._idle_job_counts)

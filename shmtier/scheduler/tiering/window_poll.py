@@ -23,11 +23,7 @@ Why rounds stop once nothing is in flight: the engine makes no call during the f
 pass, so after a round that left nothing in flight no later round of that step could
 collect anything, and each wake-up costs more than its round (on the 2-vCPU VM ~35 µs of
 CPU for the wake-up against ~18 for the round: bench/README.md, "Fewer step-window
-rounds"). For the same reason a step whose end left nothing in flight (``step_ended``'s
-``idle``: most steps of a long decode) gets no round at all, but one every
-``IDLE_ROUND_EVERY_S`` for the pool's health checks and the stats publisher: a round there
-would only move what the next step touches to another core's caches (bench/README.md,
-"A step with nothing to do"). While work is in flight rounds keep their interval: fewer, bigger rounds late in
+rounds"). While work is in flight rounds keep their interval: fewer, bigger rounds late in
 the window cost a busy host's steps their tail (the same section).
 
 Why a window and not a periodic thread (``poll_thread.py``): a round in the middle of a
@@ -76,9 +72,6 @@ STEP_ENDS_KEPT = 9
 ROUND_SPACING_SHARE = 1 / 8
 #: longest sleep without a rhythm (engine idle, or a step later than its period)
 IDLE_SLEEP_MAX_S = 0.05
-#: after a step that left nothing in flight, a round only if the last one is this old: the
-#: pool's health checks (every 0.05 s) and the stats publisher's turn (every 0.1 s)
-IDLE_ROUND_EVERY_S = 0.05
 #: no step end for this many periods: the engine idles, and a round now and then (the
 #: lock permitting) sends what its last step left queued and publishes its stats
 IDLE_AFTER_PERIODS = 3
@@ -122,19 +115,16 @@ class StepRhythm:
         self._ends: deque[float] = deque(maxlen=STEP_ENDS_KEPT)
         self._rounds = 0  # rounds run since the last step end
         self._round_at, self._left_work = 0.0, True  # the last round: begun at, left work
-        self._idle_end = False  # the last step end left nothing in flight
         self.engine_cpu = -1  # the CPU the engine thread ended its last step on
         #: whether a round ran between the last two step ends: while rounds come, work a
         #: step leaves to them is done within a forward pass
         self.rounds_came = False
         self._period, self._period_at = 0.0, float("nan")  # period() and the end it is of
 
-    def step_ended(self, now: float, cpu: int = -1, idle: bool = False) -> None:
-        """A step's scheduling ended at ``now`` on CPU ``cpu`` (-1: unknown); ``idle``: it
-        left nothing in flight or queued (the manager's ``has_pending_work`` said no)."""
+    def step_ended(self, now: float, cpu: int = -1) -> None:
+        """A step's scheduling ended at ``now`` on CPU ``cpu`` (-1: unknown)."""
         self._ends.append(now)
         self.engine_cpu = cpu
-        self._idle_end = idle
         self.rounds_came, self._rounds = self._rounds > 0, 0
 
     def round_ran(self, at: float, left_work: bool = True) -> None:
@@ -146,9 +136,9 @@ class StepRhythm:
 
     @property
     def quiet(self) -> bool:
-        """The last step end left nothing in flight, or a round since it did: until the
+        """A round ran since the last step end and left nothing in flight: until the
         engine sends something, the polled tiers have nothing to collect."""
-        return self._idle_end or (self._rounds > 0 and not self._left_work)
+        return self._rounds > 0 and not self._left_work
 
     def period(self) -> float | None:
         """Median gap between the remembered step ends; None before ``MIN_STEP_ENDS``.
@@ -167,9 +157,7 @@ class StepRhythm:
         or ``ROUND_SPACING_SHARE`` of the period if longer) after the last step's end,
         ``first`` apart, until ``window`` x period after it, while the last round left
         work in flight; once a round leaves nothing in flight, none until the next step
-        (the engine makes no call in between, so nothing new can start), and none at all
-        after an idle step end unless the last round is ``IDLE_ROUND_EVERY_S`` old. Then
-        sleep past
+        (the engine makes no call in between, so nothing new can start). Then sleep past
         the next step's expected end. A wake-up ``first`` / 4 early counts as on time (a
         timer's slack, a step that ended a little late), so it does not cost a wake-up
         of its own. With no step end for ``IDLE_AFTER_PERIODS`` periods, poll at each
@@ -188,8 +176,6 @@ class StepRhythm:
         if now < closes:
             if self._rounds and not self._left_work:  # nothing in flight: done till the step
                 return False, next_opens - now
-            if self._idle_end and not self._rounds and now - self._round_at < IDLE_ROUND_EVERY_S:
-                return False, next_opens - now  # nothing was in flight at the step's end
             due = self._round_at + first if self._rounds else now
             if now < due - early:  # a wake-up between rounds (a capped sleep)
                 return False, due - now
