@@ -65,7 +65,7 @@ class FsTierConfig(StorageTierConfig):
             "waits for the device. Buffered is faster where recent chunks are promoted from "
             "the page cache; on a run that cascades many GiB O_DIRECT cost the tier workers "
             "a quarter less CPU and promoted sooner (bench/README.md, \"Cost per byte over "
-            "a long run\" and \"direct_io adaptive\")")
+            "a long run\" and its \"direct_io: adaptive, the new default\")")
     write_depth: int = option(
         8, integer(1, MAX_WRITE_DEPTH),
         doc="O_DIRECT writes a tier worker keeps in flight, each on an I/O thread with a "
