@@ -41,9 +41,11 @@ class _Cachestat(ctypes.Structure):
                 ("nr_cache", "nr_dirty", "nr_writeback", "nr_evicted", "nr_recently_evicted")]
 
 
-_NR_CACHESTAT = 451  # the same number on every architecture (a syscall added after 423)
+_NR = ctypes.c_long(451)  # cachestat: the same number on every architecture (after 423)
+_NO_FLAGS = ctypes.c_uint(0)
 try:
     _syscall = ctypes.CDLL(None, use_errno=True).syscall
+    _syscall.restype = ctypes.c_long
 except (OSError, AttributeError):
     _syscall = None
 
@@ -58,7 +60,9 @@ def cached_whole(fd: int, size: int) -> bool | None:
     if size <= 0:
         return True
     rng, st = _CachestatRange(0, size), _Cachestat()
-    if _syscall(_NR_CACHESTAT, fd, ctypes.byref(rng), ctypes.byref(st), 0) != 0:
+    # syscall(2) is variadic: each argument passed at its C type (long number, unsigned
+    # fd and flags), not as ctypes' default int
+    if _syscall(_NR, ctypes.c_uint(fd), ctypes.byref(rng), ctypes.byref(st), _NO_FLAGS) != 0:
         err = ctypes.get_errno()
         if err in (errno.ENOSYS, errno.EOPNOTSUPP, errno.EPERM):
             return None  # no cachestat here (EPERM: a seccomp filter refusing it)
