@@ -129,18 +129,16 @@ class ChunkWriter:
         """Whether this writer's stores use O_DIRECT now."""
         return self._direct is not None
 
-    def _go_direct(self, s_per_gib: float, written: int) -> bool:
+    def _go_direct(self, s_per_gib: float, written: int) -> None:
         """The window's measure found new page cache expensive: every store from now on
         is O_DIRECT (the window is dropped; what it holds stays for the kernel to
-        reclaim). Returns True (the window's ``instead_of_closing``)."""
+        reclaim)."""
         self._direct = DirectWrites(self.write_depth, fsync=self.fsync)
-        self.direct_io = True
         self._window = None
         logger.info("tier fs %s: buffered writes cost %.1f s of CPU per GiB (new page cache "
                     "is expensive on this host) after %d MiB written: this worker's stores "
                     "now use O_DIRECT (direct_io \"adaptive\")", self.ns.root_dir, s_per_gib,
                     written >> 20)
-        return True
 
     def store(self, keys: Sequence[bytes], rows: Sequence[int], arena, chunk_bytes: int, *,
               skip_existing: bool, bytes_in_use: int | None, hurry: bool,

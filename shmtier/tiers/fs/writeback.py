@@ -89,12 +89,12 @@ class WritebackWindow:
     ``open_file(where)`` (which may raise OSError: a file deleted since is simply gone,
     its pages with it) and dropped. No descriptor is kept between calls, so a deleted
     file's space is freed at once. ``label`` names the tier in the log line an auto
-    window writes when it closes. ``instead_of_closing(s_per_gib, bytes_written)``: asked
-    when an auto window's measure comes out expensive; a true answer (the caller stops
-    writing buffered: O_DIRECT) leaves the window open and measuring no more."""
+    window writes when it closes. ``instead_of_closing(s_per_gib, bytes_written)``: called,
+    when given, where an auto window's measure comes out expensive, in place of closing it
+    (the caller stops writing buffered: O_DIRECT); the window then measures no more."""
 
     def __init__(self, max_bytes: int | str, open_file: Callable[[Any], int], label: str = "",
-                 instead_of_closing: Callable[[float, int], bool] | None = None):
+                 instead_of_closing: Callable[[float, int], None] | None = None):
         #: the bound; None while an auto window is open
         self.max_bytes: int | None = None if max_bytes == AUTO else int(max_bytes)
         self._open = open_file
@@ -137,9 +137,9 @@ class WritebackWindow:
         s_per_gib = self._measured_cpu_s / self._measured_bytes * (1 << 30)
         self._measured_bytes, self._measured_cpu_s = 0, 0.0
         if s_per_gib > AUTO_EXPENSIVE_S_PER_GIB:
-            if self._instead_of_closing is not None and self._instead_of_closing(
-                    s_per_gib, self._written):
+            if self._instead_of_closing is not None:
                 self._handed_over = True
+                self._instead_of_closing(s_per_gib, self._written)
                 return
             self.max_bytes = max(AUTO_MIN_BYTES, self._bytes)
             self.closed_by = s_per_gib
