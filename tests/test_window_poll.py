@@ -123,6 +123,15 @@ def test_quiet_says_a_round_since_the_last_step_end_left_nothing_in_flight():
     assert not r.quiet
 
 
+def test_came_says_a_round_ran_since_the_last_step_end():
+    r = rhythm([0.0])
+    assert not r.came
+    r.round_ran(0.001, left_work=True)
+    assert r.came and not r.quiet
+    r.step_ended(0.005)
+    assert not r.came
+
+
 def test_rounds_came_says_whether_a_round_ran_between_the_last_two_step_ends():
     r = rhythm([0.0])
     assert not r.rounds_came
@@ -477,6 +486,99 @@ def test_while_rounds_come_the_rounds_forget_the_misses_past_their_ttl(engines, 
         time.sleep(0.01)
 
 
+def _engine_polls(tier) -> list:
+    """A 1 for every ``get_finished_jobs`` of ``tier`` the engine (main) thread makes
+    from now on."""
+    polls = []
+    real = tier.get_finished_jobs
+
+    def spy():
+        if threading.current_thread() is threading.main_thread():
+            polls.append(1)
+        return real()
+
+    tier.get_finished_jobs = spy
+    return polls
+
+
+def test_after_a_round_that_left_nothing_in_flight_no_call_of_the_step_polls_the_tier(
+        engines, tmp_path):
+    """Lookups (one probing an unknown key) and stores of a step after a quiet round do
+    not poll the storage tier: the step sends it nothing before its end."""
+    e = engines(tmp_path, chunks=8)
+    e.settle()
+    m = e.manager
+    polls = _engine_polls(m.tiers[0])
+    _rhythm(m)
+    assert m._rhythm.quiet
+    polls.clear()
+    with m.lock:
+        assert m.lookup(key(50), ReqContext("r")).name == "RETRY"  # probed at the round
+        _stored_in_step(e, [key(1), key(2)], 0, ReqContext("a"))
+        _stored_in_step(e, [key(3)], 2, ReqContext("b"))
+        m.on_schedule_end(END)
+        assert polls == [], "a call of the step polled a tier with nothing in flight"
+    e.settle()
+    assert e.until_hit([key(1), key(2), key(3)], ReqContext("c"))
+
+
+def test_while_rounds_come_a_step_polls_the_node_tier_for_its_loads_not_its_cascades(
+        engines, tmp_path):
+    """The node tier: a step leaves the results of cascades in flight to the rounds (it
+    waits for none) and polls while a load is in flight; its promotion's load goes at the
+    first round after the step (a memory copy), and the chunk is a HIT."""
+    import signal
+
+    from test_fs_accounting import stop_workers
+
+    e = engines(tmp_path, chunks=8, tier_type="node", size_bytes=1 << 20)
+    first = [key(i) for i in range(4)]
+    a = ReqContext("a")
+    e.offload(first, 0, a)
+    with e.manager.lock:
+        e.manager.on_request_finished(a)
+    e.settle()
+    e.offload([key(100 + i) for i in range(8)], 4, ReqContext("b"))  # evicts "a" from the CPU
+    e.settle()
+    m, tier = e.manager, e.manager.tiers[0]
+    _rhythm(m)
+    sent, polls = _pool_submits(e), _engine_polls(tier)
+    window = "shmtier_step_window_poll"
+    pids = stop_workers(e, signal.SIGSTOP)  # what is sent stays in flight
+    try:
+        with m.lock:
+            _stored_in_step(e, [key(200)], 12, ReqContext("c"))
+            m.on_schedule_end(END)
+            assert sent == []
+        deadline = time.monotonic() + 5
+        while ("store", window) not in sent:
+            assert time.monotonic() < deadline, "no round sent the cascade"
+            time.sleep(0.002)
+        assert not tier.step_needs_poll()
+        polls.clear()
+        reader = ReqContext("r")
+        with m.lock:  # a step after the round: only a cascade in flight
+            assert m.lookup(first[0], reader) is PENDING
+            m.prepare_store([key(201)], ReqContext("d"))
+            assert polls == [], "the step polled for a cascade's result"
+            m.on_schedule_end(END)  # the promotion: its load is left to the round
+            assert [op for op, _ in sent] == ["store"]
+        deadline = time.monotonic() + 5
+        while ("load", window) not in sent:
+            assert time.monotonic() < deadline, "no round sent the load"
+            time.sleep(0.002)
+        assert tier.step_needs_poll()
+        with m.lock:
+            assert m.lookup(first[0], reader) is PENDING  # the load with stopped workers
+            assert polls == [1], "the step did not poll for its load"
+            m.on_schedule_end(END)
+    finally:
+        stop_workers(e, signal.SIGCONT)
+    assert pids
+    assert e.until_hit([first[0]], reader)
+    e.settle()
+
+
 def test_a_step_after_a_round_that_left_nothing_in_flight_does_not_poll_the_tier(engines,
                                                                                   tmp_path):
     """Nothing in flight after the forward pass's round, and no call of the step polled:
@@ -485,16 +587,7 @@ def test_a_step_after_a_round_that_left_nothing_in_flight_does_not_poll_the_tier
     e = engines(tmp_path, chunks=8)
     e.settle()
     m = e.manager
-    tier = m.tiers[0]
-    engine_polls = []
-    real = tier.get_finished_jobs
-
-    def spy():
-        if threading.current_thread() is threading.main_thread():
-            engine_polls.append(1)
-        return real()
-
-    tier.get_finished_jobs = spy
+    engine_polls = _engine_polls(m.tiers[0])
     _rhythm(m)  # rounds came, and with the tier settled they left nothing in flight
     assert m._rhythm.quiet
     engine_polls.clear()  # (the rhythm's first steps polled)

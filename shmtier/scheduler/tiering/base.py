@@ -112,7 +112,8 @@ class JobResult:
 
 
 _OPTIONAL = ("tolerates_off_thread_polling", "polls_between_steps", "locality",
-             "max_pinned_rows", "poll_fds", "defers_release", "idle_jobs")
+             "max_pinned_rows", "poll_fds", "defers_release", "idle_jobs",
+             "step_needs_poll")
 
 
 def optional_attribute(tier: Any, name: str) -> Any:
@@ -193,6 +194,12 @@ class SecondaryTierManager(ABC):
     #: a later poll). ``has_pending_work`` does not keep an idle engine stepping for them
     #: (vLLM steps an engine with no request while it is True). None: every job does.
     idle_jobs: Callable[[], int] | None = None
+    #: With ``polls_between_steps``: a method ``step_needs_poll() -> bool``, whether a
+    #: step's own poll could collect something a step waits for (a load: its request is
+    #: deferred until it is in). While the step-window thread's rounds come, a step polls
+    #: the tier only then, and leaves the rest (cascades' results) to the next round.
+    #: None: a step polls it whenever something may be in flight.
+    step_needs_poll: Callable[[], bool] | None = None
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)

@@ -187,6 +187,9 @@ class TieringOffloadingManager:
         self._window_polled = [i for i, t in enumerate(self.tiers)
                                if optional_attribute(t, "polls_between_steps")]
         self._unwindowed = [i for i in range(len(self.tiers)) if i not in self._window_polled]
+        # (index, its step_needs_poll or None) of each window-polled tier
+        self._step_hints = [(i, optional_attribute(self.tiers[i], "step_needs_poll"))
+                            for i in self._window_polled]
         self._window_submits = [s for s in (getattr(self.tiers[i], "submit_between_steps", None)
                                             for i in self._window_polled) if s is not None]
         self._rhythm: StepRhythm | None = None
@@ -259,6 +262,27 @@ class TieringOffloadingManager:
             if self._held.by_tier[tier_idx]:
                 self._held.release_ready(tier_idx, self._stats)
 
+    def _poll_in_step(self) -> None:
+        """A step's poll of the tiers' finished jobs (its first call's, and each
+        ``prepare_store``'s). After a forward pass with rounds (``StepRhythm.came``) a
+        step sends the window-polled tiers nothing before its end (the rounds take
+        everything but the loads ``on_schedule_end`` sends), so it polls them only for
+        what it waits for: none once a round left them nothing in flight
+        (``StepRhythm.quiet``), else each whose ``step_needs_poll`` says so (or that has
+        none), and each holding deferred releases. What a skipped poll would have found
+        waits in its ring for a round; a step after a forward pass without rounds polls
+        every tier."""
+        self._polled_this_step = True
+        rhythm = self._rhythm
+        if rhythm is None or not rhythm.came:
+            self._process_finished_jobs()
+        elif rhythm.quiet:
+            self._process_finished_jobs(self._unwindowed)
+        else:
+            held = self._held.by_tier
+            self._process_finished_jobs(self._unwindowed + [
+                i for i, needs in self._step_hints if needs is None or needs() or held[i]])
+
     # --- lookups and promotions ---
 
     def lookup(self, key: OffloadKey, req_context: ReqContext,
@@ -269,8 +293,7 @@ class TieringOffloadingManager:
                 scan.end()
             scan = self._lookup_scan.begin(req_context)
         if not self._polled_this_step:  # the step's poll, if no call polled yet
-            self._polled_this_step = True
-            self._process_finished_jobs()
+            self._poll_in_step()
         record = scan.record
         # The primary's answer is timed and recorded the first time it resolves this key
         # for the request; a rescan's lookups of resolved keys (the record would ignore
@@ -348,8 +371,7 @@ class TieringOffloadingManager:
         # Always poll first: eviction must see the freshest unpins and promotions. Deferred
         # cascade keys take the rows the finished cascades unpinned before this store's
         # eviction can take them (they are the least recently used).
-        self._polled_this_step = True
-        self._process_finished_jobs()
+        self._poll_in_step()
         if self._has_deferred():
             self._flush_deferred_cascades()
         state = self._state(req_context)
@@ -457,14 +479,7 @@ class TieringOffloadingManager:
         if self._scan is not None:
             self._scan.end()
         if not self._polled_this_step:  # the step's poll, if no call polled yet
-            self._polled_this_step = True
-            # No call of this step polled, so none sent a job (jobs go out from a poll, a
-            # round or a step's end): if a round since the last step left the
-            # window-polled tiers nothing in flight, they have nothing to collect.
-            # (Skipping a poll never loses a result: it waits in its ring for a round.)
-            rhythm = self._rhythm
-            self._process_finished_jobs(
-                self._unwindowed if rhythm is not None and rhythm.quiet else None)
+            self._poll_in_step()
         for tier_idx in self._serving:
             self.tiers[tier_idx].serve_external_requests(self._parents[tier_idx])
         self._polled_this_step = False

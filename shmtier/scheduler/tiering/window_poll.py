@@ -135,6 +135,12 @@ class StepRhythm:
         self._round_at, self._left_work = at, left_work
 
     @property
+    def came(self) -> bool:
+        """A round ran since the last step end (the step now under way follows a forward
+        pass with rounds)."""
+        return self._rounds > 0
+
+    @property
     def quiet(self) -> bool:
         """A round ran since the last step end and left nothing in flight: until the
         engine sends something, the polled tiers have nothing to collect."""

@@ -10,18 +10,19 @@ and every byte moves in this engine's tier workers, which take the pool's lock.
   pool writes: HIT (the chunk is READY in the pool now, whoever stored it) or MISS,
   never RETRY. A HIT evicted before its load makes the load MISS: the promotion fails
   for that key (the manager frees its row; the next lookup says MISS).
-- Cascades (``submit_store``): keys the pool holds already (stored by another engine,
-  or by this one before) succeed at once (counted); the rest are queued and go to the
-  workers as ``store`` pool jobs, one per operation, combined as the storage tiers
-  combine theirs (``shmtier/storage/transfers.py``). A worker answers OK (stored),
+- Cascades (``submit_store``): queued; when the queue is sent, keys the pool holds
+  already (stored by another engine, or by this one before) succeed (counted), and the
+  rest go to the workers as ``store`` pool jobs, one per operation, combined as the
+  storage tiers combine theirs (``shmtier/storage/transfers.py``). A worker answers OK (stored),
   EXISTS (another engine stored it meanwhile), REJECTED (every row of the pool is
   pinned by loads) or ERROR.
 - Promotions (``submit_load``): queued, sent as ``load`` pool jobs (split over the
   workers as the storage tiers split theirs); OK, or MISS (evicted), CORRUPT (failed
   its CRC: the pool dropped it) or ERROR (the worker died: if it was killed, the
   promotion's ``deferred_release`` holds the rows until it is gone).
-- The queues go out at ``on_schedule_end``, ``get_finished_jobs`` and the step-window
-  thread's rounds (``polls_between_steps``), loads first.
+- The queues go out at the step-window thread's rounds (``polls_between_steps``), loads
+  first; while no rounds come (the thread is off, or the engine's rhythm changed), at
+  ``on_schedule_end`` and ``get_finished_jobs``.
 
 Capacity and eviction are the pool's (one bound for the whole node, one LRU); this
 half keeps no index of its own, only the jobs in flight. Per-engine lookup and hit
@@ -120,6 +121,7 @@ class NodeTierManager(TierJobs, TierSeries, SecondaryTierManager):
     BYTES_METRIC = NODE_BYTES
     tolerates_off_thread_polling = False
     polls_between_steps = True
+    loads_at_step_end = False  # memory copies: the first round sends them (TierJobs)
     # a worker killed while it loads may still write the rows: its failed promotions
     # carry deferred_release (set once the pool sees the process gone)
     defers_release = True
@@ -179,19 +181,8 @@ class NodeTierManager(TierJobs, TierSeries, SecondaryTierManager):
         if self._broken:
             self._finished.append(JobResult(job.job_id, False))
             return
-        # one read of the pool's index for the job's keys; READY ones: nothing to copy
-        keys, rows = [], []
-        for key, row, ready in zip(job.keys, job.rows, self.node.lookup_many(job.keys)):
-            if not ready:
-                keys.append(key)
-                rows.append(row)
-        found = len(job.keys) - len(keys)
-        if found:
-            self._stats.increase_counter(NODE_FOUND, found, (self._label,))
-        if not keys:
-            self._finished.append(JobResult(job.job_id, True, transfer_time=0.0, transfer_bytes=0))
-            return
-        self._store_queue.append((Cascade(job, len(keys)), keys, rows))
+        keys = list(job.keys)
+        self._store_queue.append((Cascade(job, len(keys)), keys, list(job.rows)))
 
     def submit_load(self, job: TransferJob) -> None:
         if self._broken:
@@ -213,8 +204,27 @@ class NodeTierManager(TierJobs, TierSeries, SecondaryTierManager):
                 self._submit_loads(batch)
         if self._store_queue and not loads_only:
             queued, self._store_queue = self._store_queue, []
-            for batch in combined(queued):
+            for batch in combined(self._not_in_pool(queued)):
                 self._submit_stores(batch)
+
+    def _not_in_pool(self, queued: list) -> list:
+        """``queued`` [(cascade, keys, rows)] less the keys the pool holds READY (stored
+        by another engine, or by this one before: nothing to copy; counted, settled as
+        stored), by one read of the pool's index for all of them. Done when the queue is
+        sent (a between-steps round while rounds come), not in ``submit_store``: the
+        index read stays out of the step."""
+        ready = iter(self.node.lookup_many([key for _, keys, _ in queued for key in keys]))
+        left, found = [], 0
+        for cascade, keys, rows in queued:
+            kept = [(key, row) for key, row in zip(keys, rows) if not next(ready)]
+            if len(kept) < len(keys):
+                found += len(keys) - len(kept)
+                self._settle(cascade, len(keys) - len(kept), True)
+            if kept:
+                left.append((cascade, [key for key, _ in kept], [row for _, row in kept]))
+        if found:
+            self._stats.increase_counter(NODE_FOUND, found, (self._label,))
+        return left
 
     def _submit_stores(self, batch: list) -> None:
         keys = [key for _, job_keys, _ in batch for key in job_keys]
@@ -320,6 +330,11 @@ class NodeTierManager(TierJobs, TierSeries, SecondaryTierManager):
 
     def has_pending_work(self) -> bool:
         return bool(self._jobs or self._store_queue or self._load_queue)
+
+    def step_needs_poll(self) -> bool:
+        """A load is in flight, or a result waits (a step's requests wait for loads
+        only; cascades' results are left to the step-window thread's rounds)."""
+        return bool(self._finished) or any(op == "load" for op, _ in self._jobs.values())
 
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
         return RequestOffloadingContext()
