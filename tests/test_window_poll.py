@@ -525,8 +525,7 @@ def test_after_a_round_that_left_nothing_in_flight_no_call_of_the_step_polls_the
 def test_while_rounds_come_a_step_polls_the_node_tier_for_its_loads_not_its_cascades(
         engines, tmp_path):
     """The node tier: a step leaves the results of cascades in flight to the rounds (it
-    waits for none) and polls while a load is in flight; its promotion's load goes at the
-    first round after the step (a memory copy), and the chunk is a HIT."""
+    waits for none) and polls while a load is in flight; the chunk is a HIT."""
     import signal
 
     from test_fs_accounting import stop_workers
@@ -554,19 +553,15 @@ def test_while_rounds_come_a_step_polls_the_node_tier_for_its_loads_not_its_casc
         while ("store", window) not in sent:
             assert time.monotonic() < deadline, "no round sent the cascade"
             time.sleep(0.002)
-        assert not tier.step_needs_poll()
         polls.clear()
         reader = ReqContext("r")
         with m.lock:  # a step after the round: only a cascade in flight
             assert m.lookup(first[0], reader) is PENDING
             m.prepare_store([key(201)], ReqContext("d"))
             assert polls == [], "the step polled for a cascade's result"
-            m.on_schedule_end(END)  # the promotion: its load is left to the round
-            assert [op for op, _ in sent] == ["store"]
-        deadline = time.monotonic() + 5
-        while ("load", window) not in sent:
-            assert time.monotonic() < deadline, "no round sent the load"
-            time.sleep(0.002)
+            assert not tier.step_needs_poll()
+            m.on_schedule_end(END)  # the promotion's load goes now
+            assert sent[1:] == [("load", threading.current_thread().name)]
         assert tier.step_needs_poll()
         with m.lock:
             assert m.lookup(first[0], reader) is PENDING  # the load with stopped workers

@@ -171,11 +171,6 @@ class TierJobs:
     # loads and leaves the rest to the next round.
     _rounds_since_step = 0
     _rounds_come = False
-    #: Whether a step's end sends its loads while rounds come (a request waits for them:
-    #: a storage tier's read takes milliseconds). A tier whose loads are memory copies
-    #: (``node``) leaves them to the first round, ~1 ms later: the copy still ends within
-    #: the forward pass, and the step saves their encoding and ring writes.
-    loads_at_step_end = True
 
     def submit_between_steps(self) -> None:
         """Hand all queued work to the pool. The manager's step-window thread calls it
@@ -184,12 +179,9 @@ class TierJobs:
         self._submit_queued()
 
     def _submit_at_step_end(self) -> None:
-        """``on_schedule_end``'s sending: while rounds come, the loads (none with
-        ``loads_at_step_end`` off); after a forward pass without a round (the engine's
-        rhythm changed, the thread is off or behind), everything."""
+        """``on_schedule_end``'s sending: a forward pass without a round (the engine's
+        rhythm changed, the thread is off or behind) and this step sends everything."""
         self._rounds_come, self._rounds_since_step = self._rounds_since_step > 0, 0
-        if self._rounds_come and not self.loads_at_step_end:
-            return
         self._submit_queued(loads_only=self._rounds_come)
 
     def get_finished_jobs(self) -> list[JobResult]:

@@ -20,9 +20,11 @@ and every byte moves in this engine's tier workers, which take the pool's lock.
   workers as the storage tiers split theirs); OK, or MISS (evicted), CORRUPT (failed
   its CRC: the pool dropped it) or ERROR (the worker died: if it was killed, the
   promotion's ``deferred_release`` holds the rows until it is gone).
-- The queues go out at the step-window thread's rounds (``polls_between_steps``), loads
-  first; while no rounds come (the thread is off, or the engine's rhythm changed), at
-  ``on_schedule_end`` and ``get_finished_jobs``.
+- Loads go out at ``on_schedule_end`` (a request waits for them); the rest at the
+  step-window thread's rounds (``polls_between_steps``), or in the step while no rounds
+  come (the thread is off, or the engine's rhythm changed). A step polls the workers'
+  results only while a load is in flight (``step_needs_poll``): the rounds collect the
+  cascades'.
 
 Capacity and eviction are the pool's (one bound for the whole node, one LRU); this
 half keeps no index of its own, only the jobs in flight. Per-engine lookup and hit
@@ -121,7 +123,6 @@ class NodeTierManager(TierJobs, TierSeries, SecondaryTierManager):
     BYTES_METRIC = NODE_BYTES
     tolerates_off_thread_polling = False
     polls_between_steps = True
-    loads_at_step_end = False  # memory copies: the first round sends them (TierJobs)
     # a worker killed while it loads may still write the rows: its failed promotions
     # carry deferred_release (set once the pool sees the process gone)
     defers_release = True
