@@ -57,7 +57,9 @@ def test_at_the_cap_keys_wait_unpinned_then_go_and_promote_byte_exact(engines, t
     ``prepare_store`` submits them before its own eviction (which then takes other rows,
     although the deferred ones were the least recently used); evicted from the CPU tier
     later, they come back from the fs tier byte for byte."""
-    e = engines(tmp_path, chunks=16, max_pinned_fraction=0.25)
+    # steps alone, no step-window rounds (which would take the cascades: this test
+    # follows what each call of a step does)
+    e = engines(tmp_path, chunks=16, max_pinned_fraction=0.25, top={"tier_poll_window": 0})
     e.settle()  # the tier's listing of its root has landed: it is idle
     m = e.manager
     keys = [key(i) for i in range(6)]

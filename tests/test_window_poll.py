@@ -11,6 +11,7 @@ import time
 import pytest
 from fs_engine import END, PENDING, engines, key  # noqa: F401
 
+from shmtier import metrics
 from shmtier.config import ConfigError, TieringConfig
 from shmtier.contract import ReqContext
 from shmtier.scheduler.tiering.window_poll import (IDLE_AFTER_PERIODS, IDLE_SLEEP_MAX_S,
@@ -399,6 +400,40 @@ def _stored_in_step(e, keys, first_block, ctx) -> None:
     m.complete_store(out.keys_to_store, ctx)
 
 
+def _tier_finishes(tier) -> list:
+    """The request ids of the tier's ``on_request_finished`` calls from now on."""
+    seen, real = [], tier.on_request_finished
+
+    def finished(ctx):
+        seen.append(ctx.req_id)
+        return real(ctx)
+
+    tier.on_request_finished = finished
+    return seen
+
+
+def test_keys_evicted_before_the_round_that_would_cascade_them_are_counted_lost(engines,
+                                                                               tmp_path):
+    """While rounds come, a step's stored keys wait unpinned for the next round; a store
+    of the same step that needs their rows evicts them: the round skips them, counted
+    lost, and cascades the rest."""
+    from test_cascade_defer import counters, on_disk
+
+    e = engines(tmp_path, chunks=4)
+    e.settle()
+    m = e.manager
+    _rhythm(m)
+    with m.lock:
+        _stored_in_step(e, [key(1), key(2)], 0, ReqContext("a"))
+        out = m.prepare_store([key(10 + i) for i in range(4)], ReqContext("b"))  # all rows
+        assert m.primary.ready_keys([key(1), key(2)]) == []
+        m.complete_store(out.keys_to_store, ReqContext("b"), success=False)
+        m.on_schedule_end(END)
+    e.settle()
+    assert on_disk(tmp_path) == set()
+    assert counters(e)[metrics.CASCADE_DEFERRED_LOST_CHUNKS] == 2
+
+
 def _pool_submits(e) -> list:
     """(op, thread name) of every pool job the engine's tier sends from now on."""
     pool, seen = e.spec.worker_pool, []
@@ -420,15 +455,23 @@ def test_while_rounds_come_a_step_leaves_its_stores_to_the_next_round(engines, t
     m = e.manager
     sent = _pool_submits(e)
     _rhythm(m)  # rounds come in the forward passes
+    a = ReqContext("a")
+    finished = _tier_finishes(m.tiers[0])
     with m.lock:
-        _stored_in_step(e, [key(1), key(2)], 0, ReqContext("a"))
+        _stored_in_step(e, [key(1), key(2)], 0, a)
+        m.on_request_finished(a)
         m.on_schedule_end(END)
         assert sent == [], "the step sent its stores"
+        # nothing pinned for them in the step, and the tier hears of the request's end
+        # only after its cascade went
+        assert [m.primary.is_evictable(k) for k in (key(1), key(2))] == [True, True]
+        assert m.has_pending_work() and finished == []
     deadline = time.monotonic() + 0.09
     while not sent:  # the round after the step sends them
         assert time.monotonic() < deadline, "no round sent the stores"
         time.sleep(0.002)
     assert sent == [("store", "shmtier_step_window_poll")]
+    assert finished == ["a"]
     with m.lock:  # two steps with no forward pass (no round) between them
         _stored_in_step(e, [key(3)], 2, ReqContext("b"))
         m.on_schedule_end(END)  # rounds came before this step: its store is left queued

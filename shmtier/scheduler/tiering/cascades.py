@@ -16,6 +16,12 @@ Request-level tiers also get the chunks a request's ``prepare_store`` found alre
 the primary (``present``); those still being written are parked with their request until
 they are ready (``flush_parked``, at ``on_schedule_end``).
 
+While the step-window thread's rounds come, a step's write-through cascades to the tiers
+it polls wait for the next round (``leave_to_round``, ``flush_later``): their pins, jobs
+and the tiers' bookkeeping run between steps, not in the step. Meanwhile the keys are not
+pinned (the primary may evict them: counted lost, as deferred keys are). A step after a
+forward pass without rounds sends what still waits (``on_schedule_end``).
+
 Who calls: the manager (and its scan's admission of CPU-tier hits), in the scheduler
 process, under the manager's lock. Never blocks.
 """
@@ -37,7 +43,7 @@ class Cascades:
     """Cascade jobs of manager ``manager`` and each tier's deferred keys, oldest first,
     each with (ctx, its request's state or None)."""
 
-    __slots__ = ("_manager", "deferred", "max_pinned_rows", "parked")
+    __slots__ = ("_manager", "deferred", "max_pinned_rows", "parked", "later")
 
     def __init__(self, manager: Any):
         self._manager = manager
@@ -45,6 +51,8 @@ class Cascades:
         self.deferred: list[OrderedDict[OffloadKey, tuple[ReqContext, Any]]] = [
             OrderedDict() for _ in manager.tiers]
         self.parked: dict[str, Any] = {}  # request id -> its state, with parked keys
+        # stored keys left to the next round: (keys, ctx, its request's state or None)
+        self.later: list[tuple[list[OffloadKey], ReqContext, Any]] = []
 
     def cascade(self, keys: list[OffloadKey], ctx: ReqContext,
                 tier_indices: Iterable[int]) -> None:
@@ -68,6 +76,40 @@ class Cascades:
                     self._defer(tier_idx, keys[fits:], ctx, cap)
                     continue
             tier.submit_store(manager._create_store_job(keys, ctx, tier_idx))
+
+    def leave_to_round(self, keys: list[OffloadKey], ctx: ReqContext, state: Any) -> None:
+        """``keys`` (ready in the primary, stored by request ``ctx``, whose ``state`` it
+        is or None) go to the window-polled tiers at the next ``flush_later``; their
+        request is not finalized meanwhile."""
+        self.later.append((keys, ctx, state))
+        if state is not None:
+            state.later_cascades += 1
+
+    def flush_later(self) -> None:
+        """Cascade what ``leave_to_round`` left to the window-polled tiers: the keys the
+        primary still holds ready (the others are counted lost for each of them)."""
+        if not self.later:
+            return
+        later = list(self.later)
+        self.later.clear()  # (in place: the manager reads it per step)
+        manager = self._manager
+        tiers, ready_keys = manager._window_polled, manager.primary.ready_keys
+        lost = 0
+        waiting = []
+        for keys, ctx, state in later:
+            ready = ready_keys(keys)
+            lost += len(keys) - len(ready)
+            if ready:
+                self.cascade(ready, ctx, tiers)
+            if state is not None:
+                state.later_cascades -= 1
+                waiting.append(state)
+        if lost:
+            for tier_idx in tiers:
+                manager._stats.increase_counter(metrics.CASCADE_DEFERRED_LOST_CHUNKS, lost,
+                                                (manager.labels[tier_idx + 1],))
+        for state in waiting:
+            manager._maybe_finalize(state)
 
     def present(self, state: Any, keys: list[OffloadKey]) -> None:
         """Request-level tiers also get chunks already in the primary; pending ones wait

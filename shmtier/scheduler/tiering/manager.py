@@ -18,6 +18,8 @@ Data flow::
        (past a tier's ``max_pinned_rows`` the keys wait unpinned in its deferred queue,
         submitted oldest first as the cap allows: at the next cascade, after the poll of
         each prepare_store and at on_schedule_end)
+       (while the step-window rounds come, the cascades to the tiers they poll are left
+        to the next round: nothing is pinned or sent for them in the step)
        (with an ``admission`` rule other than write-through, only the chunks it admits;
         the CPU-tier hits of a lookup scan may admit more when the scan ends)
     tier.get_finished_jobs ──(polled once per step, and always in prepare_store)──▶
@@ -34,9 +36,10 @@ Two daemon threads may poll tiers besides the steps' own polls, each holding the
 the tier-poll thread (``poll_thread.py``, docs/vllm-contract.md §6.10: tiers that set
 ``tolerates_off_thread_polling``, every ``tier_poll_interval_s``; they also serve external
 requests) and the step-window thread (``window_poll.py``: tiers that set
-``polls_between_steps``, only during the forward pass; each round first lets them send
-what they left queued). Neither flushes promotions or cascades (per-step batching
-points) and both leave the once-per-step gate as they found it.
+``polls_between_steps``, only during the forward pass; each round first cascades what
+the last step left to it, then lets the tiers send what they left queued). Neither
+flushes promotions, deferred or parked cascades (per-step batching points) and both
+leave the once-per-step gate as they found it.
 
 Requests finish in two stages: ``on_request_finished`` tells the primary at
 once, but the tiers hear of it only after the request's last pending primary
@@ -110,6 +113,7 @@ class _RequestState:
     request_level_tiers: set[int] = field(default_factory=set)
     parked_cascade_keys: list[OffloadKey] = field(default_factory=list)
     deferred_cascade_keys: int = 0  # keys of this request waiting in a tier's deferred queue
+    later_cascades: int = 0  # its stores whose cascades wait for a round (cascades.py)
 
 
 class TieringOffloadingManager:
@@ -158,6 +162,7 @@ class TieringOffloadingManager:
         self._has_deferred, self._flush_deferred_cascades = (
             self._cascades.any_deferred, self._cascades.flush)
         self._flush_parked_cascades = self._cascades.flush_parked
+        self._later, self._flush_later = self._cascades.later, self._cascades.flush_later
         self._parked = self._cascades.parked  # request id -> state with parked keys
         self._parents = [TierFacingParent(self, i) for i in range(len(self.tiers))]
         # the tiers whose serve_external_requests is not the base class's (which does
@@ -394,7 +399,14 @@ class TieringOffloadingManager:
         if success and self.tiers:
             stored = self.primary.ready_keys(keys)
             if stored:
-                if self.admission is None:  # write-through
+                rhythm = self._rhythm
+                if self.admission is None and rhythm is not None and rhythm.came:
+                    # write-through, while rounds come: the rounds' tiers at the next one
+                    if self._unwindowed:
+                        self._cascade(stored, req_context, self._unwindowed)
+                    self._cascades.leave_to_round(stored, req_context,
+                                                  self._requests.get(req_context.req_id))
+                elif self.admission is None:  # write-through
                     self._cascade(stored, req_context, range(len(self.tiers)))
                 else:
                     state = self._requests.get(req_context.req_id)
@@ -461,7 +473,7 @@ class TieringOffloadingManager:
 
     def _maybe_finalize(self, state: _RequestState) -> None:
         if (not state.finished or state.pending_primary_stores or state.parked_cascade_keys
-                or state.deferred_cascade_keys):
+                or state.deferred_cascade_keys or state.later_cascades):
             return
         req_id = state.ctx.req_id
         if self._requests.get(req_id) is not state:
@@ -484,6 +496,8 @@ class TieringOffloadingManager:
             self.tiers[tier_idx].serve_external_requests(self._parents[tier_idx])
         self._polled_this_step = False
         self._flush_pending_promotions()
+        if self._later and not self._rhythm.came:  # no round since the step that left them
+            self._flush_later()
         if self._parked:
             self._flush_parked_cascades()
         self._flush_deferred_cascades()
@@ -500,8 +514,8 @@ class TieringOffloadingManager:
         jobs = len(self._jobs)
         if jobs and self._idle_job_counts:
             jobs -= sum(count() for count in self._idle_job_counts)
-        return (jobs > 0 or bool(self._parked) or self._has_deferred() or bool(self._held)
-                or any(tier.has_pending_work() for tier in self.tiers))
+        return (jobs > 0 or bool(self._parked) or bool(self._later) or self._has_deferred()
+                or bool(self._held) or any(tier.has_pending_work() for tier in self.tiers))
 
     def take_events(self) -> Iterable[OffloadingEvent]:
         if self._scan is not None:
@@ -531,6 +545,7 @@ class TieringOffloadingManager:
         hold promotions until ``on_reset_flushed``."""
         if self._scan is not None:
             self._scan.end()
+        self._flush_later()
         self._flush_deferred_cascades(capped=False)  # the tiers keep them (drained below)
         for tier in self.tiers:
             tier.drain_jobs()
@@ -583,17 +598,20 @@ class TieringOffloadingManager:
     def poll_between_steps(self) -> bool:
         """Process the finished jobs of the tiers that set ``polls_between_steps``.
         Caller holds the lock (the step-window thread, between steps). Each such tier's
-        ``submit_between_steps()`` (if it has one) goes first; the stats publisher
+        ``submit_between_steps()`` (if it has one) goes first, after the cascades the
+        last step left to the round (``Cascades.flush_later``); the stats publisher
         publishes here, if due, instead of in ``get_stats``. Nothing while a lookup
         scan is open (a connector releasing the lock inside one): the scan's state stays
-        as the engine left it. Promotions and cascades are not flushed; the once-per-step
-        gate is left as it was. Returns False when none of those tiers has work pending
+        as the engine left it. Promotions, deferred and parked cascades are not flushed
+        (per-step batching points); the once-per-step gate is left as it was. Returns False when none of those tiers has work pending
         (nothing a later round could collect until the engine calls again)."""
         if self._scan is not None:
             return True
         gate = self._polled_this_step
         self._polled_this_step = True
         try:
+            if self._later:
+                self._flush_later()
             for submit in self._window_submits:
                 submit()
             self._process_finished_jobs(self._window_polled)
