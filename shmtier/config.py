@@ -347,7 +347,8 @@ class TieringConfig(Options):
         doc="the storage tiers' finished jobs are collected by a thread while the engine "
             "runs its forward pass, from just after on_schedule_end until this share of the "
             "step period has passed, while work is in flight (a step then sends only its "
-            "loads, the round after it the rest); 0: every poll and send inside the steps")
+            "loads and polls only for them; the round after it cascades what the step "
+            "stored and sends the rest); 0: every poll and send inside the steps")
     tier_poll_window_cpu: str = option(
         "any", one_of("any", "engine"),
         doc='where the step-window thread runs its rounds: "any" (the CPU the kernel picks) '
