@@ -603,8 +603,9 @@ class TieringOffloadingManager:
         publishes here, if due, instead of in ``get_stats``. Nothing while a lookup
         scan is open (a connector releasing the lock inside one): the scan's state stays
         as the engine left it. Promotions, deferred and parked cascades are not flushed
-        (per-step batching points); the once-per-step gate is left as it was. Returns False when none of those tiers has work pending
-        (nothing a later round could collect until the engine calls again)."""
+        (per-step batching points); the once-per-step gate is left as it was. Returns
+        False when none of those tiers has work pending (nothing a later round could
+        collect until the engine calls again)."""
         if self._scan is not None:
             return True
         gate = self._polled_this_step

@@ -13,9 +13,9 @@ and every byte moves in this engine's tier workers, which take the pool's lock.
 - Cascades (``submit_store``): queued; when the queue is sent, keys the pool holds
   already (stored by another engine, or by this one before) succeed (counted), and the
   rest go to the workers as ``store`` pool jobs, one per operation, combined as the
-  storage tiers combine theirs (``shmtier/storage/transfers.py``). A worker answers OK (stored),
-  EXISTS (another engine stored it meanwhile), REJECTED (every row of the pool is
-  pinned by loads) or ERROR.
+  storage tiers combine theirs (``shmtier/storage/transfers.py``). A worker answers OK
+  (stored), EXISTS (another engine stored it meanwhile), REJECTED (every row of the pool
+  is pinned by loads) or ERROR.
 - Promotions (``submit_load``): queued, sent as ``load`` pool jobs (split over the
   workers as the storage tiers split theirs); OK, or MISS (evicted), CORRUPT (failed
   its CRC: the pool dropped it) or ERROR (the worker died: if it was killed, the
