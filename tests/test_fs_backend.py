@@ -815,6 +815,47 @@ def test_killed_writer_leaves_no_visible_partial_chunk_and_temps_are_cleaned(tmp
         assert bytes(dst[row, :8]) == e.key[-8:]
 
 
+CHILD_PROBE_LOOP = textwrap.dedent("""
+    import sys
+    from shmtier.tiers.fs.backend import FsBackend
+    b = FsBackend(sys.argv[1], sys.argv[2], min_free_bytes=0)
+    print(b.takes_direct_io(), flush=True)
+    while True:
+        b.takes_direct_io()
+""")
+
+
+def test_a_direct_io_probe_killed_midway_leaves_a_temp_file_the_scan_removes(tmp_path):
+    """A tier worker killed during its start-up O_DIRECT probe (a chaos run's SIGKILL)
+    leaves the probe file: it is named as the worker's temp files are, so the next scan
+    removes it as a dead writer's (it was kept for 900 s, until stale)."""
+    leftovers = []
+    for attempt in range(8):
+        child = subprocess.Popen([sys.executable, "-c", CHILD_PROBE_LOOP, str(tmp_path), FP],
+                                 stdout=subprocess.PIPE, text=True)
+        try:
+            takes = child.stdout.readline().strip()
+            if takes == "False":
+                pytest.skip(f"{tmp_path} does not take O_DIRECT: no probe file is left")
+            assert takes == "True", "the probing process failed"
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline and not temp_files(tmp_path):
+                pass
+            child.send_signal(signal.SIGKILL)
+        finally:
+            child.kill()
+            child.wait()
+        leftovers = temp_files(tmp_path)
+        if leftovers:
+            break
+    assert leftovers, "never caught the probe midway (8 tries)"
+    assert all("direct-probe" in name for name in leftovers)
+    b = backend(tmp_path)
+    list(b.scan())
+    assert not temp_files(tmp_path), "the scan kept the killed probe's file"
+    assert b.counters.temp_files_removed == len(leftovers)
+
+
 def test_temp_files_of_live_or_unknown_writers_are_kept_until_stale(tmp_path):
     b = backend(tmp_path, stale_temp_age_s=60)
     src = make_arena(1, 4096, 4096, "bytes")

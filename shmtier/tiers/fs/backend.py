@@ -52,6 +52,8 @@ from shmtier.tiers.fs.store import ChunkWriter
 
 DEFAULT_CHUNK_BYTES_HINT = 1 << 20
 DEFAULT_STALE_TEMP_AGE_S = 900.0
+# what stands for a key in the O_DIRECT probe's temp name (``takes_direct_io``)
+_PROBE_TEMP_KEY = "direct-probe"
 
 
 class FsBackend(TierBackend):
@@ -169,8 +171,7 @@ class FsBackend(TierBackend):
         self.stale_temp_age_s = float(stale_temp_age_s)
         self.codec_config = codec_config if codec_config is not None else CompressionConfig()
         self.counters = FsCounters()
-        direct = (direct_io is not False and self.ns.fd >= 0
-                  and probe_direct_io(self.namespace_dir, dir_fd=self.ns.fd))
+        direct = direct_io is not False and self.takes_direct_io()
         adaptive = direct_io == "adaptive"
         #: O_DIRECT for stores / for loads from the start (``direct_io`` and what the
         #: filesystem takes); "adaptive": cache-first loads, stores O_DIRECT once new page
@@ -201,6 +202,14 @@ class FsBackend(TierBackend):
         self._flags = (ResultFlag.NAMESPACE_RESET
                        if flag_created and (self.ns.created_at_open or self.ns.fd < 0)
                        else 0)
+
+    def takes_direct_io(self) -> bool:
+        """Whether the namespace's directory takes O_DIRECT (``probe_direct_io``): its
+        probe file is named as this process's temp files are (a temp name of the
+        namespace), so one left by a process killed mid-probe is removed as a dead
+        writer's by the next scan. False without a namespace directory."""
+        return self.ns.fd >= 0 and probe_direct_io(
+            self.namespace_dir, dir_fd=self.ns.fd, name=self.ns.temp_name(_PROBE_TEMP_KEY))
 
     @classmethod
     def open(cls, config: FsTierConfig, context: WorkerContext) -> "FsBackend":
@@ -415,7 +424,8 @@ class FsBackend(TierBackend):
             else:
                 c.scan_errors += 1
             return
-        for rel, dir_fd, entries in self.ns.walk(self._scan_error, self._link_refused):
+        for rel, dir_fd, entries in self.ns.walk(self._scan_error, self._link_refused,
+                                                 self._top_entry):
             for e in entries:
                 name = e.name
                 if name.endswith(TEMP_SUFFIX):
@@ -457,6 +467,14 @@ class FsBackend(TierBackend):
 
     def _link_refused(self) -> None:
         self.counters.links_refused += 1
+
+    def _top_entry(self, dir_fd: int, rel: str, entry: os.DirEntry) -> None:
+        """The scan's look at the namespace directory's own entries (``Namespace.walk``'s
+        ``on_other``): the temp file of a process killed during its O_DIRECT probe
+        (``takes_direct_io``) is removed as a dead writer's chunk temp files are."""
+        name = entry.name
+        if not rel and name.startswith(".") and name.endswith(TEMP_SUFFIX):
+            self._maybe_remove_temp(entry, dir_fd)
 
     def _maybe_remove_temp(self, entry: os.DirEntry, dir_fd: int) -> None:
         if self.ns.temp_writer_alive(entry.name):  # else: no stat needed

@@ -243,13 +243,18 @@ def read_direct(fd: int, size: int, cap: int, buf: PageBuffer) -> memoryview | N
     return view[:size]
 
 
-def probe_direct_io(directory: str, *, dir_fd: int | None = None) -> bool:
+def probe_direct_io(directory: str, *, dir_fd: int | None = None,
+                    name: str | None = None) -> bool:
     """Whether ``directory`` (or the directory open as ``dir_fd``) takes O_DIRECT: one
     aligned page written to a new probe file there (as vLLM's fs tier probes), which is
-    then removed. Some network and FUSE filesystems, and tmpfs before Linux 6.6, do not."""
+    then removed. Some network and FUSE filesystems, and tmpfs before Linux 6.6, do not.
+    ``name``: the probe file's (default ``.direct-probe.<pid>.tmp``); the fs tier passes
+    one of its namespace's temp names, so that the file of a process killed mid-probe is
+    a dead writer's temp file to the tier's scan and to ``shmtier fsck``."""
     if not O_DIRECT:
         return False
-    name = f".direct-probe.{os.getpid()}.tmp"  # a temp file's suffix
+    if name is None:
+        name = f".direct-probe.{os.getpid()}.tmp"  # a temp file's suffix
     path = name if dir_fd is not None else os.path.join(directory, name)
     page = np.zeros(2 * ALIGN, dtype=np.uint8)
     base = (-page.ctypes.data) % ALIGN
