@@ -783,24 +783,35 @@ CHILD_STORE_LOOP = textwrap.dedent("""
 """)
 
 
-def test_killed_writer_leaves_no_visible_partial_chunk_and_temps_are_cleaned(tmp_path):
-    cb = 8 << 20
+def killed_mid_write(root, script: str, *args, ready=None) -> list[str]:
+    """Run ``script`` (a Python program; ``args`` its arguments) in a child process that
+    writes under ``root`` in a loop and SIGKILL it as soon as a temp file shows, up to 8
+    times, until one is left; returns the temp files left. ``ready(line)`` is given the
+    child's first line (printed once its loop runs) in each try."""
     leftovers = []
     for attempt in range(8):
-        child = subprocess.Popen([sys.executable, "-c", CHILD_STORE_LOOP, str(tmp_path), FP,
-                                  str(cb)], stdout=subprocess.PIPE, text=True)
+        child = subprocess.Popen([sys.executable, "-c", script, str(root), *map(str, args)],
+                                 stdout=subprocess.PIPE, text=True)
         try:
-            child.stdout.readline()  # one chunk published: the loop is running
+            line = child.stdout.readline().strip()  # the loop is running
+            if ready is not None:
+                ready(line)
             deadline = time.monotonic() + 10
-            while time.monotonic() < deadline and not temp_files(tmp_path):
+            while time.monotonic() < deadline and not temp_files(root):
                 pass
             child.send_signal(signal.SIGKILL)
         finally:
             child.kill()
             child.wait()
-        leftovers = temp_files(tmp_path)
+        leftovers = temp_files(root)
         if leftovers:
             break
+    return leftovers
+
+
+def test_killed_writer_leaves_no_visible_partial_chunk_and_temps_are_cleaned(tmp_path):
+    cb = 8 << 20
+    leftovers = killed_mid_write(tmp_path, CHILD_STORE_LOOP, FP, cb)
     assert leftovers, "never caught the writer mid-store (8 tries)"
 
     b = backend(tmp_path)
@@ -829,25 +840,13 @@ def test_a_direct_io_probe_killed_midway_leaves_a_temp_file_the_scan_removes(tmp
     """A tier worker killed during its start-up O_DIRECT probe (a chaos run's SIGKILL)
     leaves the probe file: it is named as the worker's temp files are, so the next scan
     removes it as a dead writer's (it was kept for 900 s, until stale)."""
-    leftovers = []
-    for attempt in range(8):
-        child = subprocess.Popen([sys.executable, "-c", CHILD_PROBE_LOOP, str(tmp_path), FP],
-                                 stdout=subprocess.PIPE, text=True)
-        try:
-            takes = child.stdout.readline().strip()
-            if takes == "False":
-                pytest.skip(f"{tmp_path} does not take O_DIRECT: no probe file is left")
-            assert takes == "True", "the probing process failed"
-            deadline = time.monotonic() + 10
-            while time.monotonic() < deadline and not temp_files(tmp_path):
-                pass
-            child.send_signal(signal.SIGKILL)
-        finally:
-            child.kill()
-            child.wait()
-        leftovers = temp_files(tmp_path)
-        if leftovers:
-            break
+
+    def ready(takes):
+        if takes == "False":
+            pytest.skip(f"{tmp_path} does not take O_DIRECT: no probe file is left")
+        assert takes == "True", "the probing process failed"
+
+    leftovers = killed_mid_write(tmp_path, CHILD_PROBE_LOOP, FP, ready=ready)
     assert leftovers, "never caught the probe midway (8 tries)"
     assert all("direct-probe" in name for name in leftovers)
     b = backend(tmp_path)

@@ -400,6 +400,20 @@ def _stored_in_step(e, keys, first_block, ctx) -> None:
     m.complete_store(out.keys_to_store, ctx)
 
 
+def _evicted_from_the_cpu_tier(e, n: int) -> list:
+    """``n`` keys stored by a finished request and cascaded, then evicted from the CPU
+    tier (of 8 chunks) by 8 more keys; returns them."""
+    first = [key(i) for i in range(n)]
+    a = ReqContext("a")
+    e.offload(first, 0, a)
+    with e.manager.lock:
+        e.manager.on_request_finished(a)
+    e.settle()
+    e.offload([key(100 + i) for i in range(8)], n, ReqContext("b"))
+    e.settle()
+    return first
+
+
 def _tier_finishes(tier) -> list:
     """The request ids of the tier's ``on_request_finished`` calls from now on."""
     seen, real = [], tier.on_request_finished
@@ -484,14 +498,7 @@ def test_while_rounds_come_a_step_leaves_its_stores_to_the_next_round(engines, t
 def test_while_rounds_come_a_step_still_sends_its_promotions(engines, tmp_path):
     """A request waits for a promotion: the step that reserves it sends it at once."""
     e = engines(tmp_path, chunks=8)
-    first = [key(i) for i in range(8)]
-    a = ReqContext("a")
-    e.offload(first, 0, a)
-    with e.manager.lock:
-        e.manager.on_request_finished(a)
-    e.settle()
-    e.offload([key(100 + i) for i in range(8)], 8, ReqContext("b"))  # evicts "a" from the CPU
-    e.settle()
+    first = _evicted_from_the_cpu_tier(e, 8)
     m = e.manager
     _rhythm(m)
     sent = _pool_submits(e)
@@ -574,14 +581,7 @@ def test_while_rounds_come_a_step_polls_the_node_tier_for_its_loads_not_its_casc
     from test_fs_accounting import stop_workers
 
     e = engines(tmp_path, chunks=8, tier_type="node", size_bytes=1 << 20)
-    first = [key(i) for i in range(4)]
-    a = ReqContext("a")
-    e.offload(first, 0, a)
-    with e.manager.lock:
-        e.manager.on_request_finished(a)
-    e.settle()
-    e.offload([key(100 + i) for i in range(8)], 4, ReqContext("b"))  # evicts "a" from the CPU
-    e.settle()
+    first = _evicted_from_the_cpu_tier(e, 4)
     m, tier = e.manager, e.manager.tiers[0]
     _rhythm(m)
     sent, polls = _pool_submits(e), _engine_polls(tier)
