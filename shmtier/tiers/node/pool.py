@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import logging
 import mmap
 import os
@@ -62,6 +63,7 @@ import time
 import numpy as np
 
 from shmtier.shared import procinfo
+from shmtier.tiers.node import _index
 from shmtier.shared.codec import copy_crc32c, crc32c
 from shmtier.shared.jobs import Outcome
 from shmtier.shared.segment import _unlink_if_same
@@ -86,7 +88,13 @@ from shmtier.tiers.node.layout import (
     H_SWEPT_WRITES,
     H_WRITING,
     R_CRC,
+    R_KEY,
+    R_KHASH,
+    R_KLEN,
     R_PINS,
+    R_STATE,
+    ROW_BYTES,
+    ROW_READY,
     RW32,
     Identity,
     NodeLayout,
@@ -105,11 +113,22 @@ from shmtier.tiers.node.tables import EngineTable, PinTable
 
 logger = logging.getLogger(__name__)
 
+# _index.c keeps its own copy of the record layout (C cannot import layout.py): a layout
+# change that leaves it behind fails here, at import, not as wrong answers
+_C_LAYOUT = (_index.ROW_BYTES, _index.R_STATE, _index.R_KLEN, _index.R_KHASH, _index.R_KEY,
+             _index.ROW_READY, _index.H_SEQ)
+if _C_LAYOUT != (ROW_BYTES, R_STATE, R_KLEN, R_KHASH, R_KEY, ROW_READY, H_SEQ):
+    raise ImportError(f"shmtier/tiers/node/_index.c's layout constants {_C_LAYOUT} differ "
+                      f"from layout.py's: rebuild the extension after changing both")
+
 #: seqlock reads a lookup tries before it answers MISS; after half of them found a
 #: mutation in progress it yields its CPU once (a writer preempted inside its few stores
 #: on this CPU gets to finish them: docs/node-pool.md, "Lookups")
 LOOKUP_TRIES = 64
 _YIELD_AT = LOOKUP_TRIES // 2
+#: the same bound for the C lookup, as time (a try there takes tens of nanoseconds: 64 of
+#: them would give up inside a writer's few stores): about what the reference's tries take
+LOOKUP_BUDGET_NS = 30_000
 
 
 def _flock(fd: int, timeout_s: float) -> bool:
@@ -146,8 +165,12 @@ class NodePool(Mutations):
         self.registered = False
         self.closed = False
         self._fd, self._mm, self._inode = fd, mm, os.fstat(fd).st_ino
-        self.v = Views(mm, layout)
-        self.index = HashIndex(self.v, layout.rows, layout.slots)
+        self.v = v = Views(mm, layout)
+        self.index = HashIndex(v, layout.rows, layout.slots)
+        # the lock-free lookups in C (``_index.c``; the Python reference: ``lookup_reference``)
+        self._c_lookup = functools.partial(_index.lookup, v.q, v.index, v.meta, layout.rows)
+        self._c_lookup_many = functools.partial(_index.lookup_many, v.q, v.index, v.meta,
+                                                layout.rows)
         self.lists = RowLists(self.v)
         self.pins = PinTable(self.v)
         self.engines = EngineTable(self.v)
@@ -312,15 +335,22 @@ class NodePool(Mutations):
         """Whether ``key`` is READY in the pool now (scheduler thread: no lock, no wait;
         at most one ``sched_yield``). A True may be evicted before its load (the load
         answers MISS); a False is at worst a false MISS while others mutate (bounded
-        retries)."""
+        retries). In C (``_index.c``); ``lookup_reference`` is the same in Python."""
+        return self._c_lookup(key, key_hash(key), LOOKUP_BUDGET_NS)
+
+    def lookup_many(self, keys) -> list[bool]:
+        """``lookup`` of each of ``keys`` under one seqlock bracket (the scheduler thread:
+        no lock, no wait): the answers of one read of the index when no mutation ran
+        meanwhile, else each key's own ``lookup`` (each answer as ``lookup``'s)."""
+        keys = list(keys)
+        return self._c_lookup_many(keys, [key_hash(key) for key in keys], LOOKUP_BUDGET_NS)
+
+    def lookup_reference(self, key: bytes) -> bool:
+        """``lookup`` in Python, the reference the C is tested against
+        (tests/test_node_index_c.py)."""
         h = key_hash(key)
         q, find = self.v.q, self.index.find
-        seq = q[H_SEQ]  # the first try, inline: the common case, no mutation under way
-        if not seq & 1:
-            found = find(key, h) >= 0
-            if q[H_SEQ] == seq:
-                return found
-        for n in range(1, LOOKUP_TRIES):
+        for n in range(LOOKUP_TRIES):
             seq = q[H_SEQ]
             if seq & 1:
                 if n == _YIELD_AT:
@@ -330,19 +360,6 @@ class NodePool(Mutations):
             if q[H_SEQ] == seq:
                 return found
         return False
-
-    def lookup_many(self, keys) -> list[bool]:
-        """``lookup`` of each of ``keys`` under one seqlock bracket (the scheduler thread:
-        no lock, no wait): the answers of one read of the index when no mutation ran
-        meanwhile, else each key's own ``lookup`` (each answer as ``lookup``'s)."""
-        q, find = self.v.q, self.index.find
-        seq = q[H_SEQ]
-        if not seq & 1:
-            found = [find(key, key_hash(key)) >= 0 for key in keys]
-            if q[H_SEQ] == seq:
-                return found
-        lookup = self.lookup
-        return [lookup(key) for key in keys]
 
     def used_rows(self) -> int:
         """READY rows in the pool now, every engine's (lock-free: one header read)."""
