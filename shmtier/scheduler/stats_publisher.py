@@ -106,6 +106,7 @@ class StatsPublisher:
                 counted[i].add(_F["chunks"])
             if getattr(tier, "bp_detector", None) is None:
                 counted[i] -= {_F["bp_dropped_jobs"], _F["bp_dropped_chunks"]}
+        self._field_list = [(name, f, gauge) for name, (f, gauge) in self._fields.items()]
         if row_bytes:
             for i in range(1, n):
                 counted[i] |= {_F["promotions"], _F["cascades"]}
@@ -129,12 +130,13 @@ class StatsPublisher:
         """Add one ``get_stats`` payload (counters are deltas) to the totals; publish when
         ``interval_s`` has passed since the last publish, unless ``publish`` is False
         (the manager's step-window thread then does, between steps: ``publish_if_due``)."""
-        index, totals, fields = self._index, self._totals, self._fields
-        for name, series in stats.data["data"].items():
-            field = fields.get(name)
-            if field is None:
+        index, totals, data = self._index, self._totals, stats.data["data"]
+        # the publisher's few series looked up in the payload, not every series of the
+        # payload looked up here: a tier's payload carries many the publisher ignores
+        for name, f, gauge in self._field_list:
+            series = data.get(name)
+            if series is None:
                 continue
-            f, gauge = field
             for labels, value in series.items():
                 i = index.get(labels)
                 if i is None:
