@@ -42,7 +42,8 @@ lookups per loaded chunk and RETRY answers per promoted chunk (each RETRY is a s
 request waits); the scheduler thread's step time (the manager calls of a step, under
 ``manager.lock``, wall: p50/p99 pooled over the replicas' steps, and the slowest replica's
 p99; and its on-CPU part, ``thread_time`` around the same calls, which leaves out the time
-the thread waited for a core); memory per hit (the CPU tiers' bytes + S, over the hits); wrong bytes (any: exit 1).
+the thread waited for a core; per call kind, on-CPU, per step and per call, and in each
+replica's slowest 1% of steps on-CPU, what the step-p99 comparison is made of); memory per hit (the CPU tiers' bytes + S, over the hits); wrong bytes (any: exit 1).
 Repeats alternate: each repeat runs every N and, per N, every variant, the variants'
 order rotated per repeat.
 
@@ -322,6 +323,7 @@ def figures(run: dict) -> dict:
         "abandoned": sum(r["summary"]["abandoned"] for r in reps),
         "wall_s": run["wall_s"], "build_s": run["build_s"],
         **_per_kind_cpu(raw, len(steps_us)),
+        **_slowest_steps_cpu([r["summary"] for r in reps]),
     }
 
 
@@ -338,6 +340,21 @@ def _per_kind_cpu(raw: list, steps: int) -> dict:
         calls = sum(r["calls"].get(kind, 0) for r in raw)
         out[f"cpu_step_{kind}"] = ns / 1e3 / steps if steps else None
         out[f"cpu_call_{kind}"] = ns / 1e3 / calls if calls else None
+    return out
+
+
+#: the calls the slowest steps' on-CPU breakdown shows (the larger ones of a step)
+SLOW_KINDS = ("on_new_request", "lookup", "prepare_load", "prepare_store",
+              "on_request_finished", "on_schedule_end", "complete_store", "get_stats")
+
+
+def _slowest_steps_cpu(summaries: list) -> dict:
+    """On-CPU µs of each of ``SLOW_KINDS`` and the lookup calls in the slowest 1% of
+    steps (at or above the replica's on-CPU p99; ``shmtier/bench/report.py``), the mean
+    over the replicas: what the step-p99 comparison is made of."""
+    out = {f"slow_cpu_{kind}": statistics.fmean(s["slow_cpu_kind_us"][kind] for s in summaries)
+           for kind in SLOW_KINDS}
+    out["slow_cpu_lookups"] = statistics.fmean(s["slow_cpu_lookups"] for s in summaries)
     return out
 
 
@@ -367,6 +384,9 @@ ROWS = [  # (label, key, digits)
     *((f"  {kind}", f"cpu_step_{kind}", 1) for kind in CPU_KINDS),
     ("on-CPU µs per call", None, 0),
     *((f"  {kind}", f"cpu_call_{kind}", 2) for kind in CPU_KINDS),
+    ("the slowest 1% of steps (on-CPU, per replica; mean over replicas)", None, 0),
+    ("  lookup calls a step", "slow_cpu_lookups", 1),
+    *((f"  {kind} µs", f"slow_cpu_{kind}", 1) for kind in SLOW_KINDS),
     ("memory", None, 0),
     ("  total MiB (CPU tiers + shared)", "memory_mib", 0),
     ("  KiB per hit", "memory_kib_per_hit", 1),

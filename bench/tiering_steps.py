@@ -310,7 +310,8 @@ def _runs(args, names, cfg, connector, vllm_note, trace, gen_s, capacity, data_p
             s = summarise(res, chunk_bytes)
             sums[n].append(s)
             raws[n].append({k: v for k, v in res.items()
-                            if k not in ("step_ns", "step_cpu_ns", "step_kinds", "step_lookups", "slow",
+                            if k not in ("step_ns", "step_cpu_ns", "step_kinds", "step_kinds_cpu",
+                                         "step_lookups", "slow",
                                          "wake_late_ns")})
             step_runs[n].append({k: res[k] for k in ("step_ns", "step_cpu_ns", "step_kinds", "slow")})
             s["load_avg_after"] = os.getloadavg()[0]

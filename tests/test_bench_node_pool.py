@@ -15,6 +15,8 @@ import time
 
 import pytest
 
+from bench import node_pool
+
 REPO = pathlib.Path(__file__).resolve().parents[1]
 SHM = "/dev/shm"
 FIGURES = ("hit", "hit_cpu", "hit_secondary", "promo_ms_p50", "promo_ms_p99",
@@ -98,6 +100,14 @@ def test_a_tiny_run_reports_every_figure_checks_every_chunk_and_leaves_nothing(t
         # the pooled p99 may pass the slowest replica's own p99 (interpolated percentiles)
         assert 0 < f["step_us_p50"] <= f["step_us_p99"] and f["step_us_p99_worst"] > 0, (v, f)
         assert f["memory_kib_per_hit"] == pytest.approx(f["memory_mib"] * 1024 / f["hits"])
+        # what each replica's slowest 1% of steps (on-CPU) are made of: the call kinds add
+        # up to those steps' on-CPU time, which is at least the replica's on-CPU p99
+        for rep in run["replicas"]:
+            s = rep["summary"]
+            assert sum(s["slow_cpu_kind_us"].values()) == pytest.approx(s["slow_cpu_us"])
+            assert s["slow_cpu_us"] >= s["step_cpu_us_p99"] > 0, (v, s["slow_cpu_us"])
+        slow = [f[f"slow_cpu_{kind}"] for kind in node_pool.SLOW_KINDS]
+        assert min(slow) >= 0 and sum(slow) > 0 and f["slow_cpu_lookups"] >= 0, (v, slow)
         memory.add(f["memory_mib"])
         # each replica stepped through its own half of the trace
         assert sorted(r["rank"] for r in run["replicas"]) == [0, 1]

@@ -214,7 +214,8 @@ def _dir_bytes(root: str) -> int:
 
 class _Figures(Meter):
     """Books each timed region of the driver (shmtier/connector_driver.py) to the run's
-    per-kind totals and to this step (``acc``: wall, CPU; ``step_kind``: wall per kind);
+    per-kind totals and to this step (``acc``: wall, CPU; ``step_kind``: wall per kind;
+    ``step_kind_cpu``: CPU per kind);
     the probe brackets each region (its ``begin`` is this meter's)."""
 
     def __init__(self, probe: StepProbe):
@@ -225,6 +226,7 @@ class _Figures(Meter):
         self.calls = dict.fromkeys(KINDS, 0)
         self.acc = [0, 0]  # this step: wall ns, cpu ns
         self.step_kind = [0] * len(KINDS)  # this step: wall ns per kind
+        self.step_kind_cpu = [0] * len(KINDS)  # this step: CPU ns per kind
         self._kind_idx = {k: i for i, k in enumerate(KINDS)}
 
     def end(self, token, kind, calls, keys, wall_ns, cpu_ns):
@@ -235,7 +237,9 @@ class _Figures(Meter):
         acc = self.acc
         acc[0] += wall_ns
         acc[1] += cpu_ns
-        self.step_kind[self._kind_idx[kind]] += wall_ns
+        i = self._kind_idx[kind]
+        self.step_kind[i] += wall_ns
+        self.step_kind_cpu[i] += cpu_ns
 
 
 class _DrainCpu(Meter):
@@ -279,6 +283,7 @@ def drive(mut: Mut, trace, cfg, data_pool: np.ndarray, probe: StepProbe | None =
     wake_late_ns: list[int] = []  # per step that slept: wake-up after the sleep's end
     step_cpu_ns: list[int] = []
     step_kinds: list[list[int]] = []  # per step: wall ns per kind
+    step_kinds_cpu: list[list[int]] = []  # per step: CPU ns per kind
     step_lookups: list[int] = []  # per step: lookup calls
     results = Counter()
     promo_steps, promo_ms = [], []  # RETRY/HIT_PENDING (not our own store) -> HIT
@@ -337,6 +342,7 @@ def drive(mut: Mut, trace, cfg, data_pool: np.ndarray, probe: StepProbe | None =
             cfg.progress(ai / len(reqs))
         acc[0] = acc[1] = 0
         step_kind = figures.step_kind = [0] * len(KINDS)
+        step_kind_cpu = figures.step_kind_cpu = [0] * len(KINDS)
         st_elig = st_host = st_other = 0
         lookups_before = calls["lookup"]
         new_jobs = []
@@ -506,6 +512,7 @@ def drive(mut: Mut, trace, cfg, data_pool: np.ndarray, probe: StepProbe | None =
         step_ns.append(acc[0])
         step_cpu_ns.append(acc[1])
         step_kinds.append(step_kind)
+        step_kinds_cpu.append(step_kind_cpu)
         probe.step_end()
         step_lookups.append(calls["lookup"] - lookups_before)
         step_hits.append((st_elig, st_host, st_other))
@@ -539,7 +546,8 @@ def drive(mut: Mut, trace, cfg, data_pool: np.ndarray, probe: StepProbe | None =
     return {
         "steps": len(step_ns), "drain_steps": drain_steps, "step_ns": step_ns,
         "wake_late_ns": wake_late_ns,
-        "step_cpu_ns": step_cpu_ns, "step_kinds": step_kinds, "step_lookups": step_lookups,
+        "step_cpu_ns": step_cpu_ns, "step_kinds": step_kinds, "step_kinds_cpu": step_kinds_cpu,
+        "step_lookups": step_lookups,
         "slow": probe.result(),
         "ns": ns, "cpu_ns": cpu_ns, "calls": calls,
         "lookup_results": dict(results),

@@ -112,6 +112,13 @@ def summarise(res: dict, chunk_bytes: int) -> dict:
     s["slow_kind_us"] = {k: sum(res["step_kinds"][i][j] for i in slow) / 1e3 / len(slow)
                          for j, k in enumerate(KINDS)}
     s["slow_lookups"] = sum(res["step_lookups"][i] for i in slow) / len(slow)
+    # the same for the slowest 1% on-CPU (what the thread itself did, not its waits)
+    cut = pct(cpu_us, 99)
+    slow = [i for i, v in enumerate(cpu_us) if v >= cut]
+    s["slow_cpu_kind_us"] = {k: sum(res["step_kinds_cpu"][i][j] for i in slow) / 1e3 / len(slow)
+                             for j, k in enumerate(KINDS)}
+    s["slow_cpu_lookups"] = sum(res["step_lookups"][i] for i in slow) / len(slow)
+    s["slow_cpu_us"] = sum(cpu_us[i] for i in slow) / len(slow)  # (the kinds add up to it)
     s["all_lookups_per_step"] = sum(res["step_lookups"]) / n_steps
     s["lookup_results"] = res["lookup_results"]
     s["worker_rss_anon_mib"] = res["worker_rss_anon_mib"]
