@@ -15,7 +15,6 @@ import random
 import time
 import uuid
 
-import numpy as np
 import pytest
 from conftest import SESSION_PREFIX
 from node_pool_proc import key, payload
@@ -71,7 +70,7 @@ class _Scratch:
     """A header page, index slots and row records in plain memory, with the views
     ``_finder`` reads: states a live pool shows only for an instant."""
 
-    def __init__(self, rows: int, slots: int, rng: random.Random):
+    def __init__(self, rows: int, slots: int):
         self.rows, self.slots = rows, slots
         self.header = bytearray(HEADER_BYTES)
         self.slot_bytes = bytearray(b"\xff" * (slots * 4))  # every slot empty (-1)
@@ -81,7 +80,6 @@ class _Scratch:
         self.index = memoryview(self.slot_bytes).cast("i")
         self.meta = memoryview(self.record_bytes)[:rows * ROW_BYTES]
         self.r32 = self.meta.cast("I")
-        self.rng = rng
 
     def put(self, row: int, key_bytes: bytes, state: int = ROW_READY, slot: int | None = None,
             klen: int | None = None, khash: int | None = None) -> None:
@@ -115,8 +113,8 @@ def test_torn_index_and_records_answer_the_same_and_stay_in_bounds(seed):
     buffers (the sanitizer run checks)."""
     rng = random.Random(seed)
     rows, slots = rng.choice([(1, 2), (7, 16), (50, 128)])
-    s = _Scratch(rows, slots, rng)
-    keys = [os.urandom(rng.randint(0, 100)) for _ in range(rows)]
+    s = _Scratch(rows, slots)
+    keys = [rng.randbytes(rng.randint(0, 100)) for _ in range(rows)]
     for row, k in enumerate(keys):
         choice = rng.random()
         if choice < 0.5:
@@ -133,7 +131,7 @@ def test_torn_index_and_records_answer_the_same_and_stay_in_bounds(seed):
         if rng.random() < 0.15:
             s.index[slot] = rng.choice([rows, rows + 1, 2**31 - 1, -2, -2**31,
                                         rng.randrange(max(rows, 1))])
-    probes = keys + [os.urandom(rng.randint(0, 112)) for _ in range(20)]
+    probes = keys + [rng.randbytes(rng.randint(0, 112)) for _ in range(20)]
     probes += [k[:-1] for k in keys if k] + [k + b"\0" for k in keys]
     for k in probes:
         assert s.c(k) == s.py(k), (seed, k)
@@ -142,7 +140,7 @@ def test_torn_index_and_records_answer_the_same_and_stay_in_bounds(seed):
 def test_a_full_index_without_the_key_ends_after_one_pass():
     """Every slot holds a row (a torn state: the live index keeps half its slots empty):
     the probe stops after ``slots`` reads in both, answering not found."""
-    s = _Scratch(4, 4, random.Random(0))
+    s = _Scratch(4, 4)
     for row in range(4):
         s.put(row, bytes([row]) * 8)
     assert not s.c(b"absent") and not s.py(b"absent")
@@ -150,7 +148,7 @@ def test_a_full_index_without_the_key_ends_after_one_pass():
 
 
 def test_a_sequence_word_held_odd_answers_miss_after_its_budget():
-    s = _Scratch(2, 4, random.Random(0))
+    s = _Scratch(2, 4)
     s.put(0, b"present")
     assert s.c(b"present")
     s.q[H_SEQ] = 1  # a mutation under way and never finished (its writer stopped)
@@ -168,7 +166,7 @@ def test_a_sequence_word_held_odd_answers_miss_after_its_budget():
 
 
 def test_bad_arguments_are_named():
-    s = _Scratch(2, 4, random.Random(0))
+    s = _Scratch(2, 4)
     with pytest.raises(TypeError, match="key: expected bytes, got str"):
         _index.lookup(s.q, s.index, s.meta, 2, "k", 0, 4)
     with pytest.raises(TypeError, match=r"lookup\(header, slots, records, rows, key, hash, budget_ns\)"):
@@ -191,4 +189,3 @@ def test_the_c_layout_is_the_pools():
     assert (_index.ROW_BYTES, _index.R_STATE, _index.R_KLEN, _index.R_KHASH, _index.R_KEY,
             _index.ROW_READY, _index.H_SEQ) == (ROW_BYTES, R_STATE, R_KLEN, R_KHASH, R_KEY,
                                                 ROW_READY, H_SEQ)
-    assert np.dtype("i4").itemsize == 4

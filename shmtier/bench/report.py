@@ -105,26 +105,30 @@ def summarise(res: dict, chunk_bytes: int) -> dict:
     s["per_kind_us_per_call"] = {k: (res["ns"][k] / 1e3 / res["calls"][k] if res["calls"][k] else None)
                                  for k in KINDS}
     s["calls_per_run"] = dict(res["calls"])
-    # the slowest 1% of steps: what they spend their time on
-    cut = pct(steps_us, 99)
-    slow = [i for i, v in enumerate(steps_us) if v >= cut]
+    # the slowest 1% of steps, wall and on-CPU (what the thread itself did, not its
+    # waits): what they spend their time on
+    slow, s["slow_kind_us"], s["slow_lookups"], _ = _slowest(steps_us, res["step_kinds"], res)
     s["slow_steps"] = len(slow)
-    s["slow_kind_us"] = {k: sum(res["step_kinds"][i][j] for i in slow) / 1e3 / len(slow)
-                         for j, k in enumerate(KINDS)}
-    s["slow_lookups"] = sum(res["step_lookups"][i] for i in slow) / len(slow)
-    # the same for the slowest 1% on-CPU (what the thread itself did, not its waits)
-    cut = pct(cpu_us, 99)
-    slow = [i for i, v in enumerate(cpu_us) if v >= cut]
-    s["slow_cpu_kind_us"] = {k: sum(res["step_kinds_cpu"][i][j] for i in slow) / 1e3 / len(slow)
-                             for j, k in enumerate(KINDS)}
-    s["slow_cpu_lookups"] = sum(res["step_lookups"][i] for i in slow) / len(slow)
-    s["slow_cpu_us"] = sum(cpu_us[i] for i in slow) / len(slow)  # (the kinds add up to it)
+    _, s["slow_cpu_kind_us"], s["slow_cpu_lookups"], s["slow_cpu_us"] = _slowest(
+        cpu_us, res["step_kinds_cpu"], res)
     s["all_lookups_per_step"] = sum(res["step_lookups"]) / n_steps
     s["lookup_results"] = res["lookup_results"]
     s["worker_rss_anon_mib"] = res["worker_rss_anon_mib"]
     s["worker_restarts"] = res["worker_restarts"]
     s["slowest"] = attribute([res])  # this run's p99.9, max and median steps, made of what
     return s
+
+
+def _slowest(step_us: list, step_kinds_ns: list, res: dict) -> tuple:
+    """The steps at or above the p99 of ``step_us`` (indexes), each of KINDS' mean µs in
+    them from ``step_kinds_ns`` (per step, ns per kind: they add up to the step), their
+    mean lookup calls and their mean µs."""
+    cut = pct(step_us, 99)
+    slow = [i for i, v in enumerate(step_us) if v >= cut]
+    kind_us = {k: sum(step_kinds_ns[i][j] for i in slow) / 1e3 / len(slow)
+               for j, k in enumerate(KINDS)}
+    lookups = sum(res["step_lookups"][i] for i in slow) / len(slow)
+    return slow, kind_us, lookups, sum(step_us[i] for i in slow) / len(slow)
 
 
 def wake_lateness(late_ns: list | None) -> dict:

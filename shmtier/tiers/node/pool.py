@@ -63,11 +63,11 @@ import time
 import numpy as np
 
 from shmtier.shared import procinfo
-from shmtier.tiers.node import _index
 from shmtier.shared.codec import copy_crc32c, crc32c
 from shmtier.shared.jobs import Outcome
 from shmtier.shared.segment import _unlink_if_same
 from shmtier.storage.chunk_names import key_problem
+from shmtier.tiers.node import _index
 from shmtier.tiers.node import mutations as _mutations
 from shmtier.tiers.node import repair as _repair
 from shmtier.tiers.node.index import HashIndex, key_hash
@@ -121,8 +121,8 @@ if _C_LAYOUT != (ROW_BYTES, R_STATE, R_KLEN, R_KHASH, R_KEY, ROW_READY, H_SEQ):
     raise ImportError(f"shmtier/tiers/node/_index.c's layout constants {_C_LAYOUT} differ "
                       f"from layout.py's: rebuild the extension after changing both")
 
-#: seqlock reads a lookup tries before it answers MISS; after half of them found a
-#: mutation in progress it yields its CPU once (a writer preempted inside its few stores
+#: seqlock reads the Python reference lookup tries before it answers MISS; after half of
+#: them found a mutation in progress it yields its CPU once (a writer preempted inside its few stores
 #: on this CPU gets to finish them: docs/node-pool.md, "Lookups")
 LOOKUP_TRIES = 64
 _YIELD_AT = LOOKUP_TRIES // 2
