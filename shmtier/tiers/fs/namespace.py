@@ -123,6 +123,7 @@ MAX_OPEN_LEAVES = 128
 #: out: the root gone, the filesystem or quota full. (A link or a file at the namespace
 #: path is waited out too: ``_in_the_way``.)
 DEFERRABLE = (errno.ENOENT, errno.ENOSPC, errno.EDQUOT)
+_SPACE_ERRORS = (errno.ENOSPC, errno.EDQUOT)
 
 _DIR_FLAGS = os.O_RDONLY | O_DIRECTORY
 _T = TypeVar("_T")
@@ -385,9 +386,14 @@ class Namespace:
                                                         f"directory: {self.dir}") from None
             try:
                 bits = self._config(fd, fanout_default, create=create)
-            except BaseException:
+            except BaseException as e:
                 close_quietly(fd)
-                if created:  # nothing half-created (a racing creator's files make this fail: fine)
+                # Nothing half-made is left: the directory goes if this call made it, or if
+                # config.json could not be written for space (another worker made it and
+                # could not finish either: its rmdir may have met this call's temp file).
+                # rmdir removes only an empty directory; a creator racing this one sees
+                # the directory it holds vanish at its next ``sync``.
+                if created or (isinstance(e, OSError) and e.errno in _SPACE_ERRORS):
                     try:
                         os.rmdir(self.name, dir_fd=root_fd)
                     except OSError:
