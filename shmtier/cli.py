@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     from shmtier.tiers import registry
 
     fsck_tools = registry.fsck_tools()
-    targets = " or ".join(t.target for t in fsck_tools)
+    targets = " or ".join(t.target for t in fsck_tools if t.target)
     fsck = sub.add_parser(
         "fsck", help=f"check (and repair) {targets}",
         description=f"Check every shmtier namespace in {targets}: chunks and bytes per "
@@ -194,7 +194,8 @@ def _fsck(args, tools: list) -> int:
 
     chosen = [t for t in tools if t.chosen(args)]
     if len(chosen) != 1:
-        print(f"shmtier fsck: give {', or '.join(t.usage for t in tools)} (one of them)",
+        print(f"shmtier fsck: give {', or '.join(t.usage for t in tools if t.usage)} (one of "
+              "them)",
               file=sys.stderr)
         return EXIT_USAGE
     try:

@@ -1,4 +1,5 @@
-"""Suite-wide guards: every test must leave /dev/shm as it found it. Also the S3
+"""Suite-wide guards: every test must leave /dev/shm as it found it, and no p2p socket
+directory of a dead engine of this session in the temp dir. Also the S3
 servers' fixtures (``s3_servers.py``), defined here once so that the session-scoped
 servers are shared by every test module, and the ``vllm`` marker on tests/vllm/."""
 
@@ -17,6 +18,7 @@ from shmtier.shared.segment import NAME_PREFIX
 from shmtier.shared.segment_tools import list_segments
 from shmtier.tiers.node.layout import pool_of
 from shmtier.tiers.node.tools import list_pools
+from shmtier.tiers.p2p import socket_dirs
 
 SHM_DIR = "/dev/shm"
 VLLM_TESTS = Path(__file__).parent / "vllm"
@@ -91,6 +93,19 @@ def no_shm_leak():
         except FileNotFoundError:
             pass
     assert not leaked, f"test left shared memory behind: {sorted(leaked)}"
+
+
+@pytest.fixture(autouse=True)
+def no_p2p_socket_dir_leak():
+    """Fail the test that leaves a p2p socket directory of a dead engine of this session
+    (``engine_id`` fixture's prefix) behind (and remove it): the engine's shutdown, its
+    endpoint or its segment guardian removes it (shmtier/tiers/p2p/socket_dirs.py)."""
+    yield
+    ours = {path for path in socket_dirs.stale()
+            if socket_dirs.engine_of(path).startswith(SESSION_PREFIX)}
+    for path in ours:
+        socket_dirs.shutil.rmtree(path, ignore_errors=True)
+    assert not ours, f"test left p2p socket directories of dead engines behind: {sorted(ours)}"
 
 
 @pytest.fixture

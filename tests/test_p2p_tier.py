@@ -550,7 +550,9 @@ def test_producer_killed_mid_transfer(engines, keys):
     """The producer (engine and endpoint) is SIGKILLed while the consumer's fetch round
     waits for chunks it has not parked yet: the load fails cleanly (the chunks that
     arrived are exact, the rest are freed), later lookups of the request and of a new
-    one MISS, and the consumer keeps running with nothing pinned."""
+    one MISS, and the consumer keeps running with nothing pinned. The producer's socket
+    directory, which neither it nor its endpoint could remove, is removed by its segment
+    guardian (as when vLLM SIGKILLs an EngineCore's process tree)."""
     prod, cons = engines((tier(keys.a), {}), (tier(keys.b, fetch_timeout_s=4), {}))
     ks = [41, 42, 43, 44, 45, 46]
     sent = prod.call("produce", "p1", "kv-k", ks[:3], 0, False)  # more to come: not finished
@@ -572,12 +574,16 @@ def test_producer_killed_mid_transfer(engines, keys):
         later = cons.call("consume", "c2", pd("kv-k2", prod.port), [51, 52], 50, 20)
         assert later["answers"][-1] == ["MISS", "MISS"] and later["data"] is None
         assert cons.call("refs", [51, 52]) == [None, None]
+        deadline = time.monotonic() + 10
+        while os.path.exists(st["tmpdir"]) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not os.path.exists(st["tmpdir"]), os.listdir(st["tmpdir"])
     finally:
         deadline = time.monotonic() + 5
         while _alive(endpoint) and time.monotonic() < deadline:  # may still be exiting
             time.sleep(0.05)
         clean_stale_segments({segment_name(prod.engine_id)})
-        shutil.rmtree(st["tmpdir"], ignore_errors=True)  # its scheduler was killed too
+        shutil.rmtree(st["tmpdir"], ignore_errors=True)
 
 
 @pytest.mark.timeout(120)

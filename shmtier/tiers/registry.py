@@ -108,6 +108,7 @@ BUILT_IN = (
     # no backend: its own endpoint process (spawned by the scheduler half) does the I/O
     TierType("p2p", "shmtier.tiers.p2p.scheduler:P2PTierManager",
              config="shmtier.tiers.p2p.config:P2PTierConfig",
+             fsck="shmtier.tiers.p2p.socket_dirs:P2PFsck",
              status="shmtier.tiers.p2p.status:P2PStatus"),
 )
 

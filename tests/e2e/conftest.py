@@ -11,7 +11,7 @@ answering every test's prompts, memoized), ``report`` (``e2e_report.py``: writte
 printed at the end of the session). Per test: ``serve`` (per module: ``module_serve``), a
 factory of shmtier servers that stops every server it started at the end (SIGTERM to the
 API server, then SIGKILL of its process group) and fails the test when one left shmtier
-entries of its engine in /dev/shm (removing them); ``cmp``, a
+entries of its engine in /dev/shm or p2p socket directories (removing them); ``cmp``, a
 :class:`e2e_chats.Compare` against the reference. Engine ids carry the session's prefix,
 so the suite-wide leak check (tests/conftest.py) judges these servers' segments too.
 """
@@ -170,7 +170,8 @@ def _serve(model_dir, e2e_tmp, report):
         yield s
     finally:
         s.close()
-    assert not s.leftovers, f"servers left shmtier entries in /dev/shm: {s.leftovers}"
+    assert not s.leftovers, ("servers left shmtier entries in /dev/shm or p2p socket "
+                             f"directories: {s.leftovers}")
 
 
 @pytest.fixture

@@ -7,9 +7,15 @@ naming shmtier (:func:`kv_config`). ``start()`` returns at once; ``wait_ready()`
 for ``/health`` (and raises with the log's tail if the server exits first), then sends
 one short warm-up request; ``stop()`` sends SIGTERM to the API server, SIGKILL to its
 process group after ``grace_s``, waits until no process of the group is left and returns
-the shmtier entries of its engine still in /dev/shm (which it then removes, so that a
-failing test leaves the machine clean: the caller asserts on what it returned). Everything runs in the pytest process;
-``stop()`` never raises.
+the shmtier entries of its engine still in /dev/shm and the p2p socket directories it left
+(which it then removes, so that a failing test leaves the machine clean: the caller
+asserts on what it returned). Everything runs in the pytest process; ``stop()`` never
+raises.
+
+Each server has a temp dir of its own (``TMPDIR``, under the suite's temp dir): vLLM's
+ipc sockets and distributed-init files, which its processes leave when they are stopped,
+and shmtier's p2p socket directories land there, and ``stop()`` removes it. ``top()``
+runs ``shmtier top`` with the same ``TMPDIR``, as an operator does.
 
 The flags every server gets, with offloading or not (a reference server is the same
 command minus ``--kv-transfer-config``): ``--dtype bfloat16``, ``--enforce-eager`` (no
@@ -29,6 +35,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -38,6 +45,8 @@ import urllib.request
 from typing import Any
 
 from s3_servers import free_port
+
+from shmtier.tiers.p2p import socket_dirs
 
 from . import e2e_model
 
@@ -111,6 +120,23 @@ def shm_entries(engine_id: str) -> list[str]:
         return []
     return sorted(n for n in names
                   if n == stem or n.startswith(stem + "_dp") or n.startswith(f"sem.{stem}."))
+
+
+def p2p_dirs_left(tmp_dir: str, engine_id: str, wait_s: float = 5.0) -> list[str]:
+    """The p2p socket directories of engine ``engine_id`` (its replicas' included) left in
+    ``tmp_dir`` once its processes are gone, waited for up to ``wait_s`` (a killed engine's
+    segment guardian removes them just after its death)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            names = os.listdir(tmp_dir)
+        except FileNotFoundError:
+            return []
+        left = sorted(n for n in names if n.startswith(socket_dirs.DIR_PREFIX)
+                      and socket_dirs.engine_of(n).split("_dp")[0] == engine_id)
+        if not left or time.monotonic() > deadline:
+            return [os.path.join(tmp_dir, n) for n in left]
+        time.sleep(0.1)
 
 
 def node_pools(kv: dict) -> list[str]:
@@ -228,6 +254,8 @@ class Server:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = os.path.join(log_dir, f"{name}-{self.port}.log")
+        # short: a p2p socket's path in it must fit in sun_path (108 bytes)
+        self.tmp_dir = os.path.join(log_dir, f"t{self.port}")
         self.cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
                     *engine_args(model_dir), "--host", "127.0.0.1", "--port", str(self.port)]
         if kv is not None:
@@ -237,7 +265,7 @@ class Server:
         if data_parallel_size > 1:
             self.cmd += ["--data-parallel-size", str(data_parallel_size)]
         self.cmd += list(args or [])
-        self.env = {**os.environ, **BASE_ENV, **(env or {})}
+        self.env = {**os.environ, **BASE_ENV, "TMPDIR": self.tmp_dir, **(env or {})}
         self.proc: subprocess.Popen | None = None
         self._watchdog: subprocess.Popen | None = None
         self.started_at = 0.0
@@ -258,6 +286,7 @@ class Server:
     def start(self) -> "Server":
         """Start the server in a process group of its own, with a watchdog that stops
         that group when the test process ends without stopping it (:data:`_WATCHDOG`)."""
+        os.makedirs(self.tmp_dir, exist_ok=True)
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(self.cmd, env=self.env, stdout=log,
                                          stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
@@ -373,10 +402,12 @@ class Server:
         self.vllm_shm_left = sorted(n for n in self.vllm_shm
                                     if os.path.exists(os.path.join(SHM_DIR, n)))
         remove_shm(self.vllm_shm_left)
-        if not self.engine_id or keep_shm:
-            return []
-        leftovers = shm_entries(self.engine_id) + abandoned_pools(node_pools(self.kv))
-        remove_shm(leftovers)
+        leftovers = []
+        if self.engine_id and not keep_shm:
+            leftovers = shm_entries(self.engine_id) + abandoned_pools(node_pools(self.kv))
+            remove_shm(leftovers)
+            leftovers += p2p_dirs_left(self.tmp_dir, self.engine_id)
+        shutil.rmtree(self.tmp_dir, ignore_errors=True)
         return leftovers
 
     @staticmethod
@@ -435,5 +466,6 @@ class Server:
         """``shmtier top ENGINE --once --json`` of this engine (segment, tier workers)."""
         out = subprocess.run([os.path.join(os.path.dirname(sys.executable), "shmtier"),
                               "top", self.engine_id, "--once", "--json", "--interval", "0.1"],
-                             capture_output=True, text=True, timeout=60, check=True)
+                             capture_output=True, text=True, timeout=60, check=True,
+                             env={**os.environ, "TMPDIR": self.tmp_dir})
         return json.loads(out.stdout)

@@ -16,8 +16,10 @@ By the process that runs it:
   endpoint: every message, typed, its encoding and the channel version).
 - the ``shmtier`` CLI and the endpoint: ``status.py`` (each endpoint's sessions in a
   status file, ``p2p_sessions`` that reads them on the engine's host, and ``P2PStatus``,
-  the tier's part of ``shmtier top``; no zmq needed).
+  the tier's part of ``shmtier top``; no zmq needed); ``socket_dirs.py`` (the socket
+  directory of each engine's tier, and ``P2PFsck``, which removes those of dead engines
+  for the segment guardian and ``shmtier clean``).
 
-Importing this package imports nothing; each module but ``status.py``, ``channel.py`` and
-``peer_metrics.py``/``requests.py`` needs pyzmq (extra ``p2p``).
+Importing this package imports nothing; each module but ``status.py``, ``socket_dirs.py``,
+``channel.py`` and ``peer_metrics.py``/``requests.py`` needs pyzmq (extra ``p2p``).
 """

@@ -28,11 +28,11 @@ import tempfile
 import time
 
 from shmtier.tiers.commands import TierStatus
+from shmtier.tiers.p2p.socket_dirs import DIR_PREFIX
 
 __all__ = ["STATUS_FILE", "P2PStatus", "p2p_sessions", "write_status"]
 
 STATUS_FILE = "status.json"
-DIR_PREFIX = "shmtier-p2p-"
 
 
 def write_status(path: str, status: dict) -> None:

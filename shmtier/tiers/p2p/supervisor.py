@@ -9,7 +9,8 @@ never blocks, except ``wait_reaped`` and ``shutdown`` (bounded: ``REAP_WAIT_S``,
 Spawn: ``python -m shmtier.tiers.p2p.endpoint`` (``shmtier/tiers/p2p/endpoint/``), its
 settings as msgpack on stdin; the channel is a ZeroMQ PAIR socket on ``ipc://`` in a
 socket directory of its own (``$TMPDIR/shmtier-p2p-<engine_id>-XXXX/``, where the
-endpoint also writes its status file: ``status.py``). A new socket for each endpoint.
+endpoint also writes its status file, ``status.py``; made, and removed when the engine is
+killed, by ``socket_dirs.py``). A new socket for each endpoint.
 
 Supervision, every ``CHECK_EVERY_S`` while one runs: an endpoint that ended is gone; the
 tier's ``check`` (its watchdog: a load unanswered past its deadline) may name a reason
@@ -38,14 +39,13 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from typing import Callable
 
 import msgpack
 
-from shmtier.tiers.p2p import channel
+from shmtier.tiers.p2p import channel, socket_dirs
 
 logger = logging.getLogger(__name__)
 
@@ -90,8 +90,9 @@ class EndpointSupervisor:
         self._settings, self._handle, self._check, self._gone = settings, handle, check, gone
         self._zmq = zmq
         self._zctx = zmq.Context()
-        # named after the engine: its endpoint's status file is found by it (status.py)
-        self.tmpdir = tempfile.mkdtemp(prefix=f"shmtier-p2p-{engine_id}-")
+        # named after the engine: its endpoint's status file is found by it (status.py);
+        # its owner file lets the guardian remove it if the engine is killed (socket_dirs.py)
+        self.tmpdir = socket_dirs.make(engine_id)
         self._sock = None
         self.proc: subprocess.Popen | None = None
         # killed endpoints not yet reaped, each with the release of its failed loads' rows

@@ -532,8 +532,10 @@ def main() -> int:
 
 def _remove_socket_dir(ipc: str) -> None:
     import shutil
+
+    from shmtier.tiers.p2p.socket_dirs import DIR_PREFIX
     directory = os.path.dirname(ipc[len("ipc://"):])
-    if os.path.basename(directory).startswith("shmtier-p2p-"):
+    if os.path.basename(directory).startswith(DIR_PREFIX):
         shutil.rmtree(directory, ignore_errors=True)
 
 
