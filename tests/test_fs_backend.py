@@ -855,6 +855,31 @@ def test_a_direct_io_probe_killed_midway_leaves_a_temp_file_the_scan_removes(tmp
     assert b.counters.temp_files_removed == len(leftovers)
 
 
+CHILD_CONFIG_LOOP = textwrap.dedent("""
+    import sys
+    from shmtier.tiers.fs.backend import FsBackend
+    b = FsBackend(sys.argv[1], sys.argv[2], min_free_bytes=0)
+    print("writing", flush=True)
+    while True:  # what a worker making the namespace does (config.json exists: not linked)
+        b.ns._write_config(b.ns.fd, (1, 1))
+""")
+
+
+def test_a_worker_killed_while_writing_config_json_leaves_a_temp_file_the_scan_removes(
+        tmp_path):
+    """A tier worker killed while it makes the namespace (a chaos run's SIGKILL, or the
+    pool's kill at shutdown when the disk is slow) leaves config.json's temp file in the
+    namespace directory: it is named as the worker's temp files are, so the next scan
+    removes it as a dead writer's (CI saw one left after a fresh engine's scan)."""
+    leftovers = killed_mid_write(tmp_path, CHILD_CONFIG_LOOP, FP)
+    assert leftovers, "never caught the config write midway (8 tries)"
+    assert all(os.path.basename(p).startswith(".config.") for p in leftovers), leftovers
+    b = backend(tmp_path)
+    list(b.scan())
+    assert not temp_files(tmp_path), "the scan kept the killed writer's config temp file"
+    assert b.counters.temp_files_removed == len(leftovers)
+
+
 def test_temp_files_of_live_or_unknown_writers_are_kept_until_stale(tmp_path):
     b = backend(tmp_path, stale_temp_age_s=60)
     src = make_arena(1, 4096, 4096, "bytes")

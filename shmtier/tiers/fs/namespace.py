@@ -30,9 +30,10 @@ in config.json; every later open uses the recorded widths. Unlike vLLM's fs tier
 a 1 TiB tier of 1 MiB chunks gets 2048 leaf directories and a 10 GiB one 32.
 
 A chunk is published by writing a temp file in its final directory and renaming it over
-the final name (``store.py``). Temp files carry the writer's identity (boot id prefix,
-pid, process start time), so a scan can tell a dead writer's leftovers
-(``temp_writer_alive``) from a write in progress.
+the final name (``store.py``); config.json by linking its temp file, in the namespace
+directory. Temp files carry the writer's identity (boot id prefix, pid, process start
+time), so a scan can tell a dead writer's leftovers (``temp_writer_alive``) from a write
+in progress.
 
 Symbolic links: ``root_dir`` is the operator's and may be (or pass through) a link: it
 is resolved once, when the namespace is opened (``root_dir`` then holds the resolved
@@ -115,6 +116,7 @@ FORMAT_NAME = "shmtier-fs"
 FORMAT_VERSION = 1
 CONFIG_NAME = "config.json"
 TEMP_SUFFIX = ".tmp"
+CONFIG_TEMP_STEM = "config"  # config.json's temp file: ``.config.<writer>-<seq>.tmp``
 FILES_PER_LEAF_DIR = 512
 MIN_FANOUT_BITS, MAX_FANOUT_BITS = 2, 16
 #: Leaf directory descriptors a namespace keeps open (least recently used closed first).
@@ -237,6 +239,12 @@ class Namespace:
         #: Why the namespace could not be made or opened, as last logged (None: usable,
         #: or not tried since it was): one WARNING per change of state.
         self._unusable: tuple[int, str] | None = None
+        # the writer's identity in temp file names (``temp_name``): set before the first
+        # attach, which may write config.json's
+        self._seq = 0
+        self._writer_pid = -1
+        self._writer_tag = ""
+        self._boot_tag = procinfo.boot_id()[:4].hex()
         created = False
         root_ok = False
         try:
@@ -253,10 +261,6 @@ class Namespace:
         #: This process made the namespace directory when it opened it: a namespace that
         #: was deleted while no worker held it (all of them restarting) is found only so.
         self.created_at_open = created
-        self._seq = 0
-        self._writer_pid = -1
-        self._writer_tag = ""
-        self._boot_tag = procinfo.boot_id()[:4].hex()
 
     def _check_root(self) -> None:
         """FileNotFoundError / NotADirectoryError unless the root is a directory now."""
@@ -458,7 +462,10 @@ class Namespace:
             "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         }
         data = (json.dumps(cfg, indent=2, sort_keys=True) + "\n").encode()
-        tmp = f"{CONFIG_NAME}.{os.getpid()}.{time.monotonic_ns()}{TEMP_SUFFIX}"
+        # named as a chunk's temp file (the writer's identity in it): the tier's scan and
+        # fsck remove it once its writer is dead (a worker killed while making the
+        # namespace), as they do chunk temp files
+        tmp = self.temp_name(CONFIG_TEMP_STEM)
         tfd = open_nofollow(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, fd,
                             os.path.join(self.dir, tmp))
         try:
@@ -526,7 +533,8 @@ class Namespace:
         return os.path.join(self.dir, rel, name)
 
     def temp_name(self, key_hex: str) -> str:
-        """``.<key hex[:16]>.<boot>-<pid>-<start>-<seq>.tmp``, unique to this process."""
+        """``.<key hex[:16]>.<boot>-<pid>-<start>-<seq>.tmp``, unique to this process
+        (``key_hex`` is ``CONFIG_TEMP_STEM`` for config.json's)."""
         pid = os.getpid()
         if pid != self._writer_pid:  # first use, or a fork
             _, started = procinfo.me()
