@@ -19,6 +19,7 @@ import time
 import pytest
 
 from shmtier.cli import main
+from shmtier.options import ConfigError
 from shmtier.tiers.p2p import socket_dirs
 from shmtier.tiers.p2p.socket_dirs import OWNER_FILE, UNOWNED_GRACE_S, P2PFsck
 
@@ -119,17 +120,31 @@ def test_engine_died_removes_what_dead_engines_left(temp_dir_of_this_process):
 
 def test_shmtier_clean_removes_them(temp_dir_of_this_process):
     base = temp_dir_of_this_process
-    mine = made_by_a_dead_process("p2p-clean-mine", base)
-    other = made_by_a_dead_process("p2p-clean-other", base)
-    older = os.path.join(base, "shmtier-p2p-p2p-clean-other-abcd1234")  # an older shmtier's
+    mine = made_by_a_dead_process("cm", base)
+    other = made_by_a_dead_process("co", base)
+    older = os.path.join(base, "shmtier-p2p-co-abcd1234")  # an older shmtier's
     os.mkdir(older)
     open(os.path.join(older, "ep3.sock"), "w").close()
     age(older, UNOWNED_GRACE_S + 5)
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        code = main(["clean", "p2p-clean-mine"])  # only that engine's
+        code = main(["clean", "cm"])  # only that engine's
     assert code == 0 and f"removed {mine}" in out.getvalue(), out.getvalue()
     assert not os.path.exists(mine) and os.path.exists(other)
     with contextlib.redirect_stdout(io.StringIO()):
-        assert main(["clean", "p2p-clean-other"]) == 0
+        assert main(["clean", "co"]) == 0
     assert os.listdir(base) == []
+
+
+def test_a_socket_path_too_long_for_a_unix_socket_is_a_config_error(tmp_path):
+    """The endpoint's socket would not bind (107 bytes at most): the tier refuses to start
+    with an error naming TMPDIR, before it makes anything."""
+    deep = tmp_path / ("d" * 60)
+    deep.mkdir()
+    with pytest.raises(ConfigError, match=r"set TMPDIR to a shorter directory.*"
+                                          r"or give the engine a shorter id") as e:
+        socket_dirs.make("e" * 40, str(deep))
+    assert str(deep) in str(e.value) and "107" in str(e.value)
+    assert os.listdir(deep) == []
+    path = socket_dirs.make("e", str(tmp_path))  # a short one is fine
+    assert len(os.path.join(path, socket_dirs.LONGEST_SOCKET)) <= socket_dirs.SOCKET_PATH_MAX

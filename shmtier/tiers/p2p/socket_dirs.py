@@ -39,6 +39,7 @@ import stat
 import tempfile
 import time
 
+from shmtier.options import ConfigError
 from shmtier.shared import procinfo
 from shmtier.tiers.commands import TierFsck
 
@@ -48,6 +49,10 @@ DIR_PREFIX = "shmtier-p2p-"
 OWNER_FILE = "owner"
 UNOWNED_GRACE_S = 60.0
 _SUFFIX_LEN = 9  # mkdtemp's "-" + 8 random characters after the engine id
+#: the longest socket name the supervisor gives an endpoint (``ep<generation % 10000>.sock``)
+LONGEST_SOCKET = "ep9999.sock"
+#: bytes of a Unix socket's path (``sizeof(sockaddr_un.sun_path)`` less its NUL)
+SOCKET_PATH_MAX = 107
 # what an endpoint writes in its engine's directory (supervisor.py, status.py)
 _ENDPOINT_FILES = re.compile(r"ep\d+\.sock|status\.json(\.\d+\.tmp)?")
 
@@ -55,8 +60,17 @@ _ENDPOINT_FILES = re.compile(r"ep\d+\.sock|status\.json(\.\d+\.tmp)?")
 def make(engine_id: str, tmp_dir: str | None = None) -> str:
     """Make the calling process's socket directory for engine ``engine_id`` (in
     ``tmp_dir``, default ``tempfile.gettempdir()``) with its ``owner`` file; its path.
-    Raises OSError (the directory is removed again)."""
-    path = tempfile.mkdtemp(prefix=f"{DIR_PREFIX}{engine_id}-", dir=tmp_dir)
+    Raises ConfigError when an endpoint's socket path in it would be too long for a Unix
+    socket (nothing made), OSError (the directory is removed again)."""
+    base = tmp_dir or tempfile.gettempdir()
+    longest = os.path.join(base, f"{DIR_PREFIX}{engine_id}-XXXXXXXX", LONGEST_SOCKET)
+    if len(longest.encode()) > SOCKET_PATH_MAX:
+        raise ConfigError(
+            f"p2p tier of engine {engine_id!r}: its endpoint's socket path would be "
+            f"{len(longest.encode())} bytes ({longest}), and a Unix socket path may have "
+            f"{SOCKET_PATH_MAX}: set TMPDIR to a shorter directory (now {base!r}) or give "
+            f"the engine a shorter id")
+    path = tempfile.mkdtemp(prefix=f"{DIR_PREFIX}{engine_id}-", dir=base)
     pid, started = procinfo.me()
     try:
         tmp = os.path.join(path, f".{OWNER_FILE}.tmp")

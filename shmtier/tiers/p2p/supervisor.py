@@ -89,10 +89,10 @@ class EndpointSupervisor:
         self._label = label
         self._settings, self._handle, self._check, self._gone = settings, handle, check, gone
         self._zmq = zmq
-        self._zctx = zmq.Context()
         # named after the engine: its endpoint's status file is found by it (status.py);
         # its owner file lets the guardian remove it if the engine is killed (socket_dirs.py)
         self.tmpdir = socket_dirs.make(engine_id)
+        self._zctx = zmq.Context()
         self._sock = None
         self.proc: subprocess.Popen | None = None
         # killed endpoints not yet reaped, each with the release of its failed loads' rows
@@ -126,7 +126,8 @@ class EndpointSupervisor:
         seen by the next check."""
         zmq = self._zmq
         self._gen += 1
-        path = os.path.join(self.tmpdir, f"ep{self._gen}.sock")
+        # (a generation's socket name comes back after 10,000: socket_dirs.LONGEST_SOCKET)
+        path = os.path.join(self.tmpdir, f"ep{self._gen % 10_000}.sock")
         sock = self._zctx.socket(zmq.PAIR)
         sock.linger = 0
         sock.sndhwm = sock.rcvhwm = 0
