@@ -6,6 +6,7 @@ servers are shared by every test module, and the ``vllm`` marker on tests/vllm/.
 from __future__ import annotations
 
 import os
+import shutil
 import uuid
 from pathlib import Path
 
@@ -104,7 +105,7 @@ def no_p2p_socket_dir_leak():
     ours = {path for path in socket_dirs.stale()
             if socket_dirs.engine_of(path).startswith(SESSION_PREFIX)}
     for path in ours:
-        socket_dirs.shutil.rmtree(path, ignore_errors=True)
+        shutil.rmtree(path, ignore_errors=True)
     assert not ours, f"test left p2p socket directories of dead engines behind: {sorted(ours)}"
 
 

@@ -11,6 +11,7 @@ import contextlib
 import io
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -54,7 +55,7 @@ def test_a_directory_names_its_engine_and_its_owner(tmp_path):
         assert sorted(os.listdir(path)) == [OWNER_FILE]  # no temp file left
         assert socket_dirs.stale(str(tmp_path)) == []  # its owner (this process) runs
     finally:
-        socket_dirs.shutil.rmtree(path)
+        shutil.rmtree(path)
 
 
 def test_only_directories_of_dead_owners_are_removed(tmp_path):
