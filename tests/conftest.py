@@ -109,6 +109,25 @@ def no_p2p_socket_dir_leak():
     assert not ours, f"test left p2p socket directories of dead engines behind: {sorted(ours)}"
 
 
+WORKER_HOOKS = Path(__file__).parent / "worker_hooks"
+
+
+@pytest.fixture
+def worker_hooks(monkeypatch):
+    """``install(**settings)``: the tier workers spawned from then on (by this process or
+    its children, through the environment) load tests/worker_hooks/sitecustomize.py, with
+    ``settings`` as its ``SHMTIER_TEST_<NAME>`` variables (``fs_root=path`` sets
+    ``SHMTIER_TEST_FS_ROOT``; names and meanings: that module's docstring)."""
+
+    def install(**settings: object) -> None:
+        monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
+            p for p in (str(WORKER_HOOKS), os.environ.get("PYTHONPATH")) if p))
+        for name, value in settings.items():
+            monkeypatch.setenv(f"SHMTIER_TEST_{name.upper()}", str(value))
+
+    return install
+
+
 @pytest.fixture
 def engine_id() -> str:
     """A unique engine id, so tests never share a segment by accident; it carries this

@@ -30,7 +30,6 @@ from shmtier.storage import scheduler as storage_tier
 from shmtier.tiers.fs import scheduler as fs_tier
 
 LABEL = ("1:fs",)
-HOOKS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "worker_hooks")
 # One chunk's file: the test caches hold random bytes, which do not compress, so every
 # chunk is a raw frame of 8192 bytes of KV, a 40-byte header and the 36-byte key.
 FILE = 8192 + 40 + 36
@@ -88,21 +87,6 @@ def assert_settled(engine, root) -> tuple[dict[bytes, int], dict]:
     assert not set(files) - set(tier._index), "files on disk the index does not know"
     assert dict(tier._index) == files
     return files, data
-
-
-@pytest.fixture
-def worker_hooks(monkeypatch, tmp_path):
-    """Install tests/worker_hooks/sitecustomize.py in the tier workers spawned from now on
-    (slow publishes, a small filesystem: see that module)."""
-
-    def install(slow_publish_s: float = 0.0, capacity: int = 0) -> None:
-        monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
-            p for p in (HOOKS, os.environ.get("PYTHONPATH")) if p))
-        monkeypatch.setenv("SHMTIER_TEST_FS_ROOT", str(tmp_path))
-        monkeypatch.setenv("SHMTIER_TEST_SLOW_PUBLISH_S", str(slow_publish_s))
-        monkeypatch.setenv("SHMTIER_TEST_FS_CAPACITY", str(capacity))
-
-    return install
 
 
 def kill_workers(engine) -> None:
@@ -242,7 +226,7 @@ def test_a_worker_killed_mid_cascade_loses_no_chunk_and_leaves_no_orphan(
     unknown (they used to be reported not stored and stay on disk unaccounted). One
     O_DIRECT write in flight per worker (``write_depth`` 1), so a slice of 8 keys takes
     8 x 30 ms and the kill lands inside one."""
-    worker_hooks(slow_publish_s=0.03)
+    worker_hooks(fs_root=tmp_path, slow_publish_s=0.03)
     e = engines(tmp_path, chunks=40, max_bytes=40 * FILE, write_depth=1)
     e.settle()
     results = e.record_pool_results()
@@ -386,7 +370,7 @@ def test_workers_killed_at_random_keep_the_bound_and_the_count(engines, tmp_path
     """Cascades into a full tier (evictions, deletes) while workers are killed at random
     moments: the disk never holds more than max_bytes, and once the tier settles its
     count and index are the files on disk."""
-    worker_hooks(slow_publish_s=0.01)
+    worker_hooks(fs_root=tmp_path, slow_publish_s=0.01)
     limit = 6 * FILE
     e = engines(tmp_path, max_bytes=limit, chunks=24)
     e.settle()
@@ -443,7 +427,7 @@ def test_the_free_space_floor_is_kept_by_evicting_with_one_warning(
     with one warning each and evict nothing)."""
     floor = 64 << 10
     capacity = floor + 4 * FILE
-    worker_hooks(capacity=capacity)
+    worker_hooks(fs_root=tmp_path, fs_capacity=capacity)
     caplog.set_level(logging.WARNING)
     e = engines(tmp_path, workers=1, min_free_bytes=floor)
     e.settle()
@@ -466,7 +450,7 @@ def test_a_filesystem_too_small_for_the_default_floor_warns_once(
     """The default floor (1 GiB) on a 1 MiB filesystem: no eviction can make room, so the
     cascades fail (the CPU tier keeps serving), with one warning naming the free
     bytes, the floor and what the tier holds (it used to warn once per job)."""
-    worker_hooks(capacity=1 << 20)
+    worker_hooks(fs_root=tmp_path, fs_capacity=1 << 20)
     caplog.set_level(logging.WARNING)
     e = engines(tmp_path, min_free_bytes=1 << 30)
     e.settle()

@@ -10,7 +10,6 @@ mapping of each file, so the tests see the kernel's page cache itself.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import mmap
 import os
 
@@ -32,7 +31,7 @@ CB = 256 * 1024  # chunk bytes: 64 pages
 pytestmark = pytest.mark.skipif(not writeback.supported(),
                                 reason="no sync_file_range / POSIX_FADV_DONTNEED here")
 
-_libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+_libc = ctypes.CDLL(None, use_errno=True)  # the interpreter's own libc
 _libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_ubyte)]
 
 
@@ -253,16 +252,12 @@ def test_the_page_cache_gauge_says_whether_the_workers_bound_it(engines, tmp_pat
 
 
 def test_an_auto_window_that_closes_in_a_worker_drops_and_says_so(engines, tmp_path,
-                                                                  monkeypatch):
+                                                                  worker_hooks):
     """Real tier workers with ``page_cache_bytes: "auto"`` whose writes all count as
     expensive (a test hook, tests/worker_hooks): each worker's window closes after its
     first files, the gauge turns 1, the oldest files leave the page cache while the
     newest stay, and every chunk file still loads back whole and verified."""
-    hooks = os.path.join(os.path.dirname(os.path.abspath(__file__)), "worker_hooks")
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
-        p for p in (hooks, os.environ.get("PYTHONPATH")) if p))
-    monkeypatch.setenv("SHMTIER_TEST_FS_ROOT", str(tmp_path))
-    monkeypatch.setenv("SHMTIER_TEST_PAGE_CACHE_MEASURE", str(2 * 8192))
+    worker_hooks(fs_root=tmp_path, page_cache_measure=2 * 8192)
     # buffered: with direct_io "adaptive" (the default) the window would not close
     e = engines(tmp_path, page_cache_bytes="auto", direct_io=False, chunks=24)
     e.settle()
@@ -368,7 +363,7 @@ def test_adaptive_loads_read_what_the_page_cache_holds_and_the_rest_with_o_direc
 
 
 def test_adaptive_stores_turn_o_direct_once_new_page_cache_proves_expensive(
-        engines, tmp_path, monkeypatch):
+        engines, tmp_path, worker_hooks):
     """Real tier workers with the defaults (``direct_io: "adaptive"``,
     ``page_cache_bytes: "auto"``) whose buffered writes all count as expensive (a test
     hook, tests/worker_hooks): after its first measure each worker stores with O_DIRECT
@@ -376,11 +371,7 @@ def test_adaptive_stores_turn_o_direct_once_new_page_cache_proves_expensive(
     gauge stays 0), the files stored after the switch are not in the page cache, and
     every chunk loads back exactly."""
     _needs_o_direct_and_cachestat(tmp_path)
-    hooks = os.path.join(os.path.dirname(os.path.abspath(__file__)), "worker_hooks")
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
-        p for p in (hooks, os.environ.get("PYTHONPATH")) if p))
-    monkeypatch.setenv("SHMTIER_TEST_FS_ROOT", str(tmp_path))
-    monkeypatch.setenv("SHMTIER_TEST_PAGE_CACHE_MEASURE", str(2 * 8192))
+    worker_hooks(fs_root=tmp_path, page_cache_measure=2 * 8192)
     e = engines(tmp_path, chunks=24)
     e.settle()
     stats = e.manager.get_stats().data["data"]

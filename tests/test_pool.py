@@ -68,10 +68,10 @@ def _bf16_rows(rng: np.random.Generator, n: int, nbytes: int) -> np.ndarray:
     return (f.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8).reshape(n, nbytes)
 
 
-def _fs_tier(root: str) -> PoolTier:
-    """The pool config entry of an fs tier at ``root`` (as the spec makes it; not
-    checked here, so a test may hand the workers a root that does not exist)."""
-    return PoolTier("fs", FsTierConfig(root_dir=root, min_free_bytes=None))
+def _fs_tier(root: str, **options) -> PoolTier:
+    """The pool config entry of an fs tier at ``root`` with ``options`` (as the spec makes
+    it; not checked here, so a test may hand the workers a root that does not exist)."""
+    return PoolTier("fs", FsTierConfig(root_dir=root, min_free_bytes=None, **options))
 
 
 def _kv_files(root: str | Path) -> list[Path]:
@@ -110,7 +110,8 @@ class PoolEnv:
                  slot_size: int = 4096, chunk_bytes: int = 4096, num_chunks: int = 64,
                  heartbeat_interval_s: float = 0.25, heartbeat_timeout_s: float = 2.0,
                  extra_tiers: tuple = (), mode: str = "spawn", job_timeout_s: float = 60.0,
-                 fs_root: str | None = None, promotion_workers: int = 0):
+                 fs_root: str | None = None, promotion_workers: int = 0,
+                 fs_options: dict | None = None):
         assert chunk_bytes % 4096 == 0
         self.engine_id = engine_id
         self.root = root if fs_root is None else fs_root
@@ -118,7 +119,7 @@ class PoolEnv:
         self.pool = None
         self.cfg = PoolConfig(slots=slots, slot_size=slot_size, chunk_bytes=chunk_bytes,
                               heartbeat_interval_s=heartbeat_interval_s,
-                              tiers=(_fs_tier(self.root), *extra_tiers),
+                              tiers=(_fs_tier(self.root, **(fs_options or {})), *extra_tiers),
                               options=WorkerPoolOptions(num_tier_workers=num_workers,
                                                         tier_job_timeout_s=job_timeout_s,
                                                         tier_promotion_workers=promotion_workers))
@@ -510,6 +511,37 @@ def test_a_worker_starved_of_cpu_is_slow_not_hung(pools, caplog):
     loaded = run(pool, "load", 0, keys, list(range(n, 2 * n)))
     assert loaded.outcomes == [Outcome.OK] * n, loaded.error
     assert np.array_equal(arena[n:], arena[:n])
+
+
+def test_a_tier_worker_starts_no_process_of_its_own(pools, worker_hooks, tmp_path_factory):
+    """A tier worker's jobs start no child process. On a busy host a child gets as little
+    CPU as its worker, and the worker waits in the kernel until the child has exec'd
+    (vfork), unable to beat: it was judged hung (the fs tier's writeback module ran
+    ``ldconfig`` through ``ctypes.util.find_library`` on import, inside the first job;
+    test_a_worker_starved_of_cpu_is_slow_not_hung failed 1 run in ~40 from it). Every
+    job kind on the fs tier (buffered; adaptive: O_DIRECT loads), and the worker's start
+    and shutdown: its process log holds only its own start line."""
+    log = tmp_path_factory.mktemp("processes") / "started.log"
+    worker_hooks(process_log=log)
+    n, chunk = 8, 64 << 10
+    pids = []
+    for direct_io in (False, "adaptive"):
+        env = pools(num_workers=1, chunk_bytes=chunk, num_chunks=2 * n,
+                    fs_options={"direct_io": direct_io})
+        pool, arena = env.pool, env.arena
+        arena[:n] = _bf16_rows(np.random.default_rng(5), n, chunk)
+        pids += wait_up(env)
+        keys = [_key(i, b"children") for i in range(n)]
+        assert run(pool, "store", 0, keys, list(range(n))).outcomes == [Outcome.OK] * n
+        assert run(pool, "probe", 0, keys).outcomes == [Outcome.OK] * n
+        assert run(pool, "load", 0, keys, list(range(n, 2 * n))).outcomes == [Outcome.OK] * n
+        assert np.array_equal(arena[n:], arena[:n])
+        assert run(pool, "delete", 0, keys).outcomes == [Outcome.OK] * n
+        env.close()
+    lines = log.read_text().splitlines()
+    for pid in pids:
+        theirs = [line for line in lines if line.split(" ", 1)[0] == str(pid)]
+        assert len(theirs) == 1 and "hooked" in theirs[0] and "job_loop" in theirs[0], theirs
 
 
 # --- 4. malformed descriptors ----------------------------------------------------------

@@ -1,6 +1,14 @@
 """Test hooks for tier worker processes: a test that puts this folder on PYTHONPATH
-(the ``worker_hooks`` fixture of test_fs_accounting.py) before the engine spawns its
-workers gets them, under the root ``SHMTIER_TEST_FS_ROOT`` only:
+(the ``worker_hooks`` fixture of tests/conftest.py) before the engine spawns its
+workers gets them. Every Python process started with that environment loads this
+module, so each hook says which processes it applies to.
+
+* ``SHMTIER_TEST_PROCESS_LOG``: every process appends a line ``<pid> hooked <argv>`` to
+  that file at its start, and a line ``<pid> <event> <args>`` for each process it starts
+  (Python's audit events: ``subprocess.Popen``, ``os.posix_spawn``, ``os.fork``,
+  ``os.system``, ...), so a test can tell what a worker started.
+
+Under the root ``SHMTIER_TEST_FS_ROOT`` only:
 
 * ``SHMTIER_TEST_SLOW_PUBLISH_S``: each chunk file is published (renamed to its
   ``.kv`` name) that many seconds late, so a test can kill a worker mid-job;
@@ -11,10 +19,31 @@ workers gets them, under the root ``SHMTIER_TEST_FS_ROOT`` only:
   measure of ``page_cache_bytes: "auto"`` is that many bytes (its bound at least one
   byte), so a worker's auto window closes after its first few files.
 
-Nothing else changes; without ``SHMTIER_TEST_FS_ROOT`` this module does nothing.
+Nothing else changes; without these variables this module does nothing.
 """
 
 import os
+import sys
+
+_PROCESS_LOG = os.environ.get("SHMTIER_TEST_PROCESS_LOG")
+
+if _PROCESS_LOG:
+    _STARTS_A_PROCESS = frozenset(("subprocess.Popen", "os.posix_spawn", "os.posix_spawnp",
+                                   "os.fork", "os.forkpty", "os.system", "os.exec",
+                                   "os.spawn", "os.startfile"))
+
+    def _log_process_line(what: str) -> None:
+        with open(_PROCESS_LOG, "a") as f:  # one write per line: lines of processes never mix
+            f.write(f"{os.getpid()} {what}"[:1000].replace("\n", " ") + "\n")
+
+    def _log_process_starts(event, args):
+        if event in _STARTS_A_PROCESS:
+            _log_process_line(f"{event} {args!r}")
+
+    with open("/proc/self/cmdline", "rb") as _f:  # sys.argv is not set yet here
+        _argv = _f.read().split(b"\0")[:-1]
+    _log_process_line(f"hooked {_argv!r}")
+    sys.addaudithook(_log_process_starts)
 
 _ROOT = os.environ.get("SHMTIER_TEST_FS_ROOT")
 

@@ -28,7 +28,6 @@ without making the worker wait for the device.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import logging
 import os
 from collections import deque
@@ -60,10 +59,14 @@ _LOOKAHEAD = 8
 
 def _load_sync_file_range():
     """libc's ``sync_file_range`` (Linux), or None where there is none (Python's ``os``
-    does not wrap it)."""
+    does not wrap it). Looked up in the symbols the interpreter has loaded already (libc
+    among them), not with ``ctypes.util.find_library``: that runs ``ldconfig`` in a child
+    process, and a tier worker imports this module inside its first job. On a busy host
+    the worker (and so its child) gets next to no CPU, and while a child has not yet
+    exec'd, its parent waits in the kernel (vfork) unable to beat: it was judged hung
+    and killed (tests/test_pool.py, test_a_worker_starved_of_cpu_is_slow_not_hung)."""
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
-        f = libc.sync_file_range
+        f = ctypes.CDLL(None, use_errno=True).sync_file_range
     except (OSError, AttributeError):
         return None
     f.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
