@@ -69,6 +69,11 @@ for a job; it exits on ``stop``, when the owner dies, or on SIGTERM (after finis
 the job in hand). A worker whose tier backends cannot be built exits with
 ``EXIT_BACKENDS_FAILED`` (4): the pool counts that as a failure to start.
 
+A worker and its backends start no process (tested: tests/test_pool.py,
+test_a_tier_worker_starts_no_process_of_its_own). A child runs with the worker's
+priority, so on a busy host it gets as little CPU, and until it has exec'd its parent
+waits in the kernel (vfork) unable to beat: the pool kills it as hung.
+
 Size (over 600 lines): one process's loop, whose owner-generation, slice and answer rules
 above must be read together.
 """
