@@ -544,6 +544,26 @@ def test_a_tier_worker_starts_no_process_of_its_own(pools, worker_hooks, tmp_pat
         assert len(theirs) == 1 and "hooked" in theirs[0] and "job_loop" in theirs[0], theirs
 
 
+def test_a_result_is_counted_before_it_is_answered(pools, worker_hooks):
+    """Whoever takes a result finds it in the slot's counters (``shmtier top``, the
+    external pool's metrics, tests that compare both): the worker adds it before it puts
+    it. Each add waits 0.3 s here; counted after the answer, the counters read once the
+    job is collected would miss it (a test read 47 jobs for 48 answered, under load)."""
+    worker_hooks(slow_tally_s=0.3)
+    env = pools(num_workers=1, chunk_bytes=4096, num_chunks=8)
+    pool, arena = env.pool, env.arena
+    arena[:4] = np.random.default_rng(6).integers(0, 256, (4, 4096), dtype=np.uint8)
+    wait_up(env)
+    keys = [_key(i, b"counted") for i in range(4)]
+    for n, (op, rows) in enumerate((("store", [0, 1, 2, 3]), ("probe", None),
+                                    ("load", [4, 5, 6, 7])), start=1):
+        got = run(pool, op, 0, keys, rows)
+        assert got.outcomes == [Outcome.OK] * 4, got.error
+        counted = pool.rings.worker(0).counters()
+        assert counted.jobs == n and counted.failed_keys == 0, (op, counted)
+    assert np.array_equal(arena[4:8], arena[:4])
+
+
 # --- 4. malformed descriptors ----------------------------------------------------------
 
 

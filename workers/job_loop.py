@@ -49,10 +49,10 @@ once (code 3), leaving the job in hand unfinished and unanswered and touching no
 row or ring. The new pool waits for such workers to be gone before it re-creates the
 rings (``shmtier/scheduler/pool/old_holders.py``).
 
-Each result answered is also added to the slot's counters in the segment
+Each result is added to the slot's counters in the segment just before it is answered
 (``WorkerRings.tally``: job parts, logical bytes, codec ns, failed keys; read by
 ``shmtier top`` and the external pool's metrics endpoint); with each job's last answer
-(just before it), what the job's backend counted that no result shows (``TierBackend.worker_counts``: symbolic
+(also just before it), what the job's backend counted that no result shows (``TierBackend.worker_counts``: symbolic
 links refused, corrupt chunks it could not remove, listing errors) is added to the
 slot's counters of that tier (``WorkerRings.tally_tier``; the tier's scheduler half
 exports them as metrics, ``shmtier top`` shows them).
@@ -274,14 +274,16 @@ class JobRunner:
         self.check_owner()
         counted = self.tally_tier is None or not isinstance(job, jobs.Job)
         for result in self.results(job):
+            # Counted before it is answered: whoever takes a result (the scheduler half,
+            # a test, ``shmtier top`` after it) finds it in the counters; the ring's post
+            # publishes these stores with it. (Counted after, a worker descheduled in
+            # between left a job out for a while: a test read 47 jobs for 48 answered.)
             if not counted and not result.more:
-                # before the job's last answer: the scheduler half that takes it finds
-                # the counts there (the ring's post publishes these stores with it)
                 counted = True
                 self._count_tier(job.tier)
-            self.answer(result)
             if self.tally is not None:
                 self._count(result)
+            self.answer(result)
         self.beat()
 
     def _count_tier(self, tier: int) -> None:
@@ -301,8 +303,8 @@ class JobRunner:
             self.tally_tier(tier, [max(0, a - b) for a, b in zip(now, before)])
 
     def _count(self, result: jobs.Result) -> None:
-        """Add one answered result to the slot's counters: a job when its last piece is
-        answered, its keys' logical bytes, codec time and failed keys (a few list sums
+        """Add a result about to be answered to the slot's counters: a job when it is its
+        last piece, its keys' logical bytes, codec time and failed keys (a few list sums
         and four 8-byte stores per result: nothing next to the I/O behind it)."""
         failed = 0
         for o in result.outcomes:

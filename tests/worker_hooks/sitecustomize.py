@@ -8,6 +8,10 @@ module, so each hook says which processes it applies to.
   (Python's audit events: ``subprocess.Popen``, ``os.posix_spawn``, ``os.fork``,
   ``os.system``, ...), so a test can tell what a worker started.
 
+* ``SHMTIER_TEST_SLOW_TALLY_S``: a worker's every add to its slot's counters
+  (``WorkerRings.tally``) waits that many seconds first, so a test can tell whether a
+  result is counted before or after it is answered.
+
 Under the root ``SHMTIER_TEST_FS_ROOT`` only:
 
 * ``SHMTIER_TEST_SLOW_PUBLISH_S``: each chunk file is published (renamed to its
@@ -44,6 +48,21 @@ if _PROCESS_LOG:
         _argv = _f.read().split(b"\0")[:-1]
     _log_process_line(f"hooked {_argv!r}")
     sys.addaudithook(_log_process_starts)
+
+_SLOW_TALLY = float(os.environ.get("SHMTIER_TEST_SLOW_TALLY_S") or 0)
+
+if _SLOW_TALLY:
+    import time as _time
+
+    from shmtier.shared.ring import WorkerRings
+
+    _tally = WorkerRings.tally
+
+    def _slow_tally(self, *args, **kwargs):
+        _time.sleep(_SLOW_TALLY)
+        return _tally(self, *args, **kwargs)
+
+    WorkerRings.tally = _slow_tally
 
 _ROOT = os.environ.get("SHMTIER_TEST_FS_ROOT")
 
