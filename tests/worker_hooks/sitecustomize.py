@@ -32,9 +32,10 @@ import sys
 _PROCESS_LOG = os.environ.get("SHMTIER_TEST_PROCESS_LOG")
 
 if _PROCESS_LOG:
-    _STARTS_A_PROCESS = frozenset(("subprocess.Popen", "os.posix_spawn", "os.posix_spawnp",
-                                   "os.fork", "os.forkpty", "os.system", "os.exec",
-                                   "os.spawn", "os.startfile"))
+    # the audit events that start a process on Linux (os.posix_spawnp raises
+    # os.posix_spawn's; os.spawn* fork, then exec)
+    _STARTS_A_PROCESS = frozenset(("subprocess.Popen", "os.posix_spawn", "os.fork",
+                                   "os.forkpty", "os.system", "os.exec"))
 
     def _log_process_line(what: str) -> None:
         with open(_PROCESS_LOG, "a") as f:  # one write per line: lines of processes never mix
